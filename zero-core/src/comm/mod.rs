@@ -1,0 +1,90 @@
+//! The communication layer: collectives over flat typed buffers that never hang.
+//!
+//! [`ProcessGroup`] is what the engine speaks. Every backend numbers its collectives (a sequence
+//! number per group) and names them, so that a rank which calls a different collective than its
+//! peers, or a peer that dies or stops answering, becomes a [`CommError`] on every surviving rank
+//! that names the rank, the op and the sequence number.
+//!
+//! Backends live in their own files: threads in one process, processes over TCP, NCCL (behind the
+//! `cuda` feature, in zero-burn, where the device buffers are).
+
+mod buffer;
+mod error;
+mod work;
+
+pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
+pub use error::CommError;
+pub use work::Work;
+
+use std::sync::Arc;
+
+/// How the elements of the ranks' buffers are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over the ranks (sum, then divide by the world size).
+    Avg,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Every rank must issue the same collectives in the same order, with buffers of the same length
+/// and dtype. A violation is detected and reported, never waited on forever.
+///
+/// Asynchronous variants take ownership of the buffer and return a [`Work`] handle; ops issued
+/// asynchronously still execute in issue order on every rank, so they can be mixed freely with
+/// blocking ones. The blocking methods have default implementations on top of the asynchronous
+/// ones.
+pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
+    /// This rank's index in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Reduces `buffer` element-wise over all ranks; every rank receives the result.
+    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer>;
+
+    /// `input` holds `world_size` equal, contiguous chunks; rank `r` receives the element-wise
+    /// reduction of every rank's chunk `r`. The input length must be a multiple of the world size.
+    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer>;
+
+    /// Concatenates every rank's equally sized `shard`, in rank order.
+    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer>;
+
+    /// Every rank receives `root`'s buffer (the other ranks' buffers give only length and dtype).
+    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<(), CommError>;
+
+    /// Blocking [`ProcessGroup::all_reduce_async`], in place.
+    fn all_reduce(&self, buffer: &mut FlatBuffer, op: ReduceOp) -> Result<(), CommError> {
+        let taken = std::mem::replace(buffer, FlatBuffer::F32(Vec::new()));
+        *buffer = self.all_reduce_async(taken, op).wait()?;
+        Ok(())
+    }
+
+    /// Blocking [`ProcessGroup::reduce_scatter_async`].
+    fn reduce_scatter(&self, input: FlatBuffer, op: ReduceOp) -> Result<FlatBuffer, CommError> {
+        self.reduce_scatter_async(input, op).wait()
+    }
+
+    /// Blocking [`ProcessGroup::all_gather_async`].
+    fn all_gather(&self, shard: FlatBuffer) -> Result<FlatBuffer, CommError> {
+        self.all_gather_async(shard).wait()
+    }
+
+    /// Blocking [`ProcessGroup::broadcast_async`], in place.
+    fn broadcast(&self, buffer: &mut FlatBuffer, root: usize) -> Result<(), CommError> {
+        let taken = std::mem::replace(buffer, FlatBuffer::F32(Vec::new()));
+        *buffer = self.broadcast_async(taken, root).wait()?;
+        Ok(())
+    }
+}
+
+/// Shared handle to a process group, as the engine holds it.
+pub type SharedGroup = Arc<dyn ProcessGroup>;
