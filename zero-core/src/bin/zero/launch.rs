@@ -1,0 +1,13 @@
+//! `zero launch` (being written; see its issue).
+
+use std::process::ExitCode;
+
+/// Arguments of `zero launch`.
+#[derive(clap::Args)]
+pub struct Args {}
+
+/// Runs the subcommand.
+pub fn run(_args: Args) -> ExitCode {
+    eprintln!("zero launch: not available in this build yet");
+    ExitCode::from(2)
+}

@@ -1,0 +1,31 @@
+//! `zero`: the command-line tool of zero-burn (configuration check, launcher, estimates,
+//! checkpoint consolidation). Each subcommand lives in its own file; errors become one clear
+//! message and a non-zero exit status.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+mod check_config;
+mod launch;
+
+#[derive(Parser)]
+#[command(name = "zero", version, about = "ZeRO training for Burn: tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Parse and validate a DeepSpeed JSON config; print it resolved, or the error (exit 2).
+    CheckConfig(check_config::Args),
+    /// Start the ranks of a distributed program (one process per rank).
+    Launch(launch::Args),
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::CheckConfig(args) => check_config::run(args),
+        Command::Launch(args) => launch::run(args),
+    }
+}
