@@ -1,0 +1,458 @@
+//! The engine for chain models ([`ChainModel`]): every ZeRO stage, and the only one for stage 3.
+//!
+//! Stage 3 keeps each part (the ends, every block) as a skeleton whose parameters are never
+//! materialised; the rank owns only its shards. A step goes, per micro-batch:
+//!
+//! - forward, on untracked tensors (no autodiff graph): gather the ends, embed, release; for each
+//!   block gather, run, keep only its input, release; gather the ends again and compute the loss
+//!   as a small graph of its own;
+//! - backward: the loss graph gives the gradient of the last block's output and the head's share
+//!   of the ends' gradients; then, for each block in reverse, re-gather, rebuild it on fresh
+//!   leaves, recompute, and backpropagate `sum(y ⊙ dy)` as its own top-level graph; the block's
+//!   gradients are reduce-scattered into the shard right away; last, the embedding's backward.
+//!
+//! Gathers follow a fixed schedule (`ends, blocks…, ends | blocks in reverse…, ends`), the same on
+//! every rank, and with `overlap_comm` the next parts on it are prefetched up to
+//! `stage3_prefetch_bucket_size` elements. Parameters smaller than
+//! `stage3_param_persistence_threshold` stay replicated and are all-reduced once per step.
+//!
+//! Stages 0-2 keep the parts whole and run the chain as one autodiff graph; the gradients then
+//! go through the same bucketed reductions as in [`crate::ZeroEngine`].
+
+use crate::chain::{ChainModel, Hidden};
+use crate::core::{EngineCore, StepReport};
+use crate::error::ZeroError;
+use crate::flat_state::GradFlow;
+use crate::memory::{MemoryReport, MemoryTracker};
+use crate::params::{describe, read_values, skeleton, take_grads, write_values};
+use crate::settings::{EngineSettings, Stage};
+use burn::module::Module;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use zero_core::comm::{FlatBuffer, ProcessGroup, Work};
+use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
+
+/// One part of the chain: the ends (part 0) or a block (part `b + 1`).
+#[derive(Clone, Debug)]
+struct Part {
+    /// Global parameter indices, in the part's visit order.
+    params: Vec<usize>,
+    /// Groups holding the part's parameters.
+    groups: Vec<usize>,
+    /// Elements of the part's sharded groups, padded: what a gather brings in.
+    gathered_elements: usize,
+}
+
+/// A micro-batch's loss, and what its backward needs.
+pub struct ChainLoss<B: AutodiffBackend, M: ChainModel<B>> {
+    value: f32,
+    loss: Tensor<B, 1>,
+    pending: Pending<B, M>,
+}
+
+enum Pending<B: AutodiffBackend, M: ChainModel<B>> {
+    /// Stages 0-2: the whole chain is one graph.
+    Whole,
+    /// Stage 3: the head's graph, the blocks' inputs and the batch (for the embedding's backward).
+    Blockwise { last: M::Hidden, ends: M::Ends, inputs: Vec<M::Hidden>, batch: M::Batch },
+}
+
+impl<B: AutodiffBackend, M: ChainModel<B>> ChainLoss<B, M> {
+    /// The loss value.
+    pub fn value(&self) -> f32 {
+        self.value
+    }
+}
+
+/// ZeRO, every stage, for a [`ChainModel`].
+pub struct ChainEngine<B: AutodiffBackend, M: ChainModel<B>> {
+    ends: M::Ends,
+    blocks: Vec<M::Block>,
+    parts: Vec<Part>,
+    core: EngineCore,
+    device: B::Device,
+    /// Stage 3: gathers issued ahead of use, by group.
+    prefetched: HashMap<usize, Work<FlatBuffer>>,
+    /// Stage 3: the parts still to be gathered this micro-batch, in order.
+    schedule: VecDeque<usize>,
+}
+
+impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
+    /// Wraps `model`, split into its parts. Rank 0's weights are broadcast. Under stage 3 each
+    /// part is turned into a skeleton as soon as its shards are taken, so the full model is never
+    /// held twice.
+    pub fn new(settings: EngineSettings, model: M, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
+        let (ends, blocks) = model.into_parts();
+        if blocks.is_empty() && settings.stage == Stage::Zero3 {
+            return Err(ZeroError::Model(
+                "stage 3 gathers parameters block by block, but the model's into_parts() returned no blocks".into(),
+            ));
+        }
+        let device = ends
+            .devices()
+            .into_iter()
+            .chain(blocks.iter().flat_map(|b| b.devices()))
+            .next()
+            .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))?;
+
+        // Parameters: the ends, then each block, each in its visit order.
+        let mut specs: Vec<ParamSpec> = Vec::new();
+        let mut part_params = Vec::new();
+        let mut push_part = |prefix: String, list: Vec<(burn::module::ParamId, ParamSpec)>| {
+            let start = specs.len();
+            specs.extend(list.into_iter().map(|(_, s)| ParamSpec { name: format!("{prefix}{}", s.name), ..s }));
+            part_params.push((start..specs.len()).collect::<Vec<_>>());
+        };
+        push_part("ends.".into(), describe::<B, _>(&ends));
+        for (b, block) in blocks.iter().enumerate() {
+            push_part(format!("blocks.{b}."), describe::<B, _>(block));
+        }
+
+        let numels: Vec<usize> = specs.iter().map(ParamSpec::numel).collect();
+        let world = comm.world_size();
+        let mut builder = LayoutBuilder::new(specs, world, settings.alignment);
+        let mut parts = Vec::new();
+        for params in part_params {
+            let groups = match settings.stage {
+                Stage::Zero3 => {
+                    let threshold = settings.param_persistence_threshold;
+                    let (small, large): (Vec<usize>, Vec<usize>) =
+                        params.iter().partition(|&&p| numels[p] < threshold);
+                    let mut g = Vec::new();
+                    g.extend(builder.group(large, Placement::Sharded));
+                    g.extend(builder.group(small, Placement::Replicated));
+                    g
+                }
+                stage => {
+                    let placement = if stage == Stage::Zero0 { Placement::Replicated } else { Placement::Sharded };
+                    builder.buckets(&params, settings.reduce_bucket_size.max(1), placement)
+                }
+            };
+            parts.push(Part { params, groups, gathered_elements: 0 });
+        }
+        let layout = builder.finish();
+        for part in &mut parts {
+            part.gathered_elements = part
+                .groups
+                .iter()
+                .filter(|&&g| layout.groups[g].placement == Placement::Sharded)
+                .map(|&g| layout.groups[g].padded)
+                .sum();
+        }
+
+        // Initial values: rank 0's, broadcast part by part; each rank keeps its owned ranges.
+        let mut values: Vec<Vec<f32>> = vec![Vec::new(); layout.params.len()];
+        let mut ends = Some(ends);
+        let mut blocks: Vec<Option<M::Block>> = blocks.into_iter().map(Some).collect();
+        for (pi, part) in parts.iter().enumerate() {
+            let mut local = Vec::new();
+            if pi == 0 {
+                read_values::<B, _>(ends.as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
+            } else {
+                read_values::<B, _>(blocks[pi - 1].as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
+            }
+            if world > 1 {
+                let mut flat = Vec::new();
+                for v in &local {
+                    flat.extend_from_slice(v);
+                }
+                let mut buf = FlatBuffer::F32(flat);
+                comm.broadcast(&mut buf, 0)?;
+                let flat = buf.into_f32();
+                let mut at = 0;
+                for v in &mut local {
+                    let n = v.len();
+                    v.copy_from_slice(&flat[at..at + n]);
+                    at += n;
+                }
+            }
+            for (&p, v) in part.params.iter().zip(local) {
+                values[p] = v;
+            }
+            if settings.stage == Stage::Zero3 {
+                // Keep only the skeleton of this part.
+                if pi == 0 {
+                    ends = ends.map(skeleton::<B, _>);
+                } else {
+                    blocks[pi - 1] = blocks[pi - 1].take().map(skeleton::<B, _>);
+                }
+            }
+        }
+        let ends = ends.unwrap_or_else(|| unreachable!());
+        let blocks: Vec<M::Block> = blocks.into_iter().map(|b| b.unwrap_or_else(|| unreachable!())).collect();
+
+        let memory = Arc::new(MemoryTracker::default());
+        let stage = settings.stage;
+        let (ends, blocks) = if stage == Stage::Zero3 {
+            (ends, blocks)
+        } else {
+            memory.add_parameters(layout.numel() * 4);
+            let ends = write_values(ends, &device, true, |i| values[parts[0].params[i]].clone());
+            let blocks = blocks
+                .into_iter()
+                .enumerate()
+                .map(|(b, m)| write_values(m, &device, true, |i| values[parts[b + 1].params[i]].clone()))
+                .collect();
+            (ends, blocks)
+        };
+        let flows = |g: usize| match (stage, layout.groups[g].placement) {
+            (Stage::Zero2 | Stage::Zero3, Placement::Sharded) => GradFlow::ReduceThenAccumulate,
+            _ => GradFlow::AccumulateThenReduce,
+        };
+        let core = EngineCore::new(layout.clone(), comm, settings, flows, |i| std::mem::take(&mut values[i]), memory)?;
+        if stage == Stage::Zero3 {
+            // The fp32 masters are the parameters themselves: count them once, as parameters.
+            let owned = core.state.layout.owned_numel() * 4;
+            core.memory.sub_master(owned);
+            core.memory.add_parameters(owned);
+        }
+        Ok(ChainEngine {
+            ends,
+            blocks,
+            parts,
+            core,
+            device,
+            prefetched: HashMap::new(),
+            schedule: VecDeque::new(),
+        })
+    }
+
+    /// Forward of one micro-batch.
+    pub fn forward(&mut self, batch: M::Batch) -> Result<ChainLoss<B, M>, ZeroError> {
+        if self.core.settings.stage != Stage::Zero3 {
+            let mut h = M::embed(&self.ends, &batch);
+            for block in &self.blocks {
+                h = M::block_forward(block, h);
+            }
+            let loss = M::head_loss(&self.ends, h, &batch);
+            let value = loss.clone().into_scalar().elem::<f32>();
+            return Ok(ChainLoss { value, loss, pending: Pending::Whole });
+        }
+        let n = self.blocks.len();
+        // ends, blocks…, ends | blocks in reverse…, ends
+        self.schedule = std::iter::once(0)
+            .chain(1..=n)
+            .chain(std::iter::once(0))
+            .chain((1..=n).rev())
+            .chain(std::iter::once(0))
+            .collect();
+
+        let ends = self.materialize_ends(false)?;
+        let mut h = M::embed(&ends, &batch).detached();
+        self.release(0, ends);
+        let mut inputs = Vec::with_capacity(n);
+        for b in 0..n {
+            let block = self.materialize_block(b, false)?;
+            inputs.push(h.clone());
+            h = M::block_forward(&block, h).detached();
+            self.release(b + 1, block);
+        }
+        let ends = self.materialize_ends(true)?;
+        let last = h.leaf();
+        let loss = M::head_loss(&ends, last.clone(), &batch);
+        let value = loss.clone().into_scalar().elem::<f32>();
+        Ok(ChainLoss { value, loss, pending: Pending::Blockwise { last, ends, inputs, batch } })
+    }
+
+    /// Backward of one micro-batch's loss, with the reduction of its gradients. Returns the loss
+    /// value.
+    pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
+        let scale = self.core.loss_scale();
+        let mut grads = loss.loss.mul_scalar(scale).backward();
+        match loss.pending {
+            Pending::Whole => {
+                self.absorb_part(0, None, &mut grads)?;
+                for b in 0..self.blocks.len() {
+                    self.absorb_part(b + 1, None, &mut grads)?;
+                }
+            }
+            Pending::Blockwise { last, ends, mut inputs, batch } => {
+                let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
+                    ZeroError::Model("the loss does not depend on the last block's output".into())
+                })?;
+                self.absorb_part(0, Some(&ends), &mut grads)?;
+                self.release(0, ends);
+                drop(grads);
+                for b in (0..self.blocks.len()).rev() {
+                    let block = self.materialize_block(b, true)?;
+                    let x = inputs.pop().unwrap_or_else(|| unreachable!()).leaf();
+                    let y = M::block_forward(&block, x.clone());
+                    let mut grads = y.dot(grad_h).backward();
+                    grad_h = x.take_grad(&mut grads).ok_or_else(|| {
+                        ZeroError::Model(format!("block {b}'s output does not depend on its input"))
+                    })?;
+                    self.absorb_part(b + 1, Some(&block), &mut grads)?;
+                    self.release(b + 1, block);
+                }
+                let ends = self.materialize_ends(true)?;
+                let embedded = M::embed(&ends, &batch);
+                let mut grads = embedded.dot(grad_h).backward();
+                self.absorb_part(0, Some(&ends), &mut grads)?;
+                self.release(0, ends);
+            }
+        }
+        self.core.finish_micro_batch()?;
+        Ok(loss.value)
+    }
+
+    /// The optimizer step at an accumulation boundary; `None` between boundaries.
+    pub fn step(&mut self) -> Result<Option<StepReport>, ZeroError> {
+        if !self.core.at_boundary() {
+            return Ok(None);
+        }
+        let report = self.core.update()?;
+        if self.core.settings.stage != Stage::Zero3 {
+            let mut source = self.core.value_source();
+            let parts = &self.parts;
+            let ends = std::mem::replace(&mut self.ends, skeleton::<B, _>(self.ends.clone()));
+            self.ends = write_values(ends, &self.device, true, |i| source.take(parts[0].params[i]));
+            for (b, block) in self.blocks.iter_mut().enumerate() {
+                let old = std::mem::replace(block, skeleton::<B, _>(block.clone()));
+                *block = write_values(old, &self.device, true, |i| source.take(parts[b + 1].params[i]));
+            }
+            source.finish()?;
+        }
+        Ok(Some(report))
+    }
+
+    /// The whole model with the current weights, on every rank (stage 3 gathers every part).
+    pub fn module(&mut self) -> Result<M, ZeroError> {
+        if self.core.settings.stage != Stage::Zero3 {
+            return Ok(M::from_parts(self.ends.clone(), self.blocks.clone()));
+        }
+        self.schedule.clear();
+        let ends = self.materialize_ends(false)?;
+        self.release(0, ());
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for b in 0..self.blocks.len() {
+            blocks.push(self.materialize_block(b, false)?);
+            self.release(b + 1, ());
+        }
+        Ok(M::from_parts(ends, blocks))
+    }
+
+    /// Bytes held by this rank, by kind.
+    pub fn memory(&self) -> MemoryReport {
+        self.core.memory.report()
+    }
+
+    /// Optimizer steps taken.
+    pub fn global_step(&self) -> u64 {
+        self.core.global_step
+    }
+
+    /// The partition layout.
+    pub fn layout(&self) -> &PartitionLayout {
+        &self.core.state.layout
+    }
+
+    /// Takes the gradients of one part's parameters out of `grads` into the reductions.
+    fn absorb_part(&mut self, part: usize, module: Option<&impl Module<B>>, grads: &mut B::Gradients) -> Result<(), ZeroError> {
+        let params = self.parts[part].params.clone();
+        let mut failure = None;
+        let core = &mut self.core;
+        let mut sink = |i: usize, g: Option<Vec<f32>>| {
+            if failure.is_none() {
+                if let Err(e) = core.absorb(params[i], g) {
+                    failure = Some(e);
+                }
+            }
+        };
+        match module {
+            Some(m) => take_grads::<B, _>(m, grads, &mut sink),
+            None if part == 0 => take_grads::<B, _>(&self.ends, grads, &mut sink),
+            None => take_grads::<B, _>(&self.blocks[part - 1], grads, &mut sink),
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3: the ends with their gathered weights (leaves recording gradients when
+    /// `require_grad`); the next parts on the schedule are prefetched.
+    fn materialize_ends(&mut self, require_grad: bool) -> Result<M::Ends, ZeroError> {
+        let values = self.gather_values(0)?;
+        Ok(self.fill(self.ends.clone(), 0, &values, require_grad))
+    }
+
+    /// Stage 3: block `b` with its gathered weights (see [`Self::materialize_ends`]).
+    fn materialize_block(&mut self, b: usize, require_grad: bool) -> Result<M::Block, ZeroError> {
+        let values = self.gather_values(b + 1)?;
+        Ok(self.fill(self.blocks[b].clone(), b + 1, &values, require_grad))
+    }
+
+    /// The full values of a part's groups (gathered, or taken from a prefetch), then the
+    /// prefetch of what comes next on the schedule.
+    fn gather_values(&mut self, part: usize) -> Result<HashMap<usize, Vec<f32>>, ZeroError> {
+        if self.schedule.front() == Some(&part) {
+            self.schedule.pop_front();
+        }
+        let mut full = HashMap::new();
+        for g in self.parts[part].groups.clone() {
+            let values = match self.prefetched.remove(&g) {
+                Some(work) => work.wait()?.into_f32(),
+                None => {
+                    if self.core.state.layout.groups[g].placement == Placement::Sharded {
+                        self.core.memory.add_gathered(self.core.state.layout.groups[g].padded * 4);
+                    }
+                    self.core.gather_group(g)?
+                }
+            };
+            full.insert(g, values);
+        }
+        self.prefetch();
+        Ok(full)
+    }
+
+    /// Pours a part's full values into a copy of its skeleton.
+    fn fill<P: Module<B>>(&self, skeleton: P, part: usize, full: &HashMap<usize, Vec<f32>>, require_grad: bool) -> P {
+        let places = &self.core.places;
+        let layout = &self.core.state.layout;
+        let params = &self.parts[part].params;
+        write_values(skeleton, &self.device, require_grad, |i| {
+            let place = places[params[i]];
+            let n = layout.params[params[i]].numel();
+            full.get(&place.group).map(|v| v[place.offset..place.offset + n].to_vec()).unwrap_or_default()
+        })
+    }
+
+    /// Starts the gathers of the next parts on the schedule, within the prefetch budget.
+    fn prefetch(&mut self) {
+        if !self.core.settings.overlap_comm || self.core.comm.world_size() == 1 {
+            return;
+        }
+        let budget = self.core.settings.prefetch_bucket_size;
+        let mut planned = 0usize;
+        let ahead: Vec<usize> = self.schedule.iter().copied().collect();
+        for part in ahead {
+            let elements = self.parts[part].gathered_elements;
+            if planned > 0 && planned + elements > budget {
+                break;
+            }
+            planned += elements;
+            for &g in &self.parts[part].groups {
+                let layout = &self.core.state.layout;
+                if layout.groups[g].placement != Placement::Sharded || self.prefetched.contains_key(&g) {
+                    continue;
+                }
+                self.core.memory.add_gathered(layout.groups[g].padded * 4);
+                let shard = FlatBuffer::F32(self.core.state.groups[g].master.clone());
+                self.prefetched.insert(g, self.core.comm.all_gather_async(shard));
+            }
+            if planned >= budget {
+                break;
+            }
+        }
+    }
+
+    /// Drops a gathered part and its accounting.
+    fn release<P>(&self, part: usize, module: P) {
+        drop(module);
+        let bytes = self.parts[part].gathered_elements * 4;
+        self.core.memory.sub_gathered(bytes);
+    }
+}
+

@@ -1,0 +1,172 @@
+//! Moving parameter values and gradients between Burn modules and flat host buffers.
+//!
+//! Every function visits the module's float parameters in Burn's visit order, which is the order
+//! of the partition layout: the i-th float parameter visited is `layout.params[i]`.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use zero_core::partition::ParamSpec;
+
+/// The float parameters of a module: ids and specs (name, shape), in visit order. Lazy
+/// parameters are described without being materialised.
+pub fn describe<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, ParamSpec)> {
+    struct Describe {
+        path: Vec<String>,
+        out: Vec<(ParamId, ParamSpec)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Describe {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let name = if self.path.is_empty() { format!("param{}", self.out.len()) } else { self.path.join(".") };
+            self.out.push((param.id, ParamSpec { name, shape: param.lazy_shape().to_vec() }));
+        }
+    }
+    let mut v = Describe { path: Vec::new(), out: Vec::new() };
+    module.visit(&mut v);
+    v.out
+}
+
+/// Calls `sink(index, values)` with each float parameter's values (flattened, f32), in visit
+/// order. A lazy parameter is materialised for the call only if the module holds it lazily.
+pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(usize, Vec<f32>)) {
+    struct Read<'a, F> {
+        index: usize,
+        sink: &'a mut F,
+    }
+    impl<B: Backend, F: FnMut(usize, Vec<f32>)> ModuleVisitor<B> for Read<'_, F> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            (self.sink)(self.index, tensor_to_vec(param.val()));
+            self.index += 1;
+        }
+    }
+    module.visit(&mut Read { index: 0, sink: &mut sink });
+}
+
+/// Replaces every float parameter's value with `source(index)` (the parameter's flattened
+/// values), keeping its id. The new tensors record gradients when `require_grad` is set. Lazy
+/// parameters are replaced without being materialised.
+pub fn write_values<B: Backend, M: Module<B>>(
+    module: M,
+    device: &B::Device,
+    require_grad: bool,
+    mut source: impl FnMut(usize) -> Vec<f32>,
+) -> M {
+    struct Write<'a, F, B: Backend> {
+        index: usize,
+        source: &'a mut F,
+        device: &'a B::Device,
+        require_grad: bool,
+    }
+    impl<B: Backend, F: FnMut(usize) -> Vec<f32>> ModuleMapper<B> for Write<'_, F, B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let shape = param.lazy_shape();
+            let require_grad = self.require_grad;
+            let values = (self.source)(self.index);
+            self.index += 1;
+            let mut tensor = Tensor::<B, D>::from_data(TensorData::new(values, shape), self.device);
+            if require_grad {
+                tensor = tensor.require_grad();
+            }
+            Param::initialized(param.id, tensor)
+        }
+    }
+    module.map(&mut Write { index: 0, source: &mut source, device, require_grad })
+}
+
+/// The module with every float parameter replaced by a lazy, never-materialised placeholder of
+/// the same id and shape: a skeleton that [`write_values`] fills when the part is needed.
+pub fn skeleton<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Skeleton;
+    impl<B: Backend> ModuleMapper<B> for Skeleton {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let shape = param.lazy_shape();
+            let device = param.lazy_device();
+            let init_shape = shape.clone();
+            // Only reached if user code reads a skeleton directly: zeros, never stale weights.
+            Param::uninitialized(
+                param.id,
+                move |device, _| Tensor::zeros(init_shape.clone(), device),
+                device,
+                false,
+                shape,
+            )
+        }
+    }
+    module.map(&mut Skeleton)
+}
+
+/// Calls `sink(index, gradient)` for each float parameter in visit order, taking the gradient out
+/// of `grads` (None if the parameter took no part in the loss).
+pub fn take_grads<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &mut B::Gradients,
+    mut sink: impl FnMut(usize, Option<Vec<f32>>),
+) {
+    struct Take<'a, F, B: AutodiffBackend> {
+        index: usize,
+        grads: &'a mut B::Gradients,
+        sink: &'a mut F,
+    }
+    impl<B: AutodiffBackend, F: FnMut(usize, Option<Vec<f32>>)> ModuleVisitor<B> for Take<'_, F, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = param.val().grad_remove(self.grads).map(tensor_to_vec);
+            (self.sink)(self.index, grad);
+            self.index += 1;
+        }
+    }
+    module.visit(&mut Take { index: 0, grads, sink: &mut sink });
+}
+
+/// The flattened f32 values of a tensor of any float dtype.
+pub fn tensor_to_vec<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    let data = tensor.into_data().convert::<f32>();
+    // `convert` guarantees the dtype, so this cannot fail.
+    data.into_vec::<f32>().unwrap_or_default()
+}
+
+/// A 1-D tensor holding `values`.
+pub fn vec_to_tensor<B: Backend>(values: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::{Linear, LinearConfig};
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        first: Linear<B>,
+        second: Linear<B>,
+    }
+
+    #[test]
+    fn describe_read_write_round_trip() {
+        let device = Default::default();
+        let m = Two::<B> {
+            first: LinearConfig::new(3, 2).init(&device),
+            second: LinearConfig::new(2, 5).with_bias(false).init(&device),
+        };
+        let specs = describe::<B, _>(&m);
+        let names: Vec<_> = specs.iter().map(|(_, s)| s.name.clone()).collect();
+        assert_eq!(names, ["first.weight", "first.bias", "second.weight"]);
+        assert_eq!(specs[2].1.shape, vec![2, 5]);
+
+        let m = write_values::<B, _>(m, &device, true, |i| (0..specs[i].1.numel()).map(|k| (i * 100 + k) as f32).collect());
+        let mut seen = Vec::new();
+        read_values::<B, _>(&m, |i, v| seen.push((i, v)));
+        assert_eq!(seen[1], (1, vec![100.0, 101.0]));
+        assert_eq!(seen[2].1.len(), 10);
+        assert_eq!(describe::<B, _>(&m)[0].0, specs[0].0, "ids survive a write");
+    }
+}

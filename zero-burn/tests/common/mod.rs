@@ -1,0 +1,142 @@
+//! A small chain model, deterministic data, and a harness that runs one closure per rank thread.
+
+#![allow(dead_code)]
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use std::sync::Arc;
+use zero_burn::params::{describe, write_values};
+use zero_burn::ChainModel;
+use zero_core::comm::{ProcessGroup, ThreadGroup};
+
+pub type B = Autodiff<Flex>;
+
+/// Input projection and head.
+#[derive(Module, Debug)]
+pub struct Ends<B: Backend> {
+    pub input: Linear<B>,
+    pub head: Linear<B>,
+}
+
+/// A residual MLP block: 187 parameters at hidden 12, inner 7 (not a multiple of 2, 3 or 4).
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub up: Linear<B>,
+    pub down: Linear<B>,
+}
+
+/// in 5 → hidden 12 → 3 residual blocks → out 3; mean squared error.
+#[derive(Module, Debug)]
+pub struct Net<B: Backend> {
+    pub ends: Ends<B>,
+    pub blocks: Vec<Block<B>>,
+}
+
+pub const IN: usize = 5;
+pub const HIDDEN: usize = 12;
+pub const OUT: usize = 3;
+pub const GLOBAL_BATCH: usize = 24;
+
+impl<B: Backend> Block<B> {
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        x.clone() + self.down.forward(self.up.forward(x).tanh())
+    }
+}
+
+impl<B: Backend> Net<B> {
+    /// Deterministic weights (a smooth function of the parameter index and element index).
+    pub fn new(device: &B::Device, blocks: usize) -> Self {
+        let net = Net {
+            ends: Ends { input: LinearConfig::new(IN, HIDDEN).init(device), head: LinearConfig::new(HIDDEN, OUT).init(device) },
+            blocks: (0..blocks)
+                .map(|_| Block { up: LinearConfig::new(HIDDEN, 7).init(device), down: LinearConfig::new(7, HIDDEN).init(device) })
+                .collect(),
+        };
+        let sizes: Vec<usize> = describe::<B, _>(&net).iter().map(|(_, s)| s.numel()).collect();
+        write_values(net, device, true, |i| {
+            (0..sizes[i]).map(|k| 0.3 * ((i * 131 + k * 7) as f32 * 0.37).sin()).collect()
+        })
+    }
+
+    pub fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.forward(h);
+        }
+        let out = self.ends.head.forward(h);
+        (out - y).powi_scalar(2).mean()
+    }
+}
+
+impl<B: AutodiffBackend> ChainModel<B> for Net<B> {
+    type Batch = (Tensor<B, 2>, Tensor<B, 2>);
+    type Hidden = Tensor<B, 2>;
+    type Ends = Ends<B>;
+    type Block = Block<B>;
+
+    fn into_parts(self) -> (Ends<B>, Vec<Block<B>>) {
+        (self.ends, self.blocks)
+    }
+    fn from_parts(ends: Ends<B>, blocks: Vec<Block<B>>) -> Self {
+        Net { ends, blocks }
+    }
+    fn embed(ends: &Ends<B>, batch: &Self::Batch) -> Tensor<B, 2> {
+        ends.input.forward(batch.0.clone())
+    }
+    fn block_forward(block: &Block<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        block.forward(x)
+    }
+    fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        (ends.head.forward(h) - batch.1.clone()).powi_scalar(2).mean()
+    }
+}
+
+/// Rows `rows` of the deterministic global batch of step `step`.
+pub fn batch<B: Backend>(step: usize, rows: std::ops::Range<usize>, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let n = rows.len();
+    let x: Vec<f32> = rows.clone().flat_map(|r| (0..IN).map(move |c| ((r * 17 + c * 5 + step * 3) as f32 * 0.21).cos())).collect();
+    let y: Vec<f32> = rows.flat_map(|r| (0..OUT).map(move |c| ((r * 11 + c * 3 + step) as f32 * 0.13).sin())).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [n, IN]), device),
+        Tensor::from_data(TensorData::new(y, [n, OUT]), device),
+    )
+}
+
+/// Runs `f(rank, group)` on `world` threads; returns the results in rank order.
+pub fn on_ranks<T: Send + 'static>(world: usize, f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static) -> Vec<T> {
+    let groups = ThreadGroup::new_group(world).expect("thread group");
+    let f = Arc::new(f);
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, g)| {
+            let f = f.clone();
+            std::thread::spawn(move || f(rank, g as Arc<dyn ProcessGroup>))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+}
+
+/// Every parameter's values, flattened, in visit order.
+pub fn values<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    zero_burn::params::read_values::<B, M>(m, |_, v| out.push(v));
+    out
+}
+
+/// max |a - b| / max |b| over all parameters.
+pub fn max_relative_error(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let mut diff = 0.0f64;
+    let mut scale = 0.0f64;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        for (&p, &q) in x.iter().zip(y) {
+            diff = diff.max((p as f64 - q as f64).abs());
+            scale = scale.max((q as f64).abs());
+        }
+    }
+    diff / scale
+}
