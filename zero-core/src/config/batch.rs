@@ -67,6 +67,7 @@ pub(crate) fn resolve_batch(
     world: Option<usize>,
     overrides: &Overrides,
     source: &str,
+    defer: bool,
 ) -> Result<(BatchSizes, Vec<Deferred>), ConfigError> {
     let fill = |name: &str, v: Option<Auto<u64>>| -> Result<Option<u64>, ConfigError> {
         match v {
@@ -94,9 +95,31 @@ pub(crate) fn resolve_batch(
         message,
     };
     if train.is_none() && micro.is_none() {
+        let resolved_by = if spec.train_batch_size.is_some()
+            || spec.train_micro_batch_size_per_gpu.is_some()
+        {
+            "supplied by the caller at initialize (ResolveContext::overrides), as for \"auto\""
+        } else {
+            "nothing: the file gives neither train_batch_size nor train_micro_batch_size_per_gpu"
+        };
+        if defer {
+            let deferred = [TRAIN, MICRO, GAS]
+                .iter()
+                .map(|k| Deferred {
+                    key: k.to_string(),
+                    resolved_by: resolved_by.to_string(),
+                })
+                .collect();
+            let stand_in = BatchSizes {
+                train_batch_size: 0,
+                micro_batch_size: 0,
+                gradient_accumulation_steps: 0,
+            };
+            return Ok((stand_in, deferred));
+        }
         return Err(err(format!(
             "{TRAIN} or {MICRO} must be given (as a number, or \"auto\" with a value supplied at \
-             initialize); {GAS} alone is not enough"
+             initialize through ResolveContext::overrides); {GAS} alone is not enough"
         )));
     }
     let Some(world) = world.map(|w| w as u64) else {
@@ -255,15 +278,21 @@ mod tests {
         g: Option<u64>,
         world: usize,
     ) -> Result<(u64, u64, u64), String> {
-        resolve_batch(&spec(t, m, g), Some(world), &Overrides::new(), "f.json")
-            .map(|(b, _)| {
-                (
-                    b.train_batch_size,
-                    b.micro_batch_size,
-                    b.gradient_accumulation_steps,
-                )
-            })
-            .map_err(|e| e.to_string())
+        resolve_batch(
+            &spec(t, m, g),
+            Some(world),
+            &Overrides::new(),
+            "f.json",
+            false,
+        )
+        .map(|(b, _)| {
+            (
+                b.train_batch_size,
+                b.micro_batch_size,
+                b.gradient_accumulation_steps,
+            )
+        })
+        .map_err(|e| e.to_string())
     }
 
     // Reference: DeepSpeed's _set_batch_related_parameters and _batch_assertion, applied by hand.
@@ -311,6 +340,11 @@ mod tests {
             .unwrap_err()
             .contains("must be given"));
         assert!(run(None, None, Some(4), 1).is_err());
+        // At parse time (deferring), a missing triad is left for initialize, where it fails.
+        let (_, d) =
+            resolve_batch(&spec(None, None, None), None, &Overrides::new(), "f", true).unwrap();
+        assert_eq!(d.len(), 3);
+        assert!(d[0].resolved_by.contains("neither"));
     }
 
     #[test]
@@ -321,7 +355,7 @@ mod tests {
             gradient_accumulation_steps: Some(Auto::Auto),
         };
         let o = Overrides::new().with(MICRO, 8).with(GAS, 2);
-        let (b, _) = resolve_batch(&s, Some(2), &o, "f").unwrap();
+        let (b, _) = resolve_batch(&s, Some(2), &o, "f", false).unwrap();
         assert_eq!(
             (
                 b.train_batch_size,
@@ -330,13 +364,19 @@ mod tests {
             ),
             (32, 8, 2)
         );
-        assert!(resolve_batch(&s, Some(2), &Overrides::new(), "f").is_err());
+        assert!(resolve_batch(&s, Some(2), &Overrides::new(), "f", false).is_err());
     }
 
     #[test]
     fn without_world_size_the_needed_keys_are_deferred() {
-        let (_, d) =
-            resolve_batch(&spec(None, Some(4), None), None, &Overrides::new(), "f").unwrap();
+        let (_, d) = resolve_batch(
+            &spec(None, Some(4), None),
+            None,
+            &Overrides::new(),
+            "f",
+            true,
+        )
+        .unwrap();
         let keys: Vec<_> = d.iter().map(|d| d.key.as_str()).collect();
         assert_eq!(keys, [TRAIN, GAS]);
         let (b, d) = resolve_batch(
@@ -344,6 +384,7 @@ mod tests {
             None,
             &Overrides::new(),
             "f",
+            true,
         )
         .unwrap();
         assert_eq!(b.train_batch_size, 64);
@@ -352,7 +393,8 @@ mod tests {
             &spec(Some(63), Some(4), Some(2)),
             None,
             &Overrides::new(),
-            "f"
+            "f",
+            true,
         )
         .is_err());
     }

@@ -330,6 +330,27 @@ fn adam(p: &mut Section<'_>, cx: &mut Cx<'_>, is_adamw: bool) -> Result<AdamPara
     ] {
         let _: Option<Value> = cx.get(p, &[extra], None)?;
     }
+    let torch_adam = match cx.get::<Option<Value>>(p, &["torch_adam"], None)? {
+        None => false,
+        Some(Value::Bool(b)) => b,
+        // DeepSpeed tests `if torch_adam:`, so any non-empty string switches it on; configs
+        // in the wild write "torch_impl".
+        Some(Value::String(s)) if !s.is_empty() => {
+            cx.warning(
+                "optimizer.params.torch_adam",
+                format!("\"{s}\" read as true, as DeepSpeed does; write true"),
+            );
+            true
+        }
+        Some(other) => {
+            return Err(ConfigError::InvalidType {
+                source_name: cx.source.to_string(),
+                key: "optimizer.params.torch_adam".into(),
+                expected: "a boolean (true or false)".into(),
+                found: other.to_string(),
+            })
+        }
+    };
     Ok(AdamParams {
         lr: cx.get(p, &["lr"], 1e-3)?,
         betas: cx.get(p, &["betas"], [0.9, 0.999])?,
@@ -338,7 +359,7 @@ fn adam(p: &mut Section<'_>, cx: &mut Cx<'_>, is_adamw: bool) -> Result<AdamPara
         bias_correction: cx.get(p, &["bias_correction"], true)?,
         amsgrad: cx.get(p, &["amsgrad"], false)?,
         adam_w_mode: is_adamw || written_mode.unwrap_or(true),
-        torch_adam: cx.get(p, &["torch_adam"], false)?,
+        torch_adam,
         fp32_optimizer_states: cx.get(p, &["fp32_optimizer_states"], None)?,
     })
 }

@@ -150,7 +150,8 @@ pub(crate) fn build(
 ) -> Result<(ResolvedConfig, BatchSpec), ConfigError> {
     let mut top = Section::new(Some(raw), "", cx)?;
     let batch_spec = read_batch(&mut top, cx)?;
-    let (batch, batch_deferred) = resolve_batch(&batch_spec, world, cx.overrides, cx.source)?;
+    let (batch, batch_deferred) =
+        resolve_batch(&batch_spec, world, cx.overrides, cx.source, cx.defer)?;
     cx.deferred.extend(batch_deferred);
 
     let zero = read_zero(&mut top, cx)?;
