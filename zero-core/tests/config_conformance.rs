@@ -59,8 +59,17 @@ fn every_corpus_config_parses_or_names_its_placeholder() {
             valid += 1;
             match result {
                 Ok(parsed) => {
-                    if let Err(e) = parsed.config.resolve_partial(None, None, &Overrides::new()) {
-                        failures.push(format!("{name}: parses but does not resolve: {e}"));
+                    let raw = parsed.config.raw();
+                    let has_batch = raw.get("train_batch_size").is_some()
+                        || raw.get("train_micro_batch_size_per_gpu").is_some();
+                    match parsed.config.resolve_partial(None, None, &Overrides::new()) {
+                        Ok(_) => {}
+                        // Partial configs (autotuning templates) give no batch size: DeepSpeed
+                        // cannot run them either.
+                        Err(ConfigError::Batch { .. }) if !has_batch => {}
+                        Err(e) => {
+                            failures.push(format!("{name}: parses but does not resolve: {e}"))
+                        }
                     }
                 }
                 Err(e) => failures.push(format!("{name}: {e}")),

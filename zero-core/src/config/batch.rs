@@ -98,7 +98,7 @@ pub(crate) fn resolve_batch(
         let resolved_by = if spec.train_batch_size.is_some()
             || spec.train_micro_batch_size_per_gpu.is_some()
         {
-            "supplied by the caller at initialize (ResolveContext::overrides), as for \"auto\""
+            "values the training script supplies (ResolveContext::overrides; --set)"
         } else {
             "nothing: the file gives neither train_batch_size nor train_micro_batch_size_per_gpu"
         };
@@ -238,7 +238,7 @@ fn without_world(
         };
         return Ok((sizes, vec![implied]));
     }
-    let needs = "derived from the other batch keys once the world size is known (--world-size)";
+    let needs = "the other batch keys and the world size (--world-size)";
     let mut deferred = Vec::new();
     for (key, v) in [(TRAIN, train), (MICRO, micro), (GAS, gas)] {
         if v.is_none() {

@@ -56,8 +56,7 @@ fn fill_hint(key: &str) -> Option<String> {
         || key.starts_with("scheduler.params.")
     {
         Some(format!(
-            "supplied by the caller at initialize (ResolveContext::overrides[\"{key}\"]), \
-             or write a value in the file"
+            "a value the training script supplies (ResolveContext::overrides[\"{key}\"]; --set)"
         ))
     } else {
         None
