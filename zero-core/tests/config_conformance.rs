@@ -4,7 +4,7 @@
 //! which placeholders it holds (found independently of this parser).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use zero_core::config::{ConfigError, DeepSpeedConfig, Overrides};
 
 fn corpus() -> Option<PathBuf> {
@@ -21,7 +21,7 @@ fn corpus() -> Option<PathBuf> {
 }
 
 /// file name -> the placeholders INDEX.tsv lists for it (empty for a valid config).
-fn index(dir: &PathBuf) -> BTreeMap<String, Vec<String>> {
+fn index(dir: &Path) -> BTreeMap<String, Vec<String>> {
     let text = std::fs::read_to_string(dir.join("INDEX.tsv")).unwrap();
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap().split('\t').collect();
@@ -80,7 +80,7 @@ fn every_corpus_config_parses_or_names_its_placeholder() {
                 Err(ConfigError::Placeholder {
                     placeholder, line, ..
                 }) => {
-                    if !placeholders.iter().any(|p| *p == placeholder) || line == 0 {
+                    if !placeholders.contains(&placeholder) || line == 0 {
                         failures.push(format!("{name}: placeholder `{placeholder}` at line {line}, index lists {placeholders:?}"));
                     }
                 }

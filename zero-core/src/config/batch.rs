@@ -200,7 +200,10 @@ fn divide(
     derived_key: &str,
     err: &dyn Fn(String) -> ConfigError,
 ) -> Result<u64, ConfigError> {
-    if numerator % denominator != 0 || numerator < denominator {
+    // `%` rather than is_multiple_of: the workspace supports Rust 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
+    let exact = numerator % denominator == 0;
+    if !exact || numerator < denominator {
         return Err(err(format!(
             "{numerator_key} = {numerator} is not a positive multiple of {denominator_text} = \
              {denominator}, so {derived_key} cannot be derived; set {numerator_key} to a multiple \

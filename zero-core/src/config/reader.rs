@@ -360,7 +360,9 @@ impl Scalar for u64 {
         v.as_u64().or_else(|| {
             let f = integral(v)?;
             // 2^64 itself is not representable; stay strictly below it.
-            (f >= 0.0 && f < 18_446_744_073_709_551_616.0).then_some(f as u64)
+            (0.0..18_446_744_073_709_551_616.0)
+                .contains(&f)
+                .then_some(f as u64)
         })
     }
     fn to_json(&self) -> Value {
@@ -393,7 +395,9 @@ impl Scalar for i64 {
     fn from_value(v: &Value) -> Option<Self> {
         v.as_i64().or_else(|| {
             let f = integral(v)?;
-            (f >= -9.223_372_036_854_776e18 && f < 9.223_372_036_854_776e18).then_some(f as i64)
+            (-9.223_372_036_854_776e18..9.223_372_036_854_776e18)
+                .contains(&f)
+                .then_some(f as i64)
         })
     }
     fn to_json(&self) -> Value {
