@@ -158,16 +158,15 @@ impl DeepSpeedConfig {
     ) -> Result<PartialResolution, ConfigError> {
         let (config, deferred) = self.resolve_with(world_size, hidden_size, overrides, true)?;
         // Only parsing tolerates a config with no batch size at all; any run needs one.
-        if let Some(d) = deferred
+        if deferred
             .iter()
-            .find(|d| d.resolved_by.starts_with("nothing"))
+            .any(|d| d.resolved_by.starts_with("nothing"))
         {
             return Err(ConfigError::Batch {
                 source_name: self.source_name.clone(),
-                message: format!(
-                    "{} or train_micro_batch_size_per_gpu must be given; {}",
-                    d.key, d.resolved_by
-                ),
+                message: "the file gives neither train_batch_size nor \
+                          train_micro_batch_size_per_gpu; DeepSpeed needs at least one of them"
+                    .into(),
             });
         }
         Ok(PartialResolution { config, deferred })

@@ -43,6 +43,7 @@ fn fill_hint(key: &str) -> Option<String> {
         "gradient_clipping",
         "fp16.enabled",
         "bf16.enabled",
+        "bfloat16.enabled",
         "amp.enabled",
         "amp.opt_level",
     ];

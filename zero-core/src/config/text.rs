@@ -30,7 +30,14 @@ pub(crate) fn parse_relaxed(
             message: err.0,
         });
     }
-    if let Some((first, rest)) = scan.placeholders.split_first() {
+    // A placeholder used twice is reported once, at its first line.
+    let mut seen = std::collections::BTreeSet::new();
+    let placeholders: Vec<(String, usize)> = scan
+        .placeholders
+        .into_iter()
+        .filter(|(p, _)| seen.insert(p.clone()))
+        .collect();
+    if let Some((first, rest)) = placeholders.split_first() {
         return Err(placeholder_error(source_name, first, rest));
     }
     let mut warnings = Vec::new();
@@ -504,13 +511,18 @@ mod tests {
 
     #[test]
     fn all_placeholders_are_listed() {
-        let err = parse_relaxed("{\"a\": A_B,\n\"b\": C_D,\n\"c\": E}", "f").unwrap_err();
+        let err =
+            parse_relaxed("{\"a\": A_B,\n\"b\": C_D,\n\"c\": E, \"d\": A_B}", "f").unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains("`A_B`") && msg.contains("`C_D` (line 2)"),
             "{msg}"
         );
         assert!(msg.contains("`E` (line 3)"), "{msg}");
+        assert!(
+            msg.contains("2 other(s)"),
+            "a repeated placeholder is listed once: {msg}"
+        );
     }
 
     #[test]
