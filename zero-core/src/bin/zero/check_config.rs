@@ -1,13 +1,101 @@
-//! `zero check-config` (being written; see its issue).
+//! `zero check-config`: parse a DeepSpeed config, print it resolved (defaults filled in) or the
+//! error. Values that only the run can settle (the model's hidden size, the world size, values
+//! supplied by the training script) are printed as "auto (resolved at initialize: ...)".
 
+use serde_json::Value;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use zero_core::config::{DeepSpeedConfig, Overrides};
 
 /// Arguments of `zero check-config`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The DeepSpeed JSON config file.
+    pub file: PathBuf,
+    /// Data-parallel world size, to resolve the batch triad.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// The model's hidden size, to resolve "auto" bucket sizes.
+    #[arg(long)]
+    pub hidden_size: Option<usize>,
+    /// A value for a key written "auto", as KEY=JSON (e.g. optimizer.params.lr=3e-4); repeatable.
+    #[arg(long = "set", value_name = "KEY=JSON")]
+    pub set: Vec<String>,
+}
 
-/// Runs the subcommand.
-pub fn run(_args: Args) -> ExitCode {
-    eprintln!("zero check-config: not available in this build yet");
-    ExitCode::from(2)
+/// Runs the subcommand: the resolved config on stdout, warnings on stderr, exit 2 on error.
+pub fn run(args: Args) -> ExitCode {
+    match check(&args) {
+        Ok(json) => {
+            println!("{json}");
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn check(args: &Args) -> Result<String, String> {
+    let mut overrides = Overrides::new();
+    for item in &args.set {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("--set {item}: expected KEY=JSON"))?;
+        // A bare word that is not JSON is taken as a string (`--set amp.opt_level=O1`).
+        let value =
+            serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
+        overrides.set(key, value);
+    }
+    let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
+    for warning in &parsed.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let partial = parsed
+        .config
+        .resolve_partial(args.world_size, args.hidden_size, &overrides)
+        .map_err(|e| e.to_string())?;
+    let mut json = serde_json::to_value(&partial.config).map_err(|e| e.to_string())?;
+    for deferred in &partial.deferred {
+        if deferred.key == "world_size" {
+            eprintln!(
+                "note: {}; pass --world-size to check it",
+                deferred.resolved_by
+            );
+            continue;
+        }
+        let marker = Value::String(format!(
+            "auto: resolved at initialize from {}",
+            deferred.resolved_by
+        ));
+        match pointer_for(&json, &deferred.key) {
+            Some(pointer) => {
+                if let Some(slot) = json.pointer_mut(&pointer) {
+                    *slot = marker;
+                }
+            }
+            None => eprintln!(
+                "note: `{}` is resolved at initialize from {}",
+                deferred.key, deferred.resolved_by
+            ),
+        }
+    }
+    serde_json::to_string_pretty(&json).map_err(|e| e.to_string())
+}
+
+/// Where a dotted config key appears in the printed resolved config.
+fn pointer_for(json: &Value, key: &str) -> Option<String> {
+    let candidates = match key {
+        "fp16.enabled" | "bf16.enabled" | "bfloat16.enabled" => vec!["/precision".to_string()],
+        _ => {
+            let direct = format!("/{}", key.replace('.', "/"));
+            // Unprefixed legacy spellings print under their stage3_ name.
+            let prefixed = key
+                .rsplit_once('.')
+                .map(|(head, last)| format!("/{}/stage3_{last}", head.replace('.', "/")));
+            std::iter::once(direct).chain(prefixed).collect()
+        }
+    };
+    candidates.into_iter().find(|p| json.pointer(p).is_some())
 }

@@ -1,0 +1,216 @@
+//! The DeepSpeed JSON configuration: parsed once, at the edge, into plain typed structs.
+//!
+//! [`DeepSpeedConfig::from_file`] reads a `ds_config.json` as DeepSpeed does (its keys, legacy
+//! spellings and defaults; integers written `5e8`), checks every section, and returns the
+//! config with the warnings worth showing. [`DeepSpeedConfig::resolve`] then fills in what the
+//! file left open (the batch triad from the world size, "auto" values from the model or the
+//! caller) and gives a [`ResolvedConfig`] of plain numbers, which is all the engine reads.
+//!
+//! Choices where DeepSpeed's behaviour is not the friendliest:
+//! - Text: DeepSpeed reads configs with hjson, so comments (`//`, `#`, `/* */`) and trailing
+//!   commas are accepted, with a warning (other readers of the file, such as HuggingFace's
+//!   Trainer, use strict JSON). Unquoted words are not: they are unsubstituted template
+//!   placeholders (`"stage": ZERO_STAGE`), reported by name and line.
+//! - Unknown keys: an error inside `zero_optimization` (and its offload sections) and in an
+//!   optimizer's or scheduler's `params`, as in DeepSpeed; a warning elsewhere.
+//! - "auto": the batch triad is derived; `reduce_bucket_size`, `stage3_prefetch_bucket_size`
+//!   and `stage3_param_persistence_threshold` follow from the hidden size; the values
+//!   HuggingFace's Trainer fills (optimizer and scheduler params, `gradient_clipping`,
+//!   `fp16.enabled`, `bf16.enabled`, `amp`) must come from [`ResolveContext::overrides`]; any
+//!   other "auto" means DeepSpeed's default, as DeepSpeed's own config models treat it.
+//!
+//! ```
+//! use zero_core::config::{DeepSpeedConfig, ResolveContext, ZeroStage};
+//! let text = r#"{
+//!     "train_micro_batch_size_per_gpu": 4,
+//!     "gradient_accumulation_steps": 2,
+//!     "zero_optimization": { "stage": 3, "reduce_bucket_size": "auto" },
+//!     "bf16": { "enabled": true }
+//! }"#;
+//! let parsed = DeepSpeedConfig::from_str(text, "ds_config.json")?;
+//! let ctx = ResolveContext { world_size: 8, hidden_size: Some(1024), ..Default::default() };
+//! let config = parsed.config.resolve(&ctx)?;
+//! assert_eq!(config.train_batch_size, 64);
+//! assert_eq!(config.zero.stage, ZeroStage::Parameters);
+//! assert_eq!(config.zero.reduce_bucket_size, 1024 * 1024);
+//! assert!(config.zero.overlap_comm); // DeepSpeed's default at stage 3
+//! # Ok::<(), zero_core::config::ConfigError>(())
+//! ```
+
+mod auto;
+mod batch;
+mod error;
+mod optimizer;
+mod precision;
+mod reader;
+mod resolved;
+mod scheduler;
+mod sections;
+mod text;
+mod zero;
+
+pub use auto::{Auto, Overrides};
+pub use batch::{BatchSizes, BatchSpec};
+pub use error::{ConfigError, ConfigWarning};
+pub use optimizer::{
+    AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams,
+};
+pub use precision::{AmpConfig, Bf16Options, LossScaleConfig, Precision};
+pub use reader::Deferred;
+pub use resolved::{AllreduceOp, PartialResolution, ResolveContext, ResolvedConfig};
+pub use scheduler::{
+    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineParams, WarmupDecayParams,
+    WarmupParams, WarmupType,
+};
+pub use sections::{
+    ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CommDataType, CommsLoggerConfig,
+    FileMonitorConfig, FlopsProfilerConfig, MonitorConfig, PipelineConfig, TagValidation,
+    TensorParallelConfig, WandbConfig,
+};
+pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, ZeroStage};
+
+use reader::Cx;
+use serde_json::Value;
+use std::path::Path;
+
+/// A parsed DeepSpeed configuration: checked, not yet resolved against a world size or a model.
+#[derive(Debug, Clone)]
+pub struct DeepSpeedConfig {
+    source_name: String,
+    raw: Value,
+    batch: BatchSpec,
+    zero_stage: ZeroStage,
+    auto_keys: Vec<Deferred>,
+}
+
+/// The result of parsing: the config and what is worth telling the user about it.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    /// The configuration.
+    pub config: DeepSpeedConfig,
+    /// Unknown top-level keys, legacy spellings, non-strict JSON, "auto" read as a default.
+    pub warnings: Vec<ConfigWarning>,
+}
+
+impl DeepSpeedConfig {
+    /// Reads and checks a config file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Parsed, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_str(&text, &path.display().to_string())
+    }
+
+    /// Reads and checks config text; `source_name` names it in errors and warnings.
+    pub fn from_str(text: &str, source_name: &str) -> Result<Parsed, ConfigError> {
+        let (raw, mut warnings) = text::parse_relaxed(text, source_name)?;
+        let mut parsed = Self::check(raw, source_name, Some(text))?;
+        warnings.append(&mut parsed.warnings);
+        parsed.warnings = warnings;
+        Ok(parsed)
+    }
+
+    /// Checks an already-parsed JSON value (a config built in code).
+    pub fn from_value(raw: Value, source_name: &str) -> Result<Parsed, ConfigError> {
+        Self::check(raw, source_name, None)
+    }
+
+    fn check(raw: Value, source_name: &str, text: Option<&str>) -> Result<Parsed, ConfigError> {
+        let overrides = Overrides::new();
+        let mut cx = Cx::new(source_name, &overrides);
+        cx.text = text;
+        cx.warn = true;
+        let (draft, batch) = resolved::build(&raw, &mut cx, None)?;
+        let auto_keys = cx
+            .deferred
+            .into_iter()
+            .filter(|d| d.key != "world_size")
+            .collect();
+        Ok(Parsed {
+            config: DeepSpeedConfig {
+                source_name: source_name.to_string(),
+                raw,
+                batch,
+                zero_stage: draft.zero.stage,
+                auto_keys,
+            },
+            warnings: cx.warnings,
+        })
+    }
+
+    /// Resolves the config for a run: every value a plain one. Fails, naming the key, where an
+    /// "auto" value has nothing to resolve it.
+    pub fn resolve(&self, ctx: &ResolveContext) -> Result<ResolvedConfig, ConfigError> {
+        let (config, _) =
+            self.resolve_with(Some(ctx.world_size), ctx.hidden_size, &ctx.overrides, false)?;
+        Ok(config)
+    }
+
+    /// Resolves what can be resolved with what is known, and lists the rest instead of
+    /// failing (the world size and the hidden size may be unknown).
+    pub fn resolve_partial(
+        &self,
+        world_size: Option<usize>,
+        hidden_size: Option<usize>,
+        overrides: &Overrides,
+    ) -> Result<PartialResolution, ConfigError> {
+        let (config, deferred) = self.resolve_with(world_size, hidden_size, overrides, true)?;
+        // Only parsing tolerates a config with no batch size at all; any run needs one.
+        if deferred
+            .iter()
+            .any(|d| d.resolved_by.starts_with("nothing"))
+        {
+            return Err(ConfigError::Batch {
+                source_name: self.source_name.clone(),
+                message: "the file gives neither train_batch_size nor \
+                          train_micro_batch_size_per_gpu; DeepSpeed needs at least one of them"
+                    .into(),
+            });
+        }
+        Ok(PartialResolution { config, deferred })
+    }
+
+    fn resolve_with(
+        &self,
+        world: Option<usize>,
+        hidden: Option<usize>,
+        overrides: &Overrides,
+        defer: bool,
+    ) -> Result<(ResolvedConfig, Vec<Deferred>), ConfigError> {
+        let mut cx = Cx::new(&self.source_name, overrides);
+        cx.defer = defer;
+        if let Some(h) = hidden {
+            cx.derived.extend(resolved::derived_from_hidden(h));
+        }
+        let (config, _) = resolved::build(&self.raw, &mut cx, world)?;
+        Ok((config, cx.deferred))
+    }
+
+    /// The name of the file (or text) the config came from.
+    pub fn source_name(&self) -> &str {
+        &self.source_name
+    }
+
+    /// The JSON as written (comments and trailing commas removed).
+    pub fn raw(&self) -> &Value {
+        &self.raw
+    }
+
+    /// The batch keys as written.
+    pub fn batch(&self) -> &BatchSpec {
+        &self.batch
+    }
+
+    /// The ZeRO stage (known at parse time: it cannot be "auto").
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero_stage
+    }
+
+    /// Keys written "auto" that need the model, the world size or the caller to resolve, with
+    /// what resolves each.
+    pub fn auto_keys(&self) -> &[Deferred] {
+        &self.auto_keys
+    }
+}

@@ -1,0 +1,599 @@
+//! Reading typed values out of a JSON section: DeepSpeed's numeric leniency, legacy spellings,
+//! unknown keys with suggestions, and what "auto" means for each key.
+//!
+//! Every section of the config is read by the same code twice: once when the file is parsed (so
+//! every type error, unknown key and placeholder is reported up front, with "auto" standing in
+//! as the default), and once at resolve time, when "auto" must become a value.
+
+use super::auto::Overrides;
+use super::error::{ConfigError, ConfigWarning};
+use super::text::{line_of, looks_like_placeholder, placeholder_error};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// A value left as "auto" that resolution could not fill in, and what would.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Deferred {
+    /// The dotted key.
+    pub key: String,
+    /// What resolves it (the model's hidden size, the world size, a caller-supplied value).
+    pub resolved_by: String,
+}
+
+/// What an unknown key in a section leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UnknownKeys {
+    /// An error: DeepSpeed rejects unknown keys here.
+    Error,
+    /// A warning: DeepSpeed ignores them here.
+    Warn,
+}
+
+/// Keys whose "auto" is filled by the caller (HuggingFace's Trainer fills exactly these from
+/// its arguments) or derived from the model; any other "auto" means DeepSpeed's default,
+/// because DeepSpeed's own config models drop "auto" values before validation.
+fn fill_hint(key: &str) -> Option<String> {
+    const MODEL: &[&str] = &[
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    ];
+    const CALLER: &[&str] = &[
+        "gradient_clipping",
+        "fp16.enabled",
+        "bf16.enabled",
+        "bfloat16.enabled",
+        "amp.enabled",
+        "amp.opt_level",
+    ];
+    if MODEL.contains(&key) {
+        Some(
+            "derived from the model's hidden size at initialize (ResolveContext::hidden_size)"
+                .into(),
+        )
+    } else if CALLER.contains(&key)
+        || key.starts_with("optimizer.params.")
+        || key.starts_with("scheduler.params.")
+    {
+        Some(format!(
+            "a value the training script supplies (ResolveContext::overrides[\"{key}\"]; --set)"
+        ))
+    } else {
+        None
+    }
+}
+
+/// The reading context: where the text came from, and how "auto" is treated.
+pub(crate) struct Cx<'a> {
+    pub source: &'a str,
+    /// The original text, to give string placeholders a line number.
+    pub text: Option<&'a str>,
+    pub overrides: &'a Overrides,
+    /// Values derived for "auto" keys (by canonical dotted key).
+    pub derived: BTreeMap<String, Value>,
+    /// Record unresolvable "auto" values in `deferred` (and use the default) instead of failing.
+    pub defer: bool,
+    /// Collect warnings (only on the parse pass, so that resolving does not repeat them).
+    pub warn: bool,
+    pub warnings: Vec<ConfigWarning>,
+    pub deferred: Vec<Deferred>,
+}
+
+impl<'a> Cx<'a> {
+    pub fn new(source: &'a str, overrides: &'a Overrides) -> Self {
+        Self {
+            source,
+            text: None,
+            overrides,
+            derived: BTreeMap::new(),
+            defer: true,
+            warn: false,
+            warnings: Vec::new(),
+            deferred: Vec::new(),
+        }
+    }
+
+    /// Adds a warning (on the parse pass only).
+    pub fn warning(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        if self.warn {
+            self.warnings.push(ConfigWarning::new(key, message));
+        }
+    }
+
+    /// An "invalid value" error for `key`.
+    pub fn invalid(&self, key: &str, value: &Value, valid: impl Into<String>) -> ConfigError {
+        ConfigError::InvalidValue {
+            source_name: self.source.to_string(),
+            key: key.to_string(),
+            value: value.to_string(),
+            valid: valid.into(),
+        }
+    }
+
+    /// A value of `key` (under any of its spellings `names`, the first being the current one),
+    /// or `default` when absent, null, or "auto" that means DeepSpeed's default.
+    pub fn get<T: Scalar>(
+        &mut self,
+        s: &mut Section<'_>,
+        names: &[&'static str],
+        default: T,
+    ) -> Result<T, ConfigError> {
+        match s.lookup(names, self)? {
+            None => Ok(default),
+            Some((written, v)) => {
+                let key = s.key(written);
+                if v.as_str() == Some("auto") {
+                    self.resolve_auto(&key, &s.key(names[0]), default)
+                } else {
+                    self.convert(&key, v)
+                }
+            }
+        }
+    }
+
+    /// Converts `v` to `T`, naming `key` (and any placeholder) on failure.
+    pub fn convert<T: Scalar>(&self, key: &str, v: &Value) -> Result<T, ConfigError> {
+        if let Value::String(s) = v {
+            if looks_like_placeholder(s, !T::IS_STRING) {
+                let quoted = format!("\"{s}\"");
+                let line = self.text.and_then(|t| line_of(t, &quoted)).unwrap_or(0);
+                return Err(placeholder_error(self.source, &(s.clone(), line), &[]));
+            }
+        }
+        T::from_value(v).ok_or_else(|| ConfigError::InvalidType {
+            source_name: self.source.to_string(),
+            key: key.to_string(),
+            expected: T::EXPECTED.to_string(),
+            found: v.to_string(),
+        })
+    }
+
+    /// What "auto" at `key` (canonical spelling `canonical`) becomes: the caller's override,
+    /// a derived value, DeepSpeed's default, or (for keys only the caller or the model can
+    /// fill) a deferral or an error.
+    pub fn resolve_auto<T: Scalar>(
+        &mut self,
+        key: &str,
+        canonical: &str,
+        default: T,
+    ) -> Result<T, ConfigError> {
+        if let Some(v) = self
+            .overrides
+            .get(key)
+            .or_else(|| self.overrides.get(canonical))
+        {
+            return self.convert(key, v);
+        }
+        if let Some(v) = self.derived.get(canonical).cloned() {
+            return self.convert(key, &v);
+        }
+        match fill_hint(canonical) {
+            Some(hint) if self.defer => {
+                self.deferred.push(Deferred {
+                    key: key.to_string(),
+                    resolved_by: hint,
+                });
+                Ok(default)
+            }
+            Some(hint) => Err(ConfigError::UnresolvedAuto {
+                source_name: self.source.to_string(),
+                key: key.to_string(),
+                hint,
+            }),
+            None => {
+                let shown = serde_json::to_string(&default.to_json()).unwrap_or_default();
+                self.warning(
+                    key,
+                    format!("\"auto\" here means DeepSpeed's default ({shown}), used as such"),
+                );
+                Ok(default)
+            }
+        }
+    }
+}
+
+/// One JSON object of the config, with the keys read from it tracked so that the rest can be
+/// reported as unknown.
+pub(crate) struct Section<'v> {
+    map: Option<&'v Map<String, Value>>,
+    path: String,
+    asked: Vec<&'static str>,
+}
+
+impl<'v> Section<'v> {
+    /// A section at `path` (dotted, empty for the top level); `None` when it is absent or null.
+    pub fn new(value: Option<&'v Value>, path: &str, cx: &Cx<'_>) -> Result<Self, ConfigError> {
+        let map = match value {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) => Some(m),
+            Some(other) => {
+                return Err(ConfigError::InvalidType {
+                    source_name: cx.source.to_string(),
+                    key: if path.is_empty() {
+                        "(top level)".into()
+                    } else {
+                        path.to_string()
+                    },
+                    expected: "an object".into(),
+                    found: other.to_string(),
+                })
+            }
+        };
+        Ok(Self {
+            map,
+            path: path.to_string(),
+            asked: Vec::new(),
+        })
+    }
+
+    /// Whether the section was written in the file.
+    pub fn present(&self) -> bool {
+        self.map.is_some()
+    }
+
+    /// The dotted path of `key` in this section.
+    pub fn key(&self, key: &str) -> String {
+        if self.path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{key}", self.path)
+        }
+    }
+
+    /// The value written under any of `names` (null counts as absent). Two spellings of the
+    /// same key given together are a conflict.
+    pub fn lookup(
+        &mut self,
+        names: &[&'static str],
+        cx: &Cx<'_>,
+    ) -> Result<Option<(&'static str, &'v Value)>, ConfigError> {
+        self.asked.extend_from_slice(names);
+        let Some(map) = self.map else { return Ok(None) };
+        let mut found: Option<(&'static str, &'v Value)> = None;
+        for &name in names {
+            if let Some(v) = map.get(name) {
+                if v.is_null() {
+                    continue;
+                }
+                if let Some((first, _)) = found {
+                    return Err(ConfigError::Conflict {
+                        source_name: cx.source.to_string(),
+                        key: self.key(first),
+                        other: self.key(name),
+                        reason: "both spell the same setting; keep one".into(),
+                    });
+                }
+                found = Some((name, v));
+            }
+        }
+        Ok(found)
+    }
+
+    /// A sub-section (an object) under `name`.
+    pub fn child(&mut self, name: &'static str, cx: &Cx<'_>) -> Result<Section<'v>, ConfigError> {
+        let path = self.key(name);
+        let v = self.lookup(&[name], cx)?.map(|(_, v)| v);
+        Section::new(v, &path, cx)
+    }
+
+    /// The raw value under `name`, for sections kept as JSON.
+    pub fn raw(&mut self, name: &'static str) -> Option<&'v Value> {
+        self.asked.push(name);
+        self.map.and_then(|m| m.get(name))
+    }
+
+    /// Reports the keys that were never asked for, as `policy` says.
+    pub fn finish(self, cx: &mut Cx<'_>, policy: UnknownKeys) -> Result<(), ConfigError> {
+        let Some(map) = self.map else { return Ok(()) };
+        for key in map.keys() {
+            if self.asked.iter().any(|a| a == key) {
+                continue;
+            }
+            let suggestion = nearest(key, &self.asked);
+            let dotted = self.key(key);
+            match policy {
+                UnknownKeys::Error => {
+                    let mut valid: Vec<&str> = self.asked.clone();
+                    valid.sort_unstable();
+                    valid.dedup();
+                    return Err(ConfigError::UnknownKey {
+                        source_name: cx.source.to_string(),
+                        key: dotted,
+                        suggestion,
+                        valid: valid.join(", "),
+                    });
+                }
+                UnknownKeys::Warn => {
+                    let message = match suggestion {
+                        Some(s) => format!("unknown key, ignored (did you mean `{s}`?)"),
+                        None => "unknown key, ignored".to_string(),
+                    };
+                    cx.warning(dotted, message);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The known key nearest to `key` by edit distance, if it is close enough to be a misspelling.
+pub(crate) fn nearest(key: &str, known: &[&str]) -> Option<String> {
+    let lower = key.to_ascii_lowercase();
+    known
+        .iter()
+        .map(|k| (strsim::damerau_levenshtein(&lower, k), *k))
+        .filter(|(d, k)| *d <= (k.len().max(key.len()) / 4).max(2))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.to_string())
+}
+
+/// A JSON value that converts to a typed one, DeepSpeed's way: integers written as `5e8` or
+/// `1.0` are integers, booleans must be booleans.
+pub(crate) trait Scalar: Sized {
+    /// What the key accepts, for errors.
+    const EXPECTED: &'static str;
+    /// Whether this is a string type (where only unmistakable placeholders are flagged).
+    const IS_STRING: bool = false;
+    fn from_value(v: &Value) -> Option<Self>;
+    fn to_json(&self) -> Value;
+}
+
+/// An exactly integral finite float, as integer.
+fn integral(v: &Value) -> Option<f64> {
+    let f = v.as_f64()?;
+    (f.is_finite() && f.fract() == 0.0).then_some(f)
+}
+
+impl Scalar for bool {
+    const EXPECTED: &'static str = "a boolean (true or false)";
+    fn from_value(v: &Value) -> Option<Self> {
+        v.as_bool()
+    }
+    fn to_json(&self) -> Value {
+        Value::Bool(*self)
+    }
+}
+
+impl Scalar for u64 {
+    const EXPECTED: &'static str = "a non-negative integer (5e8 and 1.0 are accepted)";
+    fn from_value(v: &Value) -> Option<Self> {
+        v.as_u64().or_else(|| {
+            let f = integral(v)?;
+            // 2^64 itself is not representable; stay strictly below it.
+            (0.0..18_446_744_073_709_551_616.0)
+                .contains(&f)
+                .then_some(f as u64)
+        })
+    }
+    fn to_json(&self) -> Value {
+        Value::from(*self)
+    }
+}
+
+impl Scalar for usize {
+    const EXPECTED: &'static str = u64::EXPECTED;
+    fn from_value(v: &Value) -> Option<Self> {
+        u64::from_value(v).and_then(|x| usize::try_from(x).ok())
+    }
+    fn to_json(&self) -> Value {
+        Value::from(*self)
+    }
+}
+
+impl Scalar for u32 {
+    const EXPECTED: &'static str = "a non-negative integer below 2^32";
+    fn from_value(v: &Value) -> Option<Self> {
+        u64::from_value(v).and_then(|x| u32::try_from(x).ok())
+    }
+    fn to_json(&self) -> Value {
+        Value::from(*self)
+    }
+}
+
+impl Scalar for i64 {
+    const EXPECTED: &'static str = "an integer (5e8 and 1.0 are accepted)";
+    fn from_value(v: &Value) -> Option<Self> {
+        v.as_i64().or_else(|| {
+            let f = integral(v)?;
+            (-9.223_372_036_854_776e18..9.223_372_036_854_776e18)
+                .contains(&f)
+                .then_some(f as i64)
+        })
+    }
+    fn to_json(&self) -> Value {
+        Value::from(*self)
+    }
+}
+
+impl Scalar for f64 {
+    const EXPECTED: &'static str = "a number";
+    fn from_value(v: &Value) -> Option<Self> {
+        v.as_f64()
+    }
+    fn to_json(&self) -> Value {
+        Value::from(*self)
+    }
+}
+
+impl Scalar for String {
+    const EXPECTED: &'static str = "a string";
+    const IS_STRING: bool = true;
+    fn from_value(v: &Value) -> Option<Self> {
+        v.as_str().map(str::to_string)
+    }
+    fn to_json(&self) -> Value {
+        Value::String(self.clone())
+    }
+}
+
+impl Scalar for Vec<String> {
+    const EXPECTED: &'static str = "a list of strings";
+    fn from_value(v: &Value) -> Option<Self> {
+        match v {
+            // DeepSpeed's list fields take a lone string as a one-element list.
+            Value::String(s) => Some(vec![s.clone()]),
+            Value::Array(items) => items
+                .iter()
+                .map(|i| i.as_str().map(str::to_string))
+                .collect(),
+            _ => None,
+        }
+    }
+    fn to_json(&self) -> Value {
+        Value::from(self.clone())
+    }
+}
+
+impl Scalar for [f64; 2] {
+    const EXPECTED: &'static str = "a pair of numbers like [0.9, 0.999]";
+    fn from_value(v: &Value) -> Option<Self> {
+        match v.as_array()?.as_slice() {
+            [a, b] => Some([a.as_f64()?, b.as_f64()?]),
+            _ => None,
+        }
+    }
+    fn to_json(&self) -> Value {
+        Value::from(self.to_vec())
+    }
+}
+
+impl Scalar for Value {
+    const EXPECTED: &'static str = "any JSON value";
+    fn from_value(v: &Value) -> Option<Self> {
+        Some(v.clone())
+    }
+    fn to_json(&self) -> Value {
+        self.clone()
+    }
+}
+
+impl<T: Scalar> Scalar for Option<T> {
+    const EXPECTED: &'static str = T::EXPECTED;
+    const IS_STRING: bool = T::IS_STRING;
+    fn from_value(v: &Value) -> Option<Self> {
+        if v.is_null() {
+            Some(None)
+        } else {
+            T::from_value(v).map(Some)
+        }
+    }
+    fn to_json(&self) -> Value {
+        self.as_ref().map_or(Value::Null, T::to_json)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn read<T: Scalar>(v: Value) -> Result<T, ConfigError> {
+        let o = Overrides::new();
+        let mut cx = Cx::new("t.json", &o);
+        let doc = json!({ "k": v });
+        let mut s = Section::new(Some(&doc), "sec", &cx).unwrap();
+        let placeholder: T = T::from_value(&json!(0))
+            .or_else(|| T::from_value(&json!(false)))
+            .or_else(|| T::from_value(&json!("")))
+            .unwrap();
+        cx.get(&mut s, &["k"], placeholder)
+    }
+
+    #[test]
+    fn integers_accept_exponent_and_integral_floats() {
+        assert_eq!(read::<u64>(json!(5e8)).unwrap(), 500_000_000);
+        assert_eq!(read::<u64>(json!(1.0)).unwrap(), 1);
+        assert_eq!(read::<u64>(json!(7)).unwrap(), 7);
+        assert_eq!(read::<i64>(json!(-1.0)).unwrap(), -1);
+        assert_eq!(
+            read::<u64>(json!(9_223_372_036_854_775_807u64)).unwrap(),
+            i64::MAX as u64
+        );
+    }
+
+    #[test]
+    fn fractional_or_negative_integers_are_errors_naming_the_key() {
+        let e = read::<u64>(json!(2.5)).unwrap_err().to_string();
+        assert!(
+            e.contains("`sec.k`") && e.contains("2.5") && e.contains("integer"),
+            "{e}"
+        );
+        assert!(read::<u64>(json!(-3)).is_err());
+        assert!(read::<u64>(json!("5")).is_err());
+    }
+
+    #[test]
+    fn booleans_stay_booleans() {
+        assert!(read::<bool>(json!(true)).unwrap());
+        let e = read::<bool>(json!(1)).unwrap_err().to_string();
+        assert!(e.contains("boolean"), "{e}");
+        assert!(read::<bool>(json!("true")).is_err());
+    }
+
+    #[test]
+    fn string_placeholders_are_reported_as_placeholders() {
+        let e = read::<u64>(json!("BATCH_SIZE")).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::Placeholder { ref placeholder, .. } if placeholder == "BATCH_SIZE"),
+            "{e}"
+        );
+        let e = read::<String>(json!("${opt}")).unwrap_err();
+        assert!(matches!(e, ConfigError::Placeholder { .. }), "{e}");
+        assert_eq!(read::<String>(json!("WARN")).unwrap(), "WARN");
+    }
+
+    #[test]
+    fn legacy_and_current_spelling_together_conflict() {
+        let o = Overrides::new();
+        let mut cx = Cx::new("t", &o);
+        let doc = json!({"a": 1, "b": 2});
+        let mut s = Section::new(Some(&doc), "", &cx).unwrap();
+        let e = cx.get(&mut s, &["a", "b"], 0u64).unwrap_err();
+        assert!(matches!(e, ConfigError::Conflict { .. }), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_error_or_warn_with_suggestion() {
+        let o = Overrides::new();
+        let mut cx = Cx::new("t", &o);
+        cx.warn = true;
+        let doc = json!({"stage3_prefetch_bucketsize": 1});
+        let mut s = Section::new(Some(&doc), "zero_optimization", &cx).unwrap();
+        let _ = cx
+            .get(&mut s, &["stage3_prefetch_bucket_size"], 0u64)
+            .unwrap();
+        let e = s
+            .finish(&mut cx, UnknownKeys::Error)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("did you mean `stage3_prefetch_bucket_size`?"),
+            "{e}"
+        );
+        assert!(
+            e.contains("zero_optimization.stage3_prefetch_bucketsize"),
+            "{e}"
+        );
+
+        let mut s = Section::new(Some(&doc), "", &cx).unwrap();
+        let _ = cx
+            .get(&mut s, &["stage3_prefetch_bucket_size"], 0u64)
+            .unwrap();
+        s.finish(&mut cx, UnknownKeys::Warn).unwrap();
+        assert_eq!(cx.warnings.len(), 1);
+        assert!(cx.warnings[0].message.contains("did you mean"));
+    }
+
+    #[test]
+    fn nearest_ignores_unrelated_keys() {
+        assert_eq!(
+            nearest("overlap_com", &["overlap_comm", "stage"]).as_deref(),
+            Some("overlap_comm")
+        );
+        assert_eq!(
+            nearest("cuda_visible_devices", &["stage", "overlap_comm"]),
+            None
+        );
+    }
+}
