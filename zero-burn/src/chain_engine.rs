@@ -263,16 +263,16 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let mut grads = loss.loss.mul_scalar(scale).backward();
         match loss.pending {
             Pending::Whole => {
-                self.absorb_part(0, None, &mut grads)?;
+                self.absorb_own_part(0, &mut grads)?;
                 for b in 0..self.blocks.len() {
-                    self.absorb_part(b + 1, None, &mut grads)?;
+                    self.absorb_own_part(b + 1, &mut grads)?;
                 }
             }
             Pending::Blockwise { last, ends, mut inputs, batch } => {
                 let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
                     ZeroError::Model("the loss does not depend on the last block's output".into())
                 })?;
-                self.absorb_part(0, Some(&ends), &mut grads)?;
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
                 self.release(0, ends);
                 drop(grads);
                 for b in (0..self.blocks.len()).rev() {
@@ -283,13 +283,13 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     grad_h = x.take_grad(&mut grads).ok_or_else(|| {
                         ZeroError::Model(format!("block {b}'s output does not depend on its input"))
                     })?;
-                    self.absorb_part(b + 1, Some(&block), &mut grads)?;
+                    absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &block, &mut grads)?;
                     self.release(b + 1, block);
                 }
                 let ends = self.materialize_ends(true)?;
                 let embedded = M::embed(&ends, &batch);
                 let mut grads = embedded.dot(grad_h).backward();
-                self.absorb_part(0, Some(&ends), &mut grads)?;
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
                 self.release(0, ends);
             }
         }
@@ -306,10 +306,12 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         if self.core.settings.stage != Stage::Zero3 {
             let mut source = self.core.value_source();
             let parts = &self.parts;
-            let ends = std::mem::replace(&mut self.ends, skeleton::<B, _>(self.ends.clone()));
+            let placeholder = skeleton::<B, _>(self.ends.clone());
+            let ends = std::mem::replace(&mut self.ends, placeholder);
             self.ends = write_values(ends, &self.device, true, |i| source.take(parts[0].params[i]));
             for (b, block) in self.blocks.iter_mut().enumerate() {
-                let old = std::mem::replace(block, skeleton::<B, _>(block.clone()));
+                let placeholder = skeleton::<B, _>(block.clone());
+                let old = std::mem::replace(block, placeholder);
                 *block = write_values(old, &self.device, true, |i| source.take(parts[b + 1].params[i]));
             }
             source.finish()?;
@@ -348,26 +350,14 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         &self.core.state.layout
     }
 
-    /// Takes the gradients of one part's parameters out of `grads` into the reductions.
-    fn absorb_part(&mut self, part: usize, module: Option<&impl Module<B>>, grads: &mut B::Gradients) -> Result<(), ZeroError> {
-        let params = self.parts[part].params.clone();
-        let mut failure = None;
-        let core = &mut self.core;
-        let mut sink = |i: usize, g: Option<Vec<f32>>| {
-            if failure.is_none() {
-                if let Err(e) = core.absorb(params[i], g) {
-                    failure = Some(e);
-                }
-            }
-        };
-        match module {
-            Some(m) => take_grads::<B, _>(m, grads, &mut sink),
-            None if part == 0 => take_grads::<B, _>(&self.ends, grads, &mut sink),
-            None => take_grads::<B, _>(&self.blocks[part - 1], grads, &mut sink),
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(()),
+    /// Takes the gradients of one part's parameters (of the stage 0-2 parts this engine holds)
+    /// out of `grads` into the reductions.
+    fn absorb_own_part(&mut self, part: usize, grads: &mut B::Gradients) -> Result<(), ZeroError> {
+        let params = &self.parts[part].params;
+        if part == 0 {
+            absorb_into::<B, _>(&mut self.core, params, &self.ends, grads)
+        } else {
+            absorb_into::<B, _>(&mut self.core, params, &self.blocks[part - 1], grads)
         }
     }
 
@@ -456,3 +446,25 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 }
 
+
+/// Takes the gradients of a part's parameters (`params`: their global indices, in the part's
+/// visit order) out of `grads` into the engine's reductions.
+fn absorb_into<B: AutodiffBackend, P: Module<B>>(
+    core: &mut EngineCore,
+    params: &[usize],
+    module: &P,
+    grads: &mut B::Gradients,
+) -> Result<(), ZeroError> {
+    let mut failure = None;
+    take_grads::<B, P>(module, grads, |i, g| {
+        if failure.is_none() {
+            if let Err(e) = core.absorb(params[i], g) {
+                failure = Some(e);
+            }
+        }
+    });
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

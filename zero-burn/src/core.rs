@@ -141,7 +141,7 @@ impl EngineCore {
     pub fn update(&mut self) -> Result<StepReport, ZeroError> {
         self.state.reduce_at_boundary(self.comm.as_ref())?;
         let lr = self.settings.lr_at(self.global_step);
-        let grad_norm = self.state.update(self.comm.as_ref(), lr as f32, self.settings.gradient_clipping)?;
+        let grad_norm = self.state.update(self.comm.as_ref(), lr, self.settings.gradient_clipping)?;
         self.micro_steps = 0;
         self.global_step += 1;
         Ok(StepReport { step: self.global_step, lr, grad_norm })

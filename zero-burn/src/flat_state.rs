@@ -158,7 +158,7 @@ impl FlatState {
 
     /// Clips (when `max_norm > 0`), runs the optimizer on every group, and clears the
     /// accumulators. Returns the gradient norm before clipping.
-    pub fn update(&mut self, group_comm: &dyn ProcessGroup, lr: f32, max_norm: f64) -> Result<f64, ZeroError> {
+    pub fn update(&mut self, group_comm: &dyn ProcessGroup, lr: f64, max_norm: f64) -> Result<f64, ZeroError> {
         let norm = self.global_grad_norm(group_comm)?;
         // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
         let ratio = max_norm / (norm + 1e-6);
@@ -186,25 +186,5 @@ impl FlatState {
             g.grad.clear();
             g.grad.resize(len, 0.0);
         }
-    }
-
-    /// Every parameter's full value from the owned masters: all-gathers sharded groups. Calls
-    /// `sink(group, full_padded_values)` group by group.
-    pub fn gather_groups(
-        &self,
-        group_comm: &dyn ProcessGroup,
-        mut sink: impl FnMut(usize, &[f32]),
-    ) -> Result<(), ZeroError> {
-        for (gi, g) in self.groups.iter().enumerate() {
-            match self.layout.groups[gi].placement {
-                Placement::Replicated => sink(gi, &g.master),
-                Placement::Sharded if group_comm.world_size() == 1 => sink(gi, &g.master),
-                Placement::Sharded => {
-                    let full = group_comm.all_gather(FlatBuffer::F32(g.master.clone()))?.into_f32();
-                    sink(gi, &full);
-                }
-            }
-        }
-        Ok(())
     }
 }

@@ -108,23 +108,3 @@ impl MemoryTracker {
         }
     }
 }
-
-/// Accounts `bytes` of gathered parameters for as long as it lives.
-#[derive(Debug)]
-pub(crate) struct GatheredGuard<'a> {
-    tracker: &'a MemoryTracker,
-    bytes: usize,
-}
-
-impl<'a> GatheredGuard<'a> {
-    pub(crate) fn new(tracker: &'a MemoryTracker, bytes: usize) -> Self {
-        tracker.add_gathered(bytes);
-        GatheredGuard { tracker, bytes }
-    }
-}
-
-impl Drop for GatheredGuard<'_> {
-    fn drop(&mut self) {
-        self.tracker.sub_gathered(self.bytes);
-    }
-}

@@ -46,7 +46,7 @@ impl GroupOptimizer {
         &mut self,
         params: &mut [f32],
         grads: &[f32],
-        lr: f32,
+        lr: f64,
         comm: &dyn ProcessGroup,
     ) -> Result<(), ZeroError> {
         let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
