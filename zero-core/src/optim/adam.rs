@@ -9,7 +9,7 @@ use super::{check_len, AdamSpec, OptimError, ShardOptimizer};
 #[derive(Debug)]
 pub struct Adam {
     spec: AdamSpec,
-    beta1: f32,
+    beta1: f64,
     isa: Isa,
     step: u64,
     exp_avg: Vec<f32>,
@@ -28,7 +28,7 @@ impl Adam {
             Vec::new()
         };
         Ok(Adam {
-            beta1: spec.betas.0 as f32,
+            beta1: spec.betas.0,
             spec,
             isa: Isa::detect(),
             step: 0,
@@ -57,13 +57,13 @@ impl Adam {
         &self.spec
     }
 
-    fn scalars(&self, lr: f32) -> AdamScalars {
+    fn scalars(&self, lr: f64) -> AdamScalars {
         AdamScalars::new(
             lr,
             self.beta1,
-            self.spec.betas.1 as f32,
-            self.spec.eps as f32,
-            self.spec.weight_decay as f32,
+            self.spec.betas.1,
+            self.spec.eps,
+            self.spec.weight_decay,
             self.spec.decoupled_weight_decay,
             self.spec.bias_correction,
             self.step,
@@ -84,7 +84,7 @@ impl ShardOptimizer for Adam {
         self.exp_avg.len()
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         self.step_with_copy(params, grads, lr, HalfCopy::None)
     }
 
@@ -92,7 +92,7 @@ impl ShardOptimizer for Adam {
         &mut self,
         params: &mut [f32],
         grads: &[f32],
-        lr: f32,
+        lr: f64,
         out: HalfCopy<'_>,
     ) -> Result<(), OptimError> {
         check_len("params", self.len(), params.len())?;
@@ -126,7 +126,7 @@ impl ShardOptimizer for Adam {
         result
     }
 
-    fn set_momentum(&mut self, momentum: f32) -> bool {
+    fn set_momentum(&mut self, momentum: f64) -> bool {
         self.beta1 = momentum;
         true
     }

@@ -16,7 +16,7 @@ use super::{
 #[derive(Debug)]
 pub struct Lamb {
     spec: LambSpec,
-    beta1: f32,
+    beta1: f64,
     segments: ShardSegments,
     step: u64,
     exp_avg: Vec<f32>,
@@ -49,7 +49,7 @@ impl Lamb {
         spec.validate()?;
         segments.validate(len)?;
         Ok(Lamb {
-            beta1: spec.betas.0 as f32,
+            beta1: spec.betas.0,
             spec,
             segments,
             step: 0,
@@ -62,10 +62,7 @@ impl Lamb {
     fn direction(&self) -> Direction {
         let (bc1, bc2) = if self.spec.bias_correction {
             let t = self.step.min(i32::MAX as u64) as i32;
-            (
-                1.0 - (self.beta1 as f64).powi(t),
-                1.0 - self.spec.betas.1.powi(t),
-            )
+            (1.0 - self.beta1.powi(t), 1.0 - self.spec.betas.1.powi(t))
         } else {
             (1.0, 1.0)
         };
@@ -97,7 +94,7 @@ impl ShardOptimizer for Lamb {
         self.exp_avg.len()
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         let partials = self.begin_step(params, grads)?;
         self.finish_step(params, grads, lr, &partials, HalfCopy::None)
     }
@@ -115,7 +112,8 @@ impl ShardOptimizer for Lamb {
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
         self.step += 1;
-        let (b1, b2) = (self.beta1, self.spec.betas.1 as f32);
+        let (b1, b2) = (self.beta1 as f32, self.spec.betas.1 as f32);
+        let (c1, c2) = ((1.0 - self.beta1) as f32, (1.0 - self.spec.betas.1) as f32);
         let dir = self.direction();
         let mut sums = vec![0.0_f64; 2 * self.segments.num_params];
         for seg in &self.segments.segments {
@@ -123,8 +121,8 @@ impl ShardOptimizer for Lamb {
             let (mut w2, mut u2) = (0.0_f64, 0.0_f64);
             for i in r {
                 let g = grads[i];
-                let m = b1 * self.exp_avg[i] + (1.0 - b1) * g;
-                let v = b2 * self.exp_avg_sq[i] + (1.0 - b2) * g * g;
+                let m = b1 * self.exp_avg[i] + c1 * g;
+                let v = b2 * self.exp_avg_sq[i] + c2 * g * g;
                 self.exp_avg[i] = m;
                 self.exp_avg_sq[i] = v;
                 let u = dir.update(params[i], m, v);
@@ -142,7 +140,7 @@ impl ShardOptimizer for Lamb {
         &mut self,
         params: &mut [f32],
         _grads: &[f32],
-        lr: f32,
+        lr: f64,
         totals: &NormPartials,
         out: HalfCopy<'_>,
     ) -> Result<(), OptimError> {
@@ -164,7 +162,7 @@ impl ShardOptimizer for Lamb {
                 totals.weight_sq(seg.param_id),
                 totals.update_sq(seg.param_id),
             );
-            let scale = lr * ratio;
+            let scale = (lr * ratio as f64) as f32;
             for i in seg.range.clone() {
                 let u = dir.update(params[i], self.exp_avg[i], self.exp_avg_sq[i]);
                 params[i] -= scale * u;
@@ -174,7 +172,7 @@ impl ShardOptimizer for Lamb {
         adam_kernel::copy_to_half(params, out)
     }
 
-    fn set_momentum(&mut self, momentum: f32) -> bool {
+    fn set_momentum(&mut self, momentum: f64) -> bool {
         self.beta1 = momentum;
         true
     }

@@ -14,7 +14,7 @@ const CHUNK: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Lion {
     spec: LionSpec,
-    beta1: f32,
+    beta1: f64,
     step: u64,
     exp_avg: Vec<f32>,
 }
@@ -24,7 +24,7 @@ impl Lion {
     pub fn new(spec: LionSpec, len: usize) -> Result<Self, OptimError> {
         spec.validate()?;
         Ok(Lion {
-            beta1: spec.betas.0 as f32,
+            beta1: spec.betas.0,
             spec,
             step: 0,
             exp_avg: vec![0.0; len],
@@ -53,28 +53,29 @@ impl ShardOptimizer for Lion {
         self.exp_avg.len()
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
-        let b1 = self.beta1;
-        let b2 = self.spec.betas.1 as f32;
-        let scale = 1.0 - lr * self.spec.weight_decay as f32;
+        let (b1, c1) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
+        let (b2, c2) = (self.spec.betas.1 as f32, (1.0 - self.spec.betas.1) as f32);
+        let scale = (1.0 - lr * self.spec.weight_decay) as f32;
+        let lr = lr as f32;
         params
             .par_chunks_mut(CHUNK)
             .zip(grads.par_chunks(CHUNK))
             .zip(self.exp_avg.par_chunks_mut(CHUNK))
             .for_each(|((p, g), m)| {
                 for ((p, &g), m) in p.iter_mut().zip(g).zip(m) {
-                    let c = b1 * *m + (1.0 - b1) * g;
+                    let c = b1 * *m + c1 * g;
                     *p = *p * scale - lr * sign(c);
-                    *m = b2 * *m + (1.0 - b2) * g;
+                    *m = b2 * *m + c2 * g;
                 }
             });
         self.step += 1;
         Ok(())
     }
 
-    fn set_momentum(&mut self, momentum: f32) -> bool {
+    fn set_momentum(&mut self, momentum: f64) -> bool {
         self.beta1 = momentum;
         true
     }

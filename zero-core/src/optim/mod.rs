@@ -60,7 +60,7 @@ pub trait ShardOptimizer: Send {
     ///
     /// For LAMB this is exact only when no parameter is cut across ranks (one rank, or a layout
     /// that keeps tensors whole); sharded LAMB must use the two-phase step.
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError>;
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError>;
 
     /// [`step`](Self::step), then the updated parameters written into a 16-bit copy. Adam fuses
     /// the copy into its single pass; the others make a second pass.
@@ -68,7 +68,7 @@ pub trait ShardOptimizer: Send {
         &mut self,
         params: &mut [f32],
         grads: &[f32],
-        lr: f32,
+        lr: f64,
         out: HalfCopy<'_>,
     ) -> Result<(), OptimError> {
         self.step(params, grads, lr)?;
@@ -96,7 +96,7 @@ pub trait ShardOptimizer: Send {
         &mut self,
         params: &mut [f32],
         grads: &[f32],
-        lr: f32,
+        lr: f64,
         totals: &NormPartials,
         out: HalfCopy<'_>,
     ) -> Result<(), OptimError> {
@@ -106,7 +106,7 @@ pub trait ShardOptimizer: Send {
 
     /// Sets the momentum the next steps use (β1 for Adam, LAMB and Lion, `momentum` for SGD), for
     /// schedules that cycle it. Returns false if this optimizer has no such setting.
-    fn set_momentum(&mut self, momentum: f32) -> bool {
+    fn set_momentum(&mut self, momentum: f64) -> bool {
         let _ = momentum;
         false
     }

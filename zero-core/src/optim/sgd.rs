@@ -13,7 +13,7 @@ const CHUNK: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Sgd {
     spec: SgdSpec,
-    momentum: f32,
+    momentum: f64,
     step: u64,
     len: usize,
     momentum_buffer: Vec<f32>,
@@ -29,7 +29,7 @@ impl Sgd {
             Vec::new()
         };
         Ok(Sgd {
-            momentum: spec.momentum as f32,
+            momentum: spec.momentum,
             spec,
             step: 0,
             len,
@@ -51,12 +51,13 @@ impl ShardOptimizer for Sgd {
         self.len
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<(), OptimError> {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         check_len("params", self.len, params.len())?;
         check_len("grads", self.len, grads.len())?;
         let wd = self.spec.weight_decay as f32;
-        let momentum = self.momentum;
-        let damp = 1.0 - self.spec.dampening as f32;
+        let momentum = self.momentum as f32;
+        let damp = (1.0 - self.spec.dampening) as f32;
+        let lr = lr as f32;
         let nesterov = self.spec.nesterov;
         let first = self.step == 0;
         if self.has_buffer() {
@@ -86,7 +87,7 @@ impl ShardOptimizer for Sgd {
         Ok(())
     }
 
-    fn set_momentum(&mut self, momentum: f32) -> bool {
+    fn set_momentum(&mut self, momentum: f64) -> bool {
         if self.has_buffer() {
             self.momentum = momentum;
         }

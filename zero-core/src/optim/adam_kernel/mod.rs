@@ -125,21 +125,23 @@ impl AdamScalars {
     /// The constants for step `step` (1-based: the first update is step 1).
     ///
     /// `decoupled` selects AdamW's decay (`p -= lr·wd·p` before the update) over Adam's L2 decay
-    /// (`g += wd·p`). Bias correction factors are computed in f64 and rounded once.
+    /// (`g += wd·p`). Like PyTorch, which computes them from Python floats, every derived constant
+    /// (1 - β, lr / bc1, 1 - lr·wd) is computed in f64 and rounded to f32 once: `1 - 0.999f32`
+    /// is 1.3e-5 (relative) away from `0.001f32`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        lr: f32,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
         decoupled: bool,
         bias_correction: bool,
         step: u64,
     ) -> Self {
         let (bc1, bc2) = if bias_correction {
             let t = step.min(i32::MAX as u64) as i32;
-            (1.0 - (beta1 as f64).powi(t), 1.0 - (beta2 as f64).powi(t))
+            (1.0 - beta1.powi(t), 1.0 - beta2.powi(t))
         } else {
             (1.0, 1.0)
         };
@@ -149,15 +151,15 @@ impl AdamScalars {
             (weight_decay, 1.0)
         };
         AdamScalars {
-            beta1,
-            one_minus_beta1: 1.0 - beta1,
-            beta2,
-            one_minus_beta2: 1.0 - beta2,
-            step_size: (lr as f64 / bc1) as f32,
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            step_size: (lr / bc1) as f32,
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-            eps,
-            l2_decay,
-            param_scale,
+            eps: eps as f32,
+            l2_decay: l2_decay as f32,
+            param_scale: param_scale as f32,
         }
     }
 }
