@@ -44,7 +44,7 @@ pub use spec::{AdamSpec, LambSpec, LionSpec, OptimizerSpec, SgdSpec};
 /// fixed at construction. State buffers are as long as the shard and named as in PyTorch's
 /// `optimizer.state_dict()` (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...), so checkpoints
 /// carry them by name.
-pub trait ShardOptimizer: Send {
+pub trait ShardOptimizer: Send + std::fmt::Debug {
     /// The optimizer's name (`adam`, `adamw`, `sgd`, `lamb`, `lion`).
     fn name(&self) -> &'static str;
 
