@@ -8,4 +8,5 @@
 //! `zero-burn`, which drives what this crate provides.
 
 pub mod comm;
+pub mod lr_schedule;
 pub mod optim;

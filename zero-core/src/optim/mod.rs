@@ -104,8 +104,9 @@ pub trait ShardOptimizer: Send + std::fmt::Debug {
         self.step_with_copy(params, grads, lr, out)
     }
 
-    /// Sets the momentum the next steps use (β1 for Adam, LAMB and Lion, `momentum` for SGD), for
-    /// schedules that cycle it. Returns false if this optimizer has no such setting.
+    /// Sets β1 for the next steps (Adam, LAMB, Lion), for schedules that cycle the momentum.
+    /// Returns false where there is no β1: like DeepSpeed's OneCycle, which cycles only
+    /// optimizers with `betas`, SGD's momentum is left alone.
     fn set_momentum(&mut self, momentum: f64) -> bool {
         let _ = momentum;
         false

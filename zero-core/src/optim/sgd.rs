@@ -13,7 +13,6 @@ const CHUNK: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Sgd {
     spec: SgdSpec,
-    momentum: f64,
     step: u64,
     len: usize,
     momentum_buffer: Vec<f32>,
@@ -29,7 +28,6 @@ impl Sgd {
             Vec::new()
         };
         Ok(Sgd {
-            momentum: spec.momentum,
             spec,
             step: 0,
             len,
@@ -55,7 +53,7 @@ impl ShardOptimizer for Sgd {
         check_len("params", self.len, params.len())?;
         check_len("grads", self.len, grads.len())?;
         let wd = self.spec.weight_decay as f32;
-        let momentum = self.momentum as f32;
+        let momentum = self.spec.momentum as f32;
         let damp = (1.0 - self.spec.dampening) as f32;
         let lr = lr as f32;
         let nesterov = self.spec.nesterov;
@@ -85,13 +83,6 @@ impl ShardOptimizer for Sgd {
         }
         self.step += 1;
         Ok(())
-    }
-
-    fn set_momentum(&mut self, momentum: f64) -> bool {
-        if self.has_buffer() {
-            self.momentum = momentum;
-        }
-        self.has_buffer()
     }
 
     fn state(&self) -> Vec<(&'static str, &[f32])> {
