@@ -8,5 +8,6 @@
 //! `zero-burn`, which drives what this crate provides.
 
 pub mod comm;
+pub mod loss_scaler;
 pub mod lr_schedule;
 pub mod optim;

@@ -146,7 +146,7 @@ impl OneCycle {
     /// Steps since the cycle ended (1 at the first step after it), if it has.
     fn decay_iteration(&self, iteration: u64) -> Option<f64> {
         let i = iteration as f64;
-        (i >= self.total_size).then(|| i - self.total_size + 1.0)
+        (i >= self.total_size).then_some(i - self.total_size + 1.0)
     }
 }
 
