@@ -66,6 +66,9 @@ pub enum OptimError {
         /// The length passed.
         actual: usize,
     },
+    /// The optimizer's thread pool could not be started.
+    #[error("could not start the optimizer's CPU threads: {0}")]
+    ThreadPool(String),
     /// A requested SIMD path is not available on this CPU.
     #[error("the {0} kernel is not supported by this CPU")]
     UnsupportedIsa(&'static str),

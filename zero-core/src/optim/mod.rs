@@ -21,6 +21,7 @@
 
 mod adam;
 pub mod adam_kernel;
+mod cpu_pool;
 mod error;
 mod lamb;
 mod lion;
@@ -31,6 +32,7 @@ mod state;
 
 pub use adam::Adam;
 pub use adam_kernel::{HalfCopy, Isa};
+pub use cpu_pool::CpuPool;
 pub use error::OptimError;
 pub use lamb::Lamb;
 pub use lion::Lion;

@@ -16,8 +16,10 @@ mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use half::{bf16, f16};
 use rayon::prelude::*;
+
+/// The 16-bit types of the copy-back, re-exported so callers need not depend on `half`.
+pub use half::{bf16, f16};
 
 use super::OptimError;
 
