@@ -9,3 +9,7 @@
 
 pub mod comm;
 pub mod config;
+pub mod loss_scaler;
+pub mod lr_schedule;
+pub mod optim;
+pub mod partition;

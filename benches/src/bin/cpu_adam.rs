@@ -1,0 +1,188 @@
+//! CPU Adam benchmark: the fused AdamW step of zero-core on a flat fp32 shard, beside a plain
+//! scalar loop measured in the same run and, when python3 has torch, `torch.optim.AdamW(fused=
+//! True)` run by tools/bench_torch_adamw.py in the same run.
+//!
+//! ```text
+//! cargo run --release -p zero-benches --bin cpu_adam -- [--params N] [--steps S] [--no-torch]
+//! ```
+//!
+//! Prints, for 1 and 2 threads, the median step time of S steps after warm-up in ns/param and
+//! GB/s (28 bytes/param move: read p, g, m, v; write p, m, v; 30 with a 16-bit copy-back), and
+//! the ratios to the scalar loop and to torch.
+
+use std::process::Command;
+use std::time::Instant;
+
+use zero_core::optim::adam_kernel::{adam_step, bf16, f16, AdamScalars, HalfCopy, Isa};
+use zero_core::optim::CpuPool;
+
+const LR: f64 = 1e-3;
+const WD: f64 = 0.01;
+const BYTES_PER_PARAM: f64 = 28.0;
+const WARMUP: usize = 2;
+
+struct Buffers {
+    p: Vec<f32>,
+    g: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Buffers {
+    fn new(n: usize) -> Self {
+        // Distinct, non-trivial values; written once so that every page is resident.
+        Buffers {
+            p: (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect(),
+            g: (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-5).collect(),
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+}
+
+/// The textbook loop (what the plain C AdamW baseline computes), one thread per contiguous part.
+fn scalar_adamw(b: &mut Buffers, step: u64, threads: usize) {
+    let (b1, b2, eps) = (0.9_f32, 0.999_f32, 1e-8_f32);
+    let bc1 = 1.0 - 0.9_f64.powi(step as i32);
+    let bc2 = 1.0 - 0.999_f64.powi(step as i32);
+    let step_size = (LR / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let decay = (1.0 - LR * WD) as f32;
+    let part = b.p.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (((p, g), m), v) in b
+            .p
+            .chunks_mut(part)
+            .zip(b.g.chunks(part))
+            .zip(b.m.chunks_mut(part))
+            .zip(b.v.chunks_mut(part))
+        {
+            s.spawn(move || {
+                for i in 0..p.len() {
+                    p[i] *= decay;
+                    m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+                    v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+                    p[i] -= step_size * m[i] / (v[i].sqrt() / bc2_sqrt + eps);
+                }
+            });
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+enum Copy16 {
+    None,
+    Bf16,
+    F16,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Median seconds per step of `run` over `steps` steps after warm-up.
+fn time_steps(steps: usize, mut run: impl FnMut(u64)) -> f64 {
+    let mut times = Vec::with_capacity(steps);
+    for k in 0..WARMUP + steps {
+        let t0 = Instant::now();
+        run(k as u64 + 1);
+        let dt = t0.elapsed().as_secs_f64();
+        if k >= WARMUP {
+            times.push(dt);
+        }
+    }
+    median(times)
+}
+
+fn ours(b: &mut Buffers, isa: Isa, copy: Copy16, threads: usize, steps: usize) -> f64 {
+    let pool = CpuPool::new(threads).expect("optimizer threads");
+    let n = b.p.len();
+    let mut out_bf16 = matches!(copy, Copy16::Bf16).then(|| vec![bf16::ZERO; n]);
+    let mut out_f16 = matches!(copy, Copy16::F16).then(|| vec![f16::ZERO; n]);
+    time_steps(steps, |step| {
+        let s = AdamScalars::new(LR, 0.9, 0.999, 1e-8, WD, true, true, step);
+        let out = match (&mut out_bf16, &mut out_f16) {
+            (Some(o), _) => HalfCopy::Bf16(o),
+            (_, Some(o)) => HalfCopy::F16(o),
+            _ => HalfCopy::None,
+        };
+        pool.install(|| adam_step(isa, &mut b.p, &b.g, &mut b.m, &mut b.v, out, &s))
+            .expect("buffers of equal length");
+    })
+}
+
+fn torch(n: usize, threads: usize, steps: usize) -> Option<f64> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/bench_torch_adamw.py");
+    let out = Command::new("python3")
+        .args([script, "--params", &n.to_string(), "--threads", &threads.to_string()])
+        .args(["--steps", &steps.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("torch peer not run: {}", String::from_utf8_lossy(&out.stderr).lines().last()?);
+        return None;
+    }
+    // One JSON line; only its median is needed.
+    let line = String::from_utf8_lossy(&out.stdout);
+    let rest = line.split("\"median_s\":").nth(1)?;
+    rest.split([',', '}']).next()?.trim().parse().ok()
+}
+
+fn main() {
+    let mut n: usize = 100_000_000;
+    let mut steps = 7;
+    let mut with_torch = true;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--params" => n = args.next().and_then(|s| s.parse().ok()).unwrap_or(n),
+            "--steps" => steps = args.next().and_then(|s| s.parse().ok()).unwrap_or(steps),
+            "--no-torch" => with_torch = false,
+            other => {
+                eprintln!("unknown argument {other}; usage: cpu_adam [--params N] [--steps S] [--no-torch]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let isas = Isa::available();
+    println!(
+        "CPU AdamW step, {n} fp32 params, median of {steps} steps after {WARMUP} warm-up; kernels available: {}",
+        isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+    );
+    let report = |label: &str, secs: f64, bytes: f64, base: Option<(f64, &str)>| {
+        let ns = secs * 1e9 / n as f64;
+        let gbs = bytes * n as f64 / secs / 1e9;
+        let ratio = base.map_or(String::new(), |(b, name)| format!("  {:.2}x {name}", b / secs));
+        println!("  {label:<34} {ns:6.3} ns/param  {gbs:6.1} GB/s{ratio}");
+    };
+    for threads in [1usize, 2] {
+        println!("threads = {threads}");
+        let mut b = Buffers::new(n);
+        let scalar = time_steps(steps, |step| scalar_adamw(&mut b, step, threads));
+        report("plain scalar loop", scalar, BYTES_PER_PARAM, None);
+        let mut results = Vec::new();
+        for &isa in isas.iter().filter(|&&i| i != Isa::Scalar).chain([Isa::Scalar].iter()) {
+            let t = ours(&mut b, isa, Copy16::None, threads, steps);
+            report(&format!("zero-core {}", isa.name()), t, BYTES_PER_PARAM, Some((scalar, "vs scalar loop")));
+            results.push(t);
+        }
+        let best = Isa::detect();
+        let t = ours(&mut b, best, Copy16::Bf16, threads, steps);
+        report(&format!("zero-core {} + bf16 copy", best.name()), t, BYTES_PER_PARAM + 2.0, Some((scalar, "vs scalar loop")));
+        let t = ours(&mut b, best, Copy16::F16, threads, steps);
+        report(&format!("zero-core {} + f16 copy", best.name()), t, BYTES_PER_PARAM + 2.0, Some((scalar, "vs scalar loop")));
+        drop(b);
+        if with_torch {
+            match torch(n, threads, steps) {
+                Some(t) => {
+                    report("torch AdamW fused=True", t, BYTES_PER_PARAM, Some((scalar, "vs scalar loop")));
+                    for (isa, ours) in isas.iter().filter(|&&i| i != Isa::Scalar).zip(&results) {
+                        println!("  ratio torch fused / zero-core {}: {:.2}x", isa.name(), t / ours);
+                    }
+                }
+                None => println!("  torch AdamW fused=True: not run (python3 with torch not found)"),
+            }
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Plain typed optimizer settings, with PyTorch's (and DeepSpeed's) defaults.
+
+use serde::{Deserialize, Serialize};
+
+use super::OptimError;
+
+/// Which optimizer, with its settings. Built from the config's `optimizer` section by the engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum OptimizerSpec {
+    /// Adam or AdamW (see [`AdamSpec::decoupled_weight_decay`]).
+    Adam(AdamSpec),
+    /// SGD with momentum, dampening and Nesterov.
+    Sgd(SgdSpec),
+    /// LAMB (layer-wise adaptive moments).
+    Lamb(LambSpec),
+    /// Lion (evolved sign momentum).
+    Lion(LionSpec),
+}
+
+impl OptimizerSpec {
+    /// `torch.optim.Adam` with its defaults.
+    pub fn adam() -> Self {
+        OptimizerSpec::Adam(AdamSpec::adam())
+    }
+
+    /// `torch.optim.AdamW` with its defaults.
+    pub fn adamw() -> Self {
+        OptimizerSpec::Adam(AdamSpec::adamw())
+    }
+
+    /// The base learning rate (what a schedule scales, and the rate when there is none).
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerSpec::Adam(s) => s.lr,
+            OptimizerSpec::Sgd(s) => s.lr,
+            OptimizerSpec::Lamb(s) => s.lr,
+            OptimizerSpec::Lion(s) => s.lr,
+        }
+    }
+}
+
+/// Adam / AdamW settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AdamSpec {
+    /// Base learning rate. Default 1e-3.
+    pub lr: f64,
+    /// (β1, β2). Default (0.9, 0.999).
+    pub betas: (f64, f64),
+    /// Added to the denominator after the square root. Default 1e-8.
+    pub eps: f64,
+    /// Weight decay. Default 0 for Adam, 0.01 for AdamW.
+    pub weight_decay: f64,
+    /// AdamW's decoupled decay (`p -= lr·wd·p`) instead of Adam's L2 term in the gradient.
+    pub decoupled_weight_decay: bool,
+    /// Divide the moments by 1 - β^t. Default true (PyTorch always does).
+    pub bias_correction: bool,
+    /// Keep the maximum of the second moment (AMSGrad). Default false.
+    pub amsgrad: bool,
+}
+
+impl AdamSpec {
+    /// `torch.optim.Adam` defaults.
+    pub fn adam() -> Self {
+        AdamSpec {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+            bias_correction: true,
+            amsgrad: false,
+        }
+    }
+
+    /// `torch.optim.AdamW` defaults.
+    pub fn adamw() -> Self {
+        AdamSpec {
+            weight_decay: 1e-2,
+            decoupled_weight_decay: true,
+            ..Self::adam()
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), OptimError> {
+        check_lr(self.lr)?;
+        check_beta("betas[0]", self.betas.0)?;
+        check_beta("betas[1]", self.betas.1)?;
+        check_non_negative("eps", self.eps)?;
+        check_non_negative("weight_decay", self.weight_decay)
+    }
+}
+
+impl Default for AdamSpec {
+    fn default() -> Self {
+        Self::adamw()
+    }
+}
+
+/// SGD settings (`torch.optim.SGD`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SgdSpec {
+    /// Base learning rate. Default 1e-3.
+    pub lr: f64,
+    /// Momentum factor; 0 disables the momentum buffer. Default 0.
+    pub momentum: f64,
+    /// Dampening of the gradient's contribution to momentum. Default 0.
+    pub dampening: f64,
+    /// L2 weight decay added to the gradient. Default 0.
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs momentum > 0 and dampening 0). Default false.
+    pub nesterov: bool,
+}
+
+impl Default for SgdSpec {
+    fn default() -> Self {
+        SgdSpec {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+impl SgdSpec {
+    pub(crate) fn validate(&self) -> Result<(), OptimError> {
+        check_lr(self.lr)?;
+        check_non_negative("momentum", self.momentum)?;
+        check_non_negative("weight_decay", self.weight_decay)?;
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(OptimError::InvalidSetting {
+                name: "nesterov",
+                value: 1.0,
+                reason: "Nesterov momentum requires momentum > 0 and dampening = 0",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// LAMB settings (DeepSpeed's FusedLamb defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LambSpec {
+    /// Base learning rate. Default 1e-3.
+    pub lr: f64,
+    /// (β1, β2). Default (0.9, 0.999).
+    pub betas: (f64, f64),
+    /// Added to sqrt(v̂). Default 1e-8.
+    pub eps: f64,
+    /// Decay added to the update (`u += wd·p`). Default 0.
+    pub weight_decay: f64,
+    /// Divide the moments by 1 - β^t. Default true.
+    pub bias_correction: bool,
+    /// Upper clamp of the trust ratio. Default 10.
+    pub max_coeff: f64,
+    /// Lower clamp of the trust ratio. Default 0.01.
+    pub min_coeff: f64,
+}
+
+impl Default for LambSpec {
+    fn default() -> Self {
+        LambSpec {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+        }
+    }
+}
+
+impl LambSpec {
+    pub(crate) fn validate(&self) -> Result<(), OptimError> {
+        check_lr(self.lr)?;
+        check_beta("betas[0]", self.betas.0)?;
+        check_beta("betas[1]", self.betas.1)?;
+        check_non_negative("eps", self.eps)?;
+        check_non_negative("weight_decay", self.weight_decay)?;
+        check_non_negative("min_coeff", self.min_coeff)?;
+        if self.max_coeff < self.min_coeff {
+            return Err(OptimError::InvalidSetting {
+                name: "max_coeff",
+                value: self.max_coeff,
+                reason: "must not be below min_coeff",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Lion settings (DeepSpeed's FusedLion defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LionSpec {
+    /// Base learning rate. Default 1e-3.
+    pub lr: f64,
+    /// (β1 for the update's interpolation, β2 for the momentum). Default (0.9, 0.999).
+    pub betas: (f64, f64),
+    /// Decoupled weight decay (`p -= lr·wd·p`). Default 0.
+    pub weight_decay: f64,
+}
+
+impl Default for LionSpec {
+    fn default() -> Self {
+        LionSpec {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            weight_decay: 0.0,
+        }
+    }
+}
+
+impl LionSpec {
+    pub(crate) fn validate(&self) -> Result<(), OptimError> {
+        check_lr(self.lr)?;
+        check_beta("betas[0]", self.betas.0)?;
+        check_beta("betas[1]", self.betas.1)?;
+        check_non_negative("weight_decay", self.weight_decay)
+    }
+}
+
+fn check_lr(lr: f64) -> Result<(), OptimError> {
+    check_non_negative("lr", lr)
+}
+
+fn check_non_negative(name: &'static str, value: f64) -> Result<(), OptimError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidSetting {
+            name,
+            value,
+            reason: "must be finite and >= 0",
+        })
+    }
+}
+
+fn check_beta(name: &'static str, value: f64) -> Result<(), OptimError> {
+    if (0.0..1.0).contains(&value) {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidSetting {
+            name,
+            value,
+            reason: "must be in [0, 1)",
+        })
+    }
+}
