@@ -19,6 +19,7 @@ mod core;
 mod engine;
 mod error;
 mod flat_state;
+mod initialize;
 mod memory;
 mod optimizer;
 mod optimizer_bridge;
@@ -30,6 +31,9 @@ pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
+pub use initialize::{
+    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_spec, resolve, InitOptions,
+};
 pub use memory::{Bytes, MemoryReport};
 pub use optimizer::ZeroOptimizer;
 pub use settings::{EngineSettings, LrFn, Stage};

@@ -1,0 +1,188 @@
+//! From a DeepSpeed config to a running engine: `initialize` and `initialize_chain`.
+//!
+//! The config is parsed and validated once, at the edge (`zero_core::config`); here it is
+//! resolved for the process group's world size and turned into [`EngineSettings`], plain values
+//! the hot path reads.
+
+use crate::chain::ChainModel;
+use crate::chain_engine::ChainEngine;
+use crate::engine::ZeroEngine;
+use crate::error::ZeroError;
+use crate::settings::{EngineSettings, LrFn, Stage};
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+use std::sync::Arc;
+use zero_core::comm::ProcessGroup;
+use zero_core::config::{
+    DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig, SchedulerConfig,
+};
+use zero_core::lr_schedule::LrScheduleSpec;
+use zero_core::optim::{AdamSpec, LambSpec, LionSpec, OptimizerSpec, SgdSpec};
+
+/// What the config may leave to be known at initialize.
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    /// The model's hidden size, for bucket sizes written "auto".
+    pub hidden_size: Option<usize>,
+    /// Values for keys written "auto" that only the caller can give (optimizer lr, ...).
+    pub overrides: Overrides,
+}
+
+/// Resolves `config` for `world_size` ranks.
+pub fn resolve(config: &DeepSpeedConfig, world_size: usize, options: &InitOptions) -> Result<ResolvedConfig, ZeroError> {
+    config
+        .resolve(&ResolveContext { world_size, hidden_size: options.hidden_size, overrides: options.overrides.clone() })
+        .map_err(|e| ZeroError::Config(e.to_string()))
+}
+
+/// The engine's settings from a resolved config. Parts of the config this engine does not do yet
+/// are errors that say so, never silently ignored.
+pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
+    let stage = Stage::from_number(config.zero.stage as u8)
+        .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
+    match &config.precision {
+        Precision::Fp32 => {}
+        Precision::Fp16(_) => {
+            return Err(ZeroError::Config(
+                "fp16.enabled: 16-bit training is not available in this version of the engine; set fp16.enabled to false"
+                    .into(),
+            ))
+        }
+        Precision::Bf16(_) => {
+            return Err(ZeroError::Config(
+                "bf16.enabled: 16-bit training is not available in this version of the engine; set bf16.enabled to false"
+                    .into(),
+            ))
+        }
+    }
+    if config.zero.offload_optimizer.as_ref().is_some() {
+        return Err(ZeroError::Config(
+            "zero_optimization.offload_optimizer: offloading is not available in this version of the engine; remove the \
+             section or set its device to \"none\""
+                .into(),
+        ));
+    }
+    if config.zero.offload_param.as_ref().is_some() {
+        return Err(ZeroError::Config(
+            "zero_optimization.offload_param: offloading is not available in this version of the engine; remove the \
+             section or set its device to \"none\""
+                .into(),
+        ));
+    }
+    let optimizer = optimizer_spec(config.optimizer.as_ref())?;
+    let lr_schedule = match &config.scheduler {
+        None => None,
+        Some(s) => Some(lr_schedule(s, optimizer.lr())?),
+    };
+    let mut settings = EngineSettings::new(stage, optimizer);
+    settings.gradient_accumulation_steps = config.gradient_accumulation_steps as usize;
+    settings.reduce_bucket_size = config.zero.reduce_bucket_size as usize;
+    settings.overlap_comm = config.zero.overlap_comm;
+    settings.prefetch_bucket_size = config.zero.stage3_prefetch_bucket_size as usize;
+    settings.param_persistence_threshold = config.zero.stage3_param_persistence_threshold as usize;
+    settings.gradient_clipping = config.gradient_clipping;
+    settings.lr_schedule = lr_schedule;
+    Ok(settings)
+}
+
+/// The shard optimizer for the config's `optimizer` section.
+pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec, ZeroError> {
+    let Some(config) = config else {
+        return Err(ZeroError::Config(
+            "optimizer: the config names no optimizer; add e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}".into(),
+        ));
+    };
+    Ok(match config {
+        OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => OptimizerSpec::Adam(AdamSpec {
+            lr: p.lr,
+            betas: (p.betas[0], p.betas[1]),
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+            // The parser already applied DeepSpeed's rule: "Adam" is AdamW unless adam_w_mode is false.
+            decoupled_weight_decay: p.adam_w_mode,
+            bias_correction: p.bias_correction,
+            amsgrad: p.amsgrad,
+        }),
+        OptimizerConfig::Sgd(p) => OptimizerSpec::Sgd(SgdSpec {
+            lr: p.lr,
+            momentum: p.momentum,
+            dampening: p.dampening,
+            weight_decay: p.weight_decay,
+            nesterov: p.nesterov,
+        }),
+        OptimizerConfig::Lamb(p) => OptimizerSpec::Lamb(LambSpec {
+            lr: p.lr,
+            betas: (p.betas[0], p.betas[1]),
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+            bias_correction: p.bias_correction,
+            max_coeff: p.max_coeff,
+            min_coeff: p.min_coeff,
+        }),
+        OptimizerConfig::Lion(p) => {
+            OptimizerSpec::Lion(LionSpec { lr: p.lr, betas: (p.betas[0], p.betas[1]), weight_decay: p.weight_decay })
+        }
+        other => {
+            return Err(ZeroError::Config(format!(
+                "optimizer.type \"{}\" has no shard optimizer here; choose Adam, AdamW, SGD, Lamb or Lion",
+                other.name()
+            )))
+        }
+    })
+}
+
+/// The learning rate by optimizer step for the config's `scheduler` section.
+pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, ZeroError> {
+    if let SchedulerConfig::Other { name, .. } = config {
+        return Err(ZeroError::Config(format!(
+            "scheduler.type \"{name}\" is not available; choose WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
+        )));
+    }
+    // Both sides speak DeepSpeed's key names: the resolved section is the schedule's spec.
+    let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
+    let spec: LrScheduleSpec =
+        serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
+    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> =
+        Arc::from(spec.build(optimizer_lr).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?);
+    // Step k (0-based) runs at the rate the scheduler holds after k advances.
+    Ok(Arc::new(move |step| if step == 0 { schedule.initial_lr() } else { schedule.lr_at(step - 1) }))
+}
+
+/// An engine for any Burn module (ZeRO stages 0-2) from a DeepSpeed config.
+///
+/// ```ignore
+/// let config = DeepSpeedConfig::from_file("ds_config.json")?.config;
+/// let mut engine = zero_burn::initialize(&config, model, group)?;
+/// let loss = engine.forward(|m| m.loss(&batch));
+/// engine.backward(loss)?;
+/// engine.step()?;
+/// ```
+pub fn initialize<B: AutodiffBackend, M: AutodiffModule<B>>(
+    config: &DeepSpeedConfig,
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+) -> Result<ZeroEngine<B, M>, ZeroError> {
+    initialize_with(config, model, group, &InitOptions::default())
+}
+
+/// [`initialize`] with the hidden size and "auto" overrides.
+pub fn initialize_with<B: AutodiffBackend, M: AutodiffModule<B>>(
+    config: &DeepSpeedConfig,
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    options: &InitOptions,
+) -> Result<ZeroEngine<B, M>, ZeroError> {
+    let resolved = resolve(config, group.world_size(), options)?;
+    ZeroEngine::new(engine_settings(&resolved)?, model, group)
+}
+
+/// An engine for a [`ChainModel`] (every stage) from a DeepSpeed config.
+pub fn initialize_chain<B: AutodiffBackend, M: ChainModel<B>>(
+    config: &DeepSpeedConfig,
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    options: &InitOptions,
+) -> Result<ChainEngine<B, M>, ZeroError> {
+    let resolved = resolve(config, group.world_size(), options)?;
+    ChainEngine::new(engine_settings(&resolved)?, model, group)
+}

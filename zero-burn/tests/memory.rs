@@ -1,0 +1,80 @@
+//! The engine's per-rank accounting against the ZeRO paper's formulas (fp32 training with Adam:
+//! parameters 4Ψ, gradients 4Ψ, Adam's moments 8Ψ, each divided by N where the stage shards it).
+
+mod common;
+
+use common::*;
+use zero_burn::{ChainEngine, EngineSettings, MemoryReport, Stage};
+use zero_core::optim::OptimizerSpec;
+
+const BLOCK_ELEMENTS: usize = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
+
+/// Ψ of the test model (no padding).
+fn psi(blocks: usize) -> usize {
+    let b = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
+    let ends = common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
+    ends + blocks * b
+}
+
+fn within(label: &str, got: usize, want: f64, slack: f64) {
+    let tolerance = 0.05 * want + slack;
+    assert!(
+        (got as f64 - want).abs() <= tolerance,
+        "{label}: engine reports {got} bytes, the formula gives {want:.0} (tolerance {tolerance:.0})"
+    );
+}
+
+fn report(stage: Stage, world: usize) -> MemoryReport {
+    let reports = on_ranks(world, move |rank, group| {
+        let device = Default::default();
+        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
+        s.alignment = 1;
+        s.param_persistence_threshold = 0;
+        s.reduce_bucket_size = 1 << 20;
+        s.overlap_comm = true;
+        s.prefetch_bucket_size = 2 * BLOCK_ELEMENTS;
+        let mut engine = ChainEngine::new(s, Net::<B>::new(&device, 40), group).expect("engine");
+        let loss = engine.forward(batch::<B>(0, rank * 2..rank * 2 + 2, &device)).expect("forward");
+        engine.backward(loss).expect("backward");
+        engine.step().expect("step");
+        engine.memory()
+    });
+    reports[0]
+}
+
+#[test]
+fn per_rank_bytes_follow_the_zero_formulas() {
+    let psi = psi(40) as f64;
+    let block = (common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN) as f64 * 4.0;
+    for world in [1usize, 2, 4] {
+        let n = world as f64;
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            let r = report(stage, world);
+            let label = format!("{stage:?} world {world}");
+            let (params, grads, adam) = match stage {
+                Stage::Zero0 => (4.0 * psi, 4.0 * psi, 8.0 * psi),
+                Stage::Zero1 => (4.0 * psi, 4.0 * psi, 8.0 * psi / n),
+                Stage::Zero2 => (4.0 * psi, 4.0 * psi / n, 8.0 * psi / n),
+                Stage::Zero3 => (4.0 * psi / n, 4.0 * psi / n, 8.0 * psi / n),
+            };
+            // Padding of the last shard of each group is at most one element per rank and group.
+            let slack = block;
+            within(&format!("{label} parameters"), r.parameters.current, params, slack);
+            within(&format!("{label} gradients"), r.gradients.current, grads, slack);
+            within(&format!("{label} optimizer state"), r.optimizer_state.current, adam, slack);
+            // fp32 master weights: the owned shard; under stage 3 they are the parameters.
+            let master = if stage == Stage::Zero3 { 0.0 } else if stage == Stage::Zero0 { 4.0 * psi } else { 4.0 * psi / n };
+            within(&format!("{label} master weights"), r.master_weights.current, master, slack);
+            if stage == Stage::Zero3 {
+                // Nothing gathered stays after the step; live at once: the part in use plus the
+                // prefetch budget (2 blocks) plus the ends (68 + 39 elements) in flight.
+                assert_eq!(r.gathered.current, 0, "{label}: gathered parameters released");
+                assert!(r.gathered.peak > 0, "{label}: gathers were counted");
+                let bound = 4 * (3 * BLOCK_ELEMENTS + 2 * 107 + 64);
+                assert!(r.gathered.peak <= bound, "{label}: peak gathered {} exceeds {bound}", r.gathered.peak);
+            } else {
+                assert_eq!(r.gathered.peak, 0, "{label}: nothing is gathered below stage 3");
+            }
+        }
+    }
+}
