@@ -5,15 +5,33 @@
 //! peers, or a peer that dies or stops answering, becomes a [`CommError`] on every surviving rank
 //! that names the rank, the op and the sequence number.
 //!
-//! Backends live in their own files: threads in one process, processes over TCP, NCCL (behind the
-//! `cuda` feature, in zero-burn, where the device buffers are).
+//! Backends live in their own files: threads in one process ([`ThreadGroup`]), processes over TCP
+//! ([`TcpGroup`]), NCCL (behind the `cuda` feature, in zero-burn, where the device buffers are).
+//! Each runs its collectives on one worker thread per rank, in issue order.
+//!
+//! Reductions of 16-bit buffers (f16, bf16) accumulate in f32 on every backend and round to the
+//! buffer's dtype once, after the last rank's contribution (and after the division of
+//! [`ReduceOp::Avg`]).
+//!
+//! Every wait has a deadline: ZERO_COMM_TIMEOUT_SECS (default 300 s), counted from the last
+//! progress. After a failure the group is poisoned: every later collective fails at once with the
+//! original cause.
 
 mod buffer;
+pub mod env;
 mod error;
+mod op;
+mod reduce;
+mod tcp;
+mod threads;
 mod work;
+mod worker;
 
 pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
+pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
+pub use tcp::{TcpGroup, TcpOptions};
+pub use threads::ThreadGroup;
 pub use work::Work;
 
 use std::sync::Arc;
