@@ -253,11 +253,13 @@ impl ThreadRank {
         let deadline = Instant::now() + self.shared.timeout;
         let op = desc.kind.name().to_string();
         loop {
+            // Peers that all arrived come first: a mismatch is then reported by every rank from
+            // its own point of view rather than as the first detector's error.
+            let behind = (0..self.shared.world).find(|&p| st.phase[p] < phase);
+            let Some(late) = behind else { return Ok(st) };
             if let Some(cause) = &st.abort {
                 return Err(cause.clone());
             }
-            let behind = (0..self.shared.world).find(|&p| st.phase[p] < phase);
-            let Some(late) = behind else { return Ok(st) };
             let lost = (0..self.shared.world)
                 .find(|&p| st.phase[p] < phase && st.gone[p].is_some())
                 .and_then(|p| st.gone[p].clone().map(|reason| (p, reason)));
