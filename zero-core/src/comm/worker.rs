@@ -6,9 +6,9 @@
 
 use super::{CommError, Work};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Mutex;
-use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// What a backend keeps on its worker thread.
 pub(crate) trait BackendState: Send + 'static {
@@ -29,16 +29,19 @@ enum Message<S> {
 pub(crate) struct Worker<S: BackendState> {
     // Mutex: `Sender` is not `Sync` on older toolchains, and the handle is shared between threads.
     tx: Mutex<Option<Sender<Message<S>>>>,
-    thread: Option<JoinHandle<()>>,
+    /// Disconnected when the worker thread ends.
+    exited: Mutex<Receiver<()>>,
 }
 
 impl<S: BackendState> Worker<S> {
     /// Starts the worker thread; `name` shows in debuggers.
     pub(crate) fn spawn(name: String, mut state: S) -> Result<Self, CommError> {
         let (tx, rx) = mpsc::channel::<Message<S>>();
-        let thread = std::thread::Builder::new()
+        let (alive, exited) = mpsc::channel::<()>();
+        std::thread::Builder::new()
             .name(name)
             .spawn(move || {
+                let _alive = alive;
                 let mut poison: Option<CommError> = None;
                 let mut reason = String::from("it dropped its group handle");
                 for msg in rx {
@@ -52,7 +55,7 @@ impl<S: BackendState> Worker<S> {
             .map_err(|e| CommError::Setup(format!("cannot start the communication thread: {e}")))?;
         Ok(Worker {
             tx: Mutex::new(Some(tx)),
-            thread: Some(thread),
+            exited: Mutex::new(exited),
         })
     }
 
@@ -88,26 +91,34 @@ impl<S: BackendState> Worker<S> {
         }
     }
 
-    /// Stops the worker after the queued collectives, with the reason peers will be told.
-    pub(crate) fn stop(&mut self, reason: String) {
+    /// Stops the worker after the queued collectives, with the reason peers will be told, and
+    /// waits at most `patience` for it to finish.
+    pub(crate) fn stop(&mut self, reason: String, patience: Duration) {
         if let Ok(mut tx) = self.tx.lock() {
             if let Some(tx) = tx.take() {
                 let _ = tx.send(Message::Exit(reason));
             }
         }
-        // Not joined: queued collectives may wait for peers (bounded by the timeout), and a
-        // dropping thread (perhaps a panicking one) must not block on them.
-        self.thread.take();
+        // Waiting lets the peers hear a clean goodbye before this process exits; the bound keeps
+        // a drop from hanging on collectives that wait for peers.
+        if let Ok(exited) = self.exited.lock() {
+            let _ = exited.recv_timeout(patience);
+        }
     }
 }
 
 impl<S: BackendState> Drop for Worker<S> {
     fn drop(&mut self) {
-        let reason = if std::thread::panicking() {
-            "its thread panicked".to_string()
+        if std::thread::panicking() {
+            self.stop(
+                "its thread panicked".to_string(),
+                Duration::from_millis(100),
+            );
         } else {
-            "it dropped its group handle".to_string()
-        };
-        self.stop(reason);
+            self.stop(
+                "it dropped its group handle".to_string(),
+                Duration::from_secs(30),
+            );
+        }
     }
 }

@@ -20,16 +20,6 @@ pub(crate) enum Control {
     Goodbye(String),
 }
 
-/// What a control connection said.
-pub(crate) enum Heard {
-    /// The peer aborted with this cause.
-    Abort(CommError),
-    /// The peer left cleanly.
-    Left(String),
-    /// The connection ended without a goodbye: the peer's process died.
-    Died(String),
-}
-
 /// Both connections to one peer.
 pub(crate) struct Link {
     pub data: TcpStream,
@@ -37,6 +27,8 @@ pub(crate) struct Link {
     ctrl_in: Vec<u8>,
     /// Set once the peer said goodbye or its control connection ended.
     pub gone: Option<String>,
+    /// Set once the peer said it aborted, with its cause.
+    pub aborted: Option<CommError>,
 }
 
 impl Link {
@@ -47,13 +39,24 @@ impl Link {
             ctrl,
             ctrl_in: Vec::new(),
             gone: None,
+            aborted: None,
         }
     }
 
-    /// Reads what the control connection holds without blocking; returns the first notable event.
-    pub(crate) fn poll_ctrl(&mut self) -> Option<Heard> {
-        if self.gone.is_some() {
-            return None;
+    /// What makes this peer unusable, if anything was heard: its abort cause, or why it is gone.
+    pub(crate) fn trouble(&self) -> Option<Result<CommError, String>> {
+        match (&self.aborted, &self.gone) {
+            (Some(cause), _) => Some(Ok(cause.clone())),
+            (None, Some(reason)) => Some(Err(reason.clone())),
+            (None, None) => None,
+        }
+    }
+
+    /// Reads what the control connection holds without blocking, and records what it says in
+    /// `aborted` and `gone`.
+    pub(crate) fn poll_ctrl(&mut self) {
+        if self.gone.is_some() || self.aborted.is_some() {
+            return;
         }
         let mut buf = [0u8; 4096];
         let mut ended = None;
@@ -85,22 +88,24 @@ impl Link {
             }
             let frame: Vec<u8> = self.ctrl_in.drain(..4 + len).skip(4).collect();
             match serde_json::from_slice::<Control>(&frame) {
-                Ok(Control::Abort(cause)) => return Some(Heard::Abort(cause)),
+                Ok(Control::Abort(cause)) => {
+                    self.aborted = Some(cause);
+                    return;
+                }
                 Ok(Control::Goodbye(reason)) => {
-                    self.gone = Some(reason.clone());
-                    return Some(Heard::Left(reason));
+                    self.gone = Some(reason);
+                    return;
                 }
                 Err(e) => {
                     let reason = format!("it sent an unreadable control message ({e})");
-                    self.gone = Some(reason.clone());
-                    return Some(Heard::Died(reason));
+                    self.gone = Some(reason);
+                    return;
                 }
             }
         }
-        ended.map(|reason| {
-            self.gone = Some(reason.clone());
-            Heard::Died(reason)
-        })
+        if ended.is_some() {
+            self.gone = ended;
+        }
     }
 
     /// Sends a control message, best effort, waiting at most `patience` on a full socket.

@@ -7,7 +7,7 @@
 //! granularity of socket reads instead of whole chunks. While a flow waits, the loop also watches
 //! every peer's control connection, and gives up when nothing moved for the timeout.
 
-use super::link::{Heard, Link};
+use super::link::Link;
 use crate::comm::op::OpDesc;
 use crate::comm::reduce::combine;
 use crate::comm::{CommError, ReduceOp};
@@ -286,10 +286,23 @@ impl Mesh {
     /// The error for a broken data connection: the peer's own abort message if it sent one (it
     /// names the original cause), else that the peer is gone.
     fn lost(&mut self, desc: &OpDesc, peer: usize, what: &str) -> CommError {
-        let heard = self.links[peer].as_mut().and_then(|l| l.poll_ctrl());
-        match heard {
-            Some(Heard::Abort(cause)) => cause,
-            Some(Heard::Left(reason)) | Some(Heard::Died(reason)) => CommError::PeerLost {
+        // An aborting peer writes its cause on the control connection before it shuts its data
+        // connections; the two connections are not ordered, so give the message a moment.
+        let until = Instant::now() + Duration::from_millis(200);
+        loop {
+            let Some(link) = self.links[peer].as_mut() else {
+                break;
+            };
+            link.poll_ctrl();
+            if link.trouble().is_some() || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let trouble = self.links[peer].as_ref().and_then(|l| l.trouble());
+        match trouble {
+            Some(Ok(cause)) => cause,
+            Some(Err(reason)) => CommError::PeerLost {
                 seq: desc.seq,
                 op: desc.kind.name().to_string(),
                 peer,
@@ -304,25 +317,20 @@ impl Mesh {
         }
     }
 
-    /// Checks every control connection; an abort or a death is an error now.
-    pub(crate) fn check_peers(&mut self, desc: &OpDesc) -> Result<(), CommError> {
+    /// Reads every control connection; fails if a peer in `involved` aborted. A peer that is
+    /// gone fails the collective through its data connection instead, once the data it sent
+    /// before leaving is used up: a peer may well exit right after its last collective.
+    pub(crate) fn check_peers(
+        &mut self,
+        involved: impl Fn(usize) -> bool,
+    ) -> Result<(), CommError> {
         for peer in 0..self.links.len() {
             let Some(link) = self.links[peer].as_mut() else {
                 continue;
             };
-            match link.poll_ctrl() {
-                Some(Heard::Abort(cause)) => return Err(cause),
-                Some(Heard::Died(reason)) => {
-                    return Err(CommError::PeerLost {
-                        seq: desc.seq,
-                        op: desc.kind.name().to_string(),
-                        peer,
-                        reason,
-                    })
-                }
-                // A peer that left after its last collective is only an error if it is needed;
-                // its data connection says so when it is.
-                Some(Heard::Left(_)) | None => {}
+            link.poll_ctrl();
+            if let (true, Some(cause)) = (involved(peer), &link.aborted) {
+                return Err(cause.clone());
             }
         }
         Ok(())
@@ -357,7 +365,12 @@ impl Mesh {
                 add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
             }
         }
-        for link in self.links.iter().flatten().filter(|l| l.gone.is_none()) {
+        for link in self
+            .links
+            .iter()
+            .flatten()
+            .filter(|l| l.gone.is_none() && l.aborted.is_none())
+        {
             add(link.ctrl.as_raw_fd(), libc::POLLIN);
         }
         let now = Instant::now();
@@ -373,7 +386,11 @@ impl Mesh {
                 return Err(CommError::Setup(format!("poll failed: {e}")));
             }
         }
-        self.check_peers(desc)?;
+        let involved = |p: usize| {
+            recvs.iter().any(|r| r.peer == p && r.done < r.total)
+                || sends.iter().any(|s| s.peer == p && s.done < s.total)
+        };
+        self.check_peers(involved)?;
         if ready == 0 && Instant::now() >= deadline {
             return Err(self.timed_out(desc, sends, recvs));
         }
