@@ -8,3 +8,4 @@
 //! `zero-burn`, which drives what this crate provides.
 
 pub mod comm;
+pub mod launch;

@@ -215,3 +215,22 @@ fn errors_are_typed() {
         "{e}"
     );
 }
+
+#[test]
+fn ranks_started_by_zero_launch_find_each_other() {
+    let exe = std::env::current_exe().expect("test binary");
+    let out = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["launch", "--nproc-per-node", "3", "--"])
+        .arg(exe)
+        .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
+        .env("ZERO_TEST_MODE", "exercise")
+        .env("ZERO_COMM_TIMEOUT_SECS", "60")
+        .output()
+        .expect("zero launch");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    for rank in 0..3 {
+        let want = format!("RESULT rank {rank} ran {}", comm_support::EXERCISE_COUNT);
+        assert!(text.contains(&want), "rank {rank}:\n{text}");
+    }
+}
