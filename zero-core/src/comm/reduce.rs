@@ -70,15 +70,15 @@ pub(crate) fn finish(acc: &mut [f32], op: ReduceOp, world: usize) {
 }
 
 /// Reduces `len` elements read through `inputs` (one pointer per rank, combined in rank order)
-/// into `out`.
+/// and writes the result through every pointer of `outputs`.
 ///
 /// # Safety
-/// Every input pointer must be valid for reads of `len` elements and `out` for writes of `len`
-/// elements for the whole call, and no other thread may write any of them meanwhile. `out` may be
-/// one of the inputs: each block is read completely before it is written.
+/// Every input pointer must be valid for reads of `len` elements and every output for writes of
+/// `len` elements for the whole call, and no other thread may access any of them meanwhile.
+/// Outputs may be inputs: each block is read completely before it is written.
 pub(crate) unsafe fn reduce_raw<T: Element>(
     inputs: &[*const T],
-    out: *mut T,
+    outputs: &[*mut T],
     len: usize,
     op: ReduceOp,
 ) {
@@ -88,8 +88,8 @@ pub(crate) unsafe fn reduce_raw<T: Element>(
     while start < len {
         let n = BLOCK.min(len - start);
         for (j, &input) in inputs.iter().enumerate() {
-            // SAFETY: in bounds by the caller's contract; the shared slice ends before `out`'s
-            // mutable slice below is created.
+            // SAFETY: in bounds by the caller's contract; the shared slice ends before any
+            // output slice below is created.
             let src = unsafe { std::slice::from_raw_parts(input.add(start), n) };
             if j == 0 {
                 T::load(src, &mut acc[..n]);
@@ -99,9 +99,15 @@ pub(crate) unsafe fn reduce_raw<T: Element>(
             }
         }
         finish(&mut acc[..n], op, inputs.len());
-        // SAFETY: as above.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(start), n) };
-        T::store(&acc[..n], dst);
+        if let Some((&first, rest)) = outputs.split_first() {
+            // SAFETY: as above.
+            let dst = unsafe { std::slice::from_raw_parts_mut(first.add(start), n) };
+            T::store(&acc[..n], dst);
+            for &out in rest {
+                // SAFETY: as above; distinct outputs do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(first.add(start), out.add(start), n) };
+            }
+        }
         start += n;
     }
 }
@@ -125,7 +131,7 @@ mod tests {
         let inputs = vec![vec![x; 5]; 4];
         let ptrs: Vec<*const f16> = inputs.iter().map(|v| v.as_ptr()).collect();
         let mut out = vec![f16::ZERO; 5];
-        unsafe { reduce_raw(&ptrs, out.as_mut_ptr(), 5, ReduceOp::Sum) };
+        unsafe { reduce_raw(&ptrs, &[out.as_mut_ptr()], 5, ReduceOp::Sum) };
         let want = f16::from_f64(4.0 * x.to_f64());
         assert!(out.iter().all(|&o| o == want), "{out:?} != {want}");
     }
@@ -138,13 +144,13 @@ mod tests {
         let b: Vec<f32> = (0..len).map(|i| (len - i) as f32).collect();
         let a0 = a.clone();
         let ptrs = [a.as_ptr(), b.as_ptr()];
-        unsafe { reduce_raw(&ptrs, a.as_mut_ptr(), len, ReduceOp::Avg) };
+        unsafe { reduce_raw(&ptrs, &[a.as_mut_ptr()], len, ReduceOp::Avg) };
         for i in 0..len {
             assert_eq!(a[i] as f64, (a0[i] as f64 + b[i] as f64) / 2.0);
         }
         let mut c = a0.clone();
         let ptrs = [c.as_ptr(), b.as_ptr()];
-        unsafe { reduce_raw(&ptrs, c.as_mut_ptr(), len, ReduceOp::Max) };
+        unsafe { reduce_raw(&ptrs, &[c.as_mut_ptr()], len, ReduceOp::Max) };
         for i in 0..len {
             assert_eq!(c[i], a0[i].max(b[i]));
         }

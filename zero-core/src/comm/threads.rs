@@ -1,9 +1,9 @@
 //! Ranks as threads of one process, collectives through shared memory.
 //!
 //! Each rank publishes a pointer to its buffer; a reduction is computed by every rank on its own
-//! 1/world slice, reading the peers' buffers directly (no central copy), and the reduced slices
-//! are then copied by every rank from their owners. A rank thus moves about what the algorithm
-//! must: it reads each peer's slice once and the reduced slices once.
+//! 1/world slice, reading the peers' buffers directly (no central copy). In an all-reduce the
+//! rank then writes its reduced slice into every rank's buffer, so every element is read once
+//! and written once per rank: the minimum memory traffic.
 //!
 //! The ranks meet at phase counters under one mutex. Every wait has a deadline and watches for a
 //! rank that is gone (its handle dropped, its thread panicked) and for a group-wide abort, so a
@@ -160,8 +160,8 @@ struct Shared {
 }
 
 struct SharedState {
-    /// Per rank: 3·seq + k once it has finished step k (1: posted, 2: reduced, 3: done) of
-    /// collective `seq`.
+    /// Per rank: 3·seq + 1 once it has posted collective `seq`, 3·seq + 3 once it is done with
+    /// the peers' buffers.
     phase: Vec<u64>,
     desc: Vec<Option<OpDesc>>,
     bufs: Vec<Option<Arc<SharedBuf>>>,
@@ -351,9 +351,9 @@ impl ThreadRank {
                 .collect::<Result<_, _>>()?
         };
         let output = match desc.dtype {
-            DType::F32 => self.compute::<f32>(&desc, &mine, &peers, base)?,
-            DType::F16 => self.compute::<f16>(&desc, &mine, &peers, base)?,
-            DType::BF16 => self.compute::<bf16>(&desc, &mine, &peers, base)?,
+            DType::F32 => self.compute::<f32>(&desc, &mine, &peers)?,
+            DType::F16 => self.compute::<f16>(&desc, &mine, &peers)?,
+            DType::BF16 => self.compute::<bf16>(&desc, &mine, &peers)?,
         };
         drop(peers);
         {
@@ -378,7 +378,6 @@ impl ThreadRank {
         desc: &OpDesc,
         mine: &SharedBuf,
         peers: &[Arc<SharedBuf>],
-        base: u64,
     ) -> Result<Option<FlatBuffer>, CommError> {
         let (world, rank) = (self.shared.world, self.rank);
         let len = desc.len as usize;
@@ -389,24 +388,19 @@ impl ThreadRank {
         // element is never written while another rank reads it.
         match desc.kind {
             OpKind::AllReduce => {
-                let ranges = split(len, world);
-                let mine_r = ranges[rank].clone();
+                // This rank owns slice `rank`: it reads it from every buffer and writes the result
+                // into every buffer, so no gather pass is needed and each byte moves once.
+                let mine_r = split(len, world)[rank].clone();
                 let inputs: Vec<*const T> = ptrs
                     .iter()
                     .map(|&p| unsafe { p.add(mine_r.start) } as *const T)
                     .collect();
+                let outputs: Vec<*mut T> = ptrs
+                    .iter()
+                    .map(|&p| unsafe { p.add(mine_r.start) })
+                    .collect();
                 let op = desc.reduce.unwrap_or(ReduceOp::Sum);
-                unsafe { reduce_raw(&inputs, own.add(mine_r.start), mine_r.len(), op) };
-                drop(self.step(desc, base + 2)?);
-                for (p, r) in ranges.iter().enumerate().filter(|&(p, _)| p != rank) {
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            ptrs[p].add(r.start),
-                            own.add(r.start),
-                            r.len(),
-                        )
-                    };
-                }
+                unsafe { reduce_raw(&inputs, &outputs, mine_r.len(), op) };
                 Ok(None)
             }
             OpKind::ReduceScatter => {
@@ -417,7 +411,7 @@ impl ThreadRank {
                     .collect();
                 let mut out = vec![T::zeroed(); chunk];
                 let op = desc.reduce.unwrap_or(ReduceOp::Sum);
-                unsafe { reduce_raw(&inputs, out.as_mut_ptr(), chunk, op) };
+                unsafe { reduce_raw(&inputs, &[out.as_mut_ptr()], chunk, op) };
                 Ok(Some(into_flat(out)))
             }
             OpKind::AllGather => {
