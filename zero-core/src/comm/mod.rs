@@ -73,6 +73,15 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Concatenates every rank's equally sized `shard`, in rank order.
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer>;
 
+    /// As [`ProcessGroup::all_gather_async`], writing into `out` (`world_size` times the shard's
+    /// length, same dtype), which comes back as the result. Reusing one output buffer saves the
+    /// allocation and page faults of a fresh one per call; backends that cannot use it return a
+    /// new buffer instead.
+    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
+        drop(out);
+        self.all_gather_async(shard)
+    }
+
     /// Every rank receives `root`'s buffer (the other ranks' buffers give only length and dtype).
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer>;
 
@@ -94,6 +103,13 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Blocking [`ProcessGroup::all_gather_async`].
     fn all_gather(&self, shard: FlatBuffer) -> Result<FlatBuffer, CommError> {
         self.all_gather_async(shard).wait()
+    }
+
+    /// Blocking [`ProcessGroup::all_gather_into_async`], in place in `out`.
+    fn all_gather_into(&self, shard: FlatBuffer, out: &mut FlatBuffer) -> Result<(), CommError> {
+        let taken = std::mem::replace(out, FlatBuffer::F32(Vec::new()));
+        *out = self.all_gather_into_async(shard, taken).wait()?;
+        Ok(())
     }
 
     /// Blocking [`ProcessGroup::broadcast_async`], in place.

@@ -119,32 +119,38 @@ impl ProcessGroup for ThreadGroup {
 
     fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         self.worker.submit("all_reduce", move |s| {
-            s.run(OpKind::AllReduce, buffer, Some(op), 0)
+            s.run(OpKind::AllReduce, buffer, Some(op), 0, None)
         })
     }
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         self.worker.submit("reduce_scatter", move |s| {
-            s.run(OpKind::ReduceScatter, input, Some(op), 0)
+            s.run(OpKind::ReduceScatter, input, Some(op), 0, None)
         })
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0)
+            s.run(OpKind::AllGather, shard, None, 0, None)
+        })
+    }
+
+    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
+        self.worker.submit("all_gather", move |s| {
+            s.run(OpKind::AllGather, shard, None, 0, Some(out))
         })
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
         self.worker.submit("broadcast", move |s| {
-            s.run(OpKind::Broadcast, buffer, None, root)
+            s.run(OpKind::Broadcast, buffer, None, root, None)
         })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         self.worker
             .submit("barrier", |s| {
-                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0)
+                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
             })
             .wait()
             .map(drop)
@@ -301,6 +307,7 @@ impl ThreadRank {
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
+        out: Option<FlatBuffer>,
     ) -> Result<FlatBuffer, CommError> {
         let (world, rank) = (self.shared.world, self.rank);
         let desc = OpDesc {
@@ -327,6 +334,19 @@ impl ThreadRank {
                 "root {root} is not a rank of a group of {world}"
             )));
         }
+        if let Some(out) = &out {
+            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
+                return Err(invalid(format!(
+                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
+                     ranks needs {}",
+                    out.len(),
+                    out.dtype(),
+                    buffer.len(),
+                    buffer.dtype(),
+                    buffer.len() * world
+                )));
+            }
+        }
         let base = 3 * desc.seq;
         let mine = Arc::new(SharedBuf::new(buffer));
         let peers: Vec<Arc<SharedBuf>> = {
@@ -351,9 +371,9 @@ impl ThreadRank {
                 .collect::<Result<_, _>>()?
         };
         let output = match desc.dtype {
-            DType::F32 => self.compute::<f32>(&desc, &mine, &peers)?,
-            DType::F16 => self.compute::<f16>(&desc, &mine, &peers)?,
-            DType::BF16 => self.compute::<bf16>(&desc, &mine, &peers)?,
+            DType::F32 => self.compute::<f32>(&desc, &mine, &peers, out)?,
+            DType::F16 => self.compute::<f16>(&desc, &mine, &peers, out)?,
+            DType::BF16 => self.compute::<bf16>(&desc, &mine, &peers, out)?,
         };
         drop(peers);
         {
@@ -378,6 +398,7 @@ impl ThreadRank {
         desc: &OpDesc,
         mine: &SharedBuf,
         peers: &[Arc<SharedBuf>],
+        out: Option<FlatBuffer>,
     ) -> Result<Option<FlatBuffer>, CommError> {
         let (world, rank) = (self.shared.world, self.rank);
         let len = desc.len as usize;
@@ -415,7 +436,10 @@ impl ThreadRank {
                 Ok(Some(into_flat(out)))
             }
             OpKind::AllGather => {
-                let mut out = vec![T::zeroed(); len * world];
+                let mut out = match out.and_then(FlatBuffer::into_vec::<T>) {
+                    Some(v) => v,
+                    None => vec![T::zeroed(); len * world],
+                };
                 for (p, &src) in ptrs.iter().enumerate() {
                     let dst = &mut out[p * len..(p + 1) * len];
                     unsafe { dst.copy_from_slice(std::slice::from_raw_parts(src, len)) };

@@ -13,8 +13,9 @@ pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 pub const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 
 /// Collectives [`exercise`] runs: per dtype and length, all_reduce and reduce_scatter per op,
-/// one all_gather and one broadcast; then four in [`exercise_async`].
-pub const EXERCISE_COUNT: usize = DTYPES.len() * LENS.len() * (2 * OPS.len() + 2) + 4;
+/// two all_gathers (a fresh and a reused output) and one broadcast; then four in
+/// [`exercise_async`].
+pub const EXERCISE_COUNT: usize = DTYPES.len() * LENS.len() * (2 * OPS.len() + 3) + 4;
 
 /// Rank `rank`'s deterministic input: values in [-2, 2) on a 1/1024 grid, different for every
 /// rank, element and salt.
@@ -154,7 +155,20 @@ pub fn exercise(g: &dyn ProcessGroup) -> usize {
                 ReduceOp::Max,
                 &what,
             );
-            count += 1;
+            // Again into a reused output buffer holding stale values.
+            let shard = FlatBuffer::from_f32(&input(rank, len, salt), dtype);
+            let mut reused = FlatBuffer::from_f32(&vec![9.0; len * world], dtype);
+            g.all_gather_into(shard, &mut reused)
+                .unwrap_or_else(|e| panic!("{what} into: {e}"));
+            assert_close(
+                &reused,
+                &want,
+                &vec![0.0; want.len()],
+                dtype,
+                ReduceOp::Max,
+                &what,
+            );
+            count += 2;
 
             salt += 1;
             let root = (salt as usize) % world;

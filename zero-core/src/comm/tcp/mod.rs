@@ -128,32 +128,38 @@ impl ProcessGroup for TcpGroup {
 
     fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         self.worker.submit("all_reduce", move |s| {
-            s.run(OpKind::AllReduce, buffer, Some(op), 0)
+            s.run(OpKind::AllReduce, buffer, Some(op), 0, None)
         })
     }
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         self.worker.submit("reduce_scatter", move |s| {
-            s.run(OpKind::ReduceScatter, input, Some(op), 0)
+            s.run(OpKind::ReduceScatter, input, Some(op), 0, None)
         })
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0)
+            s.run(OpKind::AllGather, shard, None, 0, None)
+        })
+    }
+
+    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
+        self.worker.submit("all_gather", move |s| {
+            s.run(OpKind::AllGather, shard, None, 0, Some(out))
         })
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
         self.worker.submit("broadcast", move |s| {
-            s.run(OpKind::Broadcast, buffer, None, root)
+            s.run(OpKind::Broadcast, buffer, None, root, None)
         })
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         self.worker
             .submit("barrier", |s| {
-                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0)
+                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
             })
             .wait()
             .map(drop)
@@ -213,6 +219,7 @@ impl TcpRank {
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
+        out: Option<FlatBuffer>,
     ) -> Result<FlatBuffer, CommError> {
         let world = self.world;
         let desc = OpDesc {
@@ -239,13 +246,26 @@ impl TcpRank {
                 "root {root} is not a rank of a group of {world}"
             )));
         }
+        if let Some(out) = &out {
+            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
+                return Err(invalid(format!(
+                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
+                     ranks needs {}",
+                    out.len(),
+                    out.dtype(),
+                    buffer.len(),
+                    buffer.dtype(),
+                    buffer.len() * world
+                )));
+            }
+        }
         if world > 1 {
             self.exchange_headers(&desc)?;
         }
         match buffer {
-            FlatBuffer::F32(v) => self.dispatch(&desc, v),
-            FlatBuffer::F16(v) => self.dispatch::<f16>(&desc, v),
-            FlatBuffer::BF16(v) => self.dispatch::<bf16>(&desc, v),
+            FlatBuffer::F32(v) => self.dispatch(&desc, v, out),
+            FlatBuffer::F16(v) => self.dispatch::<f16>(&desc, v, out),
+            FlatBuffer::BF16(v) => self.dispatch::<bf16>(&desc, v, out),
         }
     }
 
@@ -294,7 +314,12 @@ impl TcpRank {
         Ok(())
     }
 
-    fn dispatch<T: Element>(&mut self, desc: &OpDesc, v: Vec<T>) -> Result<FlatBuffer, CommError> {
+    fn dispatch<T: Element>(
+        &mut self,
+        desc: &OpDesc,
+        v: Vec<T>,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError> {
         let (world, rank) = (self.world, self.mesh.rank);
         let op = desc.reduce.unwrap_or(ReduceOp::Sum);
         match desc.kind {
@@ -339,7 +364,10 @@ impl TcpRank {
             OpKind::AllGather => {
                 let c = v.len();
                 let ranges: Vec<Range<usize>> = (0..world).map(|i| i * c..(i + 1) * c).collect();
-                let mut out = vec![T::zeroed(); c * world];
+                let mut out = match out.and_then(FlatBuffer::into_vec::<T>) {
+                    Some(v) => v,
+                    None => vec![T::zeroed(); c * world],
+                };
                 out[ranges[rank].clone()].copy_from_slice(&v);
                 drop(v);
                 self.ring_all_gather(desc, &mut out, &ranges, rank)?;
