@@ -9,6 +9,7 @@
 
 pub mod comm;
 pub mod config;
+pub mod launch;
 pub mod loss_scaler;
 pub mod lr_schedule;
 pub mod optim;

@@ -121,6 +121,18 @@ impl FlatBuffer {
         }
     }
 
+    /// The elements as a `Vec<T>` when `T` is this buffer's element type.
+    pub(crate) fn into_vec<T: crate::comm::reduce::Element>(self) -> Option<Vec<T>> {
+        if self.dtype() != T::DTYPE {
+            return None;
+        }
+        match self {
+            FlatBuffer::F32(v) => bytemuck::allocation::try_cast_vec(v).ok(),
+            FlatBuffer::F16(v) => bytemuck::allocation::try_cast_vec(v).ok(),
+            FlatBuffer::BF16(v) => bytemuck::allocation::try_cast_vec(v).ok(),
+        }
+    }
+
     /// A mutable view.
     pub fn as_mut(&mut self) -> BufferMut<'_> {
         match self {

@@ -1,7 +1,9 @@
 //! What can go wrong in a collective, said so that the user knows which rank to look at.
 
 /// A failed collective. Every variant names the op and, where one is to blame, the rank.
-#[derive(Debug, thiserror::Error)]
+// Clone: a poisoned group hands the original cause to every later call. Serialize: the TCP
+// backend tells its peers why it aborted, so that they report the same cause.
+#[derive(Clone, Debug, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CommError {
     /// Ranks disagreed on which collective comes next.
     #[error(

@@ -5,15 +5,33 @@
 //! peers, or a peer that dies or stops answering, becomes a [`CommError`] on every surviving rank
 //! that names the rank, the op and the sequence number.
 //!
-//! Backends live in their own files: threads in one process, processes over TCP, NCCL (behind the
-//! `cuda` feature, in zero-burn, where the device buffers are).
+//! Backends live in their own files: threads in one process ([`ThreadGroup`]), processes over TCP
+//! ([`TcpGroup`]), NCCL (behind the `cuda` feature, in zero-burn, where the device buffers are).
+//! Each runs its collectives on one worker thread per rank, in issue order.
+//!
+//! Reductions of 16-bit buffers (f16, bf16) accumulate in f32 on every backend and round to the
+//! buffer's dtype once, after the last rank's contribution (and after the division of
+//! [`ReduceOp::Avg`]).
+//!
+//! Every wait has a deadline: ZERO_COMM_TIMEOUT_SECS (default 300 s), counted from the last
+//! progress. After a failure the group is poisoned: every later collective fails at once with the
+//! original cause.
 
 mod buffer;
+pub mod env;
 mod error;
+mod op;
+mod reduce;
+mod tcp;
+mod threads;
 mod work;
+mod worker;
 
 pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
+pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
+pub use tcp::{TcpGroup, TcpOptions};
+pub use threads::ThreadGroup;
 pub use work::Work;
 
 use std::sync::Arc;
@@ -55,6 +73,15 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Concatenates every rank's equally sized `shard`, in rank order.
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer>;
 
+    /// As [`ProcessGroup::all_gather_async`], writing into `out` (`world_size` times the shard's
+    /// length, same dtype), which comes back as the result. Reusing one output buffer saves the
+    /// allocation and page faults of a fresh one per call; backends that cannot use it return a
+    /// new buffer instead.
+    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
+        drop(out);
+        self.all_gather_async(shard)
+    }
+
     /// Every rank receives `root`'s buffer (the other ranks' buffers give only length and dtype).
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer>;
 
@@ -76,6 +103,13 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Blocking [`ProcessGroup::all_gather_async`].
     fn all_gather(&self, shard: FlatBuffer) -> Result<FlatBuffer, CommError> {
         self.all_gather_async(shard).wait()
+    }
+
+    /// Blocking [`ProcessGroup::all_gather_into_async`], in place in `out`.
+    fn all_gather_into(&self, shard: FlatBuffer, out: &mut FlatBuffer) -> Result<(), CommError> {
+        let taken = std::mem::replace(out, FlatBuffer::F32(Vec::new()));
+        *out = self.all_gather_into_async(shard, taken).wait()?;
+        Ok(())
     }
 
     /// Blocking [`ProcessGroup::broadcast_async`], in place.

@@ -1,0 +1,274 @@
+//! Bus bandwidth of all_reduce, reduce_scatter and all_gather (f32) on the threads and TCP
+//! backends, against the machine's memory bandwidth and torch's gloo, measured in the same run.
+//!
+//! nccl-tests conventions, `bytes` being the full buffer: all_reduce busbw = bytes·2(n-1)/n / t;
+//! reduce_scatter and all_gather busbw = bytes·(n-1)/n / t. TCP runs one process per rank on
+//! loopback (this binary re-executed with the torchrun variables).
+//!
+//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo]
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, ThreadGroup};
+
+const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+
+/// gloo on this kind of machine, from ANCHORS.md (GB/s busbw; world, op, MB), used only when
+/// torch cannot be imported here.
+const ANCHOR_GLOO: &[(usize, &str, usize, f64)] = &[
+    (2, "all_reduce", 1, 0.34),
+    (2, "all_reduce", 16, 0.73),
+    (2, "all_reduce", 64, 0.91),
+    (2, "all_reduce", 256, 0.84),
+    (2, "reduce_scatter", 1, 0.18),
+    (2, "reduce_scatter", 16, 0.28),
+    (2, "reduce_scatter", 64, 0.24),
+    (2, "reduce_scatter", 256, 0.26),
+    (2, "all_gather", 1, 0.42),
+    (2, "all_gather", 16, 0.49),
+    (2, "all_gather", 64, 0.25),
+    (2, "all_gather", 256, 0.31),
+    (4, "all_reduce", 1, 0.21),
+    (4, "all_reduce", 16, 0.65),
+    (4, "all_reduce", 64, 0.66),
+    (4, "reduce_scatter", 1, 0.09),
+    (4, "reduce_scatter", 16, 0.23),
+    (4, "reduce_scatter", 64, 0.17),
+    (4, "all_gather", 1, 0.16),
+    (4, "all_gather", 16, 0.53),
+    (4, "all_gather", 64, 0.26),
+];
+
+fn iterations(bytes: usize) -> usize {
+    (64usize << 20).checked_div(bytes.max(1)).unwrap_or(1).clamp(3, 20)
+}
+
+fn busbw(op: &str, bytes: usize, world: usize, secs: f64) -> f64 {
+    let n = world as f64;
+    let factor = if op == "all_reduce" { 2.0 * (n - 1.0) / n } else { (n - 1.0) / n };
+    bytes as f64 * factor / secs / 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Elements of an f32 buffer of `mb` MiB, rounded down to a multiple of `world`.
+fn elems(mb: usize, world: usize) -> usize {
+    let n = (mb << 20) / 4;
+    n - n % world
+}
+
+/// Runs the schedule on one rank; returns (op, bytes, median seconds) as seen by this rank.
+fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> {
+    let world = g.world_size();
+    let mut out = Vec::new();
+    for &mb in sizes {
+        let n = elems(mb, world);
+        let bytes = n * 4;
+        let mut full = FlatBuffer::F32(vec![1.0; n]);
+        for op in OPS {
+            let mut run = |full: &mut FlatBuffer| -> Result<(), String> {
+                match op {
+                    "all_reduce" => g.all_reduce(full, ReduceOp::Sum).map_err(|e| e.to_string()),
+                    "reduce_scatter" => g
+                        .reduce_scatter(std::mem::replace(full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
+                        .map(|_| *full = FlatBuffer::F32(vec![1.0; n]))
+                        .map_err(|e| e.to_string()),
+                    _ => g
+                        .all_gather(FlatBuffer::F32(vec![1.0; n / world]))
+                        .map(drop)
+                        .map_err(|e| e.to_string()),
+                }
+            };
+            let fail = |e: String| -> ! {
+                eprintln!("rank {}: {op}: {e}", g.rank());
+                std::process::exit(1)
+            };
+            run(&mut full).unwrap_or_else(|e| fail(e));
+            let mut times = Vec::new();
+            for _ in 0..iterations(bytes) {
+                g.barrier().unwrap_or_else(|e| fail(e.to_string()));
+                if op == "reduce_scatter" {
+                    // The input is consumed: refill it outside the timed region.
+                    full = FlatBuffer::F32(vec![1.0; n]);
+                }
+                let t = Instant::now();
+                let taken = if op == "reduce_scatter" {
+                    g.reduce_scatter(std::mem::replace(&mut full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                } else {
+                    run(&mut full)
+                };
+                times.push(t.elapsed().as_secs_f64());
+                taken.unwrap_or_else(|e| fail(e));
+            }
+            out.push((op.to_string(), bytes, median(times)));
+        }
+    }
+    out
+}
+
+/// Copy bandwidth (STREAM convention: read + write bytes) of a 256 MiB buffer with `threads`
+/// threads, best of 5.
+fn memcpy_bandwidth(threads: usize) -> f64 {
+    let n = 64 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        thread::scope(|s| {
+            let chunk = n.div_ceil(threads);
+            for (d, sr) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(sr));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    2.0 * (n * 4) as f64 / best / 1e9
+}
+
+fn threads_backend(world: usize, sizes: &[usize]) -> Vec<(String, usize, f64)> {
+    let ranks = ThreadGroup::with_timeout(world, Duration::from_secs(600)).expect("thread group");
+    let results: Vec<Vec<(String, usize, f64)>> = thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|g: Arc<ThreadGroup>| s.spawn(move || schedule(&*g, sizes)))
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    results.into_iter().next().unwrap_or_default()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29517)
+}
+
+/// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's
+/// `RESULT op bytes seconds` lines.
+fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String, usize, f64)>> {
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(program)
+                .args(args)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+        })
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let mut lines = Vec::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().ok()?;
+        if !out.status.success() {
+            eprintln!("{program} rank {rank} failed: {}", out.status);
+            return None;
+        }
+        if rank == 0 {
+            lines = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+        }
+    }
+    Some(
+        lines
+            .iter()
+            .filter_map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                (w.len() == 4 && w[0] == "RESULT")
+                    .then(|| Some((w[1].to_string(), w[2].parse().ok()?, w[3].parse().ok()?)))
+                    .flatten()
+            })
+            .collect(),
+    )
+}
+
+fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
+    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect()).unwrap_or_else(|| default.to_vec())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+    let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
+    if args.iter().any(|a| a == "--tcp-rank") {
+        let g = TcpGroup::from_env(Some(Duration::from_secs(600))).unwrap_or_else(|e| {
+            eprintln!("rendezvous: {e}");
+            std::process::exit(1)
+        });
+        for (op, bytes, secs) in schedule(&g, &sizes) {
+            if g.rank() == 0 {
+                println!("RESULT {op} {bytes} {secs:.6}");
+            }
+        }
+        return;
+    }
+    let worlds = list(flag("--worlds"), &[2, 4]);
+    let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+
+    let mem1 = memcpy_bandwidth(1);
+    let mem2 = memcpy_bandwidth(2);
+    println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
+
+    let torch = !args.iter().any(|a| a == "--no-gloo")
+        && Command::new("python3").args(["-c", "import torch"]).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+    let gloo_script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/gloo_collectives.py");
+    println!(
+        "gloo baseline: {}",
+        if torch { "torch.distributed gloo, measured in this run (tools/gloo_collectives.py)" } else { "torch not importable: figures taken from ANCHORS.md" }
+    );
+
+    let exe = std::env::current_exe().expect("own path").display().to_string();
+    let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
+    for &world in &worlds {
+        let threads = threads_backend(world, &sizes);
+        let mem = if world >= 2 { mem2 } else { mem1 };
+        for (op, bytes, secs) in threads {
+            let bw = busbw(&op, bytes, world, secs);
+            rows.push(("threads".into(), world, op, bytes, secs, bw, format!("{:.0}% of copy bw", 100.0 * bw / mem)));
+        }
+        let tcp = processes(world, &exe, &["--tcp-rank".into(), "--sizes".into(), sizes_arg.clone()]).unwrap_or_default();
+        let gloo: BTreeMap<(String, usize), f64> = if torch {
+            processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(op, bytes, secs)| ((op.clone(), bytes), busbw(&op, bytes, world, secs)))
+                .collect()
+        } else {
+            ANCHOR_GLOO
+                .iter()
+                .filter(|a| a.0 == world)
+                .map(|&(_, op, mb, bw)| ((op.to_string(), elems(mb, world) * 4), bw))
+                .collect()
+        };
+        for (op, bytes, secs) in tcp {
+            let bw = busbw(&op, bytes, world, secs);
+            let vs = match gloo.get(&(op.clone(), bytes)) {
+                Some(g) => format!("{:.2}x gloo ({g:.2} GB/s{})", bw / g, if torch { "" } else { ", ANCHORS" }),
+                None => "no gloo figure".into(),
+            };
+            rows.push(("tcp".into(), world, op, bytes, secs, bw, vs));
+        }
+    }
+    println!();
+    println!("| backend | world | op | size | time | busbw | baseline |");
+    println!("|---|---|---|---|---|---|---|");
+    for (backend, world, op, bytes, secs, bw, vs) in rows {
+        println!(
+            "| {backend} | {world} | {op} | {:.0} MB | {:.2} ms | {bw:.2} GB/s | {vs} |",
+            bytes as f64 / (1 << 20) as f64,
+            secs * 1e3
+        );
+    }
+}

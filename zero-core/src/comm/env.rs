@@ -1,0 +1,266 @@
+//! Finding this process's rank from the environment its launcher set.
+//!
+//! `zero launch` and torchrun set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK.
+//! Slurm's `srun` and Open MPI's `mpirun` set their own variables; [`DistEnv::detect`] reads
+//! whichever set is present, so a program starts the same way under all of them.
+
+use std::time::Duration;
+
+/// Port used when a launcher gives no MASTER_PORT (Slurm, Open MPI); torch's default too.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Collective timeout when ZERO_COMM_TIMEOUT_SECS is unset.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The variable that overrides [`DEFAULT_TIMEOUT`], in (fractional) seconds.
+pub const TIMEOUT_VAR: &str = "ZERO_COMM_TIMEOUT_SECS";
+
+/// Which launcher's variables were found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK (zero launch, torchrun).
+    Torchrun,
+    /// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; master from MASTER_ADDR or
+    /// SLURM_LAUNCH_NODE_IPADDR.
+    Slurm,
+    /// OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK; master from
+    /// MASTER_ADDR.
+    OpenMpi,
+}
+
+/// Why the environment does not describe a rank.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    /// No launcher's variables are set at all.
+    #[error(
+        "no distributed environment: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or start \
+         the program with `zero launch`, torchrun, srun or mpirun)"
+    )]
+    NoLauncher,
+    /// A launcher was recognised but one of its variables is missing.
+    #[error("{launcher:?} environment: {var} is not set")]
+    Missing {
+        /// The launcher whose variables were found.
+        launcher: Launcher,
+        /// The missing variable.
+        var: &'static str,
+    },
+    /// A variable is set but cannot be used.
+    #[error("{var}={value:?}: {reason}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What a valid value looks like.
+        reason: String,
+    },
+}
+
+/// This process's place in a distributed job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistEnv {
+    /// Global rank, in `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank among the processes of this node.
+    pub local_rank: usize,
+    /// Host of rank 0's rendezvous listener.
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous listener.
+    pub master_port: u16,
+    /// Where the values came from.
+    pub launcher: Launcher,
+}
+
+impl DistEnv {
+    /// Reads the process environment.
+    pub fn detect() -> Result<Self, EnvError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads variables through `get` (the environment, or a map in tests).
+    ///
+    /// The torchrun set wins when RANK is present; then Slurm (SLURM_PROCID), then Open MPI
+    /// (OMPI_COMM_WORLD_RANK).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
+        let launcher = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+            Launcher::Torchrun
+        } else if get("SLURM_PROCID").is_some() {
+            Launcher::Slurm
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            Launcher::OpenMpi
+        } else {
+            return Err(EnvError::NoLauncher);
+        };
+        let need = |var: &'static str| get(var).ok_or(EnvError::Missing { launcher, var });
+        let number = |var: &'static str, value: String| {
+            value
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| EnvError::Invalid {
+                    var,
+                    value,
+                    reason: "expected a non-negative integer".into(),
+                })
+        };
+        let port = |var: &'static str, value: String| {
+            value.trim().parse::<u16>().map_err(|_| EnvError::Invalid {
+                var,
+                value,
+                reason: "expected a port number (0-65535)".into(),
+            })
+        };
+        let (rank_var, world_var, local_var) = match launcher {
+            Launcher::Torchrun => ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+            Launcher::Slurm => ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+            Launcher::OpenMpi => (
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            ),
+        };
+        let rank = number(rank_var, need(rank_var)?)?;
+        let world_size = number(world_var, need(world_var)?)?;
+        let local_rank = match (launcher, get(local_var)) {
+            (_, Some(v)) => number(local_var, v)?,
+            // torchrun always sets it; a hand-written environment is one node.
+            (Launcher::Torchrun, None) => rank,
+            (_, None) => {
+                return Err(EnvError::Missing {
+                    launcher,
+                    var: local_var,
+                })
+            }
+        };
+        let master_addr = match launcher {
+            Launcher::Slurm => get("MASTER_ADDR")
+                .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
+                .ok_or(EnvError::Missing {
+                    launcher,
+                    var: "MASTER_ADDR",
+                })?,
+            _ => need("MASTER_ADDR")?,
+        };
+        let master_port = match (launcher, get("MASTER_PORT")) {
+            (_, Some(v)) => port("MASTER_PORT", v)?,
+            (Launcher::Torchrun, None) => {
+                return Err(EnvError::Missing {
+                    launcher,
+                    var: "MASTER_PORT",
+                })
+            }
+            (_, None) => DEFAULT_MASTER_PORT,
+        };
+        if world_size == 0 || rank >= world_size {
+            return Err(EnvError::Invalid {
+                var: rank_var,
+                value: rank.to_string(),
+                reason: format!("must be below {world_var}={world_size}"),
+            });
+        }
+        Ok(DistEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr,
+            master_port,
+            launcher,
+        })
+    }
+}
+
+/// The collective timeout: ZERO_COMM_TIMEOUT_SECS if set, else [`DEFAULT_TIMEOUT`].
+pub fn timeout_from_env() -> Result<Duration, EnvError> {
+    match std::env::var(TIMEOUT_VAR) {
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+        Ok(value) => match value.trim().parse::<f64>() {
+            Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
+            _ => Err(EnvError::Invalid {
+                var: TIMEOUT_VAR,
+                value,
+                reason: "expected a positive number of seconds".into(),
+            }),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = DistEnv::from_lookup(env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.master_port),
+            (3, 4, 1, 1234)
+        );
+        assert_eq!(e.launcher, Launcher::Torchrun);
+        let missing = DistEnv::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "2")]));
+        assert_eq!(
+            missing,
+            Err(EnvError::Missing {
+                launcher: Launcher::Torchrun,
+                var: "MASTER_ADDR"
+            })
+        );
+    }
+
+    #[test]
+    fn slurm_and_openmpi_variables() {
+        let e = DistEnv::from_lookup(env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
+        ]))
+        .unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank), (5, 8, 1));
+        assert_eq!(
+            (e.master_addr.as_str(), e.master_port),
+            ("10.1.2.3", DEFAULT_MASTER_PORT)
+        );
+        let err = DistEnv::from_lookup(env(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+        ]))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("OMPI_COMM_WORLD_LOCAL_RANK"),
+            "{err}"
+        );
+        let bad = DistEnv::from_lookup(env(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("MASTER_ADDR", "h"),
+        ]));
+        assert!(matches!(
+            bad,
+            Err(EnvError::Invalid {
+                var: "SLURM_PROCID",
+                ..
+            })
+        ));
+        assert_eq!(DistEnv::from_lookup(env(&[])), Err(EnvError::NoLauncher));
+    }
+}

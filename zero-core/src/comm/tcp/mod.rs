@@ -1,0 +1,462 @@
+//! Ranks as processes, collectives over TCP (like torch's gloo backend).
+//!
+//! Rendezvous follows torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or
+//! Slurm's or Open MPI's through [`DistEnv::detect`]. Reductions run as a ring: a reduce-scatter
+//! in which every rank forwards a chunk as soon as its part has been combined (pipelined at the
+//! granularity of socket reads), then an all-gather around the same ring. Each rank sends and
+//! receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are reduced
+//! in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded once; their
+//! all-gather phase moves 16-bit values.
+//!
+//! Every collective starts with an exchange of headers (op, sequence number, dtype, length)
+//! between all ranks, so a mismatch is seen by every rank before any payload moves.
+
+mod link;
+mod pump;
+mod rendezvous;
+
+use super::env::{timeout_from_env, DistEnv};
+use super::op::{OpDesc, OpKind, DESC_BYTES};
+use super::reduce::{finish, widen, Element};
+use super::threads::{into_flat, split};
+use super::worker::{BackendState, Worker};
+use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
+use half::{bf16, f16};
+use link::Control;
+use pump::{Mesh, RecvFlow, Seg, SendFlow, Sink};
+use rendezvous::{connect_mesh, SocketTuning};
+use std::ops::Range;
+use std::time::Duration;
+
+/// Options of a TCP group beyond its place in the job.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpOptions {
+    /// How long any wait (rendezvous, a collective without progress) may last.
+    pub timeout: Duration,
+    /// SO_SNDBUF and SO_RCVBUF of the data connections, in bytes (`None`: the kernel's
+    /// autotuning). Large buffers keep the ring streaming; the kernel caps them at
+    /// net.core.wmem_max / rmem_max.
+    pub socket_buffer: Option<usize>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            timeout: super::env::DEFAULT_TIMEOUT,
+            socket_buffer: Some(4 << 20),
+        }
+    }
+}
+
+/// One rank of a group of processes connected over TCP.
+pub struct TcpGroup {
+    rank: usize,
+    world: usize,
+    worker: Worker<TcpRank>,
+}
+
+impl std::fmt::Debug for TcpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TcpGroup(rank {} of {})", self.rank, self.world)
+    }
+}
+
+impl TcpGroup {
+    /// Joins the group the environment describes ([`DistEnv::detect`]). `timeout` overrides
+    /// ZERO_COMM_TIMEOUT_SECS (default 300 s).
+    pub fn from_env(timeout: Option<Duration>) -> Result<Self, CommError> {
+        let env = DistEnv::detect().map_err(|e| CommError::Setup(e.to_string()))?;
+        let timeout = match timeout {
+            Some(t) => t,
+            None => timeout_from_env().map_err(|e| CommError::Setup(e.to_string()))?,
+        };
+        let options = TcpOptions {
+            timeout,
+            ..TcpOptions::default()
+        };
+        Self::connect(
+            env.rank,
+            env.world_size,
+            &env.master_addr,
+            env.master_port,
+            options,
+        )
+    }
+
+    /// Joins a group explicitly: rank 0 listens on `master_port` of the host `master_addr`
+    /// names; every rank must call this with the same world size, master and port.
+    pub fn connect(
+        rank: usize,
+        world: usize,
+        master_addr: &str,
+        master_port: u16,
+        options: TcpOptions,
+    ) -> Result<Self, CommError> {
+        let tuning = SocketTuning {
+            buffer: options.socket_buffer,
+        };
+        let links = connect_mesh(
+            rank,
+            world,
+            master_addr,
+            master_port,
+            options.timeout,
+            tuning,
+        )?;
+        let state = TcpRank {
+            mesh: Mesh::new(rank, links, options.timeout),
+            world,
+            seq: 0,
+        };
+        let worker = Worker::spawn(format!("zero-comm-tcp-rank{rank}"), state)?;
+        Ok(TcpGroup {
+            rank,
+            world,
+            worker,
+        })
+    }
+}
+
+impl ProcessGroup for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.worker.submit("all_reduce", move |s| {
+            s.run(OpKind::AllReduce, buffer, Some(op), 0, None)
+        })
+    }
+
+    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.worker.submit("reduce_scatter", move |s| {
+            s.run(OpKind::ReduceScatter, input, Some(op), 0, None)
+        })
+    }
+
+    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
+        self.worker.submit("all_gather", move |s| {
+            s.run(OpKind::AllGather, shard, None, 0, None)
+        })
+    }
+
+    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
+        self.worker.submit("all_gather", move |s| {
+            s.run(OpKind::AllGather, shard, None, 0, Some(out))
+        })
+    }
+
+    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
+        self.worker.submit("broadcast", move |s| {
+            s.run(OpKind::Broadcast, buffer, None, root, None)
+        })
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.worker
+            .submit("barrier", |s| {
+                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
+            })
+            .wait()
+            .map(drop)
+    }
+}
+
+/// The worker-side state of one rank.
+struct TcpRank {
+    mesh: Mesh,
+    world: usize,
+    seq: u64,
+}
+
+impl BackendState for TcpRank {
+    fn on_error(&mut self, error: &CommError) {
+        let msg = Control::Abort(error.clone());
+        for link in self.mesh.links.iter_mut().flatten() {
+            link.send_ctrl(&msg, Duration::from_millis(200));
+            // A peer blocked on this rank's data sees the end of the stream at once, and reads
+            // the cause above; a peer that needs nothing more from this rank is not disturbed.
+            let _ = link.data.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    fn on_exit(&mut self, reason: &str) {
+        let msg = Control::Goodbye(reason.to_string());
+        for link in self.mesh.links.iter_mut().flatten() {
+            // Drain first: closing a socket with unread data resets it, which could destroy the
+            // goodbye before the peer reads it.
+            link.poll_ctrl();
+            link.send_ctrl(&msg, Duration::from_millis(200));
+            let _ = link.ctrl.shutdown(std::net::Shutdown::Write);
+        }
+    }
+}
+
+fn seg_of<T>(base: *mut T, r: &Range<usize>) -> Seg {
+    // SAFETY: callers pass ranges inside the buffer `base` points into.
+    Seg {
+        ptr: unsafe { base.add(r.start) } as *mut u8,
+        len: r.len() * std::mem::size_of::<T>(),
+    }
+}
+
+impl TcpRank {
+    fn next(&self) -> usize {
+        (self.mesh.rank + 1) % self.world
+    }
+
+    fn prev(&self) -> usize {
+        (self.mesh.rank + self.world - 1) % self.world
+    }
+
+    fn run(
+        &mut self,
+        kind: OpKind,
+        buffer: FlatBuffer,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError> {
+        let world = self.world;
+        let desc = OpDesc {
+            kind,
+            seq: self.seq,
+            dtype: buffer.dtype(),
+            len: buffer.len() as u64,
+            reduce,
+            root: root as u64,
+        };
+        self.seq += 1;
+        let invalid = |message: String| CommError::InvalidArgument {
+            op: kind.name().to_string(),
+            message,
+        };
+        if kind == OpKind::ReduceScatter && buffer.len() % world != 0 {
+            return Err(invalid(format!(
+                "input length {} is not a multiple of the world size {world}",
+                buffer.len()
+            )));
+        }
+        if kind == OpKind::Broadcast && root >= world {
+            return Err(invalid(format!(
+                "root {root} is not a rank of a group of {world}"
+            )));
+        }
+        if let Some(out) = &out {
+            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
+                return Err(invalid(format!(
+                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
+                     ranks needs {}",
+                    out.len(),
+                    out.dtype(),
+                    buffer.len(),
+                    buffer.dtype(),
+                    buffer.len() * world
+                )));
+            }
+        }
+        if world > 1 {
+            self.exchange_headers(&desc)?;
+        }
+        match buffer {
+            FlatBuffer::F32(v) => self.dispatch(&desc, v, out),
+            FlatBuffer::F16(v) => self.dispatch::<f16>(&desc, v, out),
+            FlatBuffer::BF16(v) => self.dispatch::<bf16>(&desc, v, out),
+        }
+    }
+
+    /// Every rank sends its header to every other and checks what it receives.
+    fn exchange_headers(&mut self, desc: &OpDesc) -> Result<(), CommError> {
+        let rank = self.mesh.rank;
+        self.mesh.check_peers(|_| true)?;
+        let mut mine = desc.encode();
+        let mut theirs = vec![[0u8; DESC_BYTES]; self.world];
+        let peers: Vec<usize> = (0..self.world).filter(|&p| p != rank).collect();
+        let mut sends: Vec<SendFlow> = peers
+            .iter()
+            .map(|&p| {
+                SendFlow::new(
+                    p,
+                    vec![Seg {
+                        ptr: mine.as_mut_ptr(),
+                        len: DESC_BYTES,
+                    }],
+                    None,
+                )
+            })
+            .collect();
+        let mut recvs: Vec<RecvFlow> = peers
+            .iter()
+            .map(|&p| {
+                let seg = Seg {
+                    ptr: theirs[p].as_mut_ptr(),
+                    len: DESC_BYTES,
+                };
+                RecvFlow::new(p, vec![seg], Sink::Copy)
+            })
+            .collect();
+        self.mesh.pump(desc, &mut sends, &mut recvs)?;
+        for &p in &peers {
+            let Some(other) = OpDesc::decode(&theirs[p]) else {
+                return Err(CommError::PeerLost {
+                    seq: desc.seq,
+                    op: desc.kind.name().to_string(),
+                    peer: p,
+                    reason: "it sent an unreadable header (its stream is out of step)".into(),
+                });
+            };
+            desc.check(rank, p, &other)?;
+        }
+        Ok(())
+    }
+
+    fn dispatch<T: Element>(
+        &mut self,
+        desc: &OpDesc,
+        v: Vec<T>,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError> {
+        let (world, rank) = (self.world, self.mesh.rank);
+        let op = desc.reduce.unwrap_or(ReduceOp::Sum);
+        match desc.kind {
+            OpKind::AllReduce => {
+                let ranges = split(v.len(), world);
+                // The chunk this rank holds reduced after the ring reduce-scatter.
+                let owned = (rank + 1) % world;
+                match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
+                    Ok(mut work) => {
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, rank, op)?;
+                        finish(&mut work[ranges[owned].clone()], op, world);
+                        self.ring_all_gather(desc, &mut work, &ranges, owned)?;
+                        Ok(into_flat(work))
+                    }
+                    Err((_, mut v)) => {
+                        let mut work = widen(&v);
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, rank, op)?;
+                        let r = ranges[owned].clone();
+                        finish(&mut work[r.clone()], op, world);
+                        T::store(&work[r.clone()], &mut v[r]);
+                        drop(work);
+                        self.ring_all_gather(desc, &mut v, &ranges, owned)?;
+                        Ok(into_flat(v))
+                    }
+                }
+            }
+            OpKind::ReduceScatter => {
+                let c = v.len() / world;
+                let ranges: Vec<Range<usize>> = (0..world).map(|i| i * c..(i + 1) * c).collect();
+                let mut work = match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
+                    Ok(work) => work,
+                    Err((_, v)) => widen(&v),
+                };
+                // Starting one chunk back leaves this rank with its own chunk reduced.
+                self.ring_reduce_scatter(desc, &mut work, &ranges, (rank + world - 1) % world, op)?;
+                let mine = &mut work[ranges[rank].clone()];
+                finish(mine, op, world);
+                let mut out = vec![T::zeroed(); c];
+                T::store(mine, &mut out);
+                Ok(into_flat(out))
+            }
+            OpKind::AllGather => {
+                let c = v.len();
+                let ranges: Vec<Range<usize>> = (0..world).map(|i| i * c..(i + 1) * c).collect();
+                let mut out = match out.and_then(FlatBuffer::into_vec::<T>) {
+                    Some(v) => v,
+                    None => vec![T::zeroed(); c * world],
+                };
+                out[ranges[rank].clone()].copy_from_slice(&v);
+                drop(v);
+                self.ring_all_gather(desc, &mut out, &ranges, rank)?;
+                Ok(into_flat(out))
+            }
+            OpKind::Broadcast => {
+                let mut v = v;
+                self.chain_broadcast(desc, &mut v, desc.root as usize)?;
+                Ok(into_flat(v))
+            }
+            OpKind::Barrier => Ok(into_flat(v)),
+        }
+    }
+
+    /// Ring reduce-scatter of `work` cut in `ranges` (one per rank): this rank first sends chunk
+    /// `first`, and ends with chunk `first + 1` holding the combination of every rank's values
+    /// (before [`finish`]).
+    fn ring_reduce_scatter(
+        &mut self,
+        desc: &OpDesc,
+        work: &mut [f32],
+        ranges: &[Range<usize>],
+        first: usize,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let n = self.world;
+        if n == 1 {
+            return Ok(());
+        }
+        let base = work.as_mut_ptr();
+        let sends = (0..n - 1)
+            .map(|k| seg_of(base, &ranges[(first + n - k) % n]))
+            .collect();
+        let recvs = (0..n - 1)
+            .map(|k| seg_of(base, &ranges[(first + 2 * n - 1 - k) % n]))
+            .collect();
+        let head = ranges[first].len() * 4;
+        let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
+        let mut recvs = [RecvFlow::new(self.prev(), recvs, Sink::Reduce(op))];
+        self.mesh.pump(desc, &mut sends, &mut recvs)
+    }
+
+    /// Ring all-gather: this rank holds chunk `own` of `buf` and receives all others.
+    fn ring_all_gather<T: Element>(
+        &mut self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        ranges: &[Range<usize>],
+        own: usize,
+    ) -> Result<(), CommError> {
+        let n = self.world;
+        if n == 1 {
+            return Ok(());
+        }
+        let base = buf.as_mut_ptr();
+        let sends = (0..n - 1)
+            .map(|k| seg_of(base, &ranges[(own + n - k) % n]))
+            .collect();
+        let recvs = (0..n - 1)
+            .map(|k| seg_of(base, &ranges[(own + 2 * n - 1 - k) % n]))
+            .collect();
+        let head = ranges[own].len() * std::mem::size_of::<T>();
+        let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
+        let mut recvs = [RecvFlow::new(self.prev(), recvs, Sink::Copy)];
+        self.mesh.pump(desc, &mut sends, &mut recvs)
+    }
+
+    /// Pipelined chain root → root+1 → …: each rank forwards bytes as they arrive.
+    fn chain_broadcast<T: Element>(
+        &mut self,
+        desc: &OpDesc,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let n = self.world;
+        if n == 1 {
+            return Ok(());
+        }
+        let pos = (self.mesh.rank + n - root) % n;
+        let whole = seg_of(buf.as_mut_ptr(), &(0..buf.len()));
+        let mut recvs = Vec::new();
+        let mut sends = Vec::new();
+        if pos > 0 {
+            recvs.push(RecvFlow::new(self.prev(), vec![whole], Sink::Copy));
+        }
+        if pos < n - 1 {
+            let gate = if pos > 0 { Some((0, 0)) } else { None };
+            sends.push(SendFlow::new(self.next(), vec![whole], gate));
+        }
+        self.mesh.pump(desc, &mut sends, &mut recvs)
+    }
+}

@@ -1,0 +1,415 @@
+//! The transfer engine: moves byte streams to and from peers over non-blocking sockets, with one
+//! `poll` loop per collective.
+//!
+//! A collective is described as flows: a send flow streams memory segments to a peer, a receive
+//! flow fills segments from a peer, either by copying or by reducing into f32 memory. A send can be
+//! gated on a receive (a ring forwards what it has just reduced), which pipelines the ring at the
+//! granularity of socket reads instead of whole chunks. While a flow waits, the loop also watches
+//! every peer's control connection, and gives up when nothing moved for the timeout.
+
+use super::link::Link;
+use crate::comm::op::OpDesc;
+use crate::comm::reduce::combine;
+use crate::comm::{CommError, ReduceOp};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+/// f32 elements of the staging buffer of reducing receives.
+const SCRATCH_ELEMS: usize = 1 << 18;
+
+/// A raw memory segment: the flows borrow memory the collective owns, in disjoint parts whose
+/// reads and writes the gates order; plain slices cannot express that sharing.
+#[derive(Clone, Copy)]
+pub(crate) struct Seg {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+#[derive(Default)]
+struct Cursor {
+    seg: usize,
+    off: usize,
+}
+
+impl Cursor {
+    fn advance(&mut self, segs: &[Seg], mut n: usize) {
+        while n > 0 || (self.seg < segs.len() && self.off == segs[self.seg].len) {
+            if self.seg >= segs.len() {
+                return;
+            }
+            let step = n.min(segs[self.seg].len - self.off);
+            self.off += step;
+            n -= step;
+            if self.off == segs[self.seg].len {
+                self.seg += 1;
+                self.off = 0;
+            }
+        }
+    }
+}
+
+/// Streams `segs` to `peer`; with a gate `(head, r)`, byte `i` goes out only once
+/// `i < head + recvs[r].processed`.
+pub(crate) struct SendFlow {
+    peer: usize,
+    segs: Vec<Seg>,
+    gate: Option<(usize, usize)>,
+    total: usize,
+    done: usize,
+    cur: Cursor,
+}
+
+impl SendFlow {
+    pub(crate) fn new(peer: usize, segs: Vec<Seg>, gate: Option<(usize, usize)>) -> Self {
+        let total = segs.iter().map(|s| s.len).sum();
+        let mut cur = Cursor::default();
+        cur.advance(&segs, 0);
+        SendFlow {
+            peer,
+            segs,
+            gate,
+            total,
+            done: 0,
+            cur,
+        }
+    }
+}
+
+/// How received bytes land.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sink {
+    /// Copied into the segments.
+    Copy,
+    /// Combined (as f32) into the f32 values the segments hold.
+    Reduce(ReduceOp),
+}
+
+/// Fills `segs` from `peer`.
+pub(crate) struct RecvFlow {
+    peer: usize,
+    segs: Vec<Seg>,
+    sink: Sink,
+    total: usize,
+    /// Bytes read from the socket.
+    done: usize,
+    /// Bytes landed in the segments (copied or reduced).
+    processed: usize,
+    cur: Cursor,
+}
+
+impl RecvFlow {
+    pub(crate) fn new(peer: usize, segs: Vec<Seg>, sink: Sink) -> Self {
+        let total = segs.iter().map(|s| s.len).sum();
+        let mut cur = Cursor::default();
+        cur.advance(&segs, 0);
+        RecvFlow {
+            peer,
+            segs,
+            sink,
+            total,
+            done: 0,
+            processed: 0,
+            cur,
+        }
+    }
+}
+
+/// All connections of one rank, indexed by peer rank (`None` at this rank's own index).
+pub(crate) struct Mesh {
+    pub rank: usize,
+    pub links: Vec<Option<Link>>,
+    pub timeout: Duration,
+    scratch: Vec<f32>,
+    pending: usize,
+}
+
+impl Mesh {
+    pub(crate) fn new(rank: usize, links: Vec<Option<Link>>, timeout: Duration) -> Self {
+        Mesh {
+            rank,
+            links,
+            timeout,
+            scratch: Vec::new(),
+            pending: 0,
+        }
+    }
+
+    fn link(&self, peer: usize) -> &Link {
+        // Flows are built only for peers of the mesh.
+        self.links[peer]
+            .as_ref()
+            .expect("a flow names a peer of the mesh")
+    }
+
+    /// Runs the flows to completion, or fails naming the peer at fault and the collective.
+    pub(crate) fn pump(
+        &mut self,
+        desc: &OpDesc,
+        sends: &mut [SendFlow],
+        recvs: &mut [RecvFlow],
+    ) -> Result<(), CommError> {
+        if recvs.iter().any(|r| r.sink != Sink::Copy) && self.scratch.is_empty() {
+            self.scratch = vec![0f32; SCRATCH_ELEMS];
+        }
+        self.pending = 0;
+        let mut last_progress = Instant::now();
+        loop {
+            let mut progressed = false;
+            for i in 0..recvs.len() {
+                progressed |= self.drive_recv(desc, &mut recvs[i])?;
+            }
+            for i in 0..sends.len() {
+                let limit = match sends[i].gate {
+                    None => sends[i].total,
+                    Some((head, r)) => (head + recvs[r].processed).min(sends[i].total),
+                };
+                progressed |= self.drive_send(desc, &mut sends[i], limit)?;
+            }
+            if sends.iter().all(|s| s.done == s.total) && recvs.iter().all(|r| r.done == r.total) {
+                return Ok(());
+            }
+            if progressed {
+                last_progress = Instant::now();
+                continue;
+            }
+            self.wait(desc, sends, recvs, last_progress + self.timeout)?;
+        }
+    }
+
+    /// Reads what is available; true if anything arrived.
+    fn drive_recv(&mut self, desc: &OpDesc, flow: &mut RecvFlow) -> Result<bool, CommError> {
+        let mut progressed = false;
+        while flow.done < flow.total {
+            let Some(link) = self.links[flow.peer].as_ref() else {
+                return Err(self.lost(desc, flow.peer, "it is not connected"));
+            };
+            let stream = &link.data;
+            let result = match flow.sink {
+                Sink::Copy => {
+                    let seg = flow.segs[flow.cur.seg];
+                    // SAFETY: the segment is this flow's to write until processed passes it.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            seg.ptr.add(flow.cur.off),
+                            seg.len - flow.cur.off,
+                        )
+                    };
+                    (&*stream).read(dst)
+                }
+                Sink::Reduce(_) => {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+                    let room = (bytes.len() - self.pending).min(flow.total - flow.done);
+                    (&*stream).read(&mut bytes[self.pending..self.pending + room])
+                }
+            };
+            match result {
+                Ok(0) => {
+                    return Err(self.lost(desc, flow.peer, "closed its connection mid-collective"))
+                }
+                Ok(n) => {
+                    progressed = true;
+                    flow.done += n;
+                    match flow.sink {
+                        Sink::Copy => {
+                            flow.cur.advance(&flow.segs, n);
+                            flow.processed = flow.done;
+                        }
+                        Sink::Reduce(op) => self.reduce_staged(flow, n, op),
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(self.lost(desc, flow.peer, &format!("connection error: {e}")))
+                }
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// Combines the complete f32 values staged in `scratch` into the flow's segments.
+    fn reduce_staged(&mut self, flow: &mut RecvFlow, n: usize, op: ReduceOp) {
+        let avail = self.pending + n;
+        let whole = avail / 4;
+        let mut from = 0;
+        while from < whole {
+            let seg = flow.segs[flow.cur.seg];
+            let elems = ((seg.len - flow.cur.off) / 4).min(whole - from);
+            // SAFETY: f32-aligned segment of f32 values owned by this flow until processed.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(seg.ptr.add(flow.cur.off) as *mut f32, elems)
+            };
+            combine(dst, &self.scratch[from..from + elems], op);
+            flow.cur.advance(&flow.segs, elems * 4);
+            from += elems;
+        }
+        flow.processed += whole * 4;
+        let rest = avail - whole * 4;
+        if rest > 0 {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+            bytes.copy_within(whole * 4..avail, 0);
+        }
+        self.pending = rest;
+    }
+
+    /// Writes what the gate allows; true if anything left.
+    fn drive_send(
+        &mut self,
+        desc: &OpDesc,
+        flow: &mut SendFlow,
+        limit: usize,
+    ) -> Result<bool, CommError> {
+        let mut progressed = false;
+        while flow.done < limit {
+            let seg = flow.segs[flow.cur.seg];
+            let n = (seg.len - flow.cur.off).min(limit - flow.done);
+            // SAFETY: bytes below the gate are final; nobody writes them during the collective.
+            let src = unsafe { std::slice::from_raw_parts(seg.ptr.add(flow.cur.off), n) };
+            match (&self.link(flow.peer).data).write(src) {
+                Ok(0) => return Err(self.lost(desc, flow.peer, "stopped accepting data")),
+                Ok(n) => {
+                    progressed = true;
+                    flow.done += n;
+                    flow.cur.advance(&flow.segs, n);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(self.lost(desc, flow.peer, &format!("connection error: {e}")))
+                }
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// The error for a broken data connection: the peer's own abort message if it sent one (it
+    /// names the original cause), else that the peer is gone.
+    fn lost(&mut self, desc: &OpDesc, peer: usize, what: &str) -> CommError {
+        // An aborting peer writes its cause on the control connection before it shuts its data
+        // connections; the two connections are not ordered, so give the message a moment.
+        let until = Instant::now() + Duration::from_millis(200);
+        loop {
+            let Some(link) = self.links[peer].as_mut() else {
+                break;
+            };
+            link.poll_ctrl();
+            if link.trouble().is_some() || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let trouble = self.links[peer].as_ref().and_then(|l| l.trouble());
+        match trouble {
+            Some(Ok(cause)) => cause,
+            Some(Err(reason)) => CommError::PeerLost {
+                seq: desc.seq,
+                op: desc.kind.name().to_string(),
+                peer,
+                reason,
+            },
+            None => CommError::PeerLost {
+                seq: desc.seq,
+                op: desc.kind.name().to_string(),
+                peer,
+                reason: what.to_string(),
+            },
+        }
+    }
+
+    /// Reads every control connection; fails if a peer in `involved` aborted. A peer that is
+    /// gone fails the collective through its data connection instead, once the data it sent
+    /// before leaving is used up: a peer may well exit right after its last collective.
+    pub(crate) fn check_peers(
+        &mut self,
+        involved: impl Fn(usize) -> bool,
+    ) -> Result<(), CommError> {
+        for peer in 0..self.links.len() {
+            let Some(link) = self.links[peer].as_mut() else {
+                continue;
+            };
+            link.poll_ctrl();
+            if let (true, Some(cause)) = (involved(peer), &link.aborted) {
+                return Err(cause.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until a flow can move or a control connection speaks, at most until `deadline`.
+    fn wait(
+        &mut self,
+        desc: &OpDesc,
+        sends: &[SendFlow],
+        recvs: &[RecvFlow],
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut add = |fd: i32, events: i16| match fds.iter_mut().find(|p| p.fd == fd) {
+            Some(p) => p.events |= events,
+            None => fds.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            }),
+        };
+        for r in recvs.iter().filter(|r| r.done < r.total) {
+            add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);
+        }
+        for s in sends.iter().filter(|s| s.done < s.total) {
+            let limit = match s.gate {
+                None => s.total,
+                Some((head, r)) => (head + recvs[r].processed).min(s.total),
+            };
+            if s.done < limit {
+                add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
+            }
+        }
+        for link in self
+            .links
+            .iter()
+            .flatten()
+            .filter(|l| l.gone.is_none() && l.aborted.is_none())
+        {
+            add(link.ctrl.as_raw_fd(), libc::POLLIN);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(self.timed_out(desc, sends, recvs));
+        }
+        let ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid array of pollfd of the given length.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if ready < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                return Err(CommError::Setup(format!("poll failed: {e}")));
+            }
+        }
+        let involved = |p: usize| {
+            recvs.iter().any(|r| r.peer == p && r.done < r.total)
+                || sends.iter().any(|s| s.peer == p && s.done < s.total)
+        };
+        self.check_peers(involved)?;
+        if ready == 0 && Instant::now() >= deadline {
+            return Err(self.timed_out(desc, sends, recvs));
+        }
+        Ok(())
+    }
+
+    /// A timeout blames the peer a receive waits on, else the one a send waits on.
+    fn timed_out(&self, desc: &OpDesc, sends: &[SendFlow], recvs: &[RecvFlow]) -> CommError {
+        let peer = recvs
+            .iter()
+            .find(|r| r.done < r.total)
+            .map(|r| r.peer)
+            .or_else(|| sends.iter().find(|s| s.done < s.total).map(|s| s.peer))
+            .unwrap_or(self.rank);
+        CommError::Timeout {
+            seq: desc.seq,
+            op: desc.kind.name().to_string(),
+            peer,
+            seconds: self.timeout.as_secs_f64(),
+        }
+    }
+}
