@@ -55,6 +55,8 @@ def tiny():
         n_head=4,
         activation_function="gelu_new",
         layer_norm_epsilon=1e-5,
+        bos_token_id=511,
+        eos_token_id=511,
     )
     model = build(config, seed=1234)
     # Random init leaves LayerNorms at 1/0 and biases at 0: perturb them so the test also
@@ -104,6 +106,8 @@ def micro_sharded():
         n_inner=48,
         scale_attn_by_inverse_layer_idx=True,
         layer_norm_epsilon=1e-6,
+        bos_token_id=95,
+        eos_token_id=95,
     )
     model = build(config, seed=4321)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="8KB")

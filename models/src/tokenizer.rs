@@ -85,7 +85,7 @@ impl Gpt2Tokenizer {
     /// The bytes of `ids`; unlike [`decode`](Self::decode) this accepts ids that split a
     /// multi-byte character.
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
-        // tiktoken panics on an unknown id: check them first.
+        // Checked here so that the error names the position of the bad id.
         if let Some((position, &id)) = ids.iter().enumerate().find(|(_, &id)| id > EOT_TOKEN) {
             return Err(TokenizerError::UnknownId { id, position });
         }
