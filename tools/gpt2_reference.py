@@ -55,6 +55,10 @@ def tiny():
         n_head=4,
         activation_function="gelu_new",
         layer_norm_epsilon=1e-5,
+        # Weights ten times GPT-2's usual scale, so that activations are of order one and the
+        # comparison tells the GELU variants, the attention scale etc. apart (at 0.02 they all
+        # agree to 1e-5).
+        initializer_range=0.2,
         bos_token_id=511,
         eos_token_id=511,
     )
@@ -106,6 +110,7 @@ def micro_sharded():
         n_inner=48,
         scale_attn_by_inverse_layer_idx=True,
         layer_norm_epsilon=1e-6,
+        initializer_range=0.2,
         bos_token_id=95,
         eos_token_id=95,
     )
