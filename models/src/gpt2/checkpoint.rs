@@ -1,0 +1,343 @@
+//! Reading and writing HuggingFace GPT-2 checkpoints: a directory with `config.json` and either
+//! `model.safetensors` or shards listed by `model.safetensors.index.json`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use super::config::Gpt2Config;
+use super::error::CheckpointError;
+use super::model::Gpt2;
+use super::names::HF_PREFIX;
+
+/// Name of the configuration file in a checkpoint directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// Name of the single weights file.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// Name of the shard index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The tied head's name; accepted when equal to `wte.weight`, never written.
+const LM_HEAD: &str = "lm_head.weight";
+
+impl<B: Backend> Gpt2<B> {
+    /// Loads a HuggingFace GPT-2 checkpoint directory onto `device`.
+    ///
+    /// Tensor names may carry the `transformer.` prefix or not; a stored `lm_head.weight` must
+    /// equal `wte.weight`; the attention-mask buffers older checkpoints store (`h.N.attn.bias`,
+    /// `h.N.attn.masked_bias`) are skipped. F32, F16, BF16 and F64 tensors are read. Any missing
+    /// or unknown tensor is an error that lists them all.
+    pub fn load_pretrained(
+        dir: impl AsRef<Path>,
+        device: &B::Device,
+    ) -> Result<(Self, Gpt2Config), CheckpointError> {
+        let dir = dir.as_ref();
+        let config_path = dir.join(CONFIG_FILE);
+        let json = read_to_string(&config_path)?;
+        let config =
+            Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
+                path: config_path,
+                source,
+            })?;
+
+        let (files, reported_path) = weight_files(dir)?;
+        let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
+        let mut loaded: HashMap<String, TensorData> = HashMap::with_capacity(expected.len());
+        let mut unexpected = Vec::new();
+        let mut lm_head: Option<(PathBuf, TensorData)> = None;
+
+        for path in files {
+            let bytes = fs::read(&path).map_err(|source| CheckpointError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let file = SafeTensors::deserialize(&bytes).map_err(|source| {
+                CheckpointError::Safetensors {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            for (stored_name, view) in file.iter() {
+                let name = stored_name.strip_prefix(HF_PREFIX).unwrap_or(stored_name);
+                if name == LM_HEAD {
+                    lm_head = Some((path.clone(), to_f32_data(&path, name, &view)?));
+                    continue;
+                }
+                if is_mask_buffer(name) {
+                    continue;
+                }
+                let Some(shape) = expected.get(name) else {
+                    unexpected.push(stored_name.to_string());
+                    continue;
+                };
+                if view.shape() != shape.as_slice() {
+                    return Err(CheckpointError::ShapeMismatch {
+                        path: path.clone(),
+                        key: stored_name.to_string(),
+                        expected: shape.clone(),
+                        found: view.shape().to_vec(),
+                    });
+                }
+                let data = to_f32_data(&path, stored_name, &view)?;
+                if loaded.insert(name.to_string(), data).is_some() {
+                    return Err(CheckpointError::DuplicateKey {
+                        path: path.clone(),
+                        key: stored_name.to_string(),
+                    });
+                }
+            }
+        }
+
+        let mut missing: Vec<String> = expected
+            .keys()
+            .filter(|name| !loaded.contains_key(*name))
+            .cloned()
+            .collect();
+        if !missing.is_empty() || !unexpected.is_empty() {
+            missing.sort();
+            unexpected.sort();
+            return Err(CheckpointError::KeyMismatch {
+                path: reported_path,
+                missing,
+                unexpected,
+            });
+        }
+        if let Some((path, head)) = lm_head {
+            let tied = loaded.get("wte.weight").is_some_and(|wte| wte == &head);
+            if !tied {
+                return Err(CheckpointError::UntiedHead { path });
+            }
+        }
+
+        let model = Self::from_hf_tensors(&config, &mut loaded, device)?;
+        Ok((model, config))
+    }
+
+    /// Writes the model as a HuggingFace checkpoint directory (created if needed):
+    /// `config.json` and one `model.safetensors` with F32 tensors named as `GPT2LMHeadModel`
+    /// names them, the tied head left out, as `save_pretrained` does.
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        config: &Gpt2Config,
+    ) -> Result<(), CheckpointError> {
+        self.save_pretrained_sharded(dir, config, usize::MAX)
+    }
+
+    /// Like [`save_pretrained`](Self::save_pretrained), but splits the weights into shards of at
+    /// most `max_shard_bytes` each (a tensor larger than that gets a shard of its own) listed
+    /// by `model.safetensors.index.json`, the layout transformers writes for large models. With
+    /// a single shard, writes `model.safetensors` and no index.
+    pub fn save_pretrained_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        config: &Gpt2Config,
+        max_shard_bytes: usize,
+    ) -> Result<(), CheckpointError> {
+        let dir = dir.as_ref();
+        fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let config_path = dir.join(CONFIG_FILE);
+        let json = config
+            .to_json_string()
+            .map_err(|source| CheckpointError::Config {
+                path: config_path.clone(),
+                source,
+            })?;
+        write(&config_path, json.as_bytes())?;
+
+        let tensors = self
+            .hf_tensors()
+            .into_iter()
+            .map(|(name, data)| {
+                let values = data
+                    .to_vec::<f32>()
+                    .map_err(|error| CheckpointError::TensorData {
+                        key: name.clone(),
+                        reason: format!("{error:?}"),
+                    })?;
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                Ok((format!("{HF_PREFIX}{name}"), data.shape.to_vec(), bytes))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+
+        let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+        let mut shard_bytes = 0usize;
+        for (index, (_, _, bytes)) in tensors.iter().enumerate() {
+            let current = shards.len() - 1;
+            if !shards[current].is_empty() && shard_bytes + bytes.len() > max_shard_bytes {
+                shards.push(Vec::new());
+                shard_bytes = 0;
+            }
+            let current = shards.len() - 1;
+            shards[current].push(index);
+            shard_bytes += bytes.len();
+        }
+
+        let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+        let count = shards.len();
+        let mut weight_map = BTreeMap::new();
+        for (number, members) in shards.iter().enumerate() {
+            let file_name = if count == 1 {
+                WEIGHTS_FILE.to_string()
+            } else {
+                format!("model-{:05}-of-{count:05}.safetensors", number + 1)
+            };
+            let path = dir.join(&file_name);
+            let mut views = Vec::with_capacity(members.len());
+            for &index in members {
+                let (name, shape, bytes) = &tensors[index];
+                let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|source| {
+                    CheckpointError::Safetensors {
+                        path: path.clone(),
+                        source,
+                    }
+                })?;
+                views.push((name.as_str(), view));
+                weight_map.insert(name.clone(), file_name.clone());
+            }
+            safetensors::serialize_to_file(views, metadata.clone(), &path)
+                .map_err(|source| CheckpointError::Safetensors { path, source })?;
+        }
+
+        let index_path = dir.join(INDEX_FILE);
+        if count > 1 {
+            let total_size: usize = tensors.iter().map(|(_, _, bytes)| bytes.len()).sum();
+            let index = serde_json::json!({
+                "metadata": { "total_size": total_size },
+                "weight_map": weight_map,
+            });
+            let text = serde_json::to_string_pretty(&index).map_err(|source| {
+                CheckpointError::Json {
+                    path: index_path.clone(),
+                    source,
+                }
+            })?;
+            write(&index_path, text.as_bytes())?;
+        } else if index_path.exists() {
+            // A stale index would make readers look for shards that are not there any more.
+            fs::remove_file(&index_path).map_err(|source| CheckpointError::Io {
+                path: index_path,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The safetensors files of a checkpoint directory, and the path to name in key errors (the
+/// index of a sharded checkpoint, else the single file).
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, PathBuf), CheckpointError> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.is_file() {
+        return Ok((vec![single.clone()], single));
+    }
+    let index_path = dir.join(INDEX_FILE);
+    if !index_path.is_file() {
+        return Err(CheckpointError::NoWeights {
+            dir: dir.to_path_buf(),
+        });
+    }
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: BTreeMap<String, String>,
+    }
+    let text = read_to_string(&index_path)?;
+    let index: Index = serde_json::from_str(&text).map_err(|source| CheckpointError::Json {
+        path: index_path.clone(),
+        source,
+    })?;
+    let mut seen = HashSet::new();
+    let mut files = Vec::new();
+    for file in index.weight_map.values() {
+        let plain = Path::new(file).file_name().is_some_and(|name| name == file.as_str());
+        if !plain {
+            return Err(CheckpointError::BadShardName {
+                index: index_path,
+                file: file.clone(),
+            });
+        }
+        if seen.insert(file.clone()) {
+            files.push(dir.join(file));
+        }
+    }
+    files.sort();
+    Ok((files, index_path))
+}
+
+/// Whether `name` (without prefix) is one of the causal-mask buffers older GPT-2 checkpoints
+/// store next to the parameters.
+fn is_mask_buffer(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("h.") else {
+        return false;
+    };
+    let Some((layer, buffer)) = rest.split_once('.') else {
+        return false;
+    };
+    layer.parse::<usize>().is_ok() && (buffer == "attn.bias" || buffer == "attn.masked_bias")
+}
+
+/// Converts a stored float tensor to f32 `TensorData`.
+fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorData, CheckpointError> {
+    let bytes = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(CheckpointError::UnsupportedDtype {
+                path: path.to_path_buf(),
+                key: key.to_string(),
+                dtype: format!("{other:?}"),
+            })
+        }
+    };
+    Ok(TensorData::new(values, view.shape().to_vec()))
+}
+
+fn read_to_string(path: &Path) -> Result<String, CheckpointError> {
+    fs::read_to_string(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn write(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    fs::write(path, bytes).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognizes_mask_buffers_only() {
+        assert!(is_mask_buffer("h.11.attn.bias"));
+        assert!(is_mask_buffer("h.0.attn.masked_bias"));
+        assert!(!is_mask_buffer("h.0.attn.c_attn.bias"));
+        assert!(!is_mask_buffer("h.x.attn.bias"));
+        assert!(!is_mask_buffer("ln_f.bias"));
+    }
+}

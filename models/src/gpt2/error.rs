@@ -1,0 +1,149 @@
+//! Typed errors of the GPT-2 configuration and of checkpoint loading and saving.
+
+use std::path::PathBuf;
+
+/// A `config.json` that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum Gpt2ConfigError {
+    /// The JSON does not parse into a GPT-2 configuration.
+    #[error("invalid GPT-2 config JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    /// A size that must be positive is zero.
+    #[error("GPT-2 config field `{field}` must be positive")]
+    Zero {
+        /// The field's name in `config.json`.
+        field: &'static str,
+    },
+    /// `n_embd` is not a multiple of `n_head`.
+    #[error("GPT-2 config: n_embd = {n_embd} is not divisible by n_head = {n_head}")]
+    HeadsDoNotDivideHidden {
+        /// Hidden size.
+        n_embd: usize,
+        /// Number of heads.
+        n_head: usize,
+    },
+    /// The activation is not one the model implements.
+    #[error(
+        "GPT-2 config: activation_function `{0}` is not supported \
+         (use gelu_new, gelu_pytorch_tanh, gelu or relu)"
+    )]
+    UnsupportedActivation(String),
+    /// The configuration asks for an LM head separate from the token embedding.
+    #[error("GPT-2 config: tie_word_embeddings = false is not supported (the LM head is wte)")]
+    UntiedHead,
+    /// A preset name that is not known.
+    #[error("unknown GPT-2 preset `{0}` (known: {known})", known = super::presets::PRESET_NAMES.join(", "))]
+    UnknownPreset(String),
+}
+
+/// Why a HuggingFace GPT-2 checkpoint could not be loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Reading or writing a file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` is not a usable GPT-2 configuration.
+    #[error("{}: {source}", path.display())]
+    Config {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong with it.
+        #[source]
+        source: Gpt2ConfigError,
+    },
+    /// A JSON file (the shard index) does not parse.
+    #[error("{}: invalid JSON: {source}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A safetensors file is malformed, or could not be written.
+    #[error("{}: safetensors: {source}", path.display())]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// The format error.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// The directory has neither `model.safetensors` nor `model.safetensors.index.json`.
+    #[error("{}: no model.safetensors nor model.safetensors.index.json", dir.display())]
+    NoWeights {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// The index names a shard file outside the checkpoint directory.
+    #[error("{}: shard file name `{file}` is not a plain file name", index.display())]
+    BadShardName {
+        /// The index file.
+        index: PathBuf,
+        /// The offending shard name.
+        file: String,
+    },
+    /// The checkpoint's tensors do not match the model's parameters.
+    #[error(
+        "{}: checkpoint does not match the GPT-2 config: missing [{}], unexpected [{}]",
+        path.display(), missing.join(", "), unexpected.join(", ")
+    )]
+    KeyMismatch {
+        /// The weights file (or shard index).
+        path: PathBuf,
+        /// Parameters the model needs that no file has (HuggingFace names, without prefix).
+        missing: Vec<String>,
+        /// Tensors of the files the model has no place for.
+        unexpected: Vec<String>,
+    },
+    /// A tensor appears in more than one shard.
+    #[error("{}: tensor `{key}` appears twice", path.display())]
+    DuplicateKey {
+        /// The file holding the second copy.
+        path: PathBuf,
+        /// The tensor's name.
+        key: String,
+    },
+    /// A tensor's shape differs from the parameter's.
+    #[error("{}: tensor `{key}` has shape {found:?}, the config needs {expected:?}", path.display())]
+    ShapeMismatch {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor's name.
+        key: String,
+        /// Shape the configuration implies.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor's element type is not a float type the loader converts.
+    #[error("{}: tensor `{key}` has dtype {dtype}, expected F32, F16, BF16 or F64", path.display())]
+    UnsupportedDtype {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor's name.
+        key: String,
+        /// The dtype found.
+        dtype: String,
+    },
+    /// `lm_head.weight` is stored and differs from the token embedding.
+    #[error("{}: lm_head.weight differs from wte.weight, but the model ties them", path.display())]
+    UntiedHead {
+        /// The file holding `lm_head.weight`.
+        path: PathBuf,
+    },
+    /// A parameter could not be read back from the model for saving.
+    #[error("parameter `{key}` could not be read as f32: {reason}")]
+    TensorData {
+        /// The parameter's HuggingFace name.
+        key: String,
+        /// Burn's description of the failure.
+        reason: String,
+    },
+}

@@ -1,0 +1,22 @@
+//! GPT-2 (Radford et al., 2019) in Burn, numerically equal to HuggingFace transformers'
+//! `GPT2LMHeadModel`, and reading and writing its checkpoints.
+
+mod attention;
+mod block;
+mod checkpoint;
+mod config;
+mod error;
+mod init;
+mod mlp;
+mod model;
+mod names;
+mod presets;
+
+pub use attention::Gpt2Attention;
+pub use block::Gpt2Block;
+pub use config::{Activation, Gpt2Config};
+pub use error::{CheckpointError, Gpt2ConfigError};
+pub use mlp::Gpt2Mlp;
+pub use model::{Gpt2, IGNORE_INDEX};
+pub use names::HF_PREFIX;
+pub use presets::{GPT2_VOCAB_SIZE, PRESET_NAMES};

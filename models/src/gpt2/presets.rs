@@ -1,0 +1,107 @@
+//! Named GPT-2 sizes, and the parameter count of a configuration by formula.
+
+use super::config::Gpt2Config;
+use super::error::Gpt2ConfigError;
+
+/// The names [`Gpt2Config::preset`] accepts.
+pub const PRESET_NAMES: [&str; 6] = [
+    "tiny",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "gpt2-10b",
+];
+
+/// GPT-2's BPE vocabulary size (r50k_base).
+pub const GPT2_VOCAB_SIZE: usize = 50257;
+
+impl Gpt2Config {
+    /// A 2-layer model with hidden size 128, 4 heads and GPT-2's vocabulary (6,960,768
+    /// parameters): small enough for tests and CPU benchmarks, with the real embedding cost.
+    pub fn tiny() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 128, 2, 4)
+    }
+
+    /// GPT-2 small: 12 layers, hidden 768, 12 heads (124M parameters).
+    pub fn gpt2() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 768, 12, 12)
+    }
+
+    /// GPT-2 medium: 24 layers, hidden 1024, 16 heads (355M parameters).
+    pub fn gpt2_medium() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 1024, 24, 16)
+    }
+
+    /// GPT-2 large: 36 layers, hidden 1280, 20 heads (774M parameters).
+    pub fn gpt2_large() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 1280, 36, 20)
+    }
+
+    /// GPT-2 XL: 48 layers, hidden 1600, 25 heads (1.56B parameters).
+    pub fn gpt2_xl() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 1600, 48, 25)
+    }
+
+    /// The 10B GPT-2 of the ZeRO-Offload paper: 50 layers, hidden 4096, 32 heads.
+    pub fn gpt2_10b() -> Self {
+        Self::new(GPT2_VOCAB_SIZE, 1024, 4096, 50, 32)
+    }
+
+    /// The preset of the given name (one of [`PRESET_NAMES`]).
+    pub fn preset(name: &str) -> Result<Self, Gpt2ConfigError> {
+        match name {
+            "tiny" => Ok(Self::tiny()),
+            "gpt2" => Ok(Self::gpt2()),
+            "gpt2-medium" => Ok(Self::gpt2_medium()),
+            "gpt2-large" => Ok(Self::gpt2_large()),
+            "gpt2-xl" => Ok(Self::gpt2_xl()),
+            "gpt2-10b" => Ok(Self::gpt2_10b()),
+            other => Err(Gpt2ConfigError::UnknownPreset(other.to_string())),
+        }
+    }
+
+    /// Number of trainable parameters, counted by formula without building the model. The LM
+    /// head is tied to the token embedding and so adds nothing.
+    pub fn num_params(&self) -> u64 {
+        let d = self.n_embd as u64;
+        let inner = self.inner_size() as u64;
+        let layer_norm = 2 * d;
+        let attention = (d * 3 * d + 3 * d) + (d * d + d);
+        let mlp = (d * inner + inner) + (inner * d + d);
+        let block = 2 * layer_norm + attention + mlp;
+        let embeddings = (self.vocab_size as u64 + self.n_positions as u64) * d;
+        embeddings + self.n_layer as u64 * block + layer_norm
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Reference: `GPT2LMHeadModel(config).num_parameters()` in transformers (tied head) for the
+    // four published sizes, and ANCHORS' tiny model (6.96M).
+    #[test]
+    fn formula_matches_published_counts() {
+        assert_eq!(Gpt2Config::tiny().num_params(), 6_960_768);
+        assert_eq!(Gpt2Config::gpt2().num_params(), 124_439_808);
+        assert_eq!(Gpt2Config::gpt2_medium().num_params(), 354_823_168);
+        assert_eq!(Gpt2Config::gpt2_large().num_params(), 774_030_080);
+        assert_eq!(Gpt2Config::gpt2_xl().num_params(), 1_557_611_200);
+        let ten_b = Gpt2Config::gpt2_10b().num_params();
+        assert!((10_000_000_000..10_400_000_000).contains(&ten_b), "{ten_b}");
+    }
+
+    #[test]
+    fn presets_by_name_are_valid() {
+        for name in PRESET_NAMES {
+            let config = Gpt2Config::preset(name).unwrap();
+            config.validate().unwrap();
+        }
+        assert_eq!(Gpt2Config::preset("gpt2-xl").unwrap().n_head, 25);
+        assert!(matches!(
+            Gpt2Config::preset("gpt3"),
+            Err(Gpt2ConfigError::UnknownPreset(_))
+        ));
+    }
+}

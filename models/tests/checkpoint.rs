@@ -1,0 +1,219 @@
+//! Loading and saving HuggingFace GPT-2 checkpoint directories.
+//!
+//! References: the checkpoint transformers wrote (tests/fixtures/gpt2-tiny) and the model loaded
+//! from it; variants of it rewritten here with the safetensors crate.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::backend::Flex;
+use burn::prelude::*;
+use common::{fixture, Reference};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use zero_models::gpt2::{CheckpointError, Gpt2};
+
+type B = Flex;
+
+/// The raw tensors of the fixture's model.safetensors: name → (dtype, shape, bytes).
+fn fixture_tensors() -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(fixture("gpt2-tiny").join("model.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    file.iter()
+        .map(|(name, view)| {
+            (
+                name.to_string(),
+                (view.dtype(), view.shape().to_vec(), view.data().to_vec()),
+            )
+        })
+        .collect()
+}
+
+/// Writes a checkpoint directory with the fixture's config and the given tensors.
+fn write_checkpoint(dir: &Path, tensors: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>) {
+    std::fs::copy(
+        fixture("gpt2-tiny").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            (name.clone(), TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+fn logits(model: &Gpt2<B>) -> TensorData {
+    let device = Default::default();
+    let tokens = Reference::read("gpt2-tiny").ints::<B>("input_ids", &device);
+    model.forward(tokens).into_data()
+}
+
+fn assert_same_params(a: &Gpt2<B>, b: &Gpt2<B>) {
+    let (a, b) = (a.hf_tensors(), b.hf_tensors());
+    assert_eq!(a.len(), b.len());
+    for ((name_a, data_a), (name_b, data_b)) in a.iter().zip(&b) {
+        assert_eq!(name_a, name_b);
+        assert_eq!(data_a, data_b, "{name_a} differs");
+    }
+}
+
+#[test]
+fn save_then_load_round_trips_exactly() {
+    let device = Default::default();
+    let (model, config) = Gpt2::<B>::load_pretrained(fixture("gpt2-tiny"), &device).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model.save_pretrained(dir.path(), &config).unwrap();
+    let (again, config_again) = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap();
+    assert_eq!(config, config_again);
+    assert_same_params(&model, &again);
+    assert_eq!(logits(&model), logits(&again));
+
+    // The written file has transformers' names: exactly the fixture's keys.
+    let written = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let written = SafeTensors::deserialize(&written).unwrap();
+    let mut names: Vec<String> = written.names().into_iter().map(String::from).collect();
+    names.sort();
+    let expected: Vec<String> = fixture_tensors().into_keys().collect();
+    assert_eq!(names, expected);
+}
+
+#[test]
+fn sharded_save_round_trips_and_writes_an_index() {
+    let device = Default::default();
+    let (model, config) = Gpt2::<B>::load_pretrained(fixture("gpt2-tiny"), &device).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model
+        .save_pretrained_sharded(dir.path(), &config, 64 * 1024)
+        .unwrap();
+    let index = std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap();
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    let weight_map = index["weight_map"].as_object().unwrap();
+    assert_eq!(weight_map.len(), model.param_names().len());
+    let shards: std::collections::BTreeSet<&str> =
+        weight_map.values().filter_map(|v| v.as_str()).collect();
+    assert!(shards.len() > 2, "expected several shards, got {shards:?}");
+    assert!(!dir.path().join("model.safetensors").exists());
+
+    let (again, _) = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap();
+    assert_same_params(&model, &again);
+}
+
+#[test]
+fn accepts_unprefixed_names_and_a_stored_tied_head() {
+    let device = Default::default();
+    let (model, _) = Gpt2::<B>::load_pretrained(fixture("gpt2-tiny"), &device).unwrap();
+    let mut tensors: BTreeMap<_, _> = fixture_tensors()
+        .into_iter()
+        .map(|(name, t)| (name.trim_start_matches("transformer.").to_string(), t))
+        .collect();
+    let wte = tensors["wte.weight"].clone();
+    tensors.insert("lm_head.weight".to_string(), wte);
+    // The causal-mask buffer older checkpoints carry is not a parameter.
+    tensors.insert(
+        "h.0.attn.bias".to_string(),
+        (Dtype::F32, vec![1, 1, 2, 2], vec![0; 16]),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &tensors);
+    let (loaded, _) = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap();
+    assert_same_params(&model, &loaded);
+}
+
+#[test]
+fn reads_half_precision_tensors() {
+    let device = Default::default();
+    let tensors: BTreeMap<_, _> = fixture_tensors()
+        .into_iter()
+        .map(|(name, (_, shape, bytes))| {
+            let halves: Vec<u8> = bytes
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    let v = f32::from_le_bytes(c.try_into().unwrap());
+                    half::bf16::from_f32(v).to_le_bytes()
+                })
+                .collect();
+            (name, (Dtype::BF16, shape, halves))
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &tensors);
+    let (loaded, _) = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap();
+    // Reference: the f32 weights rounded to bf16 in this test.
+    let wte = loaded.hf_tensors()[0].1.to_vec::<f32>().unwrap();
+    let (_, _, raw) = &fixture_tensors()["transformer.wte.weight"];
+    let expected: Vec<f32> = raw
+        .chunks_exact(4)
+        .map(|c| half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_f32())
+        .collect();
+    assert_eq!(wte, expected);
+}
+
+#[test]
+fn missing_and_unknown_keys_are_listed() {
+    let device = Default::default();
+    let mut tensors = fixture_tensors();
+    tensors.remove("transformer.h.1.mlp.c_fc.bias");
+    tensors.remove("transformer.ln_f.weight");
+    let extra = tensors["transformer.ln_f.bias"].clone();
+    tensors.insert("transformer.h.7.ln_1.weight".to_string(), extra);
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &tensors);
+    match Gpt2::<B>::load_pretrained(dir.path(), &device) {
+        Err(CheckpointError::KeyMismatch {
+            path,
+            missing,
+            unexpected,
+        }) => {
+            assert!(path.ends_with("model.safetensors"));
+            assert_eq!(missing, ["h.1.mlp.c_fc.bias", "ln_f.weight"]);
+            assert_eq!(unexpected, ["transformer.h.7.ln_1.weight"]);
+        }
+        other => panic!("expected a key mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_different_head_or_shape_is_an_error() {
+    let device = Default::default();
+    let mut tensors = fixture_tensors();
+    let (dtype, shape, mut bytes) = tensors["transformer.wte.weight"].clone();
+    bytes[0] ^= 0x01;
+    tensors.insert("lm_head.weight".to_string(), (dtype, shape, bytes));
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &tensors);
+    assert!(matches!(
+        Gpt2::<B>::load_pretrained(dir.path(), &device),
+        Err(CheckpointError::UntiedHead { .. })
+    ));
+
+    let mut tensors = fixture_tensors();
+    let (dtype, _, bytes) = tensors["transformer.ln_f.bias"].clone();
+    tensors.insert(
+        "transformer.ln_f.bias".to_string(),
+        (dtype, vec![bytes.len() / 8, 2], bytes),
+    );
+    write_checkpoint(dir.path(), &tensors);
+    match Gpt2::<B>::load_pretrained(dir.path(), &device) {
+        Err(CheckpointError::ShapeMismatch { key, .. }) => assert_eq!(key, "transformer.ln_f.bias"),
+        other => panic!("expected a shape mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_directory_without_weights_is_an_error() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("gpt2-tiny").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let error = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap_err();
+    assert!(matches!(error, CheckpointError::NoWeights { .. }));
+    assert!(error.to_string().contains("model.safetensors"));
+}
