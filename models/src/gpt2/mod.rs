@@ -3,6 +3,7 @@
 
 mod attention;
 mod block;
+mod chain;
 mod checkpoint;
 mod config;
 mod error;
@@ -14,6 +15,7 @@ mod presets;
 
 pub use attention::Gpt2Attention;
 pub use block::Gpt2Block;
+pub use chain::Gpt2Batch;
 pub use config::{Activation, Gpt2Config};
 pub use error::{CheckpointError, Gpt2ConfigError};
 pub use mlp::Gpt2Mlp;
