@@ -41,7 +41,10 @@ fn write_checkpoint(dir: &Path, tensors: &BTreeMap<String, (Dtype, Vec<usize>, V
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, (dtype, shape, bytes))| {
-            (name.clone(), TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();

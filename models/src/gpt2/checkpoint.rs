@@ -213,12 +213,11 @@ impl<B: Backend> Gpt2<B> {
                 "metadata": { "total_size": total_size },
                 "weight_map": weight_map,
             });
-            let text = serde_json::to_string_pretty(&index).map_err(|source| {
-                CheckpointError::Json {
+            let text =
+                serde_json::to_string_pretty(&index).map_err(|source| CheckpointError::Json {
                     path: index_path.clone(),
                     source,
-                }
-            })?;
+                })?;
             write(&index_path, text.as_bytes())?;
         } else if index_path.exists() {
             // A stale index would make readers look for shards that are not there any more.
@@ -256,7 +255,9 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, PathBuf), CheckpointError> 
     let mut seen = HashSet::new();
     let mut files = Vec::new();
     for file in index.weight_map.values() {
-        let plain = Path::new(file).file_name().is_some_and(|name| name == file.as_str());
+        let plain = Path::new(file)
+            .file_name()
+            .is_some_and(|name| name == file.as_str());
         if !plain {
             return Err(CheckpointError::BadShardName {
                 index: index_path,
@@ -284,7 +285,11 @@ fn is_mask_buffer(name: &str) -> bool {
 }
 
 /// Converts a stored float tensor to f32 `TensorData`.
-fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorData, CheckpointError> {
+fn to_f32_data(
+    path: &Path,
+    key: &str,
+    view: &TensorView<'_>,
+) -> Result<TensorData, CheckpointError> {
     let bytes = view.data();
     let values: Vec<f32> = match view.dtype() {
         Dtype::F32 => bytes
