@@ -139,6 +139,7 @@ impl<B: Backend> Gpt2<B> {
         max_shard_bytes: usize,
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
+        self.check_matches(config, &dir.join(CONFIG_FILE))?;
         fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
             path: dir.to_path_buf(),
             source,
@@ -225,6 +226,53 @@ impl<B: Backend> Gpt2<B> {
                 path: index_path,
                 source,
             })?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Gpt2<B> {
+    /// Checks that `config` describes this model's parameters, so that a checkpoint is never
+    /// written with a config.json that cannot load it back.
+    fn check_matches(
+        &self,
+        config: &Gpt2Config,
+        config_path: &Path,
+    ) -> Result<(), CheckpointError> {
+        let expected = config.param_shapes();
+        let actual: Vec<(String, Vec<usize>)> = self
+            .hf_tensors()
+            .into_iter()
+            .map(|(name, data)| (name, data.shape.to_vec()))
+            .collect();
+        let expected_names: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        let actual_names: HashSet<&str> = actual.iter().map(|(n, _)| n.as_str()).collect();
+        if expected_names != actual_names {
+            let mut missing: Vec<String> = expected_names
+                .difference(&actual_names)
+                .map(|n| n.to_string())
+                .collect();
+            let mut unexpected: Vec<String> = actual_names
+                .difference(&expected_names)
+                .map(|n| n.to_string())
+                .collect();
+            missing.sort();
+            unexpected.sort();
+            return Err(CheckpointError::KeyMismatch {
+                path: config_path.to_path_buf(),
+                missing,
+                unexpected,
+            });
+        }
+        for ((name, shape), (_, expected_shape)) in actual.iter().zip(&expected) {
+            if shape != expected_shape {
+                return Err(CheckpointError::ShapeMismatch {
+                    path: config_path.to_path_buf(),
+                    key: name.clone(),
+                    expected: expected_shape.clone(),
+                    found: shape.clone(),
+                });
+            }
         }
         Ok(())
     }
