@@ -41,7 +41,10 @@ fn write_checkpoint(dir: &Path, tensors: &BTreeMap<String, (Dtype, Vec<usize>, V
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, (dtype, shape, bytes))| {
-            (name.clone(), TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
@@ -216,4 +219,26 @@ fn a_directory_without_weights_is_an_error() {
     let error = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap_err();
     assert!(matches!(error, CheckpointError::NoWeights { .. }));
     assert!(error.to_string().contains("model.safetensors"));
+}
+
+#[test]
+fn saving_with_a_config_of_another_shape_is_refused() {
+    let device = Default::default();
+    let (model, config) = Gpt2::<B>::load_pretrained(fixture("gpt2-tiny"), &device).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut wider = config.clone();
+    wider.n_inner = Some(2 * config.inner_size());
+    match model.save_pretrained(dir.path(), &wider) {
+        Err(CheckpointError::ShapeMismatch { key, .. }) => assert_eq!(key, "h.0.mlp.c_fc.weight"),
+        other => panic!("expected a shape mismatch, got {other:?}"),
+    }
+    let mut deeper = config.clone();
+    deeper.n_layer += 1;
+    match model.save_pretrained(dir.path(), &deeper) {
+        Err(CheckpointError::KeyMismatch { missing, .. }) => {
+            assert!(missing.contains(&"h.2.attn.c_attn.weight".to_string()))
+        }
+        other => panic!("expected a key mismatch, got {other:?}"),
+    }
+    assert!(!dir.path().join("model.safetensors").exists());
 }

@@ -13,7 +13,10 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer_ids.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tokenizer_ids.json"
+    );
     let text = std::fs::read_to_string(path).unwrap();
     serde_json::from_str(&text).unwrap()
 }

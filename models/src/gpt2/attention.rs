@@ -40,7 +40,12 @@ impl<B: Backend> Gpt2Attention<B> {
     }
 
     /// The attention layer of block `layer` with the given projections.
-    pub fn from_linears(config: &Gpt2Config, layer: usize, c_attn: Linear<B>, c_proj: Linear<B>) -> Self {
+    pub fn from_linears(
+        config: &Gpt2Config,
+        layer: usize,
+        c_attn: Linear<B>,
+        c_proj: Linear<B>,
+    ) -> Self {
         Self {
             c_attn,
             c_proj,

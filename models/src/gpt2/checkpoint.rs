@@ -139,6 +139,7 @@ impl<B: Backend> Gpt2<B> {
         max_shard_bytes: usize,
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
+        self.check_matches(config, &dir.join(CONFIG_FILE))?;
         fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
             path: dir.to_path_buf(),
             source,
@@ -213,12 +214,11 @@ impl<B: Backend> Gpt2<B> {
                 "metadata": { "total_size": total_size },
                 "weight_map": weight_map,
             });
-            let text = serde_json::to_string_pretty(&index).map_err(|source| {
-                CheckpointError::Json {
+            let text =
+                serde_json::to_string_pretty(&index).map_err(|source| CheckpointError::Json {
                     path: index_path.clone(),
                     source,
-                }
-            })?;
+                })?;
             write(&index_path, text.as_bytes())?;
         } else if index_path.exists() {
             // A stale index would make readers look for shards that are not there any more.
@@ -226,6 +226,53 @@ impl<B: Backend> Gpt2<B> {
                 path: index_path,
                 source,
             })?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Gpt2<B> {
+    /// Checks that `config` describes this model's parameters, so that a checkpoint is never
+    /// written with a config.json that cannot load it back.
+    fn check_matches(
+        &self,
+        config: &Gpt2Config,
+        config_path: &Path,
+    ) -> Result<(), CheckpointError> {
+        let expected = config.param_shapes();
+        let actual: Vec<(String, Vec<usize>)> = self
+            .hf_tensors()
+            .into_iter()
+            .map(|(name, data)| (name, data.shape.to_vec()))
+            .collect();
+        let expected_names: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        let actual_names: HashSet<&str> = actual.iter().map(|(n, _)| n.as_str()).collect();
+        if expected_names != actual_names {
+            let mut missing: Vec<String> = expected_names
+                .difference(&actual_names)
+                .map(|n| n.to_string())
+                .collect();
+            let mut unexpected: Vec<String> = actual_names
+                .difference(&expected_names)
+                .map(|n| n.to_string())
+                .collect();
+            missing.sort();
+            unexpected.sort();
+            return Err(CheckpointError::KeyMismatch {
+                path: config_path.to_path_buf(),
+                missing,
+                unexpected,
+            });
+        }
+        for ((name, shape), (_, expected_shape)) in actual.iter().zip(&expected) {
+            if shape != expected_shape {
+                return Err(CheckpointError::ShapeMismatch {
+                    path: config_path.to_path_buf(),
+                    key: name.clone(),
+                    expected: expected_shape.clone(),
+                    found: shape.clone(),
+                });
+            }
         }
         Ok(())
     }
@@ -256,7 +303,9 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, PathBuf), CheckpointError> 
     let mut seen = HashSet::new();
     let mut files = Vec::new();
     for file in index.weight_map.values() {
-        let plain = Path::new(file).file_name().is_some_and(|name| name == file.as_str());
+        let plain = Path::new(file)
+            .file_name()
+            .is_some_and(|name| name == file.as_str());
         if !plain {
             return Err(CheckpointError::BadShardName {
                 index: index_path,
@@ -284,7 +333,11 @@ fn is_mask_buffer(name: &str) -> bool {
 }
 
 /// Converts a stored float tensor to f32 `TensorData`.
-fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorData, CheckpointError> {
+fn to_f32_data(
+    path: &Path,
+    key: &str,
+    view: &TensorView<'_>,
+) -> Result<TensorData, CheckpointError> {
     let bytes = view.data();
     let values: Vec<f32> = match view.dtype() {
         Dtype::F32 => bytes

@@ -163,7 +163,10 @@ impl Gpt2Config {
                 return Err(Gpt2ConfigError::Zero { field });
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        // `is_multiple_of` is newer than the workspace's rust-version (1.85).
+        #[allow(clippy::manual_is_multiple_of)]
+        let heads_divide = self.n_embd % self.n_head == 0;
+        if !heads_divide {
             return Err(Gpt2ConfigError::HeadsDoNotDivideHidden {
                 n_embd: self.n_embd,
                 n_head: self.n_head,

@@ -89,17 +89,18 @@ pub enum CheckpointError {
         /// The offending shard name.
         file: String,
     },
-    /// The checkpoint's tensors do not match the model's parameters.
+    /// The checkpoint's tensors do not match the model's parameters (on load), or the config
+    /// given to a save does not describe the model (then `path` is the config.json to write).
     #[error(
         "{}: checkpoint does not match the GPT-2 config: missing [{}], unexpected [{}]",
         path.display(), missing.join(", "), unexpected.join(", ")
     )]
     KeyMismatch {
-        /// The weights file (or shard index).
+        /// The weights file, the shard index, or the config.json being written.
         path: PathBuf,
-        /// Parameters the model needs that no file has (HuggingFace names, without prefix).
+        /// Parameters the config needs that no file has (HuggingFace names, without prefix).
         missing: Vec<String>,
-        /// Tensors of the files the model has no place for.
+        /// Tensors (of the files, or of the model) the config has no place for.
         unexpected: Vec<String>,
     },
     /// A tensor appears in more than one shard.

@@ -35,7 +35,5 @@ pub(crate) fn normal_embedding<B: Backend>(
 
 /// A LayerNorm with unit scale, zero shift and the given epsilon.
 pub(crate) fn layer_norm<B: Backend>(dim: usize, epsilon: f64, device: &B::Device) -> LayerNorm<B> {
-    LayerNormConfig::new(dim)
-        .with_epsilon(epsilon)
-        .init(device)
+    LayerNormConfig::new(dim).with_epsilon(epsilon).init(device)
 }

@@ -83,7 +83,7 @@ impl<B: Backend> Gpt2<B> {
             seq <= n_positions,
             "sequence length {seq} exceeds the model's n_positions {n_positions}"
         );
-        let positions = self.wpe.weight.val().slice([0..seq]).unsqueeze::<3>();
+        let positions = self.wpe.weight.val().narrow(0, 0, seq).unsqueeze::<3>();
         self.wte.forward(tokens) + positions
     }
 

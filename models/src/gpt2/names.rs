@@ -91,8 +91,16 @@ impl<B: Backend> Gpt2<B> {
         for (layer, block) in self.blocks.iter().enumerate() {
             let prefix = format!("h.{layer}.");
             push_layer_norm(&mut out, &format!("{prefix}ln_1"), &block.ln_1);
-            push_linear(&mut out, &format!("{prefix}attn.c_attn"), &block.attn.c_attn);
-            push_linear(&mut out, &format!("{prefix}attn.c_proj"), &block.attn.c_proj);
+            push_linear(
+                &mut out,
+                &format!("{prefix}attn.c_attn"),
+                &block.attn.c_attn,
+            );
+            push_linear(
+                &mut out,
+                &format!("{prefix}attn.c_proj"),
+                &block.attn.c_proj,
+            );
             push_layer_norm(&mut out, &format!("{prefix}ln_2"), &block.ln_2);
             push_linear(&mut out, &format!("{prefix}mlp.c_fc"), &block.mlp.c_fc);
             push_linear(&mut out, &format!("{prefix}mlp.c_proj"), &block.mlp.c_proj);
@@ -172,7 +180,10 @@ struct TensorSource<'a, B: Backend> {
 }
 
 impl<B: Backend> TensorSource<'_, B> {
-    fn param<const D: usize>(&mut self, name: &str) -> Result<Param<Tensor<B, D>>, CheckpointError> {
+    fn param<const D: usize>(
+        &mut self,
+        name: &str,
+    ) -> Result<Param<Tensor<B, D>>, CheckpointError> {
         let data = self
             .tensors
             .remove(name)
@@ -196,7 +207,11 @@ impl<B: Backend> TensorSource<'_, B> {
         })
     }
 
-    fn layer_norm(&mut self, name: &str, config: &Gpt2Config) -> Result<LayerNorm<B>, CheckpointError> {
+    fn layer_norm(
+        &mut self,
+        name: &str,
+        config: &Gpt2Config,
+    ) -> Result<LayerNorm<B>, CheckpointError> {
         // LayerNorm's epsilon is private to Burn: build one from its config, then set the weights.
         let mut norm = layer_norm(config.n_embd, config.layer_norm_epsilon, self.device);
         norm.gamma = self.param(&format!("{name}.weight"))?;

@@ -68,7 +68,11 @@ impl Reference {
     }
 
     /// A float tensor on a backend.
-    pub fn floats<B: Backend, const D: usize>(&self, name: &str, device: &B::Device) -> Tensor<B, D> {
+    pub fn floats<B: Backend, const D: usize>(
+        &self,
+        name: &str,
+        device: &B::Device,
+    ) -> Tensor<B, D> {
         Tensor::from_data(self.get(name), device)
     }
 }
@@ -86,7 +90,10 @@ pub fn relative_error(actual: &TensorData, expected: &TensorData) -> f64 {
         max_diff = max_diff.max((*x as f64 - *y as f64).abs());
         max_ref = max_ref.max((*y as f64).abs());
     }
-    assert!(max_ref > 0.0, "reference is all zeros: the comparison would mean nothing");
+    assert!(
+        max_ref > 0.0,
+        "reference is all zeros: the comparison would mean nothing"
+    );
     max_diff / max_ref
 }
 
