@@ -256,6 +256,32 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         Ok(ChainLoss { value, loss, pending: Pending::Blockwise { last, ends, inputs, batch } })
     }
 
+    /// The loss of a batch without backward (evaluation). Under stage 3 the parts are gathered
+    /// one by one and released, as in training.
+    pub fn eval_loss(&mut self, batch: M::Batch) -> Result<f32, ZeroError> {
+        if self.core.settings.stage != Stage::Zero3 {
+            let mut h = M::embed(&self.ends, &batch).detached();
+            for block in &self.blocks {
+                h = M::block_forward(block, h).detached();
+            }
+            return Ok(M::head_loss(&self.ends, h, &batch).into_scalar().elem::<f32>());
+        }
+        let n = self.blocks.len();
+        self.schedule = std::iter::once(0).chain(1..=n).chain(std::iter::once(0)).collect();
+        let ends = self.materialize_ends(false)?;
+        let mut h = M::embed(&ends, &batch).detached();
+        self.release(0, ends);
+        for b in 0..n {
+            let block = self.materialize_block(b, false)?;
+            h = M::block_forward(&block, h).detached();
+            self.release(b + 1, block);
+        }
+        let ends = self.materialize_ends(false)?;
+        let value = M::head_loss(&ends, h, &batch).into_scalar().elem::<f32>();
+        self.release(0, ends);
+        Ok(value)
+    }
+
     /// Backward of one micro-batch's loss, with the reduction of its gradients. Returns the loss
     /// value.
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {

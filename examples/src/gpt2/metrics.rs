@@ -1,0 +1,141 @@
+//! What a run shows and leaves behind: the progress bar, the metrics file (one JSON line per
+//! step), the summary and the loss curve.
+
+use super::train::{StepRecord, TrainSummary};
+use super::TrainError;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The progress bar (rank 0 only).
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    header: String,
+    lead: bool,
+}
+
+impl Progress {
+    /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary.
+    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, world: usize, stage: u8) -> Self {
+        let header = format!("GPT-2 {:.2}M parameters, ZeRO stage {stage}, {world} ranks", parameters as f64 / 1e6);
+        let bar = (lead && show).then(|| {
+            let bar = ProgressBar::new(steps);
+            bar.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            bar.set_prefix("train");
+            bar.println(&header);
+            bar
+        });
+        Progress { bar, header, lead }
+    }
+
+    /// Shows one finished step.
+    pub fn step(&mut self, r: &StepRecord) {
+        if let Some(bar) = &self.bar {
+            let memory: usize = r.memory.first().map(|m| m.total_current()).unwrap_or(0);
+            bar.set_message(format!(
+                "loss {:.4} lr {:.2e} scale {} {:.0} tok/s mem {:.1} MB{}",
+                r.loss,
+                r.lr,
+                r.loss_scale,
+                r.tokens_per_s,
+                memory as f64 / 1e6,
+                r.valid_loss.map(|v| format!(" valid {v:.4}")).unwrap_or_default()
+            ));
+            bar.inc(1);
+        }
+    }
+
+    /// Ends the bar and prints the summary (rank 0 only, bar or not).
+    pub fn finish(&mut self, s: &TrainSummary) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        let (Some(first), Some(last)) = (s.steps.first(), s.steps.last()) else {
+            return;
+        };
+        if !self.lead {
+            return;
+        }
+        let tokens_per_s = s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
+        println!("{}", self.header);
+        println!(
+            "{} steps in {:.1} s: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
+            s.steps.len(),
+            s.seconds,
+            first.loss,
+            last.loss,
+            last.valid_loss.map(|v| format!(" (held-out {v:.4})")).unwrap_or_default(),
+            tokens_per_s
+        );
+        if let Some(m) = last.memory.first() {
+            println!(
+                "rank 0 holds {:.1} MB: parameters {:.1}, gradients {:.1}, master weights {:.1}, optimizer state {:.1}, gathered peak {:.1}",
+                m.total_current() as f64 / 1e6,
+                m.parameters.current as f64 / 1e6,
+                m.gradients.current as f64 / 1e6,
+                m.master_weights.current as f64 / 1e6,
+                m.optimizer_state.current as f64 / 1e6,
+                m.gathered.peak as f64 / 1e6
+            );
+        }
+    }
+}
+
+/// One JSON line per step.
+pub struct MetricsWriter {
+    file: std::io::BufWriter<std::fs::File>,
+    path: PathBuf,
+}
+
+impl MetricsWriter {
+    /// Creates (truncates) the file.
+    pub fn create(path: &Path) -> Result<Self, TrainError> {
+        let file = std::fs::File::create(path).map_err(|source| io(path, source))?;
+        Ok(MetricsWriter { file: std::io::BufWriter::new(file), path: path.to_path_buf() })
+    }
+
+    /// Appends one step.
+    pub fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
+        let line = serde_json::to_string(record).map_err(|e| io(&self.path, std::io::Error::other(e)))?;
+        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(|source| io(&self.path, source))
+    }
+
+    /// Flushes and closes.
+    pub fn finish(mut self) -> Result<(), TrainError> {
+        self.file.flush().map_err(|source| io(&self.path, source))
+    }
+}
+
+fn io(path: &Path, source: std::io::Error) -> TrainError {
+    TrainError::Io { path: path.display().to_string(), source }
+}
+
+/// Draws the training loss (blue) and held-out loss (red) per step into `METRICS.png` beside
+/// the metrics file.
+pub fn write_loss_curve(metrics: &Path, s: &TrainSummary) -> Result<(), TrainError> {
+    use plotters::prelude::*;
+    let out = metrics.with_extension("png");
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        let root = BitMapBackend::new(&out, (800, 480)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let losses: Vec<(f64, f64)> = s.steps.iter().map(|r| (r.step as f64, r.loss)).collect();
+        let valid: Vec<(f64, f64)> = s.steps.iter().filter_map(|r| r.valid_loss.map(|v| (r.step as f64, v))).collect();
+        let all = losses.iter().chain(&valid).map(|p| p.1).filter(|v| v.is_finite());
+        let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
+        if lo > hi {
+            return Ok(());
+        }
+        let steps = s.steps.len().max(2) as f64;
+        let pad = ((hi - lo) * 0.05).max(1e-3);
+        let mut chart = ChartBuilder::on(&root).margin(20).build_cartesian_2d(1.0..steps, (lo - pad)..(hi + pad))?;
+        chart.draw_series(LineSeries::new(losses, &BLUE))?;
+        chart.draw_series(LineSeries::new(valid, &RED))?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| io(&out, std::io::Error::other(e.to_string())))
+}

@@ -1,0 +1,284 @@
+//! `gpt2 train`: GPT-2 trained by the ZeRO engine from a DeepSpeed config.
+//!
+//! Every rank runs [`rank_loop`]; rank 0 alone prints, writes the metrics file and draws.
+
+use super::data::DataSource;
+use super::metrics::{MetricsWriter, Progress};
+use super::model::ModelSource;
+use super::TrainError;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Int, Tensor, TensorData};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_burn::{ChainEngine, InitOptions, MemoryReport};
+use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
+use zero_core::config::DeepSpeedConfig;
+use zero_models::Gpt2;
+
+type B = Autodiff<Flex>;
+
+/// The shipped corpus: ten plays of Shakespeare (see data/README.md).
+const SHIPPED_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
+
+/// Arguments of `gpt2 train`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// DeepSpeed JSON config (batch sizes, ZeRO stage, optimizer, scheduler, clipping).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Start from a HuggingFace GPT-2 directory (config.json + model.safetensors).
+    #[arg(long, conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// Start from a randomly initialised preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+    /// gpt2-10b (default tiny when --model is not given).
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Train on this text file (GPT-2 BPE; the last 5 % is held out). Default: the shipped corpus.
+    #[arg(long, conflicts_with = "tokens")]
+    pub data: Option<PathBuf>,
+    /// Train on this JSON array of equal-length token sequences: the whole array is the global
+    /// batch of every step, split in order across ranks and micro-batches.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Tokens per sequence when sampling from text.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Total optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
+    /// Ranks to run as threads in this process (ignored under a launcher, where each process is
+    /// one rank).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Seed of the model's initialisation and of the data sampler.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Write one JSON line per optimizer step here.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Compute backend: cpu (Flex). cuda needs a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// No progress bar (the summary is still printed).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// One optimizer step, as the metrics file records it.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRecord {
+    /// 1-based optimizer step.
+    pub step: u64,
+    /// Mean training loss over the global batch.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Loss scale (1 without fp16).
+    pub loss_scale: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens of the global batch per second of this step.
+    pub tokens_per_s: f64,
+    /// Whether the step was skipped (fp16 overflow).
+    pub skipped: bool,
+    /// Held-out loss, on the steps where it is measured.
+    pub valid_loss: Option<f64>,
+    /// Bytes per rank, by kind.
+    pub memory: Vec<MemoryReport>,
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    /// Every step.
+    pub steps: Vec<StepRecord>,
+    /// Seconds from the first to the last step.
+    pub seconds: f64,
+    /// Ranks.
+    pub world_size: usize,
+    /// Model parameters.
+    pub parameters: usize,
+}
+
+/// Runs the training; returns rank 0's summary.
+pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
+    if args.backend != "cpu" {
+        return Err(TrainError::Config(format!(
+            "--backend {}: this build trains on the CPU (Flex) only; build with --features cuda for the GPU",
+            args.backend
+        )));
+    }
+    let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
+    for w in &parsed.warnings {
+        eprintln!("warning: {w}");
+    }
+    let config = Arc::new(parsed.config);
+    let data = Arc::new(match (&args.tokens, &args.data) {
+        (Some(path), _) => DataSource::from_tokens_file(path)?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+            DataSource::from_text(&text, args.seq_len)?
+        }
+        (None, None) => DataSource::from_text(SHIPPED_CORPUS, args.seq_len)?,
+    });
+    let source = match (&args.model, &args.preset) {
+        (Some(dir), _) => ModelSource::Pretrained(dir.clone()),
+        (None, Some(name)) => ModelSource::Preset(name.clone()),
+        (None, None) => ModelSource::Preset("tiny".into()),
+    };
+    let args = Arc::new(args.clone());
+    let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
+        rank_loop(rank, group, &args, &config, &data, &source)
+    })
+    .map_err(|e| TrainError::Engine(e.into()))?;
+    let mut summary = None;
+    for r in results {
+        if let Some(s) = r? {
+            summary = Some(s);
+        }
+    }
+    summary.ok_or_else(|| TrainError::Config("no rank 0 in this process".into()))
+}
+
+/// One rank's training loop.
+fn rank_loop(
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+    args: &TrainArgs,
+    config: &DeepSpeedConfig,
+    data: &DataSource,
+    source: &ModelSource,
+) -> Result<Option<TrainSummary>, TrainError> {
+    let device = Default::default();
+    <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
+    let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
+    if data.max_token() as usize >= model_config.vocab_size {
+        return Err(TrainError::Data(format!(
+            "token id {} is outside the model's vocabulary of {}",
+            data.max_token(),
+            model_config.vocab_size
+        )));
+    }
+    if data.seq_len() > model_config.n_positions {
+        return Err(TrainError::Data(format!(
+            "sequences of {} tokens exceed the model's n_positions {}",
+            data.seq_len(),
+            model_config.n_positions
+        )));
+    }
+    let world = group.world_size();
+    let options = InitOptions { hidden_size: Some(model_config.n_embd), ..Default::default() };
+    let resolved = zero_burn::resolve(config, world, &options)?;
+    let settings = zero_burn::engine_settings(&resolved)?;
+    let (micro, gas, global) = (
+        resolved.micro_batch_size as usize,
+        resolved.gradient_accumulation_steps as usize,
+        resolved.train_batch_size as usize,
+    );
+    let parameters = model_config.num_params() as usize;
+    let mut engine = ChainEngine::new(settings, model, group.clone())?;
+
+    let lead = rank == 0;
+    let mut progress = Progress::new(lead, !args.quiet, args.steps, parameters, world, resolved.zero.stage as u8);
+    let mut metrics = match (&args.metrics, lead) {
+        (Some(path), true) => Some(MetricsWriter::create(path)?),
+        _ => None,
+    };
+    let seq = data.seq_len();
+    let validation = data.validation(global.max(world));
+    let every = resolved.steps_per_print.max(1);
+    let started = Instant::now();
+    let mut records = Vec::new();
+    for step in 0..args.steps {
+        let t0 = Instant::now();
+        let batch = data.global_batch(step, global, args.seed)?;
+        let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
+        let mut loss_sum = 0.0f64;
+        let mut report = None;
+        for chunk in mine.chunks(micro) {
+            let tokens = token_tensor(chunk, &device);
+            let loss = engine.forward((tokens.clone(), tokens))?;
+            loss_sum += engine.backward(loss)? as f64;
+            report = engine.step()?;
+        }
+        let report = report.ok_or_else(|| {
+            TrainError::Config("the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into())
+        })?;
+        let loss = mean_over_ranks(group.as_ref(), loss_sum / gas as f64)?;
+        let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
+            Some(validate(&mut engine, group.as_ref(), &validation, rank, &device)?)
+        } else {
+            None
+        };
+        let memory = memory_of_all_ranks(group.as_ref(), engine.memory())?;
+        let record = StepRecord {
+            step: step + 1,
+            loss,
+            lr: report.lr,
+            loss_scale: 1.0,
+            grad_norm: report.grad_norm,
+            tokens_per_s: (global * seq) as f64 / t0.elapsed().as_secs_f64(),
+            skipped: false,
+            valid_loss,
+            memory,
+        };
+        progress.step(&record);
+        if let Some(m) = metrics.as_mut() {
+            m.write(&record)?;
+        }
+        records.push(record);
+    }
+    let summary = TrainSummary { steps: records, seconds: started.elapsed().as_secs_f64(), world_size: world, parameters };
+    progress.finish(&summary);
+    if let (Some(m), Some(path)) = (metrics, &args.metrics) {
+        m.finish()?;
+        super::metrics::write_loss_curve(path, &summary)?;
+    }
+    Ok(lead.then_some(summary))
+}
+
+/// Token ids `[rows, seq]` as an Int tensor.
+fn token_tensor(rows: &[Vec<u32>], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+    let seq = rows.first().map(Vec::len).unwrap_or(0);
+    let ids: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
+    Tensor::from_data(TensorData::new(ids, [rows.len(), seq]), device)
+}
+
+/// The mean of `value` over the ranks.
+fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainError> {
+    let mut buf = FlatBuffer::F32(vec![value as f32]);
+    group.all_reduce(&mut buf, ReduceOp::Avg).map_err(|e| TrainError::Engine(e.into()))?;
+    Ok(buf.into_f32()[0] as f64)
+}
+
+/// Held-out loss: each rank scores its share of the validation sequences.
+fn validate(
+    engine: &mut ChainEngine<B, Gpt2<B>>,
+    group: &dyn ProcessGroup,
+    validation: &[Vec<u32>],
+    rank: usize,
+    device: &burn::tensor::Device<B>,
+) -> Result<f64, TrainError> {
+    let per = validation.len() / group.world_size();
+    let rows = &validation[rank * per..(rank + 1) * per];
+    let tokens = token_tensor(rows, device);
+    let loss = engine.eval_loss((tokens.clone(), tokens))?;
+    mean_over_ranks(group, loss as f64)
+}
+
+/// Every rank's memory report, on every rank (KiB in f32: exact up to 16 GiB per kind).
+fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<Vec<MemoryReport>, TrainError> {
+    use zero_burn::Bytes;
+    let kinds = [mine.parameters, mine.gradients, mine.master_weights, mine.optimizer_state, mine.gathered];
+    let local: Vec<f32> = kinds.iter().flat_map(|b| [(b.current / 1024) as f32, (b.peak / 1024) as f32]).collect();
+    let all = group.all_gather(FlatBuffer::F32(local)).map_err(|e| TrainError::Engine(e.into()))?.into_f32();
+    Ok(all
+        .chunks(10)
+        .map(|c| {
+            let b = |i: usize| Bytes { current: c[2 * i] as usize * 1024, peak: c[2 * i + 1] as usize * 1024 };
+            MemoryReport { parameters: b(0), gradients: b(1), master_weights: b(2), optimizer_state: b(3), gathered: b(4) }
+        })
+        .collect())
+}

@@ -1,0 +1,35 @@
+//! Starting the ranks: threads in this process, or this process as one rank of a launched job.
+
+use std::sync::Arc;
+use zero_core::comm::{CommError, DistEnv, ProcessGroup, TcpGroup, ThreadGroup};
+
+/// Runs `body(rank, group)` for every rank this process hosts and returns the results in rank
+/// order: all `nproc` ranks as threads, or, when a launcher set RANK/WORLD_SIZE (or Slurm's or
+/// Open MPI's variables), this process's one rank over TCP.
+pub fn run_ranks<T: Send + 'static>(
+    nproc: usize,
+    body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static,
+) -> Result<Vec<T>, CommError> {
+    if let Ok(env) = DistEnv::detect() {
+        let group = TcpGroup::from_env(None)?;
+        return Ok(vec![body(env.rank, Arc::new(group))]);
+    }
+    let groups = ThreadGroup::new_group(nproc.max(1))?;
+    let body = Arc::new(body);
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let body = body.clone();
+            std::thread::Builder::new()
+                .name(format!("rank-{rank}"))
+                .spawn(move || body(rank, group as Arc<dyn ProcessGroup>))
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| CommError::Setup(format!("cannot start a rank thread: {e}")))?;
+    handles
+        .into_iter()
+        .enumerate()
+        .map(|(rank, h)| h.join().map_err(|_| CommError::Setup(format!("rank {rank} panicked"))))
+        .collect()
+}
