@@ -1,5 +1,6 @@
 //! LAMB: Adam-style moments, with each parameter tensor's step scaled by its trust ratio
-//! ‖p‖ / ‖u‖ (You et al. 2019, as DeepSpeed's FusedLamb computes it).
+//! ‖p‖ / ‖u‖ (You et al. 2019), in the paper's form or DeepSpeed FusedLamb's (see
+//! [`LambVariant`]).
 //!
 //! The trust ratio is per tensor, and under ZeRO a tensor may be cut between ranks, so the step
 //! is split in two: [`ShardOptimizer::begin_step`] updates the moments and returns the shard's
@@ -9,7 +10,8 @@
 use super::adam_kernel::HalfCopy;
 use super::state::load_buffers;
 use super::{
-    adam_kernel, check_len, LambSpec, NormPartials, OptimError, ShardOptimizer, ShardSegments,
+    adam_kernel, check_len, LambSpec, LambVariant, NormPartials, OptimError, ShardOptimizer,
+    ShardSegments,
 };
 
 /// LAMB over one shard. State: `exp_avg`, `exp_avg_sq`.
@@ -59,18 +61,38 @@ impl Lamb {
         })
     }
 
-    fn direction(&self) -> Direction {
-        let (bc1, bc2) = if self.spec.bias_correction {
+    /// The bias-correction factors (1 - β1^t, 1 - β2^t) of the current step.
+    fn bias_corrections(&self) -> (f64, f64) {
+        if self.spec.bias_correction {
             let t = self.step.min(i32::MAX as u64) as i32;
             (1.0 - self.beta1.powi(t), 1.0 - self.spec.betas.1.powi(t))
         } else {
             (1.0, 1.0)
+        }
+    }
+
+    fn direction(&self) -> Direction {
+        let (bc1, bc2) = match self.spec.variant {
+            LambVariant::Paper => self.bias_corrections(),
+            LambVariant::DeepSpeed => (1.0, 1.0),
         };
         Direction {
             inv_bc1: (1.0 / bc1) as f32,
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             eps: self.spec.eps as f32,
             wd: self.spec.weight_decay as f32,
+        }
+    }
+
+    /// What multiplies `lr · ratio · u`: 1 in the paper's form, DeepSpeed's step-size factor
+    /// sqrt(bc2)/bc1 in its kernel's.
+    fn step_factor(&self) -> f64 {
+        match self.spec.variant {
+            LambVariant::Paper => 1.0,
+            LambVariant::DeepSpeed => {
+                let (bc1, bc2) = self.bias_corrections();
+                bc2.sqrt() / bc1
+            }
         }
     }
 
@@ -157,12 +179,13 @@ impl ShardOptimizer for Lamb {
             });
         }
         let dir = self.direction();
+        let step_factor = self.step_factor();
         for seg in &self.segments.segments {
             let ratio = self.trust_ratio(
                 totals.weight_sq(seg.param_id),
                 totals.update_sq(seg.param_id),
             );
-            let scale = (lr * ratio as f64) as f32;
+            let scale = (lr * step_factor * ratio as f64) as f32;
             for i in seg.range.clone() {
                 let u = dir.update(params[i], self.exp_avg[i], self.exp_avg_sq[i]);
                 params[i] -= scale * u;
