@@ -320,3 +320,32 @@ fn lion_matches_a_float64_reference() {
     }
     assert_eq!(opt.state()[0].0, "exp_avg");
 }
+
+/// A tensor spanning many parallel chunks: the partial ‖p‖² equals a float64 sum, and the result
+/// does not depend on the number of threads (chunk sums are added in a fixed order).
+#[test]
+fn large_lamb_segments_are_exact_and_independent_of_thread_count() {
+    let n = 300_007;
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut opt = build(&OptimizerSpec::Lamb(spec()), n, ShardSegments::single(n)).unwrap();
+            let mut p = random(n, 8);
+            let g = random(n, 9);
+            let partials = opt.begin_step(&p, &g).unwrap();
+            let w2: f64 = random(n, 8).iter().map(|&x| (x as f64) * (x as f64)).sum();
+            assert!(((partials.weight_sq(0) as f64) - w2).abs() <= 1e-6 * w2);
+            opt.finish_step(&mut p, &g, 0.01, &partials, HalfCopy::None)
+                .unwrap();
+            (partials, p)
+        })
+    };
+    let (a, pa) = run(1);
+    let (b, pb) = run(3);
+    assert_eq!(a, b);
+    assert_eq!(pa, pb);
+    assert_ne!(pa, random(n, 8));
+}

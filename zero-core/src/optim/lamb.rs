@@ -7,12 +7,17 @@
 //! partial ‖p‖² and ‖u‖² per parameter; the caller sums them over ranks; then
 //! [`ShardOptimizer::finish_step`] applies `p -= lr · clamp(‖p‖/‖u‖) · u` with the totals.
 
+use rayon::prelude::*;
+
 use super::adam_kernel::HalfCopy;
 use super::state::load_buffers;
 use super::{
     adam_kernel, check_len, LambSpec, LambVariant, NormPartials, OptimError, ShardOptimizer,
     ShardSegments,
 };
+
+/// Elements per parallel chunk (see the Adam kernel for the reasoning).
+const CHUNK: usize = 1 << 16;
 
 /// LAMB over one shard. State: `exp_avg`, `exp_avg_sq`.
 #[derive(Debug)]
@@ -140,19 +145,29 @@ impl ShardOptimizer for Lamb {
         let mut sums = vec![0.0_f64; 2 * self.segments.num_params];
         for seg in &self.segments.segments {
             let r = seg.range.clone();
-            let (mut w2, mut u2) = (0.0_f64, 0.0_f64);
-            for i in r {
-                let g = grads[i];
-                let m = b1 * self.exp_avg[i] + c1 * g;
-                let v = b2 * self.exp_avg_sq[i] + c2 * g * g;
-                self.exp_avg[i] = m;
-                self.exp_avg_sq[i] = v;
-                let u = dir.update(params[i], m, v);
-                w2 += (params[i] as f64) * (params[i] as f64);
-                u2 += (u as f64) * (u as f64);
+            // Per-chunk sums, collected in order and added in order: the result does not depend
+            // on how rayon happened to split the work.
+            let chunk_sums: Vec<(f64, f64)> = params[r.clone()]
+                .par_chunks(CHUNK)
+                .zip(grads[r.clone()].par_chunks(CHUNK))
+                .zip(self.exp_avg[r.clone()].par_chunks_mut(CHUNK))
+                .zip(self.exp_avg_sq[r].par_chunks_mut(CHUNK))
+                .map(|(((p, g), m), v)| {
+                    let (mut w2, mut u2) = (0.0_f64, 0.0_f64);
+                    for (((&p, &g), m), v) in p.iter().zip(g).zip(m).zip(v) {
+                        *m = b1 * *m + c1 * g;
+                        *v = b2 * *v + c2 * g * g;
+                        let u = dir.update(p, *m, *v);
+                        w2 += (p as f64) * (p as f64);
+                        u2 += (u as f64) * (u as f64);
+                    }
+                    (w2, u2)
+                })
+                .collect();
+            for (w2, u2) in chunk_sums {
+                sums[2 * seg.param_id] += w2;
+                sums[2 * seg.param_id + 1] += u2;
             }
-            sums[2 * seg.param_id] += w2;
-            sums[2 * seg.param_id + 1] += u2;
         }
         self.pending = true;
         Ok(NormPartials(sums.into_iter().map(|x| x as f32).collect()))
@@ -186,10 +201,16 @@ impl ShardOptimizer for Lamb {
                 totals.update_sq(seg.param_id),
             );
             let scale = (lr * step_factor * ratio as f64) as f32;
-            for i in seg.range.clone() {
-                let u = dir.update(params[i], self.exp_avg[i], self.exp_avg_sq[i]);
-                params[i] -= scale * u;
-            }
+            let r = seg.range.clone();
+            params[r.clone()]
+                .par_chunks_mut(CHUNK)
+                .zip(self.exp_avg[r.clone()].par_chunks(CHUNK))
+                .zip(self.exp_avg_sq[r].par_chunks(CHUNK))
+                .for_each(|((p, m), v)| {
+                    for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+                        *p -= scale * dir.update(*p, m, v);
+                    }
+                });
         }
         self.pending = false;
         adam_kernel::copy_to_half(params, out)
