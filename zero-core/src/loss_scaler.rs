@@ -313,6 +313,23 @@ mod tests {
         assert!(!has_overflow(&[]));
     }
 
+    /// The portable scan and the AVX2 build of it agree (the public scan only runs the latter
+    /// on CPUs that have AVX2).
+    #[test]
+    fn portable_and_avx2_scans_agree() {
+        let mut v: Vec<f32> = (0..1003).map(|i| i as f32 - 500.0).collect();
+        assert!(max_magnitude_bits(&v) < INF_BITS);
+        v[1001] = f32::NAN;
+        assert!(max_magnitude_bits(&v) >= INF_BITS);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected just above.
+            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
+            v[1001] = 3.0;
+            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
+        }
+    }
+
     #[test]
     fn static_scale_never_moves_but_overflowed_steps_are_skipped() {
         let mut s = LossScaler::new(LossScalerConfig {

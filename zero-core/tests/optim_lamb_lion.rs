@@ -4,7 +4,8 @@
 
 use zero_core::optim::HalfCopy;
 use zero_core::optim::{
-    build, LambSpec, LionSpec, NormPartials, OptimizerSpec, Segment, ShardOptimizer, ShardSegments,
+    build, LambSpec, LambVariant, LionSpec, NormPartials, OptimizerSpec, Segment, ShardOptimizer,
+    ShardSegments,
 };
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -33,8 +34,18 @@ fn spec() -> LambSpec {
     }
 }
 
-/// LAMB in float64 on whole tensors: the reference.
-fn lamb_f64(params: &mut [f64], m: &mut [f64], v: &mut [f64], grads: &[f64], lr: f64, t: i32) {
+/// LAMB in float64 on whole tensors: the reference. `Paper` follows You et al. (bias-corrected
+/// moments inside the update); `DeepSpeed` follows DeepSpeed's FusedLamb CUDA kernel (raw
+/// moments in the update and the trust ratio, lr·sqrt(bc2)/bc1 as the step size).
+fn lamb_f64(
+    variant: LambVariant,
+    params: &mut [f64],
+    m: &mut [f64],
+    v: &mut [f64],
+    grads: &[f64],
+    lr: f64,
+    t: i32,
+) {
     let s = spec();
     let (b1, b2) = s.betas;
     let mut offset = 0;
@@ -44,9 +55,14 @@ fn lamb_f64(params: &mut [f64], m: &mut [f64], v: &mut [f64], grads: &[f64], lr:
         for (k, i) in r.clone().enumerate() {
             m[i] = b1 * m[i] + (1.0 - b1) * grads[i];
             v[i] = b2 * v[i] + (1.0 - b2) * grads[i] * grads[i];
-            let mh = m[i] / (1.0 - b1.powi(t));
-            let vh = v[i] / (1.0 - b2.powi(t));
-            u[k] = mh / (vh.sqrt() + s.eps) + s.weight_decay * params[i];
+            u[k] = match variant {
+                LambVariant::Paper => {
+                    let mh = m[i] / (1.0 - b1.powi(t));
+                    let vh = v[i] / (1.0 - b2.powi(t));
+                    mh / (vh.sqrt() + s.eps) + s.weight_decay * params[i]
+                }
+                LambVariant::DeepSpeed => m[i] / (v[i].sqrt() + s.eps) + s.weight_decay * params[i],
+            };
         }
         let wn = params[r.clone()].iter().map(|x| x * x).sum::<f64>().sqrt();
         let un = u.iter().map(|x| x * x).sum::<f64>().sqrt();
@@ -55,8 +71,12 @@ fn lamb_f64(params: &mut [f64], m: &mut [f64], v: &mut [f64], grads: &[f64], lr:
         } else {
             1.0
         };
+        let step_size = match variant {
+            LambVariant::Paper => lr,
+            LambVariant::DeepSpeed => lr * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t)),
+        };
         for (k, i) in r.enumerate() {
-            params[i] -= lr * ratio * u[k];
+            params[i] -= step_size * ratio * u[k];
         }
         offset += n;
     }
@@ -106,30 +126,37 @@ fn shard_segments(world: usize, rank: usize) -> (std::ops::Range<usize>, ShardSe
 }
 
 #[test]
-fn lamb_matches_a_float64_reference_per_tensor() {
+fn lamb_matches_a_float64_reference_per_tensor_in_both_forms() {
     let total: usize = SIZES.iter().sum();
-    let mut p = random(total, 1);
-    let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
-    let (mut m64, mut v64) = (vec![0.0; total], vec![0.0; total]);
-    let mut opt = build(&OptimizerSpec::Lamb(spec()), total, whole_segments()).unwrap();
-    assert!(opt.needs_cross_rank_norms());
-    for t in 1..=5 {
-        let g: Vec<f32> = random(total, 10 + t as u64)
-            .iter()
-            .map(|x| x * 0.1)
-            .collect();
-        let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
-        opt.step(&mut p, &g, 0.01).unwrap();
-        lamb_f64(&mut p64, &mut m64, &mut v64, &g64, 0.01, t);
+    let mut finals = Vec::new();
+    for variant in [LambVariant::Paper, LambVariant::DeepSpeed] {
+        let mut p = random(total, 1);
+        let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        let (mut m64, mut v64) = (vec![0.0; total], vec![0.0; total]);
+        let spec = LambSpec { variant, ..spec() };
+        let mut opt = build(&OptimizerSpec::Lamb(spec), total, whole_segments()).unwrap();
+        assert!(opt.needs_cross_rank_norms());
+        for t in 1..=5 {
+            let g: Vec<f32> = random(total, 10 + t as u64)
+                .iter()
+                .map(|x| x * 0.1)
+                .collect();
+            let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+            opt.step(&mut p, &g, 0.01).unwrap();
+            lamb_f64(variant, &mut p64, &mut m64, &mut v64, &g64, 0.01, t);
+        }
+        for i in 0..total {
+            assert!(
+                (p[i] as f64 - p64[i]).abs() <= 1e-6 * p64[i].abs().max(0.05),
+                "{variant:?} p[{i}] = {} vs f64 {}",
+                p[i],
+                p64[i]
+            );
+        }
+        finals.push(p);
     }
-    for i in 0..total {
-        assert!(
-            (p[i] as f64 - p64[i]).abs() <= 1e-6 * p64[i].abs().max(0.05),
-            "p[{i}] = {} vs f64 {}",
-            p[i],
-            p64[i]
-        );
-    }
+    // The two forms really differ (else the test could not tell them apart).
+    assert_ne!(finals[0], finals[1]);
 }
 
 #[test]
@@ -292,4 +319,33 @@ fn lion_matches_a_float64_reference() {
         );
     }
     assert_eq!(opt.state()[0].0, "exp_avg");
+}
+
+/// A tensor spanning many parallel chunks: the partial ‖p‖² equals a float64 sum, and the result
+/// does not depend on the number of threads (chunk sums are added in a fixed order).
+#[test]
+fn large_lamb_segments_are_exact_and_independent_of_thread_count() {
+    let n = 300_007;
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut opt = build(&OptimizerSpec::Lamb(spec()), n, ShardSegments::single(n)).unwrap();
+            let mut p = random(n, 8);
+            let g = random(n, 9);
+            let partials = opt.begin_step(&p, &g).unwrap();
+            let w2: f64 = random(n, 8).iter().map(|&x| (x as f64) * (x as f64)).sum();
+            assert!(((partials.weight_sq(0) as f64) - w2).abs() <= 1e-6 * w2);
+            opt.finish_step(&mut p, &g, 0.01, &partials, HalfCopy::None)
+                .unwrap();
+            (partials, p)
+        })
+    };
+    let (a, pa) = run(1);
+    let (b, pb) = run(3);
+    assert_eq!(a, b);
+    assert_eq!(pa, pb);
+    assert_ne!(pa, random(n, 8));
 }

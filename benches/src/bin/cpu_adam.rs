@@ -8,7 +8,8 @@
 //!
 //! Prints, for 1 and 2 threads, the median step time of S steps after warm-up in ns/param and
 //! GB/s (28 bytes/param move: read p, g, m, v; write p, m, v; 30 with a 16-bit copy-back), and
-//! the ratios to the scalar loop and to torch.
+//! the ratios to the scalar loop and to torch. The Rust contenders take turns step by step (the
+//! machines are shared and their load drifts); torch runs right after, in its own process.
 
 use std::process::Command;
 use std::time::Instant;
@@ -50,12 +51,11 @@ fn scalar_adamw(b: &mut Buffers, step: u64, threads: usize) {
     let decay = (1.0 - LR * WD) as f32;
     let part = b.p.len().div_ceil(threads);
     std::thread::scope(|s| {
-        for (((p, g), m), v) in b
-            .p
-            .chunks_mut(part)
-            .zip(b.g.chunks(part))
-            .zip(b.m.chunks_mut(part))
-            .zip(b.v.chunks_mut(part))
+        for (((p, g), m), v) in
+            b.p.chunks_mut(part)
+                .zip(b.g.chunks(part))
+                .zip(b.m.chunks_mut(part))
+                .zip(b.v.chunks_mut(part))
         {
             s.spawn(move || {
                 for i in 0..p.len() {
@@ -81,46 +81,82 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Median seconds per step of `run` over `steps` steps after warm-up.
-fn time_steps(steps: usize, mut run: impl FnMut(u64)) -> f64 {
-    let mut times = Vec::with_capacity(steps);
-    for k in 0..WARMUP + steps {
-        let t0 = Instant::now();
-        run(k as u64 + 1);
-        let dt = t0.elapsed().as_secs_f64();
-        if k >= WARMUP {
-            times.push(dt);
-        }
-    }
-    median(times)
+/// What one contender runs per step.
+#[derive(Clone, Copy)]
+enum Contender {
+    ScalarLoop,
+    Ours(Isa, Copy16),
 }
 
-fn ours(b: &mut Buffers, isa: Isa, copy: Copy16, threads: usize, steps: usize) -> f64 {
+impl Contender {
+    fn label(self) -> String {
+        match self {
+            Contender::ScalarLoop => "plain scalar loop".to_string(),
+            Contender::Ours(isa, Copy16::None) => format!("zero-core {}", isa.name()),
+            Contender::Ours(isa, Copy16::Bf16) => format!("zero-core {} + bf16 copy", isa.name()),
+            Contender::Ours(isa, Copy16::F16) => format!("zero-core {} + f16 copy", isa.name()),
+        }
+    }
+
+    fn bytes(self) -> f64 {
+        match self {
+            Contender::Ours(_, Copy16::Bf16 | Copy16::F16) => BYTES_PER_PARAM + 2.0,
+            _ => BYTES_PER_PARAM,
+        }
+    }
+}
+
+/// Median seconds per step of every contender. The contenders take turns step by step, so that
+/// the load of a shared machine falls on all of them alike.
+fn race(n: usize, threads: usize, steps: usize, contenders: &[Contender]) -> Vec<f64> {
     let pool = CpuPool::new(threads).expect("optimizer threads");
-    let n = b.p.len();
-    let mut out_bf16 = matches!(copy, Copy16::Bf16).then(|| vec![bf16::ZERO; n]);
-    let mut out_f16 = matches!(copy, Copy16::F16).then(|| vec![f16::ZERO; n]);
-    time_steps(steps, |step| {
-        let s = AdamScalars::new(LR, 0.9, 0.999, 1e-8, WD, true, true, step);
-        let out = match (&mut out_bf16, &mut out_f16) {
-            (Some(o), _) => HalfCopy::Bf16(o),
-            (_, Some(o)) => HalfCopy::F16(o),
-            _ => HalfCopy::None,
-        };
-        pool.install(|| adam_step(isa, &mut b.p, &b.g, &mut b.m, &mut b.v, out, &s))
-            .expect("buffers of equal length");
-    })
+    let mut b = Buffers::new(n);
+    let mut out_bf16 = vec![bf16::ZERO; n];
+    let mut out_f16 = vec![f16::ZERO; n];
+    let mut times = vec![Vec::with_capacity(steps); contenders.len()];
+    for round in 0..WARMUP + steps {
+        let step = round as u64 + 1;
+        for (c, contender) in contenders.iter().enumerate() {
+            let t0 = Instant::now();
+            match *contender {
+                Contender::ScalarLoop => scalar_adamw(&mut b, step, threads),
+                Contender::Ours(isa, copy) => {
+                    let s = AdamScalars::new(LR, 0.9, 0.999, 1e-8, WD, true, true, step);
+                    let out = match copy {
+                        Copy16::None => HalfCopy::None,
+                        Copy16::Bf16 => HalfCopy::Bf16(&mut out_bf16),
+                        Copy16::F16 => HalfCopy::F16(&mut out_f16),
+                    };
+                    pool.install(|| adam_step(isa, &mut b.p, &b.g, &mut b.m, &mut b.v, out, &s))
+                        .expect("buffers of equal length");
+                }
+            }
+            if round >= WARMUP {
+                times[c].push(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    times.into_iter().map(median).collect()
 }
 
 fn torch(n: usize, threads: usize, steps: usize) -> Option<f64> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/bench_torch_adamw.py");
     let out = Command::new("python3")
-        .args([script, "--params", &n.to_string(), "--threads", &threads.to_string()])
+        .args([
+            script,
+            "--params",
+            &n.to_string(),
+            "--threads",
+            &threads.to_string(),
+        ])
         .args(["--steps", &steps.to_string()])
         .output()
         .ok()?;
     if !out.status.success() {
-        eprintln!("torch peer not run: {}", String::from_utf8_lossy(&out.stderr).lines().last()?);
+        eprintln!(
+            "torch peer not run: {}",
+            String::from_utf8_lossy(&out.stderr).lines().last()?
+        );
         return None;
     }
     // One JSON line; only its median is needed.
@@ -153,35 +189,48 @@ fn main() {
     let report = |label: &str, secs: f64, bytes: f64, base: Option<(f64, &str)>| {
         let ns = secs * 1e9 / n as f64;
         let gbs = bytes * n as f64 / secs / 1e9;
-        let ratio = base.map_or(String::new(), |(b, name)| format!("  {:.2}x {name}", b / secs));
+        let ratio = base.map_or(String::new(), |(b, name)| {
+            format!("  {:.2}x {name}", b / secs)
+        });
         println!("  {label:<34} {ns:6.3} ns/param  {gbs:6.1} GB/s{ratio}");
     };
+    let best = Isa::detect();
+    let mut contenders = vec![Contender::ScalarLoop];
+    contenders.extend(isas.iter().map(|&isa| Contender::Ours(isa, Copy16::None)));
+    contenders.push(Contender::Ours(best, Copy16::Bf16));
+    contenders.push(Contender::Ours(best, Copy16::F16));
     for threads in [1usize, 2] {
         println!("threads = {threads}");
-        let mut b = Buffers::new(n);
-        let scalar = time_steps(steps, |step| scalar_adamw(&mut b, step, threads));
-        report("plain scalar loop", scalar, BYTES_PER_PARAM, None);
-        let mut results = Vec::new();
-        for &isa in isas.iter().filter(|&&i| i != Isa::Scalar).chain([Isa::Scalar].iter()) {
-            let t = ours(&mut b, isa, Copy16::None, threads, steps);
-            report(&format!("zero-core {}", isa.name()), t, BYTES_PER_PARAM, Some((scalar, "vs scalar loop")));
-            results.push(t);
+        let medians = race(n, threads, steps, &contenders);
+        let scalar = medians[0];
+        for (c, &t) in contenders.iter().zip(&medians) {
+            let base = (!matches!(c, Contender::ScalarLoop)).then_some((scalar, "vs scalar loop"));
+            report(&c.label(), t, c.bytes(), base);
         }
-        let best = Isa::detect();
-        let t = ours(&mut b, best, Copy16::Bf16, threads, steps);
-        report(&format!("zero-core {} + bf16 copy", best.name()), t, BYTES_PER_PARAM + 2.0, Some((scalar, "vs scalar loop")));
-        let t = ours(&mut b, best, Copy16::F16, threads, steps);
-        report(&format!("zero-core {} + f16 copy", best.name()), t, BYTES_PER_PARAM + 2.0, Some((scalar, "vs scalar loop")));
-        drop(b);
         if with_torch {
             match torch(n, threads, steps) {
                 Some(t) => {
-                    report("torch AdamW fused=True", t, BYTES_PER_PARAM, Some((scalar, "vs scalar loop")));
-                    for (isa, ours) in isas.iter().filter(|&&i| i != Isa::Scalar).zip(&results) {
-                        println!("  ratio torch fused / zero-core {}: {:.2}x", isa.name(), t / ours);
+                    report(
+                        "torch AdamW fused=True (after)",
+                        t,
+                        BYTES_PER_PARAM,
+                        Some((scalar, "vs scalar loop")),
+                    );
+                    for (c, &ours) in contenders.iter().zip(&medians) {
+                        if let Contender::Ours(isa, Copy16::None) = c {
+                            if *isa != Isa::Scalar {
+                                println!(
+                                    "  torch fused / zero-core {}: {:.2}x",
+                                    isa.name(),
+                                    t / ours
+                                );
+                            }
+                        }
                     }
                 }
-                None => println!("  torch AdamW fused=True: not run (python3 with torch not found)"),
+                None => {
+                    println!("  torch AdamW fused=True: not run (python3 with torch not found)")
+                }
             }
         }
     }

@@ -1,16 +1,23 @@
 //! LAMB: Adam-style moments, with each parameter tensor's step scaled by its trust ratio
-//! ‖p‖ / ‖u‖ (You et al. 2019, as DeepSpeed's FusedLamb computes it).
+//! ‖p‖ / ‖u‖ (You et al. 2019), in the paper's form or DeepSpeed FusedLamb's (see
+//! [`LambVariant`]).
 //!
 //! The trust ratio is per tensor, and under ZeRO a tensor may be cut between ranks, so the step
 //! is split in two: [`ShardOptimizer::begin_step`] updates the moments and returns the shard's
 //! partial ‖p‖² and ‖u‖² per parameter; the caller sums them over ranks; then
 //! [`ShardOptimizer::finish_step`] applies `p -= lr · clamp(‖p‖/‖u‖) · u` with the totals.
 
+use rayon::prelude::*;
+
 use super::adam_kernel::HalfCopy;
 use super::state::load_buffers;
 use super::{
-    adam_kernel, check_len, LambSpec, NormPartials, OptimError, ShardOptimizer, ShardSegments,
+    adam_kernel, check_len, LambSpec, LambVariant, NormPartials, OptimError, ShardOptimizer,
+    ShardSegments,
 };
+
+/// Elements per parallel chunk (see the Adam kernel for the reasoning).
+const CHUNK: usize = 1 << 16;
 
 /// LAMB over one shard. State: `exp_avg`, `exp_avg_sq`.
 #[derive(Debug)]
@@ -59,18 +66,38 @@ impl Lamb {
         })
     }
 
-    fn direction(&self) -> Direction {
-        let (bc1, bc2) = if self.spec.bias_correction {
+    /// The bias-correction factors (1 - β1^t, 1 - β2^t) of the current step.
+    fn bias_corrections(&self) -> (f64, f64) {
+        if self.spec.bias_correction {
             let t = self.step.min(i32::MAX as u64) as i32;
             (1.0 - self.beta1.powi(t), 1.0 - self.spec.betas.1.powi(t))
         } else {
             (1.0, 1.0)
+        }
+    }
+
+    fn direction(&self) -> Direction {
+        let (bc1, bc2) = match self.spec.variant {
+            LambVariant::Paper => self.bias_corrections(),
+            LambVariant::DeepSpeed => (1.0, 1.0),
         };
         Direction {
             inv_bc1: (1.0 / bc1) as f32,
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             eps: self.spec.eps as f32,
             wd: self.spec.weight_decay as f32,
+        }
+    }
+
+    /// What multiplies `lr · ratio · u`: 1 in the paper's form, DeepSpeed's step-size factor
+    /// sqrt(bc2)/bc1 in its kernel's.
+    fn step_factor(&self) -> f64 {
+        match self.spec.variant {
+            LambVariant::Paper => 1.0,
+            LambVariant::DeepSpeed => {
+                let (bc1, bc2) = self.bias_corrections();
+                bc2.sqrt() / bc1
+            }
         }
     }
 
@@ -118,19 +145,29 @@ impl ShardOptimizer for Lamb {
         let mut sums = vec![0.0_f64; 2 * self.segments.num_params];
         for seg in &self.segments.segments {
             let r = seg.range.clone();
-            let (mut w2, mut u2) = (0.0_f64, 0.0_f64);
-            for i in r {
-                let g = grads[i];
-                let m = b1 * self.exp_avg[i] + c1 * g;
-                let v = b2 * self.exp_avg_sq[i] + c2 * g * g;
-                self.exp_avg[i] = m;
-                self.exp_avg_sq[i] = v;
-                let u = dir.update(params[i], m, v);
-                w2 += (params[i] as f64) * (params[i] as f64);
-                u2 += (u as f64) * (u as f64);
+            // Per-chunk sums, collected in order and added in order: the result does not depend
+            // on how rayon happened to split the work.
+            let chunk_sums: Vec<(f64, f64)> = params[r.clone()]
+                .par_chunks(CHUNK)
+                .zip(grads[r.clone()].par_chunks(CHUNK))
+                .zip(self.exp_avg[r.clone()].par_chunks_mut(CHUNK))
+                .zip(self.exp_avg_sq[r].par_chunks_mut(CHUNK))
+                .map(|(((p, g), m), v)| {
+                    let (mut w2, mut u2) = (0.0_f64, 0.0_f64);
+                    for (((&p, &g), m), v) in p.iter().zip(g).zip(m).zip(v) {
+                        *m = b1 * *m + c1 * g;
+                        *v = b2 * *v + c2 * g * g;
+                        let u = dir.update(p, *m, *v);
+                        w2 += (p as f64) * (p as f64);
+                        u2 += (u as f64) * (u as f64);
+                    }
+                    (w2, u2)
+                })
+                .collect();
+            for (w2, u2) in chunk_sums {
+                sums[2 * seg.param_id] += w2;
+                sums[2 * seg.param_id + 1] += u2;
             }
-            sums[2 * seg.param_id] += w2;
-            sums[2 * seg.param_id + 1] += u2;
         }
         self.pending = true;
         Ok(NormPartials(sums.into_iter().map(|x| x as f32).collect()))
@@ -157,16 +194,23 @@ impl ShardOptimizer for Lamb {
             });
         }
         let dir = self.direction();
+        let step_factor = self.step_factor();
         for seg in &self.segments.segments {
             let ratio = self.trust_ratio(
                 totals.weight_sq(seg.param_id),
                 totals.update_sq(seg.param_id),
             );
-            let scale = (lr * ratio as f64) as f32;
-            for i in seg.range.clone() {
-                let u = dir.update(params[i], self.exp_avg[i], self.exp_avg_sq[i]);
-                params[i] -= scale * u;
-            }
+            let scale = (lr * step_factor * ratio as f64) as f32;
+            let r = seg.range.clone();
+            params[r.clone()]
+                .par_chunks_mut(CHUNK)
+                .zip(self.exp_avg[r.clone()].par_chunks(CHUNK))
+                .zip(self.exp_avg_sq[r].par_chunks(CHUNK))
+                .for_each(|((p, m), v)| {
+                    for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+                        *p -= scale * dir.update(*p, m, v);
+                    }
+                });
         }
         self.pending = false;
         adam_kernel::copy_to_half(params, out)

@@ -11,6 +11,10 @@ const CHUNK: usize = 1 << 16;
 
 /// Lion over one shard: `c = β1·m + (1-β1)·g`, `p ← p·(1 - lr·wd) - lr·sign(c)`,
 /// `m ← β2·m + (1-β2)·g`. One state buffer, `exp_avg`.
+///
+/// `sign(0) = 0`, as in the reference implementation (`torch.sign`): an element whose gradient
+/// and momentum are both zero (ZeRO's padding, a frozen row) does not move. DeepSpeed's CUDA
+/// FusedLion instead steps such an element by +lr (`c > 0 ? -lr : lr`).
 #[derive(Debug)]
 pub struct Lion {
     spec: LionSpec,

@@ -38,7 +38,7 @@ pub use lamb::Lamb;
 pub use lion::Lion;
 pub use segments::{NormPartials, Segment, ShardSegments};
 pub use sgd::Sgd;
-pub use spec::{AdamSpec, LambSpec, LionSpec, OptimizerSpec, SgdSpec};
+pub use spec::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
 
 /// An optimizer over one rank's flat fp32 shard.
 ///

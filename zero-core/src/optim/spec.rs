@@ -142,6 +142,20 @@ impl SgdSpec {
     }
 }
 
+/// Where LAMB applies bias correction. The two published forms differ, and DeepSpeed's kernel
+/// is not the paper's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LambVariant {
+    /// The LAMB paper: `u = m̂ / (sqrt(v̂) + eps) + wd·p` with bias-corrected moments,
+    /// `p -= lr · ratio · u`.
+    #[default]
+    Paper,
+    /// DeepSpeed's FusedLamb kernel: `u = m / (sqrt(v) + eps) + wd·p` on the raw moments (so the
+    /// trust ratio sees the uncorrected update), `p -= lr · sqrt(bc2)/bc1 · ratio · u`.
+    DeepSpeed,
+}
+
 /// LAMB settings (DeepSpeed's FusedLamb defaults).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -160,6 +174,8 @@ pub struct LambSpec {
     pub max_coeff: f64,
     /// Lower clamp of the trust ratio. Default 0.01.
     pub min_coeff: f64,
+    /// Which form of the update. Default: the paper's.
+    pub variant: LambVariant,
 }
 
 impl Default for LambSpec {
@@ -172,6 +188,7 @@ impl Default for LambSpec {
             bias_correction: true,
             max_coeff: 10.0,
             min_coeff: 0.01,
+            variant: LambVariant::Paper,
         }
     }
 }
