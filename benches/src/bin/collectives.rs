@@ -12,7 +12,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, ThreadGroup};
+use zero_core::comm::{
+    CommError, DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup,
+};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
 
@@ -64,50 +66,38 @@ fn elems(mb: usize, world: usize) -> usize {
 }
 
 /// Runs the schedule on one rank; returns (op, bytes, median seconds) as seen by this rank.
+///
+/// Buffers are allocated and filled outside the timed region: all_reduce works in place, all_gather
+/// writes into a reused output (`all_gather_into`), reduce_scatter consumes a fresh input.
 fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> {
     let world = g.world_size();
+    let fail = |op: &str, e: CommError| -> ! {
+        eprintln!("rank {}: {op}: {e}", g.rank());
+        std::process::exit(1)
+    };
     let mut out = Vec::new();
     for &mb in sizes {
         let n = elems(mb, world);
         let bytes = n * 4;
-        let mut full = FlatBuffer::F32(vec![1.0; n]);
         for op in OPS {
-            let mut run = |full: &mut FlatBuffer| -> Result<(), String> {
-                match op {
-                    "all_reduce" => g.all_reduce(full, ReduceOp::Sum).map_err(|e| e.to_string()),
-                    "reduce_scatter" => g
-                        .reduce_scatter(std::mem::replace(full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
-                        .map(|_| *full = FlatBuffer::F32(vec![1.0; n]))
-                        .map_err(|e| e.to_string()),
-                    _ => g
-                        .all_gather(FlatBuffer::F32(vec![1.0; n / world]))
-                        .map(drop)
-                        .map_err(|e| e.to_string()),
-                }
-            };
-            let fail = |e: String| -> ! {
-                eprintln!("rank {}: {op}: {e}", g.rank());
-                std::process::exit(1)
-            };
-            run(&mut full).unwrap_or_else(|e| fail(e));
+            let mut full = FlatBuffer::F32(vec![1.0; n]);
+            let shard = FlatBuffer::F32(vec![1.0; n / world]);
             let mut times = Vec::new();
-            for _ in 0..iterations(bytes) {
-                g.barrier().unwrap_or_else(|e| fail(e.to_string()));
-                if op == "reduce_scatter" {
-                    // The input is consumed: refill it outside the timed region.
-                    full = FlatBuffer::F32(vec![1.0; n]);
-                }
+            // One warm-up round, then the measured ones.
+            for _ in 0..=iterations(bytes) {
+                let input = (op == "reduce_scatter").then(|| FlatBuffer::F32(vec![1.0; n]));
+                let part = shard.clone();
+                g.barrier().unwrap_or_else(|e| fail("barrier", e));
                 let t = Instant::now();
-                let taken = if op == "reduce_scatter" {
-                    g.reduce_scatter(std::mem::replace(&mut full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                } else {
-                    run(&mut full)
+                let done = match input {
+                    Some(input) => g.reduce_scatter(input, ReduceOp::Sum).map(drop),
+                    None if op == "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
+                    None => g.all_gather_into(part, &mut full),
                 };
                 times.push(t.elapsed().as_secs_f64());
-                taken.unwrap_or_else(|e| fail(e));
+                done.unwrap_or_else(|e| fail(op, e));
             }
+            times.remove(0);
             out.push((op.to_string(), bytes, median(times)));
         }
     }
@@ -203,7 +193,18 @@ fn main() {
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
     let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
     if args.iter().any(|a| a == "--tcp-rank") {
-        let g = TcpGroup::from_env(Some(Duration::from_secs(600))).unwrap_or_else(|e| {
+        let env = DistEnv::detect().unwrap_or_else(|e| {
+            eprintln!("environment: {e}");
+            std::process::exit(1)
+        });
+        // --socket-buffer BYTES (0: kernel autotuning), to compare socket settings.
+        let socket_buffer = match flag("--socket-buffer").and_then(|s| s.parse::<usize>().ok()) {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None => TcpOptions::default().socket_buffer,
+        };
+        let options = TcpOptions { timeout: Duration::from_secs(600), socket_buffer };
+        let g = TcpGroup::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options).unwrap_or_else(|e| {
             eprintln!("rendezvous: {e}");
             std::process::exit(1)
         });
@@ -238,7 +239,11 @@ fn main() {
             let bw = busbw(&op, bytes, world, secs);
             rows.push(("threads".into(), world, op, bytes, secs, bw, format!("{:.0}% of copy bw", 100.0 * bw / mem)));
         }
-        let tcp = processes(world, &exe, &["--tcp-rank".into(), "--sizes".into(), sizes_arg.clone()]).unwrap_or_default();
+        let mut tcp_args = vec!["--tcp-rank".to_string(), "--sizes".into(), sizes_arg.clone()];
+        if let Some(b) = flag("--socket-buffer") {
+            tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
+        }
+        let tcp = if args.iter().any(|a| a == "--no-tcp") { Vec::new() } else { processes(world, &exe, &tcp_args).unwrap_or_default() };
         let gloo: BTreeMap<(String, usize), f64> = if torch {
             processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
                 .unwrap_or_default()

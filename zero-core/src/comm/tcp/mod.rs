@@ -349,17 +349,25 @@ impl TcpRank {
             OpKind::ReduceScatter => {
                 let c = v.len() / world;
                 let ranges: Vec<Range<usize>> = (0..world).map(|i| i * c..(i + 1) * c).collect();
-                let mut work = match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
-                    Ok(work) => work,
-                    Err((_, v)) => widen(&v),
-                };
+                let mine = ranges[rank].clone();
                 // Starting one chunk back leaves this rank with its own chunk reduced.
-                self.ring_reduce_scatter(desc, &mut work, &ranges, (rank + world - 1) % world, op)?;
-                let mine = &mut work[ranges[rank].clone()];
-                finish(mine, op, world);
-                let mut out = vec![T::zeroed(); c];
-                T::store(mine, &mut out);
-                Ok(into_flat(out))
+                let first = (rank + world - 1) % world;
+                // The result stays in the input's allocation (see `keep_range`).
+                match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
+                    Ok(mut work) => {
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
+                        finish(&mut work[mine.clone()], op, world);
+                        Ok(FlatBuffer::F32(work).keep_range(mine))
+                    }
+                    Err((_, mut v)) => {
+                        let mut work = widen(&v);
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
+                        finish(&mut work[mine.clone()], op, world);
+                        T::store(&work[mine.clone()], &mut v[mine.clone()]);
+                        drop(work);
+                        Ok(into_flat(v).keep_range(mine))
+                    }
+                }
             }
             OpKind::AllGather => {
                 let c = v.len();
