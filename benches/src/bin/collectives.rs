@@ -45,13 +45,31 @@ const ANCHOR_GLOO: &[(usize, &str, usize, f64)] = &[
 ];
 
 fn iterations(bytes: usize) -> usize {
-    (64usize << 20).checked_div(bytes.max(1)).unwrap_or(1).clamp(3, 20)
+    (64usize << 20)
+        .checked_div(bytes.max(1))
+        .unwrap_or(1)
+        .clamp(3, 20)
 }
 
 fn busbw(op: &str, bytes: usize, world: usize, secs: f64) -> f64 {
     let n = world as f64;
-    let factor = if op == "all_reduce" { 2.0 * (n - 1.0) / n } else { (n - 1.0) / n };
+    let factor = if op == "all_reduce" {
+        2.0 * (n - 1.0) / n
+    } else {
+        (n - 1.0) / n
+    };
     bytes as f64 * factor / secs / 1e9
+}
+
+/// Bytes every rank together must read and write in shared memory (the threads backend's
+/// minimum): an all-reduce reads and writes every buffer once, a reduce-scatter reads every input
+/// and writes one output slice per rank, an all-gather reads the shards and writes every output.
+fn traffic(op: &str, bytes: usize, world: usize) -> f64 {
+    let (b, n) = (bytes as f64, world as f64);
+    match op {
+        "reduce_scatter" => (n + 1.0) * b,
+        _ => 2.0 * n * b,
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -132,13 +150,19 @@ fn threads_backend(world: usize, sizes: &[usize]) -> Vec<(String, usize, f64)> {
             .into_iter()
             .map(|g: Arc<ThreadGroup>| s.spawn(move || schedule(&*g, sizes)))
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     });
     results.into_iter().next().unwrap_or_default()
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29517)
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29517)
 }
 
 /// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's
@@ -168,7 +192,10 @@ fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String
             return None;
         }
         if rank == 0 {
-            lines = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+            lines = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::to_string)
+                .collect();
         }
     }
     Some(
@@ -185,12 +212,17 @@ fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String
 }
 
 fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
-    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect()).unwrap_or_else(|| default.to_vec())
+    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+    };
     let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
     if args.iter().any(|a| a == "--tcp-rank") {
         let env = DistEnv::detect().unwrap_or_else(|e| {
@@ -203,8 +235,20 @@ fn main() {
             Some(n) => Some(n),
             None => TcpOptions::default().socket_buffer,
         };
-        let options = TcpOptions { timeout: Duration::from_secs(600), socket_buffer };
-        let g = TcpGroup::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options).unwrap_or_else(|e| {
+        let unix_on_same_host = flag("--transport").map(String::as_str) != Some("tcp");
+        let options = TcpOptions {
+            timeout: Duration::from_secs(600),
+            socket_buffer,
+            unix_on_same_host,
+        };
+        let g = TcpGroup::connect(
+            env.rank,
+            env.world_size,
+            &env.master_addr,
+            env.master_port,
+            options,
+        )
+        .unwrap_or_else(|e| {
             eprintln!("rendezvous: {e}");
             std::process::exit(1)
         });
@@ -216,34 +260,71 @@ fn main() {
         return;
     }
     let worlds = list(flag("--worlds"), &[2, 4]);
-    let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let sizes_arg = sizes
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
 
     let mem1 = memcpy_bandwidth(1);
     let mem2 = memcpy_bandwidth(2);
     println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
 
     let torch = !args.iter().any(|a| a == "--no-gloo")
-        && Command::new("python3").args(["-c", "import torch"]).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        && Command::new("python3")
+            .args(["-c", "import torch"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
     let gloo_script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/gloo_collectives.py");
     println!(
         "gloo baseline: {}",
-        if torch { "torch.distributed gloo, measured in this run (tools/gloo_collectives.py)" } else { "torch not importable: figures taken from ANCHORS.md" }
+        if torch {
+            "torch.distributed gloo, measured in this run (tools/gloo_collectives.py)"
+        } else {
+            "torch not importable: figures taken from ANCHORS.md"
+        }
     );
 
-    let exe = std::env::current_exe().expect("own path").display().to_string();
+    let exe = std::env::current_exe()
+        .expect("own path")
+        .display()
+        .to_string();
     let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
     for &world in &worlds {
         let threads = threads_backend(world, &sizes);
         let mem = if world >= 2 { mem2 } else { mem1 };
         for (op, bytes, secs) in threads {
             let bw = busbw(&op, bytes, world, secs);
-            rows.push(("threads".into(), world, op, bytes, secs, bw, format!("{:.0}% of copy bw", 100.0 * bw / mem)));
+            let moved = traffic(&op, bytes, world) / secs / 1e9;
+            let vs = format!(
+                "memory traffic {moved:.1} GB/s = {:.0}% of copy bw",
+                100.0 * moved / mem
+            );
+            rows.push(("threads".into(), world, op, bytes, secs, bw, vs));
         }
-        let mut tcp_args = vec!["--tcp-rank".to_string(), "--sizes".into(), sizes_arg.clone()];
-        if let Some(b) = flag("--socket-buffer") {
-            tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
+        let mut tcp_runs = Vec::new();
+        for transport in ["tcp", "auto"] {
+            let mut tcp_args = vec![
+                "--tcp-rank".to_string(),
+                "--sizes".into(),
+                sizes_arg.clone(),
+                "--transport".into(),
+                transport.into(),
+            ];
+            if let Some(b) = flag("--socket-buffer") {
+                tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
+            }
+            if !args.iter().any(|a| a == "--no-tcp") {
+                let name = if transport == "tcp" {
+                    "tcp (loopback)"
+                } else {
+                    "tcp group, unix sockets"
+                };
+                tcp_runs.push((name, processes(world, &exe, &tcp_args).unwrap_or_default()));
+            }
         }
-        let tcp = if args.iter().any(|a| a == "--no-tcp") { Vec::new() } else { processes(world, &exe, &tcp_args).unwrap_or_default() };
         let gloo: BTreeMap<(String, usize), f64> = if torch {
             processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
                 .unwrap_or_default()
@@ -257,13 +338,32 @@ fn main() {
                 .map(|&(_, op, mb, bw)| ((op.to_string(), elems(mb, world) * 4), bw))
                 .collect()
         };
-        for (op, bytes, secs) in tcp {
-            let bw = busbw(&op, bytes, world, secs);
-            let vs = match gloo.get(&(op.clone(), bytes)) {
-                Some(g) => format!("{:.2}x gloo ({g:.2} GB/s{})", bw / g, if torch { "" } else { ", ANCHORS" }),
-                None => "no gloo figure".into(),
-            };
-            rows.push(("tcp".into(), world, op, bytes, secs, bw, vs));
+        for (name, results) in tcp_runs {
+            for (op, bytes, secs) in results {
+                let bw = busbw(&op, bytes, world, secs);
+                let vs = match gloo.get(&(op.clone(), bytes)) {
+                    Some(g) => format!(
+                        "{:.2}x gloo ({g:.2} GB/s{})",
+                        bw / g,
+                        if torch { "" } else { ", ANCHORS" }
+                    ),
+                    None => "no gloo figure".into(),
+                };
+                rows.push((name.into(), world, op, bytes, secs, bw, vs));
+            }
+        }
+        if torch {
+            for ((op, bytes), bw) in &gloo {
+                rows.push((
+                    "gloo (torch)".into(),
+                    world,
+                    op.clone(),
+                    *bytes,
+                    f64::NAN,
+                    *bw,
+                    "baseline".into(),
+                ));
+            }
         }
     }
     println!();
@@ -271,9 +371,13 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for (backend, world, op, bytes, secs, bw, vs) in rows {
         println!(
-            "| {backend} | {world} | {op} | {:.0} MB | {:.2} ms | {bw:.2} GB/s | {vs} |",
+            "| {backend} | {world} | {op} | {:.0} MB | {} | {bw:.2} GB/s | {vs} |",
             bytes as f64 / (1 << 20) as f64,
-            secs * 1e3
+            if secs.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.2} ms", secs * 1e3)
+            }
         );
     }
 }

@@ -6,9 +6,9 @@
 //! wait watches every peer's `ctrl`, so a death is seen at once, even by ranks that were not
 //! exchanging data with it.
 
+use super::stream::Stream;
 use crate::comm::CommError;
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// A message on a control connection.
@@ -22,8 +22,8 @@ pub(crate) enum Control {
 
 /// Both connections to one peer.
 pub(crate) struct Link {
-    pub data: TcpStream,
-    pub ctrl: TcpStream,
+    pub data: Stream,
+    pub ctrl: Stream,
     ctrl_in: Vec<u8>,
     /// Set once the peer said goodbye or its control connection ended.
     pub gone: Option<String>,
@@ -33,7 +33,7 @@ pub(crate) struct Link {
 
 impl Link {
     /// Wraps two connected, non-blocking streams.
-    pub(crate) fn new(data: TcpStream, ctrl: TcpStream) -> Self {
+    pub(crate) fn new(data: Stream, ctrl: Stream) -> Self {
         Link {
             data,
             ctrl,
