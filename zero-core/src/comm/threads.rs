@@ -301,6 +301,8 @@ impl ThreadRank {
         }
     }
 
+    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
     fn run(
         &mut self,
         kind: OpKind,

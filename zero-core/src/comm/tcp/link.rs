@@ -75,17 +75,13 @@ impl Link {
                 }
             }
         }
-        // Frames first: a goodbye or an abort may precede the end of the stream.
-        while self.ctrl_in.len() >= 4 {
-            let len = u32::from_le_bytes([
-                self.ctrl_in[0],
-                self.ctrl_in[1],
-                self.ctrl_in[2],
-                self.ctrl_in[3],
-            ]) as usize;
-            if self.ctrl_in.len() < 4 + len {
-                break;
-            }
+        // Frames first: a goodbye or an abort may precede the end of the stream. Every frame
+        // is one of those, so the first settles this peer's state.
+        let framed = match self.ctrl_in.get(..4) {
+            Some(&[a, b, c, d]) => Some(u32::from_le_bytes([a, b, c, d]) as usize),
+            _ => None,
+        };
+        if let Some(len) = framed.filter(|&len| self.ctrl_in.len() >= 4 + len) {
             let frame: Vec<u8> = self.ctrl_in.drain(..4 + len).skip(4).collect();
             match serde_json::from_slice::<Control>(&frame) {
                 Ok(Control::Abort(cause)) => {

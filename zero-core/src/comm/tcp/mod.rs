@@ -252,6 +252,8 @@ impl TcpRank {
         (self.mesh.rank + self.world - 1) % self.world
     }
 
+    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
     fn run(
         &mut self,
         kind: OpKind,

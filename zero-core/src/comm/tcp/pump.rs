@@ -76,6 +76,14 @@ impl SendFlow {
     }
 }
 
+/// How far the gate lets `send` go.
+fn send_limit(send: &SendFlow, recvs: &[RecvFlow]) -> usize {
+    match send.gate {
+        None => send.total,
+        Some((head, r)) => (head + recvs[r].processed).min(send.total),
+    }
+}
+
 /// How received bytes land.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sink {
@@ -156,15 +164,12 @@ impl Mesh {
         let mut last_progress = Instant::now();
         loop {
             let mut progressed = false;
-            for i in 0..recvs.len() {
-                progressed |= self.drive_recv(desc, &mut recvs[i])?;
+            for recv in recvs.iter_mut() {
+                progressed |= self.drive_recv(desc, recv)?;
             }
-            for i in 0..sends.len() {
-                let limit = match sends[i].gate {
-                    None => sends[i].total,
-                    Some((head, r)) => (head + recvs[r].processed).min(sends[i].total),
-                };
-                progressed |= self.drive_send(desc, &mut sends[i], limit)?;
+            for send in sends.iter_mut() {
+                let limit = send_limit(send, recvs);
+                progressed |= self.drive_send(desc, send, limit)?;
             }
             if sends.iter().all(|s| s.done == s.total) && recvs.iter().all(|r| r.done == r.total) {
                 return Ok(());
@@ -289,10 +294,7 @@ impl Mesh {
         // An aborting peer writes its cause on the control connection before it shuts its data
         // connections; the two connections are not ordered, so give the message a moment.
         let until = Instant::now() + Duration::from_millis(200);
-        loop {
-            let Some(link) = self.links[peer].as_mut() else {
-                break;
-            };
+        while let Some(link) = self.links[peer].as_mut() {
             link.poll_ctrl();
             if link.trouble().is_some() || Instant::now() >= until {
                 break;
@@ -357,11 +359,7 @@ impl Mesh {
             add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);
         }
         for s in sends.iter().filter(|s| s.done < s.total) {
-            let limit = match s.gate {
-                None => s.total,
-                Some((head, r)) => (head + recvs[r].processed).min(s.total),
-            };
-            if s.done < limit {
+            if s.done < send_limit(s, recvs) {
                 add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
             }
         }
