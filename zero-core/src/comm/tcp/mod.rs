@@ -370,9 +370,7 @@ impl TcpRank {
                 let owned = (rank + 1) % world;
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
-                        self.ring_reduce_scatter(desc, &mut work, &ranges, rank, op)?;
-                        finish(&mut work[ranges[owned].clone()], op, world);
-                        self.ring_all_gather(desc, &mut work, &ranges, owned)?;
+                        self.ring_all_reduce_f32(desc, &mut work, &ranges, op)?;
                         Ok(into_flat(work))
                     }
                     Err((_, mut v)) => {
@@ -457,6 +455,41 @@ impl TcpRank {
         let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
         let mut recvs = [RecvFlow::new(self.prev(), recvs, Sink::Reduce(op))];
         self.mesh.pump(desc, &mut sends, &mut recvs)
+    }
+
+    /// Ring all-reduce of f32 values as one stream: the all-gather phase forwards each reduced
+    /// chunk while it is still arriving, instead of waiting for the reduce-scatter to drain.
+    fn ring_all_reduce_f32(
+        &mut self,
+        desc: &OpDesc,
+        work: &mut [f32],
+        ranges: &[Range<usize>],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (n, rank) = (self.world, self.mesh.rank);
+        if n == 1 {
+            finish(work, op, 1);
+            return Ok(());
+        }
+        let base = work.as_mut_ptr();
+        let chunk = |i: usize| seg_of(base, &ranges[i % n]);
+        // Reduce-scatter starting from this rank's chunk leaves it owning chunk rank + 1, which
+        // the all-gather then starts from; send byte h + x is always received byte x.
+        let own = rank + 1;
+        let sends: Vec<Seg> = (0..n - 1)
+            .map(|k| chunk(rank + n - k))
+            .chain((0..n - 1).map(|k| chunk(own + n - k)))
+            .collect();
+        let reduced: Vec<Seg> = (0..n - 1).map(|k| chunk(rank + 2 * n - 1 - k)).collect();
+        let copied: Vec<Seg> = (0..n - 1).map(|k| chunk(own + 2 * n - 1 - k)).collect();
+        let mut recv = RecvFlow::new(self.prev(), reduced, Sink::Reduce(op)).then_copy(copied);
+        if op == ReduceOp::Avg {
+            // The last reduced segment is the owned chunk: every contribution is in once it lands.
+            recv = recv.finishing(n - 2, n);
+        }
+        let head = ranges[rank].len() * 4;
+        let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
+        self.mesh.pump(desc, &mut sends, &mut [recv])
     }
 
     /// Ring all-gather: this rank holds chunk `own` of `buf` and receives all others.
