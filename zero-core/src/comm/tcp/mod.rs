@@ -8,10 +8,11 @@
 //! Rendezvous follows torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or
 //! Slurm's or Open MPI's through [`DistEnv::detect`]. Reductions run as a ring: a reduce-scatter
 //! in which every rank forwards a chunk as soon as its part has been combined (pipelined at the
-//! granularity of socket reads), then an all-gather around the same ring. Each rank sends and
-//! receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are reduced
-//! in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded once; their
-//! all-gather phase moves 16-bit values.
+//! granularity of socket reads), then an all-gather around the same ring; for f32 the two phases
+//! are one stream, the all-gather forwarding each reduced chunk while it still arrives. Each rank
+//! sends and receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are
+//! reduced in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded
+//! once; their all-gather phase moves 16-bit values.
 //!
 //! Every collective starts with an exchange of headers (op, sequence number, dtype, length)
 //! between all ranks, so a mismatch is seen by every rank before any payload moves.
