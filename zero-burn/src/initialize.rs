@@ -17,7 +17,7 @@ use zero_core::config::{
     DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig, SchedulerConfig,
 };
 use zero_core::lr_schedule::LrScheduleSpec;
-use zero_core::optim::{AdamSpec, LambSpec, LionSpec, OptimizerSpec, SgdSpec};
+use zero_core::optim::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
 
 /// What the config may leave to be known at initialize.
 #[derive(Clone, Debug, Default)]
@@ -118,6 +118,8 @@ pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec,
             bias_correction: p.bias_correction,
             max_coeff: p.max_coeff,
             min_coeff: p.min_coeff,
+            // A DeepSpeed config means DeepSpeed's FusedLamb update (raw moments in the ratio).
+            variant: LambVariant::DeepSpeed,
         }),
         OptimizerConfig::Lion(p) => {
             OptimizerSpec::Lion(LionSpec { lr: p.lr, betas: (p.betas[0], p.betas[1]), weight_decay: p.weight_decay })

@@ -16,6 +16,17 @@ fn free_port() -> u16 {
 
 /// Starts `world` ranks in `mode`; returns each rank's (exit success, stdout + stderr).
 fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)> {
+    run_world_over(world, mode, timeout_secs, "auto")
+}
+
+/// As [`run_world`]; `transport` "tcp" forces TCP between ranks of this host, "auto" lets them
+/// use Unix-domain sockets.
+fn run_world_over(
+    world: usize,
+    mode: &str,
+    timeout_secs: f64,
+    transport: &str,
+) -> Vec<(bool, String)> {
     let port = free_port().to_string();
     let exe = std::env::current_exe().expect("test binary");
     let children: Vec<Child> = (0..world)
@@ -29,6 +40,7 @@ fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)>
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("ZERO_COMM_TIMEOUT_SECS", timeout_secs.to_string())
+                .env("ZERO_COMM_TRANSPORT", transport)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -67,6 +79,7 @@ fn rank_main() {
         "exercise" => {
             let n = comm_support::exercise(&g);
             println!("RESULT rank {rank} ran {n}");
+            println!("TRANSPORTS {:?}", g.transports());
         }
         "mismatch" => {
             let mut b = FlatBuffer::F32(vec![1.0; 10]);
@@ -116,14 +129,16 @@ fn rank_main() {
 
 #[test]
 fn every_op_dtype_and_length_matches_the_reference_at_world_sizes_2_to_4() {
-    for world in 2..=4 {
-        let results = run_world(world, "exercise", 60.0);
-        for (rank, (ok, out)) in results.iter().enumerate() {
-            let want = format!("RESULT rank {rank} ran {}", comm_support::EXERCISE_COUNT);
-            assert!(
-                *ok && out.contains(&want),
-                "world {world} rank {rank}:\n{out}"
-            );
+    for transport in ["tcp", "auto"] {
+        for world in 2..=4 {
+            let results = run_world_over(world, "exercise", 60.0, transport);
+            for (rank, (ok, out)) in results.iter().enumerate() {
+                let want = format!("RESULT rank {rank} ran {}", comm_support::EXERCISE_COUNT);
+                assert!(
+                    *ok && out.contains(&want),
+                    "{transport} world {world} rank {rank}:\n{out}"
+                );
+            }
         }
     }
 }
@@ -185,16 +200,22 @@ fn a_late_rank_is_named_in_a_timeout() {
 
 #[test]
 fn a_killed_rank_fails_every_other_rank_fast_naming_it() {
+    for transport in ["tcp", "auto"] {
+        killed_rank(transport);
+    }
+}
+
+fn killed_rank(transport: &str) {
     // Timeout 60 s: the survivors must notice the death, not wait it out. Rank 2 dies after its
     // collective #2, so #2 completes everywhere and #3 fails everywhere.
-    let results = run_world(4, "kill", 60.0);
+    let results = run_world_over(4, "kill", 60.0, transport);
     assert!(!results[2].0, "rank 2 aborted");
     for rank in [0, 1, 3] {
         let (ok, out) = &results[rank];
-        assert!(ok, "rank {rank}:\n{out}");
+        assert!(ok, "{transport} rank {rank}:\n{out}");
         assert!(
             out.contains("RESULT PeerLost { seq: 3, op: \"all_reduce\", peer: 2,"),
-            "rank {rank}:\n{out}"
+            "{transport} rank {rank}:\n{out}"
         );
         let secs: f64 = out
             .split("after ")

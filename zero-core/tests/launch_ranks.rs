@@ -22,7 +22,7 @@ fn alive(pid: i32) -> bool {
         Ok(stat) => stat
             .rsplit(')')
             .next()
-            .map(|s| s.trim_start().chars().next() != Some('Z'))
+            .map(|s| !s.trim_start().starts_with('Z'))
             .unwrap_or(false),
         Err(_) => false,
     }

@@ -12,7 +12,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, ThreadGroup};
+use zero_core::comm::{
+    CommError, DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup,
+};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
 
@@ -43,13 +45,31 @@ const ANCHOR_GLOO: &[(usize, &str, usize, f64)] = &[
 ];
 
 fn iterations(bytes: usize) -> usize {
-    (64usize << 20).checked_div(bytes.max(1)).unwrap_or(1).clamp(3, 20)
+    (64usize << 20)
+        .checked_div(bytes.max(1))
+        .unwrap_or(1)
+        .clamp(3, 20)
 }
 
 fn busbw(op: &str, bytes: usize, world: usize, secs: f64) -> f64 {
     let n = world as f64;
-    let factor = if op == "all_reduce" { 2.0 * (n - 1.0) / n } else { (n - 1.0) / n };
+    let factor = if op == "all_reduce" {
+        2.0 * (n - 1.0) / n
+    } else {
+        (n - 1.0) / n
+    };
     bytes as f64 * factor / secs / 1e9
+}
+
+/// Bytes every rank together must read and write in shared memory (the threads backend's
+/// minimum): an all-reduce reads and writes every buffer once, a reduce-scatter reads every input
+/// and writes one output slice per rank, an all-gather reads the shards and writes every output.
+fn traffic(op: &str, bytes: usize, world: usize) -> f64 {
+    let (b, n) = (bytes as f64, world as f64);
+    match op {
+        "reduce_scatter" => (n + 1.0) * b,
+        _ => 2.0 * n * b,
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -64,50 +84,38 @@ fn elems(mb: usize, world: usize) -> usize {
 }
 
 /// Runs the schedule on one rank; returns (op, bytes, median seconds) as seen by this rank.
+///
+/// Buffers are allocated and filled outside the timed region: all_reduce works in place, all_gather
+/// writes into a reused output (`all_gather_into`), reduce_scatter consumes a fresh input.
 fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> {
     let world = g.world_size();
+    let fail = |op: &str, e: CommError| -> ! {
+        eprintln!("rank {}: {op}: {e}", g.rank());
+        std::process::exit(1)
+    };
     let mut out = Vec::new();
     for &mb in sizes {
         let n = elems(mb, world);
         let bytes = n * 4;
-        let mut full = FlatBuffer::F32(vec![1.0; n]);
         for op in OPS {
-            let mut run = |full: &mut FlatBuffer| -> Result<(), String> {
-                match op {
-                    "all_reduce" => g.all_reduce(full, ReduceOp::Sum).map_err(|e| e.to_string()),
-                    "reduce_scatter" => g
-                        .reduce_scatter(std::mem::replace(full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
-                        .map(|_| *full = FlatBuffer::F32(vec![1.0; n]))
-                        .map_err(|e| e.to_string()),
-                    _ => g
-                        .all_gather(FlatBuffer::F32(vec![1.0; n / world]))
-                        .map(drop)
-                        .map_err(|e| e.to_string()),
-                }
-            };
-            let fail = |e: String| -> ! {
-                eprintln!("rank {}: {op}: {e}", g.rank());
-                std::process::exit(1)
-            };
-            run(&mut full).unwrap_or_else(|e| fail(e));
+            let mut full = FlatBuffer::F32(vec![1.0; n]);
+            let shard = FlatBuffer::F32(vec![1.0; n / world]);
             let mut times = Vec::new();
-            for _ in 0..iterations(bytes) {
-                g.barrier().unwrap_or_else(|e| fail(e.to_string()));
-                if op == "reduce_scatter" {
-                    // The input is consumed: refill it outside the timed region.
-                    full = FlatBuffer::F32(vec![1.0; n]);
-                }
+            // One warm-up round, then the measured ones.
+            for _ in 0..=iterations(bytes) {
+                let input = (op == "reduce_scatter").then(|| FlatBuffer::F32(vec![1.0; n]));
+                let part = shard.clone();
+                g.barrier().unwrap_or_else(|e| fail("barrier", e));
                 let t = Instant::now();
-                let taken = if op == "reduce_scatter" {
-                    g.reduce_scatter(std::mem::replace(&mut full, FlatBuffer::F32(Vec::new())), ReduceOp::Sum)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                } else {
-                    run(&mut full)
+                let done = match input {
+                    Some(input) => g.reduce_scatter(input, ReduceOp::Sum).map(drop),
+                    None if op == "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
+                    None => g.all_gather_into(part, &mut full),
                 };
                 times.push(t.elapsed().as_secs_f64());
-                taken.unwrap_or_else(|e| fail(e));
+                done.unwrap_or_else(|e| fail(op, e));
             }
+            times.remove(0);
             out.push((op.to_string(), bytes, median(times)));
         }
     }
@@ -142,13 +150,19 @@ fn threads_backend(world: usize, sizes: &[usize]) -> Vec<(String, usize, f64)> {
             .into_iter()
             .map(|g: Arc<ThreadGroup>| s.spawn(move || schedule(&*g, sizes)))
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     });
     results.into_iter().next().unwrap_or_default()
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29517)
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29517)
 }
 
 /// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's
@@ -178,7 +192,10 @@ fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String
             return None;
         }
         if rank == 0 {
-            lines = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+            lines = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::to_string)
+                .collect();
         }
     }
     Some(
@@ -195,15 +212,43 @@ fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String
 }
 
 fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
-    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect()).unwrap_or_else(|| default.to_vec())
+    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+    };
     let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
     if args.iter().any(|a| a == "--tcp-rank") {
-        let g = TcpGroup::from_env(Some(Duration::from_secs(600))).unwrap_or_else(|e| {
+        let env = DistEnv::detect().unwrap_or_else(|e| {
+            eprintln!("environment: {e}");
+            std::process::exit(1)
+        });
+        // --socket-buffer BYTES (0: kernel autotuning), to compare socket settings.
+        let socket_buffer = match flag("--socket-buffer").and_then(|s| s.parse::<usize>().ok()) {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None => TcpOptions::default().socket_buffer,
+        };
+        let unix_on_same_host = flag("--transport").map(String::as_str) != Some("tcp");
+        let options = TcpOptions {
+            timeout: Duration::from_secs(600),
+            socket_buffer,
+            unix_on_same_host,
+        };
+        let g = TcpGroup::connect(
+            env.rank,
+            env.world_size,
+            &env.master_addr,
+            env.master_port,
+            options,
+        )
+        .unwrap_or_else(|e| {
             eprintln!("rendezvous: {e}");
             std::process::exit(1)
         });
@@ -215,30 +260,71 @@ fn main() {
         return;
     }
     let worlds = list(flag("--worlds"), &[2, 4]);
-    let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let sizes_arg = sizes
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
 
     let mem1 = memcpy_bandwidth(1);
     let mem2 = memcpy_bandwidth(2);
     println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
 
     let torch = !args.iter().any(|a| a == "--no-gloo")
-        && Command::new("python3").args(["-c", "import torch"]).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        && Command::new("python3")
+            .args(["-c", "import torch"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
     let gloo_script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/gloo_collectives.py");
     println!(
         "gloo baseline: {}",
-        if torch { "torch.distributed gloo, measured in this run (tools/gloo_collectives.py)" } else { "torch not importable: figures taken from ANCHORS.md" }
+        if torch {
+            "torch.distributed gloo, measured in this run (tools/gloo_collectives.py)"
+        } else {
+            "torch not importable: figures taken from ANCHORS.md"
+        }
     );
 
-    let exe = std::env::current_exe().expect("own path").display().to_string();
+    let exe = std::env::current_exe()
+        .expect("own path")
+        .display()
+        .to_string();
     let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
     for &world in &worlds {
         let threads = threads_backend(world, &sizes);
         let mem = if world >= 2 { mem2 } else { mem1 };
         for (op, bytes, secs) in threads {
             let bw = busbw(&op, bytes, world, secs);
-            rows.push(("threads".into(), world, op, bytes, secs, bw, format!("{:.0}% of copy bw", 100.0 * bw / mem)));
+            let moved = traffic(&op, bytes, world) / secs / 1e9;
+            let vs = format!(
+                "memory traffic {moved:.1} GB/s = {:.0}% of copy bw",
+                100.0 * moved / mem
+            );
+            rows.push(("threads".into(), world, op, bytes, secs, bw, vs));
         }
-        let tcp = processes(world, &exe, &["--tcp-rank".into(), "--sizes".into(), sizes_arg.clone()]).unwrap_or_default();
+        let mut tcp_runs = Vec::new();
+        for transport in ["tcp", "auto"] {
+            let mut tcp_args = vec![
+                "--tcp-rank".to_string(),
+                "--sizes".into(),
+                sizes_arg.clone(),
+                "--transport".into(),
+                transport.into(),
+            ];
+            if let Some(b) = flag("--socket-buffer") {
+                tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
+            }
+            if !args.iter().any(|a| a == "--no-tcp") {
+                let name = if transport == "tcp" {
+                    "tcp (loopback)"
+                } else {
+                    "tcp group, unix sockets"
+                };
+                tcp_runs.push((name, processes(world, &exe, &tcp_args).unwrap_or_default()));
+            }
+        }
         let gloo: BTreeMap<(String, usize), f64> = if torch {
             processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
                 .unwrap_or_default()
@@ -252,13 +338,32 @@ fn main() {
                 .map(|&(_, op, mb, bw)| ((op.to_string(), elems(mb, world) * 4), bw))
                 .collect()
         };
-        for (op, bytes, secs) in tcp {
-            let bw = busbw(&op, bytes, world, secs);
-            let vs = match gloo.get(&(op.clone(), bytes)) {
-                Some(g) => format!("{:.2}x gloo ({g:.2} GB/s{})", bw / g, if torch { "" } else { ", ANCHORS" }),
-                None => "no gloo figure".into(),
-            };
-            rows.push(("tcp".into(), world, op, bytes, secs, bw, vs));
+        for (name, results) in tcp_runs {
+            for (op, bytes, secs) in results {
+                let bw = busbw(&op, bytes, world, secs);
+                let vs = match gloo.get(&(op.clone(), bytes)) {
+                    Some(g) => format!(
+                        "{:.2}x gloo ({g:.2} GB/s{})",
+                        bw / g,
+                        if torch { "" } else { ", ANCHORS" }
+                    ),
+                    None => "no gloo figure".into(),
+                };
+                rows.push((name.into(), world, op, bytes, secs, bw, vs));
+            }
+        }
+        if torch {
+            for ((op, bytes), bw) in &gloo {
+                rows.push((
+                    "gloo (torch)".into(),
+                    world,
+                    op.clone(),
+                    *bytes,
+                    f64::NAN,
+                    *bw,
+                    "baseline".into(),
+                ));
+            }
         }
     }
     println!();
@@ -266,9 +371,13 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for (backend, world, op, bytes, secs, bw, vs) in rows {
         println!(
-            "| {backend} | {world} | {op} | {:.0} MB | {:.2} ms | {bw:.2} GB/s | {vs} |",
+            "| {backend} | {world} | {op} | {:.0} MB | {} | {bw:.2} GB/s | {vs} |",
             bytes as f64 / (1 << 20) as f64,
-            secs * 1e3
+            if secs.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.2} ms", secs * 1e3)
+            }
         );
     }
 }

@@ -133,6 +133,23 @@ impl FlatBuffer {
         }
     }
 
+    /// Only the elements of `range`, moved to the front of the same allocation, which is then
+    /// shrunk: no fresh pages are touched, unlike a new buffer of the range's length.
+    pub(crate) fn keep_range(self, range: std::ops::Range<usize>) -> FlatBuffer {
+        fn keep<T: Copy>(mut v: Vec<T>, range: std::ops::Range<usize>) -> Vec<T> {
+            let n = range.len();
+            v.copy_within(range, 0);
+            v.truncate(n);
+            v.shrink_to_fit();
+            v
+        }
+        match self {
+            FlatBuffer::F32(v) => FlatBuffer::F32(keep(v, range)),
+            FlatBuffer::F16(v) => FlatBuffer::F16(keep(v, range)),
+            FlatBuffer::BF16(v) => FlatBuffer::BF16(keep(v, range)),
+        }
+    }
+
     /// A mutable view.
     pub fn as_mut(&mut self) -> BufferMut<'_> {
         match self {

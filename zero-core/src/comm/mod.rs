@@ -30,7 +30,7 @@ mod worker;
 pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
 pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
-pub use tcp::{TcpGroup, TcpOptions};
+pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;
 pub use work::Work;
 

@@ -301,6 +301,8 @@ impl ThreadRank {
         }
     }
 
+    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
     fn run(
         &mut self,
         kind: OpKind,
@@ -383,6 +385,13 @@ impl ThreadRank {
         match output {
             Some(out) => Ok(out),
             None => match Arc::try_unwrap(mine) {
+                Ok(shared) if kind == OpKind::ReduceScatter => {
+                    let chunk = desc.len as usize / world;
+                    Ok(shared
+                        .buf
+                        .into_inner()
+                        .keep_range(rank * chunk..(rank + 1) * chunk))
+                }
                 Ok(shared) => Ok(shared.buf.into_inner()),
                 // Every peer dropped its reference before reaching the last phase.
                 Err(_) => Err(CommError::Shutdown {
@@ -425,15 +434,16 @@ impl ThreadRank {
                 Ok(None)
             }
             OpKind::ReduceScatter => {
+                // Slice `rank` of this rank's input is read by no peer: the result goes there,
+                // and `run` keeps only it, in the input's allocation.
                 let chunk = len / world;
                 let inputs: Vec<*const T> = ptrs
                     .iter()
                     .map(|&p| unsafe { p.add(rank * chunk) } as *const T)
                     .collect();
-                let mut out = vec![T::zeroed(); chunk];
                 let op = desc.reduce.unwrap_or(ReduceOp::Sum);
-                unsafe { reduce_raw(&inputs, &[out.as_mut_ptr()], chunk, op) };
-                Ok(Some(into_flat(out)))
+                unsafe { reduce_raw(&inputs, &[own.add(rank * chunk)], chunk, op) };
+                Ok(None)
             }
             OpKind::AllGather => {
                 let mut out = match out.and_then(FlatBuffer::into_vec::<T>) {

@@ -6,9 +6,9 @@
 //! wait watches every peer's `ctrl`, so a death is seen at once, even by ranks that were not
 //! exchanging data with it.
 
+use super::stream::Stream;
 use crate::comm::CommError;
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// A message on a control connection.
@@ -22,8 +22,8 @@ pub(crate) enum Control {
 
 /// Both connections to one peer.
 pub(crate) struct Link {
-    pub data: TcpStream,
-    pub ctrl: TcpStream,
+    pub data: Stream,
+    pub ctrl: Stream,
     ctrl_in: Vec<u8>,
     /// Set once the peer said goodbye or its control connection ended.
     pub gone: Option<String>,
@@ -33,7 +33,7 @@ pub(crate) struct Link {
 
 impl Link {
     /// Wraps two connected, non-blocking streams.
-    pub(crate) fn new(data: TcpStream, ctrl: TcpStream) -> Self {
+    pub(crate) fn new(data: Stream, ctrl: Stream) -> Self {
         Link {
             data,
             ctrl,
@@ -75,17 +75,13 @@ impl Link {
                 }
             }
         }
-        // Frames first: a goodbye or an abort may precede the end of the stream.
-        while self.ctrl_in.len() >= 4 {
-            let len = u32::from_le_bytes([
-                self.ctrl_in[0],
-                self.ctrl_in[1],
-                self.ctrl_in[2],
-                self.ctrl_in[3],
-            ]) as usize;
-            if self.ctrl_in.len() < 4 + len {
-                break;
-            }
+        // Frames first: a goodbye or an abort may precede the end of the stream. Every frame
+        // is one of those, so the first settles this peer's state.
+        let framed = match self.ctrl_in.get(..4) {
+            Some(&[a, b, c, d]) => Some(u32::from_le_bytes([a, b, c, d]) as usize),
+            _ => None,
+        };
+        if let Some(len) = framed.filter(|&len| self.ctrl_in.len() >= 4 + len) {
             let frame: Vec<u8> = self.ctrl_in.drain(..4 + len).skip(4).collect();
             match serde_json::from_slice::<Control>(&frame) {
                 Ok(Control::Abort(cause)) => {

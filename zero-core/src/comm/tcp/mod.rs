@@ -1,12 +1,18 @@
 //! Ranks as processes, collectives over TCP (like torch's gloo backend).
 //!
+//! Ranks that find themselves on the same host (same kernel and network namespace) connect
+//! through Unix-domain sockets instead, unless ZERO_COMM_TRANSPORT=tcp or
+//! [`TcpOptions::unix_on_same_host`] is off: same stream protocol, about half the kernel's work
+//! per byte.
+//!
 //! Rendezvous follows torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or
 //! Slurm's or Open MPI's through [`DistEnv::detect`]. Reductions run as a ring: a reduce-scatter
 //! in which every rank forwards a chunk as soon as its part has been combined (pipelined at the
-//! granularity of socket reads), then an all-gather around the same ring. Each rank sends and
-//! receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are reduced
-//! in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded once; their
-//! all-gather phase moves 16-bit values.
+//! granularity of socket reads), then an all-gather around the same ring; for f32 the two phases
+//! are one stream, the all-gather forwarding each reduced chunk while it still arrives. Each rank
+//! sends and receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are
+//! reduced in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded
+//! once; their all-gather phase moves 16-bit values.
 //!
 //! Every collective starts with an exchange of headers (op, sequence number, dtype, length)
 //! between all ranks, so a mismatch is seen by every rank before any payload moves.
@@ -14,6 +20,7 @@
 mod link;
 mod pump;
 mod rendezvous;
+mod stream;
 
 use super::env::{timeout_from_env, DistEnv};
 use super::op::{OpDesc, OpKind, DESC_BYTES};
@@ -37,6 +44,10 @@ pub struct TcpOptions {
     /// autotuning). Large buffers keep the ring streaming; the kernel caps them at
     /// net.core.wmem_max / rmem_max.
     pub socket_buffer: Option<usize>,
+    /// Reach peers on the same host (same kernel and network namespace) through Unix-domain
+    /// sockets, which cost the kernel about half as much per byte as TCP over loopback.
+    /// `TcpGroup::from_env` turns it off when ZERO_COMM_TRANSPORT=tcp.
+    pub unix_on_same_host: bool,
 }
 
 impl Default for TcpOptions {
@@ -44,14 +55,25 @@ impl Default for TcpOptions {
         TcpOptions {
             timeout: super::env::DEFAULT_TIMEOUT,
             socket_buffer: Some(4 << 20),
+            unix_on_same_host: true,
         }
     }
 }
 
-/// One rank of a group of processes connected over TCP.
+/// How a rank reaches one peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// A TCP connection.
+    Tcp,
+    /// A Unix-domain socket (the peer runs on the same host).
+    Unix,
+}
+
+/// One rank of a group of processes connected over TCP (or Unix-domain sockets on one host).
 pub struct TcpGroup {
     rank: usize,
     world: usize,
+    transports: Vec<Option<Transport>>,
     worker: Worker<TcpRank>,
 }
 
@@ -94,6 +116,7 @@ impl TcpGroup {
     ) -> Result<Self, CommError> {
         let tuning = SocketTuning {
             buffer: options.socket_buffer,
+            unix_on_same_host: options.unix_on_same_host,
         };
         let links = connect_mesh(
             rank,
@@ -103,6 +126,15 @@ impl TcpGroup {
             options.timeout,
             tuning,
         )?;
+        let transports = links
+            .iter()
+            .map(|l| {
+                l.as_ref().map(|l| match l.data {
+                    stream::Stream::Tcp(_) => Transport::Tcp,
+                    stream::Stream::Unix(_) => Transport::Unix,
+                })
+            })
+            .collect();
         let state = TcpRank {
             mesh: Mesh::new(rank, links, options.timeout),
             world,
@@ -112,8 +144,16 @@ impl TcpGroup {
         Ok(TcpGroup {
             rank,
             world,
+            transports,
             worker,
         })
+    }
+}
+
+impl TcpGroup {
+    /// How this rank reaches each peer (`None` at its own index).
+    pub fn transports(&self) -> &[Option<Transport>] {
+        &self.transports
     }
 }
 
@@ -213,6 +253,8 @@ impl TcpRank {
         (self.mesh.rank + self.world - 1) % self.world
     }
 
+    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
+    #[allow(clippy::manual_is_multiple_of)]
     fn run(
         &mut self,
         kind: OpKind,
@@ -329,9 +371,7 @@ impl TcpRank {
                 let owned = (rank + 1) % world;
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
-                        self.ring_reduce_scatter(desc, &mut work, &ranges, rank, op)?;
-                        finish(&mut work[ranges[owned].clone()], op, world);
-                        self.ring_all_gather(desc, &mut work, &ranges, owned)?;
+                        self.ring_all_reduce_f32(desc, &mut work, &ranges, op)?;
                         Ok(into_flat(work))
                     }
                     Err((_, mut v)) => {
@@ -349,17 +389,25 @@ impl TcpRank {
             OpKind::ReduceScatter => {
                 let c = v.len() / world;
                 let ranges: Vec<Range<usize>> = (0..world).map(|i| i * c..(i + 1) * c).collect();
-                let mut work = match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
-                    Ok(work) => work,
-                    Err((_, v)) => widen(&v),
-                };
+                let mine = ranges[rank].clone();
                 // Starting one chunk back leaves this rank with its own chunk reduced.
-                self.ring_reduce_scatter(desc, &mut work, &ranges, (rank + world - 1) % world, op)?;
-                let mine = &mut work[ranges[rank].clone()];
-                finish(mine, op, world);
-                let mut out = vec![T::zeroed(); c];
-                T::store(mine, &mut out);
-                Ok(into_flat(out))
+                let first = (rank + world - 1) % world;
+                // The result stays in the input's allocation (see `keep_range`).
+                match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
+                    Ok(mut work) => {
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
+                        finish(&mut work[mine.clone()], op, world);
+                        Ok(FlatBuffer::F32(work).keep_range(mine))
+                    }
+                    Err((_, mut v)) => {
+                        let mut work = widen(&v);
+                        self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
+                        finish(&mut work[mine.clone()], op, world);
+                        T::store(&work[mine.clone()], &mut v[mine.clone()]);
+                        drop(work);
+                        Ok(into_flat(v).keep_range(mine))
+                    }
+                }
             }
             OpKind::AllGather => {
                 let c = v.len();
@@ -408,6 +456,41 @@ impl TcpRank {
         let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
         let mut recvs = [RecvFlow::new(self.prev(), recvs, Sink::Reduce(op))];
         self.mesh.pump(desc, &mut sends, &mut recvs)
+    }
+
+    /// Ring all-reduce of f32 values as one stream: the all-gather phase forwards each reduced
+    /// chunk while it is still arriving, instead of waiting for the reduce-scatter to drain.
+    fn ring_all_reduce_f32(
+        &mut self,
+        desc: &OpDesc,
+        work: &mut [f32],
+        ranges: &[Range<usize>],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (n, rank) = (self.world, self.mesh.rank);
+        if n == 1 {
+            finish(work, op, 1);
+            return Ok(());
+        }
+        let base = work.as_mut_ptr();
+        let chunk = |i: usize| seg_of(base, &ranges[i % n]);
+        // Reduce-scatter starting from this rank's chunk leaves it owning chunk rank + 1, which
+        // the all-gather then starts from; send byte h + x is always received byte x.
+        let own = rank + 1;
+        let sends: Vec<Seg> = (0..n - 1)
+            .map(|k| chunk(rank + n - k))
+            .chain((0..n - 1).map(|k| chunk(own + n - k)))
+            .collect();
+        let reduced: Vec<Seg> = (0..n - 1).map(|k| chunk(rank + 2 * n - 1 - k)).collect();
+        let copied: Vec<Seg> = (0..n - 1).map(|k| chunk(own + 2 * n - 1 - k)).collect();
+        let mut recv = RecvFlow::new(self.prev(), reduced, Sink::Reduce(op)).then_copy(copied);
+        if op == ReduceOp::Avg {
+            // The last reduced segment is the owned chunk: every contribution is in once it lands.
+            recv = recv.finishing(n - 2, n);
+        }
+        let head = ranges[rank].len() * 4;
+        let mut sends = [SendFlow::new(self.next(), sends, Some((head, 0)))];
+        self.mesh.pump(desc, &mut sends, &mut [recv])
     }
 
     /// Ring all-gather: this rank holds chunk `own` of `buf` and receives all others.

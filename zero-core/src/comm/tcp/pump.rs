@@ -9,7 +9,7 @@
 
 use super::link::Link;
 use crate::comm::op::OpDesc;
-use crate::comm::reduce::combine;
+use crate::comm::reduce::{combine, finish};
 use crate::comm::{CommError, ReduceOp};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
@@ -76,6 +76,14 @@ impl SendFlow {
     }
 }
 
+/// How far the gate lets `send` go.
+fn send_limit(send: &SendFlow, recvs: &[RecvFlow]) -> usize {
+    match send.gate {
+        None => send.total,
+        Some((head, r)) => (head + recvs[r].processed).min(send.total),
+    }
+}
+
 /// How received bytes land.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Sink {
@@ -95,6 +103,11 @@ pub(crate) struct RecvFlow {
     done: usize,
     /// Bytes landed in the segments (copied or reduced).
     processed: usize,
+    /// With a reducing sink, the leading bytes that are reduced; the rest is copied.
+    reduce_bytes: usize,
+    /// A segment whose values are final once combined: `(segment, world)` divides them by the
+    /// world size (the mean of an all-reduce, applied as the last contribution lands).
+    finish: Option<(usize, usize)>,
     cur: Cursor,
 }
 
@@ -103,6 +116,7 @@ impl RecvFlow {
         let total = segs.iter().map(|s| s.len).sum();
         let mut cur = Cursor::default();
         cur.advance(&segs, 0);
+        let reduce_bytes = if sink == Sink::Copy { 0 } else { total };
         RecvFlow {
             peer,
             segs,
@@ -110,8 +124,24 @@ impl RecvFlow {
             total,
             done: 0,
             processed: 0,
+            reduce_bytes,
+            finish: None,
             cur,
         }
+    }
+
+    /// Appends segments that are copied into once the reduced ones are complete (an all-reduce's
+    /// all-gather phase, streamed right behind its reduce-scatter).
+    pub(crate) fn then_copy(mut self, segs: Vec<Seg>) -> Self {
+        self.total += segs.iter().map(|s| s.len).sum::<usize>();
+        self.segs.extend(segs);
+        self
+    }
+
+    /// Divides segment `seg`'s values by `world` as soon as they are combined.
+    pub(crate) fn finishing(mut self, seg: usize, world: usize) -> Self {
+        self.finish = Some((seg, world));
+        self
     }
 }
 
@@ -156,15 +186,12 @@ impl Mesh {
         let mut last_progress = Instant::now();
         loop {
             let mut progressed = false;
-            for i in 0..recvs.len() {
-                progressed |= self.drive_recv(desc, &mut recvs[i])?;
+            for recv in recvs.iter_mut() {
+                progressed |= self.drive_recv(desc, recv)?;
             }
-            for i in 0..sends.len() {
-                let limit = match sends[i].gate {
-                    None => sends[i].total,
-                    Some((head, r)) => (head + recvs[r].processed).min(sends[i].total),
-                };
-                progressed |= self.drive_send(desc, &mut sends[i], limit)?;
+            for send in sends.iter_mut() {
+                let limit = send_limit(send, recvs);
+                progressed |= self.drive_send(desc, send, limit)?;
             }
             if sends.iter().all(|s| s.done == s.total) && recvs.iter().all(|r| r.done == r.total) {
                 return Ok(());
@@ -185,23 +212,21 @@ impl Mesh {
                 return Err(self.lost(desc, flow.peer, "it is not connected"));
             };
             let stream = &link.data;
-            let result = match flow.sink {
-                Sink::Copy => {
-                    let seg = flow.segs[flow.cur.seg];
-                    // SAFETY: the segment is this flow's to write until processed passes it.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            seg.ptr.add(flow.cur.off),
-                            seg.len - flow.cur.off,
-                        )
-                    };
-                    (&*stream).read(dst)
-                }
-                Sink::Reduce(_) => {
-                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
-                    let room = (bytes.len() - self.pending).min(flow.total - flow.done);
-                    (&*stream).read(&mut bytes[self.pending..self.pending + room])
-                }
+            let reducing = flow.done < flow.reduce_bytes;
+            let result = if reducing {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+                let room = (bytes.len() - self.pending).min(flow.reduce_bytes - flow.done);
+                (&*stream).read(&mut bytes[self.pending..self.pending + room])
+            } else {
+                let seg = flow.segs[flow.cur.seg];
+                // SAFETY: the segment is this flow's to write until processed passes it.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        seg.ptr.add(flow.cur.off),
+                        seg.len - flow.cur.off,
+                    )
+                };
+                (&*stream).read(dst)
             };
             match result {
                 Ok(0) => {
@@ -210,12 +235,12 @@ impl Mesh {
                 Ok(n) => {
                     progressed = true;
                     flow.done += n;
-                    match flow.sink {
-                        Sink::Copy => {
+                    match (reducing, flow.sink) {
+                        (true, Sink::Reduce(op)) => self.reduce_staged(flow, n, op),
+                        _ => {
                             flow.cur.advance(&flow.segs, n);
-                            flow.processed = flow.done;
+                            flow.processed += n;
                         }
-                        Sink::Reduce(op) => self.reduce_staged(flow, n, op),
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -241,6 +266,9 @@ impl Mesh {
                 std::slice::from_raw_parts_mut(seg.ptr.add(flow.cur.off) as *mut f32, elems)
             };
             combine(dst, &self.scratch[from..from + elems], op);
+            if let Some((_, world)) = flow.finish.filter(|&(seg, _)| seg == flow.cur.seg) {
+                finish(dst, ReduceOp::Avg, world);
+            }
             flow.cur.advance(&flow.segs, elems * 4);
             from += elems;
         }
@@ -289,10 +317,7 @@ impl Mesh {
         // An aborting peer writes its cause on the control connection before it shuts its data
         // connections; the two connections are not ordered, so give the message a moment.
         let until = Instant::now() + Duration::from_millis(200);
-        loop {
-            let Some(link) = self.links[peer].as_mut() else {
-                break;
-            };
+        while let Some(link) = self.links[peer].as_mut() {
             link.poll_ctrl();
             if link.trouble().is_some() || Instant::now() >= until {
                 break;
@@ -357,11 +382,7 @@ impl Mesh {
             add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);
         }
         for s in sends.iter().filter(|s| s.done < s.total) {
-            let limit = match s.gate {
-                None => s.total,
-                Some((head, r)) => (head + recvs[r].processed).min(s.total),
-            };
-            if s.done < limit {
+            if s.done < send_limit(s, recvs) {
                 add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
             }
         }

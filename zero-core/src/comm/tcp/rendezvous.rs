@@ -1,15 +1,18 @@
-//! Rendezvous: rank 0 listens at the master address, every rank tells it where its own listener
-//! is, rank 0 answers with the table, and every pair of ranks connects (a full mesh of a data and
-//! a control connection).
+//! Rendezvous: rank 0 listens at the master address, every rank tells it where its own listeners
+//! are, rank 0 answers with the table, and every pair of ranks connects (a full mesh of a data and
+//! a control connection). Ranks on the same host (same kernel and network namespace) connect
+//! through Unix-domain sockets, others through TCP.
 
 use super::link::Link;
+use super::stream::Stream;
 use crate::comm::CommError;
 use socket2::SockRef;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
-const HELLO_MAGIC: u32 = 0x5a52_4456; // "ZRDV"
 const MESH_MAGIC: u32 = 0x5a4d_5348; // "ZMSH"
 
 /// Socket settings of the mesh.
@@ -17,6 +20,22 @@ const MESH_MAGIC: u32 = 0x5a4d_5348; // "ZMSH"
 pub(crate) struct SocketTuning {
     /// SO_SNDBUF / SO_RCVBUF in bytes; `None` leaves the kernel's autotuning.
     pub buffer: Option<usize>,
+    /// Connect to peers on the same host through Unix-domain sockets.
+    pub unix_on_same_host: bool,
+}
+
+/// What a rank tells rank 0, and rank 0 tells everyone: how to reach each rank.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Entry {
+    world: usize,
+    rank: usize,
+    /// Address of the rank's TCP listener (rank 0 fills in the IP it saw).
+    ip: String,
+    port: u16,
+    /// Same value ⇔ same kernel and network namespace, where abstract Unix sockets are shared.
+    host: String,
+    /// Abstract Unix socket name of the rank's listener (empty: none).
+    unix: String,
 }
 
 fn setup(msg: impl std::fmt::Display) -> CommError {
@@ -26,58 +45,93 @@ fn setup(msg: impl std::fmt::Display) -> CommError {
 fn remaining(deadline: Instant) -> Result<Duration, CommError> {
     let now = Instant::now();
     if now >= deadline {
-        return Err(setup("rendezvous timed out (are all ranks started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)"));
+        return Err(setup(
+            "rendezvous timed out (are all ranks started, with the same MASTER_ADDR, MASTER_PORT \
+             and WORLD_SIZE?)",
+        ));
     }
     Ok(deadline - now)
 }
 
-fn read_exact(
-    s: &mut TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-    what: &str,
-) -> Result<(), CommError> {
-    s.set_read_timeout(Some(remaining(deadline)?))
-        .map_err(setup)?;
-    s.read_exact(buf)
-        .map_err(|e| setup(format!("rendezvous: reading {what}: {e}")))
-}
-
-fn read_u32s<const N: usize>(
-    s: &mut TcpStream,
-    deadline: Instant,
-    what: &str,
-) -> Result<[u32; N], CommError> {
-    let mut raw = vec![0u8; 4 * N];
-    read_exact(s, &mut raw, deadline, what)?;
-    let mut out = [0u32; N];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u32::from_le_bytes([raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]]);
+/// This host's identity for [`Entry::host`]: the boot id and the network namespace.
+fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    if boot.trim().is_empty() || netns.is_empty() {
+        // Unknown: never match another rank, fall back to TCP.
+        return format!("unknown-{}", std::process::id());
     }
-    Ok(out)
+    format!("{}/{}", boot.trim(), netns)
 }
 
-fn write_u32s(s: &mut TcpStream, words: &[u32]) -> Result<(), CommError> {
-    let raw: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    s.write_all(&raw)
+fn send_frame(s: &mut TcpStream, value: &impl serde::Serialize) -> Result<(), CommError> {
+    let body = serde_json::to_vec(value).map_err(setup)?;
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    s.write_all(&frame)
         .map_err(|e| setup(format!("rendezvous: sending: {e}")))
 }
 
-/// Accepts one connection before `deadline`.
-fn accept(listener: &TcpListener, deadline: Instant) -> Result<TcpStream, CommError> {
-    listener.set_nonblocking(true).map_err(setup)?;
+fn recv_frame<T: serde::de::DeserializeOwned>(
+    s: &mut TcpStream,
+    deadline: Instant,
+    what: &str,
+) -> Result<T, CommError> {
+    s.set_read_timeout(Some(remaining(deadline)?))
+        .map_err(setup)?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)
+        .map_err(|e| setup(format!("rendezvous: reading {what}: {e}")))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 64 << 20 {
+        return Err(setup(format!(
+            "rendezvous: {what} claims {len} bytes: not a rank of this group"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body)
+        .map_err(|e| setup(format!("rendezvous: reading {what}: {e}")))?;
+    serde_json::from_slice(&body).map_err(|e| {
+        setup(format!(
+            "rendezvous: {what} is unreadable ({e}); is something else using MASTER_PORT?"
+        ))
+    })
+}
+
+/// Accepts one connection on either listener before `deadline`.
+fn accept(
+    tcp: &TcpListener,
+    unix: Option<&UnixListener>,
+    deadline: Instant,
+) -> Result<Stream, CommError> {
+    tcp.set_nonblocking(true).map_err(setup)?;
+    if let Some(u) = unix {
+        u.set_nonblocking(true).map_err(setup)?;
+    }
     loop {
-        match listener.accept() {
+        match tcp.accept() {
             Ok((s, _)) => {
                 s.set_nonblocking(false).map_err(setup)?;
-                return Ok(s);
+                return Ok(Stream::Tcp(s));
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                remaining(deadline)?;
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
             Err(e) => return Err(setup(format!("rendezvous: accept failed: {e}"))),
         }
+        if let Some(u) = unix {
+            match u.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false).map_err(setup)?;
+                    return Ok(Stream::Unix(s));
+                }
+                Err(e)
+                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(setup(format!("rendezvous: accept failed: {e}"))),
+            }
+        }
+        remaining(deadline)?;
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -113,8 +167,8 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr, CommError> {
         .ok_or_else(|| setup(format!("MASTER_ADDR {host:?} resolves to no address")))
 }
 
-fn tune(s: &TcpStream, tuning: SocketTuning) -> Result<(), CommError> {
-    s.set_nodelay(true).map_err(setup)?;
+fn tune(s: &Stream, tuning: SocketTuning) -> Result<(), CommError> {
+    s.set_nodelay().map_err(setup)?;
     if let Some(size) = tuning.buffer {
         let sock = SockRef::from(s);
         // Best effort: the kernel caps the sizes at net.core.[rw]mem_max.
@@ -124,27 +178,25 @@ fn tune(s: &TcpStream, tuning: SocketTuning) -> Result<(), CommError> {
     Ok(())
 }
 
-fn ip_bytes(ip: IpAddr) -> [u32; 5] {
-    match ip {
-        IpAddr::V4(v4) => [4, u32::from_be_bytes(v4.octets()), 0, 0, 0],
-        IpAddr::V6(v6) => {
-            let o = v6.octets();
-            let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-            [6, w(0), w(4), w(8), w(12)]
-        }
-    }
+fn write_hello(s: &mut Stream, rank: usize, kind: u32) -> Result<(), CommError> {
+    let words: Vec<u8> = [MESH_MAGIC, rank as u32, kind]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    (&*s)
+        .write_all(&words)
+        .map_err(|e| setup(format!("rendezvous: sending a mesh hello: {e}")))
 }
 
-fn ip_from(words: &[u32]) -> IpAddr {
-    if words[0] == 4 {
-        IpAddr::V4(Ipv4Addr::from(words[1]))
-    } else {
-        let mut o = [0u8; 16];
-        for i in 0..4 {
-            o[4 * i..4 * i + 4].copy_from_slice(&words[1 + i].to_be_bytes());
-        }
-        IpAddr::from(o)
-    }
+fn read_hello(s: &mut Stream, deadline: Instant) -> Result<(u32, usize, u32), CommError> {
+    s.set_read_timeout(Some(remaining(deadline)?))
+        .map_err(setup)?;
+    let mut raw = [0u8; 12];
+    (&*s)
+        .read_exact(&mut raw)
+        .map_err(|e| setup(format!("rendezvous: reading a mesh hello: {e}")))?;
+    let w = |i: usize| u32::from_le_bytes([raw[i], raw[i + 1], raw[i + 2], raw[i + 3]]);
+    Ok((w(0), w(4) as usize, w(8)))
 }
 
 /// Builds the mesh of `rank` in a group of `world`; returns one link per peer.
@@ -174,80 +226,110 @@ pub(crate) fn connect_mesh(
     };
     let listener = TcpListener::bind((unspecified, 0))
         .map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
-    let my_port = listener.local_addr().map_err(setup)?.port() as u32;
+    let my_port = listener.local_addr().map_err(setup)?.port();
+    let host = host_identity();
+    // An abstract name: nothing to clean up in the file system, unique per process.
+    let unix_name = format!("zero-comm-{}-{rank}-{master_port}", std::process::id());
+    let unix_listener = if tuning.unix_on_same_host {
+        UnixAddr::from_abstract_name(unix_name.as_bytes())
+            .and_then(|a| UnixListener::bind_addr(&a))
+            .ok()
+    } else {
+        None
+    };
+    let me = Entry {
+        world,
+        rank,
+        ip: String::new(),
+        port: my_port,
+        host: host.clone(),
+        unix: if unix_listener.is_some() {
+            unix_name
+        } else {
+            String::new()
+        },
+    };
 
     // 1. The address table, through rank 0.
-    let table: Vec<SocketAddr> = if rank == 0 {
+    let table: Vec<Entry> = if rank == 0 {
         let master_listener = TcpListener::bind((unspecified, master_port)).map_err(|e| {
             setup(format!(
                 "rank 0 cannot listen on MASTER_PORT {master_port}: {e}"
             ))
         })?;
-        let mut peers: Vec<Option<(TcpStream, SocketAddr)>> = (0..world).map(|_| None).collect();
+        let mut table: Vec<Option<Entry>> = (0..world).map(|_| None).collect();
+        let mut conns: Vec<TcpStream> = Vec::new();
         for _ in 1..world {
-            let mut s = accept(&master_listener, deadline)?;
-            let [magic, their_world, their_rank, port] =
-                read_u32s::<4>(&mut s, deadline, "a rank's hello")?;
-            let (their_world, their_rank) = (their_world as usize, their_rank as usize);
-            if magic != HELLO_MAGIC {
-                return Err(setup(format!(
-                    "something that is not a rank connected to MASTER_PORT {master_port}"
-                )));
-            }
-            if their_world != world {
-                return Err(setup(format!(
-                    "rank {their_rank} has WORLD_SIZE {their_world}, rank 0 has {world}"
-                )));
-            }
-            if their_rank == 0 || their_rank >= world || peers[their_rank].is_some() {
-                return Err(setup(format!(
-                    "two ranks claim rank {their_rank} (or it is out of range)"
-                )));
-            }
-            let ip = s.peer_addr().map_err(setup)?.ip();
-            peers[their_rank] = Some((s, SocketAddr::new(ip, port as u16)));
-        }
-        let addrs: Vec<SocketAddr> = peers
-            .iter()
-            .map(|p| p.as_ref().map(|(_, a)| *a).unwrap_or(master))
-            .collect();
-        for (_, entry) in peers.iter_mut().enumerate().skip(1) {
-            let Some((s, _)) = entry.as_mut() else {
-                continue;
+            let Stream::Tcp(mut s) = accept(&master_listener, None, deadline)? else {
+                return Err(setup("rendezvous: unexpected connection type"));
             };
-            // Rank 0's address as this peer reached it.
-            let me = SocketAddr::new(s.local_addr().map_err(setup)?.ip(), my_port as u16);
-            let mut words = Vec::new();
-            for (r, a) in addrs.iter().enumerate() {
-                let a = if r == 0 { me } else { *a };
-                words.extend_from_slice(&ip_bytes(a.ip()));
-                words.push(a.port() as u32);
+            let mut e: Entry = recv_frame(&mut s, deadline, "a rank's hello")?;
+            if e.world != world {
+                return Err(setup(format!(
+                    "rank {} has WORLD_SIZE {}, rank 0 has {world}",
+                    e.rank, e.world
+                )));
             }
-            write_u32s(s, &words)?;
+            if e.rank == 0 || e.rank >= world || table[e.rank].is_some() {
+                return Err(setup(format!(
+                    "two ranks claim rank {} (or it is out of range)",
+                    e.rank
+                )));
+            }
+            e.ip = s.peer_addr().map_err(setup)?.ip().to_string();
+            let r = e.rank;
+            table[r] = Some(e);
+            conns.push(s);
         }
-        addrs
+        table[0] = Some(Entry {
+            ip: master.ip().to_string(),
+            ..me.clone()
+        });
+        let table: Vec<Entry> = table.into_iter().flatten().collect();
+        for s in conns.iter_mut() {
+            // Rank 0's IP as this peer reached it.
+            let mut view = table.clone();
+            view[0].ip = s.local_addr().map_err(setup)?.ip().to_string();
+            send_frame(s, &view)?;
+        }
+        table
     } else {
         let mut s = connect(master, deadline)?;
-        write_u32s(&mut s, &[HELLO_MAGIC, world as u32, rank as u32, my_port])?;
-        let mut raw = vec![0u8; world * 6 * 4];
-        read_exact(&mut s, &mut raw, deadline, "the address table from rank 0")?;
-        let words: Vec<u32> = raw
-            .chunks(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        words
-            .chunks(6)
-            .map(|w| SocketAddr::new(ip_from(&w[..5]), w[5] as u16))
-            .collect()
+        send_frame(&mut s, &me)?;
+        let table: Vec<Entry> = recv_frame(&mut s, deadline, "the address table from rank 0")?;
+        if table.len() != world {
+            return Err(setup(format!(
+                "rank 0 sent a table of {} ranks, expected {world}",
+                table.len()
+            )));
+        }
+        table
     };
 
     // 2. The mesh: connect to lower ranks, accept from higher ones.
-    let mut data: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    let mut ctrl: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut data: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
+    let mut ctrl: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
     for peer in 0..rank {
+        let e = &table[peer];
         for kind in 0..2u32 {
-            let mut s = connect(table[peer], deadline)?;
-            write_u32s(&mut s, &[MESH_MAGIC, rank as u32, kind])?;
+            let local = e.host == host && !e.unix.is_empty() && tuning.unix_on_same_host;
+            let unix = if local {
+                UnixAddr::from_abstract_name(e.unix.as_bytes())
+                    .and_then(|a| UnixStream::connect_addr(&a))
+                    .ok()
+            } else {
+                None
+            };
+            let mut s = match unix {
+                Some(u) => Stream::Unix(u),
+                None => {
+                    let ip: IpAddr = e.ip.parse().map_err(|_| {
+                        setup(format!("rank {peer} has an unreadable address {:?}", e.ip))
+                    })?;
+                    Stream::Tcp(connect(SocketAddr::new(ip, e.port), deadline)?)
+                }
+            };
+            write_hello(&mut s, rank, kind)?;
             if kind == 0 {
                 data[peer] = Some(s)
             } else {
@@ -256,9 +338,8 @@ pub(crate) fn connect_mesh(
         }
     }
     for _ in 0..2 * (world - 1 - rank) {
-        let mut s = accept(&listener, deadline)?;
-        let [magic, peer, kind] = read_u32s::<3>(&mut s, deadline, "a peer's mesh hello")?;
-        let peer = peer as usize;
+        let mut s = accept(&listener, unix_listener.as_ref(), deadline)?;
+        let (magic, peer, kind) = read_hello(&mut s, deadline)?;
         if magic != MESH_MAGIC || peer <= rank || peer >= world || kind > 1 {
             return Err(setup(
                 "an unexpected connection reached this rank's mesh listener",
@@ -278,7 +359,9 @@ pub(crate) fn connect_mesh(
             return Err(setup(format!("no connection to rank {peer}")));
         };
         tune(&d, tuning)?;
-        c.set_nodelay(true).map_err(setup)?;
+        c.set_nodelay().map_err(setup)?;
+        d.set_read_timeout(None).map_err(setup)?;
+        c.set_read_timeout(None).map_err(setup)?;
         d.set_nonblocking(true).map_err(setup)?;
         c.set_nonblocking(true).map_err(setup)?;
         links[peer] = Some(Link::new(d, c));
