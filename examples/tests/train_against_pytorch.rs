@@ -8,19 +8,25 @@ use std::path::PathBuf;
 use zero_examples::gpt2::{train, TrainArgs};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 #[test]
 fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture")).expect("json");
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"),
+    )
+    .expect("json");
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
     let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
 
     let args = TrainArgs {
         config: fixture("train_config.json"),
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
+        model: Some(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny"),
+        ),
         preset: None,
         data: None,
         tokens: Some(fixture("train_tokens.json")),
@@ -38,8 +44,18 @@ fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
     for (record, (&want_loss, &want_norm)) in summary.steps.iter().zip(losses.iter().zip(&norms)) {
         let loss_err = (record.loss - want_loss).abs() / want_loss.abs();
         let norm_err = (record.grad_norm - want_norm).abs() / want_norm.abs();
-        assert!(loss_err < 1e-5, "step {}: loss {} vs PyTorch {want_loss} ({loss_err:e})", record.step, record.loss);
-        assert!(norm_err < 1e-4, "step {}: grad norm {} vs PyTorch {want_norm} ({norm_err:e})", record.step, record.grad_norm);
+        assert!(
+            loss_err < 1e-5,
+            "step {}: loss {} vs PyTorch {want_loss} ({loss_err:e})",
+            record.step,
+            record.loss
+        );
+        assert!(
+            norm_err < 1e-4,
+            "step {}: grad norm {} vs PyTorch {want_norm} ({norm_err:e})",
+            record.step,
+            record.grad_norm
+        );
     }
     // The run trained: the loss fell by more than a tenth.
     assert!(summary.steps[4].loss < 0.9 * summary.steps[0].loss);

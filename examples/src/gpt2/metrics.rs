@@ -16,8 +16,18 @@ pub struct Progress {
 
 impl Progress {
     /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary.
-    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, world: usize, stage: u8) -> Self {
-        let header = format!("GPT-2 {:.2}M parameters, ZeRO stage {stage}, {world} ranks", parameters as f64 / 1e6);
+    pub fn new(
+        lead: bool,
+        show: bool,
+        steps: u64,
+        parameters: usize,
+        world: usize,
+        stage: u8,
+    ) -> Self {
+        let header = format!(
+            "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {world} ranks",
+            parameters as f64 / 1e6
+        );
         let bar = (lead && show).then(|| {
             let bar = ProgressBar::new(steps);
             bar.set_style(
@@ -43,7 +53,9 @@ impl Progress {
                 r.loss_scale,
                 r.tokens_per_s,
                 memory as f64 / 1e6,
-                r.valid_loss.map(|v| format!(" valid {v:.4}")).unwrap_or_default()
+                r.valid_loss
+                    .map(|v| format!(" valid {v:.4}"))
+                    .unwrap_or_default()
             ));
             bar.inc(1);
         }
@@ -60,7 +72,8 @@ impl Progress {
         if !self.lead {
             return;
         }
-        let tokens_per_s = s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
+        let tokens_per_s =
+            s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
         println!("{}", self.header);
         println!(
             "{} steps in {:.1} s: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
@@ -68,7 +81,9 @@ impl Progress {
             s.seconds,
             first.loss,
             last.loss,
-            last.valid_loss.map(|v| format!(" (held-out {v:.4})")).unwrap_or_default(),
+            last.valid_loss
+                .map(|v| format!(" (held-out {v:.4})"))
+                .unwrap_or_default(),
             tokens_per_s
         );
         if let Some(m) = last.memory.first() {
@@ -95,13 +110,19 @@ impl MetricsWriter {
     /// Creates (truncates) the file.
     pub fn create(path: &Path) -> Result<Self, TrainError> {
         let file = std::fs::File::create(path).map_err(|source| io(path, source))?;
-        Ok(MetricsWriter { file: std::io::BufWriter::new(file), path: path.to_path_buf() })
+        Ok(MetricsWriter {
+            file: std::io::BufWriter::new(file),
+            path: path.to_path_buf(),
+        })
     }
 
     /// Appends one step.
     pub fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
-        let line = serde_json::to_string(record).map_err(|e| io(&self.path, std::io::Error::other(e)))?;
-        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(|source| io(&self.path, source))
+        let line =
+            serde_json::to_string(record).map_err(|e| io(&self.path, std::io::Error::other(e)))?;
+        writeln!(self.file, "{line}")
+            .and_then(|_| self.file.flush())
+            .map_err(|source| io(&self.path, source))
     }
 
     /// Flushes and closes.
@@ -111,7 +132,10 @@ impl MetricsWriter {
 }
 
 fn io(path: &Path, source: std::io::Error) -> TrainError {
-    TrainError::Io { path: path.display().to_string(), source }
+    TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Draws the training loss (blue) and held-out loss (red) per step into `METRICS.png` beside
@@ -123,15 +147,25 @@ pub fn write_loss_curve(metrics: &Path, s: &TrainSummary) -> Result<(), TrainErr
         let root = BitMapBackend::new(&out, (800, 480)).into_drawing_area();
         root.fill(&WHITE)?;
         let losses: Vec<(f64, f64)> = s.steps.iter().map(|r| (r.step as f64, r.loss)).collect();
-        let valid: Vec<(f64, f64)> = s.steps.iter().filter_map(|r| r.valid_loss.map(|v| (r.step as f64, v))).collect();
-        let all = losses.iter().chain(&valid).map(|p| p.1).filter(|v| v.is_finite());
+        let valid: Vec<(f64, f64)> = s
+            .steps
+            .iter()
+            .filter_map(|r| r.valid_loss.map(|v| (r.step as f64, v)))
+            .collect();
+        let all = losses
+            .iter()
+            .chain(&valid)
+            .map(|p| p.1)
+            .filter(|v| v.is_finite());
         let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
         if lo > hi {
             return Ok(());
         }
         let steps = s.steps.len().max(2) as f64;
         let pad = ((hi - lo) * 0.05).max(1e-3);
-        let mut chart = ChartBuilder::on(&root).margin(20).build_cartesian_2d(1.0..steps, (lo - pad)..(hi + pad))?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(20)
+            .build_cartesian_2d(1.0..steps, (lo - pad)..(hi + pad))?;
         chart.draw_series(LineSeries::new(losses, &BLUE))?;
         chart.draw_series(LineSeries::new(valid, &RED))?;
         root.present()?;

@@ -110,7 +110,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
             args.backend
         )));
     }
-    let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
+    let parsed =
+        DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
     }
@@ -118,7 +119,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     let data = Arc::new(match (&args.tokens, &args.data) {
         (Some(path), _) => DataSource::from_tokens_file(path)?,
         (None, Some(path)) => {
-            let text = std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
             DataSource::from_text(&text, args.seq_len)?
         }
         (None, None) => DataSource::from_text(SHIPPED_CORPUS, args.seq_len)?,
@@ -169,7 +171,10 @@ fn rank_loop(
         )));
     }
     let world = group.world_size();
-    let options = InitOptions { hidden_size: Some(model_config.n_embd), ..Default::default() };
+    let options = InitOptions {
+        hidden_size: Some(model_config.n_embd),
+        ..Default::default()
+    };
     let resolved = zero_burn::resolve(config, world, &options)?;
     let settings = zero_burn::engine_settings(&resolved)?;
     let (micro, gas, global) = (
@@ -181,7 +186,14 @@ fn rank_loop(
     let mut engine = ChainEngine::new(settings, model, group.clone())?;
 
     let lead = rank == 0;
-    let mut progress = Progress::new(lead, !args.quiet, args.steps, parameters, world, resolved.zero.stage as u8);
+    let mut progress = Progress::new(
+        lead,
+        !args.quiet,
+        args.steps,
+        parameters,
+        world,
+        resolved.zero.stage as u8,
+    );
     let mut metrics = match (&args.metrics, lead) {
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
@@ -207,11 +219,18 @@ fn rank_loop(
             TrainError::Config("the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into())
         })?;
         let loss = mean_over_ranks(group.as_ref(), loss_sum / gas as f64)?;
-        let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-            Some(validate(&mut engine, group.as_ref(), &validation, rank, &device)?)
-        } else {
-            None
-        };
+        let valid_loss =
+            if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
+                Some(validate(
+                    &mut engine,
+                    group.as_ref(),
+                    &validation,
+                    rank,
+                    &device,
+                )?)
+            } else {
+                None
+            };
         let memory = memory_of_all_ranks(group.as_ref(), engine.memory())?;
         let record = StepRecord {
             step: step + 1,
@@ -230,7 +249,12 @@ fn rank_loop(
         }
         records.push(record);
     }
-    let summary = TrainSummary { steps: records, seconds: started.elapsed().as_secs_f64(), world_size: world, parameters };
+    let summary = TrainSummary {
+        steps: records,
+        seconds: started.elapsed().as_secs_f64(),
+        world_size: world,
+        parameters,
+    };
     progress.finish(&summary);
     if let (Some(m), Some(path)) = (metrics, &args.metrics) {
         m.finish()?;
@@ -249,7 +273,9 @@ fn token_tensor(rows: &[Vec<u32>], device: &burn::tensor::Device<B>) -> Tensor<B
 /// The mean of `value` over the ranks.
 fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainError> {
     let mut buf = FlatBuffer::F32(vec![value as f32]);
-    group.all_reduce(&mut buf, ReduceOp::Avg).map_err(|e| TrainError::Engine(e.into()))?;
+    group
+        .all_reduce(&mut buf, ReduceOp::Avg)
+        .map_err(|e| TrainError::Engine(e.into()))?;
     Ok(buf.into_f32()[0] as f64)
 }
 
@@ -269,16 +295,40 @@ fn validate(
 }
 
 /// Every rank's memory report, on every rank (KiB in f32: exact up to 16 GiB per kind).
-fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<Vec<MemoryReport>, TrainError> {
+fn memory_of_all_ranks(
+    group: &dyn ProcessGroup,
+    mine: MemoryReport,
+) -> Result<Vec<MemoryReport>, TrainError> {
     use zero_burn::Bytes;
-    let kinds = [mine.parameters, mine.gradients, mine.master_weights, mine.optimizer_state, mine.gathered];
-    let local: Vec<f32> = kinds.iter().flat_map(|b| [(b.current / 1024) as f32, (b.peak / 1024) as f32]).collect();
-    let all = group.all_gather(FlatBuffer::F32(local)).map_err(|e| TrainError::Engine(e.into()))?.into_f32();
+    let kinds = [
+        mine.parameters,
+        mine.gradients,
+        mine.master_weights,
+        mine.optimizer_state,
+        mine.gathered,
+    ];
+    let local: Vec<f32> = kinds
+        .iter()
+        .flat_map(|b| [(b.current / 1024) as f32, (b.peak / 1024) as f32])
+        .collect();
+    let all = group
+        .all_gather(FlatBuffer::F32(local))
+        .map_err(|e| TrainError::Engine(e.into()))?
+        .into_f32();
     Ok(all
         .chunks(10)
         .map(|c| {
-            let b = |i: usize| Bytes { current: c[2 * i] as usize * 1024, peak: c[2 * i + 1] as usize * 1024 };
-            MemoryReport { parameters: b(0), gradients: b(1), master_weights: b(2), optimizer_state: b(3), gathered: b(4) }
+            let b = |i: usize| Bytes {
+                current: c[2 * i] as usize * 1024,
+                peak: c[2 * i + 1] as usize * 1024,
+            };
+            MemoryReport {
+                parameters: b(0),
+                gradients: b(1),
+                master_weights: b(2),
+                optimizer_state: b(3),
+                gathered: b(4),
+            }
         })
         .collect())
 }
