@@ -324,9 +324,15 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 was detected just above.
-            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
+            assert_eq!(
+                unsafe { max_magnitude_bits_avx2(&v) },
+                max_magnitude_bits(&v)
+            );
             v[1001] = 3.0;
-            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
+            assert_eq!(
+                unsafe { max_magnitude_bits_avx2(&v) },
+                max_magnitude_bits(&v)
+            );
         }
     }
 

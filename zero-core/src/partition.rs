@@ -123,14 +123,25 @@ impl LayoutBuilder {
             }
             Placement::Replicated => numel,
         };
-        self.layout.groups.push(FlatGroup { params, offsets, numel, padded, placement });
+        self.layout.groups.push(FlatGroup {
+            params,
+            offsets,
+            numel,
+            padded,
+            placement,
+        });
         Some(self.layout.groups.len() - 1)
     }
 
     /// Adds the parameters as consecutive groups of about `bucket_elements` elements each: a
     /// parameter never straddles two groups, and a parameter larger than a bucket gets a group
     /// of its own. Returns the indices of the new groups.
-    pub fn buckets(&mut self, params: &[usize], bucket_elements: usize, placement: Placement) -> Vec<usize> {
+    pub fn buckets(
+        &mut self,
+        params: &[usize],
+        bucket_elements: usize,
+        placement: Placement,
+    ) -> Vec<usize> {
         let mut added = Vec::new();
         let mut current = Vec::new();
         let mut size = 0;
@@ -156,7 +167,10 @@ impl LayoutBuilder {
                 seen[p] += 1;
             }
         }
-        assert!(seen.iter().all(|&c| c == 1), "every parameter must be in exactly one group");
+        assert!(
+            seen.iter().all(|&c| c == 1),
+            "every parameter must be in exactly one group"
+        );
         self.layout
     }
 }
@@ -164,7 +178,13 @@ impl LayoutBuilder {
 impl PartitionLayout {
     /// Where each parameter lives, indexed like [`PartitionLayout::params`].
     pub fn places(&self) -> Vec<ParamPlace> {
-        let mut places = vec![ParamPlace { group: 0, offset: 0 }; self.params.len()];
+        let mut places = vec![
+            ParamPlace {
+                group: 0,
+                offset: 0
+            };
+            self.params.len()
+        ];
         for (gi, g) in self.groups.iter().enumerate() {
             for (&p, &offset) in g.params.iter().zip(&g.offsets) {
                 places[p] = ParamPlace { group: gi, offset };
@@ -238,7 +258,10 @@ mod tests {
         numels
             .iter()
             .enumerate()
-            .map(|(i, &n)| ParamSpec { name: format!("p{i}"), shape: vec![n] })
+            .map(|(i, &n)| ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            })
             .collect()
     }
 
@@ -276,7 +299,13 @@ mod tests {
         assert_eq!(layout.groups[1].params, vec![2]);
         assert_eq!(layout.groups[2].params, vec![3, 4]);
         let places = layout.places();
-        assert_eq!(places[4], ParamPlace { group: 2, offset: 5 });
+        assert_eq!(
+            places[4],
+            ParamPlace {
+                group: 2,
+                offset: 5
+            }
+        );
     }
 
     #[test]

@@ -19,22 +19,26 @@ enum WorkState<T> {
 impl<T> Work<T> {
     /// A handle that is already complete.
     pub fn ready(result: Result<T, CommError>) -> Self {
-        Work { state: WorkState::Ready(result) }
+        Work {
+            state: WorkState::Ready(result),
+        }
     }
 
     /// A handle completed by whoever holds the sending half of `receiver`. `op` names the
     /// collective in the error if the sender vanishes without answering.
     pub fn pending(receiver: Receiver<Result<T, CommError>>, op: &'static str) -> Self {
-        Work { state: WorkState::Pending(receiver, op) }
+        Work {
+            state: WorkState::Pending(receiver, op),
+        }
     }
 
     /// Blocks until the collective is done and returns its result.
     pub fn wait(self) -> Result<T, CommError> {
         match self.state {
             WorkState::Ready(r) => r,
-            WorkState::Pending(rx, op) => rx.recv().unwrap_or_else(|_| {
-                Err(CommError::Shutdown { op: op.to_string() })
-            }),
+            WorkState::Pending(rx, op) => rx
+                .recv()
+                .unwrap_or_else(|_| Err(CommError::Shutdown { op: op.to_string() })),
         }
     }
 }
