@@ -16,15 +16,18 @@
 //! `stage3_prefetch_bucket_size` elements. Parameters smaller than
 //! `stage3_param_persistence_threshold` stay replicated and are all-reduced once per step.
 //!
-//! Stages 0-2 keep the parts whole and run the chain as one autodiff graph; the gradients then
-//! go through the same bucketed reductions as in [`crate::ZeroEngine`].
+//! Stages 0-2 keep every part's parameters whole. Forward builds one autodiff graph per part, cut
+//! at the part boundaries and kept until backward (no recomputation); backward then runs part by
+//! part in reverse, so each block's gradients go into the bucketed reductions (stage 2:
+//! reduce-scattered, in the background with `overlap_comm`) while the blocks before it are still
+//! to be differentiated.
 
 use crate::chain::{ChainModel, Hidden};
 use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::{describe, read_values, skeleton, take_grads, write_values};
+use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_values};
 use crate::settings::{EngineSettings, Stage};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
@@ -53,8 +56,9 @@ pub struct ChainLoss<B: AutodiffBackend, M: ChainModel<B>> {
 }
 
 enum Pending<B: AutodiffBackend, M: ChainModel<B>> {
-    /// Stages 0-2: the whole chain is one graph.
-    Whole,
+    /// Stages 0-2: one graph per part, kept from forward: the embedding's output, each block's
+    /// input leaf and output, and the head's leaves.
+    Kept { embedded: M::Hidden, blocks: Vec<(M::Hidden, M::Hidden)>, last: M::Hidden, head: M::Ends },
     /// Stage 3: the head's graph, the blocks' inputs and the batch (for the embedding's backward).
     Blockwise { last: M::Hidden, ends: M::Ends, inputs: Vec<M::Hidden>, batch: M::Batch },
 }
@@ -77,6 +81,8 @@ pub struct ChainEngine<B: AutodiffBackend, M: ChainModel<B>> {
     prefetched: HashMap<usize, Work<FlatBuffer>>,
     /// Stage 3: the parts still to be gathered this micro-batch, in order.
     schedule: VecDeque<usize>,
+    /// Stages 0-2: the leaves of the ends used by the pending micro-batch's embedding.
+    embed_ends: Option<M::Ends>,
 }
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
@@ -216,19 +222,33 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             device,
             prefetched: HashMap::new(),
             schedule: VecDeque::new(),
+            embed_ends: None,
         })
     }
 
     /// Forward of one micro-batch.
     pub fn forward(&mut self, batch: M::Batch) -> Result<ChainLoss<B, M>, ZeroError> {
         if self.core.settings.stage != Stage::Zero3 {
-            let mut h = M::embed(&self.ends, &batch);
+            // Each part is its own graph, cut at the part boundaries, so that backward can run
+            // part by part and reduce each block's gradients as soon as they exist. The ends are
+            // used twice (embedding, head): each use gets its own leaves over the same values.
+            let embed_ends = fresh_leaves::<B, _>(self.ends.clone());
+            let embedded = M::embed(&embed_ends, &batch);
+            let mut h = embedded.clone();
+            let mut blocks = Vec::with_capacity(self.blocks.len());
             for block in &self.blocks {
-                h = M::block_forward(block, h);
+                let x = h.leaf();
+                let y = M::block_forward(block, x.clone());
+                h = y.clone();
+                blocks.push((x, y));
             }
-            let loss = M::head_loss(&self.ends, h, &batch);
+            let head = fresh_leaves::<B, _>(self.ends.clone());
+            let last = h.leaf();
+            let loss = M::head_loss(&head, last.clone(), &batch);
             let value = loss.clone().into_scalar().elem::<f32>();
-            return Ok(ChainLoss { value, loss, pending: Pending::Whole });
+            // The embedding's graph holds the ends' leaves; keep them alive with it.
+            self.embed_ends = Some(embed_ends);
+            return Ok(ChainLoss { value, loss, pending: Pending::Kept { embedded, blocks, last, head } });
         }
         let n = self.blocks.len();
         // ends, blocks…, ends | blocks in reverse…, ends
@@ -288,11 +308,23 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let scale = self.core.loss_scale();
         let mut grads = loss.loss.mul_scalar(scale).backward();
         match loss.pending {
-            Pending::Whole => {
-                self.absorb_own_part(0, &mut grads)?;
-                for b in 0..self.blocks.len() {
-                    self.absorb_own_part(b + 1, &mut grads)?;
+            Pending::Kept { embedded, mut blocks, last, head } => {
+                let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
+                    ZeroError::Model("the loss does not depend on the last block's output".into())
+                })?;
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &head, &mut grads)?;
+                drop((grads, head));
+                for b in (0..self.blocks.len()).rev() {
+                    let (x, y) = blocks.pop().unwrap_or_else(|| unreachable!());
+                    let mut grads = y.dot(grad_h).backward();
+                    grad_h = x.take_grad(&mut grads).ok_or_else(|| {
+                        ZeroError::Model(format!("block {b}'s output does not depend on its input"))
+                    })?;
+                    absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                 }
+                let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
+                let mut grads = embedded.dot(grad_h).backward();
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
             }
             Pending::Blockwise { last, ends, mut inputs, batch } => {
                 let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
@@ -374,17 +406,6 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// The partition layout.
     pub fn layout(&self) -> &PartitionLayout {
         &self.core.state.layout
-    }
-
-    /// Takes the gradients of one part's parameters (of the stage 0-2 parts this engine holds)
-    /// out of `grads` into the reductions.
-    fn absorb_own_part(&mut self, part: usize, grads: &mut B::Gradients) -> Result<(), ZeroError> {
-        let params = &self.parts[part].params;
-        if part == 0 {
-            absorb_into::<B, _>(&mut self.core, params, &self.ends, grads)
-        } else {
-            absorb_into::<B, _>(&mut self.core, params, &self.blocks[part - 1], grads)
-        }
     }
 
     /// Stage 3: the ends with their gathered weights (leaves recording gradients when

@@ -100,8 +100,13 @@ impl EngineCore {
             GradFlow::ReduceThenAccumulate => {
                 let work = self.comm.reduce_scatter_async(FlatBuffer::F32(full), ReduceOp::Avg);
                 self.in_flight.push((place.group, work));
-                if !self.settings.overlap_comm {
-                    self.drain()?;
+                if self.settings.overlap_comm {
+                    // Overlap, but never hold more than about two buckets of gradients in flight
+                    // (DeepSpeed's reduce_bucket_size bounds this memory the same way).
+                    let limit = 2 * self.settings.reduce_bucket_size.max(group.padded);
+                    self.drain_to(limit)?;
+                } else {
+                    self.drain_to(0)?;
                 }
             }
         }
@@ -110,11 +115,20 @@ impl EngineCore {
 
     /// Waits for every reduction in flight and accumulates the results.
     pub fn drain(&mut self) -> Result<(), ZeroError> {
-        for (group, work) in std::mem::take(&mut self.in_flight) {
+        self.drain_to(0)
+    }
+
+    /// Waits for the oldest reductions in flight until at most `limit` elements remain in
+    /// flight, and accumulates their results.
+    fn drain_to(&mut self, limit: usize) -> Result<(), ZeroError> {
+        let mut in_flight: usize = self.in_flight.iter().map(|(g, _)| self.state.layout.groups[*g].padded).sum();
+        while in_flight > limit && !self.in_flight.is_empty() {
+            let (group, work) = self.in_flight.remove(0);
             let padded = self.state.layout.groups[group].padded;
             let shard = work.wait()?.into_f32();
             self.memory.sub_grads(padded * 4);
             self.state.add_owned(group, &shard);
+            in_flight -= padded;
         }
         Ok(())
     }

@@ -101,6 +101,19 @@ pub fn skeleton<B: Backend, M: Module<B>>(module: M) -> M {
     module.map(&mut Skeleton)
 }
 
+/// The module with every float parameter replaced by a new autodiff leaf over the same values
+/// (no copy): its gradients are recorded apart from the original parameters'.
+pub fn fresh_leaves<B: AutodiffBackend, M: Module<B>>(module: M) -> M {
+    struct Fresh;
+    impl<B: AutodiffBackend> ModuleMapper<B> for Fresh {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, Tensor::from_inner(tensor.inner()).require_grad(), mapper)
+        }
+    }
+    module.map(&mut Fresh)
+}
+
 /// Calls `sink(index, gradient)` for each float parameter in visit order, taking the gradient out
 /// of `grads` (None if the parameter took no part in the loss).
 pub fn take_grads<B: AutodiffBackend, M: Module<B>>(

@@ -30,7 +30,7 @@ fn report(stage: Stage, world: usize) -> MemoryReport {
         let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
         s.alignment = 1;
         s.param_persistence_threshold = 0;
-        s.reduce_bucket_size = 1 << 20;
+        s.reduce_bucket_size = 2 * BLOCK_ELEMENTS;
         s.overlap_comm = true;
         s.prefetch_bucket_size = 2 * BLOCK_ELEMENTS;
         let mut engine = ChainEngine::new(s, Net::<B>::new(&device, 40), group).expect("engine");
@@ -65,6 +65,19 @@ fn per_rank_bytes_follow_the_zero_formulas() {
             // fp32 master weights: the owned shard; under stage 3 they are the parameters.
             let master = if stage == Stage::Zero3 { 0.0 } else if stage == Stage::Zero0 { 4.0 * psi } else { 4.0 * psi / n };
             within(&format!("{label} master weights"), r.master_weights.current, master, slack);
+            if matches!(stage, Stage::Zero2 | Stage::Zero3) && world > 1 {
+                // Gradients are reduce-scattered part by part during backward: the full gradient
+                // never exists at once. Peak: the shards, two buckets in flight (a bucket is two
+                // blocks here), the group being assembled, and the ends.
+                let full = 4.0 * psi;
+                let bound = 4.0 * psi / n + 4.0 * (6 * BLOCK_ELEMENTS + 200) as f64;
+                assert!(bound < full);
+                assert!(
+                    (r.gradients.peak as f64) <= bound,
+                    "{label}: gradient peak {} above {bound} (the full gradient is {full})",
+                    r.gradients.peak
+                );
+            }
             if stage == Stage::Zero3 {
                 // Nothing gathered stays after the step; live at once: the part in use plus the
                 // prefetch budget (2 blocks) plus the ends (68 + 39 elements) in flight.
