@@ -7,7 +7,7 @@ use crate::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 
 /// Every rank passes its own outcome; every rank gets back its own error, or
 /// [`CheckpointError::PeerFailed`] naming the first failed rank when only others failed.
-pub(crate) fn agree<T>(
+pub fn agree<T>(
     comm: &dyn ProcessGroup,
     action: &'static str,
     outcome: Result<T, CheckpointError>,

@@ -27,6 +27,7 @@ pub mod reshard;
 mod save;
 mod writer;
 
+pub use collective::agree;
 pub use consolidate::{parse_size, to_fp32, ConsolidateReport, GroupExport, INDEX_FILE, SINGLE_FILE};
 pub use error::CheckpointError;
 pub use format::{CheckpointMeta, FileRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};

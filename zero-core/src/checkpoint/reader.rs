@@ -108,7 +108,7 @@ impl ShardReader {
             return Err(self.mismatch(format!("tensor `{tensor}` has no f32 elements {elems:?}")));
         }
         let at = self.data_start;
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *out);
         self.read_verified(at + a as u64..at + b as u64, bytes)?;
         if cfg!(target_endian = "big") {
             for v in out.iter_mut() {

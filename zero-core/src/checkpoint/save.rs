@@ -106,7 +106,7 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
         };
         push(format::master_tensor(g), shard.master)?;
         values.push(shard.master);
-        for (name, buf) in &shard.state {
+        for &(name, buf) in &shard.state {
             push(format::state_tensor(g, name), buf)?;
             values.push(buf);
         }
