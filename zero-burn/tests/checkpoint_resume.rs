@@ -171,7 +171,7 @@ fn generic_engine_resumes_exactly_stages_0_to_2() {
 fn reshards_between_any_world_sizes_and_stages() {
     let stages = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3];
     // The runs at each (world, stage) from the start: the references.
-    let mut reference = std::collections::HashMap::new();
+    let mut reference = std::collections::BTreeMap::new();
     for m in 1..=4 {
         for t in stages {
             reference.insert((m, t), chain_run(t, m, 1, 2, 4, None).1);
@@ -285,7 +285,7 @@ fn exports_match_the_model_stage_3() {
     let read = |path: PathBuf| {
         let bytes = std::fs::read(&path).expect("exported file");
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
-        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.data().to_vec())).collect::<std::collections::HashMap<_, _>>()
+        st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.data().to_vec()))).collect::<std::collections::HashMap<_, _>>()
     };
     let bf16 = read(dir.join("bf16/model.safetensors"));
     let f32s = read(dir.join("f32/model.safetensors"));
@@ -297,12 +297,12 @@ fn exports_match_the_model_stage_3() {
         // Reference: the model's own weights, rounded to bf16 by `half`.
         let expect_bf16: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
         let expect_f32: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let (dtype, bytes) = (&bf16[name].1, &bf16[name].2);
+        let (dtype, bytes) = (&bf16[name].0, &bf16[name].1);
         assert_eq!(*dtype, safetensors::Dtype::BF16);
         assert_eq!(bytes, &expect_bf16, "{name} in the 16-bit export");
         let short = name.strip_prefix("ends.").unwrap_or(name);
-        assert_eq!(f32s[short].2, expect_f32, "{short} in the renamed f32 export");
-        assert_eq!(consolidated[name].2, expect_f32, "{name} consolidated from the checkpoint");
+        assert_eq!(f32s[short].1, expect_f32, "{short} in the renamed f32 export");
+        assert_eq!(consolidated[name].1, expect_f32, "{name} consolidated from the checkpoint");
     }
     std::fs::remove_dir_all(&dir).ok();
 }
