@@ -24,7 +24,9 @@ use crate::optimizer_bridge::OptimizerFactory;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
+use zero_core::checkpoint::{
+    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest,
+};
 
 impl EngineCore {
     fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {
@@ -45,7 +47,9 @@ impl EngineCore {
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
         self.require_boundary("save_checkpoint")?;
-        let tag = tag.map(str::to_string).unwrap_or_else(|| format!("global_step{}", self.global_step));
+        let tag = tag
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("global_step{}", self.global_step));
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
         let request = SaveRequest {
             layout: &self.state.layout,
@@ -53,7 +57,10 @@ impl EngineCore {
                 .state
                 .groups
                 .iter()
-                .map(|g| GroupShard { master: &g.master, state: g.optimizer.inner.state() })
+                .map(|g| GroupShard {
+                    master: &g.master,
+                    state: g.optimizer.inner.state(),
+                })
                 .collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
@@ -71,11 +78,17 @@ impl EngineCore {
     /// Reads this rank's new owned slices (from any world size and stage), rebuilds the
     /// optimizers from them, and only when every rank succeeded replaces the state. Returns the
     /// client state.
-    pub(crate) fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
+    pub(crate) fn load_checkpoint(
+        &mut self,
+        dir: &Path,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load_checkpoint")?;
         let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
         let rank = self.comm.rank();
-        let factory = OptimizerFactory { spec: self.settings.optimizer.clone() };
+        let factory = OptimizerFactory {
+            spec: self.settings.optimizer.clone(),
+        };
         let layout = &self.state.layout;
         let rebuilt = (|| {
             let mut optimizers = Vec::with_capacity(groups.len());
@@ -88,10 +101,19 @@ impl EngineCore {
                         opt.inner.name()
                     )));
                 }
-                let buffers: Vec<(&str, &[f32])> = g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
-                opt.inner.load_state(meta.optimizer.step, &buffers).map_err(|e| {
-                    ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
-                })?;
+                let buffers: Vec<(&str, &[f32])> = g
+                    .state
+                    .iter()
+                    .map(|(n, b)| (n.as_str(), b.as_slice()))
+                    .collect();
+                opt.inner
+                    .load_state(meta.optimizer.step, &buffers)
+                    .map_err(|e| {
+                        ZeroError::Optimizer(format!(
+                            "restoring group {gi} from the checkpoint `{}`: {e}",
+                            meta.tag
+                        ))
+                    })?;
                 optimizers.push(opt);
             }
             Ok(optimizers)
@@ -111,7 +133,8 @@ impl EngineCore {
             (Err(e), _) => return Err(e),
             (Ok(_), Err(e)) => return Err(e.into()),
         };
-        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers) {
+        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers)
+        {
             state.master = loaded.master;
             state.optimizer = optimizer;
         }
@@ -129,7 +152,11 @@ impl EngineCore {
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), ZeroError> {
         let writer = self.comm.rank() == 0;
-        let mut export = if writer { Some(GroupExport::create(path, &self.state.layout, dtype, names)) } else { None };
+        let mut export = if writer {
+            Some(GroupExport::create(path, &self.state.layout, dtype, names))
+        } else {
+            None
+        };
         for g in 0..self.state.layout.groups.len() {
             // Every rank takes part in every gather, even after rank 0 failed to write, so that
             // the collectives stay matched; the failure is reported once all are done.
@@ -165,13 +192,18 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
-        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
+        self.core_ref()
+            .save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
     /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
     /// world size and stage; returns the client state. Every file is verified before anything
     /// changes; on error the engine is as it was.
-    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
         let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
         self.refresh_replica()?;
         Ok(client)
@@ -179,8 +211,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
 
     /// Writes the whole model's weights as one 16-bit safetensors file from rank 0 (every rank
     /// calls this), under the parameters' own names.
-    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
-        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
+    pub fn save_16bit_model(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: HalfDtype,
+    ) -> Result<(), ZeroError> {
+        self.core_ref()
+            .save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
     /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
@@ -204,11 +241,16 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
-        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
+        self.core_ref()
+            .save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
     /// Restores the engine (see [`ZeroEngine::load_checkpoint`]).
-    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
         let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
         self.refresh_replica()?;
         Ok(client)
@@ -216,8 +258,13 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
 
     /// Gathers the parts one group at a time and writes the whole weights in 16 bits from rank
     /// 0: DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, never holding the model.
-    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
-        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
+    pub fn save_16bit_model(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: HalfDtype,
+    ) -> Result<(), ZeroError> {
+        self.core_ref()
+            .save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
     /// Writes the whole weights from rank 0 (see [`ZeroEngine::save_weights`]).

@@ -53,12 +53,20 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// Trains `steps` on a chain engine; returns this rank's micro-batch losses.
-fn train_chain(e: &mut ChainEngine<B, Net<B>>, rank: usize, world: usize, gas: usize, steps: std::ops::Range<usize>) -> Vec<f32> {
+fn train_chain(
+    e: &mut ChainEngine<B, Net<B>>,
+    rank: usize,
+    world: usize,
+    gas: usize,
+    steps: std::ops::Range<usize>,
+) -> Vec<f32> {
     let device = Default::default();
     let mut losses = Vec::new();
     for step in steps {
         for micro in 0..gas {
-            let loss = e.forward(batch::<B>(step, rows(rank, world, micro, gas), &device)).expect("forward");
+            let loss = e
+                .forward(batch::<B>(step, rows(rank, world, micro, gas), &device))
+                .expect("forward");
             losses.push(e.backward(loss).expect("backward"));
             e.step().expect("step");
         }
@@ -66,7 +74,13 @@ fn train_chain(e: &mut ChainEngine<B, Net<B>>, rank: usize, world: usize, gas: u
     losses
 }
 
-fn train_generic(e: &mut ZeroEngine<B, Net<B>>, rank: usize, world: usize, gas: usize, steps: std::ops::Range<usize>) -> Vec<f32> {
+fn train_generic(
+    e: &mut ZeroEngine<B, Net<B>>,
+    rank: usize,
+    world: usize,
+    gas: usize,
+    steps: std::ops::Range<usize>,
+) -> Vec<f32> {
     let device = Default::default();
     let mut losses = Vec::new();
     for step in steps {
@@ -99,7 +113,8 @@ fn chain_run(
         let mut e = ChainEngine::new(settings(stage, gas), model, group).expect("engine");
         let losses = train_chain(&mut e, rank, world, gas, 0..end);
         if let Some(dir) = &dir {
-            e.save_checkpoint(dir, None, &serde_json::json!({ "next_step": end })).expect("save");
+            e.save_checkpoint(dir, None, &serde_json::json!({ "next_step": end }))
+                .expect("save");
         }
         (losses, values::<B, _>(&e.module().expect("module")))
     });
@@ -119,10 +134,14 @@ fn chain_run(
     });
     let (second, params): (Vec<_>, Vec<_>) = out.into_iter().unzip();
     let losses = if world2 == world {
-        first.into_iter().zip(second).map(|(mut a, b)| {
-            a.extend(b);
-            a
-        }).collect()
+        first
+            .into_iter()
+            .zip(second)
+            .map(|(mut a, b)| {
+                a.extend(b);
+                a
+            })
+            .collect()
     } else {
         second
     };
@@ -136,8 +155,14 @@ fn chain_engine_resumes_exactly_at_every_stage() {
             let dir = scratch(&format!("exact-{stage:?}-{world}"));
             let (want_losses, want) = chain_run(stage, world, 2, 3, 6, None);
             let (losses, got) = chain_run(stage, world, 2, 3, 6, Some((dir.clone(), stage, world)));
-            assert_eq!(losses, want_losses, "{stage:?} world {world}: losses of the resumed run");
-            assert_eq!(got, want, "{stage:?} world {world}: parameters must be bit-identical");
+            assert_eq!(
+                losses, want_losses,
+                "{stage:?} world {world}: losses of the resumed run"
+            );
+            assert_eq!(
+                got, want,
+                "{stage:?} world {world}: parameters must be bit-identical"
+            );
             std::fs::remove_dir_all(&dir).ok();
         }
     }
@@ -151,11 +176,19 @@ fn generic_engine_resumes_exactly_stages_0_to_2() {
         let run = move |resume: bool| {
             let dir = dir.clone();
             on_ranks(world, move |rank, group| {
-                let mk = |g| ZeroEngine::new(settings(stage, 1), Net::<B>::new(&Default::default(), BLOCKS), g).expect("engine");
+                let mk = |g| {
+                    ZeroEngine::new(
+                        settings(stage, 1),
+                        Net::<B>::new(&Default::default(), BLOCKS),
+                        g,
+                    )
+                    .expect("engine")
+                };
                 let mut e = mk(group.clone());
                 let mut losses = train_generic(&mut e, rank, world, 1, 0..2);
                 if resume {
-                    e.save_checkpoint(&dir, Some("mid"), &serde_json::Value::Null).expect("save");
+                    e.save_checkpoint(&dir, Some("mid"), &serde_json::Value::Null)
+                        .expect("save");
                     e = mk(group);
                     e.load_checkpoint(&dir, Some("mid")).expect("load");
                 }
@@ -163,7 +196,11 @@ fn generic_engine_resumes_exactly_stages_0_to_2() {
                 (losses, values::<B, _>(e.module()))
             })
         };
-        assert_eq!(run(true), run(false), "{stage:?}: the resumed run must equal the uninterrupted one bit for bit");
+        assert_eq!(
+            run(true),
+            run(false),
+            "{stage:?}: the resumed run must equal the uninterrupted one bit for bit"
+        );
     }
 }
 
@@ -184,16 +221,27 @@ fn reshards_between_any_world_sizes_and_stages() {
             // Save once at (n, s) after 2 steps…
             let d = dir.clone();
             on_ranks(n, move |rank, group| {
-                let mut e = ChainEngine::new(settings(s, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
+                let mut e = ChainEngine::new(
+                    settings(s, 1),
+                    Net::<B>::new(&Default::default(), BLOCKS),
+                    group,
+                )
+                .expect("engine");
                 train_chain(&mut e, rank, n, 1, 0..2);
-                e.save_checkpoint(&d, None, &serde_json::json!({ "next_step": 2 })).expect("save");
+                e.save_checkpoint(&d, None, &serde_json::json!({ "next_step": 2 }))
+                    .expect("save");
             });
             // …and continue at every (m, t).
             for m in 1..=4 {
                 for t in stages {
                     let d = dir.clone();
                     let got = on_ranks(m, move |rank, group| {
-                        let mut e = ChainEngine::new(settings(t, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
+                        let mut e = ChainEngine::new(
+                            settings(t, 1),
+                            Net::<B>::new(&Default::default(), BLOCKS),
+                            group,
+                        )
+                        .expect("engine");
                         e.load_checkpoint(&d, None).expect("load");
                         train_chain(&mut e, rank, m, 1, 2..4);
                         values::<B, _>(&e.module().expect("module"))
@@ -201,7 +249,10 @@ fn reshards_between_any_world_sizes_and_stages() {
                     let want = &reference[&(m, t)];
                     let err = max_relative_error(&got[0], want);
                     assert!(err < 1e-6, "saved at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}");
-                    assert!(max_relative_error(&initial, want) > 1e-3, "the reference must have trained");
+                    assert!(
+                        max_relative_error(&initial, want) > 1e-3,
+                        "the reference must have trained"
+                    );
                 }
             }
             std::fs::remove_dir_all(&dir).ok();
@@ -214,14 +265,26 @@ fn generic_engine_checkpoint_loads_into_stage_3() {
     let dir = scratch("generic-to-chain");
     let d = dir.clone();
     on_ranks(2, move |rank, group| {
-        let mut e = ZeroEngine::new(settings(Stage::Zero2, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
+        let mut e = ZeroEngine::new(
+            settings(Stage::Zero2, 1),
+            Net::<B>::new(&Default::default(), BLOCKS),
+            group,
+        )
+        .expect("engine");
         train_generic(&mut e, rank, 2, 1, 0..2);
-        e.save_checkpoint(&d, None, &serde_json::Value::Null).expect("save");
+        e.save_checkpoint(&d, None, &serde_json::Value::Null)
+            .expect("save");
     });
     let d = dir.clone();
     let got = on_ranks(3, move |rank, group| {
-        let mut e = ChainEngine::new(settings(Stage::Zero3, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
-        e.load_checkpoint(&d, None).expect("a ZeroEngine checkpoint loads into a ChainEngine");
+        let mut e = ChainEngine::new(
+            settings(Stage::Zero3, 1),
+            Net::<B>::new(&Default::default(), BLOCKS),
+            group,
+        )
+        .expect("engine");
+        e.load_checkpoint(&d, None)
+            .expect("a ZeroEngine checkpoint loads into a ChainEngine");
         train_chain(&mut e, rank, 3, 1, 2..4);
         values::<B, _>(&e.module().expect("module"))
     });
@@ -244,9 +307,15 @@ fn damaged_checkpoint_leaves_the_engine_as_it_was() {
     let dir = scratch("damaged");
     let d = dir.clone();
     let results = on_ranks(2, move |rank, group| {
-        let mut e = ChainEngine::new(settings(Stage::Zero3, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
+        let mut e = ChainEngine::new(
+            settings(Stage::Zero3, 1),
+            Net::<B>::new(&Default::default(), BLOCKS),
+            group,
+        )
+        .expect("engine");
         train_chain(&mut e, rank, 2, 1, 0..1);
-        e.save_checkpoint(&d, Some("one"), &serde_json::Value::Null).expect("save");
+        e.save_checkpoint(&d, Some("one"), &serde_json::Value::Null)
+            .expect("save");
         train_chain(&mut e, rank, 2, 1, 1..2);
         let before = values::<B, _>(&e.module().expect("module"));
         if rank == 0 {
@@ -254,12 +323,20 @@ fn damaged_checkpoint_leaves_the_engine_as_it_was() {
         }
         // Both ranks wait until the damage is done (a collective is a barrier).
         let _ = e.module().expect("module");
-        let err = e.load_checkpoint(&d, Some("one")).expect_err("a damaged checkpoint must not load").to_string();
+        let err = e
+            .load_checkpoint(&d, Some("one"))
+            .expect_err("a damaged checkpoint must not load")
+            .to_string();
         let after = values::<B, _>(&e.module().expect("module"));
         (err, before == after, e.global_step())
     });
     let texts: Vec<&String> = results.iter().map(|r| &r.0).collect();
-    assert!(texts.iter().any(|t| t.contains("rank_00001.safetensors") && t.contains("checksum")), "{texts:?}");
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("rank_00001.safetensors") && t.contains("checksum")),
+        "{texts:?}"
+    );
     for (_, unchanged, step) in &results {
         assert!(*unchanged, "the engine's weights changed on a failed load");
         assert_eq!(*step, 2);
@@ -272,12 +349,22 @@ fn exports_match_the_model_stage_3() {
     let dir = scratch("export");
     let d = dir.clone();
     let results = on_ranks(3, move |rank, group| {
-        let mut e = ChainEngine::new(settings(Stage::Zero3, 1), Net::<B>::new(&Default::default(), BLOCKS), group).expect("engine");
+        let mut e = ChainEngine::new(
+            settings(Stage::Zero3, 1),
+            Net::<B>::new(&Default::default(), BLOCKS),
+            group,
+        )
+        .expect("engine");
         train_chain(&mut e, rank, 3, 1, 0..2);
-        e.save_16bit_model(d.join("bf16/model.safetensors"), HalfDtype::Bf16).expect("16-bit save");
-        let map = NameMap { rules: vec![NameMap::parse_rule("ends.=").expect("rule")] };
-        e.save_weights(d.join("f32/model.safetensors"), None, &|n| map.apply(n)).expect("f32 save");
-        e.save_checkpoint(&d.join("ckpt"), None, &serde_json::Value::Null).expect("save");
+        e.save_16bit_model(d.join("bf16/model.safetensors"), HalfDtype::Bf16)
+            .expect("16-bit save");
+        let map = NameMap {
+            rules: vec![NameMap::parse_rule("ends.=").expect("rule")],
+        };
+        e.save_weights(d.join("f32/model.safetensors"), None, &|n| map.apply(n))
+            .expect("f32 save");
+        e.save_checkpoint(&d.join("ckpt"), None, &serde_json::Value::Null)
+            .expect("save");
         let names: Vec<String> = e.layout().params.iter().map(|p| p.name.clone()).collect();
         (names, values::<B, _>(&e.module().expect("module")))
     });
@@ -285,24 +372,39 @@ fn exports_match_the_model_stage_3() {
     let read = |path: PathBuf| {
         let bytes = std::fs::read(&path).expect("exported file");
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
-        st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.data().to_vec()))).collect::<std::collections::HashMap<_, _>>()
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, (v.dtype(), v.data().to_vec())))
+            .collect::<std::collections::HashMap<_, _>>()
     };
     let bf16 = read(dir.join("bf16/model.safetensors"));
     let f32s = read(dir.join("f32/model.safetensors"));
     let c = Checkpoint::open(&dir.join("ckpt"), None).expect("open");
-    to_fp32(&c, &dir.join("consolidated"), None, &|n| Some(n.to_string())).expect("to_fp32");
+    to_fp32(&c, &dir.join("consolidated"), None, &|n| {
+        Some(n.to_string())
+    })
+    .expect("to_fp32");
     let consolidated = read(dir.join("consolidated/model.safetensors"));
     assert_eq!(bf16.len(), names.len());
     for (name, values) in names.iter().zip(want) {
         // Reference: the model's own weights, rounded to bf16 by `half`.
-        let expect_bf16: Vec<u8> = values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+        let expect_bf16: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
         let expect_f32: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let (dtype, bytes) = (&bf16[name].0, &bf16[name].1);
         assert_eq!(*dtype, safetensors::Dtype::BF16);
         assert_eq!(bytes, &expect_bf16, "{name} in the 16-bit export");
         let short = name.strip_prefix("ends.").unwrap_or(name);
-        assert_eq!(f32s[short].1, expect_f32, "{short} in the renamed f32 export");
-        assert_eq!(consolidated[name].1, expect_f32, "{name} consolidated from the checkpoint");
+        assert_eq!(
+            f32s[short].1, expect_f32,
+            "{short} in the renamed f32 export"
+        );
+        assert_eq!(
+            consolidated[name].1, expect_f32,
+            "{name} consolidated from the checkpoint"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -23,7 +23,10 @@ fn load_error(dir: &Path) -> CheckpointError {
         let new = layout(specs(""), 2, 1);
         checkpoint::load(comm.as_ref(), &dir, None, &new).err()
     });
-    assert!(errors.iter().all(Option::is_some), "every rank must fail: {errors:?}");
+    assert!(
+        errors.iter().all(Option::is_some),
+        "every rank must fail: {errors:?}"
+    );
     errors
         .into_iter()
         .flatten()
@@ -41,7 +44,9 @@ fn assert_names(err: &CheckpointError, file: &str, what: &str) {
 fn intact_checkpoint_loads() {
     let (dir, _) = fresh("intact");
     let dir2 = dir.clone();
-    let ok = on_ranks(2, move |_, comm| checkpoint::load(comm.as_ref(), &dir2, None, &layout(specs(""), 2, 1)).is_ok());
+    let ok = on_ranks(2, move |_, comm| {
+        checkpoint::load(comm.as_ref(), &dir2, None, &layout(specs(""), 2, 1)).is_ok()
+    });
     assert_eq!(ok, vec![true, true]);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -93,12 +98,20 @@ fn shard_from_another_save_does_not_match_the_metadata() {
     let (dir, tag) = fresh("swapped");
     let other = scratch("swapped-other");
     save_reference(&other, "t", 3, 2, 9, "");
-    std::fs::copy(other.join("t/rank_00001.safetensors"), tag.join("rank_00001.safetensors")).unwrap();
+    std::fs::copy(
+        other.join("t/rank_00001.safetensors"),
+        tag.join("rank_00001.safetensors"),
+    )
+    .unwrap();
     let e = load_error(&dir);
     assert_names(&e, "rank_00001.safetensors", "checksum");
     // A shard of a run at another world size: other tensors, other length.
     save_reference(&other, "w2", 2, 2, 2, "");
-    std::fs::copy(other.join("w2/rank_00001.safetensors"), tag.join("rank_00001.safetensors")).unwrap();
+    std::fs::copy(
+        other.join("w2/rank_00001.safetensors"),
+        tag.join("rank_00001.safetensors"),
+    )
+    .unwrap();
     let e = load_error(&dir);
     assert_names(&e, "rank_00001.safetensors", "metadata");
     std::fs::remove_dir_all(&dir).ok();
@@ -110,7 +123,11 @@ fn edited_metadata() {
     let (dir, tag) = fresh("meta");
     let path = tag.join("zero_meta.json");
     let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, text.replacen("\"global_step\": 2", "\"global_step\": 3", 1)).unwrap();
+    std::fs::write(
+        &path,
+        text.replacen("\"global_step\": 2", "\"global_step\": 3", 1),
+    )
+    .unwrap();
     let e = load_error(&dir);
     assert!(matches!(e, CheckpointError::Metadata { .. }), "{e}");
     assert_names(&e, "zero_meta.json", "checksum mismatch");
@@ -132,7 +149,9 @@ fn checkpoint_of_another_model() {
     assert!(matches!(e, CheckpointError::OtherModel { .. }), "{e}");
     assert_names(&e, "zero_meta.json", "layer3.weight");
     let dir3 = dir.clone();
-    let errors = on_ranks(1, move |_, comm| checkpoint::load(comm.as_ref(), &dir3, None, &layout(specs("encoder."), 1, 1)).err());
+    let errors = on_ranks(1, move |_, comm| {
+        checkpoint::load(comm.as_ref(), &dir3, None, &layout(specs("encoder."), 1, 1)).err()
+    });
     let e = errors.into_iter().next().flatten().expect("must not load");
     assert_names(&e, "zero_meta.json", "encoder.layer0.weight");
     std::fs::remove_dir_all(&dir).ok();

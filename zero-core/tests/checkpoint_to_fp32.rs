@@ -20,8 +20,16 @@ fn read_all(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
             let bytes = std::fs::read(&path).unwrap();
             let st = SafeTensors::deserialize(&bytes).expect("a valid safetensors file");
             for (name, view) in st.tensors() {
-                let values = view.data().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                assert!(out.insert(name.clone(), (view.shape().to_vec(), values)).is_none(), "{name} twice");
+                let values = view
+                    .data()
+                    .chunks(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                assert!(
+                    out.insert(name.clone(), (view.shape().to_vec(), values))
+                        .is_none(),
+                    "{name} twice"
+                );
             }
         }
     }
@@ -43,7 +51,12 @@ fn consolidates_every_parameter_whole_from_any_world_size() {
         for (p, spec) in l.params.iter().enumerate() {
             let (shape, values) = &got[&spec.name];
             assert_eq!(shape, &spec.shape, "{}", spec.name);
-            assert_eq!(values, &full(&l, p, 4), "{} from world {world} stage {stage}", spec.name);
+            assert_eq!(
+                values,
+                &full(&l, p, 4),
+                "{} from world {world} stage {stage}",
+                spec.name
+            );
         }
         assert_eq!(report.largest_tensor_bytes, 400);
         std::fs::remove_dir_all(&dir).ok();
@@ -56,12 +69,21 @@ fn sharded_output_with_index_and_renamed_keys() {
     save_reference(&dir, "t", 2, 1, 1, "model.");
     let out = dir.join("out");
     let names = NameMap {
-        rules: ["model.=encoder.", "!encoder.layer2.", "*.weight=.w"].iter().map(|r| NameMap::parse_rule(r).unwrap()).collect(),
+        rules: ["model.=encoder.", "!encoder.layer2.", "*.weight=.w"]
+            .iter()
+            .map(|r| NameMap::parse_rule(r).unwrap())
+            .collect(),
     };
     let c = Checkpoint::open(&dir, None).unwrap();
     let report = to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("to_fp32");
-    assert!(report.files.len() >= 3, "500-byte shards must split the 652 bytes of weights: {:?}", report.files);
-    let index: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    assert!(
+        report.files.len() >= 3,
+        "500-byte shards must split the 652 bytes of weights: {:?}",
+        report.files
+    );
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
     let map = index["weight_map"].as_object().unwrap();
     let got = read_all(&out);
     assert_eq!(map.len(), 5, "six parameters, one dropped");
@@ -73,9 +95,18 @@ fn sharded_output_with_index_and_renamed_keys() {
         assert_eq!(got[&name].1, full(&l, p, 1), "{name}");
         let file = map[&name].as_str().unwrap();
         let bytes = std::fs::read(out.join(file)).unwrap();
-        assert!(SafeTensors::deserialize(&bytes).unwrap().tensor(&name).is_ok(), "the index must name {name}'s file");
+        assert!(
+            SafeTensors::deserialize(&bytes)
+                .unwrap()
+                .tensor(&name)
+                .is_ok(),
+            "the index must name {name}'s file"
+        );
     }
-    let total: u64 = [0, 1, 3, 4, 5].iter().map(|&p| l.params[p].numel() as u64 * 4).sum();
+    let total: u64 = [0, 1, 3, 4, 5]
+        .iter()
+        .map(|&p| l.params[p].numel() as u64 * 4)
+        .sum();
     assert_eq!(index["metadata"]["total_size"], total);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -86,12 +117,27 @@ fn command_line_converts_and_reports_damage() {
     save_reference(&dir, "t", 2, 3, 3, "ends.");
     let out = dir.join("hf");
     let status = Command::new(env!("CARGO_BIN_EXE_zero"))
-        .args(["to-fp32", dir.to_str().unwrap(), out.to_str().unwrap(), "--names", "gpt2-hf", "--verify"])
+        .args([
+            "to-fp32",
+            dir.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--names",
+            "gpt2-hf",
+            "--verify",
+        ])
         .output()
         .unwrap();
-    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     let got = read_all(&out);
-    assert!(got.contains_key("transformer.layer0.weight"), "{:?}", got.keys());
+    assert!(
+        got.contains_key("transformer.layer0.weight"),
+        "{:?}",
+        got.keys()
+    );
 
     let shard = dir.join("t/rank_00001.safetensors");
     let mut bytes = std::fs::read(&shard).unwrap();
@@ -99,12 +145,21 @@ fn command_line_converts_and_reports_damage() {
     bytes[last] ^= 1;
     std::fs::write(&shard, bytes).unwrap();
     let failed = Command::new(env!("CARGO_BIN_EXE_zero"))
-        .args(["to-fp32", dir.to_str().unwrap(), dir.join("again").to_str().unwrap(), "--tag", "t"])
+        .args([
+            "to-fp32",
+            dir.to_str().unwrap(),
+            dir.join("again").to_str().unwrap(),
+            "--tag",
+            "t",
+        ])
         .output()
         .unwrap();
     assert_eq!(failed.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&failed.stderr);
-    assert!(stderr.contains("rank_00001.safetensors") && stderr.contains("checksum"), "{stderr}");
+    assert!(
+        stderr.contains("rank_00001.safetensors") && stderr.contains("checksum"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -115,13 +170,24 @@ fn command_line_converts_and_reports_damage() {
 #[test]
 #[ignore = "generates a checkpoint of ZERO_CKPT_BENCH_MB megabytes of weights for a measurement"]
 fn generate_large_checkpoint() {
-    let dir = std::path::PathBuf::from(std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"));
-    let mb: usize = std::env::var("ZERO_CKPT_BENCH_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
+    let dir = std::path::PathBuf::from(
+        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
+    );
+    let mb: usize = std::env::var("ZERO_CKPT_BENCH_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
     // Transformer-like: a few 1024-wide matrices of 4 MiB each, and biases.
     let mut params = Vec::new();
     for i in 0..mb / 4 {
-        params.push(zero_core::partition::ParamSpec { name: format!("blocks.{i}.weight"), shape: vec![1024, 1024] });
-        params.push(zero_core::partition::ParamSpec { name: format!("blocks.{i}.bias"), shape: vec![1024] });
+        params.push(zero_core::partition::ParamSpec {
+            name: format!("blocks.{i}.weight"),
+            shape: vec![1024, 1024],
+        });
+        params.push(zero_core::partition::ParamSpec {
+            name: format!("blocks.{i}.bias"),
+            shape: vec![1024],
+        });
     }
     std::fs::create_dir_all(&dir).unwrap();
     save_specs(&dir, "bench", 4, 3, 1, params);

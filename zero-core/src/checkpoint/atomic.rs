@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 /// The temporary name a file is written under before it is renamed to `path`: hidden, and
 /// unique to the process so that two writers never share one.
 pub(crate) fn temporary_name(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     path.with_file_name(format!(".{name}.tmp{}", std::process::id()))
 }
 
@@ -24,7 +27,8 @@ pub(crate) fn create_temporary(path: &Path) -> Result<(PathBuf, File), Checkpoin
 
 /// Flushes `file` (written at `tmp`) to disk and renames it to `path`.
 pub(crate) fn commit(tmp: &Path, file: File, path: &Path) -> Result<(), CheckpointError> {
-    file.sync_all().map_err(|e| CheckpointError::io(tmp, "fsync", e))?;
+    file.sync_all()
+        .map_err(|e| CheckpointError::io(tmp, "fsync", e))?;
     drop(file);
     std::fs::rename(tmp, path).map_err(|e| CheckpointError::io(path, "rename", e))?;
     sync_parent(path)
@@ -33,14 +37,21 @@ pub(crate) fn commit(tmp: &Path, file: File, path: &Path) -> Result<(), Checkpoi
 /// Writes `bytes` to `path` atomically.
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let (tmp, mut file) = create_temporary(path)?;
-    file.write_all(bytes).map_err(|e| CheckpointError::io(&tmp, "write", e))?;
+    file.write_all(bytes)
+        .map_err(|e| CheckpointError::io(&tmp, "write", e))?;
     commit(&tmp, file, path)
 }
 
 /// Flushes the directory holding `path`, so that a rename or a new entry in it is durable.
 pub(crate) fn sync_parent(path: &Path) -> Result<(), CheckpointError> {
-    let Some(dir) = path.parent() else { return Ok(()) };
-    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let Some(dir) = path.parent() else {
+        return Ok(());
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
     sync_dir(dir)
 }
 
@@ -49,7 +60,8 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     #[cfg(unix)]
     {
         let d = File::open(dir).map_err(|e| CheckpointError::io(dir, "open directory", e))?;
-        d.sync_all().map_err(|e| CheckpointError::io(dir, "fsync directory", e))?;
+        d.sync_all()
+            .map_err(|e| CheckpointError::io(dir, "fsync directory", e))?;
     }
     #[cfg(not(unix))]
     let _ = dir;
@@ -68,7 +80,10 @@ mod tests {
         write_file(&path, b"first").unwrap();
         write_file(&path, b"second").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"second");
-        assert!(!temporary_name(&path).exists(), "the temporary name must be renamed away");
+        assert!(
+            !temporary_name(&path).exists(),
+            "the temporary name must be renamed away"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -47,7 +47,9 @@ fn exported_params(
     for (i, p) in layout.params.iter().enumerate() {
         if let Some(new) = names(&p.name) {
             if !seen.insert(new.clone()) {
-                return Err(CheckpointError::Usage(format!("two parameters are both named `{new}` after renaming")));
+                return Err(CheckpointError::Usage(format!(
+                    "two parameters are both named `{new}` after renaming"
+                )));
             }
             out.push((i, new));
         }
@@ -58,9 +60,13 @@ fn exported_params(
 /// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000000` (bytes).
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let digits = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (number, unit) = t.split_at(digits);
-    let value: f64 = number.parse().map_err(|_| format!("`{text}` is not a size (e.g. 5GB, 500MB, 1000000)"))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 5GB, 500MB, 1000000)"))?;
     let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1.0,
         "KB" => 1e3,
@@ -70,7 +76,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "KIB" => 1024.0,
         "MIB" => 1024.0 * 1024.0,
         "GIB" => 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(format!("`{text}`: unknown unit `{unit}` (B, KB, MB, GB, TB, KiB, MiB, GiB)")),
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (B, KB, MB, GB, TB, KiB, MiB, GiB)"
+            ))
+        }
     };
     let bytes = value * scale;
     if bytes < 1.0 {
@@ -109,19 +119,34 @@ pub fn to_fp32(
         }
     }
     let count = shards.len();
-    let file_name = |i: usize| if count == 1 { SINGLE_FILE.to_string() } else { format!("model-{:05}-of-{count:05}.safetensors", i + 1) };
+    let file_name = |i: usize| {
+        if count == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        }
+    };
 
     let old_places = layout.places();
     let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
-    let mut report =
-        ConsolidateReport { files: Vec::new(), index: None, tensors: 0, value_bytes: 0, largest_tensor_bytes: 0 };
+    let mut report = ConsolidateReport {
+        files: Vec::new(),
+        index: None,
+        tensors: 0,
+        value_bytes: 0,
+        largest_tensor_bytes: 0,
+    };
     let mut weight_map = BTreeMap::new();
     let mut values: Vec<f32> = Vec::new();
     for (i, shard) in shards.iter().enumerate() {
         let path = out_dir.join(file_name(i));
         let entries: Vec<TensorEntry> = shard
             .iter()
-            .map(|(p, name)| TensorEntry { name: name.clone(), dtype: Dtype::F32, shape: layout.params[*p].shape.clone() })
+            .map(|(p, name)| TensorEntry {
+                name: name.clone(),
+                dtype: Dtype::F32,
+                shape: layout.params[*p].shape.clone(),
+            })
             .collect();
         let mut stream = SafetensorsStream::create(&path, &entries, Some(format_metadata()))?;
         for (p, name) in shard {
@@ -132,9 +157,15 @@ pub fn to_fp32(
             for piece in param_sources(layout, &old_places, *p, 0..n, 0) {
                 let reader = match readers.entry(piece.file_rank) {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::btree_map::Entry::Vacant(e) => e.insert(checkpoint.open_shard(piece.file_rank)?),
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(checkpoint.open_shard(piece.file_rank)?)
+                    }
                 };
-                reader.read_f32(&super::format::master_tensor(piece.group), piece.src, &mut values[piece.dst])?;
+                reader.read_f32(
+                    &super::format::master_tensor(piece.group),
+                    piece.src,
+                    &mut values[piece.dst],
+                )?;
             }
             stream.write_f32(&values)?;
             report.tensors += 1;
@@ -183,7 +214,8 @@ impl GroupExport {
         dtype: Option<HalfDtype>,
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, CheckpointError> {
-        let exported: HashMap<usize, String> = exported_params(layout, names)?.into_iter().collect();
+        let exported: HashMap<usize, String> =
+            exported_params(layout, names)?.into_iter().collect();
         let mut entries = Vec::new();
         let mut plan = Vec::with_capacity(layout.groups.len());
         for g in &layout.groups {
@@ -205,19 +237,27 @@ impl GroupExport {
             std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, "create", e))?;
         }
         let stream = SafetensorsStream::create(path, &entries, Some(format_metadata()))?;
-        Ok(GroupExport { stream, plan, next_group: 0, dtype })
+        Ok(GroupExport {
+            stream,
+            plan,
+            next_group: 0,
+            dtype,
+        })
     }
 
     /// Writes the parameters of the next group from its full (gathered) values.
     pub fn write_group(&mut self, values: &[f32]) -> Result<(), CheckpointError> {
-        let group = self
-            .plan
-            .get(self.next_group)
-            .ok_or_else(|| CheckpointError::Usage("more groups written than the layout has".into()))?;
+        let group = self.plan.get(self.next_group).ok_or_else(|| {
+            CheckpointError::Usage("more groups written than the layout has".into())
+        })?;
         for &(offset, n) in group {
-            let v = values
-                .get(offset..offset + n)
-                .ok_or_else(|| CheckpointError::Usage(format!("group {} has {} values, too few", self.next_group, values.len())))?;
+            let v = values.get(offset..offset + n).ok_or_else(|| {
+                CheckpointError::Usage(format!(
+                    "group {} has {} values, too few",
+                    self.next_group,
+                    values.len()
+                ))
+            })?;
             match self.dtype {
                 None => self.stream.write_f32(v)?,
                 Some(d) => self.stream.write_half(v, d)?,

@@ -156,8 +156,12 @@ impl CheckpointMeta {
 
     /// Parses and verifies a metadata file's bytes (`path` is for the error messages).
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self, CheckpointError> {
-        let bad = |detail: String| CheckpointError::Metadata { path: path.to_path_buf(), detail };
-        let meta: CheckpointMeta = serde_json::from_slice(bytes).map_err(|e| bad(format!("not readable JSON: {e}")))?;
+        let bad = |detail: String| CheckpointError::Metadata {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let meta: CheckpointMeta =
+            serde_json::from_slice(bytes).map_err(|e| bad(format!("not readable JSON: {e}")))?;
         if meta.format_version != FORMAT_VERSION {
             return Err(bad(format!(
                 "format version {} (this build reads version {FORMAT_VERSION})",
@@ -168,9 +172,9 @@ impl CheckpointMeta {
             Some(recorded) if recorded == meta.content_crc() => {}
             Some(recorded) => {
                 return Err(bad(format!(
-                    "checksum mismatch (recorded {recorded:08x}, content {:08x}): the file was altered",
-                    meta.content_crc()
-                )))
+                "checksum mismatch (recorded {recorded:08x}, content {:08x}): the file was altered",
+                meta.content_crc()
+            )))
             }
             None => return Err(bad("no meta_crc32".into())),
         }
@@ -182,19 +186,34 @@ impl CheckpointMeta {
     /// groups cover every parameter once, parameter records that agree with it.
     fn validate(&self) -> Result<(), String> {
         if self.world_size == 0 || self.layout.world_size != self.world_size {
-            return Err(format!("world size {} but the layout is cut for {}", self.world_size, self.layout.world_size));
+            return Err(format!(
+                "world size {} but the layout is cut for {}",
+                self.world_size, self.layout.world_size
+            ));
         }
         if self.files.len() != self.world_size {
-            return Err(format!("{} shard files listed for world size {}", self.files.len(), self.world_size));
+            return Err(format!(
+                "{} shard files listed for world size {}",
+                self.files.len(),
+                self.world_size
+            ));
         }
         let mut seen = vec![0u32; self.layout.params.len()];
         for (gi, g) in self.layout.groups.iter().enumerate() {
             if g.params.len() != g.offsets.len() {
-                return Err(format!("group {gi}: {} parameters but {} offsets", g.params.len(), g.offsets.len()));
+                return Err(format!(
+                    "group {gi}: {} parameters but {} offsets",
+                    g.params.len(),
+                    g.offsets.len()
+                ));
             }
             let mut end = 0;
             for (&p, &offset) in g.params.iter().zip(&g.offsets) {
-                let spec = self.layout.params.get(p).ok_or_else(|| format!("group {gi} names parameter {p}"))?;
+                let spec = self
+                    .layout
+                    .params
+                    .get(p)
+                    .ok_or_else(|| format!("group {gi} names parameter {p}"))?;
                 seen[p] += 1;
                 end = end.max(offset + spec.numel());
             }
@@ -203,11 +222,17 @@ impl CheckpointMeta {
                 Placement::Replicated => 1,
             };
             if end > g.numel || g.numel > g.padded || g.padded % unit != 0 {
-                return Err(format!("group {gi}: sizes (numel {}, padded {}) do not hold its parameters", g.numel, g.padded));
+                return Err(format!(
+                    "group {gi}: sizes (numel {}, padded {}) do not hold its parameters",
+                    g.numel, g.padded
+                ));
             }
         }
         if let Some(p) = seen.iter().position(|&c| c != 1) {
-            return Err(format!("parameter `{}` is in {} groups", self.layout.params[p].name, seen[p]));
+            return Err(format!(
+                "parameter `{}` is in {} groups",
+                self.layout.params[p].name, seen[p]
+            ));
         }
         if self.params != Self::param_records(&self.layout) {
             return Err("the parameter records disagree with the layout".into());
@@ -218,11 +243,17 @@ impl CheckpointMeta {
     /// Checks that the checkpoint is of the model described by `params` (names and shapes, in
     /// order); `path` is the metadata file, for the error.
     pub fn check_model(&self, path: &Path, params: &[ParamSpec]) -> Result<(), CheckpointError> {
-        let other = |detail: String| CheckpointError::OtherModel { path: path.to_path_buf(), detail };
+        let other = |detail: String| CheckpointError::OtherModel {
+            path: path.to_path_buf(),
+            detail,
+        };
         let saved = &self.layout.params;
         for (i, (s, m)) in saved.iter().zip(params).enumerate() {
             if s.name != m.name {
-                return Err(other(format!("parameter {i} is `{}` in the checkpoint but `{}` in the model", s.name, m.name)));
+                return Err(other(format!(
+                    "parameter {i} is `{}` in the checkpoint but `{}` in the model",
+                    s.name, m.name
+                )));
             }
             if s.shape != m.shape {
                 return Err(other(format!(
@@ -232,7 +263,11 @@ impl CheckpointMeta {
             }
         }
         if saved.len() != params.len() {
-            return Err(other(format!("{} parameters in the checkpoint, {} in the model", saved.len(), params.len())));
+            return Err(other(format!(
+                "{} parameters in the checkpoint, {} in the model",
+                saved.len(),
+                params.len()
+            )));
         }
         Ok(())
     }

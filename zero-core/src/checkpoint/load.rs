@@ -49,7 +49,10 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
         _ => CheckpointError::io(&latest, "read", e),
     })?;
     let t = text.trim();
-    format::check_tag(dir, t).map_err(|_| CheckpointError::Tag { path: latest.clone(), detail: format!("names `{t}`, which is not a tag") })?;
+    format::check_tag(dir, t).map_err(|_| CheckpointError::Tag {
+        path: latest.clone(),
+        detail: format!("names `{t}`, which is not a tag"),
+    })?;
     Ok(t.to_string())
 }
 
@@ -64,7 +67,10 @@ impl Checkpoint {
             if replaced.join(META_FILE).is_file() {
                 tag_dir = replaced;
             } else {
-                return Err(CheckpointError::Tag { path: tag_dir, detail: "no such checkpoint tag directory".into() });
+                return Err(CheckpointError::Tag {
+                    path: tag_dir,
+                    detail: "no such checkpoint tag directory".into(),
+                });
             }
         }
         let path = tag_dir.join(META_FILE);
@@ -80,15 +86,22 @@ impl Checkpoint {
 
     /// Opens rank `rank`'s shard and checks that it holds the tensors the metadata implies.
     pub fn open_shard(&self, rank: usize) -> Result<ShardReader, CheckpointError> {
-        let record = self.meta.files.get(rank).ok_or_else(|| CheckpointError::Metadata {
-            path: self.meta_path(),
-            detail: format!("no file record for rank {rank}"),
-        })?;
+        let record = self
+            .meta
+            .files
+            .get(rank)
+            .ok_or_else(|| CheckpointError::Metadata {
+                path: self.meta_path(),
+                detail: format!("no file record for rank {rank}"),
+            })?;
         let expected_name = format::shard_file_name(rank);
         if record.name != expected_name {
             return Err(CheckpointError::Metadata {
                 path: self.meta_path(),
-                detail: format!("rank {rank}'s file is recorded as `{}`, expected `{expected_name}`", record.name),
+                detail: format!(
+                    "rank {rank}'s file is recorded as `{}`, expected `{expected_name}`",
+                    record.name
+                ),
             });
         }
         let reader = ShardReader::open(&self.tag_dir.join(&record.name), record)?;
@@ -110,29 +123,37 @@ impl Checkpoint {
     /// Reads `rank`'s owned slices of every group of `layout` (the caller's layout, at any world
     /// size and grouping over the same parameters, which [`CheckpointMeta::check_model`]
     /// checks). Only the needed shard files are opened, and of them only the needed chunks read.
-    pub fn read_rank(&self, layout: &PartitionLayout, rank: usize) -> Result<Vec<LoadedGroup>, CheckpointError> {
+    pub fn read_rank(
+        &self,
+        layout: &PartitionLayout,
+        rank: usize,
+    ) -> Result<Vec<LoadedGroup>, CheckpointError> {
         self.meta.check_model(&self.meta_path(), &layout.params)?;
         let plan = plan_rank(&self.meta.layout, layout, rank);
         // Open (length, header, tensor list) every needed file before reading any value.
         let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
         for p in plan.iter().flatten() {
-            if !readers.contains_key(&p.file_rank) {
-                readers.insert(p.file_rank, self.open_shard(p.file_rank)?);
+            if let std::collections::btree_map::Entry::Vacant(slot) = readers.entry(p.file_rank) {
+                slot.insert(self.open_shard(p.file_rank)?);
             }
         }
         let names = &self.meta.optimizer.state_names;
         let mut out = Vec::with_capacity(plan.len());
         for (g, pieces) in plan.iter().enumerate() {
             let len = layout.owned_len(g);
-            let mut group = LoadedGroup { master: vec![0.0; len], state: names.iter().map(|n| (n.clone(), vec![0.0; len])).collect() };
+            let mut group = LoadedGroup {
+                master: vec![0.0; len],
+                state: names.iter().map(|n| (n.clone(), vec![0.0; len])).collect(),
+            };
             // One tensor kind at a time, so that each file is read front to back and a chunk is
             // read once, not once per piece.
             let kinds = std::iter::once((None, &mut group.master))
                 .chain(group.state.iter_mut().map(|(n, b)| (Some(n.as_str()), b)));
             for (kind, buf) in kinds {
                 for p in pieces {
-                    let reader =
-                        readers.get_mut(&p.file_rank).ok_or_else(|| CheckpointError::Usage("unplanned shard".into()))?;
+                    let reader = readers
+                        .get_mut(&p.file_rank)
+                        .ok_or_else(|| CheckpointError::Usage("unplanned shard".into()))?;
                     let tensor = match kind {
                         None => format::master_tensor(p.group),
                         Some(name) => format::state_tensor(p.group, name),

@@ -42,12 +42,18 @@ impl NameMap {
         if let Some(prefix) = text.strip_prefix('!') {
             return Ok(NameRule::Drop(prefix.to_string()));
         }
-        let (from, to) = text
-            .split_once('=')
-            .ok_or_else(|| format!("`{text}` is not a rename rule: write FROM=TO, *SUFFIX=TO or !PREFIX"))?;
+        let (from, to) = text.split_once('=').ok_or_else(|| {
+            format!("`{text}` is not a rename rule: write FROM=TO, *SUFFIX=TO or !PREFIX")
+        })?;
         Ok(match from.strip_prefix('*') {
-            Some(suffix) => NameRule::Suffix { from: suffix.to_string(), to: to.to_string() },
-            None => NameRule::Prefix { from: from.to_string(), to: to.to_string() },
+            Some(suffix) => NameRule::Suffix {
+                from: suffix.to_string(),
+                to: to.to_string(),
+            },
+            None => NameRule::Prefix {
+                from: from.to_string(),
+                to: to.to_string(),
+            },
         })
     }
 
@@ -57,7 +63,12 @@ impl NameMap {
     pub fn gpt2_huggingface() -> Self {
         let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
         NameMap {
-            rules: vec![rule("ends.=transformer."), rule("blocks.=transformer.h."), rule("*.gamma=.weight"), rule("*.beta=.bias")],
+            rules: vec![
+                rule("ends.=transformer."),
+                rule("blocks.=transformer.h."),
+                rule("*.gamma=.weight"),
+                rule("*.beta=.bias"),
+            ],
         }
     }
 
@@ -95,16 +106,31 @@ mod tests {
     fn gpt2_rules_give_huggingface_keys() {
         // Reference: the key names of HuggingFace's GPT2LMHeadModel state dict.
         let m = NameMap::gpt2_huggingface();
-        assert_eq!(m.apply("ends.wte.weight").as_deref(), Some("transformer.wte.weight"));
-        assert_eq!(m.apply("blocks.3.attn.c_attn.weight").as_deref(), Some("transformer.h.3.attn.c_attn.weight"));
-        assert_eq!(m.apply("blocks.0.ln_1.gamma").as_deref(), Some("transformer.h.0.ln_1.weight"));
-        assert_eq!(m.apply("ends.ln_f.beta").as_deref(), Some("transformer.ln_f.bias"));
+        assert_eq!(
+            m.apply("ends.wte.weight").as_deref(),
+            Some("transformer.wte.weight")
+        );
+        assert_eq!(
+            m.apply("blocks.3.attn.c_attn.weight").as_deref(),
+            Some("transformer.h.3.attn.c_attn.weight")
+        );
+        assert_eq!(
+            m.apply("blocks.0.ln_1.gamma").as_deref(),
+            Some("transformer.h.0.ln_1.weight")
+        );
+        assert_eq!(
+            m.apply("ends.ln_f.beta").as_deref(),
+            Some("transformer.ln_f.bias")
+        );
     }
 
     #[test]
     fn rules_apply_in_order_and_drop() {
         let m = NameMap {
-            rules: ["model.=", "!head.", "*.w=.weight"].iter().map(|r| NameMap::parse_rule(r).unwrap()).collect(),
+            rules: ["model.=", "!head.", "*.w=.weight"]
+                .iter()
+                .map(|r| NameMap::parse_rule(r).unwrap())
+                .collect(),
         };
         assert_eq!(m.apply("model.body.w").as_deref(), Some("body.weight"));
         assert_eq!(m.apply("model.head.w"), None);

@@ -25,21 +25,34 @@ impl ShardReader {
     /// Opens `path`, checks its length against `record`, verifies and parses its header.
     pub fn open(path: &Path, record: &FileRecord) -> Result<Self, CheckpointError> {
         let file = File::open(path).map_err(|e| CheckpointError::io(path, "open", e))?;
-        let len = file.metadata().map_err(|e| CheckpointError::io(path, "stat", e))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| CheckpointError::io(path, "stat", e))?
+            .len();
         if len != record.bytes {
-            return Err(CheckpointError::Length { path: path.to_path_buf(), expected: record.bytes, actual: len });
+            return Err(CheckpointError::Length {
+                path: path.to_path_buf(),
+                expected: record.bytes,
+                actual: len,
+            });
         }
-        if record.chunk_bytes == 0 || record.chunk_crc32.len() as u64 != record.bytes.div_ceil(record.chunk_bytes) {
+        if record.chunk_bytes == 0
+            || record.chunk_crc32.len() as u64 != record.bytes.div_ceil(record.chunk_bytes)
+        {
             return Err(CheckpointError::Metadata {
                 path: path.to_path_buf(),
-                detail: format!("the record of {} has an inconsistent chunk list", record.name),
+                detail: format!(
+                    "the record of {} has an inconsistent chunk list",
+                    record.name
+                ),
             });
         }
         let mut reader = ShardReader {
             path: path.to_path_buf(),
             file,
             record: record.clone(),
-            header: Metadata::new(None, Vec::new()).map_err(|e| CheckpointError::Usage(e.to_string()))?,
+            header: Metadata::new(None, Vec::new())
+                .map_err(|e| CheckpointError::Usage(e.to_string()))?,
             data_start: 0,
             chunk: None,
         };
@@ -72,14 +85,19 @@ impl ShardReader {
     }
 
     fn mismatch(&self, detail: String) -> CheckpointError {
-        CheckpointError::ShardMismatch { path: self.path.clone(), detail }
+        CheckpointError::ShardMismatch {
+            path: self.path.clone(),
+            detail,
+        }
     }
 
     /// Checks that the file holds exactly the 1-D f32 tensors `expected` (name, elements).
     pub fn check_tensors(&self, expected: &[(String, usize)]) -> Result<(), CheckpointError> {
         let present = self.header.tensors();
         for (name, len) in expected {
-            let info = present.get(name).ok_or_else(|| self.mismatch(format!("no tensor `{name}`")))?;
+            let info = present
+                .get(name)
+                .ok_or_else(|| self.mismatch(format!("no tensor `{name}`")))?;
             if info.dtype != Dtype::F32 || info.shape != [*len] {
                 return Err(self.mismatch(format!(
                     "tensor `{name}` is {:?} {:?}, the metadata's layout needs F32 [{len}]",
@@ -88,7 +106,9 @@ impl ShardReader {
             }
         }
         if present.len() != expected.len() {
-            let extra = present.keys().find(|k| !expected.iter().any(|(n, _)| n == *k));
+            let extra = present
+                .keys()
+                .find(|k| !expected.iter().any(|(n, _)| n == *k));
             return Err(self.mismatch(format!(
                 "{} tensors where the layout needs {} (unexpected: {})",
                 present.len(),
@@ -100,8 +120,16 @@ impl ShardReader {
     }
 
     /// Reads elements `elems` of the f32 tensor `tensor` into `out`.
-    pub fn read_f32(&mut self, tensor: &str, elems: Range<usize>, out: &mut [f32]) -> Result<(), CheckpointError> {
-        let info = self.header.info(tensor).ok_or_else(|| self.mismatch(format!("no tensor `{tensor}`")))?;
+    pub fn read_f32(
+        &mut self,
+        tensor: &str,
+        elems: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let info = self
+            .header
+            .info(tensor)
+            .ok_or_else(|| self.mismatch(format!("no tensor `{tensor}`")))?;
         let (start, end) = info.data_offsets;
         let (a, b) = (start + elems.start * 4, start + elems.end * 4);
         if info.dtype != Dtype::F32 || b > end || out.len() != elems.len() {
@@ -134,7 +162,11 @@ impl ShardReader {
         while at < range.end {
             let c = (at / size) as usize;
             self.load_chunk(c)?;
-            let chunk = self.chunk.as_ref().map(|(_, b)| b.as_slice()).unwrap_or(&[]);
+            let chunk = self
+                .chunk
+                .as_ref()
+                .map(|(_, b)| b.as_slice())
+                .unwrap_or(&[]);
             let from = (at - c as u64 * size) as usize;
             let take = ((range.end - at) as usize).min(chunk.len() - from);
             out[written..written + take].copy_from_slice(&chunk[from..from + take]);
@@ -157,12 +189,22 @@ impl ShardReader {
             None => Vec::new(),
         };
         buf.resize((end - start) as usize, 0);
-        self.file.seek(SeekFrom::Start(start)).map_err(|e| CheckpointError::io(&self.path, "seek", e))?;
-        self.file.read_exact(&mut buf).map_err(|e| CheckpointError::io(&self.path, "read", e))?;
+        self.file
+            .seek(SeekFrom::Start(start))
+            .map_err(|e| CheckpointError::io(&self.path, "seek", e))?;
+        self.file
+            .read_exact(&mut buf)
+            .map_err(|e| CheckpointError::io(&self.path, "read", e))?;
         let actual = crc32fast::hash(&buf);
         let expected = self.record.chunk_crc32[c];
         if actual != expected {
-            return Err(CheckpointError::Checksum { path: self.path.clone(), start, end, expected, actual });
+            return Err(CheckpointError::Checksum {
+                path: self.path.clone(),
+                start,
+                end,
+                expected,
+                actual,
+            });
         }
         self.chunk = Some((c, buf));
         Ok(())

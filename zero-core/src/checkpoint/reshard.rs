@@ -37,7 +37,12 @@ pub fn param_sources(
     let end = place.offset + in_param.end;
     match group.placement {
         Placement::Replicated => {
-            vec![Piece { file_rank: 0, group: place.group, src: start..end, dst: dst_start..dst_start + (end - start) }]
+            vec![Piece {
+                file_rank: 0,
+                group: place.group,
+                src: start..end,
+                dst: dst_start..dst_start + (end - start),
+            }]
         }
         Placement::Sharded => {
             let len = old.owned_len(place.group);
@@ -47,7 +52,12 @@ pub fn param_sources(
                 let rank = at / len;
                 let stop = end.min((rank + 1) * len);
                 let dst = dst_start + (at - start);
-                out.push(Piece { file_rank: rank, group: place.group, src: at - rank * len..stop - rank * len, dst: dst..dst + (stop - at) });
+                out.push(Piece {
+                    file_rank: rank,
+                    group: place.group,
+                    src: at - rank * len..stop - rank * len,
+                    dst: dst..dst + (stop - at),
+                });
                 at = stop;
             }
             out
@@ -64,7 +74,13 @@ pub fn plan_rank(old: &PartitionLayout, new: &PartitionLayout, rank: usize) -> V
         .map(|g| {
             let mut pieces: Vec<Piece> = Vec::new();
             for seg in new.segments(g, rank) {
-                for piece in param_sources(old, &old_places, seg.param, seg.in_param.clone(), seg.local.start) {
+                for piece in param_sources(
+                    old,
+                    &old_places,
+                    seg.param,
+                    seg.in_param.clone(),
+                    seg.local.start,
+                ) {
                     // Consecutive parameters usually stay consecutive: one read instead of many.
                     match pieces.last_mut() {
                         Some(last)
@@ -91,8 +107,14 @@ mod tests {
     use crate::partition::{LayoutBuilder, ParamSpec};
 
     fn layout(world: usize, bucket: usize, placement: Placement) -> PartitionLayout {
-        let specs: Vec<ParamSpec> =
-            [7usize, 13, 1, 100, 9].iter().enumerate().map(|(i, &n)| ParamSpec { name: format!("p{i}"), shape: vec![n] }).collect();
+        let specs: Vec<ParamSpec> = [7usize, 13, 1, 100, 9]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            })
+            .collect();
         let mut b = LayoutBuilder::new(specs, world, 4);
         b.buckets(&[0, 1, 2, 3, 4], bucket, placement);
         b.finish()
@@ -120,7 +142,11 @@ mod tests {
     #[test]
     fn every_new_slice_is_rebuilt_from_the_old_shards() {
         // Reference: the new slices computed directly from the parameter ids.
-        for (old_world, old_place) in [(1, Placement::Sharded), (3, Placement::Sharded), (2, Placement::Replicated)] {
+        for (old_world, old_place) in [
+            (1, Placement::Sharded),
+            (3, Placement::Sharded),
+            (2, Placement::Replicated),
+        ] {
             for new_world in 1..=4 {
                 let old = layout(old_world, 25, old_place);
                 let new = layout(new_world, 40, Placement::Sharded);
@@ -130,7 +156,8 @@ mod tests {
                     for (g, pieces) in plan.iter().enumerate() {
                         let mut got = vec![0.0f32; new.owned_len(g)];
                         for p in pieces {
-                            got[p.dst.clone()].copy_from_slice(&shards[p.file_rank][p.group][p.src.clone()]);
+                            got[p.dst.clone()]
+                                .copy_from_slice(&shards[p.file_rank][p.group][p.src.clone()]);
                         }
                         let mut want = vec![0.0f32; new.owned_len(g)];
                         for s in new.segments(g, rank) {
@@ -150,7 +177,12 @@ mod tests {
         let l = layout(2, 1000, Placement::Sharded);
         let plan = plan_rank(&l, &l, 1);
         assert_eq!(plan.len(), 1);
-        assert_eq!(plan[0].len(), 1, "a contiguous slice must be one read: {:?}", plan[0]);
+        assert_eq!(
+            plan[0].len(),
+            1,
+            "a contiguous slice must be one read: {:?}",
+            plan[0]
+        );
         assert_eq!(plan[0][0].file_rank, 1);
     }
 }

@@ -16,7 +16,9 @@
 use super::atomic;
 use super::collective::{agree, all_gather_bytes};
 use super::error::CheckpointError;
-use super::format::{self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE};
+use super::format::{
+    self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
+};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
 use crate::loss_scaler::LossScalerState;
@@ -60,11 +62,20 @@ pub struct SaveRequest<'a> {
 
 /// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
 /// Returns the tag directory.
-pub fn save(comm: &dyn ProcessGroup, dir: &Path, tag: &str, request: &SaveRequest<'_>) -> Result<PathBuf, CheckpointError> {
+pub fn save(
+    comm: &dyn ProcessGroup,
+    dir: &Path,
+    tag: &str,
+    request: &SaveRequest<'_>,
+) -> Result<PathBuf, CheckpointError> {
     format::check_tag(dir, tag)?;
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
-    let prepared = if rank == 0 { prepare_staging(&staging) } else { Ok(()) };
+    let prepared = if rank == 0 {
+        prepare_staging(&staging)
+    } else {
+        Ok(())
+    };
     agree(comm, "save", prepared)?;
 
     let written = write_shard(&staging, rank, request);
@@ -72,23 +83,36 @@ pub fn save(comm: &dyn ProcessGroup, dir: &Path, tag: &str, request: &SaveReques
     let record_bytes = serde_json::to_vec(&record).unwrap_or_default();
     let records = all_gather_bytes(comm, &record_bytes)?;
 
-    let published = if rank == 0 { publish(dir, tag, &staging, request, comm.world_size(), &records) } else { Ok(()) };
+    let published = if rank == 0 {
+        publish(dir, tag, &staging, request, comm.world_size(), &records)
+    } else {
+        Ok(())
+    };
     agree(comm, "save", published)?;
     Ok(dir.join(tag))
 }
 
 fn prepare_staging(staging: &Path) -> Result<(), CheckpointError> {
     if staging.exists() {
-        std::fs::remove_dir_all(staging).map_err(|e| CheckpointError::io(staging, "remove stale", e))?;
+        std::fs::remove_dir_all(staging)
+            .map_err(|e| CheckpointError::io(staging, "remove stale", e))?;
     }
     std::fs::create_dir_all(staging).map_err(|e| CheckpointError::io(staging, "create", e))
 }
 
 /// Writes this rank's shard file into the staging directory.
-fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<FileRecord, CheckpointError> {
+fn write_shard(
+    staging: &Path,
+    rank: usize,
+    req: &SaveRequest<'_>,
+) -> Result<FileRecord, CheckpointError> {
     let layout = req.layout;
     if req.groups.len() != layout.groups.len() {
-        return Err(CheckpointError::Usage(format!("{} group slices for a layout of {} groups", req.groups.len(), layout.groups.len())));
+        return Err(CheckpointError::Usage(format!(
+            "{} group slices for a layout of {} groups",
+            req.groups.len(),
+            layout.groups.len()
+        )));
     }
     let mut entries = Vec::new();
     let mut values: Vec<&[f32]> = Vec::new();
@@ -99,9 +123,16 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
         let len = layout.owned_len(g);
         let mut push = |name: String, v: &'_ [f32]| -> Result<(), CheckpointError> {
             if v.len() != len {
-                return Err(CheckpointError::Usage(format!("rank {rank}: `{name}` has {} elements, its owned slice {len}", v.len())));
+                return Err(CheckpointError::Usage(format!(
+                    "rank {rank}: `{name}` has {} elements, its owned slice {len}",
+                    v.len()
+                )));
             }
-            entries.push(TensorEntry { name, dtype: Dtype::F32, shape: vec![len] });
+            entries.push(TensorEntry {
+                name,
+                dtype: Dtype::F32,
+                shape: vec![len],
+            });
             Ok(())
         };
         push(format::master_tensor(g), shard.master)?;
@@ -132,13 +163,25 @@ fn publish(
         .iter()
         .enumerate()
         .map(|(r, b)| {
-            serde_json::from_slice::<FileRecord>(b)
-                .map_err(|e| CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}")))
+            serde_json::from_slice::<FileRecord>(b).map_err(|e| {
+                CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}"))
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let state_names: Vec<String> = req.groups.first().map(|g| g.state.iter().map(|(n, _)| n.to_string()).collect()).unwrap_or_default();
-    if let Some(g) = req.groups.iter().position(|g| g.state.iter().map(|(n, _)| *n).ne(state_names.iter().map(String::as_str))) {
-        return Err(CheckpointError::Usage(format!("group {g}'s optimizer state buffers differ from group 0's")));
+    let state_names: Vec<String> = req
+        .groups
+        .first()
+        .map(|g| g.state.iter().map(|(n, _)| n.to_string()).collect())
+        .unwrap_or_default();
+    if let Some(g) = req.groups.iter().position(|g| {
+        g.state
+            .iter()
+            .map(|(n, _)| *n)
+            .ne(state_names.iter().map(String::as_str))
+    }) {
+        return Err(CheckpointError::Usage(format!(
+            "group {g}'s optimizer state buffers differ from group 0's"
+        )));
     }
     let meta = CheckpointMeta {
         format_version: FORMAT_VERSION,
@@ -148,7 +191,11 @@ fn publish(
         global_step: req.global_step,
         params: CheckpointMeta::param_records(req.layout),
         layout: req.layout.clone(),
-        optimizer: OptimizerRecord { name: req.optimizer_name.clone(), step: req.optimizer_step, state_names },
+        optimizer: OptimizerRecord {
+            name: req.optimizer_name.clone(),
+            step: req.optimizer_step,
+            state_names,
+        },
         lr_next: req.lr_next,
         loss_scaler: req.loss_scaler,
         rng: req.rng.clone(),
@@ -163,14 +210,17 @@ fn publish(
     let replaced = dir.join(format!("{tag}.replaced"));
     if target.exists() {
         if replaced.exists() {
-            std::fs::remove_dir_all(&replaced).map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+            std::fs::remove_dir_all(&replaced)
+                .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
         }
-        std::fs::rename(&target, &replaced).map_err(|e| CheckpointError::io(&target, "rename", e))?;
+        std::fs::rename(&target, &replaced)
+            .map_err(|e| CheckpointError::io(&target, "rename", e))?;
     }
     std::fs::rename(staging, &target).map_err(|e| CheckpointError::io(staging, "rename", e))?;
     atomic::sync_dir(dir)?;
     if replaced.exists() {
-        std::fs::remove_dir_all(&replaced).map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+        std::fs::remove_dir_all(&replaced)
+            .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
     }
     atomic::write_file(&dir.join(LATEST_FILE), tag.as_bytes())
 }

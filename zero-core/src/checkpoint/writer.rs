@@ -130,13 +130,28 @@ impl SafetensorsStream {
         let mut infos = Vec::with_capacity(tensors.len());
         for t in tensors {
             let len = t.byte_len();
-            infos.push((t.name.clone(), TensorInfo { dtype: t.dtype, shape: t.shape.clone(), data_offsets: (at, at + len) }));
+            infos.push((
+                t.name.clone(),
+                TensorInfo {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    data_offsets: (at, at + len),
+                },
+            ));
             at += len;
         }
-        let header = Metadata::new(metadata, infos)
-            .map_err(|e| CheckpointError::Usage(format!("{}: cannot build the safetensors header: {e}", path.display())))?;
-        let mut json = serde_json::to_vec(&header)
-            .map_err(|e| CheckpointError::Usage(format!("{}: cannot serialise the header: {e}", path.display())))?;
+        let header = Metadata::new(metadata, infos).map_err(|e| {
+            CheckpointError::Usage(format!(
+                "{}: cannot build the safetensors header: {e}",
+                path.display()
+            ))
+        })?;
+        let mut json = serde_json::to_vec(&header).map_err(|e| {
+            CheckpointError::Usage(format!(
+                "{}: cannot serialise the header: {e}",
+                path.display()
+            ))
+        })?;
         // The format pads the header with spaces so that the data starts 8-byte aligned.
         while json.len() % 8 != 0 {
             json.push(b' ');
@@ -157,7 +172,9 @@ impl SafetensorsStream {
 
     fn raw(&mut self, bytes: &[u8]) -> Result<(), CheckpointError> {
         self.crc.update(bytes);
-        self.out.write_all(bytes).map_err(|e| CheckpointError::io(&self.tmp, "write", e))
+        self.out
+            .write_all(bytes)
+            .map_err(|e| CheckpointError::io(&self.tmp, "write", e))
     }
 
     /// Appends raw little-endian values of the current tensor(s).
@@ -188,8 +205,14 @@ impl SafetensorsStream {
         // Converted in pieces, so the temporary stays small whatever the tensor.
         for piece in values.chunks(1 << 16) {
             let bytes: Vec<u8> = match dtype {
-                HalfDtype::Bf16 => piece.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
-                HalfDtype::F16 => piece.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+                HalfDtype::Bf16 => piece
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect(),
+                HalfDtype::F16 => piece
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
             };
             self.write_bytes(&bytes)?;
         }
@@ -207,9 +230,16 @@ impl SafetensorsStream {
                 self.data_len
             )));
         }
-        let file = self.out.into_inner().map_err(|e| CheckpointError::io(&self.tmp, "write", e.into_error()))?;
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| CheckpointError::io(&self.tmp, "write", e.into_error()))?;
         atomic::commit(&self.tmp, file, &self.path)?;
-        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         Ok(self.crc.finish(name))
     }
 }
