@@ -408,3 +408,30 @@ fn exports_match_the_model_stage_3() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn saving_between_accumulation_boundaries_is_refused() {
+    let dir = scratch("mid-accumulation");
+    let d = dir.clone();
+    let errors = on_ranks(2, move |rank, group| {
+        let mut e = ChainEngine::new(
+            settings(Stage::Zero2, 2),
+            Net::<B>::new(&Default::default(), BLOCKS),
+            group,
+        )
+        .expect("engine");
+        let loss = e
+            .forward(batch::<B>(0, rows(rank, 2, 0, 2), &Default::default()))
+            .expect("forward");
+        e.backward(loss).expect("backward");
+        e.save_checkpoint(&d, None, &serde_json::Value::Null)
+            .expect_err("half a step must not be saved")
+            .to_string()
+    });
+    assert!(
+        errors.iter().all(|e| e.contains("accumulation boundaries")),
+        "{errors:?}"
+    );
+    assert!(!dir.join("latest").exists(), "nothing may be written");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -86,3 +86,17 @@ fn latest_names_the_newest_save_and_metadata_records_the_layout() {
     assert!(!dir.join("step3.replaced").exists() && !dir.join("step3.partial").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_save_killed_between_its_renames_leaves_the_old_tag_loadable() {
+    // The state a save leaves if killed after moving the old `TAG` aside and before moving the
+    // new one in: only `TAG.replaced` (complete) and `TAG.partial` (perhaps not) exist.
+    let dir = scratch("renames");
+    save_reference(&dir, "t", 2, 2, 6, "");
+    std::fs::rename(dir.join("t"), dir.join("t.replaced")).unwrap();
+    std::fs::create_dir_all(dir.join("t.partial")).unwrap();
+    let c = Checkpoint::open(&dir, None).expect("the replaced copy is found");
+    assert_eq!(c.meta.global_step, 6);
+    c.verify().expect("intact");
+    std::fs::remove_dir_all(&dir).ok();
+}

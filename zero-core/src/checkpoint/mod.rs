@@ -4,7 +4,7 @@
 //! safetensors shard; rank 0 writes one JSON metadata file with the layout (every parameter's
 //! name, shape, dtype, group and offset), the world size, stage, step, scheduler and loss
 //! scaler state and the caller's own state, and the checksums of every file. See
-//! [`format`] for the directory structure and [`save`](save::save) for the crash-safe order of
+//! [`format`](mod@format) for the directory structure and [`save`](save::save) for the crash-safe order of
 //! writes.
 //!
 //! Loading ([`load`](load::load)) needs no conversion step: the layout is a pure function of the
