@@ -192,3 +192,40 @@ fn generate_large_checkpoint() {
     std::fs::create_dir_all(&dir).unwrap();
     save_specs(&dir, "bench", 4, 3, 1, params);
 }
+
+/// Times a resharding load of the checkpoint [`generate_large_checkpoint`] wrote (saved by 4
+/// ranks at stage 3) at 3 ranks, stage 2 buckets, and checks a few values against the reference.
+#[test]
+#[ignore = "reads the checkpoint generate_large_checkpoint wrote, for a measurement"]
+fn load_large_checkpoint_at_another_world_size() {
+    let dir = std::path::PathBuf::from(
+        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
+    );
+    let c = Checkpoint::open(&dir, None).expect("open");
+    let params = c.meta.layout.params.clone();
+    let bytes: u64 = std::fs::read_dir(dir.join(&c.meta.tag))
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let start = std::time::Instant::now();
+    let firsts = on_ranks(3, move |rank, comm| {
+        let l = layout(params.clone(), 3, 2);
+        let (_, groups) = zero_core::checkpoint::load(comm.as_ref(), &dir, None, &l).expect("load");
+        // Reference: element 0 of the first segment of group 0.
+        let s = &l.segments(0, rank)[0];
+        (
+            groups[0].master[s.local.start],
+            value(s.param, s.in_param.start, 1, 0),
+        )
+    });
+    let secs = start.elapsed().as_secs_f64();
+    for (got, want) in firsts {
+        assert_eq!(got, want);
+    }
+    println!(
+        "loaded {:.1} MB of shards at world 3 in {secs:.2} s ({:.0} MB/s)",
+        bytes as f64 / 1e6,
+        bytes as f64 / 1e6 / secs
+    );
+}

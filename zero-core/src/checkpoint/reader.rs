@@ -1,6 +1,7 @@
 //! Reading a shard file: length and header checked on open, then values read by element range,
-//! each chunk of the file verified against its recorded checksum as it is first read. Nothing a
-//! reader returns has skipped its checksum, and a reader holds one chunk in memory, not the file.
+//! each chunk of the file verified against its recorded checksum the first time it is read.
+//! Nothing a reader returns comes from an unverified chunk, and a reader holds one chunk in
+//! memory, not the file.
 
 use super::error::CheckpointError;
 use super::format::FileRecord;
@@ -19,6 +20,8 @@ pub struct ShardReader {
     data_start: u64,
     /// The chunk last read and verified: its index and bytes.
     chunk: Option<(usize, Vec<u8>)>,
+    /// Chunks already verified: read again, only the needed bytes are read, and not re-hashed.
+    verified: Vec<bool>,
 }
 
 impl ShardReader {
@@ -55,6 +58,7 @@ impl ShardReader {
                 .map_err(|e| CheckpointError::Usage(e.to_string()))?,
             data_start: 0,
             chunk: None,
+            verified: vec![false; record.chunk_crc32.len()],
         };
         let mut n = [0u8; 8];
         reader.read_verified(0..8, &mut n)?;
@@ -161,15 +165,28 @@ impl ShardReader {
         let mut written = 0usize;
         while at < range.end {
             let c = (at / size) as usize;
-            self.load_chunk(c)?;
-            let chunk = self
-                .chunk
-                .as_ref()
-                .map(|(_, b)| b.as_slice())
-                .unwrap_or(&[]);
-            let from = (at - c as u64 * size) as usize;
-            let take = ((range.end - at) as usize).min(chunk.len() - from);
-            out[written..written + take].copy_from_slice(&chunk[from..from + take]);
+            let chunk_end = ((c as u64 + 1) * size).min(self.record.bytes);
+            let take = (range.end.min(chunk_end) - at) as usize;
+            let cached = matches!(&self.chunk, Some((i, _)) if *i == c);
+            if !cached && self.verified.get(c).copied().unwrap_or(false) {
+                // Verified earlier (a file is read tensor by tensor, so chunks are revisited):
+                // read just the bytes needed.
+                self.file
+                    .seek(SeekFrom::Start(at))
+                    .map_err(|e| CheckpointError::io(&self.path, "seek", e))?;
+                self.file
+                    .read_exact(&mut out[written..written + take])
+                    .map_err(|e| CheckpointError::io(&self.path, "read", e))?;
+            } else {
+                self.load_chunk(c)?;
+                let chunk = self
+                    .chunk
+                    .as_ref()
+                    .map(|(_, b)| b.as_slice())
+                    .unwrap_or(&[]);
+                let from = (at - c as u64 * size) as usize;
+                out[written..written + take].copy_from_slice(&chunk[from..from + take]);
+            }
             written += take;
             at += take as u64;
         }
@@ -207,6 +224,9 @@ impl ShardReader {
             });
         }
         self.chunk = Some((c, buf));
+        if let Some(v) = self.verified.get_mut(c) {
+            *v = true;
+        }
         Ok(())
     }
 }
