@@ -515,3 +515,35 @@ fn absorb_into<B: AutodiffBackend, P: Module<B>>(
         None => Ok(()),
     }
 }
+
+/// What checkpointing needs of the engine (`crate::checkpoint`).
+impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
+    /// The shared state, to save.
+    pub(crate) fn core_ref(&self) -> &EngineCore {
+        &self.core
+    }
+
+    /// The shared state, to restore.
+    pub(crate) fn core_mut(&mut self) -> &mut EngineCore {
+        &mut self.core
+    }
+
+    /// Stages 0-2: writes the owned masters, gathered, into the parts (after a load replaced
+    /// them). Stage 3 holds no replica: its masters are gathered at each use.
+    pub(crate) fn refresh_replica(&mut self) -> Result<(), ZeroError> {
+        if self.core.settings.stage == Stage::Zero3 {
+            return Ok(());
+        }
+        let mut source = self.core.value_source();
+        let parts = &self.parts;
+        let placeholder = skeleton::<B, _>(self.ends.clone());
+        let ends = std::mem::replace(&mut self.ends, placeholder);
+        self.ends = write_values(ends, &self.device, true, |i| source.take(parts[0].params[i]));
+        for (b, block) in self.blocks.iter_mut().enumerate() {
+            let placeholder = skeleton::<B, _>(block.clone());
+            let old = std::mem::replace(block, placeholder);
+            *block = write_values(old, &self.device, true, |i| source.take(parts[b + 1].params[i]));
+        }
+        source.finish()
+    }
+}

@@ -181,3 +181,25 @@ pub(crate) fn broadcast_values<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     Ok(values)
 }
+
+/// What checkpointing needs of the engine (`crate::checkpoint`).
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
+    /// The shared state, to save.
+    pub(crate) fn core_ref(&self) -> &EngineCore {
+        &self.core
+    }
+
+    /// The shared state, to restore.
+    pub(crate) fn core_mut(&mut self) -> &mut EngineCore {
+        &mut self.core
+    }
+
+    /// Writes the owned masters, gathered, into the replica (after they were replaced by a load).
+    pub(crate) fn refresh_replica(&mut self) -> Result<(), ZeroError> {
+        let model = self.model.take().unwrap_or_else(|| unreachable!());
+        let mut source = self.core.value_source();
+        let model = write_values(model, &self.device, true, |i| source.take(i));
+        self.model = Some(model);
+        source.finish()
+    }
+}

@@ -20,4 +20,7 @@ pub enum ZeroError {
     /// The optimizer rejected its state or inputs.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// A checkpoint could not be saved, read or verified (the error names the file).
+    #[error(transparent)]
+    Checkpoint(#[from] zero_core::checkpoint::CheckpointError),
 }

@@ -14,6 +14,7 @@
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
 mod chain;
+mod checkpoint;
 mod chain_engine;
 mod core;
 mod engine;

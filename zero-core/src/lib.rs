@@ -7,6 +7,7 @@
 //! It is not a training engine: the Burn integration (modules, gradients, the step) is in
 //! `zero-burn`, which drives what this crate provides.
 
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod launch;

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 mod check_config;
 mod launch;
+mod to_fp32;
 
 #[derive(Parser)]
 #[command(name = "zero", version, about = "ZeRO training for Burn: tools")]
@@ -21,11 +22,15 @@ enum Command {
     CheckConfig(check_config::Args),
     /// Start the ranks of a distributed program (one process per rank).
     Launch(launch::Args),
+    /// Write a checkpoint's fp32 weights, whole, as safetensors (streaming, any world size).
+    #[command(name = "to-fp32")]
+    ToFp32(to_fp32::Args),
 }
 
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::CheckConfig(args) => check_config::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::ToFp32(args) => to_fp32::run(args),
     }
 }

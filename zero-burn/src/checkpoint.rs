@@ -1,0 +1,279 @@
+//! Saving and restoring an engine: `save_checkpoint` / `load_checkpoint` on [`ZeroEngine`] and
+//! [`ChainEngine`], and the consolidated 16-bit save of a running engine.
+//!
+//! The format, the crash-safe order of writes, the checksums and the re-cutting for another
+//! world size or stage are `zero_core::checkpoint`'s; this file hands it the engine's flat state
+//! (each group's owned fp32 masters and optimizer buffers) and puts what it reads back in place.
+//!
+//! Resuming is exact: the masters, every optimizer buffer and step count, and the engine's step
+//! (hence the learning-rate schedule's position) are restored bit for bit, and the accumulators
+//! are empty at a boundary, so a resumed run computes what the uninterrupted run would have.
+//!
+//! ```ignore
+//! engine.save_checkpoint("ckpt", None, &serde_json::json!({ "batch": 1200 }))?;
+//! // ... later, at any world size and stage:
+//! let client_state = engine.load_checkpoint("ckpt", None)?; // tag None: the `latest` one
+//! ```
+
+use crate::chain::ChainModel;
+use crate::chain_engine::ChainEngine;
+use crate::core::EngineCore;
+use crate::engine::ZeroEngine;
+use crate::error::ZeroError;
+use crate::optimizer_bridge::OptimizerFactory;
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+use std::path::{Path, PathBuf};
+use zero_core::checkpoint::{
+    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest,
+};
+
+impl EngineCore {
+    fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {
+        if self.micro_steps != 0 {
+            return Err(ZeroError::Usage(format!(
+                "{what} between accumulation boundaries ({} of {} micro-batches absorbed): call it after step()",
+                self.micro_steps, self.settings.gradient_accumulation_steps
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every rank writes its shard; rank 0 the metadata and `latest`. Returns the tag directory.
+    pub(crate) fn save_checkpoint(
+        &self,
+        dir: &Path,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<PathBuf, ZeroError> {
+        self.require_boundary("save_checkpoint")?;
+        let tag = tag
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("global_step{}", self.global_step));
+        let first = self.state.groups.first().map(|g| &g.optimizer.inner);
+        let request = SaveRequest {
+            layout: &self.state.layout,
+            groups: self
+                .state
+                .groups
+                .iter()
+                .map(|g| GroupShard {
+                    master: &g.master,
+                    state: g.optimizer.inner.state(),
+                })
+                .collect(),
+            stage: self.settings.stage.number(),
+            global_step: self.global_step,
+            optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
+            optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
+            lr_next: Some(self.settings.lr_at(self.global_step)),
+            // The engine keeps neither a loss scaler nor a random generator of its own yet.
+            loss_scaler: None,
+            rng: None,
+            client_state: client_state.clone(),
+        };
+        Ok(checkpoint::save(self.comm.as_ref(), dir, &tag, &request)?)
+    }
+
+    /// Reads this rank's new owned slices (from any world size and stage), rebuilds the
+    /// optimizers from them, and only when every rank succeeded replaces the state. Returns the
+    /// client state.
+    pub(crate) fn load_checkpoint(
+        &mut self,
+        dir: &Path,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        self.require_boundary("load_checkpoint")?;
+        let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
+        let rank = self.comm.rank();
+        let factory = OptimizerFactory {
+            spec: self.settings.optimizer.clone(),
+        };
+        let layout = &self.state.layout;
+        let rebuilt = (|| {
+            let mut optimizers = Vec::with_capacity(groups.len());
+            for (gi, g) in groups.iter().enumerate() {
+                let mut opt = factory.build(layout, gi, rank)?;
+                if opt.inner.name() != meta.optimizer.name {
+                    return Err(ZeroError::Config(format!(
+                        "the checkpoint's optimizer is `{}` but the engine's is `{}`",
+                        meta.optimizer.name,
+                        opt.inner.name()
+                    )));
+                }
+                let buffers: Vec<(&str, &[f32])> = g
+                    .state
+                    .iter()
+                    .map(|(n, b)| (n.as_str(), b.as_slice()))
+                    .collect();
+                opt.inner
+                    .load_state(meta.optimizer.step, &buffers)
+                    .map_err(|e| {
+                        ZeroError::Optimizer(format!(
+                            "restoring group {gi} from the checkpoint `{}`: {e}",
+                            meta.tag
+                        ))
+                    })?;
+                optimizers.push(opt);
+            }
+            Ok(optimizers)
+        })();
+        // All ranks replace their state, or none does.
+        let failed = rebuilt.as_ref().err().map(|e| e.to_string());
+        let agreed = agree(
+            self.comm.as_ref(),
+            "load",
+            match failed {
+                Some(m) => Err(CheckpointError::Usage(m)),
+                None => Ok(()),
+            },
+        );
+        let optimizers = match (rebuilt, agreed) {
+            (Ok(o), Ok(())) => o,
+            (Err(e), _) => return Err(e),
+            (Ok(_), Err(e)) => return Err(e.into()),
+        };
+        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers)
+        {
+            state.master = loaded.master;
+            state.optimizer = optimizer;
+        }
+        self.state.reset_accumulators();
+        self.micro_steps = 0;
+        self.global_step = meta.global_step;
+        Ok(meta.client_state)
+    }
+
+    /// Gathers group after group and lets rank 0 write the whole weights (`dtype` None: f32).
+    pub(crate) fn save_weights(
+        &self,
+        path: &Path,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError> {
+        let writer = self.comm.rank() == 0;
+        let mut export = if writer {
+            Some(GroupExport::create(path, &self.state.layout, dtype, names))
+        } else {
+            None
+        };
+        for g in 0..self.state.layout.groups.len() {
+            // Every rank takes part in every gather, even after rank 0 failed to write, so that
+            // the collectives stay matched; the failure is reported once all are done.
+            let values = self.gather_group(g)?;
+            let failed = match &mut export {
+                Some(Ok(e)) => e.write_group(&values).err(),
+                _ => None,
+            };
+            if let Some(err) = failed {
+                export = Some(Err(err));
+            }
+        }
+        let outcome = match export {
+            Some(Ok(e)) => e.finish().map(|_| ()),
+            Some(Err(e)) => Err(e),
+            None => Ok(()),
+        };
+        Ok(agree(self.comm.as_ref(), "save", outcome)?)
+    }
+}
+
+fn keep_names(name: &str) -> Option<String> {
+    Some(name.to_string())
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
+    /// Saves the engine under `dir/tag` (tag None: `global_step{N}`) and points `dir/latest` at
+    /// it; every rank calls this, at an accumulation boundary. `client_state` (the data
+    /// position, anything) comes back from [`Self::load_checkpoint`]. Returns the tag directory.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<PathBuf, ZeroError> {
+        self.core_ref()
+            .save_checkpoint(dir.as_ref(), tag, client_state)
+    }
+
+    /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
+    /// world size and stage; returns the client state. Every file is verified before anything
+    /// changes; on error the engine is as it was.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
+        self.refresh_replica()?;
+        Ok(client)
+    }
+
+    /// Writes the whole model's weights as one 16-bit safetensors file from rank 0 (every rank
+    /// calls this), under the parameters' own names.
+    pub fn save_16bit_model(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: HalfDtype,
+    ) -> Result<(), ZeroError> {
+        self.core_ref()
+            .save_weights(path.as_ref(), Some(dtype), &keep_names)
+    }
+
+    /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
+    /// f32; `names` renames or drops parameters (e.g. `NameMap::apply`).
+    pub fn save_weights(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError> {
+        self.core_ref().save_weights(path.as_ref(), dtype, names)
+    }
+}
+
+impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
+    /// Saves the engine (see [`ZeroEngine::save_checkpoint`]); under stage 3 the shards are the
+    /// only copy of the weights, and nothing else is written.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<PathBuf, ZeroError> {
+        self.core_ref()
+            .save_checkpoint(dir.as_ref(), tag, client_state)
+    }
+
+    /// Restores the engine (see [`ZeroEngine::load_checkpoint`]).
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
+        self.refresh_replica()?;
+        Ok(client)
+    }
+
+    /// Gathers the parts one group at a time and writes the whole weights in 16 bits from rank
+    /// 0: DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, never holding the model.
+    pub fn save_16bit_model(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: HalfDtype,
+    ) -> Result<(), ZeroError> {
+        self.core_ref()
+            .save_weights(path.as_ref(), Some(dtype), &keep_names)
+    }
+
+    /// Writes the whole weights from rank 0 (see [`ZeroEngine::save_weights`]).
+    pub fn save_weights(
+        &self,
+        path: impl AsRef<Path>,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError> {
+        self.core_ref().save_weights(path.as_ref(), dtype, names)
+    }
+}

@@ -1,0 +1,274 @@
+//! Consolidated weights: every parameter whole, under its (possibly renamed) name, in a plain
+//! safetensors file that any tool reads — from a checkpoint on disk (`zero to-fp32`), or from a
+//! running engine's gathered groups (the 16-bit save of a stage-3 model).
+//!
+//! Both stream: the header is computed from the layout first, then one tensor at a time is
+//! assembled and written, so the memory held is one tensor plus a read buffer per shard file,
+//! never the model.
+
+use super::error::CheckpointError;
+use super::format::FileRecord;
+use super::load::Checkpoint;
+use super::reader::ShardReader;
+use super::reshard::param_sources;
+use super::writer::{HalfDtype, SafetensorsStream, TensorEntry};
+use crate::partition::PartitionLayout;
+use safetensors::tensor::Dtype;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+/// Name of the single consolidated file.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of the index of a sharded export (HuggingFace's convention).
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// What [`to_fp32`] wrote.
+#[derive(Clone, Debug)]
+pub struct ConsolidateReport {
+    /// The safetensors files, in order.
+    pub files: Vec<PathBuf>,
+    /// The index file, when the export is sharded.
+    pub index: Option<PathBuf>,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of values written.
+    pub value_bytes: u64,
+    /// Bytes of the largest tensor: about what the conversion holds in memory.
+    pub largest_tensor_bytes: u64,
+}
+
+/// The exported parameters, in layout order, with their new names; checks that no two share one.
+fn exported_params(
+    layout: &PartitionLayout,
+    names: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<(usize, String)>, CheckpointError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (i, p) in layout.params.iter().enumerate() {
+        if let Some(new) = names(&p.name) {
+            if !seen.insert(new.clone()) {
+                return Err(CheckpointError::Usage(format!(
+                    "two parameters are both named `{new}` after renaming"
+                )));
+            }
+            out.push((i, new));
+        }
+    }
+    Ok(out)
+}
+
+/// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000000` (bytes).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 5GB, 500MB, 1000000)"))?;
+    let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (B, KB, MB, GB, TB, KiB, MiB, GiB)"
+            ))
+        }
+    };
+    let bytes = value * scale;
+    if bytes < 1.0 {
+        return Err(format!("`{text}` is not a positive size"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Writes the checkpoint's fp32 weights, whole, into `out_dir`: `model.safetensors`, or, when
+/// they exceed `max_shard_bytes`, `model-0000i-of-0000n.safetensors` files and
+/// `model.safetensors.index.json`. `names` renames or drops parameters (see
+/// [`super::NameMap`]). Every chunk read is verified against the checkpoint's checksums.
+pub fn to_fp32(
+    checkpoint: &Checkpoint,
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    names: &dyn Fn(&str) -> Option<String>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    let layout = &checkpoint.meta.layout;
+    let params = exported_params(layout, names)?;
+    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
+
+    // Shards: consecutive tensors up to the size limit (a larger tensor gets a file of its own).
+    let limit = max_shard_bytes.unwrap_or(u64::MAX);
+    let mut shards: Vec<Vec<(usize, String)>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (p, name) in params {
+        let bytes = layout.params[p].numel() as u64 * 4;
+        if size > 0 && size + bytes > limit {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        if let Some(last) = shards.last_mut() {
+            last.push((p, name));
+        }
+    }
+    let count = shards.len();
+    let file_name = |i: usize| {
+        if count == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+        }
+    };
+
+    let old_places = layout.places();
+    let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
+    let mut report = ConsolidateReport {
+        files: Vec::new(),
+        index: None,
+        tensors: 0,
+        value_bytes: 0,
+        largest_tensor_bytes: 0,
+    };
+    let mut weight_map = BTreeMap::new();
+    let mut values: Vec<f32> = Vec::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let path = out_dir.join(file_name(i));
+        let entries: Vec<TensorEntry> = shard
+            .iter()
+            .map(|(p, name)| TensorEntry {
+                name: name.clone(),
+                dtype: Dtype::F32,
+                shape: layout.params[*p].shape.clone(),
+            })
+            .collect();
+        let mut stream = SafetensorsStream::create(&path, &entries, Some(format_metadata()))?;
+        for (p, name) in shard {
+            let n = layout.params[*p].numel();
+            // One buffer, reused: it grows to the largest tensor and no further.
+            values.clear();
+            values.resize(n, 0.0);
+            for piece in param_sources(layout, &old_places, *p, 0..n, 0) {
+                let reader = match readers.entry(piece.file_rank) {
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(checkpoint.open_shard(piece.file_rank)?)
+                    }
+                };
+                reader.read_f32(
+                    &super::format::master_tensor(piece.group),
+                    piece.src,
+                    &mut values[piece.dst],
+                )?;
+            }
+            stream.write_f32(&values)?;
+            report.tensors += 1;
+            report.value_bytes += n as u64 * 4;
+            report.largest_tensor_bytes = report.largest_tensor_bytes.max(n as u64 * 4);
+            weight_map.insert(name.clone(), file_name(i));
+        }
+        stream.finish()?;
+        report.files.push(path);
+    }
+    if count > 1 {
+        let index = serde_json::json!({
+            "metadata": { "total_size": report.value_bytes },
+            "weight_map": weight_map,
+        });
+        let path = out_dir.join(INDEX_FILE);
+        let text = serde_json::to_vec_pretty(&index).unwrap_or_default();
+        super::atomic::write_file(&path, &text)?;
+        report.index = Some(path);
+    }
+    Ok(report)
+}
+
+/// The `__metadata__` HuggingFace's loaders expect of a PyTorch-style weights file.
+fn format_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// A weights file written group by group from gathered values (a running engine's 16-bit or
+/// fp32 export): every rank gathers each group in turn, and the writing rank passes the full
+/// group to [`GroupExport::write_group`].
+pub struct GroupExport {
+    stream: SafetensorsStream,
+    /// Per group, in order: (parameter, offset, elements) of each exported parameter.
+    plan: Vec<Vec<(usize, usize)>>,
+    next_group: usize,
+    dtype: Option<HalfDtype>,
+}
+
+impl GroupExport {
+    /// Creates the file at `path` for `layout`'s parameters (renamed or dropped by `names`),
+    /// in `dtype` (`None`: f32).
+    pub fn create(
+        path: &Path,
+        layout: &PartitionLayout,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, CheckpointError> {
+        let exported: HashMap<usize, String> =
+            exported_params(layout, names)?.into_iter().collect();
+        let mut entries = Vec::new();
+        let mut plan = Vec::with_capacity(layout.groups.len());
+        for g in &layout.groups {
+            let mut group = Vec::new();
+            for (&p, &offset) in g.params.iter().zip(&g.offsets) {
+                if let Some(name) = exported.get(&p) {
+                    let spec = &layout.params[p];
+                    entries.push(TensorEntry {
+                        name: name.clone(),
+                        dtype: dtype.map(HalfDtype::dtype).unwrap_or(Dtype::F32),
+                        shape: spec.shape.clone(),
+                    });
+                    group.push((offset, spec.numel()));
+                }
+            }
+            plan.push(group);
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, "create", e))?;
+        }
+        let stream = SafetensorsStream::create(path, &entries, Some(format_metadata()))?;
+        Ok(GroupExport {
+            stream,
+            plan,
+            next_group: 0,
+            dtype,
+        })
+    }
+
+    /// Writes the parameters of the next group from its full (gathered) values.
+    pub fn write_group(&mut self, values: &[f32]) -> Result<(), CheckpointError> {
+        let group = self.plan.get(self.next_group).ok_or_else(|| {
+            CheckpointError::Usage("more groups written than the layout has".into())
+        })?;
+        for &(offset, n) in group {
+            let v = values.get(offset..offset + n).ok_or_else(|| {
+                CheckpointError::Usage(format!(
+                    "group {} has {} values, too few",
+                    self.next_group,
+                    values.len()
+                ))
+            })?;
+            match self.dtype {
+                None => self.stream.write_f32(v)?,
+                Some(d) => self.stream.write_half(v, d)?,
+            }
+        }
+        self.next_group += 1;
+        Ok(())
+    }
+
+    /// Finishes the file (every group must have been written).
+    pub fn finish(self) -> Result<FileRecord, CheckpointError> {
+        self.stream.finish()
+    }
+}

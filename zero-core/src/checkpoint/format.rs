@@ -1,0 +1,294 @@
+//! The on-disk format: one directory per tag holding one safetensors shard per rank and one
+//! metadata file, and a `latest` file next to the tag directories.
+//!
+//! ```text
+//! DIR/latest                      the newest tag (written last)
+//! DIR/TAG/zero_meta.json          CheckpointMeta (written by rank 0)
+//! DIR/TAG/rank_00000.safetensors  rank 0's shard: per group `g{i}.master`, `g{i}.{state}`
+//! DIR/TAG/rank_00001.safetensors  ...
+//! ```
+//!
+//! A shard holds, for every group of the layout, the rank's owned slice of the fp32 master
+//! weights and of each optimizer state buffer (`exp_avg`, `exp_avg_sq`, ...), as 1-D f32
+//! tensors. Replicated groups are the same on every rank and are written by rank 0 only.
+
+use super::error::CheckpointError;
+use crate::loss_scaler::LossScalerState;
+use crate::partition::{ParamSpec, PartitionLayout, Placement};
+use std::path::Path;
+
+/// Version of the format written by this crate.
+pub const FORMAT_VERSION: u32 = 1;
+/// Name of the metadata file inside a tag directory.
+pub const META_FILE: &str = "zero_meta.json";
+/// Name of the file naming the newest tag.
+pub const LATEST_FILE: &str = "latest";
+
+/// The shard file of `rank`.
+pub fn shard_file_name(rank: usize) -> String {
+    format!("rank_{rank:05}.safetensors")
+}
+
+/// Name of a group's master slice in a shard file.
+pub fn master_tensor(group: usize) -> String {
+    format!("g{group}.master")
+}
+
+/// Name of a group's optimizer state buffer in a shard file.
+pub fn state_tensor(group: usize, state: &str) -> String {
+    format!("g{group}.{state}")
+}
+
+/// Whether `rank`'s shard file holds `group` (replicated groups are written by rank 0 only).
+pub fn shard_holds(layout: &PartitionLayout, group: usize, rank: usize) -> bool {
+    layout.groups[group].placement == Placement::Sharded || rank == 0
+}
+
+/// Length and checksums of one file of the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileRecord {
+    /// File name, relative to the tag directory.
+    pub name: String,
+    /// Length in bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE) of the whole file.
+    pub crc32: u32,
+    /// Length of the chunks of `chunk_crc32` (the last may be shorter).
+    pub chunk_bytes: u64,
+    /// CRC-32 of each chunk, so a reader checks only what it reads.
+    pub chunk_crc32: Vec<u32>,
+}
+
+/// One parameter as the checkpoint records it: for people and tools reading the metadata
+/// (the loader uses [`CheckpointMeta::layout`], of which this is a flat view).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParamRecord {
+    /// Dotted module path.
+    pub name: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Element type of the master weights (`F32`).
+    pub dtype: String,
+    /// Group index in the layout.
+    pub group: usize,
+    /// Offset in the group's flat buffer.
+    pub offset: usize,
+}
+
+/// The optimizer's part of the metadata.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OptimizerRecord {
+    /// `adam`, `adamw`, `sgd`, `lamb`, `lion`.
+    pub name: String,
+    /// Steps the optimizer has taken (PyTorch's `state["step"]`).
+    pub step: u64,
+    /// Names of the state buffers each shard holds per group.
+    pub state_names: Vec<String>,
+}
+
+/// Everything about a checkpoint except the tensors.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CheckpointMeta {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// The tag (the directory's name).
+    pub tag: String,
+    /// ZeRO stage of the run that saved.
+    pub stage: u8,
+    /// Number of ranks that saved.
+    pub world_size: usize,
+    /// Optimizer steps taken by the engine.
+    pub global_step: u64,
+    /// Every parameter, in layout order.
+    pub params: Vec<ParamRecord>,
+    /// The flat layout of the run that saved (at `world_size`).
+    pub layout: PartitionLayout,
+    /// The optimizer.
+    pub optimizer: OptimizerRecord,
+    /// The learning rate the scheduler gives the next step; the schedule's position is
+    /// `global_step`.
+    pub lr_next: Option<f64>,
+    /// The dynamic loss scaler, when the run used one.
+    pub loss_scaler: Option<LossScalerState>,
+    /// Random-number generator state of the engine, when it keeps one.
+    pub rng: Option<serde_json::Value>,
+    /// What the training loop passed to save (its data position, ...), returned by load.
+    pub client_state: serde_json::Value,
+    /// The shard files, by rank.
+    pub files: Vec<FileRecord>,
+    /// CRC-32 of this metadata serialised with this field `None`.
+    pub meta_crc32: Option<u32>,
+}
+
+impl CheckpointMeta {
+    /// The per-parameter records of `layout`.
+    pub fn param_records(layout: &PartitionLayout) -> Vec<ParamRecord> {
+        let places = layout.places();
+        layout
+            .params
+            .iter()
+            .zip(places)
+            .map(|(p, place)| ParamRecord {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                dtype: "F32".into(),
+                group: place.group,
+                offset: place.offset,
+            })
+            .collect()
+    }
+
+    fn content_crc(&self) -> u32 {
+        let mut unsealed = self.clone();
+        unsealed.meta_crc32 = None;
+        // Serialising a struct of plain values is deterministic, so a reader recomputes the
+        // same bytes from what it parsed.
+        let bytes = serde_json::to_vec(&unsealed).unwrap_or_default();
+        crc32fast::hash(&bytes)
+    }
+
+    /// The metadata file's bytes, with its own checksum filled in.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut sealed = self.clone();
+        sealed.meta_crc32 = Some(self.content_crc());
+        serde_json::to_vec_pretty(&sealed).unwrap_or_default()
+    }
+
+    /// Parses and verifies a metadata file's bytes (`path` is for the error messages).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self, CheckpointError> {
+        let bad = |detail: String| CheckpointError::Metadata {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let meta: CheckpointMeta =
+            serde_json::from_slice(bytes).map_err(|e| bad(format!("not readable JSON: {e}")))?;
+        if meta.format_version != FORMAT_VERSION {
+            return Err(bad(format!(
+                "format version {} (this build reads version {FORMAT_VERSION})",
+                meta.format_version
+            )));
+        }
+        match meta.meta_crc32 {
+            Some(recorded) if recorded == meta.content_crc() => {}
+            Some(recorded) => {
+                return Err(bad(format!(
+                "checksum mismatch (recorded {recorded:08x}, content {:08x}): the file was altered",
+                meta.content_crc()
+            )))
+            }
+            None => return Err(bad("no meta_crc32".into())),
+        }
+        meta.validate().map_err(bad)?;
+        Ok(meta)
+    }
+
+    /// Internal consistency: one file per rank, a layout for the recorded world size whose
+    /// groups cover every parameter once, parameter records that agree with it.
+    fn validate(&self) -> Result<(), String> {
+        if self.world_size == 0 || self.layout.world_size != self.world_size {
+            return Err(format!(
+                "world size {} but the layout is cut for {}",
+                self.world_size, self.layout.world_size
+            ));
+        }
+        if self.files.len() != self.world_size {
+            return Err(format!(
+                "{} shard files listed for world size {}",
+                self.files.len(),
+                self.world_size
+            ));
+        }
+        let mut seen = vec![0u32; self.layout.params.len()];
+        for (gi, g) in self.layout.groups.iter().enumerate() {
+            if g.params.len() != g.offsets.len() {
+                return Err(format!(
+                    "group {gi}: {} parameters but {} offsets",
+                    g.params.len(),
+                    g.offsets.len()
+                ));
+            }
+            let mut end = 0;
+            for (&p, &offset) in g.params.iter().zip(&g.offsets) {
+                let spec = self
+                    .layout
+                    .params
+                    .get(p)
+                    .ok_or_else(|| format!("group {gi} names parameter {p}"))?;
+                seen[p] += 1;
+                end = end.max(offset + spec.numel());
+            }
+            let unit = match g.placement {
+                Placement::Sharded => self.world_size * self.layout.alignment.max(1),
+                Placement::Replicated => 1,
+            };
+            if end > g.numel || g.numel > g.padded || g.padded % unit != 0 {
+                return Err(format!(
+                    "group {gi}: sizes (numel {}, padded {}) do not hold its parameters",
+                    g.numel, g.padded
+                ));
+            }
+        }
+        if let Some(p) = seen.iter().position(|&c| c != 1) {
+            return Err(format!(
+                "parameter `{}` is in {} groups",
+                self.layout.params[p].name, seen[p]
+            ));
+        }
+        if self.params != Self::param_records(&self.layout) {
+            return Err("the parameter records disagree with the layout".into());
+        }
+        Ok(())
+    }
+
+    /// Checks that the checkpoint is of the model described by `params` (names and shapes, in
+    /// order); `path` is the metadata file, for the error.
+    pub fn check_model(&self, path: &Path, params: &[ParamSpec]) -> Result<(), CheckpointError> {
+        let other = |detail: String| CheckpointError::OtherModel {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let saved = &self.layout.params;
+        for (i, (s, m)) in saved.iter().zip(params).enumerate() {
+            if s.name != m.name {
+                return Err(other(format!(
+                    "parameter {i} is `{}` in the checkpoint but `{}` in the model",
+                    s.name, m.name
+                )));
+            }
+            if s.shape != m.shape {
+                return Err(other(format!(
+                    "parameter `{}` has shape {:?} in the checkpoint but {:?} in the model",
+                    s.name, s.shape, m.shape
+                )));
+            }
+        }
+        if saved.len() != params.len() {
+            return Err(other(format!(
+                "{} parameters in the checkpoint, {} in the model",
+                saved.len(),
+                params.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks that a tag can be a directory name of its own.
+pub fn check_tag(dir: &Path, tag: &str) -> Result<(), CheckpointError> {
+    let ok = !tag.is_empty()
+        && tag != "."
+        && tag != ".."
+        && !tag.starts_with('.')
+        && tag != LATEST_FILE
+        && !tag.contains(['/', '\\', '\0'])
+        && !tag.ends_with(".partial")
+        && !tag.ends_with(".replaced");
+    if ok {
+        Ok(())
+    } else {
+        Err(CheckpointError::Tag {
+            path: dir.to_path_buf(),
+            detail: format!("`{tag}` cannot be a tag: it must be a plain directory name (no `/`, no leading `.`, not `latest`)"),
+        })
+    }
+}

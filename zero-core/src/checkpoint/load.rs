@@ -1,0 +1,191 @@
+//! Loading: find the tag, verify the metadata, check it is this model's, then read each rank's
+//! new owned slices from whichever old shards hold them, at any world size and stage.
+//!
+//! Everything is read into fresh buffers and every chunk is verified as it is read, so an error
+//! (a missing or truncated shard, a flipped byte, a header that disagrees with the metadata)
+//! surfaces before the caller replaces any state; ranks agree on the outcome, so that all of
+//! them fail together.
+
+use super::collective::agree;
+use super::error::CheckpointError;
+use super::format::{self, CheckpointMeta, LATEST_FILE, META_FILE};
+use super::reader::ShardReader;
+use super::reshard::plan_rank;
+use crate::comm::ProcessGroup;
+use crate::partition::PartitionLayout;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One group's owned slice, read back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedGroup {
+    /// fp32 master weights.
+    pub master: Vec<f32>,
+    /// Optimizer state buffers, by name.
+    pub state: Vec<(String, Vec<f32>)>,
+}
+
+/// A checkpoint whose metadata has been read and verified.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// The tag's directory.
+    pub tag_dir: PathBuf,
+    /// The verified metadata.
+    pub meta: CheckpointMeta,
+}
+
+/// The tag to load: `tag`, or the one `DIR/latest` names.
+pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointError> {
+    if let Some(t) = tag {
+        format::check_tag(dir, t)?;
+        return Ok(t.to_string());
+    }
+    let latest = dir.join(LATEST_FILE);
+    let text = std::fs::read_to_string(&latest).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CheckpointError::Tag {
+            path: latest.clone(),
+            detail: "missing: no checkpoint was completed in this directory (pass a tag to load another)".into(),
+        },
+        _ => CheckpointError::io(&latest, "read", e),
+    })?;
+    let t = text.trim();
+    format::check_tag(dir, t).map_err(|_| CheckpointError::Tag {
+        path: latest.clone(),
+        detail: format!("names `{t}`, which is not a tag"),
+    })?;
+    Ok(t.to_string())
+}
+
+impl Checkpoint {
+    /// Opens `DIR/TAG` (`tag` None: the tag `latest` names) and verifies its metadata.
+    pub fn open(dir: &Path, tag: Option<&str>) -> Result<Self, CheckpointError> {
+        let tag = resolve_tag(dir, tag)?;
+        let mut tag_dir = dir.join(&tag);
+        if !tag_dir.is_dir() {
+            // A save killed between its two renames leaves the previous version here.
+            let replaced = dir.join(format!("{tag}.replaced"));
+            if replaced.join(META_FILE).is_file() {
+                tag_dir = replaced;
+            } else {
+                return Err(CheckpointError::Tag {
+                    path: tag_dir,
+                    detail: "no such checkpoint tag directory".into(),
+                });
+            }
+        }
+        let path = tag_dir.join(META_FILE);
+        let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, "open", e))?;
+        let meta = CheckpointMeta::from_bytes(&path, &bytes)?;
+        Ok(Checkpoint { tag_dir, meta })
+    }
+
+    /// The metadata file.
+    pub fn meta_path(&self) -> PathBuf {
+        self.tag_dir.join(META_FILE)
+    }
+
+    /// Opens rank `rank`'s shard and checks that it holds the tensors the metadata implies.
+    pub fn open_shard(&self, rank: usize) -> Result<ShardReader, CheckpointError> {
+        let record = self
+            .meta
+            .files
+            .get(rank)
+            .ok_or_else(|| CheckpointError::Metadata {
+                path: self.meta_path(),
+                detail: format!("no file record for rank {rank}"),
+            })?;
+        let expected_name = format::shard_file_name(rank);
+        if record.name != expected_name {
+            return Err(CheckpointError::Metadata {
+                path: self.meta_path(),
+                detail: format!(
+                    "rank {rank}'s file is recorded as `{}`, expected `{expected_name}`",
+                    record.name
+                ),
+            });
+        }
+        let reader = ShardReader::open(&self.tag_dir.join(&record.name), record)?;
+        let layout = &self.meta.layout;
+        let mut expected = Vec::new();
+        for g in 0..layout.groups.len() {
+            if format::shard_holds(layout, g, rank) {
+                let len = layout.owned_len(g);
+                expected.push((format::master_tensor(g), len));
+                for s in &self.meta.optimizer.state_names {
+                    expected.push((format::state_tensor(g, s), len));
+                }
+            }
+        }
+        reader.check_tensors(&expected)?;
+        Ok(reader)
+    }
+
+    /// Reads `rank`'s owned slices of every group of `layout` (the caller's layout, at any world
+    /// size and grouping over the same parameters, which [`CheckpointMeta::check_model`]
+    /// checks). Only the needed shard files are opened, and of them only the needed chunks read.
+    pub fn read_rank(
+        &self,
+        layout: &PartitionLayout,
+        rank: usize,
+    ) -> Result<Vec<LoadedGroup>, CheckpointError> {
+        self.meta.check_model(&self.meta_path(), &layout.params)?;
+        let plan = plan_rank(&self.meta.layout, layout, rank);
+        // Open (length, header, tensor list) every needed file before reading any value.
+        let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
+        for p in plan.iter().flatten() {
+            if let std::collections::btree_map::Entry::Vacant(slot) = readers.entry(p.file_rank) {
+                slot.insert(self.open_shard(p.file_rank)?);
+            }
+        }
+        let names = &self.meta.optimizer.state_names;
+        let mut out = Vec::with_capacity(plan.len());
+        for (g, pieces) in plan.iter().enumerate() {
+            let len = layout.owned_len(g);
+            let mut group = LoadedGroup {
+                master: vec![0.0; len],
+                state: names.iter().map(|n| (n.clone(), vec![0.0; len])).collect(),
+            };
+            // One tensor kind at a time, so that each file is read front to back and a chunk is
+            // read once, not once per piece.
+            let kinds = std::iter::once((None, &mut group.master))
+                .chain(group.state.iter_mut().map(|(n, b)| (Some(n.as_str()), b)));
+            for (kind, buf) in kinds {
+                for p in pieces {
+                    let reader = readers
+                        .get_mut(&p.file_rank)
+                        .ok_or_else(|| CheckpointError::Usage("unplanned shard".into()))?;
+                    let tensor = match kind {
+                        None => format::master_tensor(p.group),
+                        Some(name) => format::state_tensor(p.group, name),
+                    };
+                    reader.read_f32(&tensor, p.src.clone(), &mut buf[p.dst.clone()])?;
+                }
+            }
+            out.push(group);
+        }
+        Ok(out)
+    }
+
+    /// Reads every shard file whole and checks every checksum.
+    pub fn verify(&self) -> Result<(), CheckpointError> {
+        for r in 0..self.meta.world_size {
+            self.open_shard(r)?.verify_all()?;
+        }
+        Ok(())
+    }
+}
+
+/// Every rank: opens the checkpoint and reads its owned slices of `layout`; all ranks succeed
+/// or all fail.
+pub fn load(
+    comm: &dyn ProcessGroup,
+    dir: &Path,
+    tag: Option<&str>,
+    layout: &PartitionLayout,
+) -> Result<(CheckpointMeta, Vec<LoadedGroup>), CheckpointError> {
+    let outcome = Checkpoint::open(dir, tag).and_then(|c| {
+        let groups = c.read_rank(layout, comm.rank())?;
+        Ok((c.meta, groups))
+    });
+    agree(comm, "load", outcome)
+}

@@ -1,0 +1,140 @@
+//! Renaming parameters on export: the engine records module paths (`ends.wte.weight`,
+//! `blocks.3.attn.c_attn.weight`), other tools want their own names (HuggingFace's
+//! `transformer.h.3.attn.c_attn.weight`).
+//!
+//! A [`NameMap`] is an ordered list of rules applied one after the other to each name; a name
+//! that a rule drops is left out of the export. For anything the rules cannot say, every export
+//! function also takes a plain closure (`Fn(&str) -> Option<String>`), e.g. one built from a
+//! model zoo's own name table; [`NameMap::apply`] is such a closure.
+
+/// One renaming rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NameRule {
+    /// Replace a leading `from` by `to` (names without the prefix are unchanged).
+    Prefix {
+        /// Prefix to replace.
+        from: String,
+        /// Replacement.
+        to: String,
+    },
+    /// Replace a trailing `from` by `to`.
+    Suffix {
+        /// Suffix to replace.
+        from: String,
+        /// Replacement.
+        to: String,
+    },
+    /// Leave out every name that starts with this prefix.
+    Drop(String),
+}
+
+/// Ordered renaming rules (empty: names unchanged).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NameMap {
+    /// The rules, applied in order.
+    pub rules: Vec<NameRule>,
+}
+
+impl NameMap {
+    /// Parses a command-line rule: `PREFIX=NEW` (a prefix rename; `=NEW` adds a prefix,
+    /// `PREFIX=` strips one), `*SUFFIX=NEW` (a suffix rename), or `!PREFIX` (drop).
+    pub fn parse_rule(text: &str) -> Result<NameRule, String> {
+        if let Some(prefix) = text.strip_prefix('!') {
+            return Ok(NameRule::Drop(prefix.to_string()));
+        }
+        let (from, to) = text.split_once('=').ok_or_else(|| {
+            format!("`{text}` is not a rename rule: write FROM=TO, *SUFFIX=TO or !PREFIX")
+        })?;
+        Ok(match from.strip_prefix('*') {
+            Some(suffix) => NameRule::Suffix {
+                from: suffix.to_string(),
+                to: to.to_string(),
+            },
+            None => NameRule::Prefix {
+                from: from.to_string(),
+                to: to.to_string(),
+            },
+        })
+    }
+
+    /// The rules that turn the GPT-2 chain's names into HuggingFace `GPT2LMHeadModel` keys:
+    /// `ends.` → `transformer.`, `blocks.` → `transformer.h.`, LayerNorm `gamma`/`beta` →
+    /// `weight`/`bias`. (The zoo's `Gpt2Config::param_shapes` lists the names this produces.)
+    pub fn gpt2_huggingface() -> Self {
+        let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
+        NameMap {
+            rules: vec![
+                rule("ends.=transformer."),
+                rule("blocks.=transformer.h."),
+                rule("*.gamma=.weight"),
+                rule("*.beta=.bias"),
+            ],
+        }
+    }
+
+    /// The new name of `name`, or `None` when a rule drops it.
+    pub fn apply(&self, name: &str) -> Option<String> {
+        let mut name = name.to_string();
+        for rule in &self.rules {
+            match rule {
+                NameRule::Prefix { from, to } => {
+                    if let Some(rest) = name.strip_prefix(from.as_str()) {
+                        name = format!("{to}{rest}");
+                    }
+                }
+                NameRule::Suffix { from, to } => {
+                    if let Some(rest) = name.strip_suffix(from.as_str()) {
+                        name = format!("{rest}{to}");
+                    }
+                }
+                NameRule::Drop(prefix) => {
+                    if name.starts_with(prefix.as_str()) {
+                        return None;
+                    }
+                }
+            }
+        }
+        Some(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_rules_give_huggingface_keys() {
+        // Reference: the key names of HuggingFace's GPT2LMHeadModel state dict.
+        let m = NameMap::gpt2_huggingface();
+        assert_eq!(
+            m.apply("ends.wte.weight").as_deref(),
+            Some("transformer.wte.weight")
+        );
+        assert_eq!(
+            m.apply("blocks.3.attn.c_attn.weight").as_deref(),
+            Some("transformer.h.3.attn.c_attn.weight")
+        );
+        assert_eq!(
+            m.apply("blocks.0.ln_1.gamma").as_deref(),
+            Some("transformer.h.0.ln_1.weight")
+        );
+        assert_eq!(
+            m.apply("ends.ln_f.beta").as_deref(),
+            Some("transformer.ln_f.bias")
+        );
+    }
+
+    #[test]
+    fn rules_apply_in_order_and_drop() {
+        let m = NameMap {
+            rules: ["model.=", "!head.", "*.w=.weight"]
+                .iter()
+                .map(|r| NameMap::parse_rule(r).unwrap())
+                .collect(),
+        };
+        assert_eq!(m.apply("model.body.w").as_deref(), Some("body.weight"));
+        assert_eq!(m.apply("model.head.w"), None);
+        assert_eq!(m.apply("other.w2").as_deref(), Some("other.w2"));
+        assert!(NameMap::parse_rule("nonsense").is_err());
+    }
+}

@@ -1,0 +1,226 @@
+//! Saving: every rank writes its shard, rank 0 writes the metadata, and the tag becomes visible
+//! (and `latest` names it) only once everything is on disk.
+//!
+//! Order of events, each file written atomically (temporary name, fsync, rename):
+//!
+//! 1. rank 0 clears `DIR/TAG.partial`; barrier;
+//! 2. every rank writes `DIR/TAG.partial/rank_XXXXX.safetensors` and reports its checksums;
+//! 3. rank 0 writes `zero_meta.json` there, then renames `TAG.partial` to `TAG` (an older `TAG`
+//!    is first moved to `TAG.replaced`, removed after);
+//! 4. rank 0 rewrites `latest`; barrier.
+//!
+//! A process killed anywhere in this sequence leaves the previous checkpoint and `latest` as
+//! they were (or, killed between the two renames of step 3, the old `TAG` as `TAG.replaced`,
+//! which the loader accepts). A shared filesystem is assumed, as for any multi-rank checkpoint.
+
+use super::atomic;
+use super::collective::{agree, all_gather_bytes};
+use super::error::CheckpointError;
+use super::format::{
+    self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
+};
+use super::writer::{SafetensorsStream, TensorEntry};
+use crate::comm::ProcessGroup;
+use crate::loss_scaler::LossScalerState;
+use crate::partition::PartitionLayout;
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+
+/// One group's owned slice on this rank.
+#[derive(Debug)]
+pub struct GroupShard<'a> {
+    /// fp32 master weights.
+    pub master: &'a [f32],
+    /// Optimizer state buffers, by name, each as long as `master`.
+    pub state: Vec<(&'a str, &'a [f32])>,
+}
+
+/// What one rank saves, and the run's scalar state.
+#[derive(Debug)]
+pub struct SaveRequest<'a> {
+    /// The engine's layout at the current world size.
+    pub layout: &'a PartitionLayout,
+    /// This rank's slice of every group, in group order.
+    pub groups: Vec<GroupShard<'a>>,
+    /// ZeRO stage.
+    pub stage: u8,
+    /// Optimizer steps taken by the engine.
+    pub global_step: u64,
+    /// Optimizer name.
+    pub optimizer_name: String,
+    /// The optimizer's own step count.
+    pub optimizer_step: u64,
+    /// Learning rate of the next step.
+    pub lr_next: Option<f64>,
+    /// Loss scaler state, if any.
+    pub loss_scaler: Option<LossScalerState>,
+    /// RNG state, if any.
+    pub rng: Option<serde_json::Value>,
+    /// The training loop's own state.
+    pub client_state: serde_json::Value,
+}
+
+/// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
+/// Returns the tag directory.
+pub fn save(
+    comm: &dyn ProcessGroup,
+    dir: &Path,
+    tag: &str,
+    request: &SaveRequest<'_>,
+) -> Result<PathBuf, CheckpointError> {
+    format::check_tag(dir, tag)?;
+    let rank = comm.rank();
+    let staging = dir.join(format!("{tag}.partial"));
+    let prepared = if rank == 0 {
+        prepare_staging(&staging)
+    } else {
+        Ok(())
+    };
+    agree(comm, "save", prepared)?;
+
+    let written = write_shard(&staging, rank, request);
+    let record = agree(comm, "save", written)?;
+    let record_bytes = serde_json::to_vec(&record).unwrap_or_default();
+    let records = all_gather_bytes(comm, &record_bytes)?;
+
+    let published = if rank == 0 {
+        publish(dir, tag, &staging, request, comm.world_size(), &records)
+    } else {
+        Ok(())
+    };
+    agree(comm, "save", published)?;
+    Ok(dir.join(tag))
+}
+
+fn prepare_staging(staging: &Path) -> Result<(), CheckpointError> {
+    if staging.exists() {
+        std::fs::remove_dir_all(staging)
+            .map_err(|e| CheckpointError::io(staging, "remove stale", e))?;
+    }
+    std::fs::create_dir_all(staging).map_err(|e| CheckpointError::io(staging, "create", e))
+}
+
+/// Writes this rank's shard file into the staging directory.
+fn write_shard(
+    staging: &Path,
+    rank: usize,
+    req: &SaveRequest<'_>,
+) -> Result<FileRecord, CheckpointError> {
+    let layout = req.layout;
+    if req.groups.len() != layout.groups.len() {
+        return Err(CheckpointError::Usage(format!(
+            "{} group slices for a layout of {} groups",
+            req.groups.len(),
+            layout.groups.len()
+        )));
+    }
+    let mut entries = Vec::new();
+    let mut values: Vec<&[f32]> = Vec::new();
+    for (g, shard) in req.groups.iter().enumerate() {
+        if !format::shard_holds(layout, g, rank) {
+            continue;
+        }
+        let len = layout.owned_len(g);
+        let mut push = |name: String, v: &'_ [f32]| -> Result<(), CheckpointError> {
+            if v.len() != len {
+                return Err(CheckpointError::Usage(format!(
+                    "rank {rank}: `{name}` has {} elements, its owned slice {len}",
+                    v.len()
+                )));
+            }
+            entries.push(TensorEntry {
+                name,
+                dtype: Dtype::F32,
+                shape: vec![len],
+            });
+            Ok(())
+        };
+        push(format::master_tensor(g), shard.master)?;
+        values.push(shard.master);
+        for &(name, buf) in &shard.state {
+            push(format::state_tensor(g, name), buf)?;
+            values.push(buf);
+        }
+    }
+    let path = staging.join(format::shard_file_name(rank));
+    let mut stream = SafetensorsStream::create(&path, &entries, None)?;
+    for v in values {
+        stream.write_f32(v)?;
+    }
+    stream.finish()
+}
+
+/// Rank 0: metadata, the rename of the staging directory, `latest`.
+fn publish(
+    dir: &Path,
+    tag: &str,
+    staging: &Path,
+    req: &SaveRequest<'_>,
+    world: usize,
+    records: &[Vec<u8>],
+) -> Result<(), CheckpointError> {
+    let files = records
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            serde_json::from_slice::<FileRecord>(b).map_err(|e| {
+                CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}"))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let state_names: Vec<String> = req
+        .groups
+        .first()
+        .map(|g| g.state.iter().map(|(n, _)| n.to_string()).collect())
+        .unwrap_or_default();
+    if let Some(g) = req.groups.iter().position(|g| {
+        g.state
+            .iter()
+            .map(|(n, _)| *n)
+            .ne(state_names.iter().map(String::as_str))
+    }) {
+        return Err(CheckpointError::Usage(format!(
+            "group {g}'s optimizer state buffers differ from group 0's"
+        )));
+    }
+    let meta = CheckpointMeta {
+        format_version: FORMAT_VERSION,
+        tag: tag.to_string(),
+        stage: req.stage,
+        world_size: world,
+        global_step: req.global_step,
+        params: CheckpointMeta::param_records(req.layout),
+        layout: req.layout.clone(),
+        optimizer: OptimizerRecord {
+            name: req.optimizer_name.clone(),
+            step: req.optimizer_step,
+            state_names,
+        },
+        lr_next: req.lr_next,
+        loss_scaler: req.loss_scaler,
+        rng: req.rng.clone(),
+        client_state: req.client_state.clone(),
+        files,
+        meta_crc32: None,
+    };
+    atomic::write_file(&staging.join(META_FILE), &meta.to_bytes())?;
+    atomic::sync_dir(staging)?;
+
+    let target = dir.join(tag);
+    let replaced = dir.join(format!("{tag}.replaced"));
+    if target.exists() {
+        if replaced.exists() {
+            std::fs::remove_dir_all(&replaced)
+                .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+        }
+        std::fs::rename(&target, &replaced)
+            .map_err(|e| CheckpointError::io(&target, "rename", e))?;
+    }
+    std::fs::rename(staging, &target).map_err(|e| CheckpointError::io(staging, "rename", e))?;
+    atomic::sync_dir(dir)?;
+    if replaced.exists() {
+        std::fs::remove_dir_all(&replaced)
+            .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+    }
+    atomic::write_file(&dir.join(LATEST_FILE), tag.as_bytes())
+}

@@ -1,0 +1,169 @@
+//! Every kind of damage is found before any value is handed out, and the error names the file
+//! and says what is wrong. Reference: an intact checkpoint of the same run, which loads.
+
+mod checkpoint_support;
+
+use checkpoint_support::*;
+use std::path::{Path, PathBuf};
+use zero_core::checkpoint::{self, Checkpoint, CheckpointError};
+
+/// A world-3 stage-2 checkpoint in a fresh directory; returns (dir, tag dir).
+fn fresh(name: &str) -> (PathBuf, PathBuf) {
+    let dir = scratch(name);
+    save_reference(&dir, "t", 3, 2, 2, "");
+    let tag_dir = dir.join("t");
+    (dir, tag_dir)
+}
+
+/// Loads at world 2 (between them the ranks read every old shard): every rank must fail; returns
+/// the error of a rank that met the damage (the others report that a peer failed).
+fn load_error(dir: &Path) -> CheckpointError {
+    let dir = dir.to_path_buf();
+    let errors = on_ranks(2, move |_, comm| {
+        let new = layout(specs(""), 2, 1);
+        checkpoint::load(comm.as_ref(), &dir, None, &new).err()
+    });
+    assert!(
+        errors.iter().all(Option::is_some),
+        "every rank must fail: {errors:?}"
+    );
+    errors
+        .into_iter()
+        .flatten()
+        .find(|e| !matches!(e, CheckpointError::PeerFailed { .. }))
+        .expect("some rank must report the damage itself")
+}
+
+fn assert_names(err: &CheckpointError, file: &str, what: &str) {
+    let text = err.to_string();
+    assert!(text.contains(file), "the error must name `{file}`: {text}");
+    assert!(text.contains(what), "the error must say `{what}`: {text}");
+}
+
+#[test]
+fn intact_checkpoint_loads() {
+    let (dir, _) = fresh("intact");
+    let dir2 = dir.clone();
+    let ok = on_ranks(2, move |_, comm| {
+        checkpoint::load(comm.as_ref(), &dir2, None, &layout(specs(""), 2, 1)).is_ok()
+    });
+    assert_eq!(ok, vec![true, true]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn missing_shard() {
+    let (dir, tag) = fresh("missing");
+    std::fs::remove_file(tag.join("rank_00001.safetensors")).unwrap();
+    let e = load_error(&dir);
+    assert!(matches!(e, CheckpointError::Missing { .. }), "{e}");
+    assert_names(&e, "rank_00001.safetensors", "missing");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn truncated_shard() {
+    let (dir, tag) = fresh("truncated");
+    let path = tag.join("rank_00002.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+    let e = load_error(&dir);
+    assert!(matches!(e, CheckpointError::Length { .. }), "{e}");
+    assert_names(&e, "rank_00002.safetensors", "truncated");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn flipped_byte_in_values_and_in_header() {
+    for at_end in [true, false] {
+        let (dir, tag) = fresh(if at_end { "flip-values" } else { "flip-header" });
+        let path = tag.join("rank_00000.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let i = if at_end { bytes.len() - 3 } else { 20 };
+        bytes[i] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        let e = load_error(&dir);
+        assert!(matches!(e, CheckpointError::Checksum { .. }), "{e}");
+        assert_names(&e, "rank_00000.safetensors", "checksum mismatch");
+        // The converter checks the same sums.
+        let c = Checkpoint::open(&dir, None).unwrap();
+        assert!(c.verify().is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn shard_from_another_save_does_not_match_the_metadata() {
+    // Same shapes, other values: lengths agree, the checksums do not.
+    let (dir, tag) = fresh("swapped");
+    let other = scratch("swapped-other");
+    save_reference(&other, "t", 3, 2, 9, "");
+    std::fs::copy(
+        other.join("t/rank_00001.safetensors"),
+        tag.join("rank_00001.safetensors"),
+    )
+    .unwrap();
+    let e = load_error(&dir);
+    assert_names(&e, "rank_00001.safetensors", "checksum");
+    // A shard of a run at another world size: other tensors, other length.
+    save_reference(&other, "w2", 2, 2, 2, "");
+    std::fs::copy(
+        other.join("w2/rank_00001.safetensors"),
+        tag.join("rank_00001.safetensors"),
+    )
+    .unwrap();
+    let e = load_error(&dir);
+    assert_names(&e, "rank_00001.safetensors", "metadata");
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&other).ok();
+}
+
+#[test]
+fn edited_metadata() {
+    let (dir, tag) = fresh("meta");
+    let path = tag.join("zero_meta.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replacen("\"global_step\": 2", "\"global_step\": 3", 1),
+    )
+    .unwrap();
+    let e = load_error(&dir);
+    assert!(matches!(e, CheckpointError::Metadata { .. }), "{e}");
+    assert_names(&e, "zero_meta.json", "checksum mismatch");
+    std::fs::write(&path, &text[..text.len() / 2]).unwrap();
+    assert_names(&load_error(&dir), "zero_meta.json", "not readable JSON");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn checkpoint_of_another_model() {
+    let (dir, _) = fresh("other-model");
+    let dir2 = dir.clone();
+    let errors = on_ranks(2, move |_, comm| {
+        let mut specs = specs("");
+        specs[3].shape = vec![10, 11];
+        checkpoint::load(comm.as_ref(), &dir2, None, &layout(specs, 2, 1)).err()
+    });
+    let e = errors.into_iter().next().flatten().expect("must not load");
+    assert!(matches!(e, CheckpointError::OtherModel { .. }), "{e}");
+    assert_names(&e, "zero_meta.json", "layer3.weight");
+    let dir3 = dir.clone();
+    let errors = on_ranks(1, move |_, comm| {
+        checkpoint::load(comm.as_ref(), &dir3, None, &layout(specs("encoder."), 1, 1)).err()
+    });
+    let e = errors.into_iter().next().flatten().expect("must not load");
+    assert_names(&e, "zero_meta.json", "encoder.layer0.weight");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn no_latest_and_unknown_tag() {
+    let dir = scratch("empty");
+    let e = Checkpoint::open(&dir, None).unwrap_err();
+    assert_names(&e, "latest", "missing");
+    let e = Checkpoint::open(&dir, Some("nope")).unwrap_err();
+    assert_names(&e, "nope", "no such checkpoint tag");
+    assert!(Checkpoint::open(&dir, Some("../escape")).is_err());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,231 @@
+//! `to_fp32` and `zero to-fp32`: the consolidated file holds every parameter whole, bit-equal to
+//! the reference function it was saved from, under the (renamed) names, in one file or in
+//! shards with a HuggingFace-style index. Files are read back with the `safetensors` crate.
+
+mod checkpoint_support;
+
+use checkpoint_support::*;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use zero_core::checkpoint::{to_fp32, Checkpoint, NameMap};
+
+/// Every tensor of the safetensors files in `dir`, by name, as f32.
+fn read_all(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let mut out = HashMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = SafeTensors::deserialize(&bytes).expect("a valid safetensors file");
+            for (name, view) in st.tensors() {
+                let values = view
+                    .data()
+                    .chunks(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                assert!(
+                    out.insert(name.clone(), (view.shape().to_vec(), values))
+                        .is_none(),
+                    "{name} twice"
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn consolidates_every_parameter_whole_from_any_world_size() {
+    for (world, stage) in [(1, 0), (3, 2), (4, 3)] {
+        let dir = scratch(&format!("fp32-{world}-{stage}"));
+        save_reference(&dir, "t", world, stage, 4, "");
+        let out = dir.join("out");
+        let c = Checkpoint::open(&dir, None).unwrap();
+        let report = to_fp32(&c, &out, None, &|n| Some(n.to_string())).expect("to_fp32");
+        assert_eq!(report.files.len(), 1);
+        let got = read_all(&out);
+        let l = layout(specs(""), world, stage);
+        assert_eq!(got.len(), l.params.len());
+        for (p, spec) in l.params.iter().enumerate() {
+            let (shape, values) = &got[&spec.name];
+            assert_eq!(shape, &spec.shape, "{}", spec.name);
+            assert_eq!(
+                values,
+                &full(&l, p, 4),
+                "{} from world {world} stage {stage}",
+                spec.name
+            );
+        }
+        assert_eq!(report.largest_tensor_bytes, 400);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn sharded_output_with_index_and_renamed_keys() {
+    let dir = scratch("fp32-sharded");
+    save_reference(&dir, "t", 2, 1, 1, "model.");
+    let out = dir.join("out");
+    let names = NameMap {
+        rules: ["model.=encoder.", "!encoder.layer2.", "*.weight=.w"]
+            .iter()
+            .map(|r| NameMap::parse_rule(r).unwrap())
+            .collect(),
+    };
+    let c = Checkpoint::open(&dir, None).unwrap();
+    let report = to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("to_fp32");
+    assert!(
+        report.files.len() >= 3,
+        "500-byte shards must split the 652 bytes of weights: {:?}",
+        report.files
+    );
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let got = read_all(&out);
+    assert_eq!(map.len(), 5, "six parameters, one dropped");
+    assert_eq!(got.len(), 5);
+    assert!(!got.contains_key("encoder.layer2.w"));
+    let l = layout(specs("model."), 2, 1);
+    for p in [0, 1, 3, 4, 5] {
+        let name = format!("encoder.layer{p}.w");
+        assert_eq!(got[&name].1, full(&l, p, 1), "{name}");
+        let file = map[&name].as_str().unwrap();
+        let bytes = std::fs::read(out.join(file)).unwrap();
+        assert!(
+            SafeTensors::deserialize(&bytes)
+                .unwrap()
+                .tensor(&name)
+                .is_ok(),
+            "the index must name {name}'s file"
+        );
+    }
+    let total: u64 = [0, 1, 3, 4, 5]
+        .iter()
+        .map(|&p| l.params[p].numel() as u64 * 4)
+        .sum();
+    assert_eq!(index["metadata"]["total_size"], total);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn command_line_converts_and_reports_damage() {
+    let dir = scratch("fp32-cli");
+    save_reference(&dir, "t", 2, 3, 3, "ends.");
+    let out = dir.join("hf");
+    let status = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args([
+            "to-fp32",
+            dir.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--names",
+            "gpt2-hf",
+            "--verify",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let got = read_all(&out);
+    assert!(
+        got.contains_key("transformer.layer0.weight"),
+        "{:?}",
+        got.keys()
+    );
+
+    let shard = dir.join("t/rank_00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&shard, bytes).unwrap();
+    let failed = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args([
+            "to-fp32",
+            dir.to_str().unwrap(),
+            dir.join("again").to_str().unwrap(),
+            "--tag",
+            "t",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(failed.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(
+        stderr.contains("rank_00001.safetensors") && stderr.contains("checksum"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Writes a large checkpoint for the memory measurement in BENCHMARKS.md:
+/// `ZERO_CKPT_BENCH_DIR=/tmp/big ZERO_CKPT_BENCH_MB=400 cargo test -p zero-core --release
+/// --test checkpoint_to_fp32 -- --ignored generate_large_checkpoint`, then
+/// `/usr/bin/time -v zero to-fp32 /tmp/big /tmp/big-out`.
+#[test]
+#[ignore = "generates a checkpoint of ZERO_CKPT_BENCH_MB megabytes of weights for a measurement"]
+fn generate_large_checkpoint() {
+    let dir = std::path::PathBuf::from(
+        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
+    );
+    let mb: usize = std::env::var("ZERO_CKPT_BENCH_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    // Transformer-like: a few 1024-wide matrices of 4 MiB each, and biases.
+    let mut params = Vec::new();
+    for i in 0..mb / 4 {
+        params.push(zero_core::partition::ParamSpec {
+            name: format!("blocks.{i}.weight"),
+            shape: vec![1024, 1024],
+        });
+        params.push(zero_core::partition::ParamSpec {
+            name: format!("blocks.{i}.bias"),
+            shape: vec![1024],
+        });
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    save_specs(&dir, "bench", 4, 3, 1, params);
+}
+
+/// Times a resharding load of the checkpoint [`generate_large_checkpoint`] wrote (saved by 4
+/// ranks at stage 3) at 3 ranks, stage 2 buckets, and checks a few values against the reference.
+#[test]
+#[ignore = "reads the checkpoint generate_large_checkpoint wrote, for a measurement"]
+fn load_large_checkpoint_at_another_world_size() {
+    let dir = std::path::PathBuf::from(
+        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
+    );
+    let c = Checkpoint::open(&dir, None).expect("open");
+    let params = c.meta.layout.params.clone();
+    let bytes: u64 = std::fs::read_dir(dir.join(&c.meta.tag))
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let start = std::time::Instant::now();
+    let firsts = on_ranks(3, move |rank, comm| {
+        let l = layout(params.clone(), 3, 2);
+        let (_, groups) = zero_core::checkpoint::load(comm.as_ref(), &dir, None, &l).expect("load");
+        // Reference: element 0 of the first segment of group 0.
+        let s = &l.segments(0, rank)[0];
+        (
+            groups[0].master[s.local.start],
+            value(s.param, s.in_param.start, 1, 0),
+        )
+    });
+    let secs = start.elapsed().as_secs_f64();
+    for (got, want) in firsts {
+        assert_eq!(got, want);
+    }
+    println!(
+        "loaded {:.1} MB of shards at world 3 in {secs:.2} s ({:.0} MB/s)",
+        bytes as f64 / 1e6,
+        bytes as f64 / 1e6 / secs
+    );
+}
