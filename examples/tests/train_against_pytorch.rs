@@ -35,6 +35,9 @@ fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
         nproc: 4,
         seed: 0,
         metrics: None,
+        save: None,
+        save_every: None,
+        load: None,
         backend: "cpu".into(),
         quiet: true,
     };

@@ -55,6 +55,15 @@ pub struct TrainArgs {
     /// Seed of the model's initialisation and of the data sampler.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Write a checkpoint into this directory at the end (and every --save-every steps).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Checkpoint every this many steps (with --save).
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Resume from this checkpoint directory's latest tag; --steps stays the total.
+    #[arg(long)]
+    pub load: Option<PathBuf>,
     /// Write one JSON line per optimizer step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -184,6 +193,18 @@ fn rank_loop(
     );
     let parameters = model_config.num_params() as usize;
     let mut engine = ChainEngine::new(settings, model, group.clone())?;
+    let mut first_step = 0;
+    if let Some(dir) = &args.load {
+        let client = engine.load_checkpoint(dir, None)?;
+        first_step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(engine.global_step());
+        if first_step != engine.global_step() {
+            return Err(TrainError::Config(format!(
+                "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
+                dir.display(),
+                engine.global_step()
+            )));
+        }
+    }
 
     let lead = rank == 0;
     let mut progress = Progress::new(
@@ -203,7 +224,7 @@ fn rank_loop(
     let every = resolved.steps_per_print.max(1);
     let started = Instant::now();
     let mut records = Vec::new();
-    for step in 0..args.steps {
+    for step in first_step..args.steps {
         let t0 = Instant::now();
         let batch = data.global_batch(step, global, args.seed)?;
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
@@ -248,6 +269,13 @@ fn rank_loop(
             m.write(&record)?;
         }
         records.push(record);
+        if let Some(dir) = &args.save {
+            let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+            if periodic || step + 1 == args.steps {
+                let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
+                engine.save_checkpoint(dir, None, &client)?;
+            }
+        }
     }
     let summary = TrainSummary {
         steps: records,
