@@ -194,7 +194,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             (ends, blocks)
         } else {
             memory.add_parameters(layout.numel() * dtype.size());
-            let data = |p: usize, shape| half_buffer::f32_to_data(values[p].clone(), shape, dtype);
+            let data = |p: usize, shape: burn::tensor::Shape| half_buffer::f32_to_data(values[p].clone(), shape, dtype);
             let ends = write_data(ends, &device, true, |i, shape| data(parts[0].params[i], shape));
             let blocks = blocks
                 .into_iter()

@@ -10,6 +10,11 @@
 //! Prints, for fp32, bf16 and fp16, the median of S step times (forward, backward, step) after
 //! two warm-up steps, the split of that time between forward+backward and the optimizer step,
 //! and the ratio to fp32.
+//!
+//! Each precision runs in a process of its own (this binary re-executed with `--only NAME`):
+//! under bf16/fp16 the process sets the device's default float dtype, so that the tensors the
+//! model creates itself (masks, loss weights) follow its 16-bit parameters, and that setting
+//! can be made only once per process.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -26,6 +31,7 @@ type B = Autodiff<Flex>;
 const WARMUP: usize = 2;
 
 struct Args {
+    only: Option<String>,
     steps: usize,
     world: usize,
     stage: u8,
@@ -37,10 +43,14 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { steps: 8, world: 1, stage: 2, layers: 4, hidden: 256, vocab: 8192, seq: 128, batch: 4 };
+    let mut a = Args { only: None, steps: 8, world: 1, stage: 2, layers: 4, hidden: 256, vocab: 8192, seq: 128, batch: 4 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        if flag == "--only" {
+            a.only = Some(value);
+            continue;
+        }
         let n: usize = value.parse().map_err(|_| format!("{flag}: `{value}` is not a number"))?;
         match flag.as_str() {
             "--steps" => a.steps = n,
@@ -120,6 +130,31 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
     Ok(results[0])
 }
 
+fn precision(name: &str) -> Option<PrecisionSettings> {
+    match name {
+        "fp32" => Some(PrecisionSettings::fp32()),
+        "bf16" => Some(PrecisionSettings::bf16()),
+        "fp16" => Some(PrecisionSettings::fp16(LossScalerConfig::default())),
+        _ => None,
+    }
+}
+
+/// One precision, in this process: prints `RESULT name step_ms compute_ms update_ms loss`.
+fn child(args: &Args, name: &str) -> Result<(), String> {
+    let precision = precision(name).ok_or_else(|| format!("--only {name}: not fp32, bf16 or fp16"))?;
+    if precision.dtype.is_half() {
+        let device = Default::default();
+        // Flex's default int dtype is the backend's IntElem; only the float default changes.
+        let int = <<B as burn::tensor::backend::Backend>::IntElem as burn::tensor::Element>::dtype();
+        burn::tensor::set_default_dtypes::<B>(&device, precision.dtype.burn(), int)
+            .map_err(|e| format!("setting the default float dtype: {e:?}"))?;
+    }
+    let t = run(args, precision)?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("RESULT {name} {:.3} {:.3} {:.3} {:.4}", ms(t.step), ms(t.compute), ms(t.update), t.final_loss);
+    Ok(())
+}
+
 fn main() {
     let args = match parse() {
         Ok(a) => a,
@@ -128,26 +163,47 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(name) = &args.only {
+        if let Err(e) = child(&args, name) {
+            eprintln!("precision {name}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     println!(
         "GPT-2 {} layers, hidden {}, vocab {}, seq {}, batch {} per rank; stage {}, world {}; median of {} steps",
         args.layers, args.hidden, args.vocab, args.seq, args.batch, args.stage, args.world, args.steps
     );
-    let fp16 = PrecisionSettings::fp16(LossScalerConfig::default());
-    let mut base: Option<Duration> = None;
-    for (name, precision) in [("fp32", PrecisionSettings::fp32()), ("bf16", PrecisionSettings::bf16()), ("fp16", fp16)] {
-        match run(&args, precision) {
-            Ok(t) => {
-                let ratio = base.map(|b| t.step.as_secs_f64() / b.as_secs_f64()).unwrap_or(1.0);
-                base.get_or_insert(t.step);
-                println!(
-                    "{name}: step {:8.1} ms (forward+backward {:8.1} ms, optimizer step {:6.1} ms)  x{ratio:.2} of fp32  final loss {:.3}",
-                    t.step.as_secs_f64() * 1e3,
-                    t.compute.as_secs_f64() * 1e3,
-                    t.update.as_secs_f64() * 1e3,
-                    t.final_loss
-                );
+    let exe = std::env::current_exe().unwrap_or_else(|_| "precision".into());
+    let passed: Vec<String> = std::env::args().skip(1).collect();
+    let mut base: Option<f64> = None;
+    for name in ["fp32", "bf16", "fp16"] {
+        let out = std::process::Command::new(&exe).args(&passed).args(["--only", name]).output();
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                println!("{name}: could not start: {e}");
+                continue;
             }
-            Err(e) => println!("{name}: failed: {e}"),
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        let Some(line) = text.lines().find(|l| l.starts_with("RESULT ")) else {
+            let err = String::from_utf8_lossy(&out.stderr);
+            println!("{name}: failed: {}", err.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+            continue;
+        };
+        let f: Vec<f64> = line.split_whitespace().skip(2).filter_map(|v| v.parse().ok()).collect();
+        if f.len() < 4 {
+            println!("{name}: unreadable result `{line}`");
+            continue;
         }
+        let ratio = base.map(|b| f[0] / b).unwrap_or(1.0);
+        if name == "fp32" {
+            base = Some(f[0]);
+        }
+        println!(
+            "{name}: step {:8.1} ms (forward+backward {:8.1} ms, optimizer step {:6.1} ms)  x{ratio:.2} of fp32  last loss {:.3}",
+            f[0], f[1], f[2], f[3]
+        );
     }
 }

@@ -116,7 +116,7 @@ pub fn plain(group: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
 /// The dtype of a float tensor the engine made.
 pub fn param_dtype(settings: &EngineSettings) -> DType {
     let device = Default::default();
-    let group = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
+    let group: Arc<dyn ProcessGroup> = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
     let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 1), group).expect("engine");
     let model = engine.module().expect("module");
     model.ends.input.weight.val().dtype()
