@@ -217,7 +217,7 @@ impl EngineCore {
             let local = if self.loss_non_finite {
                 Some("the loss")
             } else if grads.iter().any(|g| has_overflow(g)) {
-                Some("the gradient")
+                Some("the averaged gradient")
             } else {
                 None
             };
@@ -239,7 +239,7 @@ impl EngineCore {
                 }
                 return Err(ZeroError::NonFinite {
                     step,
-                    what: local.unwrap_or("a gradient of another rank").to_string(),
+                    what: local.unwrap_or("a gradient on another rank").to_string(),
                     dtype: match self.settings.precision.dtype {
                         ComputeDtype::F32 => "fp32",
                         ComputeDtype::Bf16 => "bf16",
@@ -284,6 +284,7 @@ impl EngineCore {
     }
 
     /// The full padded values of one group, from the owned masters, as f32.
+    #[allow(dead_code)] // the f32 view, for readers that do not care about the compute dtype
     pub fn gather_group(&self, group: usize) -> Result<Vec<f32>, ZeroError> {
         Ok(self.gather_group_buffer(group)?.into_f32())
     }
@@ -319,6 +320,7 @@ pub(crate) struct ValueSource<'a> {
 
 impl ValueSource<'_> {
     /// The values of parameter `param`, as f32.
+    #[allow(dead_code)] // the f32 view, for readers that do not care about the compute dtype
     pub fn take(&mut self, param: usize) -> Vec<f32> {
         let data = self.take_data(param);
         crate::params::data_to_vec(data)

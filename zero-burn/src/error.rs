@@ -30,7 +30,8 @@ pub enum ZeroError {
     NonFinite {
         /// The optimizer step (1-based, as [`crate::StepReport::step`]).
         step: u64,
-        /// What this rank saw: "the loss", "the gradient", or "a gradient of another rank".
+        /// What this rank saw: "the loss", "the averaged gradient", or "a gradient on another
+        /// rank".
         what: String,
         /// The compute dtype.
         dtype: &'static str,

@@ -18,29 +18,36 @@ fn fp16() -> PrecisionSettings {
 
 #[test]
 fn bf16_and_fp16_follow_the_fp32_loss_curve() {
-    // Reference: the same training in fp32. The 16-bit runs differ by rounding: bf16 keeps 8
-    // significant bits (relative step 2^-8 = 0.4%), fp16 11 bits; the loss of this model passes
-    // through ~10 rounded operations, so a 16-bit loss is within a few percent of the fp32 loss
-    // at the same weights, and the fp32 masters keep the trajectories from drifting apart. The
-    // tolerance, 5% of the initial loss, is a few times the deviation measured (printed below)
-    // and a tenth of what training moves the loss by.
-    const STEPS: usize = 40;
-    let want = train(settings(Stage::Zero0, 1, PrecisionSettings::fp32()), 1, STEPS, vec![], plain).remove(0).losses;
+    // Reference: the same training in fp32 (60 steps fitting one batch; the loss falls by 1000x).
+    // The 16-bit runs differ by rounding: bf16 keeps 8 significant bits (relative step 2^-8 =
+    // 0.4%), fp16 11 bits; the loss passes through ~10 rounded operations, so a 16-bit loss is
+    // within about 1% of the fp32 loss at the same weights, and the fp32 masters keep the
+    // trajectories together. Measured (printed): bf16 0.85% of the initial loss, fp16 0.07%.
+    // The tolerance is 2% of the initial loss, and each run must learn as fp32 does.
+    const STEPS: usize = 60;
+    // One global batch with targets the model can represent: a curve that falls.
+    let settings = |stage, precision| {
+        let mut s = settings(stage, 1, precision);
+        s.lr_schedule = Some(Arc::new(|_| 0.02));
+        s
+    };
+    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, |_| usize::MAX).remove(0).losses;
     let drop = want[0] - want[STEPS - 1];
-    assert!(drop > 0.5 * want[0], "the fp32 run must learn: {want:?}");
+    assert!(want[STEPS - 1] < 0.01 * want[0], "the fp32 run must learn: {want:?}");
     for (label, precision, stage, world) in [
         ("bf16 stage 0", PrecisionSettings::bf16(), Stage::Zero0, 1),
         ("bf16 stage 3 world 2", PrecisionSettings::bf16(), Stage::Zero3, 2),
         ("fp16 stage 0", fp16(), Stage::Zero0, 1),
         ("fp16 stage 2 world 2", fp16(), Stage::Zero2, 2),
     ] {
-        let runs = train(settings(stage, 1, precision), world, STEPS, vec![], plain);
+        let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, |_| usize::MAX);
         // The global loss: the mean of the ranks' losses (equal row counts).
         let got: Vec<f32> =
             (0..STEPS).map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32).collect();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         println!("{label}: max |loss - fp32 loss| = {worst:.5} (initial loss {:.4}, final {:.4} vs {:.4})", want[0], got[STEPS - 1], want[STEPS - 1]);
-        assert!(worst <= 0.05 * want[0], "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}");
+        assert!(got[STEPS - 1] < 0.01 * want[0], "{label}: must learn as fp32 does: {got:?}");
+        assert!(worst <= 0.02 * want[0], "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}");
         assert!(runs.iter().all(|r| r.steps.iter().all(|s| s.as_ref().map(|r| !r.skipped).unwrap_or(false))), "{label}: no step skipped");
     }
 }
@@ -62,8 +69,13 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
     let bf16 = PrecisionSettings::bf16;
     let base = train(settings(Stage::Zero0, 1, bf16()), 1, STEPS, vec![], plain).remove(0).values.remove(STEPS - 1);
     let initial = common::values::<B, _>(&Net::<B>::new(&Default::default(), 3));
-    assert!(max_rel(&initial, &base) > 0.1, "the reference must train");
-    let rounding = 2.0 * 2f64.powi(-8);
+    let moved = max_rel(&initial, &base);
+    println!("bf16 training moved the weights by {moved:e} of the largest");
+    assert!(moved > 0.1, "the reference must train");
+    // Observed: 1 or 2 ulps (printed); the bound is 4 ulps of the largest weight (0.3-0.4,
+    // whose ulp is 2^-9, about max|w| * 2^-7.5), under a tenth of what training moved.
+    let rounding = 2f64.powi(-6);
+    assert!(rounding < moved / 8.0);
     for world in 1..=4 {
         let stage0 = train(settings(Stage::Zero0, 1, bf16()), world, STEPS, vec![], plain);
         let stage0 = &stage0[0].values[STEPS - 1];
@@ -156,8 +168,9 @@ fn a_non_finite_bf16_gradient_fails_naming_the_step_or_is_skipped() {
         assert_eq!(run.steps.len(), 3, "rank {rank} stops at the failed step");
         let err = run.steps[2].clone().expect_err("step 3 must fail");
         assert!(err.contains("step 3") && err.contains("bf16") && err.contains("Skip"), "rank {rank}: {err}");
-        // Each rank says what it saw: the NaN was in rank 1's batch.
-        let seen = if rank == 1 { "the loss" } else { "another rank" };
+        // Each rank says what it saw: the NaN was in rank 1's batch, and reached rank 0 through
+        // the averaged gradient.
+        let seen = if rank == 1 { "the loss" } else { "the averaged gradient" };
         assert!(err.contains(seen), "rank {rank}: {err}");
     }
     let mut p = PrecisionSettings::bf16();

@@ -75,6 +75,19 @@ pub fn train(
     poison: Vec<Poison>,
     wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
 ) -> Vec<RankRun> {
+    train_on(settings, world, steps, poison, wrap, |step| step)
+}
+
+/// [`train`] with the global batch of step `data(step)`. `usize::MAX` selects the learnable
+/// task: the batch of step 0 with targets a linear function of the inputs.
+pub fn train_on(
+    settings: EngineSettings,
+    world: usize,
+    steps: usize,
+    poison: Vec<Poison>,
+    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
+    data: fn(usize) -> usize,
+) -> Vec<RankRun> {
     on_ranks(world, move |rank, group| {
         let device = Default::default();
         let gas = settings.gradient_accumulation_steps;
@@ -84,7 +97,10 @@ pub fn train(
         for step in 0..steps {
             let mut loss_sum = 0.0;
             for micro in 0..gas {
-                let (mut x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                let (mut x, mut y) = batch::<B>(data(step) % usize::MAX, rows(rank, world, micro, gas), &device);
+                if data(step) == usize::MAX {
+                    y = x.clone().narrow(1, 0, OUT).mul_scalar(0.8);
+                }
                 if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
                     x = x.zeros_like().add_scalar(p.value);
                 }
