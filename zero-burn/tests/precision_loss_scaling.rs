@@ -50,7 +50,11 @@ fn an_injected_overflow_skips_exactly_that_step_on_every_rank_and_halves_after_h
             // does not: step 4 runs at the rate step 3 would have had.
             assert_eq!(r.iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7]);
             let lrs: Vec<f64> = r.iter().map(|r| (r.lr / LR).round()).collect();
-            assert_eq!(lrs, [1.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0], "{label}: the schedule advances only on applied steps");
+            assert_eq!(
+                lrs,
+                [1.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0],
+                "{label}: the schedule advances only on applied steps"
+            );
             assert!(r[2].grad_norm.is_nan() && r[3].grad_norm.is_finite(), "{label}: grad norms");
             // A skipped step leaves every weight bit for bit; an applied one moves them.
             assert_eq!(run.values[2], run.values[1], "{label}: skipped step 3 changed the weights");
@@ -75,7 +79,8 @@ fn the_scale_doubles_after_each_window_without_overflow() {
 #[test]
 fn a_static_scale_never_moves_but_still_skips_an_overflow() {
     let scaler = LossScalerConfig { loss_scale: 128.0, loss_scale_window: 2, ..Default::default() };
-    let runs = train(settings(Stage::Zero0, 1, fp16(scaler)), 2, 5, vec![Poison { step: 1, rank: 0, value: HUGE }], plain);
+    let runs =
+        train(settings(Stage::Zero0, 1, fp16(scaler)), 2, 5, vec![Poison { step: 1, rank: 0, value: HUGE }], plain);
     let r = reports(&runs[1]);
     assert!(r.iter().all(|r| r.loss_scale == 128.0));
     assert_eq!(r.iter().map(|r| r.skipped).collect::<Vec<_>>(), [false, true, false, false, false]);

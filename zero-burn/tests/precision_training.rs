@@ -31,7 +31,9 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         s.lr_schedule = Some(Arc::new(|_| 0.02));
         s
     };
-    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, |_| usize::MAX).remove(0).losses;
+    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, |_| usize::MAX)
+        .remove(0)
+        .losses;
     let drop = want[0] - want[STEPS - 1];
     assert!(want[STEPS - 1] < 0.01 * want[0], "the fp32 run must learn: {want:?}");
     for (label, precision, stage, world) in [
@@ -42,13 +44,20 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
     ] {
         let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, |_| usize::MAX);
         // The global loss: the mean of the ranks' losses (equal row counts).
-        let got: Vec<f32> =
-            (0..STEPS).map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32).collect();
+        let got: Vec<f32> = (0..STEPS).map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32).collect();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        println!("{label}: max |loss - fp32 loss| = {worst:.5} (initial loss {:.4}, final {:.4} vs {:.4})", want[0], got[STEPS - 1], want[STEPS - 1]);
+        println!(
+            "{label}: max |loss - fp32 loss| = {worst:.5} (initial loss {:.4}, final {:.4} vs {:.4})",
+            want[0],
+            got[STEPS - 1],
+            want[STEPS - 1]
+        );
         assert!(got[STEPS - 1] < 0.01 * want[0], "{label}: must learn as fp32 does: {got:?}");
         assert!(worst <= 0.02 * want[0], "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}");
-        assert!(runs.iter().all(|r| r.steps.iter().all(|s| s.as_ref().map(|r| !r.skipped).unwrap_or(false))), "{label}: no step skipped");
+        assert!(
+            runs.iter().all(|r| r.steps.iter().all(|s| s.as_ref().map(|r| !r.skipped).unwrap_or(false))),
+            "{label}: no step skipped"
+        );
     }
 }
 
@@ -135,7 +144,10 @@ fn parameters_gathers_and_gradient_reductions_are_16_bit() {
         let log = issued(Stage::Zero3, precision.clone());
         for op in ["all_gather", "reduce_scatter"] {
             assert!(log.iter().any(|i| i.op == op), "stage 3 issues {op}");
-            assert!(log.iter().filter(|i| i.op == op).all(|i| i.dtype == flat), "{flat:?}: every {op} is {flat:?}: {log:?}");
+            assert!(
+                log.iter().filter(|i| i.op == op).all(|i| i.dtype == flat),
+                "{flat:?}: every {op} is {flat:?}: {log:?}"
+            );
         }
     }
     // Half the bytes of the fp32 run, op for op.
@@ -210,7 +222,10 @@ fn the_config_sections_set_the_precision() {
     );
     assert_eq!(p.comm_dtype(), ComputeDtype::F16, "gradients are reduced in the compute dtype by default");
     let p = parse(&format!(r#"{{{base}, "bf16": {{"enabled": true}}, "communication_data_type": "fp32"}}"#));
-    assert_eq!((p.dtype, p.non_finite, p.comm_dtype()), (ComputeDtype::Bf16, NonFinitePolicy::Error, ComputeDtype::F32));
+    assert_eq!(
+        (p.dtype, p.non_finite, p.comm_dtype()),
+        (ComputeDtype::Bf16, NonFinitePolicy::Error, ComputeDtype::F32)
+    );
     let p = parse(&format!(r#"{{{base}, "bf16": {{"enabled": true, "check_grad_overflow": false}}}}"#));
     assert_eq!(p.non_finite, NonFinitePolicy::Ignore);
     assert_eq!(parse(&format!("{{{base}}}")), PrecisionSettings::fp32());

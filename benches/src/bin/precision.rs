@@ -43,7 +43,8 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { only: None, steps: 8, world: 1, stage: 2, layers: 4, hidden: 256, vocab: 8192, seq: 128, batch: 4 };
+    let mut a =
+        Args { only: None, steps: 8, world: 1, stage: 2, layers: 4, hidden: 256, vocab: 8192, seq: 128, batch: 4 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -103,9 +104,8 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
                 let mut last = f32::NAN;
                 for step in 0..WARMUP + steps {
                     // Deterministic tokens, different per rank and step.
-                    let ids: Vec<i64> = (0..batch * seq)
-                        .map(|i| ((i * 7919 + step * 104_729 + rank * 31) % vocab) as i64)
-                        .collect();
+                    let ids: Vec<i64> =
+                        (0..batch * seq).map(|i| ((i * 7919 + step * 104_729 + rank * 31) % vocab) as i64).collect();
                     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
                     let start = Instant::now();
                     let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
