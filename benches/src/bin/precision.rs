@@ -144,8 +144,8 @@ fn child(args: &Args, name: &str) -> Result<(), String> {
     let precision = precision(name).ok_or_else(|| format!("--only {name}: not fp32, bf16 or fp16"))?;
     if precision.dtype.is_half() {
         let device = Default::default();
-        // Flex's default int dtype is the backend's IntElem; only the float default changes.
-        let int = <<B as burn::tensor::backend::Backend>::IntElem as burn::tensor::Element>::dtype();
+        // Only the float default changes: i32 is Flex's default int dtype (its `IntElem`).
+        let int = burn::tensor::DType::I32;
         burn::tensor::set_default_dtypes::<B>(&device, precision.dtype.burn(), int)
             .map_err(|e| format!("setting the default float dtype: {e:?}"))?;
     }
