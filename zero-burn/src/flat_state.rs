@@ -88,7 +88,7 @@ impl FlatState {
                     pending[next_param] = Some(values(next_param));
                     next_param += 1;
                 }
-                let full = pending[seg.param].as_ref().map(Vec::as_slice).unwrap_or(&[]);
+                let full = pending[seg.param].as_deref().unwrap_or(&[]);
                 master[seg.local.clone()].copy_from_slice(&full[seg.in_param.clone()]);
             }
             // Release parameters whose every piece has been copied.

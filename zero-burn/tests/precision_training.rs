@@ -31,10 +31,9 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         s.lr_schedule = Some(Arc::new(|_| 0.02));
         s
     };
-    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, |_| usize::MAX)
+    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, Data::Fit)
         .remove(0)
         .losses;
-    let drop = want[0] - want[STEPS - 1];
     assert!(want[STEPS - 1] < 0.01 * want[0], "the fp32 run must learn: {want:?}");
     for (label, precision, stage, world) in [
         ("bf16 stage 0", PrecisionSettings::bf16(), Stage::Zero0, 1),
@@ -42,7 +41,7 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         ("fp16 stage 0", fp16(), Stage::Zero0, 1),
         ("fp16 stage 2 world 2", fp16(), Stage::Zero2, 2),
     ] {
-        let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, |_| usize::MAX);
+        let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, Data::Fit);
         // The global loss: the mean of the ranks' losses (equal row counts).
         let got: Vec<f32> = (0..STEPS).map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32).collect();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

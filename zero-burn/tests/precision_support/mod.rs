@@ -75,18 +75,27 @@ pub fn train(
     poison: Vec<Poison>,
     wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
 ) -> Vec<RankRun> {
-    train_on(settings, world, steps, poison, wrap, |step| step)
+    train_on(settings, world, steps, poison, wrap, Data::PerStep)
 }
 
-/// [`train`] with the global batch of step `data(step)`. `usize::MAX` selects the learnable
-/// task: the batch of step 0 with targets a linear function of the inputs.
+/// What a run trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Data {
+    /// A new global batch every step (targets the model cannot predict from the inputs).
+    PerStep,
+    /// The batch of step 0 every step, with targets a linear function of the inputs: a loss
+    /// the model can drive to zero.
+    Fit,
+}
+
+/// [`train`] on the given data.
 pub fn train_on(
     settings: EngineSettings,
     world: usize,
     steps: usize,
     poison: Vec<Poison>,
     wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
-    data: fn(usize) -> usize,
+    data: Data,
 ) -> Vec<RankRun> {
     on_ranks(world, move |rank, group| {
         let device = Default::default();
@@ -97,8 +106,9 @@ pub fn train_on(
         for step in 0..steps {
             let mut loss_sum = 0.0;
             for micro in 0..gas {
-                let (mut x, mut y) = batch::<B>(data(step) % usize::MAX, rows(rank, world, micro, gas), &device);
-                if data(step) == usize::MAX {
+                let data_step = if data == Data::Fit { 0 } else { step };
+                let (mut x, mut y) = batch::<B>(data_step, rows(rank, world, micro, gas), &device);
+                if data == Data::Fit {
                     y = x.clone().narrow(1, 0, OUT).mul_scalar(0.8);
                 }
                 if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
