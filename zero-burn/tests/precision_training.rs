@@ -229,3 +229,47 @@ fn the_config_sections_set_the_precision() {
     assert_eq!(p.non_finite, NonFinitePolicy::Ignore);
     assert_eq!(parse(&format!("{{{base}}}")), PrecisionSettings::fp32());
 }
+
+#[test]
+fn zero_optimizer_in_a_burn_loop_trains_in_bf16_like_the_engine_and_refuses_fp16() {
+    use burn::optim::{GradientsParams, Optimizer};
+    use zero_burn::{ZeroEngine, ZeroOptimizer};
+    // Reference: ZeroEngine, same stage, world size, data and bf16 settings. Both reduce the
+    // same bf16 gradients with the same kernels and step the same fp32 masters; the engine's
+    // fp32 loss seed of 1 becomes the same bf16 seed, so the weights must agree bit for bit.
+    const STEPS: usize = 4;
+    for stage in [Stage::Zero1, Stage::Zero2] {
+        let runs = common::on_ranks(2, move |rank, group| {
+            let device = Default::default();
+            let s = settings(stage, 1, PrecisionSettings::bf16());
+            let dtype = s.precision.dtype.burn();
+            let optim = ZeroOptimizer::new(s.clone(), group.clone()).expect("optimizer");
+            let mut model = optim.synchronize::<B, _>(Net::<B>::new(&device, 3)).expect("synchronize");
+            assert_eq!(model.ends.input.weight.val().dtype(), DType::BF16, "synchronize casts the model");
+            let mut optim = optim;
+            for step in 0..STEPS {
+                let (x, y) = common::batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let loss = model.loss(x.cast(dtype), y.cast(dtype));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(LR, model, grads);
+            }
+            assert_eq!(model.ends.head.weight.val().dtype(), DType::BF16, "the step writes bf16 parameters");
+            let by_optimizer = common::values::<B, _>(&model);
+
+            let mut engine = ZeroEngine::new(s, Net::<B>::new(&device, 3), group).expect("engine");
+            for step in 0..STEPS {
+                let (x, y) = common::batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let loss = engine.forward(|m| m.loss(x.cast(dtype), y.cast(dtype)));
+                engine.backward(loss).expect("backward");
+                engine.step().expect("step");
+            }
+            (by_optimizer, common::values::<B, _>(engine.module()))
+        });
+        for (by_optimizer, by_engine) in runs {
+            assert_eq!(by_optimizer, by_engine, "{stage:?}: ZeroOptimizer and ZeroEngine differ in bf16");
+        }
+    }
+    let refused = common::on_ranks(1, |_, group| ZeroOptimizer::new(settings(Stage::Zero1, 1, fp16()), group).err());
+    let err = refused[0].as_ref().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("fp16") && err.contains("ZeroEngine"), "fp16 must be refused with a way out: {err:?}");
+}
