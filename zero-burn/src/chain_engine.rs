@@ -27,8 +27,9 @@ use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_values};
-use crate::settings::{EngineSettings, Stage};
+use crate::half_buffer;
+use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
+use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
@@ -174,7 +175,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     at += n;
                 }
             }
-            for (&p, v) in part.params.iter().zip(local) {
+            for (&p, mut v) in part.params.iter().zip(local) {
+                // The model is cast to the compute dtype first and the masters are made from
+                // it, as DeepSpeed does: the model always sees exactly its masters rounded.
+                half_buffer::round_to(settings.precision.dtype, &mut v);
                 values[p] = v;
             }
             if settings.stage == Stage::Zero3 {
@@ -191,15 +195,17 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
 
         let memory = Arc::new(MemoryTracker::default());
         let stage = settings.stage;
+        let dtype = settings.precision.dtype;
         let (ends, blocks) = if stage == Stage::Zero3 {
             (ends, blocks)
         } else {
-            memory.add_parameters(layout.numel() * 4);
-            let ends = write_values(ends, &device, true, |i| values[parts[0].params[i]].clone());
+            memory.add_parameters(layout.numel() * dtype.size());
+            let data = |p: usize, shape: burn::tensor::Shape| half_buffer::f32_to_data(values[p].clone(), shape, dtype);
+            let ends = write_data(ends, &device, true, |i, shape| data(parts[0].params[i], shape));
             let blocks = blocks
                 .into_iter()
                 .enumerate()
-                .map(|(b, m)| write_values(m, &device, true, |i| values[parts[b + 1].params[i]].clone()))
+                .map(|(b, m)| write_data(m, &device, true, |i, shape| data(parts[b + 1].params[i], shape)))
                 .collect();
             (ends, blocks)
         };
@@ -208,8 +214,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             _ => GradFlow::AccumulateThenReduce,
         };
         let core = EngineCore::new(layout.clone(), comm, settings, flows, |i| std::mem::take(&mut values[i]), memory)?;
-        if stage == Stage::Zero3 {
+        if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
             // The fp32 masters are the parameters themselves: count them once, as parameters.
+            // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)
             let owned = core.state.layout.owned_numel() * 4;
             core.memory.sub_master(owned);
             core.memory.add_parameters(owned);
@@ -305,8 +312,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Backward of one micro-batch's loss, with the reduction of its gradients. Returns the loss
     /// value.
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
-        let scale = self.core.loss_scale();
-        let mut grads = loss.loss.mul_scalar(scale).backward();
+        let mut grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
             Pending::Kept { embedded, mut blocks, last, head } => {
                 let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
@@ -361,18 +367,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             return Ok(None);
         }
         let report = self.core.update()?;
-        if self.core.settings.stage != Stage::Zero3 {
-            let mut source = self.core.value_source();
-            let parts = &self.parts;
-            let placeholder = skeleton::<B, _>(self.ends.clone());
-            let ends = std::mem::replace(&mut self.ends, placeholder);
-            self.ends = write_values(ends, &self.device, true, |i| source.take(parts[0].params[i]));
-            for (b, block) in self.blocks.iter_mut().enumerate() {
-                let placeholder = skeleton::<B, _>(block.clone());
-                let old = std::mem::replace(block, placeholder);
-                *block = write_values(old, &self.device, true, |i| source.take(parts[b + 1].params[i]));
-            }
-            source.finish()?;
+        // A skipped step moved nothing; stage 3 gathers its new shards at the next use.
+        if !report.skipped {
+            self.refresh_replica()?;
         }
         Ok(Some(report))
     }
@@ -408,6 +405,22 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         &self.core.state.layout
     }
 
+    /// The dtype of the model's parameters: a model's float inputs must be cast to
+    /// `compute_dtype().burn()` (the chain's `embed` can follow its parameters' dtype).
+    pub fn compute_dtype(&self) -> ComputeDtype {
+        self.core.settings.precision.dtype
+    }
+
+    /// The loss scale of the next backward (1 without fp16 loss scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.core.current_loss_scale()
+    }
+
+    /// Steps skipped so far for a non-finite gradient.
+    pub fn skipped_steps(&self) -> u64 {
+        self.core.skipped_steps
+    }
+
     /// Stage 3: the ends with their gathered weights (leaves recording gradients when
     /// `require_grad`); the next parts on the schedule are prefetched.
     fn materialize_ends(&mut self, require_grad: bool) -> Result<M::Ends, ZeroError> {
@@ -423,19 +436,20 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
 
     /// The full values of a part's groups (gathered, or taken from a prefetch), then the
     /// prefetch of what comes next on the schedule.
-    fn gather_values(&mut self, part: usize) -> Result<HashMap<usize, Vec<f32>>, ZeroError> {
+    fn gather_values(&mut self, part: usize) -> Result<HashMap<usize, FlatBuffer>, ZeroError> {
         if self.schedule.front() == Some(&part) {
             self.schedule.pop_front();
         }
         let mut full = HashMap::new();
         for g in self.parts[part].groups.clone() {
             let values = match self.prefetched.remove(&g) {
-                Some(work) => work.wait()?.into_f32(),
+                Some(work) => work.wait()?,
                 None => {
                     if self.core.state.layout.groups[g].placement == Placement::Sharded {
-                        self.core.memory.add_gathered(self.core.state.layout.groups[g].padded * 4);
+                        let bytes = self.core.state.layout.groups[g].padded * self.element_size();
+                        self.core.memory.add_gathered(bytes);
                     }
-                    self.core.gather_group(g)?
+                    self.core.gather_group_buffer(g)?
                 }
             };
             full.insert(g, values);
@@ -445,15 +459,25 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 
     /// Pours a part's full values into a copy of its skeleton.
-    fn fill<P: Module<B>>(&self, skeleton: P, part: usize, full: &HashMap<usize, Vec<f32>>, require_grad: bool) -> P {
+    fn fill<P: Module<B>>(&self, skeleton: P, part: usize, full: &HashMap<usize, FlatBuffer>, require_grad: bool) -> P {
         let places = &self.core.places;
         let layout = &self.core.state.layout;
         let params = &self.parts[part].params;
-        write_values(skeleton, &self.device, require_grad, |i| {
+        let dtype = self.core.settings.precision.dtype;
+        write_data(skeleton, &self.device, require_grad, |i, shape| {
             let place = places[params[i]];
             let n = layout.params[params[i]].numel();
-            full.get(&place.group).map(|v| v[place.offset..place.offset + n].to_vec()).unwrap_or_default()
+            match full.get(&place.group) {
+                Some(values) => half_buffer::slice_data(values, place.offset..place.offset + n, shape),
+                // Every group of the part was gathered just before; zeros, never stale weights.
+                None => half_buffer::f32_to_data(vec![0.0; n], shape, dtype),
+            }
         })
+    }
+
+    /// Bytes per parameter element as the model holds it.
+    fn element_size(&self) -> usize {
+        self.core.settings.precision.dtype.size()
     }
 
     /// Starts the gathers of the next parts on the schedule, within the prefetch budget.
@@ -475,8 +499,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 if layout.groups[g].placement != Placement::Sharded || self.prefetched.contains_key(&g) {
                     continue;
                 }
-                self.core.memory.add_gathered(layout.groups[g].padded * 4);
-                let shard = FlatBuffer::F32(self.core.state.groups[g].master.clone());
+                self.core.memory.add_gathered(layout.groups[g].padded * self.element_size());
+                let shard = self.core.shard_buffer(g);
                 self.prefetched.insert(g, self.core.comm.all_gather_async(shard));
             }
             if planned >= budget {
@@ -488,7 +512,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Drops a gathered part and its accounting.
     fn release<P>(&self, part: usize, module: P) {
         drop(module);
-        let bytes = self.parts[part].gathered_elements * 4;
+        let bytes = self.parts[part].gathered_elements * self.element_size();
         self.core.memory.sub_gathered(bytes);
     }
 }
@@ -538,11 +562,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let parts = &self.parts;
         let placeholder = skeleton::<B, _>(self.ends.clone());
         let ends = std::mem::replace(&mut self.ends, placeholder);
-        self.ends = write_values(ends, &self.device, true, |i| source.take(parts[0].params[i]));
+        self.ends = write_data(ends, &self.device, true, |i, _| source.take_data(parts[0].params[i]));
         for (b, block) in self.blocks.iter_mut().enumerate() {
             let placeholder = skeleton::<B, _>(block.clone());
             let old = std::mem::replace(block, placeholder);
-            *block = write_values(old, &self.device, true, |i| source.take(parts[b + 1].params[i]));
+            *block = write_data(old, &self.device, true, |i, _| source.take_data(parts[b + 1].params[i]));
         }
         source.finish()
     }

@@ -24,6 +24,7 @@ use crate::optimizer_bridge::OptimizerFactory;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
+use zero_core::comm::FlatBuffer;
 use zero_core::checkpoint::{
     self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest,
 };
@@ -68,7 +69,7 @@ impl EngineCore {
             optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
             lr_next: Some(self.settings.lr_at(self.global_step)),
             // The engine keeps neither a loss scaler nor a random generator of its own yet.
-            loss_scaler: None,
+            loss_scaler: self.scaler.as_ref().map(|s| s.state()),
             rng: None,
             client_state: client_state.clone(),
         };
@@ -136,11 +137,18 @@ impl EngineCore {
         for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers)
         {
             state.master = loaded.master;
+            // The 16-bit shard (stage 3 in bf16/fp16) is derived from the masters.
+            if let Some(half) = &mut state.half {
+                *half = FlatBuffer::from_f32(&state.master, half.dtype());
+            }
             state.optimizer = optimizer;
         }
         self.state.reset_accumulators();
         self.micro_steps = 0;
         self.global_step = meta.global_step;
+        if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler.clone()) {
+            scaler.load_state(state);
+        }
         Ok(meta.client_state)
     }
 

@@ -3,13 +3,17 @@
 //! weights back into per-parameter values.
 
 use crate::error::ZeroError;
-use crate::flat_state::{FlatState, GradFlow};
+use crate::flat_state::{FlatState, GradFlow, StateDtypes};
+use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::OptimizerFactory;
-use crate::settings::EngineSettings;
+use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, Stage};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::HashMap;
 use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, Work};
+use zero_core::loss_scaler::{has_overflow, LossScaler, ScaleDecision};
 use zero_core::partition::{ParamPlace, PartitionLayout, Placement};
 
 /// What one call to `step` did.
@@ -19,8 +23,16 @@ pub struct StepReport {
     pub step: u64,
     /// Learning rate used.
     pub lr: f64,
-    /// Global L2 norm of the averaged gradient, before clipping.
+    /// Global L2 norm of the averaged (unscaled) gradient, before clipping; NaN for a skipped
+    /// step.
     pub grad_norm: f64,
+    /// Whether the step was skipped because a gradient (or the loss) was infinite or NaN on
+    /// some rank: fp16's overflow, or bf16/fp32 with [`crate::NonFinitePolicy::Skip`]. The
+    /// weights, the optimizer state and the LR schedule did not move; `step` still counts it,
+    /// as DeepSpeed's `global_steps` does.
+    pub skipped: bool,
+    /// The loss scale this step's gradients were computed with (1 without fp16 loss scaling).
+    pub loss_scale: f64,
 }
 
 /// The shared state and logic of the engines.
@@ -34,6 +46,12 @@ pub(crate) struct EngineCore {
     pub micro_steps: usize,
     /// Optimizer steps taken.
     pub global_step: u64,
+    /// Steps skipped for a non-finite gradient (counted in `global_step` too).
+    pub skipped_steps: u64,
+    /// fp16's loss scaler.
+    pub scaler: Option<LossScaler>,
+    /// A micro-batch loss of this step was infinite or NaN on this rank.
+    loss_non_finite: bool,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
 }
@@ -48,7 +66,19 @@ impl EngineCore {
         memory: Arc<MemoryTracker>,
     ) -> Result<Self, ZeroError> {
         let factory = OptimizerFactory { spec: settings.optimizer.clone() };
-        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory)?;
+        let precision = &settings.precision;
+        let dtypes = StateDtypes {
+            accumulate: precision.dtype,
+            half_shard: (settings.stage == Stage::Zero3 && precision.dtype.is_half()).then_some(precision.dtype),
+            communicate: precision.comm_dtype(),
+        };
+        let scaler = match &precision.loss_scaler {
+            Some(config) if precision.dtype == ComputeDtype::F16 => Some(
+                LossScaler::new(config.clone()).map_err(|e| ZeroError::Config(format!("fp16: {e}")))?,
+            ),
+            _ => None,
+        };
+        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory, dtypes)?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
         Ok(EngineCore {
@@ -59,6 +89,9 @@ impl EngineCore {
             memory,
             micro_steps: 0,
             global_step: 0,
+            skipped_steps: 0,
+            scaler,
+            loss_non_finite: false,
             assembler,
             in_flight: Vec::new(),
         })
@@ -98,7 +131,8 @@ impl EngineCore {
                 self.memory.sub_grads(full.len() * 4);
             }
             GradFlow::ReduceThenAccumulate => {
-                let work = self.comm.reduce_scatter_async(FlatBuffer::F32(full), ReduceOp::Avg);
+                let buf = half_buffer::convert(FlatBuffer::F32(full), self.state.dtypes.communicate.flat());
+                let work = self.comm.reduce_scatter_async(buf, ReduceOp::Avg);
                 self.in_flight.push((place.group, work));
                 if self.settings.overlap_comm {
                     // Overlap, but never hold more than about two buckets of gradients in flight
@@ -151,20 +185,110 @@ impl EngineCore {
         self.micro_steps >= self.settings.gradient_accumulation_steps
     }
 
-    /// The optimizer step on the owned masters (at a boundary).
+    /// The optimizer step on the owned masters (at a boundary): unless a gradient overflowed,
+    /// in which case the step is skipped (fp16, or the skip policy) or fails, on every rank.
     pub fn update(&mut self) -> Result<StepReport, ZeroError> {
         self.state.reduce_at_boundary(self.comm.as_ref())?;
-        let lr = self.settings.lr_at(self.global_step);
-        let grad_norm = self.state.update(self.comm.as_ref(), lr, self.settings.gradient_clipping)?;
+        let step = self.global_step + 1;
+        // The schedule advances only with applied steps (DeepSpeed does not step its LR
+        // scheduler on an overflow).
+        let lr = self.settings.lr_at(self.global_step - self.skipped_steps);
+        let loss_scale = self.current_loss_scale();
+        let grads = self.state.take_owned_grads();
+        // The f32 copy of 16-bit gradients lives for the step (for f32 it is the accumulator).
+        let copy_bytes = if self.state.dtypes.accumulate.is_half() { grads.iter().map(|g| g.len() * 4).sum() } else { 0 };
+        self.memory.add_grads(copy_bytes);
+        let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
+        self.memory.sub_grads(copy_bytes);
         self.micro_steps = 0;
         self.global_step += 1;
-        Ok(StepReport { step: self.global_step, lr, grad_norm })
+        self.loss_non_finite = false;
+        let applied = match outcome {
+            Ok(a) => a,
+            Err(e) => {
+                self.skipped_steps += 1;
+                self.state.reset_accumulators();
+                return Err(e);
+            }
+        };
+        let (skipped, grad_norm) = match applied {
+            Some(norm) => (false, norm),
+            None => {
+                self.skipped_steps += 1;
+                self.state.reset_accumulators();
+                (true, f64::NAN)
+            }
+        };
+        Ok(StepReport { step, lr, grad_norm, skipped, loss_scale })
     }
 
-    /// The scale applied to every micro-batch loss before backward: the mean over the
-    /// accumulated micro-batches.
-    pub fn loss_scale(&self) -> f32 {
-        1.0 / self.settings.gradient_accumulation_steps as f32
+    /// Checks for overflow, then either applies the step (returning the gradient norm) or
+    /// decides to skip it (`None`).
+    fn apply_or_skip(&mut self, grads: Vec<Vec<f32>>, step: u64, lr: f64, loss_scale: f64) -> Result<Option<f64>, ZeroError> {
+        let policy = self.settings.precision.non_finite;
+        if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
+            // What this rank saw; the flag is shared so that every rank takes the same path.
+            let local = if self.loss_non_finite {
+                Some("the loss")
+            } else if grads.iter().any(|g| has_overflow(g)) {
+                Some("the averaged gradient")
+            } else {
+                None
+            };
+            let mut overflow = local.is_some();
+            if self.comm.world_size() > 1 {
+                let mut flag = FlatBuffer::F32(vec![if overflow { 1.0 } else { 0.0 }]);
+                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+                overflow = flag.into_f32()[0] > 0.0;
+            }
+            if let Some(scaler) = &mut self.scaler {
+                match scaler.update(overflow) {
+                    Ok(ScaleDecision::Skip) => return Ok(None),
+                    Ok(ScaleDecision::Apply) => {}
+                    Err(source) => return Err(ZeroError::LossScale { step, scale: loss_scale, source }),
+                }
+            } else if overflow {
+                if policy == NonFinitePolicy::Skip {
+                    return Ok(None);
+                }
+                return Err(ZeroError::NonFinite {
+                    step,
+                    what: local.unwrap_or("a gradient on another rank").to_string(),
+                    dtype: match self.settings.precision.dtype {
+                        ComputeDtype::F32 => "fp32",
+                        ComputeDtype::Bf16 => "bf16",
+                        ComputeDtype::F16 => "fp16",
+                    },
+                });
+            }
+        }
+        let scaled_norm = self.state.global_grad_norm(&grads, self.comm.as_ref())?;
+        let unscale = 1.0 / loss_scale;
+        let grad_norm = scaled_norm * unscale;
+        let max_norm = self.settings.gradient_clipping;
+        // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
+        let ratio = max_norm / (grad_norm + 1e-6);
+        let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
+        // Unscaling and clipping in one pass over the gradients.
+        let coef = (unscale * clip) as f32;
+        self.state.apply(grads, coef, lr, self.comm.as_ref())?;
+        Ok(Some(grad_norm))
+    }
+
+    /// The loss scale of the next backward (1 without fp16 loss scaling).
+    pub fn current_loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// The tensor to call `backward()` on for one micro-batch's loss: the loss in fp32 (so that
+    /// the loss scale cannot overflow a 16-bit loss), times the loss scale, over the
+    /// accumulation steps. Also notes a non-finite loss value for the step's overflow check.
+    pub fn backward_loss<B: Backend>(&mut self, loss: Tensor<B, 1>, value: f32) -> Tensor<B, 1> {
+        if !value.is_finite() {
+            self.loss_non_finite = true;
+        }
+        let factor = (self.current_loss_scale() / self.settings.gradient_accumulation_steps as f64) as f32;
+        loss.cast(DType::F32).mul_scalar(factor)
     }
 
     /// Every parameter's full value, in the order asked for: a group is gathered the first time
@@ -173,14 +297,29 @@ impl EngineCore {
         ValueSource { core: self, cache: HashMap::new(), error: None }
     }
 
-    /// The full padded values of one group, from the owned masters.
+    /// The full padded values of one group, from the owned masters, as f32.
+    #[allow(dead_code)] // the f32 view, for readers that do not care about the compute dtype
     pub fn gather_group(&self, group: usize) -> Result<Vec<f32>, ZeroError> {
-        let master = &self.state.groups[group].master;
+        Ok(self.gather_group_buffer(group)?.into_f32())
+    }
+
+    /// The full padded values of one group in the compute dtype: what the model sees. A 16-bit
+    /// gather moves half the bytes of an fp32 one.
+    pub fn gather_group_buffer(&self, group: usize) -> Result<FlatBuffer, ZeroError> {
+        let shard = self.shard_buffer(group);
         match self.state.layout.groups[group].placement {
-            Placement::Sharded if self.comm.world_size() > 1 => {
-                Ok(self.comm.all_gather(FlatBuffer::F32(master.clone()))?.into_f32())
-            }
-            _ => Ok(master.clone()),
+            Placement::Sharded if self.comm.world_size() > 1 => Ok(self.comm.all_gather(shard)?),
+            _ => Ok(shard),
+        }
+    }
+
+    /// The rank's owned values of a group in the compute dtype (the 16-bit shard when one is
+    /// kept, else the masters, rounded when the compute dtype is 16-bit).
+    pub fn shard_buffer(&self, group: usize) -> FlatBuffer {
+        let g = &self.state.groups[group];
+        match &g.half {
+            Some(h) => h.clone(),
+            None => FlatBuffer::from_f32(&g.master, self.settings.precision.dtype.flat()),
         }
     }
 }
@@ -188,29 +327,38 @@ impl EngineCore {
 /// Hands out parameter values group by group (see [`EngineCore::value_source`]).
 pub(crate) struct ValueSource<'a> {
     core: &'a EngineCore,
-    cache: HashMap<usize, (Vec<f32>, usize)>,
+    cache: HashMap<usize, (FlatBuffer, usize)>,
     /// The first collective error met; the values handed out after it are zeros.
     pub error: Option<ZeroError>,
 }
 
 impl ValueSource<'_> {
-    /// The values of parameter `param`.
+    /// The values of parameter `param`, as f32.
+    #[allow(dead_code)] // the f32 view, for readers that do not care about the compute dtype
     pub fn take(&mut self, param: usize) -> Vec<f32> {
+        let data = self.take_data(param);
+        crate::params::data_to_vec(data)
+    }
+
+    /// The values of parameter `param` in the compute dtype, shaped: a parameter tensor's data.
+    pub fn take_data(&mut self, param: usize) -> TensorData {
         let place = self.core.places[param];
-        let n = self.core.state.layout.params[param].numel();
+        let spec = &self.core.state.layout.params[param];
+        let n = spec.numel();
         if !self.cache.contains_key(&place.group) {
-            let values = match self.core.gather_group(place.group) {
+            let values = match self.core.gather_group_buffer(place.group) {
                 Ok(v) => v,
                 Err(e) => {
                     self.error.get_or_insert(e);
-                    vec![0.0; self.core.state.layout.groups[place.group].padded]
+                    let padded = self.core.state.layout.groups[place.group].padded;
+                    half_buffer::zeros(self.core.settings.precision.dtype, padded)
                 }
             };
             let count = self.core.state.layout.groups[place.group].params.len();
             self.cache.insert(place.group, (values, count));
         }
-        let (values, remaining) = self.cache.get_mut(&place.group).map(|(v, r)| (v as &Vec<f32>, r)).unwrap_or_else(|| unreachable!());
-        let out = values[place.offset..place.offset + n].to_vec();
+        let (values, remaining) = self.cache.get_mut(&place.group).unwrap_or_else(|| unreachable!());
+        let out = half_buffer::slice_data(values, place.offset..place.offset + n, spec.shape.clone());
         *remaining -= 1;
         if *remaining == 0 {
             self.cache.remove(&place.group);

@@ -15,8 +15,9 @@ use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::{describe, read_values, take_grads, write_values};
-use crate::settings::{EngineSettings, Stage};
+use crate::half_buffer;
+use crate::params::{describe, read_values, take_grads, write_data};
+use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
@@ -57,10 +58,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
             .next()
             .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))?;
         let layout = replicated_layout(&model, &settings, comm.world_size());
-        let values = broadcast_values(&model, &layout, comm.as_ref())?;
-        let model = write_values(model, &device, true, |i| values[i].clone());
+        let dtype = settings.precision.dtype;
+        let mut values = broadcast_values(&model, &layout, comm.as_ref())?;
+        // The model is cast to the compute dtype first and the masters are made from it, as
+        // DeepSpeed does: the model always sees exactly its masters rounded.
+        values.iter_mut().for_each(|v| half_buffer::round_to(dtype, v));
+        let model = write_data(model, &device, true, |i, shape| half_buffer::f32_to_data(values[i].clone(), shape, dtype));
         let memory = Arc::new(MemoryTracker::default());
-        memory.add_parameters(layout.numel() * 4);
+        memory.add_parameters(layout.numel() * dtype.size());
         let flow = match settings.stage {
             Stage::Zero2 => GradFlow::ReduceThenAccumulate,
             _ => GradFlow::AccumulateThenReduce,
@@ -69,7 +74,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         Ok(ZeroEngine { model: Some(model), core, device })
     }
 
-    /// Runs `f` on the model (forward, or evaluation).
+    /// Runs `f` on the model (forward, or evaluation). Under bf16/fp16 the parameters are
+    /// 16-bit: cast the float inputs to [`ZeroEngine::compute_dtype`] (integer inputs, like
+    /// token ids through an embedding, need nothing).
     pub fn forward<R>(&self, f: impl FnOnce(&M) -> R) -> R {
         f(self.module())
     }
@@ -80,11 +87,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         self.model.as_ref().unwrap_or_else(|| unreachable!("model taken during step"))
     }
 
-    /// Backward of one micro-batch's loss, and the reduction of its gradients. Returns the
-    /// loss value.
+    /// Backward of one micro-batch's loss (times the fp16 loss scale), and the reduction of its
+    /// gradients. Returns the loss value.
     pub fn backward(&mut self, loss: Tensor<B, 1>) -> Result<f32, ZeroError> {
         let value = loss.clone().into_scalar().elem::<f32>();
-        let mut grads = loss.mul_scalar(self.core.loss_scale()).backward();
+        let mut grads = self.core.backward_loss(loss, value).backward();
         let mut failure = None;
         let core = &mut self.core;
         take_grads::<B, M>(self.model.as_ref().unwrap_or_else(|| unreachable!()), &mut grads, |i, g| {
@@ -107,12 +114,31 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
             return Ok(None);
         }
         let report = self.core.update()?;
+        if report.skipped {
+            // Nothing moved: the model keeps its weights.
+            return Ok(Some(report));
+        }
         let model = self.model.take().unwrap_or_else(|| unreachable!());
         let mut source = self.core.value_source();
-        let model = write_values(model, &self.device, true, |i| source.take(i));
+        let model = write_data(model, &self.device, true, |i, _| source.take_data(i));
         self.model = Some(model);
         source.finish()?;
         Ok(Some(report))
+    }
+
+    /// The dtype of the model's parameters: cast float inputs to `compute_dtype().burn()`.
+    pub fn compute_dtype(&self) -> ComputeDtype {
+        self.core.settings.precision.dtype
+    }
+
+    /// The loss scale of the next backward (1 without fp16 loss scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.core.current_loss_scale()
+    }
+
+    /// Steps skipped so far for a non-finite gradient.
+    pub fn skipped_steps(&self) -> u64 {
+        self.core.skipped_steps
     }
 
     /// Bytes held by this rank, by kind.
@@ -198,7 +224,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
     pub(crate) fn refresh_replica(&mut self) -> Result<(), ZeroError> {
         let model = self.model.take().unwrap_or_else(|| unreachable!());
         let mut source = self.core.value_source();
-        let model = write_values(model, &self.device, true, |i| source.take(i));
+        let model = write_data(model, &self.device, true, |i, _| source.take_data(i));
         self.model = Some(model);
         source.finish()
     }

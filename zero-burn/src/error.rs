@@ -1,6 +1,7 @@
 //! Errors of the engine: each says what went wrong and what to change.
 
 use zero_core::comm::CommError;
+use zero_core::loss_scaler::LossScaleError;
 
 /// What can go wrong while setting up or running the ZeRO engine.
 #[derive(Debug, thiserror::Error)]
@@ -23,4 +24,34 @@ pub enum ZeroError {
     /// A checkpoint could not be saved, read or verified (the error names the file).
     #[error(transparent)]
     Checkpoint(#[from] zero_core::checkpoint::CheckpointError),
+    /// A loss or gradient was infinite or NaN in bf16 or fp32 training (on some rank).
+    #[error(
+        "step {step}: {what} is infinite or NaN on at least one rank ({dtype} training); the step was not \
+         applied. Lower the learning rate or clip gradients, or skip such steps instead of failing \
+         (PrecisionSettings::non_finite = NonFinitePolicy::Skip, InitOptions::non_finite)"
+    )]
+    NonFinite {
+        /// The optimizer step (1-based, as [`crate::StepReport::step`]).
+        step: u64,
+        /// What this rank saw: "the loss", "the averaged gradient", or "a gradient on another
+        /// rank".
+        what: String,
+        /// The compute dtype.
+        dtype: &'static str,
+    },
+    /// fp16 loss scaling could not go on: the gradients overflow at the minimum scale.
+    #[error(
+        "step {step}: the fp16 gradients overflowed with the loss scale already at its minimum ({scale}); fp16 \
+         training cannot go on. Train in bf16 instead (\"bf16\": {{\"enabled\": true}}, no loss scaling needed), \
+         or lower the learning rate or fp16.min_loss_scale"
+    )]
+    LossScale {
+        /// The optimizer step (1-based, as [`crate::StepReport::step`]).
+        step: u64,
+        /// The scale that overflowed.
+        scale: f64,
+        /// The scaler's error.
+        #[source]
+        source: LossScaleError,
+    },
 }

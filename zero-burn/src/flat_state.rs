@@ -1,15 +1,19 @@
 //! The rank's share of the training state, on flat host buffers: fp32 master weights, gradient
-//! accumulators and optimizer state for every group of the partition layout, and the update that
-//! turns reduced gradients into new weights.
+//! accumulators (in the compute dtype: 16-bit under bf16/fp16) and optimizer state for every
+//! group of the partition layout, the 16-bit copy of the owned masters that stage 3 gathers, and
+//! the update that turns reduced gradients into new weights.
 //!
 //! This is where a gradient goes after `backward`: into a group's accumulator (whole, or already
 //! reduced to the rank's shard), then through the boundary reduction, the global-norm clip and
 //! the optimizer, into the master weights.
 
 use crate::error::ZeroError;
+use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
+use crate::settings::ComputeDtype;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
+use zero_core::optim::HalfCopy;
 use zero_core::partition::{PartitionLayout, Placement};
 
 /// How a group's gradients reach the owned slice.
@@ -28,12 +32,28 @@ pub(crate) enum GradFlow {
 pub(crate) struct GroupState {
     /// fp32 master weights of the owned range.
     pub master: Vec<f32>,
-    /// Gradient accumulator: the whole padded group (AccumulateThenReduce) or the owned slice.
-    pub grad: Vec<f32>,
+    /// Gradient accumulator, in the accumulation dtype: the whole padded group
+    /// (AccumulateThenReduce) or the owned slice.
+    pub grad: FlatBuffer,
     /// How gradients arrive.
     pub flow: GradFlow,
     /// Optimizer over `master`.
     pub optimizer: GroupOptimizer,
+    /// The owned masters rounded to the 16-bit compute dtype, rewritten by every optimizer
+    /// step: the parameter shard that stage 3 gathers (`None` when parameters are not sharded
+    /// or are fp32).
+    pub half: Option<FlatBuffer>,
+}
+
+/// The dtypes of the flat state besides the fp32 masters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StateDtypes {
+    /// Gradient accumulators.
+    pub accumulate: ComputeDtype,
+    /// Keep a 16-bit copy of the owned masters in this dtype (stage 3 under bf16/fp16).
+    pub half_shard: Option<ComputeDtype>,
+    /// Gradient reductions.
+    pub communicate: ComputeDtype,
 }
 
 /// The rank's state for all groups.
@@ -41,6 +61,7 @@ pub(crate) struct FlatState {
     pub layout: PartitionLayout,
     pub groups: Vec<GroupState>,
     pub rank: usize,
+    pub dtypes: StateDtypes,
 }
 
 impl FlatState {
@@ -53,6 +74,7 @@ impl FlatState {
         factory: &OptimizerFactory,
         mut values: impl FnMut(usize) -> Vec<f32>,
         memory: &MemoryTracker,
+        dtypes: StateDtypes,
     ) -> Result<Self, ZeroError> {
         let mut groups = Vec::with_capacity(layout.groups.len());
         let mut pending: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
@@ -66,7 +88,7 @@ impl FlatState {
                     pending[next_param] = Some(values(next_param));
                     next_param += 1;
                 }
-                let full = pending[seg.param].as_ref().map(Vec::as_slice).unwrap_or(&[]);
+                let full = pending[seg.param].as_deref().unwrap_or(&[]);
                 master[seg.local.clone()].copy_from_slice(&full[seg.in_param.clone()]);
             }
             // Release parameters whose every piece has been copied.
@@ -80,11 +102,17 @@ impl FlatState {
             };
             let optimizer = factory.build(&layout, gi, rank)?;
             memory.add_master(master.len() * 4);
-            memory.add_grads(grad_len * 4);
+            memory.add_grads(grad_len * dtypes.accumulate.size());
             memory.add_optimizer(optimizer.state_bytes());
-            groups.push(GroupState { master, grad: vec![0.0; grad_len], flow, optimizer });
+            let half = dtypes.half_shard.map(|d| FlatBuffer::from_f32(&master, d.flat()));
+            if let Some(h) = &half {
+                // The 16-bit shard is the rank's copy of the parameters (stage 3).
+                memory.add_parameters(h.byte_len());
+            }
+            let grad = half_buffer::zeros(dtypes.accumulate, grad_len);
+            groups.push(GroupState { master, grad, flow, optimizer, half });
         }
-        Ok(FlatState { layout, groups, rank })
+        Ok(FlatState { layout, groups, rank, dtypes })
     }
 
     /// Adds a micro-batch gradient of the whole (padded) group, `scale` times.
@@ -94,17 +122,12 @@ impl FlatState {
     pub fn add_full(&mut self, group: usize, full: &[f32]) {
         let g = &mut self.groups[group];
         debug_assert_eq!(g.flow, GradFlow::AccumulateThenReduce);
-        for (acc, v) in g.grad.iter_mut().zip(full) {
-            *acc += v;
-        }
+        half_buffer::add_into(&mut g.grad, full);
     }
 
     /// Adds an already reduced gradient of the owned slice.
     pub fn add_owned(&mut self, group: usize, owned: &[f32]) {
-        let g = &mut self.groups[group];
-        for (acc, v) in g.grad.iter_mut().zip(owned) {
-            *acc += v;
-        }
+        half_buffer::add_into(&mut self.groups[group].grad, owned);
     }
 
     /// At the accumulation boundary: reduces the locally accumulated groups so that every
@@ -115,7 +138,8 @@ impl FlatState {
             if self.groups[gi].flow != GradFlow::AccumulateThenReduce || world == 1 {
                 continue;
             }
-            let full = FlatBuffer::F32(std::mem::take(&mut self.groups[gi].grad));
+            let accumulated = std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
+            let full = half_buffer::convert(accumulated, self.dtypes.communicate.flat());
             let reduced = match self.layout.groups[gi].placement {
                 Placement::Replicated => {
                     let mut b = full;
@@ -124,24 +148,31 @@ impl FlatState {
                 }
                 Placement::Sharded => group_comm.reduce_scatter(full, ReduceOp::Avg)?,
             };
-            self.groups[gi].grad = reduced.into_f32();
+            self.groups[gi].grad = reduced;
         }
         Ok(())
     }
 
-    /// The owned slice of a group's reduced gradient (valid after [`FlatState::reduce_at_boundary`]).
-    fn owned_grad(&self, group: usize) -> &[f32] {
-        let g = &self.groups[group];
-        debug_assert_eq!(g.grad.len(), g.master.len(), "gradient not reduced yet");
-        &g.grad
+    /// Takes every group's reduced gradient of the owned range out of the accumulators, as f32
+    /// (valid after [`FlatState::reduce_at_boundary`]; [`FlatState::reset_accumulators`] gives
+    /// the accumulators back).
+    pub fn take_owned_grads(&mut self) -> Vec<Vec<f32>> {
+        self.groups
+            .iter_mut()
+            .map(|g| {
+                let grad = std::mem::replace(&mut g.grad, FlatBuffer::F32(Vec::new())).into_f32();
+                debug_assert_eq!(grad.len(), g.master.len(), "gradient not reduced yet");
+                grad
+            })
+            .collect()
     }
 
-    /// Global L2 norm of the reduced gradient over every rank's owned slices.
-    pub fn global_grad_norm(&self, group_comm: &dyn ProcessGroup) -> Result<f64, ZeroError> {
+    /// Global L2 norm of `grads` (every group's owned slice) over every rank.
+    pub fn global_grad_norm(&self, grads: &[Vec<f32>], group_comm: &dyn ProcessGroup) -> Result<f64, ZeroError> {
         let mut sharded = 0.0f64;
         let mut replicated = 0.0f64;
-        for gi in 0..self.groups.len() {
-            let sum: f64 = self.owned_grad(gi).iter().map(|&v| (v as f64) * (v as f64)).sum();
+        for (gi, grad) in grads.iter().enumerate() {
+            let sum: f64 = grad.iter().map(|&v| (v as f64) * (v as f64)).sum();
             match self.layout.groups[gi].placement {
                 Placement::Sharded => sharded += sum,
                 Placement::Replicated => replicated += sum,
@@ -156,23 +187,30 @@ impl FlatState {
         Ok((sharded + replicated).sqrt())
     }
 
-    /// Clips (when `max_norm > 0`), runs the optimizer on every group, and clears the
-    /// accumulators. Returns the gradient norm before clipping.
-    pub fn update(&mut self, group_comm: &dyn ProcessGroup, lr: f64, max_norm: f64) -> Result<f64, ZeroError> {
-        let norm = self.global_grad_norm(group_comm)?;
-        // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
-        let ratio = max_norm / (norm + 1e-6);
-        let coef = if max_norm > 0.0 && ratio < 1.0 { ratio as f32 } else { 1.0 };
-        for g in &mut self.groups {
+    /// Multiplies the gradients by `coef` (unscaling and clipping in one pass), runs the
+    /// optimizer on every group (refreshing the 16-bit shards in the same pass), and gives the
+    /// accumulators back.
+    pub fn apply(
+        &mut self,
+        mut grads: Vec<Vec<f32>>,
+        coef: f32,
+        lr: f64,
+        group_comm: &dyn ProcessGroup,
+    ) -> Result<(), ZeroError> {
+        for (g, grad) in self.groups.iter_mut().zip(&mut grads) {
             if coef != 1.0 {
-                for v in &mut g.grad {
-                    *v *= coef;
-                }
+                grad.iter_mut().for_each(|v| *v *= coef);
             }
-            g.optimizer.step(&mut g.master, &g.grad, lr, group_comm)?;
+            let out = match &mut g.half {
+                None => HalfCopy::None,
+                Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
+                Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
+                Some(FlatBuffer::F32(_)) => HalfCopy::None,
+            };
+            g.optimizer.step(&mut g.master, grad, lr, group_comm, out)?;
         }
         self.reset_accumulators();
-        Ok(norm)
+        Ok(())
     }
 
     /// Zeroes the accumulators and gives AccumulateThenReduce groups back their whole-group
@@ -183,8 +221,7 @@ impl FlatState {
                 GradFlow::AccumulateThenReduce => self.layout.groups[gi].padded,
                 GradFlow::ReduceThenAccumulate => g.master.len(),
             };
-            g.grad.clear();
-            g.grad.resize(len, 0.0);
+            g.grad = half_buffer::zeros(self.dtypes.accumulate, len);
         }
     }
 }

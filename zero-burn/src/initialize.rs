@@ -8,14 +8,16 @@ use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
 use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
-use crate::settings::{EngineSettings, LrFn, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, PrecisionSettings, Stage};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig, SchedulerConfig,
+    CommDataType, DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig,
+    SchedulerConfig,
 };
+use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrScheduleSpec;
 use zero_core::optim::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
 
@@ -26,6 +28,11 @@ pub struct InitOptions {
     pub hidden_size: Option<usize>,
     /// Values for keys written "auto" that only the caller can give (optimizer lr, ...).
     pub overrides: Overrides,
+    /// What a step does with an infinite or NaN loss or gradient under bf16 (or fp32): `None`
+    /// keeps the default, an error naming the step under bf16 (nothing checked with
+    /// `"check_grad_overflow": false`, nor under fp32); `Some(NonFinitePolicy::Skip)` skips
+    /// such steps on every rank and goes on. fp16 always leaves it to its loss scaler.
+    pub non_finite: Option<NonFinitePolicy>,
 }
 
 /// Resolves `config` for `world_size` ranks.
@@ -40,21 +47,7 @@ pub fn resolve(config: &DeepSpeedConfig, world_size: usize, options: &InitOption
 pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
     let stage = Stage::from_number(config.zero.stage as u8)
         .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
-    match &config.precision {
-        Precision::Fp32 => {}
-        Precision::Fp16(_) => {
-            return Err(ZeroError::Config(
-                "fp16.enabled: 16-bit training is not available in this version of the engine; set fp16.enabled to false"
-                    .into(),
-            ))
-        }
-        Precision::Bf16(_) => {
-            return Err(ZeroError::Config(
-                "bf16.enabled: 16-bit training is not available in this version of the engine; set bf16.enabled to false"
-                    .into(),
-            ))
-        }
-    }
+    let precision = precision_settings(config)?;
     if config.zero.offload_optimizer.as_ref().is_some() {
         return Err(ZeroError::Config(
             "zero_optimization.offload_optimizer: offloading is not available in this version of the engine; remove the \
@@ -82,6 +75,73 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.param_persistence_threshold = config.zero.stage3_param_persistence_threshold as usize;
     settings.gradient_clipping = config.gradient_clipping;
     settings.lr_schedule = lr_schedule;
+    settings.precision = precision;
+    Ok(settings)
+}
+
+/// The compute dtype, loss scaler and communication dtype from the `fp16`/`bf16` sections and
+/// `communication_data_type`. Settings that change what is stored in 16 bits beyond the
+/// parameters and gradients are refused, not ignored.
+pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, ZeroError> {
+    let mut precision = match &config.precision {
+        Precision::Fp32 => PrecisionSettings::fp32(),
+        Precision::Fp16(fp16) => {
+            if fp16.fp16_master_weights_and_grads {
+                return Err(ZeroError::Config(
+                    "fp16.fp16_master_weights_and_grads: the master weights and optimizer state are always fp32 here; \
+                     remove the key or set it to false"
+                        .into(),
+                ));
+            }
+            let hysteresis = u32::try_from(fp16.hysteresis).map_err(|_| {
+                ZeroError::Config(format!("fp16.hysteresis {} is too large (at most {})", fp16.hysteresis, u32::MAX))
+            })?;
+            PrecisionSettings::fp16(LossScalerConfig {
+                loss_scale: fp16.loss_scale,
+                initial_scale_power: fp16.initial_scale_power,
+                loss_scale_window: fp16.loss_scale_window,
+                hysteresis,
+                consecutive_hysteresis: fp16.consecutive_hysteresis,
+                min_loss_scale: fp16.min_loss_scale,
+            })
+        }
+        Precision::Bf16(bf16) => {
+            if bf16.bf16_master_weights_and_grads || bf16.bf16_optimizer_states {
+                return Err(ZeroError::Config(
+                    "bf16.bf16_master_weights_and_grads: the master weights and optimizer state are always fp32 here; \
+                     remove the key or set it to false"
+                        .into(),
+                ));
+            }
+            if bf16.immediate_grad_update {
+                return Err(ZeroError::Config(
+                    "bf16.immediate_grad_update: gradients are applied at the step here; remove the key or set it to false"
+                        .into(),
+                ));
+            }
+            let mut p = PrecisionSettings::bf16();
+            if !bf16.check_grad_overflow {
+                p.non_finite = NonFinitePolicy::Ignore;
+            }
+            p
+        }
+    };
+    precision.communication_dtype = config.communication_data_type.map(|d| match d {
+        CommDataType::Fp32 => ComputeDtype::F32,
+        CommDataType::Fp16 => ComputeDtype::F16,
+        CommDataType::Bf16 => ComputeDtype::Bf16,
+    });
+    Ok(precision)
+}
+
+/// [`engine_settings`] with the options that only the caller gives.
+fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<EngineSettings, ZeroError> {
+    let mut settings = engine_settings(config)?;
+    if let Some(policy) = options.non_finite {
+        if settings.precision.dtype != ComputeDtype::F16 {
+            settings.precision.non_finite = policy;
+        }
+    }
     Ok(settings)
 }
 
@@ -175,7 +235,7 @@ pub fn initialize_with<B: AutodiffBackend, M: AutodiffModule<B>>(
     options: &InitOptions,
 ) -> Result<ZeroEngine<B, M>, ZeroError> {
     let resolved = resolve(config, group.world_size(), options)?;
-    ZeroEngine::new(engine_settings(&resolved)?, model, group)
+    ZeroEngine::new(settings_with(&resolved, options)?, model, group)
 }
 
 /// An engine for a [`ChainModel`] (every stage) from a DeepSpeed config.
@@ -186,5 +246,5 @@ pub fn initialize_chain<B: AutodiffBackend, M: ChainModel<B>>(
     options: &InitOptions,
 ) -> Result<ChainEngine<B, M>, ZeroError> {
     let resolved = resolve(config, group.world_size(), options)?;
-    ChainEngine::new(engine_settings(&resolved)?, model, group)
+    ChainEngine::new(settings_with(&resolved, options)?, model, group)
 }

@@ -11,6 +11,22 @@
 //!   ([`ChainModel`]); stage 3 needs it.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
+//! # Mixed precision
+//!
+//! With `"bf16": {"enabled": true}` or `"fp16": {"enabled": true}` the model's parameters and
+//! gradients are 16-bit while each rank keeps fp32 master weights and optimizer state for its
+//! shard ([`PrecisionSettings`]). Stage 3 keeps the 16-bit copy of its shard and gathers that
+//! (half the bytes of fp32); gradients are reduced in `communication_data_type` (default: the
+//! compute dtype). The model follows its parameters' dtype: float inputs must be cast by the
+//! caller to `engine.compute_dtype().burn()`; integer inputs (token ids) need nothing. The loss
+//! may be 16-bit: the engine casts it to fp32 before scaling it for backward.
+//!
+//! fp16 scales the loss with DeepSpeed's dynamic loss scaler (`zero_core::loss_scaler`); a step
+//! whose gradients overflow on any rank is skipped on every rank ([`StepReport::skipped`]).
+//! bf16 has no scaler: a non-finite loss or gradient fails the step with
+//! [`ZeroError::NonFinite`], or skips it with [`NonFinitePolicy::Skip`]
+//! (`InitOptions::non_finite`, or `settings.precision.non_finite`).
+//!
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
 mod chain;
@@ -20,6 +36,7 @@ mod core;
 mod engine;
 mod error;
 mod flat_state;
+mod half_buffer;
 mod initialize;
 mod memory;
 mod optimizer;
@@ -33,8 +50,9 @@ pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
-    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_spec, resolve, InitOptions,
+    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_spec, precision_settings, resolve,
+    InitOptions,
 };
 pub use memory::{Bytes, MemoryReport};
 pub use optimizer::ZeroOptimizer;
-pub use settings::{EngineSettings, LrFn, Stage};
+pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, PrecisionSettings, Stage};

@@ -12,8 +12,9 @@ use crate::engine::{broadcast_values, replicated_layout};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::{describe, write_values};
-use crate::settings::{EngineSettings, Stage};
+use crate::half_buffer;
+use crate::params::{describe, write_data};
+use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
@@ -46,15 +47,23 @@ impl ZeroOptimizer {
                     .into(),
             ));
         }
+        if settings.precision.dtype == ComputeDtype::F16 {
+            return Err(ZeroError::Config(
+                "fp16.enabled: fp16 needs its loss scaled before backward, which Burn's loop runs outside the \
+                 optimizer; use zero_burn::ZeroEngine or ChainEngine for fp16, or bf16 (no loss scale) here"
+                    .into(),
+            ));
+        }
         Ok(ZeroOptimizer { settings, comm, core: Arc::new(Mutex::new(None)), last: Arc::new(Mutex::new(None)) })
     }
 
-    /// Rank 0's weights, on every rank.
+    /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16).
     pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
         let layout = replicated_layout::<B, M>(&module, &self.settings, self.comm.world_size());
         let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref())?;
         let device = first_device::<B, M>(&module)?;
-        Ok(write_values(module, &device, true, |i| values[i].clone()))
+        let dtype = self.settings.precision.dtype;
+        Ok(write_data(module, &device, true, |i, shape| half_buffer::f32_to_data(values[i].clone(), shape, dtype)))
     }
 
     /// What the last step did (its gradient norm, learning rate).
@@ -79,9 +88,13 @@ impl ZeroOptimizer {
         if guard.is_none() {
             let layout = replicated_layout::<B, M>(&module, &self.settings, self.comm.world_size());
             let mut values = vec![Vec::new(); layout.params.len()];
-            crate::params::read_values::<B, M>(&module, |i, v| values[i] = v);
+            let dtype = self.settings.precision.dtype;
+            crate::params::read_values::<B, M>(&module, |i, mut v| {
+                half_buffer::round_to(dtype, &mut v);
+                values[i] = v
+            });
             let memory = Arc::new(MemoryTracker::default());
-            memory.add_parameters(layout.numel() * 4);
+            memory.add_parameters(layout.numel() * dtype.size());
             let flow = if self.settings.stage == Stage::Zero2 {
                 GradFlow::ReduceThenAccumulate
             } else {
@@ -109,7 +122,7 @@ impl ZeroOptimizer {
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         let mut source = core.value_source();
-        let module = write_values(module, &device, true, |i| source.take(i));
+        let module = write_data(module, &device, true, |i, _| source.take_data(i));
         source.finish()?;
         Ok(module)
     }

@@ -41,17 +41,21 @@ pub(crate) struct GroupOptimizer {
 }
 
 impl GroupOptimizer {
-    /// One update of the owned masters.
+    /// One update of the owned masters, also written rounded into `out` (the 16-bit shard).
     pub fn step(
         &mut self,
         params: &mut [f32],
         grads: &[f32],
         lr: f64,
         comm: &dyn ProcessGroup,
+        out: HalfCopy<'_>,
     ) -> Result<(), ZeroError> {
         let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
         if !self.inner.needs_cross_rank_norms() {
-            return self.inner.step(params, grads, lr).map_err(err);
+            return match out {
+                HalfCopy::None => self.inner.step(params, grads, lr).map_err(err),
+                out => self.inner.step_with_copy(params, grads, lr, out).map_err(err),
+            };
         }
         let mut partials = self.inner.begin_step(params, grads).map_err(err)?;
         if self.sharded && comm.world_size() > 1 {
@@ -59,7 +63,7 @@ impl GroupOptimizer {
             comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             partials = NormPartials(buf.into_f32());
         }
-        self.inner.finish_step(params, grads, lr, &partials, HalfCopy::None).map_err(err)
+        self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
     }
 
     /// Bytes of optimizer state.

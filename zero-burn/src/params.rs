@@ -5,7 +5,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Shape, Tensor, TensorData};
 use zero_core::partition::ParamSpec;
 
 /// The float parameters of a module: ids and specs (name, shape), in visit order. Lazy
@@ -49,13 +49,24 @@ pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(us
 }
 
 /// Replaces every float parameter's value with `source(index)` (the parameter's flattened
-/// values), keeping its id. The new tensors record gradients when `require_grad` is set. Lazy
-/// parameters are replaced without being materialised.
+/// values), keeping its id. The new tensors are f32 and record gradients when `require_grad` is
+/// set. Lazy parameters are replaced without being materialised.
 pub fn write_values<B: Backend, M: Module<B>>(
     module: M,
     device: &B::Device,
     require_grad: bool,
     mut source: impl FnMut(usize) -> Vec<f32>,
+) -> M {
+    write_data(module, device, require_grad, |i, shape| TensorData::new(source(i), shape))
+}
+
+/// [`write_values`] from tensor data: each parameter takes the dtype of its data (bf16 data
+/// makes a bf16 parameter). `source(index, shape)` gives the data of the parameter's shape.
+pub fn write_data<B: Backend, M: Module<B>>(
+    module: M,
+    device: &B::Device,
+    require_grad: bool,
+    mut source: impl FnMut(usize, Shape) -> TensorData,
 ) -> M {
     struct Write<'a, F, B: Backend> {
         index: usize,
@@ -63,13 +74,14 @@ pub fn write_values<B: Backend, M: Module<B>>(
         device: &'a B::Device,
         require_grad: bool,
     }
-    impl<B: Backend, F: FnMut(usize) -> Vec<f32>> ModuleMapper<B> for Write<'_, F, B> {
+    impl<B: Backend, F: FnMut(usize, Shape) -> TensorData> ModuleMapper<B> for Write<'_, F, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let shape = param.lazy_shape();
             let require_grad = self.require_grad;
-            let values = (self.source)(self.index);
+            let data = (self.source)(self.index, shape);
             self.index += 1;
-            let mut tensor = Tensor::<B, D>::from_data(TensorData::new(values, shape), self.device);
+            let dtype = data.dtype;
+            let mut tensor = Tensor::<B, D>::from_data(data, (self.device, dtype));
             if require_grad {
                 tensor = tensor.require_grad();
             }
@@ -138,9 +150,13 @@ pub fn take_grads<B: AutodiffBackend, M: Module<B>>(
 
 /// The flattened f32 values of a tensor of any float dtype.
 pub fn tensor_to_vec<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
-    let data = tensor.into_data().convert::<f32>();
+    data_to_vec(tensor.into_data())
+}
+
+/// The flattened f32 values of tensor data of any float dtype.
+pub fn data_to_vec(data: TensorData) -> Vec<f32> {
     // `convert` guarantees the dtype, so this cannot fail.
-    data.into_vec::<f32>().unwrap_or_default()
+    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
 }
 
 /// A 1-D tensor holding `values`.

@@ -1,5 +1,6 @@
 //! What the engine needs to know from the configuration, as plain values.
 
+use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::OptimizerSpec;
 
 /// Which model states are partitioned (DeepSpeed's `zero_optimization.stage`).
@@ -53,6 +54,114 @@ pub struct EngineSettings {
     pub lr_schedule: Option<LrFn>,
     /// Flat shards are multiples of this many elements (per rank).
     pub alignment: usize,
+    /// The dtype the model computes in, loss scaling, and the gradients' communication dtype.
+    pub precision: PrecisionSettings,
+}
+
+/// The dtype of the model's parameters, activations and gradients. The master weights and the
+/// optimizer state are fp32 whatever this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum ComputeDtype {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16: fp32's range with 8 bits of mantissa; no loss scaling needed.
+    Bf16,
+    /// IEEE half precision: 5 exponent bits, so gradients need a loss scale.
+    F16,
+}
+
+impl ComputeDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            ComputeDtype::F32 => 4,
+            ComputeDtype::Bf16 | ComputeDtype::F16 => 2,
+        }
+    }
+
+    /// The Burn tensor dtype: cast the model's float inputs to it (`x.cast(dtype.burn())`).
+    pub fn burn(self) -> burn::tensor::DType {
+        match self {
+            ComputeDtype::F32 => burn::tensor::DType::F32,
+            ComputeDtype::Bf16 => burn::tensor::DType::BF16,
+            ComputeDtype::F16 => burn::tensor::DType::F16,
+        }
+    }
+
+    /// The flat-buffer dtype collectives move.
+    pub fn flat(self) -> zero_core::comm::DType {
+        match self {
+            ComputeDtype::F32 => zero_core::comm::DType::F32,
+            ComputeDtype::Bf16 => zero_core::comm::DType::BF16,
+            ComputeDtype::F16 => zero_core::comm::DType::F16,
+        }
+    }
+
+    /// Whether this is a 16-bit dtype.
+    pub fn is_half(self) -> bool {
+        self != ComputeDtype::F32
+    }
+}
+
+/// What a step does when a loss or a gradient is infinite or NaN (bf16 and fp32; fp16 leaves
+/// it to the loss scaler, which always skips).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum NonFinitePolicy {
+    /// The step fails with [`crate::ZeroError::NonFinite`] naming it, on every rank. The
+    /// default for bf16: without a loss scale an overflow means training has diverged.
+    Error,
+    /// The step is skipped on every rank, counted in [`crate::StepReport::skipped`], and
+    /// training goes on (the LR schedule does not advance).
+    Skip,
+    /// No check: non-finite values reach the weights. The default for fp32 (as before mixed
+    /// precision existed) and for bf16 with `"check_grad_overflow": false`.
+    Ignore,
+}
+
+/// Mixed-precision settings (DeepSpeed's `fp16`, `bf16` and `communication_data_type`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PrecisionSettings {
+    /// The dtype of the model's parameters and gradients.
+    pub dtype: ComputeDtype,
+    /// fp16's loss scaler (dynamic or static); `None` otherwise.
+    pub loss_scaler: Option<LossScalerConfig>,
+    /// What a non-finite loss or gradient does when no loss scaler is in use.
+    pub non_finite: NonFinitePolicy,
+    /// The dtype gradients are reduced in; `None`: the compute dtype (DeepSpeed's default).
+    pub communication_dtype: Option<ComputeDtype>,
+}
+
+impl Default for PrecisionSettings {
+    fn default() -> Self {
+        PrecisionSettings::fp32()
+    }
+}
+
+impl PrecisionSettings {
+    /// fp32 everywhere (no check for non-finite values).
+    pub fn fp32() -> Self {
+        PrecisionSettings {
+            dtype: ComputeDtype::F32,
+            loss_scaler: None,
+            non_finite: NonFinitePolicy::Ignore,
+            communication_dtype: None,
+        }
+    }
+
+    /// bf16 compute, fp32 masters; a non-finite loss or gradient is an error.
+    pub fn bf16() -> Self {
+        PrecisionSettings { dtype: ComputeDtype::Bf16, non_finite: NonFinitePolicy::Error, ..Self::fp32() }
+    }
+
+    /// fp16 compute, fp32 masters, with the given loss scaler.
+    pub fn fp16(scaler: LossScalerConfig) -> Self {
+        PrecisionSettings { dtype: ComputeDtype::F16, loss_scaler: Some(scaler), ..Self::fp32() }
+    }
+
+    /// The dtype gradients are reduced in.
+    pub fn comm_dtype(&self) -> ComputeDtype {
+        self.communication_dtype.unwrap_or(self.dtype)
+    }
 }
 
 impl std::fmt::Debug for EngineSettings {
@@ -67,6 +176,8 @@ impl std::fmt::Debug for EngineSettings {
             .field("gradient_clipping", &self.gradient_clipping)
             .field("optimizer", &self.optimizer)
             .field("lr_schedule", &self.lr_schedule.is_some())
+            .field("alignment", &self.alignment)
+            .field("precision", &self.precision)
             .finish()
     }
 }
@@ -85,6 +196,7 @@ impl EngineSettings {
             optimizer,
             lr_schedule: None,
             alignment: 16,
+            precision: PrecisionSettings::fp32(),
         }
     }
 

@@ -79,10 +79,10 @@ fn a_parameter_that_changes_shape_is_named() {
 }
 
 #[test]
-fn sixteen_bit_and_offload_sections_are_refused_not_ignored() {
+fn sixteen_bit_masters_and_offload_sections_are_refused_not_ignored() {
     for (section, key) in [
-        (r#""bf16": {"enabled": true}"#, "bf16.enabled"),
-        (r#""fp16": {"enabled": true}"#, "fp16.enabled"),
+        (r#""bf16": {"enabled": true, "bf16_master_weights_and_grads": true}"#, "bf16_master_weights_and_grads"),
+        (r#""fp16": {"enabled": true, "fp16_master_weights_and_grads": true}"#, "fp16_master_weights_and_grads"),
         (r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}"#, "offload_optimizer"),
     ] {
         let text = format!(

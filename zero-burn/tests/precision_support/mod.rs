@@ -1,0 +1,204 @@
+//! What the mixed-precision tests share: 16-bit settings, a training run of the common `Net`
+//! with an optional poisoned micro-batch, and a process group that records what each collective
+//! moved.
+
+#![allow(dead_code)]
+
+use crate::common::*;
+use burn::tensor::DType;
+use std::sync::{Arc, Mutex};
+use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
+use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
+use zero_core::optim::{AdamSpec, OptimizerSpec};
+
+pub const LR: f64 = 0.01;
+
+/// AdamW with eps 1e-4 (see exactness.rs for why not 1e-8).
+pub fn adamw() -> OptimizerSpec {
+    OptimizerSpec::Adam(AdamSpec {
+        lr: LR,
+        betas: (0.9, 0.999),
+        eps: 1e-4,
+        weight_decay: 0.01,
+        decoupled_weight_decay: true,
+        bias_correction: true,
+        amsgrad: false,
+    })
+}
+
+/// The settings of exactness.rs (several buckets at stages 1-2, biases replicated at stage 3),
+/// with `precision`.
+pub fn settings(stage: Stage, gas: usize, precision: PrecisionSettings) -> EngineSettings {
+    let mut s = EngineSettings::new(stage, adamw());
+    s.gradient_accumulation_steps = gas;
+    s.reduce_bucket_size = 100;
+    s.param_persistence_threshold = 13;
+    s.prefetch_bucket_size = 400;
+    s.precision = precision;
+    s
+}
+
+/// This rank's rows of micro-batch `micro` (the global batch split in order across ranks, then
+/// across micro-batches).
+pub fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<usize> {
+    let per_rank = GLOBAL_BATCH / world;
+    let per_micro = per_rank / gas;
+    let start = rank * per_rank + micro * per_micro;
+    start..start + per_micro
+}
+
+/// A poisoned micro-batch: at optimizer step `step` (0-based), rank `rank`'s inputs are all
+/// `value` (a huge value overflows fp16; NaN breaks any dtype).
+#[derive(Clone, Copy, Debug)]
+pub struct Poison {
+    pub step: usize,
+    pub rank: usize,
+    pub value: f32,
+}
+
+/// What one rank saw.
+#[derive(Debug)]
+pub struct RankRun {
+    /// Per step: the mean micro-batch loss, and the step's report or error text.
+    pub losses: Vec<f32>,
+    pub steps: Vec<Result<StepReport, String>>,
+    /// The model's parameter values after each step (in the model's dtype, read as f32).
+    pub values: Vec<Vec<Vec<f32>>>,
+}
+
+/// Trains `Net` (3 blocks) for `steps` optimizer steps on `world` ranks, stopping a rank at
+/// its first failed step. `group` may wrap each rank's process group.
+pub fn train(
+    settings: EngineSettings,
+    world: usize,
+    steps: usize,
+    poison: Vec<Poison>,
+    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
+) -> Vec<RankRun> {
+    train_on(settings, world, steps, poison, wrap, Data::PerStep)
+}
+
+/// What a run trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Data {
+    /// A new global batch every step (targets the model cannot predict from the inputs).
+    PerStep,
+    /// The batch of step 0 every step, with targets a linear function of the inputs: a loss
+    /// the model can drive to zero.
+    Fit,
+}
+
+/// [`train`] on the given data.
+pub fn train_on(
+    settings: EngineSettings,
+    world: usize,
+    steps: usize,
+    poison: Vec<Poison>,
+    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
+    data: Data,
+) -> Vec<RankRun> {
+    on_ranks(world, move |rank, group| {
+        let device = Default::default();
+        let gas = settings.gradient_accumulation_steps;
+        let dtype = settings.precision.dtype.burn();
+        let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 3), wrap(group)).expect("engine");
+        let mut run = RankRun { losses: Vec::new(), steps: Vec::new(), values: Vec::new() };
+        for step in 0..steps {
+            let mut loss_sum = 0.0;
+            for micro in 0..gas {
+                let data_step = if data == Data::Fit { 0 } else { step };
+                let (mut x, mut y) = batch::<B>(data_step, rows(rank, world, micro, gas), &device);
+                if data == Data::Fit {
+                    y = x.clone().narrow(1, 0, OUT).mul_scalar(0.8);
+                }
+                if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
+                    x = x.zeros_like().add_scalar(p.value);
+                }
+                // The model follows its parameters' dtype: its float inputs are cast.
+                let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
+                loss_sum += engine.backward(loss).expect("backward");
+            }
+            run.losses.push(loss_sum / gas as f32);
+            match engine.step() {
+                Ok(Some(report)) => run.steps.push(Ok(report)),
+                Ok(None) => panic!("no step at the accumulation boundary"),
+                Err(e) => {
+                    run.steps.push(Err(e.to_string()));
+                    assert!(matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }), "{e}");
+                    break;
+                }
+            }
+            run.values.push(values::<B, _>(&engine.module().expect("module")));
+        }
+        run
+    })
+}
+
+/// No wrapping.
+pub fn plain(group: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
+    group
+}
+
+/// The dtype of a float tensor the engine made.
+pub fn param_dtype(settings: &EngineSettings) -> DType {
+    let device = Default::default();
+    let group: Arc<dyn ProcessGroup> = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
+    let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 1), group).expect("engine");
+    let model = engine.module().expect("module");
+    model.ends.input.weight.val().dtype()
+}
+
+/// One collective as a rank issued it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Issued {
+    pub op: &'static str,
+    pub dtype: zero_core::comm::DType,
+    pub bytes: usize,
+}
+
+/// A process group that records every collective it is asked for, then runs it on `inner`.
+#[derive(Debug)]
+pub struct Recording {
+    pub inner: Arc<dyn ProcessGroup>,
+    pub log: Arc<Mutex<Vec<Issued>>>,
+}
+
+impl Recording {
+    fn note(&self, op: &'static str, b: &FlatBuffer) {
+        let issued = Issued { op, dtype: b.dtype(), bytes: b.byte_len() };
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).push(issued);
+    }
+}
+
+impl ProcessGroup for Recording {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.note("all_reduce", &buffer);
+        self.inner.all_reduce_async(buffer, op)
+    }
+    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.note("reduce_scatter", &input);
+        self.inner.reduce_scatter_async(input, op)
+    }
+    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
+        self.note("all_gather", &shard);
+        self.inner.all_gather_async(shard)
+    }
+    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
+        self.note("broadcast", &buffer);
+        self.inner.broadcast_async(buffer, root)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+}
+
+/// max |a - b| over all parameters, over max |b|.
+pub fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    max_relative_error(a, b)
+}
