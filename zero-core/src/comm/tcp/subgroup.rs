@@ -81,7 +81,8 @@ impl TcpGroup {
             .ip
             .parse::<IpAddr>()
             .is_ok_and(|ip| ip.is_ipv6());
-        let (listeners, port) = MeshListeners::open(self.rank, ipv6, self.options.unix_on_same_host)?;
+        let (listeners, port) =
+            MeshListeners::open(self.rank, ipv6, self.options.unix_on_same_host)?;
         let pid = std::process::id();
         let mine = [
             f32::from(port),
@@ -90,9 +91,7 @@ impl TcpGroup {
             fingerprint(groups) as f32,
             if listeners.has_unix() { 1.0 } else { 0.0 },
         ];
-        let all = self
-            .all_gather(FlatBuffer::F32(mine.to_vec()))?
-            .into_f32();
+        let all = self.all_gather(FlatBuffer::F32(mine.to_vec()))?.into_f32();
         let field = |r: usize, i: usize| all[r * ANNOUNCE + i];
         if let Some(other) = (0..world).find(|&r| field(r, 3) != mine[3]) {
             return Err(CommError::Setup(format!(
