@@ -32,7 +32,7 @@ fn config() -> Gpt2Config {
 
 /// The full model with deterministic weights (no random generator: every thread builds the
 /// same one). LayerNorm scales stay near one, everything else is a smooth pseudo-random pattern.
-fn full_model(device: &<B as Backend>::Device) -> Gpt2<B> {
+fn full_model(device: &Device<B>) -> Gpt2<B> {
     let model = config().init::<B>(device);
     let specs = describe::<B, _>(&model);
     write_values(model, device, true, |i| {
@@ -46,7 +46,7 @@ fn full_model(device: &<B as Backend>::Device) -> Gpt2<B> {
 }
 
 /// Token ids `[rows, SEQ]` of step `step`, rows `rows` of the global batch.
-fn tokens(step: usize, rows: std::ops::Range<usize>, device: &<B as Backend>::Device) -> Tensor<B, 2, Int> {
+fn tokens(step: usize, rows: std::ops::Range<usize>, device: &Device<B>) -> Tensor<B, 2, Int> {
     let ids: Vec<i64> = rows
         .clone()
         .flat_map(|r| (0..SEQ).map(move |t| ((r * 31 + t * 17 + step * 5) % VOCAB) as i64))
@@ -87,7 +87,7 @@ fn on_layout<T: Send>(data: usize, tensor: usize, f: impl Fn(RankGroups) -> T + 
 
 /// A full model holding `flat` (one vector per parameter, in visit order): weights, or
 /// gradients to be sliced like weights.
-fn model_from(flat: &[Vec<f32>], device: &<B as Backend>::Device) -> Gpt2<B> {
+fn model_from(flat: &[Vec<f32>], device: &Device<B>) -> Gpt2<B> {
     write_values(config().init::<B>(device), device, false, |i| flat[i].clone())
 }
 

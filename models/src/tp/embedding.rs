@@ -35,7 +35,7 @@ impl<B: TpBackend> VocabParallelEmbedding<B> {
         let rows = vocab / group.size();
         let vocab_start = group.rank() * rows;
         Ok(VocabParallelEmbedding {
-            weight: Param::from_tensor(table.weight.val().detach().narrow(0, vocab_start, rows)),
+            weight: Param::from_tensor(table.weight.val().narrow(0, vocab_start, rows).detach()),
             vocab_start,
             group,
         })

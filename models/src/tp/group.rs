@@ -122,7 +122,7 @@ impl TpGroup {
 mod tests {
     use super::*;
     use burn::backend::Flex;
-    use zero_core::comm::{ProcessGroup, ThreadGroup};
+    use zero_core::comm::ThreadGroup;
 
     /// Reference: the sum and the maximum written out for two ranks.
     #[test]

@@ -78,10 +78,11 @@ impl<B: TpBackend> ColumnParallelLinear<B> {
                 .iter()
                 .map(|&(start, len)| b.val().detach().narrow(0, start, len))
                 .collect();
-            Param::from_tensor(Tensor::cat(parts, 0))
+            Param::from_tensor(Tensor::cat(parts, 0).detach())
         });
         Ok(ColumnParallelLinear {
-            weight: Param::from_tensor(weight),
+            // A leaf of its own: the slicing ops are not part of any graph.
+            weight: Param::from_tensor(weight.detach()),
             bias,
             group,
         })
@@ -102,7 +103,7 @@ impl<B: TpBackend> RowParallelLinear<B> {
         let chunk = d_in / group.size();
         let weight = linear.weight.val().detach().narrow(0, group.rank() * chunk, chunk);
         Ok(RowParallelLinear {
-            weight: Param::from_tensor(weight),
+            weight: Param::from_tensor(weight.detach()),
             bias: linear.bias.as_ref().map(|b| Param::from_tensor(b.val().detach())),
             group,
         })
