@@ -37,8 +37,16 @@ fn full_model(device: &Device<B>) -> Gpt2<B> {
     let specs = describe::<B, _>(&model);
     write_values(model, device, true, |i| {
         let (name, n) = (&specs[i].1.name, specs[i].1.numel());
-        let scale = if name.contains("ln_") && name.ends_with("gamma") { 0.1 } else { 0.3 };
-        let base = if name.contains("ln_") && name.ends_with("gamma") { 1.0 } else { 0.0 };
+        let scale = if name.contains("ln_") && name.ends_with("gamma") {
+            0.1
+        } else {
+            0.3
+        };
+        let base = if name.contains("ln_") && name.ends_with("gamma") {
+            1.0
+        } else {
+            0.0
+        };
         (0..n)
             .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
             .collect()
@@ -77,7 +85,10 @@ fn values<M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
 
 /// Runs `f` on one thread per rank of the layout.
 fn on_layout<T: Send>(data: usize, tensor: usize, f: impl Fn(RankGroups) -> T + Sync) -> Vec<T> {
-    let ranks = ParallelLayout::new(data, tensor).unwrap().threads().unwrap();
+    let ranks = ParallelLayout::new(data, tensor)
+        .unwrap()
+        .threads()
+        .unwrap();
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = ranks.into_iter().map(|g| s.spawn(move || f(g))).collect();
@@ -88,13 +99,17 @@ fn on_layout<T: Send>(data: usize, tensor: usize, f: impl Fn(RankGroups) -> T + 
 /// A full model holding `flat` (one vector per parameter, in visit order): weights, or
 /// gradients to be sliced like weights.
 fn model_from(flat: &[Vec<f32>], device: &Device<B>) -> Gpt2<B> {
-    write_values(config().init::<B>(device), device, false, |i| flat[i].clone())
+    write_values(config().init::<B>(device), device, false, |i| {
+        flat[i].clone()
+    })
 }
 
 /// The reference's gradients, one vector per parameter.
 fn gradients(model: &Gpt2<B>, grads: &mut <B as AutodiffBackend>::Gradients) -> Vec<Vec<f32>> {
     let mut flat = Vec::new();
-    take_grads::<B, _>(model, grads, |_, g| flat.push(g.expect("every parameter has a gradient")));
+    take_grads::<B, _>(model, grads, |_, g| {
+        flat.push(g.expect("every parameter has a gradient"))
+    });
     flat
 }
 
@@ -123,7 +138,8 @@ fn logits_loss_and_gradients_match_the_full_model_at_tp_2_and_4() {
             let mut got = Vec::new();
             take_grads::<B, _>(&model, &mut grads, |_, g| got.push(g.expect("a gradient")));
             // The expected slice, cut by this rank from the reference's gradients.
-            let want = values(&TpGpt2::from_full(&model_from(&want_grads, &device), group).unwrap());
+            let want =
+                values(&TpGpt2::from_full(&model_from(&want_grads, &device), group).unwrap());
             let logits: Vec<f32> = zero_burn::params::tensor_to_vec(logits);
             (groups.coords.tensor, logits, loss.into_scalar(), got, want)
         });
@@ -141,7 +157,11 @@ fn logits_loss_and_gradients_match_the_full_model_at_tp_2_and_4() {
                 "tp {tp} rank {rank}: loss {loss} vs {want_loss}"
             );
             let err = max_relative_error(&got_grads, &want_grads);
-            assert!(err < 1e-5, "tp {tp} rank {rank}: gradients differ by {err:e}");
+            eprintln!("tp {tp} rank {rank}: gradients max relative error {err:e}");
+            assert!(
+                err < 1e-5,
+                "tp {tp} rank {rank}: gradients differ by {err:e}"
+            );
         }
     }
 }
@@ -177,7 +197,8 @@ fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
     let reference = {
         let device = Default::default();
         let group = ThreadGroup::new_group(1).unwrap().remove(0);
-        let mut engine = ChainEngine::new(settings(Stage::Zero0), full_model(&device), group).unwrap();
+        let mut engine =
+            ChainEngine::new(settings(Stage::Zero0), full_model(&device), group).unwrap();
         for step in 0..STEPS {
             let batch = tokens(step, 0..GLOBAL_BATCH, &device);
             let loss = engine.forward((batch.clone(), batch)).unwrap();
@@ -213,7 +234,11 @@ fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
         });
         for (coords, got, want) in results {
             let err = max_relative_error(&got, &want);
-            assert!(err < 2e-5, "stage {stage:?} rank {coords:?}: weights differ by {err:e} after {STEPS} steps");
+            eprintln!("stage {stage:?} {coords:?}: weights max relative error {err:e}");
+            assert!(
+                err < 1e-5,
+                "stage {stage:?} rank {coords:?}: weights differ by {err:e} after {STEPS} steps"
+            );
         }
     }
 }

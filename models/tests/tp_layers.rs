@@ -21,11 +21,16 @@ use zero_models::tp::{
 type B = Autodiff<Flex>;
 
 fn pattern(n: usize, seed: usize) -> Vec<f32> {
-    (0..n).map(|k| ((seed * 97 + k * 13) as f32 * 0.41).sin()).collect()
+    (0..n)
+        .map(|k| ((seed * 97 + k * 13) as f32 * 0.41).sin())
+        .collect()
 }
 
 fn tensor2(rows: usize, cols: usize, seed: usize) -> Tensor<B, 2> {
-    Tensor::from_data(TensorData::new(pattern(rows * cols, seed), [rows, cols]), &Default::default())
+    Tensor::from_data(
+        TensorData::new(pattern(rows * cols, seed), [rows, cols]),
+        &Default::default(),
+    )
 }
 
 fn linear(d_in: usize, d_out: usize, seed: usize) -> Linear<B> {
@@ -55,7 +60,10 @@ fn close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}[{i}]: {a} vs {b}");
+        assert!(
+            (a - b).abs() <= 1e-5 * scale.max(1.0),
+            "{what}[{i}]: {a} vs {b}"
+        );
     }
 }
 
@@ -64,7 +72,14 @@ fn fused_qkv_columns_are_cut_piece_by_piece() {
     // A [2, 12] q|k|v projection over 2 ranks: rank r holds columns 2r..2r+2 of each piece.
     let full = linear(2, 12, 3);
     let whole = tensor_to_vec(full.weight.val());
-    let slices = on_tp(2, |g| tensor_to_vec(ColumnParallelLinear::from_full(&full_clone(&full), 3, g).unwrap().weight.val()));
+    let slices = on_tp(2, |g| {
+        tensor_to_vec(
+            ColumnParallelLinear::from_full(&full_clone(&full), 3, g)
+                .unwrap()
+                .weight
+                .val(),
+        )
+    });
     for (r, got) in slices.iter().enumerate() {
         let want: Vec<f32> = (0..2)
             .flat_map(|row| (0..3).flat_map(move |p| (0..2).map(move |c| (row, p * 4 + 2 * r + c))))
@@ -108,7 +123,9 @@ fn column_then_row_equals_the_full_layers_values_and_input_gradient() {
 
 #[test]
 fn vocab_parallel_lookup_equals_the_full_embedding() {
-    let table = Embedding { weight: Param::from_tensor(tensor2(12, 3, 5)) };
+    let table = Embedding {
+        weight: Param::from_tensor(tensor2(12, 3, 5)),
+    };
     let ids = [[0i64, 5, 11, 6], [3, 3, 9, 2]];
     let want = tensor_to_vec(table.forward(Tensor::from_ints(ids, &Default::default())));
     let got = on_tp(3, |g| {
@@ -123,7 +140,10 @@ fn vocab_parallel_lookup_equals_the_full_embedding() {
 #[test]
 fn vocab_parallel_cross_entropy_matches_float64() {
     let (rows, vocab, tp) = (5, 8, 2);
-    let logits = pattern(rows * vocab, 7).iter().map(|v| 3.0 * v).collect::<Vec<f32>>();
+    let logits = pattern(rows * vocab, 7)
+        .iter()
+        .map(|v| 3.0 * v)
+        .collect::<Vec<f32>>();
     let targets = [1i64, 7, IGNORE_INDEX, 4, 0];
     // Reference in f64: mean over counted rows of log Σ exp z - z_t; gradient (softmax - onehot)
     // / counted for counted rows, zero for ignored ones.
@@ -134,7 +154,10 @@ fn vocab_parallel_cross_entropy_matches_float64() {
         if t == IGNORE_INDEX {
             continue;
         }
-        let z: Vec<f64> = logits[r * vocab..(r + 1) * vocab].iter().map(|&v| v as f64).collect();
+        let z: Vec<f64> = logits[r * vocab..(r + 1) * vocab]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         let lse = z.iter().map(|v| v.exp()).sum::<f64>().ln();
         want_loss += (lse - z[t as usize]) / counted;
         for c in 0..vocab {
@@ -145,8 +168,13 @@ fn vocab_parallel_cross_entropy_matches_float64() {
     let got = on_tp(tp, |g| {
         let local = vocab / tp;
         let start = g.rank() * local;
-        let mine: Vec<f32> = logits.chunks(vocab).flat_map(|row| row[start..start + local].to_vec()).collect();
-        let x = Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, local]), &Default::default()).require_grad();
+        let mine: Vec<f32> = logits
+            .chunks(vocab)
+            .flat_map(|row| row[start..start + local].to_vec())
+            .collect();
+        let x =
+            Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, local]), &Default::default())
+                .require_grad();
         let t = Tensor::<B, 1, Int>::from_ints(targets, &Default::default());
         let loss = vocab_parallel_cross_entropy(x.clone(), t, start, &g);
         let grads = loss.backward();
@@ -154,11 +182,19 @@ fn vocab_parallel_cross_entropy_matches_float64() {
         (loss.into_scalar(), tensor_to_vec(x.grad(&grads).unwrap()))
     });
     for (r, (loss, grad)) in got.iter().enumerate() {
-        assert!((*loss as f64 - want_loss).abs() < 1e-5, "rank {r}: loss {loss} vs {want_loss}");
+        assert!(
+            (*loss as f64 - want_loss).abs() < 1e-5,
+            "rank {r}: loss {loss} vs {want_loss}"
+        );
         let local = vocab / tp;
         let want: Vec<f32> = want_grad
             .chunks(vocab)
-            .flat_map(|row| row[r * local..(r + 1) * local].iter().map(|&v| v as f32).collect::<Vec<_>>())
+            .flat_map(|row| {
+                row[r * local..(r + 1) * local]
+                    .iter()
+                    .map(|&v| v as f32)
+                    .collect::<Vec<_>>()
+            })
             .collect();
         close(grad, &want, &format!("rank {r} logit gradient"));
     }

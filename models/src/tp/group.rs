@@ -79,7 +79,12 @@ impl TpGroup {
     }
 
     /// All-reduces `values` in place; on failure records it and fills them with NaN.
-    pub(crate) fn all_reduce_vec(&self, values: Vec<f32>, op: ReduceOp, what: &'static str) -> Vec<f32> {
+    pub(crate) fn all_reduce_vec(
+        &self,
+        values: Vec<f32>,
+        op: ReduceOp,
+        what: &'static str,
+    ) -> Vec<f32> {
         if self.size() == 1 {
             return values;
         }
@@ -135,11 +140,17 @@ mod tests {
                     let g = TpGroup::new(g.clone() as SharedGroup);
                     s.spawn(move || {
                         let r = g.rank() as f32;
-                        let t = Tensor::<Flex, 2>::from_floats([[r, -r], [1.0, 2.0 * r]], &Default::default());
+                        let t = Tensor::<Flex, 2>::from_floats(
+                            [[r, -r], [1.0, 2.0 * r]],
+                            &Default::default(),
+                        );
                         let sum = g.all_reduce_tensor(t.clone(), ReduceOp::Sum, "test");
                         let max = g.all_reduce_tensor(t, ReduceOp::Max, "test");
                         assert!(g.check().is_ok());
-                        (sum.into_data().to_vec().unwrap(), max.into_data().to_vec().unwrap())
+                        (
+                            sum.into_data().to_vec().unwrap(),
+                            max.into_data().to_vec().unwrap(),
+                        )
                     })
                 })
                 .collect();
