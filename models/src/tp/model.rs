@@ -20,6 +20,10 @@ use zero_burn::ChainModel;
 /// Every rank of the group runs the same forward on the same batch and gets the same hidden
 /// states and loss; each holds and trains only its slice of the split weights. Built from a
 /// full [`Gpt2`] with [`TpGpt2::from_full`], each rank slicing its part.
+///
+/// With [`zero_burn::ChainEngine`] over the data-parallel group, leave `gradient_clipping` at 0:
+/// the engine's global norm sums over the data-parallel group only, so each tensor-parallel rank
+/// would clip by the norm of its own slice and the replicated weights would drift apart.
 #[derive(Module, Debug)]
 pub struct TpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.
