@@ -237,22 +237,23 @@ fn settings(stage: Stage) -> EngineSettings {
 const STEPS: usize = 5;
 const GLOBAL_BATCH: usize = 4;
 
+/// The single-process run: the full model, the whole global batch, one rank.
+fn reference_training() -> Vec<Vec<f32>> {
+    let device = Default::default();
+    let group = ThreadGroup::new_group(1).unwrap().remove(0);
+    let mut engine = ChainEngine::new(settings(Stage::Zero0), full_model(&device), group).unwrap();
+    for step in 0..STEPS {
+        let batch = tokens(step, 0..GLOBAL_BATCH, &device);
+        let loss = engine.forward((batch.clone(), batch)).unwrap();
+        engine.backward(loss).unwrap();
+        engine.step().unwrap();
+    }
+    values(&engine.module().unwrap())
+}
+
 #[test]
 fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
-    // The single-process run: the full model, the whole global batch, one rank.
-    let reference = {
-        let device = Default::default();
-        let group = ThreadGroup::new_group(1).unwrap().remove(0);
-        let mut engine =
-            ChainEngine::new(settings(Stage::Zero0), full_model(&device), group).unwrap();
-        for step in 0..STEPS {
-            let batch = tokens(step, 0..GLOBAL_BATCH, &device);
-            let loss = engine.forward((batch.clone(), batch)).unwrap();
-            engine.backward(loss).unwrap();
-            engine.step().unwrap();
-        }
-        values(&engine.module().unwrap())
-    };
+    let reference = reference_training();
     let initial = full_model(&Default::default());
     assert!(
         max_relative_error(&values(&initial), &reference) > 1e-3,
@@ -260,31 +261,57 @@ fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
     );
 
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        let (dp, tp) = (2, 2);
-        let results = on_layout(dp, tp, |groups| {
-            let device = Default::default();
-            let group = TpGroup::new(groups.tensor.clone());
-            let model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
-            let mut engine = ChainEngine::new(settings(stage), model, groups.data.clone()).unwrap();
-            let per_rank = GLOBAL_BATCH / dp;
-            let d = groups.coords.data;
-            for step in 0..STEPS {
-                let batch = tokens(step, d * per_rank..(d + 1) * per_rank, &device);
+        check_training(stage, 2, 2, 1, &reference);
+    }
+}
+
+#[test]
+fn other_layouts_stage_0_and_accumulation_train_like_one_process() {
+    let reference = reference_training();
+    for (stage, dp, tp, gas) in [
+        (Stage::Zero0, 2, 2, 1),
+        (Stage::Zero2, 2, 2, 2),
+        (Stage::Zero3, 2, 2, 2),
+        (Stage::Zero1, 1, 4, 1),
+        (Stage::Zero3, 1, 4, 2),
+    ] {
+        check_training(stage, dp, tp, gas, &reference);
+    }
+}
+
+/// Trains the tensor-parallel model on a `dp × tp` layout, `gas` micro-batches per step (the
+/// global batch split in order across data-parallel ranks, then micro-batches), and compares
+/// every rank's weights with its slice of the reference's.
+fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, reference: &[Vec<f32>]) {
+    let results = on_layout(dp, tp, |groups| {
+        let device = Default::default();
+        let group = TpGroup::new(groups.tensor.clone());
+        let model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
+        let mut settings = settings(stage);
+        settings.gradient_accumulation_steps = gas;
+        let mut engine = ChainEngine::new(settings, model, groups.data.clone()).unwrap();
+        let per_micro = GLOBAL_BATCH / dp / gas;
+        let d = groups.coords.data;
+        for step in 0..STEPS {
+            for micro in 0..gas {
+                let start = (d * gas + micro) * per_micro;
+                let batch = tokens(step, start..start + per_micro, &device);
                 let loss = engine.forward((batch.clone(), batch)).unwrap();
                 engine.backward(loss).unwrap();
                 engine.step().unwrap();
             }
-            group.check().unwrap();
-            let want = values(&TpGpt2::from_full(&model_from(&reference, &device), group).unwrap());
-            (groups.coords, values(&engine.module().unwrap()), want)
-        });
-        for (coords, got, want) in results {
-            let err = max_relative_error(&got, &want);
-            eprintln!("stage {stage:?} {coords:?}: weights max relative error {err:e}");
-            assert!(
-                err < 1e-5,
-                "stage {stage:?} rank {coords:?}: weights differ by {err:e} after {STEPS} steps"
-            );
         }
+        group.check().unwrap();
+        let want = values(&TpGpt2::from_full(&model_from(reference, &device), group).unwrap());
+        (groups.coords, values(&engine.module().unwrap()), want)
+    });
+    for (coords, got, want) in results {
+        let err = max_relative_error(&got, &want);
+        let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} {coords:?}");
+        eprintln!("{label}: weights max relative error {err:e}");
+        assert!(
+            err < 1e-5,
+            "{label}: weights differ by {err:e} after {STEPS} steps"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! The tensor-parallel group as the layers hold it, and tensors through its collectives.
 
 use burn::prelude::*;
-use burn::tensor::TensorData;
+use burn::tensor::{FloatDType, TensorData};
 use std::sync::{Arc, Mutex};
 use zero_core::comm::{CommError, FlatBuffer, ReduceOp, SharedGroup};
 
@@ -117,9 +117,17 @@ impl TpGroup {
         }
         let device = tensor.device();
         let shape = tensor.shape();
+        let dtype = tensor.dtype();
+        // Reduced in f32 and rounded once to the tensor's own dtype, as the comm layer does
+        // for 16-bit buffers.
         let values = zero_burn::params::tensor_to_vec(tensor);
         let reduced = self.all_reduce_vec(values, op, what);
-        Tensor::from_data(TensorData::new(reduced, shape), &device)
+        let out = Tensor::<B, D>::from_data(TensorData::new(reduced, shape), &device);
+        if out.dtype() == dtype {
+            out
+        } else {
+            out.cast(FloatDType::from(dtype))
+        }
     }
 }
 
@@ -159,6 +167,31 @@ mod tests {
         for (sum, max) in out {
             assert_eq!(sum, vec![1.0, -1.0, 2.0, 2.0]);
             assert_eq!(max, vec![1.0, 0.0, 1.0, 2.0]);
+        }
+    }
+
+    /// A bf16 activation stays bf16: reference, the sum of two bf16-exact values.
+    #[test]
+    fn sixteen_bit_tensors_keep_their_dtype() {
+        let ranks = ThreadGroup::new_group(2).unwrap();
+        let out: Vec<(burn::tensor::DType, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|g| {
+                    let g = TpGroup::new(g.clone() as SharedGroup);
+                    s.spawn(move || {
+                        let t = Tensor::<Flex, 1>::from_floats([1.5, -0.25], &Default::default())
+                            .cast(FloatDType::BF16);
+                        let sum = g.all_reduce_tensor(t, ReduceOp::Sum, "test");
+                        (sum.dtype(), zero_burn::params::tensor_to_vec(sum))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (dtype, values) in out {
+            assert_eq!(dtype, burn::tensor::DType::BF16);
+            assert_eq!(values, vec![3.0, -0.5]);
         }
     }
 
