@@ -8,6 +8,7 @@
 
 pub mod gpt2;
 pub mod tokenizer;
+pub mod tp;
 
 pub use gpt2::{Gpt2, Gpt2Block, Gpt2Config};
 pub use tokenizer::Gpt2Tokenizer;

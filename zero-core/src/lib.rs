@@ -14,4 +14,5 @@ pub mod launch;
 pub mod loss_scaler;
 pub mod lr_schedule;
 pub mod optim;
+pub mod parallel;
 pub mod partition;

@@ -21,6 +21,7 @@ mod link;
 mod pump;
 mod rendezvous;
 mod stream;
+mod subgroup;
 
 use super::env::{timeout_from_env, DistEnv};
 use super::op::{OpDesc, OpKind, DESC_BYTES};
@@ -31,7 +32,7 @@ use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 use link::Control;
 use pump::{Mesh, RecvFlow, Seg, SendFlow, Sink};
-use rendezvous::{connect_mesh, SocketTuning};
+use rendezvous::{connect_mesh, PeerHost, SocketTuning};
 use std::ops::Range;
 use std::time::Duration;
 
@@ -75,6 +76,9 @@ pub struct TcpGroup {
     world: usize,
     transports: Vec<Option<Transport>>,
     worker: Worker<TcpRank>,
+    /// How every member's host is reached, for [`TcpGroup::split`].
+    hosts: Vec<PeerHost>,
+    options: TcpOptions,
 }
 
 impl std::fmt::Debug for TcpGroup {
@@ -118,7 +122,7 @@ impl TcpGroup {
             buffer: options.socket_buffer,
             unix_on_same_host: options.unix_on_same_host,
         };
-        let links = connect_mesh(
+        let (links, hosts) = connect_mesh(
             rank,
             world,
             master_addr,
@@ -126,6 +130,17 @@ impl TcpGroup {
             options.timeout,
             tuning,
         )?;
+        Self::from_links(rank, links, hosts, options)
+    }
+
+    /// The group over an established mesh.
+    fn from_links(
+        rank: usize,
+        links: Vec<Option<link::Link>>,
+        hosts: Vec<PeerHost>,
+        options: TcpOptions,
+    ) -> Result<Self, CommError> {
+        let world = links.len();
         let transports = links
             .iter()
             .map(|l| {
@@ -146,6 +161,8 @@ impl TcpGroup {
             world,
             transports,
             worker,
+            hosts,
+            options,
         })
     }
 }

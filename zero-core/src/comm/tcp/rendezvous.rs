@@ -199,7 +199,18 @@ fn read_hello(s: &mut Stream, deadline: Instant) -> Result<(u32, usize, u32), Co
     Ok((w(0), w(4) as usize, w(8)))
 }
 
-/// Builds the mesh of `rank` in a group of `world`; returns one link per peer.
+/// How the rest of the job reaches one rank's host: what a group's subgroups need to connect
+/// without a rendezvous of their own.
+#[derive(Clone, Debug)]
+pub(crate) struct PeerHost {
+    /// The rank's IP as this rank reaches it.
+    pub ip: String,
+    /// Host identity (see [`Entry::host`]).
+    pub host: String,
+}
+
+/// Builds the mesh of `rank` in a group of `world`; returns one link per peer and how each
+/// rank's host is reached.
 pub(crate) fn connect_mesh(
     rank: usize,
     world: usize,
@@ -207,15 +218,18 @@ pub(crate) fn connect_mesh(
     master_port: u16,
     timeout: Duration,
     tuning: SocketTuning,
-) -> Result<Vec<Option<Link>>, CommError> {
+) -> Result<(Vec<Option<Link>>, Vec<PeerHost>), CommError> {
     if rank >= world {
         return Err(setup(format!(
             "rank {rank} is not below the world size {world}"
         )));
     }
-    let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     if world == 1 {
-        return Ok(links);
+        let me = PeerHost {
+            ip: String::new(),
+            host: host_identity(),
+        };
+        return Ok((vec![None], vec![me]));
     }
     let deadline = Instant::now() + timeout;
     let master = resolve(master_addr, master_port)?;
@@ -306,7 +320,121 @@ pub(crate) fn connect_mesh(
         table
     };
 
-    // 2. The mesh: connect to lower ranks, accept from higher ones.
+    let hosts = table
+        .iter()
+        .map(|e| PeerHost {
+            ip: e.ip.clone(),
+            host: e.host.clone(),
+        })
+        .collect();
+    let mine = MeshListeners {
+        tcp: listener,
+        unix: unix_listener,
+    };
+    let links = mesh_from_table(rank, &table, &host, mine, deadline, tuning)?;
+    Ok((links, hosts))
+}
+
+/// A rank's listeners for the mesh connections of its peers.
+pub(crate) struct MeshListeners {
+    tcp: TcpListener,
+    unix: Option<UnixListener>,
+}
+
+impl MeshListeners {
+    /// Opens a TCP listener on an ephemeral port (on every interface of `ip`'s family) and,
+    /// when `unix_on_same_host`, an abstract Unix-domain listener named after the process,
+    /// `rank` and that port. Returns them with the port and the Unix name (empty: none).
+    pub(crate) fn open(
+        rank: usize,
+        ipv6: bool,
+        unix_on_same_host: bool,
+    ) -> Result<(Self, u16), CommError> {
+        let unspecified: IpAddr = if ipv6 {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        } else {
+            Ipv4Addr::UNSPECIFIED.into()
+        };
+        let tcp = TcpListener::bind((unspecified, 0))
+            .map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
+        let port = tcp.local_addr().map_err(setup)?.port();
+        let unix = if unix_on_same_host {
+            UnixAddr::from_abstract_name(split_unix_name(std::process::id(), rank, port).as_bytes())
+                .and_then(|a| UnixListener::bind_addr(&a))
+                .ok()
+        } else {
+            None
+        };
+        Ok((MeshListeners { tcp, unix }, port))
+    }
+
+    /// Whether a Unix-domain listener is open.
+    pub(crate) fn has_unix(&self) -> bool {
+        self.unix.is_some()
+    }
+}
+
+/// The abstract Unix socket name of a subgroup listener, derivable by every peer that knows the
+/// process id, the world rank and the listener's TCP port.
+pub(crate) fn split_unix_name(pid: u32, rank: usize, port: u16) -> String {
+    format!("zero-comm-split-{pid}-{rank}-{port}")
+}
+
+/// How a subgroup member is reached: built from the world's [`PeerHost`] and what the member
+/// announced for the subgroup.
+pub(crate) fn subgroup_entry(
+    world: usize,
+    rank: usize,
+    peer: &PeerHost,
+    port: u16,
+    unix: String,
+) -> SubEntry {
+    SubEntry(Entry {
+        world,
+        rank,
+        ip: peer.ip.clone(),
+        port,
+        host: peer.host.clone(),
+        unix,
+    })
+}
+
+/// One row of a subgroup's address table.
+pub(crate) struct SubEntry(Entry);
+
+/// Builds the mesh of a subgroup whose address table every member already has: local rank
+/// `rank` connects to the lower members and accepts the higher ones on `mine`.
+pub(crate) fn connect_submesh(
+    rank: usize,
+    table: Vec<SubEntry>,
+    mine: MeshListeners,
+    timeout: Duration,
+    tuning: SocketTuning,
+) -> Result<Vec<Option<Link>>, CommError> {
+    let table: Vec<Entry> = table.into_iter().map(|e| e.0).collect();
+    if table.len() <= 1 {
+        return Ok(vec![None]);
+    }
+    let deadline = Instant::now() + timeout;
+    mesh_from_table(rank, &table, &host_identity(), mine, deadline, tuning)
+}
+
+/// Phase 2 of a rendezvous: with every rank's address known, connect to lower ranks and accept
+/// from higher ones (a data and a control connection per pair).
+fn mesh_from_table(
+    rank: usize,
+    table: &[Entry],
+    host: &str,
+    mine: MeshListeners,
+    deadline: Instant,
+    tuning: SocketTuning,
+) -> Result<Vec<Option<Link>>, CommError> {
+    let world = table.len();
+    let MeshListeners {
+        tcp: listener,
+        unix: unix_listener,
+    } = mine;
+    let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     let mut data: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
     let mut ctrl: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
     for peer in 0..rank {

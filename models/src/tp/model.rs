@@ -1,0 +1,148 @@
+//! GPT-2 over a tensor-parallel group, and its chain for the ZeRO engine.
+
+use super::block::TpBlock;
+use super::collectives::TpBackend;
+use super::cross_entropy::vocab_parallel_cross_entropy;
+use super::embedding::VocabParallelEmbedding;
+use super::group::TpGroup;
+use super::{fresh, TpLoadError};
+use crate::gpt2::{Gpt2, Gpt2Batch};
+use burn::module::Module;
+use burn::nn::{Embedding, LayerNorm};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use zero_burn::ChainModel;
+
+/// GPT-2 with every layer split Megatron-style over a tensor-parallel group: `wte`
+/// vocab-parallel and tied to the LM head (vocab-parallel logits and cross-entropy), each
+/// block's heads and MLP features split, `wpe` and the LayerNorms replicated.
+///
+/// Every rank of the group runs the same forward on the same batch and gets the same hidden
+/// states and loss; each holds and trains only its slice of the split weights. Built from a
+/// full [`Gpt2`] with [`TpGpt2::from_full`], each rank slicing its part.
+///
+/// With [`zero_burn::ChainEngine`] over the data-parallel group, leave `gradient_clipping` at 0:
+/// the engine's global norm sums over the data-parallel group only, so each tensor-parallel rank
+/// would clip by the norm of its own slice and the replicated weights would drift apart.
+#[derive(Module, Debug)]
+pub struct TpGpt2<B: Backend> {
+    /// Token embedding, this rank's vocabulary rows; also the LM head.
+    pub wte: VocabParallelEmbedding<B>,
+    /// Position embedding (replicated).
+    pub wpe: Embedding<B>,
+    /// The transformer blocks.
+    pub blocks: Vec<TpBlock<B>>,
+    /// The final LayerNorm (replicated).
+    pub ln_f: LayerNorm<B>,
+}
+
+impl<B: TpBackend> TpGpt2<B> {
+    /// This rank's part of `full`. The vocabulary, the number of heads and the MLP's inner
+    /// size must be multiples of the group's size.
+    pub fn from_full(full: &Gpt2<B>, group: TpGroup) -> Result<Self, TpLoadError> {
+        Ok(TpGpt2 {
+            wte: VocabParallelEmbedding::from_full(&full.wte, group.clone())?,
+            wpe: fresh(full.wpe.clone()),
+            blocks: full
+                .blocks
+                .iter()
+                .map(|b| TpBlock::from_full(b, group.clone()))
+                .collect::<Result<_, _>>()?,
+            ln_f: fresh(full.ln_f.clone()),
+        })
+    }
+
+    /// The tensor-parallel group.
+    pub fn group(&self) -> &TpGroup {
+        &self.wte.group
+    }
+
+    /// Token plus position embeddings of `tokens` `[batch, seq]`, replicated.
+    ///
+    /// # Panics
+    ///
+    /// If `seq` exceeds `n_positions`.
+    pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, seq] = tokens.dims();
+        let [n_positions, _] = self.wpe.weight.dims();
+        assert!(
+            seq <= n_positions,
+            "sequence length {seq} exceeds the model's n_positions {n_positions}"
+        );
+        let positions = self.wpe.weight.val().narrow(0, 0, seq).unsqueeze::<3>();
+        self.wte.forward(tokens) + positions
+    }
+
+    /// Runs every block.
+    pub fn run_blocks(&self, mut h: Tensor<B, 3>) -> Tensor<B, 3> {
+        for block in &self.blocks {
+            h = block.forward(h);
+        }
+        h
+    }
+
+    /// Final LayerNorm, then this rank's logits `[batch, seq, vocab / tp]` (token ids from
+    /// `wte.vocab_start`).
+    pub fn head_logits(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.wte.logits(self.ln_f.forward(h))
+    }
+
+    /// The loss of [`Gpt2::head_loss`] (HuggingFace's `labels` semantics), through the
+    /// vocab-parallel cross-entropy; the same on every rank.
+    pub fn head_loss(&self, h: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [batch, seq, _] = h.dims();
+        if seq < 2 {
+            return Tensor::from_floats([f32::NAN], &h.device());
+        }
+        let logits = self.head_logits(h.narrow(1, 0, seq - 1));
+        let [_, _, local_vocab] = logits.dims();
+        let rows = batch * (seq - 1);
+        let targets = labels.narrow(1, 1, seq - 1).reshape([rows]);
+        vocab_parallel_cross_entropy(
+            logits.reshape([rows, local_vocab]),
+            targets,
+            self.wte.vocab_start,
+            self.group(),
+        )
+    }
+
+    /// This rank's logits of `tokens`: the whole chain.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.head_logits(self.run_blocks(self.embed(tokens)))
+    }
+
+    /// Mean next-token cross-entropy (see [`Gpt2::loss`]).
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.head_loss(self.run_blocks(self.embed(tokens)), labels)
+    }
+}
+
+impl<B: AutodiffBackend + TpBackend> ChainModel<B> for TpGpt2<B> {
+    type Batch = Gpt2Batch<B>;
+    type Hidden = Tensor<B, 3>;
+    /// The model without its blocks: `wte` (this rank's rows), `wpe`, `ln_f`.
+    type Ends = TpGpt2<B>;
+    type Block = TpBlock<B>;
+
+    fn into_parts(mut self) -> (TpGpt2<B>, Vec<TpBlock<B>>) {
+        let blocks = std::mem::take(&mut self.blocks);
+        (self, blocks)
+    }
+
+    fn from_parts(mut ends: TpGpt2<B>, blocks: Vec<TpBlock<B>>) -> Self {
+        ends.blocks = blocks;
+        ends
+    }
+
+    fn embed(ends: &TpGpt2<B>, batch: &Self::Batch) -> Tensor<B, 3> {
+        ends.embed(batch.0.clone())
+    }
+
+    fn block_forward(block: &TpBlock<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        block.forward(x)
+    }
+
+    fn head_loss(ends: &TpGpt2<B>, h: Tensor<B, 3>, batch: &Self::Batch) -> Tensor<B, 1> {
+        ends.head_loss(h, batch.1.clone())
+    }
+}
