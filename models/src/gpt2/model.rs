@@ -147,6 +147,9 @@ fn shifted_cross_entropy<B: Backend>(
     rows: usize,
 ) -> Tensor<B, 1> {
     let [_, _, vocab] = logits.dims();
+    // The loss is computed in f32 whatever the model's dtype (as HuggingFace upcasts bf16/fp16
+    // logits): a softmax over 50k entries in bf16 loses the small probabilities.
+    let logits = logits.cast(burn::tensor::DType::F32);
     let log_probs = log_softmax(logits.reshape([rows, vocab]), 1);
     let targets = targets.reshape([rows]);
     let counted = targets.clone().not_equal_elem(IGNORE_INDEX);
