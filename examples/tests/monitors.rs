@@ -6,13 +6,16 @@
 //! its EventAccumulator.
 
 use std::path::{Path, PathBuf};
-use zero_examples::gpt2::{train, TrainArgs, TrainSummary};
+use zero_examples::gpt2::{train, StepRecord, TrainArgs, TrainSummary};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
 }
+
+/// Where the summary holds a CSV column's value.
+type Column = fn(&StepRecord) -> f64;
 
 const STEPS: u64 = 3;
 const BATCH: u64 = 8;
@@ -63,7 +66,7 @@ fn csv_and_tensorboard_monitors_record_every_step_once() {
     // CSV: one file per tag, a header, then one `samples,value` row per step (rank 0 only: a
     // second writer would double the rows).
     let csv_dir = dir.path().join("csv/run1");
-    let columns: [(&str, fn(&zero_examples::gpt2::StepRecord) -> f64); 4] = [
+    let columns: [(&str, Column); 4] = [
         ("train_loss", |r| r.loss),
         ("lr", |r| r.lr),
         ("loss_scale", |r| r.loss_scale),
@@ -95,7 +98,10 @@ fn csv_and_tensorboard_monitors_record_every_step_once() {
     let events = decode_event_file(&std::fs::read(&files[0]).expect("event file"));
     assert_eq!(events.len(), 1 + STEPS as usize);
     assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
-    assert!(events[0].wall_time > 1.6e9, "wall time in seconds since 1970");
+    assert!(
+        events[0].wall_time > 1.6e9,
+        "wall time in seconds since 1970"
+    );
     for (event, record) in events[1..].iter().zip(&summary.steps) {
         assert_eq!(event.step, (record.step * BATCH) as i64);
         let get = |tag: &str| {
@@ -175,7 +181,7 @@ fn masked_crc(data: &[u8]) -> u32 {
         }
     }
     let crc = !crc;
-    ((crc >> 15) | (crc << 17)).wrapping_add(0xA282_EAD8)
+    crc.rotate_right(15).wrapping_add(0xA282_EAD8)
 }
 
 fn decode_event_file(bytes: &[u8]) -> Vec<Event> {

@@ -59,13 +59,13 @@ fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 fn stage_3_resume_after_3_steps_matches_an_uninterrupted_5_step_run() {
     let dir = tempfile::tempdir().expect("tempdir");
     // Stage 3 with a persistence threshold below most tensors, so that the weights live only in
-    // the shards; warmup makes the LR schedule's position part of what must survive.
+    // the shards; a warmup from a non-zero LR makes the schedule's position part of what must survive.
     let config = serde_json::json!({
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 4}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0002, "warmup_max_lr": 0.001, "warmup_num_steps": 4}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}
     });
     let config_path = dir.path().join("config.json");
@@ -78,15 +78,29 @@ fn stage_3_resume_after_3_steps_matches_an_uninterrupted_5_step_run() {
     let resumed = train(&args(&config_path, 5, &split_dir, Some(&split_dir))).expect("resumed run");
 
     assert_eq!(whole.steps.len(), 5);
+    for r in &whole.steps {
+        println!(
+            "step {}: loss {} lr {} grad norm {}",
+            r.step, r.loss, r.lr, r.grad_norm
+        );
+    }
     assert_eq!(first.steps.len(), 3);
     let resumed_steps: Vec<u64> = resumed.steps.iter().map(|r| r.step).collect();
-    assert_eq!(resumed_steps, [4, 5], "the resumed run takes steps 4 and 5 only");
+    assert_eq!(
+        resumed_steps,
+        [4, 5],
+        "the resumed run takes steps 4 and 5 only"
+    );
     for (a, b) in first.steps.iter().zip(&whole.steps) {
         assert_eq!(a.loss, b.loss, "step {} before the save", a.step);
     }
     for (r, w) in resumed.steps.iter().zip(&whole.steps[3..]) {
         assert_eq!(r.step, w.step);
-        assert_eq!(r.loss, w.loss, "step {}: resumed loss vs uninterrupted", r.step);
+        assert_eq!(
+            r.loss, w.loss,
+            "step {}: resumed loss vs uninterrupted",
+            r.step
+        );
         assert_eq!(r.grad_norm, w.grad_norm, "step {}: grad norm", r.step);
         assert_eq!(r.lr, w.lr, "step {}: LR schedule position", r.step);
     }

@@ -128,11 +128,7 @@ impl CsvMonitor {
                 .append(true)
                 .open(&path)
                 .map_err(|source| io(&path, source))?;
-            let empty = file
-                .metadata()
-                .map_err(|source| io(&path, source))?
-                .len()
-                == 0;
+            let empty = file.metadata().map_err(|source| io(&path, source))?.len() == 0;
             if empty {
                 let header = tag.rsplit('/').next().unwrap_or(tag);
                 writeln!(file, "step,{header}").map_err(|source| io(&path, source))?;

@@ -210,7 +210,11 @@ impl ProcessGroup for TimedGroup {
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         let t = Instant::now();
-        self.timed(t, self.inner.reduce_scatter_async(input, op), "reduce_scatter")
+        self.timed(
+            t,
+            self.inner.reduce_scatter_async(input, op),
+            "reduce_scatter",
+        )
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
@@ -220,7 +224,11 @@ impl ProcessGroup for TimedGroup {
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
         let t = Instant::now();
-        self.timed(t, self.inner.all_gather_into_async(shard, out), "all_gather")
+        self.timed(
+            t,
+            self.inner.all_gather_into_async(shard, out),
+            "all_gather",
+        )
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {

@@ -207,7 +207,10 @@ fn rank_loop(
     let mut first_step = 0;
     if let Some(dir) = &args.load {
         let client = engine.load_checkpoint(dir, None)?;
-        first_step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(engine.global_step());
+        first_step = client
+            .get("step")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(engine.global_step());
         if first_step != engine.global_step() {
             return Err(TrainError::Config(format!(
                 "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
@@ -299,7 +302,9 @@ fn rank_loop(
         }
         records.push(record);
         if let Some(dir) = &args.save {
-            let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+            let periodic = args
+                .save_every
+                .is_some_and(|k| k > 0 && (step + 1) % k == 0);
             if periodic || step + 1 == args.steps {
                 let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
                 engine.save_checkpoint(dir, None, &client)?;
