@@ -147,6 +147,8 @@ struct Pending {
 ///
 /// A waiter thread waits on the collectives in issue order (the order every backend completes
 /// them in) and notes when each is done; the caller's `wait()` receives the result from it.
+/// That costs one thread hand-off per collective, which is why the trainer wraps the group only
+/// when `wall_clock_breakdown` is set.
 #[derive(Debug)]
 pub struct TimedGroup {
     inner: Arc<dyn ProcessGroup>,
