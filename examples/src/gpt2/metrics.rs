@@ -61,6 +61,15 @@ impl Progress {
         }
     }
 
+    /// Prints a line above the bar (or plainly without one); rank 0 only.
+    pub fn println(&self, line: &str) {
+        match (&self.bar, self.lead) {
+            (Some(bar), _) => bar.println(line),
+            (None, true) => println!("{line}"),
+            (None, false) => {}
+        }
+    }
+
     /// Ends the bar and prints the summary (rank 0 only, bar or not).
     pub fn finish(&mut self, s: &TrainSummary) {
         if let Some(bar) = self.bar.take() {

@@ -5,11 +5,17 @@ mod error;
 mod generate;
 mod metrics;
 mod model;
+mod monitor;
 mod score;
+mod tensorboard;
+mod timers;
 mod train;
 
 pub use data::{DataSource, TokenBatch};
 pub use error::TrainError;
 pub use generate::{generate, GenerateArgs};
+pub use monitor::{CsvMonitor, Monitors};
 pub use score::{score, ScoreArgs};
+pub use tensorboard::EventWriter;
+pub use timers::{Breakdown, CommClock, StepTimers, TimedGroup};
 pub use train::{train, StepRecord, TrainArgs, TrainSummary};

@@ -5,6 +5,8 @@
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
 use super::model::ModelSource;
+use super::monitor::Monitors;
+use super::timers::{StepTimers, TimedGroup};
 use super::TrainError;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -192,11 +194,23 @@ fn rank_loop(
         resolved.train_batch_size as usize,
     );
     let parameters = model_config.num_params() as usize;
-    let mut engine = ChainEngine::new(settings, model, group.clone())?;
+    let lead = rank == 0;
+    // wall_clock_breakdown: the engine's collectives pass through a timing wrapper (rank 0 only
+    // prints, so only rank 0 pays for it).
+    let (engine_group, comm_clock) = if resolved.wall_clock_breakdown && lead {
+        let (timed, clock) = TimedGroup::new(group.clone());
+        (timed as Arc<dyn ProcessGroup>, Some(clock))
+    } else {
+        (group.clone(), None)
+    };
+    let mut engine = ChainEngine::new(settings, model, engine_group)?;
     let mut first_step = 0;
     if let Some(dir) = &args.load {
         let client = engine.load_checkpoint(dir, None)?;
-        first_step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(engine.global_step());
+        first_step = client
+            .get("step")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(engine.global_step());
         if first_step != engine.global_step() {
             return Err(TrainError::Config(format!(
                 "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
@@ -206,7 +220,6 @@ fn rank_loop(
         }
     }
 
-    let lead = rank == 0;
     let mut progress = Progress::new(
         lead,
         !args.quiet,
@@ -222,6 +235,9 @@ fn rank_loop(
     let seq = data.seq_len();
     let validation = data.validation(global.max(world));
     let every = resolved.steps_per_print.max(1);
+    let mut monitors = Monitors::open(&resolved.monitors, lead, global as u64)?;
+    let mut timers = (resolved.wall_clock_breakdown && lead).then(|| StepTimers::new(comm_clock));
+    let mut last_printed = first_step;
     let started = Instant::now();
     let mut records = Vec::new();
     for step in first_step..args.steps {
@@ -232,9 +248,18 @@ fn rank_loop(
         let mut report = None;
         for chunk in mine.chunks(micro) {
             let tokens = token_tensor(chunk, &device);
-            let loss = engine.forward((tokens.clone(), tokens))?;
-            loss_sum += engine.backward(loss)? as f64;
-            report = engine.step()?;
+            if let Some(t) = timers.as_mut() {
+                let loss = t.forward(|| engine.forward((tokens.clone(), tokens)))?;
+                loss_sum += t.backward(|| engine.backward(loss))? as f64;
+                report = t.step(|| engine.step())?;
+            } else {
+                let loss = engine.forward((tokens.clone(), tokens))?;
+                loss_sum += engine.backward(loss)? as f64;
+                report = engine.step()?;
+            }
+        }
+        if let Some(t) = timers.as_mut() {
+            t.end_step();
         }
         let report = report.ok_or_else(|| {
             TrainError::Config("the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into())
@@ -257,10 +282,10 @@ fn rank_loop(
             step: step + 1,
             loss,
             lr: report.lr,
-            loss_scale: 1.0,
+            loss_scale: report.loss_scale,
             grad_norm: report.grad_norm,
             tokens_per_s: (global * seq) as f64 / t0.elapsed().as_secs_f64(),
-            skipped: false,
+            skipped: report.skipped,
             valid_loss,
             memory,
         };
@@ -268,9 +293,18 @@ fn rank_loop(
         if let Some(m) = metrics.as_mut() {
             m.write(&record)?;
         }
+        monitors.step(&record)?;
+        if let Some(t) = timers.as_mut() {
+            if (step + 1) % every == 0 || step + 1 == args.steps {
+                progress.println(&t.take().line(last_printed + 1, step + 1));
+                last_printed = step + 1;
+            }
+        }
         records.push(record);
         if let Some(dir) = &args.save {
-            let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+            let periodic = args
+                .save_every
+                .is_some_and(|k| k > 0 && (step + 1) % k == 0);
             if periodic || step + 1 == args.steps {
                 let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
                 engine.save_checkpoint(dir, None, &client)?;
