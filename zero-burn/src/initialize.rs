@@ -8,13 +8,13 @@ use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
 use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
-use crate::settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, PrecisionSettings, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    CommDataType, DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig,
+    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig,
     SchedulerConfig,
 };
 use zero_core::loss_scaler::LossScalerConfig;
@@ -48,16 +48,10 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     let stage = Stage::from_number(config.zero.stage as u8)
         .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
     let precision = precision_settings(config)?;
-    if config.zero.offload_optimizer.as_ref().is_some() {
-        return Err(ZeroError::Config(
-            "zero_optimization.offload_optimizer: offloading is not available in this version of the engine; remove the \
-             section or set its device to \"none\""
-                .into(),
-        ));
-    }
+    let offload_optimizer = optimizer_offload(config)?;
     if config.zero.offload_param.as_ref().is_some() {
         return Err(ZeroError::Config(
-            "zero_optimization.offload_param: offloading is not available in this version of the engine; remove the \
+            "zero_optimization.offload_param: parameter offload is not available (optimizer offload is); remove the \
              section or set its device to \"none\""
                 .into(),
         ));
@@ -76,7 +70,44 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.gradient_clipping = config.gradient_clipping;
     settings.lr_schedule = lr_schedule;
     settings.precision = precision;
+    settings.offload_optimizer = offload_optimizer;
     Ok(settings)
+}
+
+/// Host buffers for NVMe offload hold at most this many elements per state buffer and chunk,
+/// whatever `sub_group_size` says: DeepSpeed's default sub-group (1e9 elements) would make each
+/// of the `buffer_count` buffers 12 GB.
+pub const MAX_NVME_CHUNK_ELEMENTS: usize = 1 << 22;
+
+/// The optimizer's placement from `zero_optimization.offload_optimizer` (and `sub_group_size`,
+/// the elements of one chunk streamed from NVMe). Partial offload is refused, not ignored.
+pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroError> {
+    let Some(o) = config.zero.offload_optimizer.as_ref() else {
+        return Ok(OptimizerOffload::None);
+    };
+    if o.ratio < 1.0 {
+        return Err(ZeroError::Config(format!(
+            "zero_optimization.offload_optimizer.ratio {}: partial offload is not available; every rank's optimizer \
+             state is offloaded whole (remove the key or set it to 1)",
+            o.ratio
+        )));
+    }
+    Ok(match o.device {
+        OffloadDevice::Cpu => OptimizerOffload::Cpu { threads: 0 },
+        OffloadDevice::Nvme => {
+            let path = o.nvme_path.as_ref().ok_or_else(|| {
+                ZeroError::Config("zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\"".into())
+            })?;
+            let buffer_count = usize::try_from(o.buffer_count).unwrap_or(usize::MAX).max(1);
+            let sub_group = usize::try_from(config.zero.sub_group_size).unwrap_or(usize::MAX);
+            OptimizerOffload::Nvme {
+                path: path.into(),
+                buffer_count,
+                chunk_elements: sub_group.clamp(1, MAX_NVME_CHUNK_ELEMENTS),
+                threads: 0,
+            }
+        }
+    })
 }
 
 /// The compute dtype, loss scaler and communication dtype from the `fp16`/`bf16` sections and
