@@ -283,7 +283,7 @@ impl FlatState {
             }
         }
         let groups = &mut self.groups;
-        let run = || match &mut self.offload.nvme {
+        let mut run = || match &mut self.offload.nvme {
             None => step_in_memory(groups, &grads, lr, group_comm),
             Some(nvme) => step_swapped(groups, nvme, &grads, lr),
         };

@@ -93,7 +93,7 @@ fn memory_after_a_step(offload: OptimizerOffload) -> (zero_burn::MemoryReport, V
     let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
     engine.backward(loss).expect("backward");
     engine.step().expect("step").expect("boundary");
-    let files = dir
+    let files: Vec<String> = dir
         .and_then(|d| std::fs::read_dir(d).ok())
         .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
