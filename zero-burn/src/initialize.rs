@@ -8,14 +8,16 @@ use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
 use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
-use crate::settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
+use crate::settings::{
+    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage,
+};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig,
-    SchedulerConfig,
+    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision,
+    ResolveContext, ResolvedConfig, SchedulerConfig,
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrScheduleSpec;
@@ -36,17 +38,29 @@ pub struct InitOptions {
 }
 
 /// Resolves `config` for `world_size` ranks.
-pub fn resolve(config: &DeepSpeedConfig, world_size: usize, options: &InitOptions) -> Result<ResolvedConfig, ZeroError> {
+pub fn resolve(
+    config: &DeepSpeedConfig,
+    world_size: usize,
+    options: &InitOptions,
+) -> Result<ResolvedConfig, ZeroError> {
     config
-        .resolve(&ResolveContext { world_size, hidden_size: options.hidden_size, overrides: options.overrides.clone() })
+        .resolve(&ResolveContext {
+            world_size,
+            hidden_size: options.hidden_size,
+            overrides: options.overrides.clone(),
+        })
         .map_err(|e| ZeroError::Config(e.to_string()))
 }
 
 /// The engine's settings from a resolved config. Parts of the config this engine does not do yet
 /// are errors that say so, never silently ignored.
 pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
-    let stage = Stage::from_number(config.zero.stage as u8)
-        .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
+    let stage = Stage::from_number(config.zero.stage as u8).ok_or_else(|| {
+        ZeroError::Config(format!(
+            "zero_optimization.stage {:?} is not 0-3",
+            config.zero.stage
+        ))
+    })?;
     let precision = precision_settings(config)?;
     let offload_optimizer = optimizer_offload(config)?;
     if config.zero.offload_param.as_ref().is_some() {
@@ -96,7 +110,10 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
         OffloadDevice::Cpu => OptimizerOffload::Cpu { threads: 0 },
         OffloadDevice::Nvme => {
             let path = o.nvme_path.as_ref().ok_or_else(|| {
-                ZeroError::Config("zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\"".into())
+                ZeroError::Config(
+                    "zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\""
+                        .into(),
+                )
             })?;
             let buffer_count = usize::try_from(o.buffer_count).unwrap_or(usize::MAX).max(1);
             let sub_group = usize::try_from(config.zero.sub_group_size).unwrap_or(usize::MAX);
@@ -125,7 +142,11 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
                 ));
             }
             let hysteresis = u32::try_from(fp16.hysteresis).map_err(|_| {
-                ZeroError::Config(format!("fp16.hysteresis {} is too large (at most {})", fp16.hysteresis, u32::MAX))
+                ZeroError::Config(format!(
+                    "fp16.hysteresis {} is too large (at most {})",
+                    fp16.hysteresis,
+                    u32::MAX
+                ))
             })?;
             PrecisionSettings::fp16(LossScalerConfig {
                 loss_scale: fp16.loss_scale,
@@ -166,7 +187,10 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
 }
 
 /// [`engine_settings`] with the options that only the caller gives.
-fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<EngineSettings, ZeroError> {
+fn settings_with(
+    config: &ResolvedConfig,
+    options: &InitOptions,
+) -> Result<EngineSettings, ZeroError> {
     let mut settings = engine_settings(config)?;
     if let Some(policy) = options.non_finite {
         if settings.precision.dtype != ComputeDtype::F16 {
@@ -232,13 +256,22 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
         )));
     }
     // Both sides speak DeepSpeed's key names: the resolved section is the schedule's spec.
-    let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
+    let value =
+        serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
     let spec: LrScheduleSpec =
         serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
-    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> =
-        Arc::from(spec.build(optimizer_lr).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?);
+    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> = Arc::from(
+        spec.build(optimizer_lr)
+            .map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?,
+    );
     // Step k (0-based) runs at the rate the scheduler holds after k advances.
-    Ok(Arc::new(move |step| if step == 0 { schedule.initial_lr() } else { schedule.lr_at(step - 1) }))
+    Ok(Arc::new(move |step| {
+        if step == 0 {
+            schedule.initial_lr()
+        } else {
+            schedule.lr_at(step - 1)
+        }
+    }))
 }
 
 /// An engine for any Burn module (ZeRO stages 0-2) from a DeepSpeed config.

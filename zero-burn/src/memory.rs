@@ -87,7 +87,10 @@ impl Counter {
         self.current.fetch_sub(bytes, Ordering::Relaxed);
     }
     fn get(&self) -> Bytes {
-        Bytes { current: self.current.load(Ordering::Relaxed), peak: self.peak.load(Ordering::Relaxed) }
+        Bytes {
+            current: self.current.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -143,13 +146,24 @@ impl MemoryTracker {
 
     /// A snapshot of every kind.
     pub fn report(&self) -> MemoryReport {
-        let on_device = |b: Bytes| Locations { device: b.current, ..Default::default() };
+        let on_device = |b: Bytes| Locations {
+            device: b.current,
+            ..Default::default()
+        };
         let optimizer_side = |b: Bytes, nvme: &Counter| {
             let nvme = nvme.get().current;
             if self.optimizer_on_host.load(Ordering::Relaxed) {
-                Locations { host: b.current, nvme, ..Default::default() }
+                Locations {
+                    host: b.current,
+                    nvme,
+                    ..Default::default()
+                }
             } else {
-                Locations { device: b.current, nvme, ..Default::default() }
+                Locations {
+                    device: b.current,
+                    nvme,
+                    ..Default::default()
+                }
             }
         };
         let report = MemoryReport {

@@ -3,7 +3,9 @@
 
 use crate::error::ZeroError;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
-use zero_core::optim::{self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments};
+use zero_core::optim::{
+    self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments,
+};
 use zero_core::partition::{PartitionLayout, Placement};
 
 /// Builds the optimizer of every group from one spec.
@@ -14,7 +16,12 @@ pub(crate) struct OptimizerFactory {
 
 impl OptimizerFactory {
     /// The optimizer for `rank`'s owned range of `group`.
-    pub fn build(&self, layout: &PartitionLayout, group: usize, rank: usize) -> Result<GroupOptimizer, ZeroError> {
+    pub fn build(
+        &self,
+        layout: &PartitionLayout,
+        group: usize,
+        rank: usize,
+    ) -> Result<GroupOptimizer, ZeroError> {
         let g = &layout.groups[group];
         let len = layout.owned_len(group);
         let segments = ShardSegments {
@@ -29,8 +36,15 @@ impl OptimizerFactory {
                 })
                 .collect(),
         };
-        let inner = optim::build(&self.spec, len, segments).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
-        Ok(GroupOptimizer { inner, sharded: g.placement == Placement::Sharded, chunked: Vec::new(), swapped_steps: 0, chunk_spec: None })
+        let inner = optim::build(&self.spec, len, segments)
+            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        Ok(GroupOptimizer {
+            inner,
+            sharded: g.placement == Placement::Sharded,
+            chunked: Vec::new(),
+            swapped_steps: 0,
+            chunk_spec: None,
+        })
     }
 
     /// The optimizer for a shard whose state is swapped: `inner` is built for one chunk of
@@ -48,7 +62,13 @@ impl OptimizerFactory {
                 inner.name()
             )));
         }
-        Ok(GroupOptimizer { inner, sharded: false, chunked: Vec::new(), swapped_steps: 0, chunk_spec: Some(self.spec.clone()) })
+        Ok(GroupOptimizer {
+            inner,
+            sharded: false,
+            chunked: Vec::new(),
+            swapped_steps: 0,
+            chunk_spec: Some(self.spec.clone()),
+        })
     }
 }
 
@@ -78,7 +98,10 @@ impl GroupOptimizer {
         if !self.inner.needs_cross_rank_norms() {
             return match out {
                 HalfCopy::None => self.inner.step(params, grads, lr).map_err(err),
-                out => self.inner.step_with_copy(params, grads, lr, out).map_err(err),
+                out => self
+                    .inner
+                    .step_with_copy(params, grads, lr, out)
+                    .map_err(err),
             };
         }
         let mut partials = self.inner.begin_step(params, grads).map_err(err)?;
@@ -87,7 +110,9 @@ impl GroupOptimizer {
             comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             partials = NormPartials(buf.into_f32());
         }
-        self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
+        self.inner
+            .finish_step(params, grads, lr, &partials, out)
+            .map_err(err)
     }
 
     /// Bytes of optimizer state.
@@ -104,7 +129,13 @@ impl GroupOptimizer {
     /// buffer, `grads.len()` elements each, as [`GroupOptimizer::state_width`] orders them; the
     /// masters are also written rounded into `out`. Every chunk of a step sees the same step
     /// count; [`GroupOptimizer::end_swapped_step`] advances it.
-    pub fn step_chunk(&mut self, chunk: &mut [f32], grads: &[f32], lr: f64, out: HalfCopy<'_>) -> Result<(), ZeroError> {
+    pub fn step_chunk(
+        &mut self,
+        chunk: &mut [f32],
+        grads: &[f32],
+        lr: f64,
+        out: HalfCopy<'_>,
+    ) -> Result<(), ZeroError> {
         let n = grads.len();
         let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
         let opt = if self.inner.len() == n {
@@ -114,7 +145,9 @@ impl GroupOptimizer {
                 Some(i) => &mut self.chunked[i],
                 None => {
                     let Some(spec) = &self.chunk_spec else {
-                        return Err(ZeroError::Optimizer(format!("a chunk of {n} elements for an unswapped optimizer")));
+                        return Err(ZeroError::Optimizer(format!(
+                            "a chunk of {n} elements for an unswapped optimizer"
+                        )));
                     };
                     let built = optim::build(spec, n, ShardSegments::single(n)).map_err(err)?;
                     self.chunked.push(built);
@@ -126,7 +159,8 @@ impl GroupOptimizer {
         let (master, states) = chunk.split_at_mut(n);
         let names: Vec<&'static str> = opt.state().iter().map(|(name, _)| *name).collect();
         {
-            let buffers: Vec<(&str, &[f32])> = names.iter().copied().zip(states.chunks_exact(n)).collect();
+            let buffers: Vec<(&str, &[f32])> =
+                names.iter().copied().zip(states.chunks_exact(n)).collect();
             opt.load_state(self.swapped_steps, &buffers).map_err(err)?;
         }
         match out {

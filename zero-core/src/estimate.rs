@@ -171,13 +171,23 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
     let n_opt = if stage >= 1 { n } else { 1 };
     let n_grad = if stage >= 2 { n } else { 1 };
     let n_param = if stage >= 3 { n } else { 1 };
-    let frac = |x: u64| if x == 1 { String::new() } else { "/N".to_string() };
+    let frac = |x: u64| {
+        if x == 1 {
+            String::new()
+        } else {
+            "/N".to_string()
+        }
+    };
 
     let mut device = StateBytes {
         parameters: share(p, psi, n_param),
         gradients: share(p, psi, n_grad),
         optimizer_state: share(k, psi, n_opt),
-        gathered: if stage == 3 { input.largest_gather.map_or(0, |b| p * b) } else { 0 },
+        gathered: if stage == 3 {
+            input.largest_gather.map_or(0, |b| p * b)
+        } else {
+            0
+        },
     };
     let mut device_terms = vec![
         format!("params {p}Ψ{}", frac(n_param)),
@@ -185,7 +195,10 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
         format!("optimizer {k}Ψ{}", frac(n_opt)),
     ];
     if device.gathered > 0 {
-        device_terms.push(format!("largest gather {p}·B (B = {})", input.largest_gather.unwrap_or(0)));
+        device_terms.push(format!(
+            "largest gather {p}·B (B = {})",
+            input.largest_gather.unwrap_or(0)
+        ));
     }
     let mut host = StateBytes::default();
     let mut nvme = StateBytes::default();
@@ -227,9 +240,17 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
         formula.push(format!("per host: G × ({})", host_terms.join(" + ")));
     }
     if !nvme_terms.is_empty() {
-        formula.push(format!("per node on NVMe: G × ({})", nvme_terms.join(" + ")));
+        formula.push(format!(
+            "per node on NVMe: G × ({})",
+            nvme_terms.join(" + ")
+        ));
     }
-    Estimate { per_device: device, per_host: host.scaled(g), per_node_nvme: nvme.scaled(g), formula }
+    Estimate {
+        per_device: device,
+        per_host: host.scaled(g),
+        per_node_nvme: nvme.scaled(g),
+        formula,
+    }
 }
 
 fn join_terms(terms: &[String]) -> String {
@@ -258,11 +279,25 @@ pub struct Gpt2Shape {
 }
 
 /// The names [`Gpt2Shape::preset`] knows, smallest first.
-pub const GPT2_PRESETS: [&str; 6] = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-10b"];
+pub const GPT2_PRESETS: [&str; 6] = [
+    "tiny",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "gpt2-10b",
+];
 
 impl Gpt2Shape {
     fn with(n_embd: u64, n_layer: u64, n_head: u64) -> Self {
-        Gpt2Shape { vocab: 50257, n_positions: 1024, n_embd, n_layer, n_head, n_inner: 4 * n_embd }
+        Gpt2Shape {
+            vocab: 50257,
+            n_positions: 1024,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: 4 * n_embd,
+        }
     }
 
     /// The preset of this name (one of [`GPT2_PRESETS`]): the same shapes as the model zoo's.
@@ -332,7 +367,12 @@ mod tests {
     #[test]
     fn paper_example() {
         let psi = 7_500_000_000;
-        let gb = |s: u8| estimate(&EstimateInput::new(psi, s, 64, Dtype::Fp16)).per_device.total() as f64 / 1e9;
+        let gb = |s: u8| {
+            estimate(&EstimateInput::new(psi, s, 64, Dtype::Fp16))
+                .per_device
+                .total() as f64
+                / 1e9
+        };
         assert_eq!(gb(0), 120.0);
         assert!((gb(1) - 31.4).abs() < 0.05, "{}", gb(1));
         assert!((gb(2) - 16.6).abs() < 0.05, "{}", gb(2));
@@ -342,7 +382,15 @@ mod tests {
     #[test]
     fn fp32_is_4_4_8() {
         let e = estimate(&EstimateInput::new(1000, 0, 1, Dtype::Fp32));
-        assert_eq!(e.per_device, StateBytes { parameters: 4000, gradients: 4000, optimizer_state: 8000, gathered: 0 });
+        assert_eq!(
+            e.per_device,
+            StateBytes {
+                parameters: 4000,
+                gradients: 4000,
+                optimizer_state: 8000,
+                gathered: 0
+            }
+        );
     }
 
     #[test]
@@ -350,9 +398,22 @@ mod tests {
         let mut input = EstimateInput::new(800, 2, 4, Dtype::Bf16);
         input.offload_optimizer = Some(OffloadTarget::Cpu);
         let e = estimate(&input);
-        assert_eq!(e.per_device, StateBytes { parameters: 1600, ..Default::default() });
+        assert_eq!(
+            e.per_device,
+            StateBytes {
+                parameters: 1600,
+                ..Default::default()
+            }
+        );
         // 4 devices' shards: 12·800/4 optimizer + 4·800/4 fp32 grads each.
-        assert_eq!(e.per_host, StateBytes { gradients: 3200, optimizer_state: 9600, ..Default::default() });
+        assert_eq!(
+            e.per_host,
+            StateBytes {
+                gradients: 3200,
+                optimizer_state: 9600,
+                ..Default::default()
+            }
+        );
         input.offload_optimizer = Some(OffloadTarget::Nvme);
         input.stage = 3;
         input.offload_param = Some(OffloadTarget::Nvme);

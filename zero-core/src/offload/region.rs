@@ -19,7 +19,12 @@ impl SwapRegion {
     /// A region of `width` buffers of `len` elements at `offset`, in chunks of `chunk` (at
     /// least 1).
     pub fn new(offset: u64, len: usize, width: usize, chunk: usize) -> Self {
-        SwapRegion { offset, len, width, chunk: chunk.max(1) }
+        SwapRegion {
+            offset,
+            len,
+            width,
+            chunk: chunk.max(1),
+        }
     }
 
     /// Elements the region takes in the file.

@@ -46,7 +46,10 @@ pub fn stream_chunks<E: std::fmt::Display>(
         return Err(OffloadError::NoBuffers);
     }
     let chunks = region.chunks();
-    let mut stats = StreamStats { chunks, ..Default::default() };
+    let mut stats = StreamStats {
+        chunks,
+        ..Default::default()
+    };
     if chunks == 0 {
         return Ok(stats);
     }
@@ -113,7 +116,10 @@ pub fn stream_chunks<E: std::fmt::Display>(
             let result = compute(c, &mut buf[..n]);
             compute_time += t.elapsed();
             if let Err(e) = result {
-                first_error = Some(OffloadError::Compute { chunk: c, message: e.to_string() });
+                first_error = Some(OffloadError::Compute {
+                    chunk: c,
+                    message: e.to_string(),
+                });
                 pool.push(buf);
                 break;
             }
@@ -124,8 +130,12 @@ pub fn stream_chunks<E: std::fmt::Display>(
         }
         drop(done_tx);
         drop(filled_rx);
-        let (write_error, write_time) = writer.join().map_err(|_| OffloadError::ThreadPanicked("writer"))?;
-        let (free_rx, read_time) = reader.join().map_err(|_| OffloadError::ThreadPanicked("reader"))?;
+        let (write_error, write_time) = writer
+            .join()
+            .map_err(|_| OffloadError::ThreadPanicked("writer"))?;
+        let (free_rx, read_time) = reader
+            .join()
+            .map_err(|_| OffloadError::ThreadPanicked("reader"))?;
         pool.extend(free_rx.try_iter());
         stats.read_time = read_time;
         stats.write_time = write_time;
@@ -136,7 +146,9 @@ pub fn stream_chunks<E: std::fmt::Display>(
         Ok(computed)
     });
     let computed = outcome?;
-    let bytes: u64 = (0..computed).map(|c| region.chunk_range(c).len() as u64 * width as u64 * 4).sum();
+    let bytes: u64 = (0..computed)
+        .map(|c| region.chunk_range(c).len() as u64 * width as u64 * 4)
+        .sum();
     stats.bytes_read = bytes;
     stats.bytes_written = bytes;
     stats.wall_time = start.elapsed();
@@ -148,7 +160,8 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> (std::path::PathBuf, SwapFile) {
-        let dir = std::env::temp_dir().join(format!("zero-stream-unit-{}-{name}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("zero-stream-unit-{}-{name}", std::process::id()));
         let file = SwapFile::create(&dir, "s.swap").expect("create");
         (dir, file)
     }
@@ -176,9 +189,17 @@ mod tests {
                 Ok::<(), String>(())
             })
             .expect("stream");
-            assert_eq!(seen, (0..11).collect::<Vec<_>>(), "{buffers} buffers: chunks in order");
+            assert_eq!(
+                seen,
+                (0..11).collect::<Vec<_>>(),
+                "{buffers} buffers: chunks in order"
+            );
             assert_eq!(stats.bytes_read, (len * 2 * 4) as u64);
-            assert_eq!(pool.len(), buffers.min(11), "{buffers} buffers return to the pool");
+            assert_eq!(
+                pool.len(),
+                buffers.min(11),
+                "{buffers} buffers return to the pool"
+            );
         }
         let back = file.read_region(&region).expect("read");
         // Four passes: y grows by 1 each pass, x adds the current y each pass.
@@ -208,8 +229,14 @@ mod tests {
         .expect_err("the computation fails");
         assert!(err.to_string().contains("chunk 2: bad chunk"), "{err}");
         let back = file.read_region(&region).expect("read");
-        assert!(back[0][..20].iter().all(|&v| v == 2.0), "chunks before the failure were written");
-        assert!(back[0][20..].iter().all(|&v| v == 1.0), "chunks after it were not");
+        assert!(
+            back[0][..20].iter().all(|&v| v == 2.0),
+            "chunks before the failure were written"
+        );
+        assert!(
+            back[0][20..].iter().all(|&v| v == 1.0),
+            "chunks after it were not"
+        );
         drop(file);
         let _ = std::fs::remove_dir(&dir);
     }

@@ -18,9 +18,20 @@ impl SwapFile {
     /// Creates (or truncates) `dir/name`, creating `dir` if needed.
     pub fn create(dir: &Path, name: &str) -> Result<Self, OffloadError> {
         let path = dir.join(name);
-        let io = |source| OffloadError::Io { op: "create", path: path.clone(), offset: 0, source };
+        let io = |source| OffloadError::Io {
+            op: "create",
+            path: path.clone(),
+            offset: 0,
+            source,
+        };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).map_err(io)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(io)?;
         Ok(SwapFile { file, path })
     }
 
@@ -34,7 +45,12 @@ impl SwapFile {
         let byte = offset * 4;
         self.file
             .read_exact_at(bytemuck::cast_slice_mut(out), byte)
-            .map_err(|source| OffloadError::Io { op: "read", path: self.path.clone(), offset: byte, source })
+            .map_err(|source| OffloadError::Io {
+                op: "read",
+                path: self.path.clone(),
+                offset: byte,
+                source,
+            })
     }
 
     /// Writes `data` starting at element `offset`.
@@ -42,12 +58,21 @@ impl SwapFile {
         let byte = offset * 4;
         self.file
             .write_all_at(bytemuck::cast_slice(data), byte)
-            .map_err(|source| OffloadError::Io { op: "write", path: self.path.clone(), offset: byte, source })
+            .map_err(|source| OffloadError::Io {
+                op: "write",
+                path: self.path.clone(),
+                offset: byte,
+                source,
+            })
     }
 
     /// Stores `buffers` (each `region.len` long, `region.width` of them) into `region`, chunk by
     /// chunk through one host buffer of a chunk's size.
-    pub fn write_region(&self, region: &SwapRegion, buffers: &[&[f32]]) -> Result<(), OffloadError> {
+    pub fn write_region(
+        &self,
+        region: &SwapRegion,
+        buffers: &[&[f32]],
+    ) -> Result<(), OffloadError> {
         check_buffers(region, buffers.iter().map(|b| b.len()))?;
         let mut staging = Vec::with_capacity(region.chunk.min(region.len) * region.width);
         for c in 0..region.chunks() {
@@ -80,9 +105,12 @@ impl SwapFile {
     /// Flushes written data to the device (for bandwidth measurements that must not stop at
     /// the page cache).
     pub fn sync(&self) -> Result<(), OffloadError> {
-        self.file
-            .sync_data()
-            .map_err(|source| OffloadError::Io { op: "sync", path: self.path.clone(), offset: 0, source })
+        self.file.sync_data().map_err(|source| OffloadError::Io {
+            op: "sync",
+            path: self.path.clone(),
+            offset: 0,
+            source,
+        })
     }
 }
 
@@ -94,7 +122,8 @@ impl SwapFile {
         self.sync()?;
         use std::os::fd::AsRawFd;
         // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
-        let rc = unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let rc =
+            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         if rc != 0 {
             return Err(OffloadError::Io {
                 op: "fadvise",
@@ -107,14 +136,25 @@ impl SwapFile {
     }
 }
 
-fn check_buffers(region: &SwapRegion, lens: impl Iterator<Item = usize>) -> Result<(), OffloadError> {
+fn check_buffers(
+    region: &SwapRegion,
+    lens: impl Iterator<Item = usize>,
+) -> Result<(), OffloadError> {
     let lens: Vec<usize> = lens.collect();
     if lens.len() != region.width {
-        return Err(OffloadError::Length { what: "buffers of the region".into(), expected: region.width, actual: lens.len() });
+        return Err(OffloadError::Length {
+            what: "buffers of the region".into(),
+            expected: region.width,
+            actual: lens.len(),
+        });
     }
     for (i, len) in lens.into_iter().enumerate() {
         if len != region.len {
-            return Err(OffloadError::Length { what: format!("buffer {i} of the region"), expected: region.len, actual: len });
+            return Err(OffloadError::Length {
+                what: format!("buffer {i} of the region"),
+                expected: region.len,
+                actual: len,
+            });
         }
     }
     Ok(())
@@ -143,7 +183,8 @@ mod tests {
         assert_eq!(back, vec![a.clone(), b]);
         // Chunk 1 is stored interleaved: elements 4..8 of `a`, then of `b`.
         let mut chunk = vec![0.0; 8];
-        file.read_at(region.chunk_offset(1), &mut chunk).expect("read chunk");
+        file.read_at(region.chunk_offset(1), &mut chunk)
+            .expect("read chunk");
         assert_eq!(&chunk[..4], &a[4..8]);
         assert!(file.write_region(&region, &[&a]).is_err());
         let path = file.path().to_path_buf();

@@ -2,7 +2,9 @@
 //! count or a GPT-2 preset, a ZeRO stage, a cluster shape and offload choices.
 
 use std::process::ExitCode;
-use zero_core::estimate::{estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget, StateBytes, GPT2_PRESETS};
+use zero_core::estimate::{
+    estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget, StateBytes, GPT2_PRESETS,
+};
 
 /// Arguments of `zero estimate`.
 #[derive(clap::Args)]
@@ -63,7 +65,9 @@ fn parse_count(text: &str) -> Result<u64, String> {
     }
     match clean.parse::<f64>() {
         Ok(v) if v.is_finite() && v >= 1.0 && v < 1e18 => Ok(v.round() as u64),
-        _ => Err(format!("--params {text}: expected a positive count such as 124439808 or 1.5e9")),
+        _ => Err(format!(
+            "--params {text}: expected a positive count such as 124439808 or 1.5e9"
+        )),
     }
 }
 
@@ -78,13 +82,24 @@ fn report(args: &Args) -> Result<String, String> {
         .ok_or_else(|| format!("--dtype {}: expected bf16, fp16 or fp32", args.dtype))?;
     let offload_param = target("offload-param", args.offload_param.as_deref())?;
     if offload_param.is_some() && args.stage != 3 {
-        return Err(format!("--offload-param applies to stage 3 only; the stage is {}", args.stage));
+        return Err(format!(
+            "--offload-param applies to stage 3 only; the stage is {}",
+            args.stage
+        ));
     }
     let (params, largest, what) = match (&args.params, &args.preset) {
-        (Some(p), _) => (parse_count(p)?, None, format!("{} parameters", parse_count(p)?)),
+        (Some(p), _) => (
+            parse_count(p)?,
+            None,
+            format!("{} parameters", parse_count(p)?),
+        ),
         (None, Some(name)) => {
-            let shape = Gpt2Shape::preset(name)
-                .ok_or_else(|| format!("--preset {name}: unknown (known: {})", GPT2_PRESETS.join(", ")))?;
+            let shape = Gpt2Shape::preset(name).ok_or_else(|| {
+                format!(
+                    "--preset {name}: unknown (known: {})",
+                    GPT2_PRESETS.join(", ")
+                )
+            })?;
             let what = format!(
                 "{name}: {} parameters ({} layers, hidden {}), largest gather unit {} parameters",
                 shape.num_params(),
@@ -119,7 +134,11 @@ fn report(args: &Args) -> Result<String, String> {
         if b.total() == 0 && title != "per device" {
             return;
         }
-        out.push_str(&format!("{title}: {} ({} bytes)\n", human_bytes(b.total()), b.total()));
+        out.push_str(&format!(
+            "{title}: {} ({} bytes)\n",
+            human_bytes(b.total()),
+            b.total()
+        ));
         for (kind, v) in [
             ("parameters", b.parameters),
             ("gradients", b.gradients),
@@ -127,7 +146,10 @@ fn report(args: &Args) -> Result<String, String> {
             ("largest gather", b.gathered),
         ] {
             if v > 0 {
-                out.push_str(&format!("  {kind:<16} {:>12}  ({v} bytes)\n", human_bytes(v)));
+                out.push_str(&format!(
+                    "  {kind:<16} {:>12}  ({v} bytes)\n",
+                    human_bytes(v)
+                ));
             }
         }
     };
