@@ -26,8 +26,8 @@ use crate::chain::{ChainModel, Hidden};
 use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
-use crate::half_buffer;
 use crate::memory::{MemoryReport, MemoryTracker};
+use crate::half_buffer;
 use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::Module;
@@ -59,19 +59,9 @@ pub struct ChainLoss<B: AutodiffBackend, M: ChainModel<B>> {
 enum Pending<B: AutodiffBackend, M: ChainModel<B>> {
     /// Stages 0-2: one graph per part, kept from forward: the embedding's output, each block's
     /// input leaf and output, and the head's leaves.
-    Kept {
-        embedded: M::Hidden,
-        blocks: Vec<(M::Hidden, M::Hidden)>,
-        last: M::Hidden,
-        head: M::Ends,
-    },
+    Kept { embedded: M::Hidden, blocks: Vec<(M::Hidden, M::Hidden)>, last: M::Hidden, head: M::Ends },
     /// Stage 3: the head's graph, the blocks' inputs and the batch (for the embedding's backward).
-    Blockwise {
-        last: M::Hidden,
-        ends: M::Ends,
-        inputs: Vec<M::Hidden>,
-        batch: M::Batch,
-    },
+    Blockwise { last: M::Hidden, ends: M::Ends, inputs: Vec<M::Hidden>, batch: M::Batch },
 }
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainLoss<B, M> {
@@ -100,11 +90,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Wraps `model`, split into its parts. Rank 0's weights are broadcast. Under stage 3 each
     /// part is turned into a skeleton as soon as its shards are taken, so the full model is never
     /// held twice.
-    pub fn new(
-        settings: EngineSettings,
-        model: M,
-        comm: Arc<dyn ProcessGroup>,
-    ) -> Result<Self, ZeroError> {
+    pub fn new(settings: EngineSettings, model: M, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
         let (ends, blocks) = model.into_parts();
         if blocks.is_empty() && settings.stage == Stage::Zero3 {
             return Err(ZeroError::Model(
@@ -116,19 +102,14 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             .into_iter()
             .chain(blocks.iter().flat_map(|b| b.devices()))
             .next()
-            .ok_or_else(|| {
-                ZeroError::Model("the model has no parameters (no device found)".into())
-            })?;
+            .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))?;
 
         // Parameters: the ends, then each block, each in its visit order.
         let mut specs: Vec<ParamSpec> = Vec::new();
         let mut part_params = Vec::new();
         let mut push_part = |prefix: String, list: Vec<(burn::module::ParamId, ParamSpec)>| {
             let start = specs.len();
-            specs.extend(list.into_iter().map(|(_, s)| ParamSpec {
-                name: format!("{prefix}{}", s.name),
-                ..s
-            }));
+            specs.extend(list.into_iter().map(|(_, s)| ParamSpec { name: format!("{prefix}{}", s.name), ..s }));
             part_params.push((start..specs.len()).collect::<Vec<_>>());
         };
         push_part("ends.".into(), describe::<B, _>(&ends));
@@ -152,19 +133,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     g
                 }
                 stage => {
-                    let placement = if stage == Stage::Zero0 {
-                        Placement::Replicated
-                    } else {
-                        Placement::Sharded
-                    };
+                    let placement = if stage == Stage::Zero0 { Placement::Replicated } else { Placement::Sharded };
                     builder.buckets(&params, settings.reduce_bucket_size.max(1), placement)
                 }
             };
-            parts.push(Part {
-                params,
-                groups,
-                gathered_elements: 0,
-            });
+            parts.push(Part { params, groups, gathered_elements: 0 });
         }
         let layout = builder.finish();
         for part in &mut parts {
@@ -183,14 +156,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         for (pi, part) in parts.iter().enumerate() {
             let mut local = Vec::new();
             if pi == 0 {
-                read_values::<B, _>(ends.as_ref().unwrap_or_else(|| unreachable!()), |_, v| {
-                    local.push(v)
-                });
+                read_values::<B, _>(ends.as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
             } else {
-                read_values::<B, _>(
-                    blocks[pi - 1].as_ref().unwrap_or_else(|| unreachable!()),
-                    |_, v| local.push(v),
-                );
+                read_values::<B, _>(blocks[pi - 1].as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
             }
             if world > 1 {
                 let mut flat = Vec::new();
@@ -223,10 +191,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             }
         }
         let ends = ends.unwrap_or_else(|| unreachable!());
-        let blocks: Vec<M::Block> = blocks
-            .into_iter()
-            .map(|b| b.unwrap_or_else(|| unreachable!()))
-            .collect();
+        let blocks: Vec<M::Block> = blocks.into_iter().map(|b| b.unwrap_or_else(|| unreachable!())).collect();
 
         let memory = Arc::new(MemoryTracker::default());
         let stage = settings.stage;
@@ -235,20 +200,12 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             (ends, blocks)
         } else {
             memory.add_parameters(layout.numel() * dtype.size());
-            let data = |p: usize, shape: burn::tensor::Shape| {
-                half_buffer::f32_to_data(values[p].clone(), shape, dtype)
-            };
-            let ends = write_data(ends, &device, true, |i, shape| {
-                data(parts[0].params[i], shape)
-            });
+            let data = |p: usize, shape: burn::tensor::Shape| half_buffer::f32_to_data(values[p].clone(), shape, dtype);
+            let ends = write_data(ends, &device, true, |i, shape| data(parts[0].params[i], shape));
             let blocks = blocks
                 .into_iter()
                 .enumerate()
-                .map(|(b, m)| {
-                    write_data(m, &device, true, |i, shape| {
-                        data(parts[b + 1].params[i], shape)
-                    })
-                })
+                .map(|(b, m)| write_data(m, &device, true, |i, shape| data(parts[b + 1].params[i], shape)))
                 .collect();
             (ends, blocks)
         };
@@ -256,14 +213,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             (Stage::Zero2 | Stage::Zero3, Placement::Sharded) => GradFlow::ReduceThenAccumulate,
             _ => GradFlow::AccumulateThenReduce,
         };
-        let core = EngineCore::new(
-            layout.clone(),
-            comm,
-            settings,
-            flows,
-            |i| std::mem::take(&mut values[i]),
-            memory,
-        )?;
+        let core = EngineCore::new(layout.clone(), comm, settings, flows, |i| std::mem::take(&mut values[i]), memory)?;
         if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
             // The fp32 masters are the parameters themselves: count them once, as parameters.
             // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)
@@ -305,16 +255,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             let value = loss.clone().into_scalar().elem::<f32>();
             // The embedding's graph holds the ends' leaves; keep them alive with it.
             self.embed_ends = Some(embed_ends);
-            return Ok(ChainLoss {
-                value,
-                loss,
-                pending: Pending::Kept {
-                    embedded,
-                    blocks,
-                    last,
-                    head,
-                },
-            });
+            return Ok(ChainLoss { value, loss, pending: Pending::Kept { embedded, blocks, last, head } });
         }
         let n = self.blocks.len();
         // ends, blocks…, ends | blocks in reverse…, ends
@@ -339,16 +280,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let last = h.leaf();
         let loss = M::head_loss(&ends, last.clone(), &batch);
         let value = loss.clone().into_scalar().elem::<f32>();
-        Ok(ChainLoss {
-            value,
-            loss,
-            pending: Pending::Blockwise {
-                last,
-                ends,
-                inputs,
-                batch,
-            },
-        })
+        Ok(ChainLoss { value, loss, pending: Pending::Blockwise { last, ends, inputs, batch } })
     }
 
     /// The loss of a batch without backward (evaluation). Under stage 3 the parts are gathered
@@ -359,15 +291,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             for block in &self.blocks {
                 h = M::block_forward(block, h).detached();
             }
-            return Ok(M::head_loss(&self.ends, h, &batch)
-                .into_scalar()
-                .elem::<f32>());
+            return Ok(M::head_loss(&self.ends, h, &batch).into_scalar().elem::<f32>());
         }
         let n = self.blocks.len();
-        self.schedule = std::iter::once(0)
-            .chain(1..=n)
-            .chain(std::iter::once(0))
-            .collect();
+        self.schedule = std::iter::once(0).chain(1..=n).chain(std::iter::once(0)).collect();
         let ends = self.materialize_ends(false)?;
         let mut h = M::embed(&ends, &batch).detached();
         self.release(0, ends);
@@ -387,12 +314,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
         let mut grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
-            Pending::Kept {
-                embedded,
-                mut blocks,
-                last,
-                head,
-            } => {
+            Pending::Kept { embedded, mut blocks, last, head } => {
                 let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
                     ZeroError::Model("the loss does not depend on the last block's output".into())
                 })?;
@@ -404,26 +326,13 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     grad_h = x.take_grad(&mut grads).ok_or_else(|| {
                         ZeroError::Model(format!("block {b}'s output does not depend on its input"))
                     })?;
-                    absorb_into::<B, _>(
-                        &mut self.core,
-                        &self.parts[b + 1].params,
-                        &self.blocks[b],
-                        &mut grads,
-                    )?;
+                    absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                 }
-                let ends = self
-                    .embed_ends
-                    .take()
-                    .unwrap_or_else(|| unreachable!("set by forward"));
+                let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
             }
-            Pending::Blockwise {
-                last,
-                ends,
-                mut inputs,
-                batch,
-            } => {
+            Pending::Blockwise { last, ends, mut inputs, batch } => {
                 let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
                     ZeroError::Model("the loss does not depend on the last block's output".into())
                 })?;
@@ -438,12 +347,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     grad_h = x.take_grad(&mut grads).ok_or_else(|| {
                         ZeroError::Model(format!("block {b}'s output does not depend on its input"))
                     })?;
-                    absorb_into::<B, _>(
-                        &mut self.core,
-                        &self.parts[b + 1].params,
-                        &block,
-                        &mut grads,
-                    )?;
+                    absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &block, &mut grads)?;
                     self.release(b + 1, block);
                 }
                 let ends = self.materialize_ends(true)?;
@@ -555,13 +459,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 
     /// Pours a part's full values into a copy of its skeleton.
-    fn fill<P: Module<B>>(
-        &self,
-        skeleton: P,
-        part: usize,
-        full: &HashMap<usize, FlatBuffer>,
-        require_grad: bool,
-    ) -> P {
+    fn fill<P: Module<B>>(&self, skeleton: P, part: usize, full: &HashMap<usize, FlatBuffer>, require_grad: bool) -> P {
         let places = &self.core.places;
         let layout = &self.core.state.layout;
         let params = &self.parts[part].params;
@@ -570,9 +468,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             let place = places[params[i]];
             let n = layout.params[params[i]].numel();
             match full.get(&place.group) {
-                Some(values) => {
-                    half_buffer::slice_data(values, place.offset..place.offset + n, shape)
-                }
+                Some(values) => half_buffer::slice_data(values, place.offset..place.offset + n, shape),
                 // Every group of the part was gathered just before; zeros, never stale weights.
                 None => half_buffer::f32_to_data(vec![0.0; n], shape, dtype),
             }
@@ -600,17 +496,12 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             planned += elements;
             for &g in &self.parts[part].groups {
                 let layout = &self.core.state.layout;
-                if layout.groups[g].placement != Placement::Sharded
-                    || self.prefetched.contains_key(&g)
-                {
+                if layout.groups[g].placement != Placement::Sharded || self.prefetched.contains_key(&g) {
                     continue;
                 }
-                self.core
-                    .memory
-                    .add_gathered(layout.groups[g].padded * self.element_size());
+                self.core.memory.add_gathered(layout.groups[g].padded * self.element_size());
                 let shard = self.core.shard_buffer(g);
-                self.prefetched
-                    .insert(g, self.core.comm.all_gather_async(shard));
+                self.prefetched.insert(g, self.core.comm.all_gather_async(shard));
             }
             if planned >= budget {
                 break;
@@ -625,6 +516,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         self.core.memory.sub_gathered(bytes);
     }
 }
+
 
 /// Takes the gradients of a part's parameters (`params`: their global indices, in the part's
 /// visit order) out of `grads` into the engine's reductions.
@@ -670,15 +562,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let parts = &self.parts;
         let placeholder = skeleton::<B, _>(self.ends.clone());
         let ends = std::mem::replace(&mut self.ends, placeholder);
-        self.ends = write_data(ends, &self.device, true, |i, _| {
-            source.take_data(parts[0].params[i])
-        });
+        self.ends = write_data(ends, &self.device, true, |i, _| source.take_data(parts[0].params[i]));
         for (b, block) in self.blocks.iter_mut().enumerate() {
             let placeholder = skeleton::<B, _>(block.clone());
             let old = std::mem::replace(block, placeholder);
-            *block = write_data(old, &self.device, true, |i, _| {
-                source.take_data(parts[b + 1].params[i])
-            });
+            *block = write_data(old, &self.device, true, |i, _| source.take_data(parts[b + 1].params[i]));
         }
         source.finish()
     }

@@ -24,10 +24,10 @@ use crate::optimizer_bridge::OptimizerFactory;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
+use zero_core::comm::FlatBuffer;
 use zero_core::checkpoint::{
     self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest,
 };
-use zero_core::comm::FlatBuffer;
 
 impl EngineCore {
     fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {

@@ -65,33 +65,20 @@ impl EngineCore {
         values: impl FnMut(usize) -> Vec<f32>,
         memory: Arc<MemoryTracker>,
     ) -> Result<Self, ZeroError> {
-        let factory = OptimizerFactory {
-            spec: settings.optimizer.clone(),
-        };
+        let factory = OptimizerFactory { spec: settings.optimizer.clone() };
         let precision = &settings.precision;
         let dtypes = StateDtypes {
             accumulate: precision.dtype,
-            half_shard: (settings.stage == Stage::Zero3 && precision.dtype.is_half())
-                .then_some(precision.dtype),
+            half_shard: (settings.stage == Stage::Zero3 && precision.dtype.is_half()).then_some(precision.dtype),
             communicate: precision.comm_dtype(),
         };
         let scaler = match &precision.loss_scaler {
             Some(config) if precision.dtype == ComputeDtype::F16 => Some(
-                LossScaler::new(config.clone())
-                    .map_err(|e| ZeroError::Config(format!("fp16: {e}")))?,
+                LossScaler::new(config.clone()).map_err(|e| ZeroError::Config(format!("fp16: {e}")))?,
             ),
             _ => None,
         };
-        let state = FlatState::new(
-            layout,
-            comm.rank(),
-            flows,
-            &factory,
-            values,
-            &memory,
-            dtypes,
-            &settings.offload_optimizer,
-        )?;
+        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory, dtypes, &settings.offload_optimizer)?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
         Ok(EngineCore {
@@ -130,10 +117,7 @@ impl EngineCore {
                 )));
             }
         }
-        let Some(full) = self
-            .assembler
-            .put(place.group, group.padded, place.offset, n, grad)
-        else {
+        let Some(full) = self.assembler.put(place.group, group.padded, place.offset, n, grad) else {
             return Ok(());
         };
         self.memory.add_grads(full.len() * 4);
@@ -147,10 +131,7 @@ impl EngineCore {
                 self.memory.sub_grads(full.len() * 4);
             }
             GradFlow::ReduceThenAccumulate => {
-                let buf = half_buffer::convert(
-                    FlatBuffer::F32(full),
-                    self.state.dtypes.communicate.flat(),
-                );
+                let buf = half_buffer::convert(FlatBuffer::F32(full), self.state.dtypes.communicate.flat());
                 let work = self.comm.reduce_scatter_async(buf, ReduceOp::Avg);
                 self.in_flight.push((place.group, work));
                 if self.settings.overlap_comm {
@@ -174,11 +155,7 @@ impl EngineCore {
     /// Waits for the oldest reductions in flight until at most `limit` elements remain in
     /// flight, and accumulates their results.
     fn drain_to(&mut self, limit: usize) -> Result<(), ZeroError> {
-        let mut in_flight: usize = self
-            .in_flight
-            .iter()
-            .map(|(g, _)| self.state.layout.groups[*g].padded)
-            .sum();
+        let mut in_flight: usize = self.in_flight.iter().map(|(g, _)| self.state.layout.groups[*g].padded).sum();
         while in_flight > limit && !self.in_flight.is_empty() {
             let (group, work) = self.in_flight.remove(0);
             let padded = self.state.layout.groups[group].padded;
@@ -219,11 +196,7 @@ impl EngineCore {
         let loss_scale = self.current_loss_scale();
         let grads = self.state.take_owned_grads();
         // The f32 copy of 16-bit gradients lives for the step (for f32 it is the accumulator).
-        let copy_bytes = if self.state.dtypes.accumulate.is_half() {
-            grads.iter().map(|g| g.len() * 4).sum()
-        } else {
-            0
-        };
+        let copy_bytes = if self.state.dtypes.accumulate.is_half() { grads.iter().map(|g| g.len() * 4).sum() } else { 0 };
         self.memory.add_grads(copy_bytes);
         let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
         self.memory.sub_grads(copy_bytes);
@@ -246,24 +219,12 @@ impl EngineCore {
                 (true, f64::NAN)
             }
         };
-        Ok(StepReport {
-            step,
-            lr,
-            grad_norm,
-            skipped,
-            loss_scale,
-        })
+        Ok(StepReport { step, lr, grad_norm, skipped, loss_scale })
     }
 
     /// Checks for overflow, then either applies the step (returning the gradient norm) or
     /// decides to skip it (`None`).
-    fn apply_or_skip(
-        &mut self,
-        grads: Vec<Vec<f32>>,
-        step: u64,
-        lr: f64,
-        loss_scale: f64,
-    ) -> Result<Option<f64>, ZeroError> {
+    fn apply_or_skip(&mut self, grads: Vec<Vec<f32>>, step: u64, lr: f64, loss_scale: f64) -> Result<Option<f64>, ZeroError> {
         let policy = self.settings.precision.non_finite;
         if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
             // What this rank saw; the flag is shared so that every rank takes the same path.
@@ -284,13 +245,7 @@ impl EngineCore {
                 match scaler.update(overflow) {
                     Ok(ScaleDecision::Skip) => return Ok(None),
                     Ok(ScaleDecision::Apply) => {}
-                    Err(source) => {
-                        return Err(ZeroError::LossScale {
-                            step,
-                            scale: loss_scale,
-                            source,
-                        })
-                    }
+                    Err(source) => return Err(ZeroError::LossScale { step, scale: loss_scale, source }),
                 }
             } else if overflow {
                 if policy == NonFinitePolicy::Skip {
@@ -313,11 +268,7 @@ impl EngineCore {
         let max_norm = self.settings.gradient_clipping;
         // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
         let ratio = max_norm / (grad_norm + 1e-6);
-        let clip = if max_norm > 0.0 && ratio < 1.0 {
-            ratio
-        } else {
-            1.0
-        };
+        let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
         self.state.apply(grads, coef, lr, self.comm.as_ref())?;
@@ -336,19 +287,14 @@ impl EngineCore {
         if !value.is_finite() {
             self.loss_non_finite = true;
         }
-        let factor =
-            (self.current_loss_scale() / self.settings.gradient_accumulation_steps as f64) as f32;
+        let factor = (self.current_loss_scale() / self.settings.gradient_accumulation_steps as f64) as f32;
         loss.cast(DType::F32).mul_scalar(factor)
     }
 
     /// Every parameter's full value, in the order asked for: a group is gathered the first time
     /// one of its parameters is asked for and released after its last.
     pub fn value_source(&self) -> ValueSource<'_> {
-        ValueSource {
-            core: self,
-            cache: HashMap::new(),
-            error: None,
-        }
+        ValueSource { core: self, cache: HashMap::new(), error: None }
     }
 
     /// The full padded values of one group, from the owned masters, as f32.
@@ -411,12 +357,8 @@ impl ValueSource<'_> {
             let count = self.core.state.layout.groups[place.group].params.len();
             self.cache.insert(place.group, (values, count));
         }
-        let (values, remaining) = self
-            .cache
-            .get_mut(&place.group)
-            .unwrap_or_else(|| unreachable!());
-        let out =
-            half_buffer::slice_data(values, place.offset..place.offset + n, spec.shape.clone());
+        let (values, remaining) = self.cache.get_mut(&place.group).unwrap_or_else(|| unreachable!());
+        let out = half_buffer::slice_data(values, place.offset..place.offset + n, spec.shape.clone());
         *remaining -= 1;
         if *remaining == 0 {
             self.cache.remove(&place.group);
@@ -441,25 +383,12 @@ struct Assembler {
 
 impl Assembler {
     fn new(layout: &PartitionLayout) -> Self {
-        Assembler {
-            pending: HashMap::new(),
-            sizes: layout.groups.iter().map(|g| g.params.len()).collect(),
-        }
+        Assembler { pending: HashMap::new(), sizes: layout.groups.iter().map(|g| g.params.len()).collect() }
     }
 
     /// Puts one parameter's gradient in place; returns the group's buffer when it is complete.
-    fn put(
-        &mut self,
-        group: usize,
-        padded: usize,
-        offset: usize,
-        n: usize,
-        grad: Option<Vec<f32>>,
-    ) -> Option<Vec<f32>> {
-        let entry = self
-            .pending
-            .entry(group)
-            .or_insert_with(|| (vec![0.0; padded], self.sizes[group]));
+    fn put(&mut self, group: usize, padded: usize, offset: usize, n: usize, grad: Option<Vec<f32>>) -> Option<Vec<f32>> {
+        let entry = self.pending.entry(group).or_insert_with(|| (vec![0.0; padded], self.sizes[group]));
         if let Some(g) = grad {
             entry.0[offset..offset + n].copy_from_slice(&g[..n]);
         }

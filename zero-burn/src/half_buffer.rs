@@ -18,14 +18,8 @@ pub(crate) fn zeros(dtype: ComputeDtype, len: usize) -> FlatBuffer {
 pub(crate) fn add_into(acc: &mut FlatBuffer, values: &[f32]) {
     match acc {
         FlatBuffer::F32(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a += v),
-        FlatBuffer::BF16(a) => a
-            .iter_mut()
-            .zip(values)
-            .for_each(|(a, v)| *a = bf16::from_f32(a.to_f32() + v)),
-        FlatBuffer::F16(a) => a
-            .iter_mut()
-            .zip(values)
-            .for_each(|(a, v)| *a = f16::from_f32(a.to_f32() + v)),
+        FlatBuffer::BF16(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a = bf16::from_f32(a.to_f32() + v)),
+        FlatBuffer::F16(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a = f16::from_f32(a.to_f32() + v)),
     }
 }
 
@@ -44,21 +38,13 @@ pub(crate) fn convert(buf: FlatBuffer, dtype: DType) -> FlatBuffer {
 pub(crate) fn round_to(dtype: ComputeDtype, values: &mut [f32]) {
     match dtype {
         ComputeDtype::F32 => {}
-        ComputeDtype::Bf16 => values
-            .iter_mut()
-            .for_each(|v| *v = bf16::from_f32(*v).to_f32()),
-        ComputeDtype::F16 => values
-            .iter_mut()
-            .for_each(|v| *v = f16::from_f32(*v).to_f32()),
+        ComputeDtype::Bf16 => values.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32()),
+        ComputeDtype::F16 => values.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32()),
     }
 }
 
 /// Elements `range` of `buf` as a tensor's data of `shape`, in the buffer's dtype.
-pub(crate) fn slice_data(
-    buf: &FlatBuffer,
-    range: std::ops::Range<usize>,
-    shape: impl Into<Shape>,
-) -> TensorData {
+pub(crate) fn slice_data(buf: &FlatBuffer, range: std::ops::Range<usize>, shape: impl Into<Shape>) -> TensorData {
     match buf {
         FlatBuffer::F32(v) => TensorData::new(v[range].to_vec(), shape),
         FlatBuffer::BF16(v) => TensorData::new(v[range].to_vec(), shape),
@@ -67,21 +53,11 @@ pub(crate) fn slice_data(
 }
 
 /// f32 values as a tensor's data of `shape` in `dtype` (rounded to nearest even).
-pub(crate) fn f32_to_data(
-    values: Vec<f32>,
-    shape: impl Into<Shape>,
-    dtype: ComputeDtype,
-) -> TensorData {
+pub(crate) fn f32_to_data(values: Vec<f32>, shape: impl Into<Shape>, dtype: ComputeDtype) -> TensorData {
     match dtype {
         ComputeDtype::F32 => TensorData::new(values, shape),
-        ComputeDtype::Bf16 => TensorData::new(
-            values.into_iter().map(bf16::from_f32).collect::<Vec<_>>(),
-            shape,
-        ),
-        ComputeDtype::F16 => TensorData::new(
-            values.into_iter().map(f16::from_f32).collect::<Vec<_>>(),
-            shape,
-        ),
+        ComputeDtype::Bf16 => TensorData::new(values.into_iter().map(bf16::from_f32).collect::<Vec<_>>(), shape),
+        ComputeDtype::F16 => TensorData::new(values.into_iter().map(f16::from_f32).collect::<Vec<_>>(), shape),
     }
 }
 
@@ -119,9 +95,6 @@ mod tests {
         let buf = FlatBuffer::from_f32(&[5.0, 6.0, 7.0], DType::F16);
         let data = slice_data(&buf, 1..3, vec![2]);
         assert_eq!(data.dtype, burn::tensor::DType::F16);
-        assert_eq!(
-            data.convert::<f32>().into_vec::<f32>().unwrap_or_default(),
-            vec![6.0, 7.0]
-        );
+        assert_eq!(data.convert::<f32>().into_vec::<f32>().unwrap_or_default(), vec![6.0, 7.0]);
     }
 }

@@ -30,8 +30,8 @@
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
 mod chain;
-mod chain_engine;
 mod checkpoint;
+mod chain_engine;
 mod core;
 mod engine;
 mod error;
@@ -50,11 +50,10 @@ pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
-    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload,
-    optimizer_spec, precision_settings, resolve, InitOptions,
+    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
+    precision_settings, resolve,
+    InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
-pub use settings::{
-    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage,
-};
+pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};

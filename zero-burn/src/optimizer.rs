@@ -11,8 +11,8 @@ use crate::core::{EngineCore, StepReport};
 use crate::engine::{broadcast_values, replicated_layout};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
-use crate::half_buffer;
 use crate::memory::{MemoryReport, MemoryTracker};
+use crate::half_buffer;
 use crate::params::{describe, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -54,26 +54,16 @@ impl ZeroOptimizer {
                     .into(),
             ));
         }
-        Ok(ZeroOptimizer {
-            settings,
-            comm,
-            core: Arc::new(Mutex::new(None)),
-            last: Arc::new(Mutex::new(None)),
-        })
+        Ok(ZeroOptimizer { settings, comm, core: Arc::new(Mutex::new(None)), last: Arc::new(Mutex::new(None)) })
     }
 
     /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16).
-    pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &self,
-        module: M,
-    ) -> Result<M, ZeroError> {
+    pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
         let layout = replicated_layout::<B, M>(&module, &self.settings, self.comm.world_size());
         let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref())?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
-        Ok(write_data(module, &device, true, |i, shape| {
-            half_buffer::f32_to_data(values[i].clone(), shape, dtype)
-        }))
+        Ok(write_data(module, &device, true, |i, shape| half_buffer::f32_to_data(values[i].clone(), shape, dtype)))
     }
 
     /// What the last step did (its gradient norm, learning rate).
@@ -138,9 +128,7 @@ impl ZeroOptimizer {
     }
 }
 
-fn first_device<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-) -> Result<B::Device, ZeroError> {
+fn first_device<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Result<B::Device, ZeroError> {
     module
         .devices()
         .into_iter()
@@ -165,11 +153,7 @@ fn collect_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
             }
         }
     }
-    let mut c = Collect::<B> {
-        grads,
-        out: Default::default(),
-        _b: std::marker::PhantomData,
-    };
+    let mut c = Collect::<B> { grads, out: Default::default(), _b: std::marker::PhantomData };
     module.visit(&mut c);
     c.out
 }
@@ -187,8 +171,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer
 
     fn step_multi(&mut self, lr: f64, module: M, mut grads: MultiGradientsParams) -> M {
         // Gradients from several devices of this rank: sum them per parameter first.
-        let mut summed: std::collections::HashMap<burn::module::ParamId, Vec<f32>> =
-            Default::default();
+        let mut summed: std::collections::HashMap<burn::module::ParamId, Vec<f32>> = Default::default();
         for (g, _) in grads.grads.iter_mut() {
             for (id, v) in collect_grads::<B, M>(&module, g) {
                 match summed.get_mut(&id) {

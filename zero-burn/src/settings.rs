@@ -19,9 +19,7 @@ pub enum Stage {
 impl Stage {
     /// The stage from its number.
     pub fn from_number(n: u8) -> Option<Stage> {
-        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3]
-            .get(n as usize)
-            .copied()
+        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3].get(n as usize).copied()
     }
 
     /// The stage's number.
@@ -181,20 +179,12 @@ impl PrecisionSettings {
 
     /// bf16 compute, fp32 masters; a non-finite loss or gradient is an error.
     pub fn bf16() -> Self {
-        PrecisionSettings {
-            dtype: ComputeDtype::Bf16,
-            non_finite: NonFinitePolicy::Error,
-            ..Self::fp32()
-        }
+        PrecisionSettings { dtype: ComputeDtype::Bf16, non_finite: NonFinitePolicy::Error, ..Self::fp32() }
     }
 
     /// fp16 compute, fp32 masters, with the given loss scaler.
     pub fn fp16(scaler: LossScalerConfig) -> Self {
-        PrecisionSettings {
-            dtype: ComputeDtype::F16,
-            loss_scaler: Some(scaler),
-            ..Self::fp32()
-        }
+        PrecisionSettings { dtype: ComputeDtype::F16, loss_scaler: Some(scaler), ..Self::fp32() }
     }
 
     /// The dtype gradients are reduced in.
@@ -207,17 +197,11 @@ impl std::fmt::Debug for EngineSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineSettings")
             .field("stage", &self.stage)
-            .field(
-                "gradient_accumulation_steps",
-                &self.gradient_accumulation_steps,
-            )
+            .field("gradient_accumulation_steps", &self.gradient_accumulation_steps)
             .field("reduce_bucket_size", &self.reduce_bucket_size)
             .field("overlap_comm", &self.overlap_comm)
             .field("prefetch_bucket_size", &self.prefetch_bucket_size)
-            .field(
-                "param_persistence_threshold",
-                &self.param_persistence_threshold,
-            )
+            .field("param_persistence_threshold", &self.param_persistence_threshold)
             .field("gradient_clipping", &self.gradient_clipping)
             .field("optimizer", &self.optimizer)
             .field("lr_schedule", &self.lr_schedule.is_some())

@@ -12,8 +12,7 @@ const BLOCK_ELEMENTS: usize = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + comm
 /// Ψ of the test model (no padding).
 fn psi(blocks: usize) -> usize {
     let b = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
-    let ends =
-        common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
+    let ends = common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
     ends + blocks * b
 }
 
@@ -35,9 +34,7 @@ fn report(stage: Stage, world: usize) -> MemoryReport {
         s.overlap_comm = true;
         s.prefetch_bucket_size = 2 * BLOCK_ELEMENTS;
         let mut engine = ChainEngine::new(s, Net::<B>::new(&device, 40), group).expect("engine");
-        let loss = engine
-            .forward(batch::<B>(0, rank * 2..rank * 2 + 2, &device))
-            .expect("forward");
+        let loss = engine.forward(batch::<B>(0, rank * 2..rank * 2 + 2, &device)).expect("forward");
         engine.backward(loss).expect("backward");
         engine.step().expect("step");
         engine.memory()
@@ -62,38 +59,12 @@ fn per_rank_bytes_follow_the_zero_formulas() {
             };
             // Padding of the last shard of each group is at most one element per rank and group.
             let slack = block;
-            within(
-                &format!("{label} parameters"),
-                r.parameters.current,
-                params,
-                slack,
-            );
-            within(
-                &format!("{label} gradients"),
-                r.gradients.current,
-                grads,
-                slack,
-            );
-            within(
-                &format!("{label} optimizer state"),
-                r.optimizer_state.current,
-                adam,
-                slack,
-            );
+            within(&format!("{label} parameters"), r.parameters.current, params, slack);
+            within(&format!("{label} gradients"), r.gradients.current, grads, slack);
+            within(&format!("{label} optimizer state"), r.optimizer_state.current, adam, slack);
             // fp32 master weights: the owned shard; under stage 3 they are the parameters.
-            let master = if stage == Stage::Zero3 {
-                0.0
-            } else if stage == Stage::Zero0 {
-                4.0 * psi
-            } else {
-                4.0 * psi / n
-            };
-            within(
-                &format!("{label} master weights"),
-                r.master_weights.current,
-                master,
-                slack,
-            );
+            let master = if stage == Stage::Zero3 { 0.0 } else if stage == Stage::Zero0 { 4.0 * psi } else { 4.0 * psi / n };
+            within(&format!("{label} master weights"), r.master_weights.current, master, slack);
             if matches!(stage, Stage::Zero2 | Stage::Zero3) && world > 1 {
                 // Gradients are reduce-scattered part by part during backward: the full gradient
                 // never exists at once. Peak: the shards, two buckets in flight (a bucket is two
@@ -110,22 +81,12 @@ fn per_rank_bytes_follow_the_zero_formulas() {
             if stage == Stage::Zero3 {
                 // Nothing gathered stays after the step; live at once: the part in use plus the
                 // prefetch budget (2 blocks) plus the ends (68 + 39 elements) in flight.
-                assert_eq!(
-                    r.gathered.current, 0,
-                    "{label}: gathered parameters released"
-                );
+                assert_eq!(r.gathered.current, 0, "{label}: gathered parameters released");
                 assert!(r.gathered.peak > 0, "{label}: gathers were counted");
                 let bound = 4 * (3 * BLOCK_ELEMENTS + 2 * 107 + 64);
-                assert!(
-                    r.gathered.peak <= bound,
-                    "{label}: peak gathered {} exceeds {bound}",
-                    r.gathered.peak
-                );
+                assert!(r.gathered.peak <= bound, "{label}: peak gathered {} exceeds {bound}", r.gathered.peak);
             } else {
-                assert_eq!(
-                    r.gathered.peak, 0,
-                    "{label}: nothing is gathered below stage 3"
-                );
+                assert_eq!(r.gathered.peak, 0, "{label}: nothing is gathered below stage 3");
             }
         }
     }

@@ -14,8 +14,7 @@ const BLOCKS: usize = 40;
 
 /// Ψ of the test model (no padding).
 fn psi() -> usize {
-    let ends =
-        common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
+    let ends = common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
     ends + BLOCKS * BLOCK_ELEMENTS
 }
 
@@ -37,13 +36,10 @@ fn report(stage: Stage, world: usize) -> MemoryReport {
         s.overlap_comm = true;
         s.prefetch_bucket_size = 2 * BLOCK_ELEMENTS;
         s.precision = PrecisionSettings::bf16();
-        let mut engine =
-            ChainEngine::new(s, Net::<B>::new(&device, BLOCKS), group).expect("engine");
+        let mut engine = ChainEngine::new(s, Net::<B>::new(&device, BLOCKS), group).expect("engine");
         let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
         let dtype = engine.compute_dtype().burn();
-        let loss = engine
-            .forward((x.cast(dtype), y.cast(dtype)))
-            .expect("forward");
+        let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
         engine.backward(loss).expect("backward");
         let step = engine.step().expect("step").expect("a boundary");
         assert!(!step.skipped);
@@ -68,48 +64,21 @@ fn per_rank_bytes_follow_the_mixed_precision_zero_formulas() {
                 Stage::Zero2 => (2.0 * psi, 2.0 * psi / n, 12.0 * psi / n),
                 Stage::Zero3 => (2.0 * psi / n, 2.0 * psi / n, 12.0 * psi / n),
             };
-            within(
-                &format!("{label} parameters"),
-                r.parameters.current,
-                params,
-                slack,
-            );
-            within(
-                &format!("{label} gradients"),
-                r.gradients.current,
-                grads,
-                slack,
-            );
+            within(&format!("{label} parameters"), r.parameters.current, params, slack);
+            within(&format!("{label} gradients"), r.gradients.current, grads, slack);
             // The 12Ψ: fp32 masters (4) and Adam's moments (8), each checked on its own too.
             let states_got = r.master_weights.current + r.optimizer_state.current;
-            within(
-                &format!("{label} optimizer states (masters + moments)"),
-                states_got,
-                states,
-                slack,
-            );
-            within(
-                &format!("{label} master weights"),
-                r.master_weights.current,
-                states / 3.0,
-                slack,
-            );
+            within(&format!("{label} optimizer states (masters + moments)"), states_got, states, slack);
+            within(&format!("{label} master weights"), r.master_weights.current, states / 3.0, slack);
             let total = params + grads + states;
             within(&format!("{label} total"), r.total_current(), total, slack);
             if stage == Stage::Zero3 {
                 // Gathered 16-bit parameters: the part in use, the 2-block prefetch budget and the
                 // ends (107 elements) in flight, at 2 bytes.
-                assert_eq!(
-                    r.gathered.current, 0,
-                    "{label}: gathered parameters released"
-                );
+                assert_eq!(r.gathered.current, 0, "{label}: gathered parameters released");
                 assert!(r.gathered.peak > 0, "{label}: gathers were counted");
                 let bound = 2 * (3 * BLOCK_ELEMENTS + 2 * 107 + 64);
-                assert!(
-                    r.gathered.peak <= bound,
-                    "{label}: peak gathered {} exceeds {bound}",
-                    r.gathered.peak
-                );
+                assert!(r.gathered.peak <= bound, "{label}: peak gathered {} exceeds {bound}", r.gathered.peak);
             }
         }
     }

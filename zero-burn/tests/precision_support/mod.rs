@@ -101,13 +101,8 @@ pub fn train_on(
         let device = Default::default();
         let gas = settings.gradient_accumulation_steps;
         let dtype = settings.precision.dtype.burn();
-        let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 3), wrap(group))
-            .expect("engine");
-        let mut run = RankRun {
-            losses: Vec::new(),
-            steps: Vec::new(),
-            values: Vec::new(),
-        };
+        let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 3), wrap(group)).expect("engine");
+        let mut run = RankRun { losses: Vec::new(), steps: Vec::new(), values: Vec::new() };
         for step in 0..steps {
             let mut loss_sum = 0.0;
             for micro in 0..gas {
@@ -120,9 +115,7 @@ pub fn train_on(
                     x = x.zeros_like().add_scalar(p.value);
                 }
                 // The model follows its parameters' dtype: its float inputs are cast.
-                let loss = engine
-                    .forward((x.cast(dtype), y.cast(dtype)))
-                    .expect("forward");
+                let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
                 loss_sum += engine.backward(loss).expect("backward");
             }
             run.losses.push(loss_sum / gas as f32);
@@ -131,15 +124,11 @@ pub fn train_on(
                 Ok(None) => panic!("no step at the accumulation boundary"),
                 Err(e) => {
                     run.steps.push(Err(e.to_string()));
-                    assert!(
-                        matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }),
-                        "{e}"
-                    );
+                    assert!(matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }), "{e}");
                     break;
                 }
             }
-            run.values
-                .push(values::<B, _>(&engine.module().expect("module")));
+            run.values.push(values::<B, _>(&engine.module().expect("module")));
         }
         run
     })
@@ -153,11 +142,8 @@ pub fn plain(group: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
 /// The dtype of a float tensor the engine made.
 pub fn param_dtype(settings: &EngineSettings) -> DType {
     let device = Default::default();
-    let group: Arc<dyn ProcessGroup> = zero_core::comm::ThreadGroup::new_group(1)
-        .expect("group")
-        .remove(0);
-    let mut engine =
-        ChainEngine::new(settings.clone(), Net::<B>::new(&device, 1), group).expect("engine");
+    let group: Arc<dyn ProcessGroup> = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
+    let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 1), group).expect("engine");
     let model = engine.module().expect("module");
     model.ends.input.weight.val().dtype()
 }
@@ -179,15 +165,8 @@ pub struct Recording {
 
 impl Recording {
     fn note(&self, op: &'static str, b: &FlatBuffer) {
-        let issued = Issued {
-            op,
-            dtype: b.dtype(),
-            bytes: b.byte_len(),
-        };
-        self.log
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(issued);
+        let issued = Issued { op, dtype: b.dtype(), bytes: b.byte_len() };
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).push(issued);
     }
 }
 
