@@ -40,6 +40,16 @@ impl EngineCore {
         Ok(())
     }
 
+    fn require_in_memory(&self, what: &str) -> Result<(), ZeroError> {
+        if self.state.swapped() {
+            return Err(ZeroError::Usage(format!(
+                "{what} with offload_optimizer on NVMe: checkpoints cannot read the swapped masters and optimizer \
+                 state yet; train with offload_optimizer device \"cpu\" (or none) to save and load checkpoints"
+            )));
+        }
+        Ok(())
+    }
+
     /// Every rank writes its shard; rank 0 the metadata and `latest`. Returns the tag directory.
     pub(crate) fn save_checkpoint(
         &self,
@@ -48,6 +58,7 @@ impl EngineCore {
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
         self.require_boundary("save_checkpoint")?;
+        self.require_in_memory("save_checkpoint")?;
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
@@ -85,6 +96,7 @@ impl EngineCore {
         tag: Option<&str>,
     ) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load_checkpoint")?;
+        self.require_in_memory("load_checkpoint")?;
         let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
         let rank = self.comm.rank();
         let factory = OptimizerFactory {

@@ -78,7 +78,7 @@ impl EngineCore {
             ),
             _ => None,
         };
-        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory, dtypes)?;
+        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory, dtypes, &settings.offload_optimizer)?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
         Ok(EngineCore {

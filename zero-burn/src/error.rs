@@ -21,6 +21,9 @@ pub enum ZeroError {
     /// The optimizer rejected its state or inputs.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// The optimizer state could not be swapped to or from its NVMe file (the error names it).
+    #[error("optimizer offload: {0}")]
+    Offload(#[from] zero_core::offload::OffloadError),
     /// A checkpoint could not be saved, read or verified (the error names the file).
     #[error(transparent)]
     Checkpoint(#[from] zero_core::checkpoint::CheckpointError),

@@ -11,9 +11,10 @@ use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
-use crate::settings::ComputeDtype;
+use crate::settings::{ComputeDtype, OptimizerOffload};
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
-use zero_core::optim::HalfCopy;
+use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
+use zero_core::optim::{CpuPool, HalfCopy};
 use zero_core::partition::{PartitionLayout, Placement};
 
 /// How a group's gradients reach the owned slice.
@@ -30,7 +31,7 @@ pub(crate) enum GradFlow {
 
 /// One group's share of the state.
 pub(crate) struct GroupState {
-    /// fp32 master weights of the owned range.
+    /// fp32 master weights of the owned range (empty when they are swapped to NVMe).
     pub master: Vec<f32>,
     /// Gradient accumulator, in the accumulation dtype: the whole padded group
     /// (AccumulateThenReduce) or the owned slice.
@@ -41,8 +42,26 @@ pub(crate) struct GroupState {
     pub optimizer: GroupOptimizer,
     /// The owned masters rounded to the 16-bit compute dtype, rewritten by every optimizer
     /// step: the parameter shard that stage 3 gathers (`None` when parameters are not sharded
-    /// or are fp32).
+    /// or are fp32). With the masters on NVMe it is always kept, in the compute dtype (fp32
+    /// included): it is then the only in-memory copy of the owned values.
     pub half: Option<FlatBuffer>,
+}
+
+/// Masters and optimizer state swapped to a file: where each group's chunks are, and the host
+/// buffers they stream through.
+struct NvmeState {
+    file: SwapFile,
+    regions: Vec<SwapRegion>,
+    buffer_count: usize,
+    buffers: Vec<Vec<f32>>,
+}
+
+/// The optimizer step's placement: its own thread pool (CPU and NVMe offload) and the swap file
+/// (NVMe).
+#[derive(Default)]
+struct OffloadState {
+    pool: Option<CpuPool>,
+    nvme: Option<NvmeState>,
 }
 
 /// The dtypes of the flat state besides the fp32 masters.
@@ -62,6 +81,7 @@ pub(crate) struct FlatState {
     pub groups: Vec<GroupState>,
     pub rank: usize,
     pub dtypes: StateDtypes,
+    offload: OffloadState,
 }
 
 impl FlatState {
@@ -75,8 +95,31 @@ impl FlatState {
         mut values: impl FnMut(usize) -> Vec<f32>,
         memory: &MemoryTracker,
         dtypes: StateDtypes,
+        offload: &OptimizerOffload,
     ) -> Result<Self, ZeroError> {
         let mut groups = Vec::with_capacity(layout.groups.len());
+        let (pool_threads, swap) = match offload {
+            OptimizerOffload::None => (None, None),
+            OptimizerOffload::Cpu { threads } => (Some(*threads), None),
+            OptimizerOffload::Nvme {
+                path,
+                buffer_count,
+                chunk_elements,
+                threads,
+            } => {
+                let file = SwapFile::create(path, &format!("zero_optimizer_rank{rank}.swap"))?;
+                (
+                    Some(*threads),
+                    Some((file, (*buffer_count).max(1), (*chunk_elements).max(1))),
+                )
+            }
+        };
+        let mut regions = Vec::new();
+        let mut file_elements = 0u64;
+        let mut widest_chunk = 0usize;
+        if pool_threads.is_some() {
+            memory.set_optimizer_on_host();
+        }
         let mut pending: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
         // Parameters are asked for in visit order; groups may list them in another order.
         let mut next_param = 0;
@@ -100,19 +143,89 @@ impl FlatState {
                 GradFlow::AccumulateThenReduce => layout.groups[gi].padded,
                 GradFlow::ReduceThenAccumulate => owned.len(),
             };
-            let optimizer = factory.build(&layout, gi, rank)?;
-            memory.add_master(master.len() * 4);
             memory.add_grads(grad_len * dtypes.accumulate.size());
-            memory.add_optimizer(optimizer.state_bytes());
-            let half = dtypes.half_shard.map(|d| FlatBuffer::from_f32(&master, d.flat()));
+            let (master, optimizer, half) = match &swap {
+                None => {
+                    let optimizer = factory.build(&layout, gi, rank)?;
+                    memory.add_master(master.len() * 4);
+                    memory.add_optimizer(optimizer.state_bytes());
+                    let half = dtypes
+                        .half_shard
+                        .map(|d| FlatBuffer::from_f32(&master, d.flat()));
+                    (master, optimizer, half)
+                }
+                Some((file, _, chunk_elements)) => {
+                    let chunk = (*chunk_elements).min(master.len());
+                    let optimizer = factory.build_chunked(gi, chunk)?;
+                    let width = 1 + optimizer.state_width();
+                    let region = SwapRegion::new(file_elements, master.len(), width, chunk.max(1));
+                    // Fresh state is zero, like an in-memory optimizer's.
+                    let zeros = vec![0.0f32; master.len()];
+                    let mut buffers: Vec<&[f32]> = vec![&master];
+                    buffers.extend(std::iter::repeat_n(zeros.as_slice(), width - 1));
+                    file.write_region(&region, &buffers)?;
+                    file_elements += region.elements();
+                    widest_chunk = widest_chunk.max(chunk * width);
+                    regions.push(region);
+                    // The chunk optimizer's own state: one chunk's worth, in memory.
+                    memory.add_optimizer(optimizer.state_bytes());
+                    memory.add_nvme_master(master.len() * 4);
+                    memory.add_nvme_optimizer(master.len() * 4 * (width - 1));
+                    let param_dtype = dtypes.half_shard.unwrap_or(dtypes.accumulate);
+                    let half = Some(FlatBuffer::from_f32(&master, param_dtype.flat()));
+                    (Vec::new(), optimizer, half)
+                }
+            };
             if let Some(h) = &half {
-                // The 16-bit shard is the rank's copy of the parameters (stage 3).
+                // The 16-bit shard is the rank's copy of the parameters (stage 3, or any stage
+                // with the masters on NVMe).
                 memory.add_parameters(h.byte_len());
             }
             let grad = half_buffer::zeros(dtypes.accumulate, grad_len);
-            groups.push(GroupState { master, grad, flow, optimizer, half });
+            groups.push(GroupState {
+                master,
+                grad,
+                flow,
+                optimizer,
+                half,
+            });
         }
-        Ok(FlatState { layout, groups, rank, dtypes })
+        let pool = pool_threads
+            .map(|t| {
+                let threads = if t == 0 {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                } else {
+                    t
+                };
+                CpuPool::new(threads)
+                    .map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
+            })
+            .transpose()?;
+        let nvme = swap.map(|(file, buffer_count, _)| {
+            // The host buffers are allocated once, here, and counted as host optimizer memory.
+            let buffers: Vec<Vec<f32>> = (0..buffer_count)
+                .map(|_| vec![0.0f32; widest_chunk])
+                .collect();
+            memory.add_optimizer(buffer_count * widest_chunk * 4);
+            NvmeState {
+                file,
+                regions,
+                buffer_count,
+                buffers,
+            }
+        });
+        Ok(FlatState {
+            layout,
+            groups,
+            rank,
+            dtypes,
+            offload: OffloadState { pool, nvme },
+        })
+    }
+
+    /// Whether the masters and optimizer state are in a swap file (checkpoints cannot read them).
+    pub fn swapped(&self) -> bool {
+        self.offload.nvme.is_some()
     }
 
     /// Adds a micro-batch gradient of the whole (padded) group, `scale` times.
@@ -138,7 +251,8 @@ impl FlatState {
             if self.groups[gi].flow != GradFlow::AccumulateThenReduce || world == 1 {
                 continue;
             }
-            let accumulated = std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
+            let accumulated =
+                std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
             let full = half_buffer::convert(accumulated, self.dtypes.communicate.flat());
             let reduced = match self.layout.groups[gi].placement {
                 Placement::Replicated => {
@@ -159,16 +273,25 @@ impl FlatState {
     pub fn take_owned_grads(&mut self) -> Vec<Vec<f32>> {
         self.groups
             .iter_mut()
-            .map(|g| {
+            .enumerate()
+            .map(|(gi, g)| {
                 let grad = std::mem::replace(&mut g.grad, FlatBuffer::F32(Vec::new())).into_f32();
-                debug_assert_eq!(grad.len(), g.master.len(), "gradient not reduced yet");
+                debug_assert_eq!(
+                    grad.len(),
+                    self.layout.owned_len(gi),
+                    "gradient not reduced yet"
+                );
                 grad
             })
             .collect()
     }
 
     /// Global L2 norm of `grads` (every group's owned slice) over every rank.
-    pub fn global_grad_norm(&self, grads: &[Vec<f32>], group_comm: &dyn ProcessGroup) -> Result<f64, ZeroError> {
+    pub fn global_grad_norm(
+        &self,
+        grads: &[Vec<f32>],
+        group_comm: &dyn ProcessGroup,
+    ) -> Result<f64, ZeroError> {
         let mut sharded = 0.0f64;
         let mut replicated = 0.0f64;
         for (gi, grad) in grads.iter().enumerate() {
@@ -197,17 +320,19 @@ impl FlatState {
         lr: f64,
         group_comm: &dyn ProcessGroup,
     ) -> Result<(), ZeroError> {
-        for (g, grad) in self.groups.iter_mut().zip(&mut grads) {
+        for grad in &mut grads {
             if coef != 1.0 {
                 grad.iter_mut().for_each(|v| *v *= coef);
             }
-            let out = match &mut g.half {
-                None => HalfCopy::None,
-                Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
-                Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
-                Some(FlatBuffer::F32(_)) => HalfCopy::None,
-            };
-            g.optimizer.step(&mut g.master, grad, lr, group_comm, out)?;
+        }
+        let groups = &mut self.groups;
+        let mut run = || match &mut self.offload.nvme {
+            None => step_in_memory(groups, &grads, lr, group_comm),
+            Some(nvme) => step_swapped(groups, nvme, &grads, lr),
+        };
+        match &self.offload.pool {
+            Some(pool) => pool.install(run)?,
+            None => run()?,
         }
         self.reset_accumulators();
         Ok(())
@@ -219,9 +344,75 @@ impl FlatState {
         for (gi, g) in self.groups.iter_mut().enumerate() {
             let len = match g.flow {
                 GradFlow::AccumulateThenReduce => self.layout.groups[gi].padded,
-                GradFlow::ReduceThenAccumulate => g.master.len(),
+                GradFlow::ReduceThenAccumulate => self.layout.owned_len(gi),
             };
             g.grad = half_buffer::zeros(self.dtypes.accumulate, len);
         }
     }
+}
+
+/// One optimizer step of every group on in-memory masters and state.
+fn step_in_memory(
+    groups: &mut [GroupState],
+    grads: &[Vec<f32>],
+    lr: f64,
+    comm: &dyn ProcessGroup,
+) -> Result<(), ZeroError> {
+    for (g, grad) in groups.iter_mut().zip(grads) {
+        let out = match &mut g.half {
+            None => HalfCopy::None,
+            Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
+            Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
+            Some(FlatBuffer::F32(_)) => HalfCopy::None,
+        };
+        g.optimizer.step(&mut g.master, grad, lr, comm, out)?;
+    }
+    Ok(())
+}
+
+/// One optimizer step of every group with masters and state streamed from the swap file: each
+/// chunk is read, stepped (writing the new parameter shard in the compute dtype), written back.
+fn step_swapped(
+    groups: &mut [GroupState],
+    nvme: &mut NvmeState,
+    grads: &[Vec<f32>],
+    lr: f64,
+) -> Result<(), ZeroError> {
+    for ((g, grad), region) in groups.iter_mut().zip(grads).zip(&nvme.regions) {
+        let GroupState {
+            optimizer, half, ..
+        } = g;
+        stream_chunks(
+            &nvme.file,
+            region,
+            nvme.buffer_count,
+            &mut nvme.buffers,
+            |c, chunk| {
+                let range = region.chunk_range(c);
+                let n = range.len();
+                match half {
+                    Some(FlatBuffer::BF16(h)) => optimizer.step_chunk(
+                        chunk,
+                        &grad[range.clone()],
+                        lr,
+                        HalfCopy::Bf16(&mut h[range]),
+                    ),
+                    Some(FlatBuffer::F16(h)) => optimizer.step_chunk(
+                        chunk,
+                        &grad[range.clone()],
+                        lr,
+                        HalfCopy::F16(&mut h[range]),
+                    ),
+                    Some(FlatBuffer::F32(h)) => {
+                        optimizer.step_chunk(chunk, &grad[range.clone()], lr, HalfCopy::None)?;
+                        h[range].copy_from_slice(&chunk[..n]);
+                        Ok(())
+                    }
+                    None => optimizer.step_chunk(chunk, &grad[range], lr, HalfCopy::None),
+                }
+            },
+        )?;
+        optimizer.end_swapped_step();
+    }
+    Ok(())
 }

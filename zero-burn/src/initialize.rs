@@ -8,14 +8,16 @@ use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
 use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
-use crate::settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, PrecisionSettings, Stage};
+use crate::settings::{
+    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage,
+};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    CommDataType, DeepSpeedConfig, OptimizerConfig, Overrides, Precision, ResolveContext, ResolvedConfig,
-    SchedulerConfig,
+    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision,
+    ResolveContext, ResolvedConfig, SchedulerConfig,
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrScheduleSpec;
@@ -36,28 +38,34 @@ pub struct InitOptions {
 }
 
 /// Resolves `config` for `world_size` ranks.
-pub fn resolve(config: &DeepSpeedConfig, world_size: usize, options: &InitOptions) -> Result<ResolvedConfig, ZeroError> {
+pub fn resolve(
+    config: &DeepSpeedConfig,
+    world_size: usize,
+    options: &InitOptions,
+) -> Result<ResolvedConfig, ZeroError> {
     config
-        .resolve(&ResolveContext { world_size, hidden_size: options.hidden_size, overrides: options.overrides.clone() })
+        .resolve(&ResolveContext {
+            world_size,
+            hidden_size: options.hidden_size,
+            overrides: options.overrides.clone(),
+        })
         .map_err(|e| ZeroError::Config(e.to_string()))
 }
 
 /// The engine's settings from a resolved config. Parts of the config this engine does not do yet
 /// are errors that say so, never silently ignored.
 pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
-    let stage = Stage::from_number(config.zero.stage as u8)
-        .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
+    let stage = Stage::from_number(config.zero.stage as u8).ok_or_else(|| {
+        ZeroError::Config(format!(
+            "zero_optimization.stage {:?} is not 0-3",
+            config.zero.stage
+        ))
+    })?;
     let precision = precision_settings(config)?;
-    if config.zero.offload_optimizer.as_ref().is_some() {
-        return Err(ZeroError::Config(
-            "zero_optimization.offload_optimizer: offloading is not available in this version of the engine; remove the \
-             section or set its device to \"none\""
-                .into(),
-        ));
-    }
+    let offload_optimizer = optimizer_offload(config)?;
     if config.zero.offload_param.as_ref().is_some() {
         return Err(ZeroError::Config(
-            "zero_optimization.offload_param: offloading is not available in this version of the engine; remove the \
+            "zero_optimization.offload_param: parameter offload is not available (optimizer offload is); remove the \
              section or set its device to \"none\""
                 .into(),
         ));
@@ -76,7 +84,47 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.gradient_clipping = config.gradient_clipping;
     settings.lr_schedule = lr_schedule;
     settings.precision = precision;
+    settings.offload_optimizer = offload_optimizer;
     Ok(settings)
+}
+
+/// Host buffers for NVMe offload hold at most this many elements per state buffer and chunk,
+/// whatever `sub_group_size` says: DeepSpeed's default sub-group (1e9 elements) would make each
+/// of the `buffer_count` buffers 12 GB.
+pub const MAX_NVME_CHUNK_ELEMENTS: usize = 1 << 22;
+
+/// The optimizer's placement from `zero_optimization.offload_optimizer` (and `sub_group_size`,
+/// the elements of one chunk streamed from NVMe). Partial offload is refused, not ignored.
+pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroError> {
+    let Some(o) = config.zero.offload_optimizer.as_ref() else {
+        return Ok(OptimizerOffload::None);
+    };
+    if o.ratio < 1.0 {
+        return Err(ZeroError::Config(format!(
+            "zero_optimization.offload_optimizer.ratio {}: partial offload is not available; every rank's optimizer \
+             state is offloaded whole (remove the key or set it to 1)",
+            o.ratio
+        )));
+    }
+    Ok(match o.device {
+        OffloadDevice::Cpu => OptimizerOffload::Cpu { threads: 0 },
+        OffloadDevice::Nvme => {
+            let path = o.nvme_path.as_ref().ok_or_else(|| {
+                ZeroError::Config(
+                    "zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\""
+                        .into(),
+                )
+            })?;
+            let buffer_count = usize::try_from(o.buffer_count).unwrap_or(usize::MAX).max(1);
+            let sub_group = usize::try_from(config.zero.sub_group_size).unwrap_or(usize::MAX);
+            OptimizerOffload::Nvme {
+                path: path.into(),
+                buffer_count,
+                chunk_elements: sub_group.clamp(1, MAX_NVME_CHUNK_ELEMENTS),
+                threads: 0,
+            }
+        }
+    })
 }
 
 /// The compute dtype, loss scaler and communication dtype from the `fp16`/`bf16` sections and
@@ -94,7 +142,11 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
                 ));
             }
             let hysteresis = u32::try_from(fp16.hysteresis).map_err(|_| {
-                ZeroError::Config(format!("fp16.hysteresis {} is too large (at most {})", fp16.hysteresis, u32::MAX))
+                ZeroError::Config(format!(
+                    "fp16.hysteresis {} is too large (at most {})",
+                    fp16.hysteresis,
+                    u32::MAX
+                ))
             })?;
             PrecisionSettings::fp16(LossScalerConfig {
                 loss_scale: fp16.loss_scale,
@@ -135,7 +187,10 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
 }
 
 /// [`engine_settings`] with the options that only the caller gives.
-fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<EngineSettings, ZeroError> {
+fn settings_with(
+    config: &ResolvedConfig,
+    options: &InitOptions,
+) -> Result<EngineSettings, ZeroError> {
     let mut settings = engine_settings(config)?;
     if let Some(policy) = options.non_finite {
         if settings.precision.dtype != ComputeDtype::F16 {
@@ -201,13 +256,22 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
         )));
     }
     // Both sides speak DeepSpeed's key names: the resolved section is the schedule's spec.
-    let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
+    let value =
+        serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
     let spec: LrScheduleSpec =
         serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
-    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> =
-        Arc::from(spec.build(optimizer_lr).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?);
+    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> = Arc::from(
+        spec.build(optimizer_lr)
+            .map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?,
+    );
     // Step k (0-based) runs at the rate the scheduler holds after k advances.
-    Ok(Arc::new(move |step| if step == 0 { schedule.initial_lr() } else { schedule.lr_at(step - 1) }))
+    Ok(Arc::new(move |step| {
+        if step == 0 {
+            schedule.initial_lr()
+        } else {
+            schedule.lr_at(step - 1)
+        }
+    }))
 }
 
 /// An engine for any Burn module (ZeRO stages 0-2) from a DeepSpeed config.

@@ -50,9 +50,10 @@ pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
-    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_spec, precision_settings, resolve,
+    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
+    precision_settings, resolve,
     InitOptions,
 };
-pub use memory::{Bytes, MemoryReport};
+pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
-pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, PrecisionSettings, Stage};
+pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};

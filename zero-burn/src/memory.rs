@@ -29,6 +29,36 @@ pub struct MemoryReport {
     pub optimizer_state: Bytes,
     /// Parameters gathered for a block's forward or backward (stage 3), in flight or in use.
     pub gathered: Bytes,
+    /// Where the current bytes of each kind live: beside the model (device), in host memory
+    /// for the offloaded optimizer, or in NVMe swap files (not counted in the kinds above,
+    /// which are memory).
+    pub locations: LocationSplit,
+}
+
+/// Current bytes of one kind by location.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Locations {
+    /// Beside the model, on the backend's device (the CPU for the CPU backend).
+    pub device: usize,
+    /// In host memory, for the offloaded optimizer step.
+    pub host: usize,
+    /// In NVMe swap files.
+    pub nvme: usize,
+}
+
+/// Current bytes of every kind by location.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LocationSplit {
+    /// Model parameters (and the parameter shard).
+    pub parameters: Locations,
+    /// Gradient accumulators.
+    pub gradients: Locations,
+    /// fp32 master weights.
+    pub master_weights: Locations,
+    /// Optimizer state (with NVMe offload: the host buffers it streams through, and the files).
+    pub optimizer_state: Locations,
+    /// Gathered parameters (stage 3).
+    pub gathered: Locations,
 }
 
 impl MemoryReport {
@@ -57,7 +87,10 @@ impl Counter {
         self.current.fetch_sub(bytes, Ordering::Relaxed);
     }
     fn get(&self) -> Bytes {
-        Bytes { current: self.current.load(Ordering::Relaxed), peak: self.peak.load(Ordering::Relaxed) }
+        Bytes {
+            current: self.current.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -69,6 +102,10 @@ pub struct MemoryTracker {
     master: Counter,
     optimizer: Counter,
     gathered: Counter,
+    nvme_master: Counter,
+    nvme_optimizer: Counter,
+    /// The masters and optimizer state are in host memory for an offloaded step.
+    optimizer_on_host: std::sync::atomic::AtomicBool,
 }
 
 impl MemoryTracker {
@@ -96,15 +133,56 @@ impl MemoryTracker {
     pub(crate) fn sub_gathered(&self, bytes: usize) {
         self.gathered.sub(bytes)
     }
+    /// From now on the masters and optimizer state count as host memory.
+    pub(crate) fn set_optimizer_on_host(&self) {
+        self.optimizer_on_host.store(true, Ordering::Relaxed)
+    }
+    pub(crate) fn add_nvme_master(&self, bytes: usize) {
+        self.nvme_master.add(bytes)
+    }
+    pub(crate) fn add_nvme_optimizer(&self, bytes: usize) {
+        self.nvme_optimizer.add(bytes)
+    }
 
     /// A snapshot of every kind.
     pub fn report(&self) -> MemoryReport {
-        MemoryReport {
+        let on_device = |b: Bytes| Locations {
+            device: b.current,
+            ..Default::default()
+        };
+        let optimizer_side = |b: Bytes, nvme: &Counter| {
+            let nvme = nvme.get().current;
+            if self.optimizer_on_host.load(Ordering::Relaxed) {
+                Locations {
+                    host: b.current,
+                    nvme,
+                    ..Default::default()
+                }
+            } else {
+                Locations {
+                    device: b.current,
+                    nvme,
+                    ..Default::default()
+                }
+            }
+        };
+        let report = MemoryReport {
             parameters: self.parameters.get(),
             gradients: self.gradients.get(),
             master_weights: self.master.get(),
             optimizer_state: self.optimizer.get(),
             gathered: self.gathered.get(),
+            locations: LocationSplit::default(),
+        };
+        MemoryReport {
+            locations: LocationSplit {
+                parameters: on_device(report.parameters),
+                gradients: on_device(report.gradients),
+                master_weights: optimizer_side(report.master_weights, &self.nvme_master),
+                optimizer_state: optimizer_side(report.optimizer_state, &self.nvme_optimizer),
+                gathered: on_device(report.gathered),
+            },
+            ..report
         }
     }
 }

@@ -3,7 +3,9 @@
 
 use crate::error::ZeroError;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
-use zero_core::optim::{self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments};
+use zero_core::optim::{
+    self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments,
+};
 use zero_core::partition::{PartitionLayout, Placement};
 
 /// Builds the optimizer of every group from one spec.
@@ -14,7 +16,12 @@ pub(crate) struct OptimizerFactory {
 
 impl OptimizerFactory {
     /// The optimizer for `rank`'s owned range of `group`.
-    pub fn build(&self, layout: &PartitionLayout, group: usize, rank: usize) -> Result<GroupOptimizer, ZeroError> {
+    pub fn build(
+        &self,
+        layout: &PartitionLayout,
+        group: usize,
+        rank: usize,
+    ) -> Result<GroupOptimizer, ZeroError> {
         let g = &layout.groups[group];
         let len = layout.owned_len(group);
         let segments = ShardSegments {
@@ -29,8 +36,39 @@ impl OptimizerFactory {
                 })
                 .collect(),
         };
-        let inner = optim::build(&self.spec, len, segments).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
-        Ok(GroupOptimizer { inner, sharded: g.placement == Placement::Sharded })
+        let inner = optim::build(&self.spec, len, segments)
+            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        Ok(GroupOptimizer {
+            inner,
+            sharded: g.placement == Placement::Sharded,
+            chunked: Vec::new(),
+            swapped_steps: 0,
+            chunk_spec: None,
+        })
+    }
+
+    /// The optimizer for a shard whose state is swapped: `inner` is built for one chunk of
+    /// `chunk` elements (the state buffers' names come from it), and [`GroupOptimizer::step_chunk`]
+    /// updates chunks one after the other. Only element-wise optimizers can be cut so: LAMB's
+    /// per-tensor trust ratio needs every chunk at once.
+    pub fn build_chunked(&self, group: usize, chunk: usize) -> Result<GroupOptimizer, ZeroError> {
+        let inner = optim::build(&self.spec, chunk, ShardSegments::single(chunk))
+            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        if inner.needs_cross_rank_norms() {
+            return Err(ZeroError::Config(format!(
+                "zero_optimization.offload_optimizer: the `{}` optimizer of group {group} needs every element of a tensor \
+                 at once (its trust ratio), so its state cannot be streamed from NVMe; use device \"cpu\" or Adam, \
+                 SGD or Lion",
+                inner.name()
+            )));
+        }
+        Ok(GroupOptimizer {
+            inner,
+            sharded: false,
+            chunked: Vec::new(),
+            swapped_steps: 0,
+            chunk_spec: Some(self.spec.clone()),
+        })
     }
 }
 
@@ -38,6 +76,12 @@ impl OptimizerFactory {
 pub(crate) struct GroupOptimizer {
     pub inner: Box<dyn ShardOptimizer>,
     sharded: bool,
+    /// Swapped state: optimizers of other chunk lengths (the last chunk of a shard is shorter).
+    chunked: Vec<Box<dyn ShardOptimizer>>,
+    /// Swapped state: steps taken (the chunk optimizers are reloaded with it for every chunk).
+    swapped_steps: u64,
+    /// Swapped state: the spec, to build the optimizer of another chunk length.
+    chunk_spec: Option<OptimizerSpec>,
 }
 
 impl GroupOptimizer {
@@ -54,7 +98,10 @@ impl GroupOptimizer {
         if !self.inner.needs_cross_rank_norms() {
             return match out {
                 HalfCopy::None => self.inner.step(params, grads, lr).map_err(err),
-                out => self.inner.step_with_copy(params, grads, lr, out).map_err(err),
+                out => self
+                    .inner
+                    .step_with_copy(params, grads, lr, out)
+                    .map_err(err),
             };
         }
         let mut partials = self.inner.begin_step(params, grads).map_err(err)?;
@@ -63,11 +110,72 @@ impl GroupOptimizer {
             comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             partials = NormPartials(buf.into_f32());
         }
-        self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
+        self.inner
+            .finish_step(params, grads, lr, &partials, out)
+            .map_err(err)
     }
 
     /// Bytes of optimizer state.
     pub fn state_bytes(&self) -> usize {
-        self.inner.state_bytes()
+        self.inner.state_bytes() + self.chunked.iter().map(|o| o.state_bytes()).sum::<usize>()
+    }
+
+    /// State buffers per element besides the masters (2 for Adam, 0 for SGD without momentum).
+    pub fn state_width(&self) -> usize {
+        self.inner.state().len()
+    }
+
+    /// Swapped state: one step of one chunk. `chunk` holds the chunk's masters, then each state
+    /// buffer, `grads.len()` elements each, as [`GroupOptimizer::state_width`] orders them; the
+    /// masters are also written rounded into `out`. Every chunk of a step sees the same step
+    /// count; [`GroupOptimizer::end_swapped_step`] advances it.
+    pub fn step_chunk(
+        &mut self,
+        chunk: &mut [f32],
+        grads: &[f32],
+        lr: f64,
+        out: HalfCopy<'_>,
+    ) -> Result<(), ZeroError> {
+        let n = grads.len();
+        let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
+        let opt = if self.inner.len() == n {
+            &mut self.inner
+        } else {
+            match self.chunked.iter().position(|o| o.len() == n) {
+                Some(i) => &mut self.chunked[i],
+                None => {
+                    let Some(spec) = &self.chunk_spec else {
+                        return Err(ZeroError::Optimizer(format!(
+                            "a chunk of {n} elements for an unswapped optimizer"
+                        )));
+                    };
+                    let built = optim::build(spec, n, ShardSegments::single(n)).map_err(err)?;
+                    self.chunked.push(built);
+                    let last = self.chunked.len() - 1;
+                    &mut self.chunked[last]
+                }
+            }
+        };
+        let (master, states) = chunk.split_at_mut(n);
+        let names: Vec<&'static str> = opt.state().iter().map(|(name, _)| *name).collect();
+        {
+            let buffers: Vec<(&str, &[f32])> =
+                names.iter().copied().zip(states.chunks_exact(n)).collect();
+            opt.load_state(self.swapped_steps, &buffers).map_err(err)?;
+        }
+        match out {
+            HalfCopy::None => opt.step(master, grads, lr).map_err(err)?,
+            out => opt.step_with_copy(master, grads, lr, out).map_err(err)?,
+        }
+        for ((_, data), target) in opt.state().iter().zip(states.chunks_exact_mut(n)) {
+            target.copy_from_slice(data);
+        }
+        Ok(())
+    }
+
+    /// Swapped state: every chunk of this step was updated.
+    pub fn end_swapped_step(&mut self) {
+        self.swapped_steps += 1;
+        self.inner.set_step_count(self.swapped_steps);
     }
 }

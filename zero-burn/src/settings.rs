@@ -56,6 +56,35 @@ pub struct EngineSettings {
     pub alignment: usize,
     /// The dtype the model computes in, loss scaling, and the gradients' communication dtype.
     pub precision: PrecisionSettings,
+    /// Where the optimizer step runs and the fp32 masters and optimizer state live.
+    pub offload_optimizer: OptimizerOffload,
+}
+
+/// Where the optimizer step runs and where the fp32 masters and optimizer state live
+/// (DeepSpeed's `zero_optimization.offload_optimizer`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub enum OptimizerOffload {
+    /// Beside the model, stepped on the process-wide thread pool.
+    #[default]
+    None,
+    /// In host memory, stepped on a dedicated pool of `threads` CPU threads (0: one per core).
+    Cpu {
+        /// Optimizer threads (0: one per core).
+        threads: usize,
+    },
+    /// In one scratch file per rank under `path`, streamed through `buffer_count` host buffers
+    /// of `chunk_elements` elements per state buffer; only the parameter shard in the compute
+    /// dtype stays in memory. Stepped on a dedicated pool like `Cpu`.
+    Nvme {
+        /// Directory of the swap files.
+        path: std::path::PathBuf,
+        /// Host buffers in flight (read ahead, computing, writing back).
+        buffer_count: usize,
+        /// Elements of each state buffer per chunk.
+        chunk_elements: usize,
+        /// Optimizer threads (0: one per core).
+        threads: usize,
+    },
 }
 
 /// The dtype of the model's parameters, activations and gradients. The master weights and the
@@ -178,6 +207,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("lr_schedule", &self.lr_schedule.is_some())
             .field("alignment", &self.alignment)
             .field("precision", &self.precision)
+            .field("offload_optimizer", &self.offload_optimizer)
             .finish()
     }
 }
@@ -197,6 +227,7 @@ impl EngineSettings {
             lr_schedule: None,
             alignment: 16,
             precision: PrecisionSettings::fp32(),
+            offload_optimizer: OptimizerOffload::None,
         }
     }
 

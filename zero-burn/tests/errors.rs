@@ -83,7 +83,7 @@ fn sixteen_bit_masters_and_offload_sections_are_refused_not_ignored() {
     for (section, key) in [
         (r#""bf16": {"enabled": true, "bf16_master_weights_and_grads": true}"#, "bf16_master_weights_and_grads"),
         (r#""fp16": {"enabled": true, "fp16_master_weights_and_grads": true}"#, "fp16_master_weights_and_grads"),
-        (r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}"#, "offload_optimizer"),
+        (r#""zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#, "offload_param"),
     ] {
         let text = format!(
             r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "Adam", "params": {{"lr": 0.001}}}}, {section}}}"#

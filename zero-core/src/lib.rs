@@ -10,9 +10,11 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod estimate;
 pub mod launch;
 pub mod loss_scaler;
 pub mod lr_schedule;
+pub mod offload;
 pub mod optim;
 pub mod parallel;
 pub mod partition;

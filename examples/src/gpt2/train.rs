@@ -390,6 +390,7 @@ fn memory_of_all_ranks(
                 master_weights: b(2),
                 optimizer_state: b(3),
                 gathered: b(4),
+                ..Default::default()
             }
         })
         .collect())

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 mod check_config;
+mod estimate;
 mod launch;
 mod to_fp32;
 
@@ -20,6 +21,8 @@ struct Cli {
 enum Command {
     /// Parse and validate a DeepSpeed JSON config; print it resolved, or the error (exit 2).
     CheckConfig(check_config::Args),
+    /// Bytes of model states per device, host and NVMe for a stage, cluster and offload.
+    Estimate(estimate::Args),
     /// Start the ranks of a distributed program (one process per rank).
     Launch(launch::Args),
     /// Write a checkpoint's fp32 weights, whole, as safetensors (streaming, any world size).
@@ -30,6 +33,7 @@ enum Command {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::CheckConfig(args) => check_config::run(args),
+        Command::Estimate(args) => estimate::run(args),
         Command::Launch(args) => launch::run(args),
         Command::ToFp32(args) => to_fp32::run(args),
     }

@@ -1,0 +1,439 @@
+//! Bytes of model states per device and per host for a ZeRO stage, by the ZeRO paper's
+//! formulas, with optimizer and parameter offload.
+//!
+//! With Ψ parameters, N data-parallel devices, 16-bit parameters and gradients (2Ψ each) and
+//! K = 12 bytes of fp32 optimizer state per parameter (master 4, Adam's two moments 4 + 4), a
+//! device holds 16Ψ without ZeRO, 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at stage 2 and 16Ψ/N at
+//! stage 3. In fp32 the parameters are their own masters: 4 + 4 + 8 bytes.
+//!
+//! Offloading the optimizer moves the K part (the rank's shard of masters and moments) to the
+//! host or to NVMe, together with an fp32 copy of the rank's gradient shard that the host step
+//! reads (stages 2-3: the device keeps no gradient shard; stages 0-1: the device keeps its full
+//! gradients and the host the fp32 copy of its shard). Offloading parameters (stage 3) moves
+//! the parameter shard too. The largest gather unit (stage 3's live gather) stays on the device.
+//!
+//! ```
+//! use zero_core::estimate::{estimate, Dtype, EstimateInput};
+//!
+//! let e = estimate(&EstimateInput::new(1_000_000_000, 2, 8, Dtype::Bf16));
+//! // Stage 2 on 8 devices: 2Ψ + 14Ψ/N.
+//! assert_eq!(e.per_device.total(), 2_000_000_000 + 14_000_000_000 / 8);
+//! ```
+
+use serde::Serialize;
+
+/// The dtype the model trains in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Dtype {
+    /// bfloat16 parameters and gradients, fp32 masters.
+    Bf16,
+    /// IEEE half parameters and gradients, fp32 masters.
+    Fp16,
+    /// fp32 everywhere; the parameters are the masters.
+    Fp32,
+}
+
+impl Dtype {
+    /// Bytes per parameter element and per gradient element.
+    pub fn param_bytes(self) -> u64 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp32 => 4,
+        }
+    }
+
+    /// K: optimizer-state bytes per parameter (Adam): fp32 masters and two moments in mixed
+    /// precision (12), the two moments alone in fp32 (8).
+    pub fn optimizer_bytes(self) -> u64 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 12,
+            Dtype::Fp32 => 8,
+        }
+    }
+
+    /// The dtype from its name (`bf16`, `fp16`, `fp32`).
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        match name {
+            "bf16" => Some(Dtype::Bf16),
+            "fp16" => Some(Dtype::Fp16),
+            "fp32" => Some(Dtype::Fp32),
+            _ => None,
+        }
+    }
+}
+
+/// Where offloaded state goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum OffloadTarget {
+    /// Host memory.
+    Cpu,
+    /// Files on an NVMe device.
+    Nvme,
+}
+
+/// What to estimate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EstimateInput {
+    /// Ψ: trainable parameters.
+    pub params: u64,
+    /// Parameters of the largest unit stage 3 gathers at once (a block, or the embeddings);
+    /// `None` when unknown.
+    pub largest_gather: Option<u64>,
+    /// ZeRO stage, 0-3.
+    pub stage: u8,
+    /// Devices per node.
+    pub gpus_per_node: u64,
+    /// Nodes.
+    pub nodes: u64,
+    /// Optimizer offload.
+    pub offload_optimizer: Option<OffloadTarget>,
+    /// Parameter offload (stage 3 only).
+    pub offload_param: Option<OffloadTarget>,
+    /// Training dtype.
+    pub dtype: Dtype,
+}
+
+impl EstimateInput {
+    /// `params` parameters at `stage` on `devices` devices of one node, no offload.
+    pub fn new(params: u64, stage: u8, devices: u64, dtype: Dtype) -> Self {
+        EstimateInput {
+            params,
+            largest_gather: None,
+            stage,
+            gpus_per_node: devices,
+            nodes: 1,
+            offload_optimizer: None,
+            offload_param: None,
+            dtype,
+        }
+    }
+
+    /// N: data-parallel devices in all.
+    pub fn world(&self) -> u64 {
+        (self.gpus_per_node * self.nodes).max(1)
+    }
+}
+
+/// Bytes of each kind of model state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StateBytes {
+    /// Parameters (16-bit, or fp32 under fp32).
+    pub parameters: u64,
+    /// Gradients (the device's, or the host's fp32 copy of the shard).
+    pub gradients: u64,
+    /// Optimizer state: fp32 masters (mixed precision) and moments.
+    pub optimizer_state: u64,
+    /// Stage 3's largest gather unit, live during its forward or backward.
+    pub gathered: u64,
+}
+
+impl StateBytes {
+    /// Sum of every kind.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state + self.gathered
+    }
+
+    fn scaled(self, k: u64) -> StateBytes {
+        StateBytes {
+            parameters: self.parameters * k,
+            gradients: self.gradients * k,
+            optimizer_state: self.optimizer_state * k,
+            gathered: self.gathered * k,
+        }
+    }
+}
+
+/// The estimate: bytes per device, per host (every device of a node), per node on NVMe.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// What one device holds.
+    pub per_device: StateBytes,
+    /// What one node's host memory holds for all its devices.
+    pub per_host: StateBytes,
+    /// What one node's NVMe holds for all its devices.
+    pub per_node_nvme: StateBytes,
+    /// The formulas used, in Ψ and N, one line per location.
+    pub formula: Vec<String>,
+}
+
+/// Integer `bytes_per_param × params / n`, rounded up (a shard is never smaller).
+fn share(bytes_per_param: u64, params: u64, n: u64) -> u64 {
+    (bytes_per_param * params).div_ceil(n)
+}
+
+/// Computes the estimate for `input` (see the module documentation for the formulas).
+pub fn estimate(input: &EstimateInput) -> Estimate {
+    let psi = input.params;
+    let n = input.world();
+    let p = input.dtype.param_bytes();
+    let k = input.dtype.optimizer_bytes();
+    let stage = input.stage.min(3);
+    let n_opt = if stage >= 1 { n } else { 1 };
+    let n_grad = if stage >= 2 { n } else { 1 };
+    let n_param = if stage >= 3 { n } else { 1 };
+    let frac = |x: u64| {
+        if x == 1 {
+            String::new()
+        } else {
+            "/N".to_string()
+        }
+    };
+
+    let mut device = StateBytes {
+        parameters: share(p, psi, n_param),
+        gradients: share(p, psi, n_grad),
+        optimizer_state: share(k, psi, n_opt),
+        gathered: if stage == 3 {
+            input.largest_gather.map_or(0, |b| p * b)
+        } else {
+            0
+        },
+    };
+    let mut device_terms = vec![
+        format!("params {p}Ψ{}", frac(n_param)),
+        format!("grads {p}Ψ{}", frac(n_grad)),
+        format!("optimizer {k}Ψ{}", frac(n_opt)),
+    ];
+    if device.gathered > 0 {
+        device_terms.push(format!(
+            "largest gather {p}·B (B = {})",
+            input.largest_gather.unwrap_or(0)
+        ));
+    }
+    let mut host = StateBytes::default();
+    let mut nvme = StateBytes::default();
+    let mut host_terms = Vec::new();
+    let mut nvme_terms = Vec::new();
+
+    if let Some(target) = input.offload_optimizer {
+        let (place, terms) = match target {
+            OffloadTarget::Cpu => (&mut host, &mut host_terms),
+            OffloadTarget::Nvme => (&mut nvme, &mut nvme_terms),
+        };
+        place.optimizer_state = device.optimizer_state;
+        terms.push(format!("optimizer {k}Ψ{}", frac(n_opt)));
+        device.optimizer_state = 0;
+        device_terms.retain(|t| !t.starts_with("optimizer"));
+        // The host step reads an fp32 gradient shard; it lives in host memory even when the
+        // optimizer state is on NVMe (it is consumed as it streams).
+        host.gradients = share(4, psi, n_opt);
+        host_terms.push(format!("fp32 grad shard 4Ψ{}", frac(n_opt)));
+        if stage >= 2 {
+            device.gradients = 0;
+            device_terms.retain(|t| !t.starts_with("grads"));
+        }
+    }
+    if let (Some(target), 3) = (input.offload_param, stage) {
+        let (place, terms) = match target {
+            OffloadTarget::Cpu => (&mut host, &mut host_terms),
+            OffloadTarget::Nvme => (&mut nvme, &mut nvme_terms),
+        };
+        place.parameters = device.parameters;
+        terms.push(format!("params {p}Ψ/N"));
+        device.parameters = 0;
+        device_terms.retain(|t| !t.starts_with("params"));
+    }
+
+    let g = input.gpus_per_node.max(1);
+    let mut formula = vec![format!("per device: {}", join_terms(&device_terms))];
+    if !host_terms.is_empty() {
+        formula.push(format!("per host: G × ({})", host_terms.join(" + ")));
+    }
+    if !nvme_terms.is_empty() {
+        formula.push(format!(
+            "per node on NVMe: G × ({})",
+            nvme_terms.join(" + ")
+        ));
+    }
+    Estimate {
+        per_device: device,
+        per_host: host.scaled(g),
+        per_node_nvme: nvme.scaled(g),
+        formula,
+    }
+}
+
+fn join_terms(terms: &[String]) -> String {
+    if terms.is_empty() {
+        "nothing".into()
+    } else {
+        terms.join(" + ")
+    }
+}
+
+/// A GPT-2 shape: what the parameter count and the largest gather unit depend on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Gpt2Shape {
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Positions (context length).
+    pub n_positions: u64,
+    /// Hidden size.
+    pub n_embd: u64,
+    /// Transformer blocks.
+    pub n_layer: u64,
+    /// Attention heads (the count does not change the parameters).
+    pub n_head: u64,
+    /// MLP inner size (4 × n_embd in every preset).
+    pub n_inner: u64,
+}
+
+/// The names [`Gpt2Shape::preset`] knows, smallest first.
+pub const GPT2_PRESETS: [&str; 6] = [
+    "tiny",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "gpt2-10b",
+];
+
+impl Gpt2Shape {
+    fn with(n_embd: u64, n_layer: u64, n_head: u64) -> Self {
+        Gpt2Shape {
+            vocab: 50257,
+            n_positions: 1024,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: 4 * n_embd,
+        }
+    }
+
+    /// The preset of this name (one of [`GPT2_PRESETS`]): the same shapes as the model zoo's.
+    pub fn preset(name: &str) -> Option<Self> {
+        Some(match name {
+            "tiny" => Self::with(128, 2, 4),
+            "gpt2" => Self::with(768, 12, 12),
+            "gpt2-medium" => Self::with(1024, 24, 16),
+            "gpt2-large" => Self::with(1280, 36, 20),
+            "gpt2-xl" => Self::with(1600, 48, 25),
+            "gpt2-10b" => Self::with(4096, 50, 32),
+            _ => return None,
+        })
+    }
+
+    /// Parameters of one transformer block: two layer norms, attention (qkv and projection),
+    /// the MLP, each with biases.
+    pub fn block_params(&self) -> u64 {
+        let d = self.n_embd;
+        let inner = self.n_inner;
+        let layer_norms = 2 * (2 * d);
+        let attention = (d * 3 * d + 3 * d) + (d * d + d);
+        let mlp = (d * inner + inner) + (inner * d + d);
+        layer_norms + attention + mlp
+    }
+
+    /// Parameters outside the blocks: token and position embeddings, the final layer norm (the
+    /// LM head is tied to the token embedding).
+    pub fn ends_params(&self) -> u64 {
+        (self.vocab + self.n_positions) * self.n_embd + 2 * self.n_embd
+    }
+
+    /// Trainable parameters.
+    pub fn num_params(&self) -> u64 {
+        self.ends_params() + self.n_layer * self.block_params()
+    }
+
+    /// The largest unit stage 3 gathers at once: a block, or the ends (which the chain engine
+    /// gathers together).
+    pub fn largest_gather(&self) -> u64 {
+        self.block_params().max(self.ends_params())
+    }
+}
+
+/// `bytes` in the largest binary unit that keeps it at least 1 (e.g. `1.50 GiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Reference: the ZeRO paper's Figure 1 example, Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB,
+    // 16.6 GB, 1.9 GB per device.
+    #[test]
+    fn paper_example() {
+        let psi = 7_500_000_000;
+        let gb = |s: u8| {
+            estimate(&EstimateInput::new(psi, s, 64, Dtype::Fp16))
+                .per_device
+                .total() as f64
+                / 1e9
+        };
+        assert_eq!(gb(0), 120.0);
+        assert!((gb(1) - 31.4).abs() < 0.05, "{}", gb(1));
+        assert!((gb(2) - 16.6).abs() < 0.05, "{}", gb(2));
+        assert!((gb(3) - 1.875).abs() < 0.001, "{}", gb(3));
+    }
+
+    #[test]
+    fn fp32_is_4_4_8() {
+        let e = estimate(&EstimateInput::new(1000, 0, 1, Dtype::Fp32));
+        assert_eq!(
+            e.per_device,
+            StateBytes {
+                parameters: 4000,
+                gradients: 4000,
+                optimizer_state: 8000,
+                gathered: 0
+            }
+        );
+    }
+
+    #[test]
+    fn offload_moves_the_optimizer_and_grad_shard_to_the_host() {
+        let mut input = EstimateInput::new(800, 2, 4, Dtype::Bf16);
+        input.offload_optimizer = Some(OffloadTarget::Cpu);
+        let e = estimate(&input);
+        assert_eq!(
+            e.per_device,
+            StateBytes {
+                parameters: 1600,
+                ..Default::default()
+            }
+        );
+        // 4 devices' shards: 12·800/4 optimizer + 4·800/4 fp32 grads each.
+        assert_eq!(
+            e.per_host,
+            StateBytes {
+                gradients: 3200,
+                optimizer_state: 9600,
+                ..Default::default()
+            }
+        );
+        input.offload_optimizer = Some(OffloadTarget::Nvme);
+        input.stage = 3;
+        input.offload_param = Some(OffloadTarget::Nvme);
+        let e = estimate(&input);
+        assert_eq!(e.per_device.total(), 0);
+        assert_eq!(e.per_node_nvme.optimizer_state, 9600);
+        assert_eq!(e.per_node_nvme.parameters, 1600);
+        assert_eq!(e.per_host.gradients, 3200);
+    }
+
+    // Reference: GPT2LMHeadModel(GPT2Config(...)).num_parameters() in transformers (tied head).
+    #[test]
+    fn gpt2_presets_count_like_transformers() {
+        let count = |n: &str| Gpt2Shape::preset(n).map(|s| s.num_params());
+        assert_eq!(count("tiny"), Some(6_960_768));
+        assert_eq!(count("gpt2"), Some(124_439_808));
+        assert_eq!(count("gpt2-medium"), Some(354_823_168));
+        assert_eq!(count("gpt2-large"), Some(774_030_080));
+        assert_eq!(count("gpt2-xl"), Some(1_557_611_200));
+        assert_eq!(count("gpt2-10b"), Some(10_279_047_168));
+        assert_eq!(count("gpt3"), None);
+    }
+}

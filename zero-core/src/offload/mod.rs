@@ -1,0 +1,22 @@
+//! NVMe offload of flat f32 buffers (ZeRO-Infinity's optimizer swapping).
+//!
+//! A rank's fp32 master weights and optimizer moments can live in a scratch file on a fast
+//! disk instead of in memory. The file stores each flat buffer cut into chunks, and each chunk
+//! of all the buffers that are updated together side by side (`[master | exp_avg | exp_avg_sq]`
+//! for chunk 0, then for chunk 1, ...), so that one chunk is one sequential read and one
+//! sequential write. [`stream_chunks`] runs a computation over every chunk of a region through a
+//! fixed number of host buffers, reading chunk i+1 while chunk i is computed and chunk i-1 is
+//! written back.
+//!
+//! This module knows files and f32 slices only; what is computed on a chunk (an optimizer
+//! step) is the caller's.
+
+mod error;
+mod region;
+mod stream;
+mod swap_file;
+
+pub use error::OffloadError;
+pub use region::SwapRegion;
+pub use stream::{stream_chunks, StreamStats};
+pub use swap_file::SwapFile;

@@ -1,0 +1,195 @@
+//! A scratch file of f32 elements accessed by position (pread/pwrite), removed when dropped.
+
+use super::{OffloadError, SwapRegion};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// A scratch file of f32 elements. Reads and writes are positional, so several threads may use
+/// one file at once on disjoint ranges. The file is deleted when the value is dropped: it holds
+/// state that checkpoints save by other means.
+#[derive(Debug)]
+pub struct SwapFile {
+    file: File,
+    path: PathBuf,
+}
+
+impl SwapFile {
+    /// Creates (or truncates) `dir/name`, creating `dir` if needed.
+    pub fn create(dir: &Path, name: &str) -> Result<Self, OffloadError> {
+        let path = dir.join(name);
+        let io = |source| OffloadError::Io {
+            op: "create",
+            path: path.clone(),
+            offset: 0,
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(io)?;
+        Ok(SwapFile { file, path })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads `out.len()` elements starting at element `offset`.
+    pub fn read_at(&self, offset: u64, out: &mut [f32]) -> Result<(), OffloadError> {
+        let byte = offset * 4;
+        self.file
+            .read_exact_at(bytemuck::cast_slice_mut(out), byte)
+            .map_err(|source| OffloadError::Io {
+                op: "read",
+                path: self.path.clone(),
+                offset: byte,
+                source,
+            })
+    }
+
+    /// Writes `data` starting at element `offset`.
+    pub fn write_at(&self, offset: u64, data: &[f32]) -> Result<(), OffloadError> {
+        let byte = offset * 4;
+        self.file
+            .write_all_at(bytemuck::cast_slice(data), byte)
+            .map_err(|source| OffloadError::Io {
+                op: "write",
+                path: self.path.clone(),
+                offset: byte,
+                source,
+            })
+    }
+
+    /// Stores `buffers` (each `region.len` long, `region.width` of them) into `region`, chunk by
+    /// chunk through one host buffer of a chunk's size.
+    pub fn write_region(
+        &self,
+        region: &SwapRegion,
+        buffers: &[&[f32]],
+    ) -> Result<(), OffloadError> {
+        check_buffers(region, buffers.iter().map(|b| b.len()))?;
+        let mut staging = Vec::with_capacity(region.chunk.min(region.len) * region.width);
+        for c in 0..region.chunks() {
+            let range = region.chunk_range(c);
+            staging.clear();
+            for b in buffers {
+                staging.extend_from_slice(&b[range.clone()]);
+            }
+            self.write_at(region.chunk_offset(c), &staging)?;
+        }
+        Ok(())
+    }
+
+    /// Reads `region` back as `region.width` buffers of `region.len` elements.
+    pub fn read_region(&self, region: &SwapRegion) -> Result<Vec<Vec<f32>>, OffloadError> {
+        let mut out = vec![vec![0.0f32; region.len]; region.width];
+        let mut staging = vec![0.0f32; region.chunk.min(region.len) * region.width];
+        for c in 0..region.chunks() {
+            let range = region.chunk_range(c);
+            let n = range.len();
+            let chunk = &mut staging[..n * region.width];
+            self.read_at(region.chunk_offset(c), chunk)?;
+            for (b, part) in out.iter_mut().zip(chunk.chunks_exact(n)) {
+                b[range.clone()].copy_from_slice(part);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Flushes written data to the device (for bandwidth measurements that must not stop at
+    /// the page cache).
+    pub fn sync(&self) -> Result<(), OffloadError> {
+        self.file.sync_data().map_err(|source| OffloadError::Io {
+            op: "sync",
+            path: self.path.clone(),
+            offset: 0,
+            source,
+        })
+    }
+}
+
+impl SwapFile {
+    /// Flushes the file and asks the kernel to drop its cached pages, so that the next reads
+    /// come from the device (benchmarks: a file smaller than memory would otherwise be read
+    /// from the page cache).
+    pub fn drop_cache(&self) -> Result<(), OffloadError> {
+        self.sync()?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
+        let rc =
+            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(OffloadError::Io {
+                op: "fadvise",
+                path: self.path.clone(),
+                offset: 0,
+                source: std::io::Error::from_raw_os_error(rc),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_buffers(
+    region: &SwapRegion,
+    lens: impl Iterator<Item = usize>,
+) -> Result<(), OffloadError> {
+    let lens: Vec<usize> = lens.collect();
+    if lens.len() != region.width {
+        return Err(OffloadError::Length {
+            what: "buffers of the region".into(),
+            expected: region.width,
+            actual: lens.len(),
+        });
+    }
+    for (i, len) in lens.into_iter().enumerate() {
+        if len != region.len {
+            return Err(OffloadError::Length {
+                what: format!("buffer {i} of the region"),
+                expected: region.len,
+                actual: len,
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Drop for SwapFile {
+    fn drop(&mut self) {
+        // Scratch state: a leftover file would only waste the disk.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_round_trips_through_the_file() {
+        let dir = std::env::temp_dir().join(format!("zero-swap-unit-{}", std::process::id()));
+        let file = SwapFile::create(&dir, "rt.swap").expect("create");
+        let a: Vec<f32> = (0..11).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..11).map(|i| -(i as f32) * 0.5).collect();
+        let region = SwapRegion::new(7, 11, 2, 4);
+        file.write_region(&region, &[&a, &b]).expect("write");
+        let back = file.read_region(&region).expect("read");
+        assert_eq!(back, vec![a.clone(), b]);
+        // Chunk 1 is stored interleaved: elements 4..8 of `a`, then of `b`.
+        let mut chunk = vec![0.0; 8];
+        file.read_at(region.chunk_offset(1), &mut chunk)
+            .expect("read chunk");
+        assert_eq!(&chunk[..4], &a[4..8]);
+        assert!(file.write_region(&region, &[&a]).is_err());
+        let path = file.path().to_path_buf();
+        drop(file);
+        assert!(!path.exists(), "the scratch file is removed on drop");
+        let _ = std::fs::remove_dir(&dir);
+    }
+}
