@@ -30,9 +30,6 @@ pub fn run_ranks<T: Send + 'static>(
     handles
         .into_iter()
         .enumerate()
-        .map(|(rank, h)| {
-            h.join()
-                .map_err(|_| CommError::Setup(format!("rank {rank} panicked")))
-        })
+        .map(|(rank, h)| h.join().map_err(|_| CommError::Setup(format!("rank {rank} panicked"))))
         .collect()
 }

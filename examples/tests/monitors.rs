@@ -37,9 +37,7 @@ fn run_with_monitors(out: &Path) -> TrainSummary {
     std::fs::write(&config_path, config.to_string()).expect("config written");
     let args = TrainArgs {
         config: config_path,
-        model: Some(
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny"),
-        ),
+        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
         preset: None,
         data: None,
         tokens: Some(fixture("train_tokens.json")),
@@ -98,10 +96,7 @@ fn csv_and_tensorboard_monitors_record_every_step_once() {
     let events = decode_event_file(&std::fs::read(&files[0]).expect("event file"));
     assert_eq!(events.len(), 1 + STEPS as usize);
     assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
-    assert!(
-        events[0].wall_time > 1.6e9,
-        "wall time in seconds since 1970"
-    );
+    assert!(events[0].wall_time > 1.6e9, "wall time in seconds since 1970");
     for (event, record) in events[1..].iter().zip(&summary.steps) {
         assert_eq!(event.step, (record.step * BATCH) as i64);
         let get = |tag: &str| {
@@ -141,11 +136,7 @@ print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Ta
         .arg(dir)
         .output()
         .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let scalars: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     let losses = scalars["Train/Samples/train_loss"]
         .as_array()

@@ -17,9 +17,7 @@ fn fixture(name: &str) -> PathBuf {
 fn args(config: &Path, steps: u64, save: &Path, load: Option<&Path>) -> TrainArgs {
     TrainArgs {
         config: config.to_path_buf(),
-        model: Some(
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny"),
-        ),
+        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
         preset: None,
         data: None,
         tokens: Some(fixture("train_tokens.json")),
@@ -79,28 +77,17 @@ fn stage_3_resume_after_3_steps_matches_an_uninterrupted_5_step_run() {
 
     assert_eq!(whole.steps.len(), 5);
     for r in &whole.steps {
-        println!(
-            "step {}: loss {} lr {} grad norm {}",
-            r.step, r.loss, r.lr, r.grad_norm
-        );
+        println!("step {}: loss {} lr {} grad norm {}", r.step, r.loss, r.lr, r.grad_norm);
     }
     assert_eq!(first.steps.len(), 3);
     let resumed_steps: Vec<u64> = resumed.steps.iter().map(|r| r.step).collect();
-    assert_eq!(
-        resumed_steps,
-        [4, 5],
-        "the resumed run takes steps 4 and 5 only"
-    );
+    assert_eq!(resumed_steps, [4, 5], "the resumed run takes steps 4 and 5 only");
     for (a, b) in first.steps.iter().zip(&whole.steps) {
         assert_eq!(a.loss, b.loss, "step {} before the save", a.step);
     }
     for (r, w) in resumed.steps.iter().zip(&whole.steps[3..]) {
         assert_eq!(r.step, w.step);
-        assert_eq!(
-            r.loss, w.loss,
-            "step {}: resumed loss vs uninterrupted",
-            r.step
-        );
+        assert_eq!(r.loss, w.loss, "step {}: resumed loss vs uninterrupted", r.step);
         assert_eq!(r.grad_norm, w.grad_norm, "step {}: grad norm", r.step);
         assert_eq!(r.lr, w.lr, "step {}: LR schedule position", r.step);
     }

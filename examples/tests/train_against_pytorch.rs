@@ -15,18 +15,15 @@ fn fixture(name: &str) -> PathBuf {
 
 #[test]
 fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
-    let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"),
-    )
-    .expect("json");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
+            .expect("json");
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
     let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
 
     let args = TrainArgs {
         config: fixture("train_config.json"),
-        model: Some(
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny"),
-        ),
+        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
         preset: None,
         data: None,
         tokens: Some(fixture("train_tokens.json")),

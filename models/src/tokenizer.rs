@@ -50,8 +50,7 @@ impl std::fmt::Debug for Gpt2Tokenizer {
 impl Gpt2Tokenizer {
     /// Builds the tokenizer from the vocabulary embedded in tiktoken-rs.
     pub fn new() -> Result<Self, TokenizerError> {
-        let bpe = tiktoken_rs::r50k_base()
-            .map_err(|error| TokenizerError::Vocabulary(error.to_string()))?;
+        let bpe = tiktoken_rs::r50k_base().map_err(|error| TokenizerError::Vocabulary(error.to_string()))?;
         Ok(Self { bpe })
     }
 
@@ -104,9 +103,7 @@ mod tests {
         let tokenizer = Gpt2Tokenizer::new().unwrap();
         let text = "a<|endoftext|>b";
         assert!(!tokenizer.encode(text).contains(&EOT_TOKEN));
-        assert!(tokenizer
-            .encode_with_special_tokens(text)
-            .contains(&EOT_TOKEN));
+        assert!(tokenizer.encode_with_special_tokens(text).contains(&EOT_TOKEN));
         assert_eq!(tokenizer.decode(&[EOT_TOKEN]).unwrap(), "<|endoftext|>");
     }
 
@@ -115,10 +112,7 @@ mod tests {
         let tokenizer = Gpt2Tokenizer::new().unwrap();
         assert!(matches!(
             tokenizer.decode(&[15496, 50257]),
-            Err(TokenizerError::UnknownId {
-                id: 50257,
-                position: 1
-            })
+            Err(TokenizerError::UnknownId { id: 50257, position: 1 })
         ));
     }
 

@@ -33,19 +33,10 @@ fn fixture_tensors() -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
 
 /// Writes a checkpoint directory with the fixture's config and the given tensors.
 fn write_checkpoint(dir: &Path, tensors: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>) {
-    std::fs::copy(
-        fixture("gpt2-tiny").join("config.json"),
-        dir.join("config.json"),
-    )
-    .unwrap();
+    std::fs::copy(fixture("gpt2-tiny").join("config.json"), dir.join("config.json")).unwrap();
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
-        .map(|(name, (dtype, shape, bytes))| {
-            (
-                name.clone(),
-                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
-            )
-        })
+        .map(|(name, (dtype, shape, bytes))| (name.clone(), TensorView::new(*dtype, shape.clone(), bytes).unwrap()))
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
@@ -90,15 +81,12 @@ fn sharded_save_round_trips_and_writes_an_index() {
     let device = Default::default();
     let (model, config) = Gpt2::<B>::load_pretrained(fixture("gpt2-tiny"), &device).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    model
-        .save_pretrained_sharded(dir.path(), &config, 64 * 1024)
-        .unwrap();
+    model.save_pretrained_sharded(dir.path(), &config, 64 * 1024).unwrap();
     let index = std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap();
     let index: serde_json::Value = serde_json::from_str(&index).unwrap();
     let weight_map = index["weight_map"].as_object().unwrap();
     assert_eq!(weight_map.len(), model.param_names().len());
-    let shards: std::collections::BTreeSet<&str> =
-        weight_map.values().filter_map(|v| v.as_str()).collect();
+    let shards: std::collections::BTreeSet<&str> = weight_map.values().filter_map(|v| v.as_str()).collect();
     assert!(shards.len() > 2, "expected several shards, got {shards:?}");
     assert!(!dir.path().join("model.safetensors").exists());
 
@@ -117,10 +105,7 @@ fn accepts_unprefixed_names_and_a_stored_tied_head() {
     let wte = tensors["wte.weight"].clone();
     tensors.insert("lm_head.weight".to_string(), wte);
     // The causal-mask buffer older checkpoints carry is not a parameter.
-    tensors.insert(
-        "h.0.attn.bias".to_string(),
-        (Dtype::F32, vec![1, 1, 2, 2], vec![0; 16]),
-    );
+    tensors.insert("h.0.attn.bias".to_string(), (Dtype::F32, vec![1, 1, 2, 2], vec![0; 16]));
     let dir = tempfile::tempdir().unwrap();
     write_checkpoint(dir.path(), &tensors);
     let (loaded, _) = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap();
@@ -211,11 +196,7 @@ fn a_different_head_or_shape_is_an_error() {
 fn a_directory_without_weights_is_an_error() {
     let device = Default::default();
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        fixture("gpt2-tiny").join("config.json"),
-        dir.path().join("config.json"),
-    )
-    .unwrap();
+    std::fs::copy(fixture("gpt2-tiny").join("config.json"), dir.path().join("config.json")).unwrap();
     let error = Gpt2::<B>::load_pretrained(dir.path(), &device).unwrap_err();
     assert!(matches!(error, CheckpointError::NoWeights { .. }));
     assert!(error.to_string().contains("model.safetensors"));

@@ -28,11 +28,7 @@ fn logits_and_loss_match_transformers() {
     assert_close("logits", &logits.into_data(), &reference.get("logits"));
 
     let loss = model.loss(tokens.clone(), labels);
-    assert_close(
-        "loss (labels with -100)",
-        &loss.into_data(),
-        &reference.get("loss"),
-    );
+    assert_close("loss (labels with -100)", &loss.into_data(), &reference.get("loss"));
     let loss = model.loss(tokens.clone(), tokens);
     assert_close(
         "loss (labels = input_ids)",
@@ -49,20 +45,12 @@ fn chain_stages_match_transformers_hidden_states() {
     let tokens = reference.ints::<B>("input_ids", &device);
 
     let h0 = model.embed(tokens);
-    assert_close(
-        "embedding output",
-        &h0.clone().into_data(),
-        &reference.get("hidden.0"),
-    );
+    assert_close("embedding output", &h0.clone().into_data(), &reference.get("hidden.0"));
 
     // A block alone, fed HF's own hidden state: the unit the ZeRO engine runs by itself.
     let block_input = reference.floats::<B, 3>("hidden.0", &device);
     let h1 = model.blocks()[0].forward(block_input);
-    assert_close(
-        "block 0 output",
-        &h1.into_data(),
-        &reference.get("hidden.1"),
-    );
+    assert_close("block 0 output", &h1.into_data(), &reference.get("hidden.1"));
 
     let h = model.run_blocks(h0);
     assert_close(

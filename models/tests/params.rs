@@ -68,19 +68,10 @@ fn initialization_follows_gpt2() {
     let std = |t: Tensor<B, 2>| t.var(0).mean().sqrt().into_scalar() as f64;
     let wte_std = std(model.wte.weight.val().reshape([1, -1]).transpose());
     assert!((wte_std - 0.02).abs() < 0.001, "wte std {wte_std}");
-    let proj = model.blocks[0]
-        .mlp
-        .c_proj
-        .weight
-        .val()
-        .reshape([1, -1])
-        .transpose();
+    let proj = model.blocks[0].mlp.c_proj.weight.val().reshape([1, -1]).transpose();
     let proj_std = std(proj);
     let expected = 0.02 / (16f64).sqrt();
-    assert!(
-        (proj_std - expected).abs() < 0.1 * expected,
-        "c_proj std {proj_std}"
-    );
+    assert!((proj_std - expected).abs() < 0.1 * expected, "c_proj std {proj_std}");
     let bias = model.blocks[0].attn.c_attn.bias.as_ref().unwrap().val();
     assert_eq!(bias.abs().max().into_scalar(), 0.0);
     let gamma = model.ln_f.gamma.val();

@@ -37,7 +37,10 @@ fn run(precision: PrecisionSettings) -> (Vec<f32>, Vec<usize>) {
                 let device = Default::default();
                 let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2-tiny");
                 let (model, config) = Gpt2::<B>::load_pretrained(dir, &device).expect("fixture");
-                let spec = OptimizerSpec::Adam(AdamSpec { lr: 3e-3, ..AdamSpec::adamw() });
+                let spec = OptimizerSpec::Adam(AdamSpec {
+                    lr: 3e-3,
+                    ..AdamSpec::adamw()
+                });
                 let mut settings = EngineSettings::new(Stage::Zero3, spec);
                 settings.precision = precision;
                 settings.param_persistence_threshold = 100;
@@ -48,8 +51,9 @@ fn run(precision: PrecisionSettings) -> (Vec<f32>, Vec<usize>) {
                 let mut updates = 0;
                 for _ in 0..STEPS {
                     // Each rank its own 4 sequences of 16 tokens, the same at every step.
-                    let ids: Vec<i64> =
-                        (0..64).map(|i| ((i * 37 + rank * 101) % config.vocab_size) as i64).collect();
+                    let ids: Vec<i64> = (0..64)
+                        .map(|i| ((i * 37 + rank * 101) % config.vocab_size) as i64)
+                        .collect();
                     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [4, 16]), &device);
                     let loss = engine.forward((tokens.clone(), tokens)).expect("forward");
                     losses.push(engine.backward(loss).expect("backward"));
@@ -64,7 +68,9 @@ fn run(precision: PrecisionSettings) -> (Vec<f32>, Vec<usize>) {
         })
         .collect();
     let per_rank: Vec<(Vec<f32>, Vec<usize>)> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
-    let mean = (0..STEPS).map(|s| (per_rank[0].0[s] + per_rank[1].0[s]) / 2.0).collect();
+    let mean = (0..STEPS)
+        .map(|s| (per_rank[0].0[s] + per_rank[1].0[s]) / 2.0)
+        .collect();
     (mean, per_rank[0].1.clone())
 }
 
@@ -74,14 +80,27 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_of_gpt2() {
     assert_eq!(applied, (0..STEPS).collect::<Vec<_>>(), "fp32 skips nothing");
     assert!(fp32[STEPS - 1] < 0.9 * fp32[0], "fp32 reference must train: {fp32:?}");
     let scaler = LossScalerConfig::default();
-    for (name, (curve, applied)) in [("bf16", run(PrecisionSettings::bf16())), ("fp16", run(PrecisionSettings::fp16(scaler)))] {
+    for (name, (curve, applied)) in [
+        ("bf16", run(PrecisionSettings::bf16())),
+        ("fp16", run(PrecisionSettings::fp16(scaler))),
+    ] {
         let skipped = STEPS - applied[STEPS - 1] - 1;
         assert!(skipped < STEPS / 2, "{name}: {skipped} of {STEPS} steps skipped");
         // The loss before step s was computed on weights after applied[s] updates.
-        let worst = curve.iter().zip(&applied).map(|(a, &k)| (a - fp32[k]).abs()).fold(0.0f32, f32::max);
+        let worst = curve
+            .iter()
+            .zip(&applied)
+            .map(|(a, &k)| (a - fp32[k]).abs())
+            .fold(0.0f32, f32::max);
         println!("{name}: {skipped} steps skipped");
-        println!("{name}: worst deviation {worst:.5} ({:.3}% of the initial loss)", 100.0 * worst / fp32[0]);
-        assert!(worst < 0.02 * fp32[0], "{name} loss curve {curve:?} strays from fp32 {fp32:?}");
+        println!(
+            "{name}: worst deviation {worst:.5} ({:.3}% of the initial loss)",
+            100.0 * worst / fp32[0]
+        );
+        assert!(
+            worst < 0.02 * fp32[0],
+            "{name} loss curve {curve:?} strays from fp32 {fp32:?}"
+        );
         assert!(curve[STEPS - 1] < 0.95 * curve[0], "{name} must train: {curve:?}");
     }
 }

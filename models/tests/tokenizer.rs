@@ -13,10 +13,7 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/tokenizer_ids.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer_ids.json");
     let text = std::fs::read_to_string(path).unwrap();
     serde_json::from_str(&text).unwrap()
 }
@@ -37,8 +34,5 @@ fn end_of_text_is_50256() {
     let tokenizer = Gpt2Tokenizer::new().unwrap();
     assert_eq!(EOT_TOKEN, 50256);
     assert_eq!(tokenizer.vocab_size(), 50257);
-    assert_eq!(
-        tokenizer.encode_with_special_tokens("<|endoftext|>"),
-        [EOT_TOKEN]
-    );
+    assert_eq!(tokenizer.encode_with_special_tokens("<|endoftext|>"), [EOT_TOKEN]);
 }

@@ -85,10 +85,7 @@ fn values<M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
 
 /// Runs `f` on one thread per rank of the layout.
 fn on_layout<T: Send>(data: usize, tensor: usize, f: impl Fn(RankGroups) -> T + Sync) -> Vec<T> {
-    let ranks = ParallelLayout::new(data, tensor)
-        .unwrap()
-        .threads()
-        .unwrap();
+    let ranks = ParallelLayout::new(data, tensor).unwrap().threads().unwrap();
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = ranks.into_iter().map(|g| s.spawn(move || f(g))).collect();
@@ -99,9 +96,7 @@ fn on_layout<T: Send>(data: usize, tensor: usize, f: impl Fn(RankGroups) -> T + 
 /// A full model holding `flat` (one vector per parameter, in visit order): weights, or
 /// gradients to be sliced like weights.
 fn model_from(flat: &[Vec<f32>], device: &Device<B>) -> Gpt2<B> {
-    write_values(config().init::<B>(device), device, false, |i| {
-        flat[i].clone()
-    })
+    write_values(config().init::<B>(device), device, false, |i| flat[i].clone())
 }
 
 /// The reference's gradients, one vector per parameter.
@@ -143,11 +138,7 @@ fn full_run() -> (Vec<f32>, f32, Vec<Vec<f32>>) {
     let loss = full.loss(batch.clone(), batch);
     let mut grads = loss.backward();
     let grads_flat = gradients(&full, &mut grads);
-    (
-        zero_burn::params::tensor_to_vec(logits),
-        loss.into_scalar(),
-        grads_flat,
-    )
+    (zero_burn::params::tensor_to_vec(logits), loss.into_scalar(), grads_flat)
 }
 
 fn check_ranks(tp: usize, results: Vec<RankRun>, want_logits: &[f32], want_loss: f32) {
@@ -166,10 +157,7 @@ fn check_ranks(tp: usize, results: Vec<RankRun>, want_logits: &[f32], want_loss:
         );
         let err = max_relative_error(&got_grads, &want_grads);
         eprintln!("tp {tp} rank {rank}: gradients max relative error {err:e}");
-        assert!(
-            err < 1e-5,
-            "tp {tp} rank {rank}: gradients differ by {err:e}"
-        );
+        assert!(err < 1e-5, "tp {tp} rank {rank}: gradients differ by {err:e}");
     }
 }
 
@@ -309,9 +297,6 @@ fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, reference: &[V
         let err = max_relative_error(&got, &want);
         let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} {coords:?}");
         eprintln!("{label}: weights max relative error {err:e}");
-        assert!(
-            err < 1e-5,
-            "{label}: weights differ by {err:e} after {STEPS} steps"
-        );
+        assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
     }
 }

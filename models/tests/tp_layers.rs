@@ -14,16 +14,13 @@ use zero_burn::params::tensor_to_vec;
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::IGNORE_INDEX;
 use zero_models::tp::{
-    vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TpGroup,
-    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
 };
 
 type B = Autodiff<Flex>;
 
 fn pattern(n: usize, seed: usize) -> Vec<f32> {
-    (0..n)
-        .map(|k| ((seed * 97 + k * 13) as f32 * 0.41).sin())
-        .collect()
+    (0..n).map(|k| ((seed * 97 + k * 13) as f32 * 0.41).sin()).collect()
 }
 
 fn tensor2(rows: usize, cols: usize, seed: usize) -> Tensor<B, 2> {
@@ -60,10 +57,7 @@ fn close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * scale.max(1.0),
-            "{what}[{i}]: {a} vs {b}"
-        );
+        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}[{i}]: {a} vs {b}");
     }
 }
 
@@ -140,10 +134,7 @@ fn vocab_parallel_lookup_equals_the_full_embedding() {
 #[test]
 fn vocab_parallel_cross_entropy_matches_float64() {
     let (rows, vocab, tp) = (5, 8, 2);
-    let logits = pattern(rows * vocab, 7)
-        .iter()
-        .map(|v| 3.0 * v)
-        .collect::<Vec<f32>>();
+    let logits = pattern(rows * vocab, 7).iter().map(|v| 3.0 * v).collect::<Vec<f32>>();
     let targets = [1i64, 7, IGNORE_INDEX, 4, 0];
     // Reference in f64: mean over counted rows of log Σ exp z - z_t; gradient (softmax - onehot)
     // / counted for counted rows, zero for ignored ones.
@@ -154,10 +145,7 @@ fn vocab_parallel_cross_entropy_matches_float64() {
         if t == IGNORE_INDEX {
             continue;
         }
-        let z: Vec<f64> = logits[r * vocab..(r + 1) * vocab]
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let z: Vec<f64> = logits[r * vocab..(r + 1) * vocab].iter().map(|&v| v as f64).collect();
         let lse = z.iter().map(|v| v.exp()).sum::<f64>().ln();
         want_loss += (lse - z[t as usize]) / counted;
         for c in 0..vocab {
@@ -172,9 +160,7 @@ fn vocab_parallel_cross_entropy_matches_float64() {
             .chunks(vocab)
             .flat_map(|row| row[start..start + local].to_vec())
             .collect();
-        let x =
-            Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, local]), &Default::default())
-                .require_grad();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, local]), &Default::default()).require_grad();
         let t = Tensor::<B, 1, Int>::from_ints(targets, &Default::default());
         let loss = vocab_parallel_cross_entropy(x.clone(), t, start, &g);
         let grads = loss.backward();

@@ -26,8 +26,8 @@ use crate::chain::{ChainModel, Hidden};
 use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
-use crate::memory::{MemoryReport, MemoryTracker};
 use crate::half_buffer;
+use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::Module;
@@ -59,9 +59,19 @@ pub struct ChainLoss<B: AutodiffBackend, M: ChainModel<B>> {
 enum Pending<B: AutodiffBackend, M: ChainModel<B>> {
     /// Stages 0-2: one graph per part, kept from forward: the embedding's output, each block's
     /// input leaf and output, and the head's leaves.
-    Kept { embedded: M::Hidden, blocks: Vec<(M::Hidden, M::Hidden)>, last: M::Hidden, head: M::Ends },
+    Kept {
+        embedded: M::Hidden,
+        blocks: Vec<(M::Hidden, M::Hidden)>,
+        last: M::Hidden,
+        head: M::Ends,
+    },
     /// Stage 3: the head's graph, the blocks' inputs and the batch (for the embedding's backward).
-    Blockwise { last: M::Hidden, ends: M::Ends, inputs: Vec<M::Hidden>, batch: M::Batch },
+    Blockwise {
+        last: M::Hidden,
+        ends: M::Ends,
+        inputs: Vec<M::Hidden>,
+        batch: M::Batch,
+    },
 }
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainLoss<B, M> {
@@ -109,7 +119,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let mut part_params = Vec::new();
         let mut push_part = |prefix: String, list: Vec<(burn::module::ParamId, ParamSpec)>| {
             let start = specs.len();
-            specs.extend(list.into_iter().map(|(_, s)| ParamSpec { name: format!("{prefix}{}", s.name), ..s }));
+            specs.extend(list.into_iter().map(|(_, s)| ParamSpec {
+                name: format!("{prefix}{}", s.name),
+                ..s
+            }));
             part_params.push((start..specs.len()).collect::<Vec<_>>());
         };
         push_part("ends.".into(), describe::<B, _>(&ends));
@@ -125,19 +138,26 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             let groups = match settings.stage {
                 Stage::Zero3 => {
                     let threshold = settings.param_persistence_threshold;
-                    let (small, large): (Vec<usize>, Vec<usize>) =
-                        params.iter().partition(|&&p| numels[p] < threshold);
+                    let (small, large): (Vec<usize>, Vec<usize>) = params.iter().partition(|&&p| numels[p] < threshold);
                     let mut g = Vec::new();
                     g.extend(builder.group(large, Placement::Sharded));
                     g.extend(builder.group(small, Placement::Replicated));
                     g
                 }
                 stage => {
-                    let placement = if stage == Stage::Zero0 { Placement::Replicated } else { Placement::Sharded };
+                    let placement = if stage == Stage::Zero0 {
+                        Placement::Replicated
+                    } else {
+                        Placement::Sharded
+                    };
                     builder.buckets(&params, settings.reduce_bucket_size.max(1), placement)
                 }
             };
-            parts.push(Part { params, groups, gathered_elements: 0 });
+            parts.push(Part {
+                params,
+                groups,
+                gathered_elements: 0,
+            });
         }
         let layout = builder.finish();
         for part in &mut parts {
@@ -158,7 +178,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             if pi == 0 {
                 read_values::<B, _>(ends.as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
             } else {
-                read_values::<B, _>(blocks[pi - 1].as_ref().unwrap_or_else(|| unreachable!()), |_, v| local.push(v));
+                read_values::<B, _>(blocks[pi - 1].as_ref().unwrap_or_else(|| unreachable!()), |_, v| {
+                    local.push(v)
+                });
             }
             if world > 1 {
                 let mut flat = Vec::new();
@@ -191,7 +213,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             }
         }
         let ends = ends.unwrap_or_else(|| unreachable!());
-        let blocks: Vec<M::Block> = blocks.into_iter().map(|b| b.unwrap_or_else(|| unreachable!())).collect();
+        let blocks: Vec<M::Block> = blocks
+            .into_iter()
+            .map(|b| b.unwrap_or_else(|| unreachable!()))
+            .collect();
 
         let memory = Arc::new(MemoryTracker::default());
         let stage = settings.stage;
@@ -213,7 +238,14 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             (Stage::Zero2 | Stage::Zero3, Placement::Sharded) => GradFlow::ReduceThenAccumulate,
             _ => GradFlow::AccumulateThenReduce,
         };
-        let core = EngineCore::new(layout.clone(), comm, settings, flows, |i| std::mem::take(&mut values[i]), memory)?;
+        let core = EngineCore::new(
+            layout.clone(),
+            comm,
+            settings,
+            flows,
+            |i| std::mem::take(&mut values[i]),
+            memory,
+        )?;
         if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
             // The fp32 masters are the parameters themselves: count them once, as parameters.
             // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)
@@ -255,7 +287,16 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             let value = loss.clone().into_scalar().elem::<f32>();
             // The embedding's graph holds the ends' leaves; keep them alive with it.
             self.embed_ends = Some(embed_ends);
-            return Ok(ChainLoss { value, loss, pending: Pending::Kept { embedded, blocks, last, head } });
+            return Ok(ChainLoss {
+                value,
+                loss,
+                pending: Pending::Kept {
+                    embedded,
+                    blocks,
+                    last,
+                    head,
+                },
+            });
         }
         let n = self.blocks.len();
         // ends, blocks…, ends | blocks in reverse…, ends
@@ -280,7 +321,16 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let last = h.leaf();
         let loss = M::head_loss(&ends, last.clone(), &batch);
         let value = loss.clone().into_scalar().elem::<f32>();
-        Ok(ChainLoss { value, loss, pending: Pending::Blockwise { last, ends, inputs, batch } })
+        Ok(ChainLoss {
+            value,
+            loss,
+            pending: Pending::Blockwise {
+                last,
+                ends,
+                inputs,
+                batch,
+            },
+        })
     }
 
     /// The loss of a batch without backward (evaluation). Under stage 3 the parts are gathered
@@ -314,28 +364,38 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
         let mut grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
-            Pending::Kept { embedded, mut blocks, last, head } => {
-                let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
-                    ZeroError::Model("the loss does not depend on the last block's output".into())
-                })?;
+            Pending::Kept {
+                embedded,
+                mut blocks,
+                last,
+                head,
+            } => {
+                let mut grad_h = last
+                    .take_grad(&mut grads)
+                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &head, &mut grads)?;
                 drop((grads, head));
                 for b in (0..self.blocks.len()).rev() {
                     let (x, y) = blocks.pop().unwrap_or_else(|| unreachable!());
                     let mut grads = y.dot(grad_h).backward();
-                    grad_h = x.take_grad(&mut grads).ok_or_else(|| {
-                        ZeroError::Model(format!("block {b}'s output does not depend on its input"))
-                    })?;
+                    grad_h = x
+                        .take_grad(&mut grads)
+                        .ok_or_else(|| ZeroError::Model(format!("block {b}'s output does not depend on its input")))?;
                     absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                 }
                 let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
             }
-            Pending::Blockwise { last, ends, mut inputs, batch } => {
-                let mut grad_h = last.take_grad(&mut grads).ok_or_else(|| {
-                    ZeroError::Model("the loss does not depend on the last block's output".into())
-                })?;
+            Pending::Blockwise {
+                last,
+                ends,
+                mut inputs,
+                batch,
+            } => {
+                let mut grad_h = last
+                    .take_grad(&mut grads)
+                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
                 self.release(0, ends);
                 drop(grads);
@@ -344,9 +404,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     let x = inputs.pop().unwrap_or_else(|| unreachable!()).leaf();
                     let y = M::block_forward(&block, x.clone());
                     let mut grads = y.dot(grad_h).backward();
-                    grad_h = x.take_grad(&mut grads).ok_or_else(|| {
-                        ZeroError::Model(format!("block {b}'s output does not depend on its input"))
-                    })?;
+                    grad_h = x
+                        .take_grad(&mut grads)
+                        .ok_or_else(|| ZeroError::Model(format!("block {b}'s output does not depend on its input")))?;
                     absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &block, &mut grads)?;
                     self.release(b + 1, block);
                 }
@@ -499,7 +559,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 if layout.groups[g].placement != Placement::Sharded || self.prefetched.contains_key(&g) {
                     continue;
                 }
-                self.core.memory.add_gathered(layout.groups[g].padded * self.element_size());
+                self.core
+                    .memory
+                    .add_gathered(layout.groups[g].padded * self.element_size());
                 let shard = self.core.shard_buffer(g);
                 self.prefetched.insert(g, self.core.comm.all_gather_async(shard));
             }
@@ -516,7 +578,6 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         self.core.memory.sub_gathered(bytes);
     }
 }
-
 
 /// Takes the gradients of a part's parameters (`params`: their global indices, in the part's
 /// visit order) out of `grads` into the engine's reductions.

@@ -24,10 +24,8 @@ use crate::optimizer_bridge::OptimizerFactory;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
+use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
 use zero_core::comm::FlatBuffer;
-use zero_core::checkpoint::{
-    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest,
-};
 
 impl EngineCore {
     fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {
@@ -90,11 +88,7 @@ impl EngineCore {
     /// Reads this rank's new owned slices (from any world size and stage), rebuilds the
     /// optimizers from them, and only when every rank succeeded replaces the state. Returns the
     /// client state.
-    pub(crate) fn load_checkpoint(
-        &mut self,
-        dir: &Path,
-        tag: Option<&str>,
-    ) -> Result<serde_json::Value, ZeroError> {
+    pub(crate) fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load_checkpoint")?;
         self.require_in_memory("load_checkpoint")?;
         let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
@@ -114,19 +108,10 @@ impl EngineCore {
                         opt.inner.name()
                     )));
                 }
-                let buffers: Vec<(&str, &[f32])> = g
-                    .state
-                    .iter()
-                    .map(|(n, b)| (n.as_str(), b.as_slice()))
-                    .collect();
-                opt.inner
-                    .load_state(meta.optimizer.step, &buffers)
-                    .map_err(|e| {
-                        ZeroError::Optimizer(format!(
-                            "restoring group {gi} from the checkpoint `{}`: {e}",
-                            meta.tag
-                        ))
-                    })?;
+                let buffers: Vec<(&str, &[f32])> = g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+                opt.inner.load_state(meta.optimizer.step, &buffers).map_err(|e| {
+                    ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
+                })?;
                 optimizers.push(opt);
             }
             Ok(optimizers)
@@ -146,8 +131,7 @@ impl EngineCore {
             (Err(e), _) => return Err(e),
             (Ok(_), Err(e)) => return Err(e.into()),
         };
-        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers)
-        {
+        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers) {
             state.master = loaded.master;
             // The 16-bit shard (stage 3 in bf16/fp16) is derived from the masters.
             if let Some(half) = &mut state.half {
@@ -212,8 +196,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
-        self.core_ref()
-            .save_checkpoint(dir.as_ref(), tag, client_state)
+        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
     /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
@@ -231,13 +214,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
 
     /// Writes the whole model's weights as one 16-bit safetensors file from rank 0 (every rank
     /// calls this), under the parameters' own names.
-    pub fn save_16bit_model(
-        &self,
-        path: impl AsRef<Path>,
-        dtype: HalfDtype,
-    ) -> Result<(), ZeroError> {
-        self.core_ref()
-            .save_weights(path.as_ref(), Some(dtype), &keep_names)
+    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
+        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
     /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
@@ -261,8 +239,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
-        self.core_ref()
-            .save_checkpoint(dir.as_ref(), tag, client_state)
+        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
     /// Restores the engine (see [`ZeroEngine::load_checkpoint`]).
@@ -278,13 +255,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
 
     /// Gathers the parts one group at a time and writes the whole weights in 16 bits from rank
     /// 0: DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, never holding the model.
-    pub fn save_16bit_model(
-        &self,
-        path: impl AsRef<Path>,
-        dtype: HalfDtype,
-    ) -> Result<(), ZeroError> {
-        self.core_ref()
-            .save_weights(path.as_ref(), Some(dtype), &keep_names)
+    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
+        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
     /// Writes the whole weights from rank 0 (see [`ZeroEngine::save_weights`]).

@@ -65,7 +65,9 @@ impl EngineCore {
         values: impl FnMut(usize) -> Vec<f32>,
         memory: Arc<MemoryTracker>,
     ) -> Result<Self, ZeroError> {
-        let factory = OptimizerFactory { spec: settings.optimizer.clone() };
+        let factory = OptimizerFactory {
+            spec: settings.optimizer.clone(),
+        };
         let precision = &settings.precision;
         let dtypes = StateDtypes {
             accumulate: precision.dtype,
@@ -73,12 +75,21 @@ impl EngineCore {
             communicate: precision.comm_dtype(),
         };
         let scaler = match &precision.loss_scaler {
-            Some(config) if precision.dtype == ComputeDtype::F16 => Some(
-                LossScaler::new(config.clone()).map_err(|e| ZeroError::Config(format!("fp16: {e}")))?,
-            ),
+            Some(config) if precision.dtype == ComputeDtype::F16 => {
+                Some(LossScaler::new(config.clone()).map_err(|e| ZeroError::Config(format!("fp16: {e}")))?)
+            }
             _ => None,
         };
-        let state = FlatState::new(layout, comm.rank(), flows, &factory, values, &memory, dtypes, &settings.offload_optimizer)?;
+        let state = FlatState::new(
+            layout,
+            comm.rank(),
+            flows,
+            &factory,
+            values,
+            &memory,
+            dtypes,
+            &settings.offload_optimizer,
+        )?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
         Ok(EngineCore {
@@ -155,7 +166,11 @@ impl EngineCore {
     /// Waits for the oldest reductions in flight until at most `limit` elements remain in
     /// flight, and accumulates their results.
     fn drain_to(&mut self, limit: usize) -> Result<(), ZeroError> {
-        let mut in_flight: usize = self.in_flight.iter().map(|(g, _)| self.state.layout.groups[*g].padded).sum();
+        let mut in_flight: usize = self
+            .in_flight
+            .iter()
+            .map(|(g, _)| self.state.layout.groups[*g].padded)
+            .sum();
         while in_flight > limit && !self.in_flight.is_empty() {
             let (group, work) = self.in_flight.remove(0);
             let padded = self.state.layout.groups[group].padded;
@@ -196,7 +211,11 @@ impl EngineCore {
         let loss_scale = self.current_loss_scale();
         let grads = self.state.take_owned_grads();
         // The f32 copy of 16-bit gradients lives for the step (for f32 it is the accumulator).
-        let copy_bytes = if self.state.dtypes.accumulate.is_half() { grads.iter().map(|g| g.len() * 4).sum() } else { 0 };
+        let copy_bytes = if self.state.dtypes.accumulate.is_half() {
+            grads.iter().map(|g| g.len() * 4).sum()
+        } else {
+            0
+        };
         self.memory.add_grads(copy_bytes);
         let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
         self.memory.sub_grads(copy_bytes);
@@ -219,12 +238,24 @@ impl EngineCore {
                 (true, f64::NAN)
             }
         };
-        Ok(StepReport { step, lr, grad_norm, skipped, loss_scale })
+        Ok(StepReport {
+            step,
+            lr,
+            grad_norm,
+            skipped,
+            loss_scale,
+        })
     }
 
     /// Checks for overflow, then either applies the step (returning the gradient norm) or
     /// decides to skip it (`None`).
-    fn apply_or_skip(&mut self, grads: Vec<Vec<f32>>, step: u64, lr: f64, loss_scale: f64) -> Result<Option<f64>, ZeroError> {
+    fn apply_or_skip(
+        &mut self,
+        grads: Vec<Vec<f32>>,
+        step: u64,
+        lr: f64,
+        loss_scale: f64,
+    ) -> Result<Option<f64>, ZeroError> {
         let policy = self.settings.precision.non_finite;
         if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
             // What this rank saw; the flag is shared so that every rank takes the same path.
@@ -245,7 +276,13 @@ impl EngineCore {
                 match scaler.update(overflow) {
                     Ok(ScaleDecision::Skip) => return Ok(None),
                     Ok(ScaleDecision::Apply) => {}
-                    Err(source) => return Err(ZeroError::LossScale { step, scale: loss_scale, source }),
+                    Err(source) => {
+                        return Err(ZeroError::LossScale {
+                            step,
+                            scale: loss_scale,
+                            source,
+                        })
+                    }
                 }
             } else if overflow {
                 if policy == NonFinitePolicy::Skip {
@@ -294,7 +331,11 @@ impl EngineCore {
     /// Every parameter's full value, in the order asked for: a group is gathered the first time
     /// one of its parameters is asked for and released after its last.
     pub fn value_source(&self) -> ValueSource<'_> {
-        ValueSource { core: self, cache: HashMap::new(), error: None }
+        ValueSource {
+            core: self,
+            cache: HashMap::new(),
+            error: None,
+        }
     }
 
     /// The full padded values of one group, from the owned masters, as f32.
@@ -383,12 +424,25 @@ struct Assembler {
 
 impl Assembler {
     fn new(layout: &PartitionLayout) -> Self {
-        Assembler { pending: HashMap::new(), sizes: layout.groups.iter().map(|g| g.params.len()).collect() }
+        Assembler {
+            pending: HashMap::new(),
+            sizes: layout.groups.iter().map(|g| g.params.len()).collect(),
+        }
     }
 
     /// Puts one parameter's gradient in place; returns the group's buffer when it is complete.
-    fn put(&mut self, group: usize, padded: usize, offset: usize, n: usize, grad: Option<Vec<f32>>) -> Option<Vec<f32>> {
-        let entry = self.pending.entry(group).or_insert_with(|| (vec![0.0; padded], self.sizes[group]));
+    fn put(
+        &mut self,
+        group: usize,
+        padded: usize,
+        offset: usize,
+        n: usize,
+        grad: Option<Vec<f32>>,
+    ) -> Option<Vec<f32>> {
+        let entry = self
+            .pending
+            .entry(group)
+            .or_insert_with(|| (vec![0.0; padded], self.sizes[group]));
         if let Some(g) = grad {
             entry.0[offset..offset + n].copy_from_slice(&g[..n]);
         }

@@ -14,8 +14,8 @@
 use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
-use crate::memory::{MemoryReport, MemoryTracker};
 use crate::half_buffer;
+use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, read_values, take_grads, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::AutodiffModule;
@@ -63,7 +63,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         // The model is cast to the compute dtype first and the masters are made from it, as
         // DeepSpeed does: the model always sees exactly its masters rounded.
         values.iter_mut().for_each(|v| half_buffer::round_to(dtype, v));
-        let model = write_data(model, &device, true, |i, shape| half_buffer::f32_to_data(values[i].clone(), shape, dtype));
+        let model = write_data(model, &device, true, |i, shape| {
+            half_buffer::f32_to_data(values[i].clone(), shape, dtype)
+        });
         let memory = Arc::new(MemoryTracker::default());
         memory.add_parameters(layout.numel() * dtype.size());
         let flow = match settings.stage {
@@ -71,7 +73,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
             _ => GradFlow::AccumulateThenReduce,
         };
         let core = EngineCore::new(layout, comm, settings, |_| flow, |i| values[i].clone(), memory)?;
-        Ok(ZeroEngine { model: Some(model), core, device })
+        Ok(ZeroEngine {
+            model: Some(model),
+            core,
+            device,
+        })
     }
 
     /// Runs `f` on the model (forward, or evaluation). Under bf16/fp16 the parameters are
@@ -84,7 +90,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
     /// The model with the current weights.
     pub fn module(&self) -> &M {
         // `model` is only None inside `step`, which puts it back before returning.
-        self.model.as_ref().unwrap_or_else(|| unreachable!("model taken during step"))
+        self.model
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("model taken during step"))
     }
 
     /// Backward of one micro-batch's loss (times the fp16 loss scale), and the reduction of its
@@ -94,13 +102,17 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
         let mut grads = self.core.backward_loss(loss, value).backward();
         let mut failure = None;
         let core = &mut self.core;
-        take_grads::<B, M>(self.model.as_ref().unwrap_or_else(|| unreachable!()), &mut grads, |i, g| {
-            if failure.is_none() {
-                if let Err(e) = core.absorb(i, g) {
-                    failure = Some(e);
+        take_grads::<B, M>(
+            self.model.as_ref().unwrap_or_else(|| unreachable!()),
+            &mut grads,
+            |i, g| {
+                if failure.is_none() {
+                    if let Err(e) = core.absorb(i, g) {
+                        failure = Some(e);
+                    }
                 }
-            }
-        });
+            },
+        );
         if let Some(e) = failure {
             return Err(e);
         }
@@ -175,7 +187,11 @@ pub(crate) fn replicated_layout<B: AutodiffBackend, M: AutodiffModule<B>>(
 ) -> PartitionLayout {
     let specs: Vec<_> = describe::<B, M>(model).into_iter().map(|(_, s)| s).collect();
     let all: Vec<usize> = (0..specs.len()).collect();
-    let placement = if settings.stage == Stage::Zero0 { Placement::Replicated } else { Placement::Sharded };
+    let placement = if settings.stage == Stage::Zero0 {
+        Placement::Replicated
+    } else {
+        Placement::Sharded
+    };
     let mut builder = LayoutBuilder::new(specs, world, settings.alignment);
     builder.buckets(&all, settings.reduce_bucket_size.max(1), placement);
     builder.finish()

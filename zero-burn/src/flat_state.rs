@@ -149,9 +149,7 @@ impl FlatState {
                     let optimizer = factory.build(&layout, gi, rank)?;
                     memory.add_master(master.len() * 4);
                     memory.add_optimizer(optimizer.state_bytes());
-                    let half = dtypes
-                        .half_shard
-                        .map(|d| FlatBuffer::from_f32(&master, d.flat()));
+                    let half = dtypes.half_shard.map(|d| FlatBuffer::from_f32(&master, d.flat()));
                     (master, optimizer, half)
                 }
                 Some((file, _, chunk_elements)) => {
@@ -197,15 +195,12 @@ impl FlatState {
                 } else {
                     t
                 };
-                CpuPool::new(threads)
-                    .map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
+                CpuPool::new(threads).map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
             })
             .transpose()?;
         let nvme = swap.map(|(file, buffer_count, _)| {
             // The host buffers are allocated once, here, and counted as host optimizer memory.
-            let buffers: Vec<Vec<f32>> = (0..buffer_count)
-                .map(|_| vec![0.0f32; widest_chunk])
-                .collect();
+            let buffers: Vec<Vec<f32>> = (0..buffer_count).map(|_| vec![0.0f32; widest_chunk]).collect();
             memory.add_optimizer(buffer_count * widest_chunk * 4);
             NvmeState {
                 file,
@@ -251,8 +246,7 @@ impl FlatState {
             if self.groups[gi].flow != GradFlow::AccumulateThenReduce || world == 1 {
                 continue;
             }
-            let accumulated =
-                std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
+            let accumulated = std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
             let full = half_buffer::convert(accumulated, self.dtypes.communicate.flat());
             let reduced = match self.layout.groups[gi].placement {
                 Placement::Replicated => {
@@ -276,22 +270,14 @@ impl FlatState {
             .enumerate()
             .map(|(gi, g)| {
                 let grad = std::mem::replace(&mut g.grad, FlatBuffer::F32(Vec::new())).into_f32();
-                debug_assert_eq!(
-                    grad.len(),
-                    self.layout.owned_len(gi),
-                    "gradient not reduced yet"
-                );
+                debug_assert_eq!(grad.len(), self.layout.owned_len(gi), "gradient not reduced yet");
                 grad
             })
             .collect()
     }
 
     /// Global L2 norm of `grads` (every group's owned slice) over every rank.
-    pub fn global_grad_norm(
-        &self,
-        grads: &[Vec<f32>],
-        group_comm: &dyn ProcessGroup,
-    ) -> Result<f64, ZeroError> {
+    pub fn global_grad_norm(&self, grads: &[Vec<f32>], group_comm: &dyn ProcessGroup) -> Result<f64, ZeroError> {
         let mut sharded = 0.0f64;
         let mut replicated = 0.0f64;
         for (gi, grad) in grads.iter().enumerate() {
@@ -372,46 +358,27 @@ fn step_in_memory(
 
 /// One optimizer step of every group with masters and state streamed from the swap file: each
 /// chunk is read, stepped (writing the new parameter shard in the compute dtype), written back.
-fn step_swapped(
-    groups: &mut [GroupState],
-    nvme: &mut NvmeState,
-    grads: &[Vec<f32>],
-    lr: f64,
-) -> Result<(), ZeroError> {
+fn step_swapped(groups: &mut [GroupState], nvme: &mut NvmeState, grads: &[Vec<f32>], lr: f64) -> Result<(), ZeroError> {
     for ((g, grad), region) in groups.iter_mut().zip(grads).zip(&nvme.regions) {
-        let GroupState {
-            optimizer, half, ..
-        } = g;
-        stream_chunks(
-            &nvme.file,
-            region,
-            nvme.buffer_count,
-            &mut nvme.buffers,
-            |c, chunk| {
-                let range = region.chunk_range(c);
-                let n = range.len();
-                match half {
-                    Some(FlatBuffer::BF16(h)) => optimizer.step_chunk(
-                        chunk,
-                        &grad[range.clone()],
-                        lr,
-                        HalfCopy::Bf16(&mut h[range]),
-                    ),
-                    Some(FlatBuffer::F16(h)) => optimizer.step_chunk(
-                        chunk,
-                        &grad[range.clone()],
-                        lr,
-                        HalfCopy::F16(&mut h[range]),
-                    ),
-                    Some(FlatBuffer::F32(h)) => {
-                        optimizer.step_chunk(chunk, &grad[range.clone()], lr, HalfCopy::None)?;
-                        h[range].copy_from_slice(&chunk[..n]);
-                        Ok(())
-                    }
-                    None => optimizer.step_chunk(chunk, &grad[range], lr, HalfCopy::None),
+        let GroupState { optimizer, half, .. } = g;
+        stream_chunks(&nvme.file, region, nvme.buffer_count, &mut nvme.buffers, |c, chunk| {
+            let range = region.chunk_range(c);
+            let n = range.len();
+            match half {
+                Some(FlatBuffer::BF16(h)) => {
+                    optimizer.step_chunk(chunk, &grad[range.clone()], lr, HalfCopy::Bf16(&mut h[range]))
                 }
-            },
-        )?;
+                Some(FlatBuffer::F16(h)) => {
+                    optimizer.step_chunk(chunk, &grad[range.clone()], lr, HalfCopy::F16(&mut h[range]))
+                }
+                Some(FlatBuffer::F32(h)) => {
+                    optimizer.step_chunk(chunk, &grad[range.clone()], lr, HalfCopy::None)?;
+                    h[range].copy_from_slice(&chunk[..n]);
+                    Ok(())
+                }
+                None => optimizer.step_chunk(chunk, &grad[range], lr, HalfCopy::None),
+            }
+        })?;
         optimizer.end_swapped_step();
     }
     Ok(())

@@ -18,8 +18,14 @@ pub(crate) fn zeros(dtype: ComputeDtype, len: usize) -> FlatBuffer {
 pub(crate) fn add_into(acc: &mut FlatBuffer, values: &[f32]) {
     match acc {
         FlatBuffer::F32(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a += v),
-        FlatBuffer::BF16(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a = bf16::from_f32(a.to_f32() + v)),
-        FlatBuffer::F16(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a = f16::from_f32(a.to_f32() + v)),
+        FlatBuffer::BF16(a) => a
+            .iter_mut()
+            .zip(values)
+            .for_each(|(a, v)| *a = bf16::from_f32(a.to_f32() + v)),
+        FlatBuffer::F16(a) => a
+            .iter_mut()
+            .zip(values)
+            .for_each(|(a, v)| *a = f16::from_f32(a.to_f32() + v)),
     }
 }
 
@@ -95,6 +101,9 @@ mod tests {
         let buf = FlatBuffer::from_f32(&[5.0, 6.0, 7.0], DType::F16);
         let data = slice_data(&buf, 1..3, vec![2]);
         assert_eq!(data.dtype, burn::tensor::DType::F16);
-        assert_eq!(data.convert::<f32>().into_vec::<f32>().unwrap_or_default(), vec![6.0, 7.0]);
+        assert_eq!(
+            data.convert::<f32>().into_vec::<f32>().unwrap_or_default(),
+            vec![6.0, 7.0]
+        );
     }
 }

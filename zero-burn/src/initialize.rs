@@ -16,8 +16,8 @@ use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision,
-    ResolveContext, ResolvedConfig, SchedulerConfig,
+    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext,
+    ResolvedConfig, SchedulerConfig,
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrScheduleSpec;
@@ -55,12 +55,8 @@ pub fn resolve(
 /// The engine's settings from a resolved config. Parts of the config this engine does not do yet
 /// are errors that say so, never silently ignored.
 pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
-    let stage = Stage::from_number(config.zero.stage as u8).ok_or_else(|| {
-        ZeroError::Config(format!(
-            "zero_optimization.stage {:?} is not 0-3",
-            config.zero.stage
-        ))
-    })?;
+    let stage = Stage::from_number(config.zero.stage as u8)
+        .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
     let precision = precision_settings(config)?;
     let offload_optimizer = optimizer_offload(config)?;
     if config.zero.offload_param.as_ref().is_some() {
@@ -110,10 +106,7 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
         OffloadDevice::Cpu => OptimizerOffload::Cpu { threads: 0 },
         OffloadDevice::Nvme => {
             let path = o.nvme_path.as_ref().ok_or_else(|| {
-                ZeroError::Config(
-                    "zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\""
-                        .into(),
-                )
+                ZeroError::Config("zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\"".into())
             })?;
             let buffer_count = usize::try_from(o.buffer_count).unwrap_or(usize::MAX).max(1);
             let sub_group = usize::try_from(config.zero.sub_group_size).unwrap_or(usize::MAX);
@@ -187,10 +180,7 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
 }
 
 /// [`engine_settings`] with the options that only the caller gives.
-fn settings_with(
-    config: &ResolvedConfig,
-    options: &InitOptions,
-) -> Result<EngineSettings, ZeroError> {
+fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<EngineSettings, ZeroError> {
     let mut settings = engine_settings(config)?;
     if let Some(policy) = options.non_finite {
         if settings.precision.dtype != ComputeDtype::F16 {
@@ -204,7 +194,8 @@ fn settings_with(
 pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec, ZeroError> {
     let Some(config) = config else {
         return Err(ZeroError::Config(
-            "optimizer: the config names no optimizer; add e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}".into(),
+            "optimizer: the config names no optimizer; add e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}"
+                .into(),
         ));
     };
     Ok(match config {
@@ -236,9 +227,11 @@ pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec,
             // A DeepSpeed config means DeepSpeed's FusedLamb update (raw moments in the ratio).
             variant: LambVariant::DeepSpeed,
         }),
-        OptimizerConfig::Lion(p) => {
-            OptimizerSpec::Lion(LionSpec { lr: p.lr, betas: (p.betas[0], p.betas[1]), weight_decay: p.weight_decay })
-        }
+        OptimizerConfig::Lion(p) => OptimizerSpec::Lion(LionSpec {
+            lr: p.lr,
+            betas: (p.betas[0], p.betas[1]),
+            weight_decay: p.weight_decay,
+        }),
         other => {
             return Err(ZeroError::Config(format!(
                 "optimizer.type \"{}\" has no shard optimizer here; choose Adam, AdamW, SGD, Lamb or Lion",
@@ -256,8 +249,7 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
         )));
     }
     // Both sides speak DeepSpeed's key names: the resolved section is the schedule's spec.
-    let value =
-        serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
+    let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
     let spec: LrScheduleSpec =
         serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
     let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> = Arc::from(

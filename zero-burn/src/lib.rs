@@ -30,8 +30,8 @@
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
 mod chain;
-mod checkpoint;
 mod chain_engine;
+mod checkpoint;
 mod core;
 mod engine;
 mod error;
@@ -51,8 +51,7 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
     engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
-    precision_settings, resolve,
-    InitOptions,
+    precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;

@@ -11,8 +11,8 @@ use crate::core::{EngineCore, StepReport};
 use crate::engine::{broadcast_values, replicated_layout};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
-use crate::memory::{MemoryReport, MemoryTracker};
 use crate::half_buffer;
+use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -54,7 +54,12 @@ impl ZeroOptimizer {
                     .into(),
             ));
         }
-        Ok(ZeroOptimizer { settings, comm, core: Arc::new(Mutex::new(None)), last: Arc::new(Mutex::new(None)) })
+        Ok(ZeroOptimizer {
+            settings,
+            comm,
+            core: Arc::new(Mutex::new(None)),
+            last: Arc::new(Mutex::new(None)),
+        })
     }
 
     /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16).
@@ -63,7 +68,9 @@ impl ZeroOptimizer {
         let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref())?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
-        Ok(write_data(module, &device, true, |i, shape| half_buffer::f32_to_data(values[i].clone(), shape, dtype)))
+        Ok(write_data(module, &device, true, |i, shape| {
+            half_buffer::f32_to_data(values[i].clone(), shape, dtype)
+        }))
     }
 
     /// What the last step did (its gradient norm, learning rate).
@@ -153,7 +160,11 @@ fn collect_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
             }
         }
     }
-    let mut c = Collect::<B> { grads, out: Default::default(), _b: std::marker::PhantomData };
+    let mut c = Collect::<B> {
+        grads,
+        out: Default::default(),
+        _b: std::marker::PhantomData,
+    };
     module.visit(&mut c);
     c.out
 }

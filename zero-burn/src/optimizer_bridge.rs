@@ -3,9 +3,7 @@
 
 use crate::error::ZeroError;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
-use zero_core::optim::{
-    self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments,
-};
+use zero_core::optim::{self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments};
 use zero_core::partition::{PartitionLayout, Placement};
 
 /// Builds the optimizer of every group from one spec.
@@ -16,12 +14,7 @@ pub(crate) struct OptimizerFactory {
 
 impl OptimizerFactory {
     /// The optimizer for `rank`'s owned range of `group`.
-    pub fn build(
-        &self,
-        layout: &PartitionLayout,
-        group: usize,
-        rank: usize,
-    ) -> Result<GroupOptimizer, ZeroError> {
+    pub fn build(&self, layout: &PartitionLayout, group: usize, rank: usize) -> Result<GroupOptimizer, ZeroError> {
         let g = &layout.groups[group];
         let len = layout.owned_len(group);
         let segments = ShardSegments {
@@ -36,8 +29,7 @@ impl OptimizerFactory {
                 })
                 .collect(),
         };
-        let inner = optim::build(&self.spec, len, segments)
-            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        let inner = optim::build(&self.spec, len, segments).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
         Ok(GroupOptimizer {
             inner,
             sharded: g.placement == Placement::Sharded,
@@ -98,10 +90,7 @@ impl GroupOptimizer {
         if !self.inner.needs_cross_rank_norms() {
             return match out {
                 HalfCopy::None => self.inner.step(params, grads, lr).map_err(err),
-                out => self
-                    .inner
-                    .step_with_copy(params, grads, lr, out)
-                    .map_err(err),
+                out => self.inner.step_with_copy(params, grads, lr, out).map_err(err),
             };
         }
         let mut partials = self.inner.begin_step(params, grads).map_err(err)?;
@@ -110,9 +99,7 @@ impl GroupOptimizer {
             comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             partials = NormPartials(buf.into_f32());
         }
-        self.inner
-            .finish_step(params, grads, lr, &partials, out)
-            .map_err(err)
+        self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
     }
 
     /// Bytes of optimizer state.
@@ -159,8 +146,7 @@ impl GroupOptimizer {
         let (master, states) = chunk.split_at_mut(n);
         let names: Vec<&'static str> = opt.state().iter().map(|(name, _)| *name).collect();
         {
-            let buffers: Vec<(&str, &[f32])> =
-                names.iter().copied().zip(states.chunks_exact(n)).collect();
+            let buffers: Vec<(&str, &[f32])> = names.iter().copied().zip(states.chunks_exact(n)).collect();
             opt.load_state(self.swapped_steps, &buffers).map_err(err)?;
         }
         match out {

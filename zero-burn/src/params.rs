@@ -23,11 +23,24 @@ pub fn describe<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, ParamSpec
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let name = if self.path.is_empty() { format!("param{}", self.out.len()) } else { self.path.join(".") };
-            self.out.push((param.id, ParamSpec { name, shape: param.lazy_shape().to_vec() }));
+            let name = if self.path.is_empty() {
+                format!("param{}", self.out.len())
+            } else {
+                self.path.join(".")
+            };
+            self.out.push((
+                param.id,
+                ParamSpec {
+                    name,
+                    shape: param.lazy_shape().to_vec(),
+                },
+            ));
         }
     }
-    let mut v = Describe { path: Vec::new(), out: Vec::new() };
+    let mut v = Describe {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
     module.visit(&mut v);
     v.out
 }
@@ -45,7 +58,10 @@ pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(us
             self.index += 1;
         }
     }
-    module.visit(&mut Read { index: 0, sink: &mut sink });
+    module.visit(&mut Read {
+        index: 0,
+        sink: &mut sink,
+    });
 }
 
 /// Replaces every float parameter's value with `source(index)` (the parameter's flattened
@@ -57,7 +73,9 @@ pub fn write_values<B: Backend, M: Module<B>>(
     require_grad: bool,
     mut source: impl FnMut(usize) -> Vec<f32>,
 ) -> M {
-    write_data(module, device, require_grad, |i, shape| TensorData::new(source(i), shape))
+    write_data(module, device, require_grad, |i, shape| {
+        TensorData::new(source(i), shape)
+    })
 }
 
 /// [`write_values`] from tensor data: each parameter takes the dtype of its data (bf16 data
@@ -88,7 +106,12 @@ pub fn write_data<B: Backend, M: Module<B>>(
             Param::initialized(param.id, tensor)
         }
     }
-    module.map(&mut Write { index: 0, source: &mut source, device, require_grad })
+    module.map(&mut Write {
+        index: 0,
+        source: &mut source,
+        device,
+        require_grad,
+    })
 }
 
 /// The module with every float parameter replaced by a lazy, never-materialised placeholder of
@@ -145,7 +168,11 @@ pub fn take_grads<B: AutodiffBackend, M: Module<B>>(
             self.index += 1;
         }
     }
-    module.visit(&mut Take { index: 0, grads, sink: &mut sink });
+    module.visit(&mut Take {
+        index: 0,
+        grads,
+        sink: &mut sink,
+    });
 }
 
 /// The flattened f32 values of a tensor of any float dtype.
@@ -191,7 +218,9 @@ mod tests {
         assert_eq!(names, ["first.weight", "first.bias", "second.weight"]);
         assert_eq!(specs[2].1.shape, vec![2, 5]);
 
-        let m = write_values::<B, _>(m, &device, true, |i| (0..specs[i].1.numel()).map(|k| (i * 100 + k) as f32).collect());
+        let m = write_values::<B, _>(m, &device, true, |i| {
+            (0..specs[i].1.numel()).map(|k| (i * 100 + k) as f32).collect()
+        });
         let mut seen = Vec::new();
         read_values::<B, _>(&m, |i, v| seen.push((i, v)));
         assert_eq!(seen[1], (1, vec![100.0, 101.0]));

@@ -19,7 +19,9 @@ pub enum Stage {
 impl Stage {
     /// The stage from its number.
     pub fn from_number(n: u8) -> Option<Stage> {
-        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3].get(n as usize).copied()
+        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3]
+            .get(n as usize)
+            .copied()
     }
 
     /// The stage's number.
@@ -179,12 +181,20 @@ impl PrecisionSettings {
 
     /// bf16 compute, fp32 masters; a non-finite loss or gradient is an error.
     pub fn bf16() -> Self {
-        PrecisionSettings { dtype: ComputeDtype::Bf16, non_finite: NonFinitePolicy::Error, ..Self::fp32() }
+        PrecisionSettings {
+            dtype: ComputeDtype::Bf16,
+            non_finite: NonFinitePolicy::Error,
+            ..Self::fp32()
+        }
     }
 
     /// fp16 compute, fp32 masters, with the given loss scaler.
     pub fn fp16(scaler: LossScalerConfig) -> Self {
-        PrecisionSettings { dtype: ComputeDtype::F16, loss_scaler: Some(scaler), ..Self::fp32() }
+        PrecisionSettings {
+            dtype: ComputeDtype::F16,
+            loss_scaler: Some(scaler),
+            ..Self::fp32()
+        }
     }
 
     /// The dtype gradients are reduced in.

@@ -15,7 +15,10 @@ const EPS: f64 = 1e-4; // see tests/exactness.rs for why not 1e-8
 fn zero_optimizer_in_a_burn_loop_matches_burn_adamw_on_one_process() {
     let device = Default::default();
     let mut model = Net::<B>::new(&device, 2);
-    let mut optim = AdamWConfig::new().with_epsilon(EPS as f32).with_weight_decay(0.01).init();
+    let mut optim = AdamWConfig::new()
+        .with_epsilon(EPS as f32)
+        .with_weight_decay(0.01)
+        .init();
     for step in 0..4 {
         let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
         let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
@@ -27,7 +30,11 @@ fn zero_optimizer_in_a_burn_loop_matches_burn_adamw_on_one_process() {
         for world in [2, 3] {
             let got = on_ranks(world, move |rank, group| {
                 let device = Default::default();
-                let spec = OptimizerSpec::Adam(AdamSpec { eps: EPS, weight_decay: 0.01, ..AdamSpec::adamw() });
+                let spec = OptimizerSpec::Adam(AdamSpec {
+                    eps: EPS,
+                    weight_decay: 0.01,
+                    ..AdamSpec::adamw()
+                });
                 let mut settings = EngineSettings::new(stage, spec);
                 settings.reduce_bucket_size = 64;
                 let mut optim = ZeroOptimizer::new(settings, group).expect("optimizer");

@@ -159,10 +159,7 @@ fn chain_engine_resumes_exactly_at_every_stage() {
                 losses, want_losses,
                 "{stage:?} world {world}: losses of the resumed run"
             );
-            assert_eq!(
-                got, want,
-                "{stage:?} world {world}: parameters must be bit-identical"
-            );
+            assert_eq!(got, want, "{stage:?} world {world}: parameters must be bit-identical");
             std::fs::remove_dir_all(&dir).ok();
         }
     }
@@ -177,12 +174,7 @@ fn generic_engine_resumes_exactly_stages_0_to_2() {
             let dir = dir.clone();
             on_ranks(world, move |rank, group| {
                 let mk = |g| {
-                    ZeroEngine::new(
-                        settings(stage, 1),
-                        Net::<B>::new(&Default::default(), BLOCKS),
-                        g,
-                    )
-                    .expect("engine")
+                    ZeroEngine::new(settings(stage, 1), Net::<B>::new(&Default::default(), BLOCKS), g).expect("engine")
                 };
                 let mut e = mk(group.clone());
                 let mut losses = train_generic(&mut e, rank, world, 1, 0..2);
@@ -221,12 +213,8 @@ fn reshards_between_any_world_sizes_and_stages() {
             // Save once at (n, s) after 2 steps…
             let d = dir.clone();
             on_ranks(n, move |rank, group| {
-                let mut e = ChainEngine::new(
-                    settings(s, 1),
-                    Net::<B>::new(&Default::default(), BLOCKS),
-                    group,
-                )
-                .expect("engine");
+                let mut e = ChainEngine::new(settings(s, 1), Net::<B>::new(&Default::default(), BLOCKS), group)
+                    .expect("engine");
                 train_chain(&mut e, rank, n, 1, 0..2);
                 e.save_checkpoint(&d, None, &serde_json::json!({ "next_step": 2 }))
                     .expect("save");
@@ -236,19 +224,18 @@ fn reshards_between_any_world_sizes_and_stages() {
                 for t in stages {
                     let d = dir.clone();
                     let got = on_ranks(m, move |rank, group| {
-                        let mut e = ChainEngine::new(
-                            settings(t, 1),
-                            Net::<B>::new(&Default::default(), BLOCKS),
-                            group,
-                        )
-                        .expect("engine");
+                        let mut e = ChainEngine::new(settings(t, 1), Net::<B>::new(&Default::default(), BLOCKS), group)
+                            .expect("engine");
                         e.load_checkpoint(&d, None).expect("load");
                         train_chain(&mut e, rank, m, 1, 2..4);
                         values::<B, _>(&e.module().expect("module"))
                     });
                     let want = &reference[&(m, t)];
                     let err = max_relative_error(&got[0], want);
-                    assert!(err < 1e-6, "saved at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}");
+                    assert!(
+                        err < 1e-6,
+                        "saved at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}"
+                    );
                     assert!(
                         max_relative_error(&initial, want) > 1e-3,
                         "the reference must have trained"
@@ -272,8 +259,7 @@ fn generic_engine_checkpoint_loads_into_stage_3() {
         )
         .expect("engine");
         train_generic(&mut e, rank, 2, 1, 0..2);
-        e.save_checkpoint(&d, None, &serde_json::Value::Null)
-            .expect("save");
+        e.save_checkpoint(&d, None, &serde_json::Value::Null).expect("save");
     });
     let d = dir.clone();
     let got = on_ranks(3, move |rank, group| {
@@ -380,10 +366,7 @@ fn exports_match_the_model_stage_3() {
     let bf16 = read(dir.join("bf16/model.safetensors"));
     let f32s = read(dir.join("f32/model.safetensors"));
     let c = Checkpoint::open(&dir.join("ckpt"), None).expect("open");
-    to_fp32(&c, &dir.join("consolidated"), None, &|n| {
-        Some(n.to_string())
-    })
-    .expect("to_fp32");
+    to_fp32(&c, &dir.join("consolidated"), None, &|n| Some(n.to_string())).expect("to_fp32");
     let consolidated = read(dir.join("consolidated/model.safetensors"));
     assert_eq!(bf16.len(), names.len());
     for (name, values) in names.iter().zip(want) {
@@ -397,10 +380,7 @@ fn exports_match_the_model_stage_3() {
         assert_eq!(*dtype, safetensors::Dtype::BF16);
         assert_eq!(bytes, &expect_bf16, "{name} in the 16-bit export");
         let short = name.strip_prefix("ends.").unwrap_or(name);
-        assert_eq!(
-            f32s[short].1, expect_f32,
-            "{short} in the renamed f32 export"
-        );
+        assert_eq!(f32s[short].1, expect_f32, "{short} in the renamed f32 export");
         assert_eq!(
             consolidated[name].1, expect_f32,
             "{name} consolidated from the checkpoint"

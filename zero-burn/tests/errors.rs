@@ -2,26 +2,32 @@
 
 mod common;
 
-use common::*;
 use burn::module::Param;
 use burn::nn::LinearConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
+use common::*;
 use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroEngine, ZeroError, ZeroOptimizer};
 use zero_core::config::DeepSpeedConfig;
 use zero_core::optim::OptimizerSpec;
 
 fn config(text: &str) -> DeepSpeedConfig {
-    DeepSpeedConfig::from_str(text, "ds_config.json").expect("valid config").config
+    DeepSpeedConfig::from_str(text, "ds_config.json")
+        .expect("valid config")
+        .config
 }
 
 #[test]
 fn stage_3_on_a_module_without_blocks_says_what_to_do() {
     let err = on_ranks(1, |_, group| {
         let device = Default::default();
-        ZeroEngine::new(EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()), Net::<B>::new(&device, 2), group)
-            .err()
-            .map(|e| e.to_string())
+        ZeroEngine::new(
+            EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()),
+            Net::<B>::new(&device, 2),
+            group,
+        )
+        .err()
+        .map(|e| e.to_string())
     })
     .remove(0)
     .expect("stage 3 must be refused");
@@ -29,9 +35,13 @@ fn stage_3_on_a_module_without_blocks_says_what_to_do() {
 
     let err = on_ranks(1, |_, group| {
         let device = Default::default();
-        ChainEngine::new(EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()), Net::<B>::new(&device, 0), group)
-            .err()
-            .map(|e| e.to_string())
+        ChainEngine::new(
+            EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()),
+            Net::<B>::new(&device, 0),
+            group,
+        )
+        .err()
+        .map(|e| e.to_string())
     })
     .remove(0)
     .expect("a chain with no blocks must be refused at stage 3");
@@ -40,11 +50,15 @@ fn stage_3_on_a_module_without_blocks_says_what_to_do() {
 
 #[test]
 fn a_batch_the_world_size_cannot_split_names_the_values() {
-    let cfg = config(r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#);
+    let cfg = config(
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#,
+    );
     let err = on_ranks(3, move |_, group| {
         let device = Default::default();
-        zero_burn::initialize::<B, _>(&cfg, Net::<B>::new(&device, 1), group).err().map(|e| e.to_string())
+        zero_burn::initialize::<B, _>(&cfg, Net::<B>::new(&device, 1), group)
+            .err()
+            .map(|e| e.to_string())
     })
     .remove(0)
     .expect("8 samples cannot be 2 x 2 x 3 ranks");
@@ -55,7 +69,8 @@ fn a_batch_the_world_size_cannot_split_names_the_values() {
 fn a_parameter_that_changes_shape_is_named() {
     let message = on_ranks(1, |_, group| {
         let device = Default::default();
-        let mut optim = ZeroOptimizer::new(EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw()), group).expect("optimizer");
+        let mut optim =
+            ZeroOptimizer::new(EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw()), group).expect("optimizer");
         let model = Net::<B>::new(&device, 1);
         let (x, y) = batch::<B>(0, 0..4, &device);
         let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
@@ -75,15 +90,27 @@ fn a_parameter_that_changes_shape_is_named() {
         }
     })
     .remove(0);
-    assert!(message.contains("ends.head.weight") && message.contains("shape"), "got: {message:?}");
+    assert!(
+        message.contains("ends.head.weight") && message.contains("shape"),
+        "got: {message:?}"
+    );
 }
 
 #[test]
 fn sixteen_bit_masters_and_offload_sections_are_refused_not_ignored() {
     for (section, key) in [
-        (r#""bf16": {"enabled": true, "bf16_master_weights_and_grads": true}"#, "bf16_master_weights_and_grads"),
-        (r#""fp16": {"enabled": true, "fp16_master_weights_and_grads": true}"#, "fp16_master_weights_and_grads"),
-        (r#""zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#, "offload_param"),
+        (
+            r#""bf16": {"enabled": true, "bf16_master_weights_and_grads": true}"#,
+            "bf16_master_weights_and_grads",
+        ),
+        (
+            r#""fp16": {"enabled": true, "fp16_master_weights_and_grads": true}"#,
+            "fp16_master_weights_and_grads",
+        ),
+        (
+            r#""zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#,
+            "offload_param",
+        ),
     ] {
         let text = format!(
             r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "Adam", "params": {{"lr": 0.001}}}}, {section}}}"#

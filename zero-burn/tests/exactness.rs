@@ -54,7 +54,12 @@ fn settings(stage: Stage, gas: usize, clip: f64) -> EngineSettings {
 fn reference(clip: f64) -> Vec<Vec<f32>> {
     let device = Default::default();
     let mut model = Net::<B>::new(&device, BLOCKS);
-    let mut optim = AdamWConfig::new().with_beta_1(0.9).with_beta_2(0.999).with_epsilon(EPS as f32).with_weight_decay(0.01).init();
+    let mut optim = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(EPS as f32)
+        .with_weight_decay(0.01)
+        .init();
     for step in 0..STEPS {
         let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
         let grads = model.loss(x, y).backward();
@@ -115,10 +120,16 @@ fn run_chain(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f32>>
         let mut engine = ChainEngine::new(settings(stage, gas, clip), model, group).expect("engine");
         for step in 0..STEPS {
             for micro in 0..gas {
-                let loss = engine.forward(batch::<B>(step, rows(rank, world, micro, gas), &device)).expect("forward");
+                let loss = engine
+                    .forward(batch::<B>(step, rows(rank, world, micro, gas), &device))
+                    .expect("forward");
                 engine.backward(loss).expect("backward");
                 let report = engine.step().expect("step");
-                assert_eq!(report.is_some(), micro + 1 == gas, "a step happens exactly at the boundary");
+                assert_eq!(
+                    report.is_some(),
+                    micro + 1 == gas,
+                    "a step happens exactly at the boundary"
+                );
             }
         }
         values::<B, _>(&engine.module().expect("module"))
@@ -149,10 +160,16 @@ fn run_generic(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f32
 
 fn check(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     let err = max_relative_error(got, want);
-    assert!(err < 1e-6, "{label}: max relative error {err:e} against the single-process reference");
+    assert!(
+        err < 1e-6,
+        "{label}: max relative error {err:e} against the single-process reference"
+    );
     // The run must have moved the weights: a no-op engine would not match by accident.
     let initial = values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS));
-    assert!(max_relative_error(&initial, want) > 1e-3, "{label}: the reference did not train");
+    assert!(
+        max_relative_error(&initial, want) > 1e-3,
+        "{label}: the reference did not train"
+    );
 }
 
 #[test]
@@ -185,7 +202,10 @@ fn generic_engine_matches_single_process_stages_0_to_2() {
 fn clipping_by_global_norm_matches_single_process() {
     // A max norm well below the gradients' norm, so every step clips.
     let want = reference(0.05);
-    assert!(max_relative_error(&want, &reference(0.0)) > 1e-4, "clipping must change the result");
+    assert!(
+        max_relative_error(&want, &reference(0.0)) > 1e-4,
+        "clipping must change the result"
+    );
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1, 3, 4] {
             let got = run_chain(stage, world, 2, 0.05);

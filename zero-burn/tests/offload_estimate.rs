@@ -5,9 +5,7 @@
 mod common;
 
 use common::*;
-use zero_burn::{
-    ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, PrecisionSettings, Stage,
-};
+use zero_burn::{ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, PrecisionSettings, Stage};
 use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
 
@@ -27,13 +25,10 @@ fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport
         s.reduce_bucket_size = 1 << 20;
         s.precision = PrecisionSettings::bf16();
         s.offload_optimizer = offload.clone();
-        let mut engine =
-            ChainEngine::new(s, Net::<B>::new(&device, BLOCKS), group).expect("engine");
+        let mut engine = ChainEngine::new(s, Net::<B>::new(&device, BLOCKS), group).expect("engine");
         let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
         let dtype = engine.compute_dtype().burn();
-        let loss = engine
-            .forward((x.cast(dtype), y.cast(dtype)))
-            .expect("forward");
+        let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
         engine.backward(loss).expect("backward");
         engine.step().expect("step").expect("a boundary");
         engine.memory()
@@ -56,25 +51,14 @@ fn estimate_matches_the_engines_accounting() {
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             let label = format!("stage {stage:?} world {world}");
             let r = report(stage, world, OptimizerOffload::None);
-            let e = estimate(&EstimateInput::new(
-                psi(),
-                stage.number(),
-                world as u64,
-                Dtype::Bf16,
-            ))
-            .per_device;
+            let e = estimate(&EstimateInput::new(psi(), stage.number(), world as u64, Dtype::Bf16)).per_device;
             close(
                 &format!("{label} parameters"),
                 r.parameters.current,
                 e.parameters,
                 slack,
             );
-            close(
-                &format!("{label} gradients"),
-                r.gradients.current,
-                e.gradients,
-                slack,
-            );
+            close(&format!("{label} gradients"), r.gradients.current, e.gradients, slack);
             close(
                 &format!("{label} optimizer states"),
                 r.master_weights.current + r.optimizer_state.current,

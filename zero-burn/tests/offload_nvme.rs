@@ -27,12 +27,7 @@ fn nvme(dir: PathBuf, buffer_count: usize, chunk_elements: usize) -> OptimizerOf
 /// Trains 4 steps with and without `offload` and asserts equal losses and weights after every
 /// step. Reference: the same run with the state in memory; the update is element-wise and the
 /// chunks see exactly the in-memory values, so nothing may differ in any bit.
-fn assert_same_training(
-    label: &str,
-    base: EngineSettings,
-    offload: OptimizerOffload,
-    world: usize,
-) {
+fn assert_same_training(label: &str, base: EngineSettings, offload: OptimizerOffload, world: usize) {
     const STEPS: usize = 4;
     let want = train(base.clone(), world, STEPS, vec![], plain);
     let mut with = base;
@@ -59,20 +54,12 @@ fn assert_same_training(
 fn nvme_offloaded_training_is_bit_for_bit_in_memory_training() {
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1usize, 2] {
-            for (dtype, precision) in [
-                ("fp32", PrecisionSettings::fp32()),
-                ("bf16", PrecisionSettings::bf16()),
-            ] {
+            for (dtype, precision) in [("fp32", PrecisionSettings::fp32()), ("bf16", PrecisionSettings::bf16())] {
                 let label = format!("nvme {stage:?} world {world} {dtype}");
                 let dir = scratch(&format!("{stage:?}-{world}-{dtype}"));
                 // Chunks of 37 elements: groups span many chunks, most with a shorter last one;
                 // 3 buffers overlap read, step and write.
-                assert_same_training(
-                    &label,
-                    settings(stage, 1, precision),
-                    nvme(dir.clone(), 3, 37),
-                    world,
-                );
+                assert_same_training(&label, settings(stage, 1, precision), nvme(dir.clone(), 3, 37), world);
                 let _ = std::fs::remove_dir_all(&dir);
             }
         }
@@ -118,14 +105,7 @@ fn cpu_offloaded_training_is_bit_for_bit_in_memory_training() {
 
 /// One step at stage 2 in bf16; the memory report, the swap directory's files, Ψ, and whether
 /// a checkpoint could be saved.
-fn memory_after_a_step(
-    offload: OptimizerOffload,
-) -> (
-    zero_burn::MemoryReport,
-    Vec<String>,
-    usize,
-    Result<(), String>,
-) {
+fn memory_after_a_step(offload: OptimizerOffload) -> (zero_burn::MemoryReport, Vec<String>, usize, Result<(), String>) {
     let dir = match &offload {
         OptimizerOffload::Nvme { path, .. } => Some(path.clone()),
         _ => None,
@@ -133,15 +113,11 @@ fn memory_after_a_step(
     let mut s = settings(Stage::Zero2, 1, PrecisionSettings::bf16());
     s.offload_optimizer = offload;
     let device = Default::default();
-    let group = zero_core::comm::ThreadGroup::new_group(1)
-        .expect("group")
-        .remove(0);
+    let group = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
     let mut engine = ChainEngine::new(s, Net::<B>::new(&device, 3), group).expect("engine");
     let (x, y) = common::batch::<B>(0, 0..4, &device);
     let dtype = engine.compute_dtype().burn();
-    let loss = engine
-        .forward((x.cast(dtype), y.cast(dtype)))
-        .expect("forward");
+    let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
     engine.backward(loss).expect("backward");
     engine.step().expect("step").expect("boundary");
     let files: Vec<String> = dir
@@ -195,10 +171,7 @@ fn memory_report_says_where_each_kind_lives() {
     let dir = scratch("report");
     let (nv, files, _, saved) = memory_after_a_step(nvme(dir.clone(), 2, 40));
     // Checkpoints cannot read the swap file yet: the save must refuse and say why.
-    assert!(
-        saved.as_ref().is_err_and(|e| e.contains("NVMe")),
-        "{saved:?}"
-    );
+    assert!(saved.as_ref().is_err_and(|e| e.contains("NVMe")), "{saved:?}");
     assert_eq!(
         files,
         vec!["zero_optimizer_rank0.swap".to_string()],
@@ -218,14 +191,8 @@ fn memory_report_says_where_each_kind_lives() {
         nv.locations
     );
     // On NVMe: exactly what the in-memory run holds in memory (one rank: every element owned).
-    assert_eq!(
-        nv.locations.master_weights.nvme,
-        plain_report.master_weights.current
-    );
-    assert_eq!(
-        nv.locations.optimizer_state.nvme,
-        plain_report.optimizer_state.current
-    );
+    assert_eq!(nv.locations.master_weights.nvme, plain_report.master_weights.current);
+    assert_eq!(nv.locations.optimizer_state.nvme, plain_report.optimizer_state.current);
     assert!(nv.locations.master_weights.nvme >= 4 * psi);
     // The bf16 parameter shard is kept in memory in their place.
     assert_eq!(
@@ -240,11 +207,7 @@ fn config_sections_become_offload_settings() {
     let settings = |zero: &str| {
         let text = format!(
             r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "{opt}", "params": {{"lr": 0.001}}}}, "zero_optimization": {zero}}}"#,
-            opt = if zero.contains("lamb") {
-                "Lamb"
-            } else {
-                "Adam"
-            }
+            opt = if zero.contains("lamb") { "Lamb" } else { "Adam" }
         );
         let cfg = zero_core::config::DeepSpeedConfig::from_str(&text, "ds_config.json")
             .expect("parses")
@@ -252,8 +215,7 @@ fn config_sections_become_offload_settings() {
         let resolved = zero_burn::resolve(&cfg, 2, &Default::default()).expect("resolves");
         zero_burn::engine_settings(&resolved)
     };
-    let cpu = settings(r#"{"stage": 2, "offload_optimizer": {"device": "cpu"}}"#)
-        .expect("cpu offload is accepted");
+    let cpu = settings(r#"{"stage": 2, "offload_optimizer": {"device": "cpu"}}"#).expect("cpu offload is accepted");
     assert_eq!(cpu.offload_optimizer, OptimizerOffload::Cpu { threads: 0 });
     let nv = settings(r#"{"stage": 3, "sub_group_size": 1000, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 5}}"#)
         .expect("nvme offload is accepted");
@@ -266,7 +228,7 @@ fn config_sections_become_offload_settings() {
             threads: 0
         }
     );
-    let err = settings(r#"{"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}"#)
-        .expect_err("partial offload");
+    let err =
+        settings(r#"{"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}"#).expect_err("partial offload");
     assert!(err.to_string().contains("ratio"), "{err}");
 }

@@ -20,7 +20,10 @@ fn fp16(scaler: LossScalerConfig) -> PrecisionSettings {
 }
 
 fn reports(run: &RankRun) -> Vec<StepReport> {
-    run.steps.iter().map(|r| r.clone().expect("no step fails here")).collect()
+    run.steps
+        .iter()
+        .map(|r| r.clone().expect("no step fails here"))
+        .collect()
 }
 
 /// An input of 3e4 is finite in fp16, but the activations and the scaled gradients it causes
@@ -30,22 +33,48 @@ const HUGE: f32 = 3.0e4;
 #[test]
 fn an_injected_overflow_skips_exactly_that_step_on_every_rank_and_halves_after_hysteresis() {
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        let scaler = LossScalerConfig { initial_scale_power: 8, hysteresis: 2, ..Default::default() };
+        let scaler = LossScalerConfig {
+            initial_scale_power: 8,
+            hysteresis: 2,
+            ..Default::default()
+        };
         let mut s: EngineSettings = settings(stage, 1, fp16(scaler));
         // A schedule that moves every step, to see that skipped steps do not advance it.
         s.lr_schedule = Some(Arc::new(|k| LR * (k + 1) as f64));
         // Only rank 1 sees the bad batches, at steps 2 and 4 (0-based).
-        let poison = vec![Poison { step: 2, rank: 1, value: HUGE }, Poison { step: 4, rank: 1, value: HUGE }];
+        let poison = vec![
+            Poison {
+                step: 2,
+                rank: 1,
+                value: HUGE,
+            },
+            Poison {
+                step: 4,
+                rank: 1,
+                value: HUGE,
+            },
+        ];
         let runs = train(s, 2, 7, poison, plain);
         for (rank, run) in runs.iter().enumerate() {
             let r = reports(run);
             let label = format!("{stage:?} rank {rank}");
             let skipped: Vec<bool> = r.iter().map(|r| r.skipped).collect();
-            assert_eq!(skipped, [false, false, true, false, true, false, false], "{label}: skipped steps");
-            assert!(!run.losses[2].is_finite() || rank == 0, "{label}: the poisoned batch overflows");
+            assert_eq!(
+                skipped,
+                [false, false, true, false, true, false, false],
+                "{label}: skipped steps"
+            );
+            assert!(
+                !run.losses[2].is_finite() || rank == 0,
+                "{label}: the poisoned batch overflows"
+            );
             // Hysteresis 2: the first overflow only uses it up, the second halves the scale.
             let scales: Vec<f64> = r.iter().map(|r| r.loss_scale).collect();
-            assert_eq!(scales, [256.0, 256.0, 256.0, 256.0, 256.0, 128.0, 128.0], "{label}: loss scales");
+            assert_eq!(
+                scales,
+                [256.0, 256.0, 256.0, 256.0, 256.0, 128.0, 128.0],
+                "{label}: loss scales"
+            );
             // The step counter counts skipped steps (DeepSpeed's global_steps); the LR schedule
             // does not: step 4 runs at the rate step 3 would have had.
             assert_eq!(r.iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7]);
@@ -55,12 +84,24 @@ fn an_injected_overflow_skips_exactly_that_step_on_every_rank_and_halves_after_h
                 [1.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0],
                 "{label}: the schedule advances only on applied steps"
             );
-            assert!(r[2].grad_norm.is_nan() && r[3].grad_norm.is_finite(), "{label}: grad norms");
+            assert!(
+                r[2].grad_norm.is_nan() && r[3].grad_norm.is_finite(),
+                "{label}: grad norms"
+            );
             // A skipped step leaves every weight bit for bit; an applied one moves them.
-            assert_eq!(run.values[2], run.values[1], "{label}: skipped step 3 changed the weights");
-            assert_eq!(run.values[4], run.values[3], "{label}: skipped step 5 changed the weights");
+            assert_eq!(
+                run.values[2], run.values[1],
+                "{label}: skipped step 3 changed the weights"
+            );
+            assert_eq!(
+                run.values[4], run.values[3],
+                "{label}: skipped step 5 changed the weights"
+            );
             assert_ne!(run.values[3], run.values[2], "{label}: step 4 must move the weights");
-            assert!(run.values[6].iter().flatten().all(|v| v.is_finite()), "{label}: no overflow reached the weights");
+            assert!(
+                run.values[6].iter().flatten().all(|v| v.is_finite()),
+                "{label}: no overflow reached the weights"
+            );
         }
         assert_eq!(runs[0].values, runs[1].values, "{stage:?}: ranks agree");
     }
@@ -68,7 +109,11 @@ fn an_injected_overflow_skips_exactly_that_step_on_every_rank_and_halves_after_h
 
 #[test]
 fn the_scale_doubles_after_each_window_without_overflow() {
-    let scaler = LossScalerConfig { initial_scale_power: 4, loss_scale_window: 3, ..Default::default() };
+    let scaler = LossScalerConfig {
+        initial_scale_power: 4,
+        loss_scale_window: 3,
+        ..Default::default()
+    };
     let runs = train(settings(Stage::Zero2, 1, fp16(scaler)), 2, 8, vec![], plain);
     let scales: Vec<f64> = reports(&runs[0]).iter().map(|r| r.loss_scale).collect();
     // Updates 0-3 at 16; the update of iteration 3 (3 steps since the start) doubles; again at 6.
@@ -78,26 +123,67 @@ fn the_scale_doubles_after_each_window_without_overflow() {
 
 #[test]
 fn a_static_scale_never_moves_but_still_skips_an_overflow() {
-    let scaler = LossScalerConfig { loss_scale: 128.0, loss_scale_window: 2, ..Default::default() };
-    let runs =
-        train(settings(Stage::Zero0, 1, fp16(scaler)), 2, 5, vec![Poison { step: 1, rank: 0, value: HUGE }], plain);
+    let scaler = LossScalerConfig {
+        loss_scale: 128.0,
+        loss_scale_window: 2,
+        ..Default::default()
+    };
+    let runs = train(
+        settings(Stage::Zero0, 1, fp16(scaler)),
+        2,
+        5,
+        vec![Poison {
+            step: 1,
+            rank: 0,
+            value: HUGE,
+        }],
+        plain,
+    );
     let r = reports(&runs[1]);
     assert!(r.iter().all(|r| r.loss_scale == 128.0));
-    assert_eq!(r.iter().map(|r| r.skipped).collect::<Vec<_>>(), [false, true, false, false, false]);
-    assert_eq!(runs[1].values[1], runs[1].values[0], "the skipped step moved the weights of rank 1");
+    assert_eq!(
+        r.iter().map(|r| r.skipped).collect::<Vec<_>>(),
+        [false, true, false, false, false]
+    );
+    assert_eq!(
+        runs[1].values[1], runs[1].values[0],
+        "the skipped step moved the weights of rank 1"
+    );
 }
 
 #[test]
 fn an_overflow_at_the_minimum_scale_fails_naming_the_step_and_suggesting_bf16() {
-    let scaler = LossScalerConfig { initial_scale_power: 6, hysteresis: 1, min_loss_scale: 32.0, ..Default::default() };
-    let poison = vec![Poison { step: 1, rank: 0, value: HUGE }, Poison { step: 3, rank: 0, value: HUGE }];
+    let scaler = LossScalerConfig {
+        initial_scale_power: 6,
+        hysteresis: 1,
+        min_loss_scale: 32.0,
+        ..Default::default()
+    };
+    let poison = vec![
+        Poison {
+            step: 1,
+            rank: 0,
+            value: HUGE,
+        },
+        Poison {
+            step: 3,
+            rank: 0,
+            value: HUGE,
+        },
+    ];
     let runs = train(settings(Stage::Zero2, 1, fp16(scaler)), 2, 6, poison, plain);
     for (rank, run) in runs.iter().enumerate() {
         // Step 2 halves 64 to the minimum 32; step 4 overflows again at the minimum.
         assert_eq!(run.steps.len(), 4, "rank {rank} stops at the failed step");
-        assert!(run.steps[1].as_ref().map(|r| r.skipped && r.loss_scale == 64.0).unwrap_or(false));
+        assert!(run.steps[1]
+            .as_ref()
+            .map(|r| r.skipped && r.loss_scale == 64.0)
+            .unwrap_or(false));
         let err = run.steps[3].clone().expect_err("the fourth step must fail");
-        assert!(err.contains("step 4") && err.contains("bf16") && err.contains("minimum"), "rank {rank}: {err}");
+        assert!(
+            err.contains("step 4") && err.contains("bf16") && err.contains("minimum"),
+            "rank {rank}: {err}"
+        );
     }
 }
 
@@ -107,8 +193,14 @@ fn fp16_gradients_are_unscaled_before_the_norm_and_the_update() {
     // of two, so scaling and unscaling are exact except where a gradient is subnormal in fp16 at
     // scale 1; the two runs then differ by fp16 rounding, far less than a missing or doubled
     // unscale would make (a factor 256 in SGD's step and in the reported norm).
-    let one = LossScalerConfig { loss_scale: 1.0, ..Default::default() };
-    let dynamic = LossScalerConfig { initial_scale_power: 8, ..Default::default() };
+    let one = LossScalerConfig {
+        loss_scale: 1.0,
+        ..Default::default()
+    };
+    let dynamic = LossScalerConfig {
+        initial_scale_power: 8,
+        ..Default::default()
+    };
     let sgd = |scaler| {
         let mut s = settings(Stage::Zero2, 1, fp16(scaler));
         s.optimizer = zero_core::optim::OptimizerSpec::Sgd(zero_core::optim::SgdSpec {
@@ -124,12 +216,18 @@ fn fp16_gradients_are_unscaled_before_the_norm_and_the_update() {
     let b = train(sgd(dynamic), 2, 5, vec![], plain);
     let (na, nb) = (reports(&a[0])[0].grad_norm, reports(&b[0])[0].grad_norm);
     assert_eq!(reports(&b[0])[0].loss_scale, 256.0);
-    assert!((na - nb).abs() <= 1e-2 * na, "first-step gradient norms {na} (scale 1) and {nb} (scale 256)");
+    assert!(
+        (na - nb).abs() <= 1e-2 * na,
+        "first-step gradient norms {na} (scale 1) and {nb} (scale 256)"
+    );
     let initial = common::values::<B, _>(&common::Net::<B>::new(&Default::default(), 3));
     let (va, vb) = (&a[0].values[4], &b[0].values[4]);
     let err = max_rel(va, vb);
     let moved = max_rel(&initial, vb);
     println!("fp16 scale 1 vs 256 after 5 SGD steps: max relative difference {err:e}; training moved {moved:e}");
     assert!(moved > 1e-2, "training must move the weights");
-    assert!(err <= moved * 0.05, "unscaling is wrong: difference {err:e} against a move of {moved:e}");
+    assert!(
+        err <= moved * 0.05,
+        "unscaling is wrong: difference {err:e} against a move of {moved:e}"
+    );
 }

@@ -68,8 +68,18 @@ fn per_rank_bytes_follow_the_mixed_precision_zero_formulas() {
             within(&format!("{label} gradients"), r.gradients.current, grads, slack);
             // The 12Ψ: fp32 masters (4) and Adam's moments (8), each checked on its own too.
             let states_got = r.master_weights.current + r.optimizer_state.current;
-            within(&format!("{label} optimizer states (masters + moments)"), states_got, states, slack);
-            within(&format!("{label} master weights"), r.master_weights.current, states / 3.0, slack);
+            within(
+                &format!("{label} optimizer states (masters + moments)"),
+                states_got,
+                states,
+                slack,
+            );
+            within(
+                &format!("{label} master weights"),
+                r.master_weights.current,
+                states / 3.0,
+                slack,
+            );
             let total = params + grads + states;
             within(&format!("{label} total"), r.total_current(), total, slack);
             if stage == Stage::Zero3 {
@@ -78,7 +88,11 @@ fn per_rank_bytes_follow_the_mixed_precision_zero_formulas() {
                 assert_eq!(r.gathered.current, 0, "{label}: gathered parameters released");
                 assert!(r.gathered.peak > 0, "{label}: gathers were counted");
                 let bound = 2 * (3 * BLOCK_ELEMENTS + 2 * 107 + 64);
-                assert!(r.gathered.peak <= bound, "{label}: peak gathered {} exceeds {bound}", r.gathered.peak);
+                assert!(
+                    r.gathered.peak <= bound,
+                    "{label}: peak gathered {} exceeds {bound}",
+                    r.gathered.peak
+                );
             }
         }
     }

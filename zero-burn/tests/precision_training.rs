@@ -13,7 +13,10 @@ use zero_core::comm::DType as Flat;
 use zero_core::loss_scaler::LossScalerConfig;
 
 fn fp16() -> PrecisionSettings {
-    PrecisionSettings::fp16(LossScalerConfig { initial_scale_power: 12, ..Default::default() })
+    PrecisionSettings::fp16(LossScalerConfig {
+        initial_scale_power: 12,
+        ..Default::default()
+    })
 }
 
 #[test]
@@ -31,9 +34,16 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         s.lr_schedule = Some(Arc::new(|_| 0.02));
         s
     };
-    let want = train_on(settings(Stage::Zero0, PrecisionSettings::fp32()), 1, STEPS, vec![], plain, Data::Fit)
-        .remove(0)
-        .losses;
+    let want = train_on(
+        settings(Stage::Zero0, PrecisionSettings::fp32()),
+        1,
+        STEPS,
+        vec![],
+        plain,
+        Data::Fit,
+    )
+    .remove(0)
+    .losses;
     assert!(want[STEPS - 1] < 0.01 * want[0], "the fp32 run must learn: {want:?}");
     for (label, precision, stage, world) in [
         ("bf16 stage 0", PrecisionSettings::bf16(), Stage::Zero0, 1),
@@ -43,7 +53,9 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
     ] {
         let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, Data::Fit);
         // The global loss: the mean of the ranks' losses (equal row counts).
-        let got: Vec<f32> = (0..STEPS).map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32).collect();
+        let got: Vec<f32> = (0..STEPS)
+            .map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32)
+            .collect();
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         println!(
             "{label}: max |loss - fp32 loss| = {worst:.5} (initial loss {:.4}, final {:.4} vs {:.4})",
@@ -51,10 +63,17 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
             got[STEPS - 1],
             want[STEPS - 1]
         );
-        assert!(got[STEPS - 1] < 0.01 * want[0], "{label}: must learn as fp32 does: {got:?}");
-        assert!(worst <= 0.02 * want[0], "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}");
         assert!(
-            runs.iter().all(|r| r.steps.iter().all(|s| s.as_ref().map(|r| !r.skipped).unwrap_or(false))),
+            got[STEPS - 1] < 0.01 * want[0],
+            "{label}: must learn as fp32 does: {got:?}"
+        );
+        assert!(
+            worst <= 0.02 * want[0],
+            "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}"
+        );
+        assert!(
+            runs.iter()
+                .all(|r| r.steps.iter().all(|s| s.as_ref().map(|r| !r.skipped).unwrap_or(false))),
             "{label}: no step skipped"
         );
     }
@@ -75,7 +94,10 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
     //   by more than 10% of the largest.
     const STEPS: usize = 5;
     let bf16 = PrecisionSettings::bf16;
-    let base = train(settings(Stage::Zero0, 1, bf16()), 1, STEPS, vec![], plain).remove(0).values.remove(STEPS - 1);
+    let base = train(settings(Stage::Zero0, 1, bf16()), 1, STEPS, vec![], plain)
+        .remove(0)
+        .values
+        .remove(STEPS - 1);
     let initial = common::values::<B, _>(&Net::<B>::new(&Default::default(), 3));
     let moved = max_rel(&initial, &base);
     println!("bf16 training moved the weights by {moved:e} of the largest");
@@ -99,7 +121,12 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
                 let got = &runs[0].values[STEPS - 1];
                 let label = format!("bf16 {stage:?} world {world} gas {gas}");
                 if gas == 1 {
-                    let differing = got.iter().flatten().zip(stage0.iter().flatten()).filter(|(a, b)| a != b).count();
+                    let differing = got
+                        .iter()
+                        .flatten()
+                        .zip(stage0.iter().flatten())
+                        .filter(|(a, b)| a != b)
+                        .count();
                     assert_eq!(differing, 0, "{label}: {differing} values differ from stage 0's bits");
                 } else {
                     let err = max_rel(got, stage0);
@@ -116,7 +143,11 @@ fn issued(stage: Stage, precision: PrecisionSettings) -> Vec<Issued> {
     let log = Arc::new(Mutex::new(Vec::new()));
     let l = log.clone();
     let wrap = move |inner: Arc<dyn zero_core::comm::ProcessGroup>| -> Arc<dyn zero_core::comm::ProcessGroup> {
-        let log = if inner.rank() == 0 { l.clone() } else { Arc::new(Mutex::new(Vec::new())) };
+        let log = if inner.rank() == 0 {
+            l.clone()
+        } else {
+            Arc::new(Mutex::new(Vec::new()))
+        };
         Arc::new(Recording { inner, log })
     };
     let mut s = settings(stage, 1, precision);
@@ -138,7 +169,11 @@ fn parameters_gathers_and_gradient_reductions_are_16_bit() {
         (PrecisionSettings::fp32(), DType::F32, Flat::F32),
     ] {
         for stage in [Stage::Zero0, Stage::Zero3] {
-            assert_eq!(param_dtype(&settings(stage, 1, precision.clone())), dtype, "{stage:?}: the model's parameters");
+            assert_eq!(
+                param_dtype(&settings(stage, 1, precision.clone())),
+                dtype,
+                "{stage:?}: the model's parameters"
+            );
         }
         let log = issued(Stage::Zero3, precision.clone());
         for op in ["all_gather", "reduce_scatter"] {
@@ -153,7 +188,11 @@ fn parameters_gathers_and_gradient_reductions_are_16_bit() {
     let full = issued(Stage::Zero3, PrecisionSettings::fp32());
     let half = issued(Stage::Zero3, PrecisionSettings::bf16());
     for op in ["all_gather", "reduce_scatter"] {
-        assert_eq!(2 * bytes(&half, op), bytes(&full, op), "{op}: bf16 moves half the bytes");
+        assert_eq!(
+            2 * bytes(&half, op),
+            bytes(&full, op),
+            "{op}: bf16 moves half the bytes"
+        );
     }
     // communication_data_type fp32: gradients reduced in fp32, parameters still gathered in bf16.
     let mut p = PrecisionSettings::bf16();
@@ -161,24 +200,48 @@ fn parameters_gathers_and_gradient_reductions_are_16_bit() {
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         let log = issued(stage, p.clone());
         let grads: Vec<_> = log.iter().filter(|i| i.op == "reduce_scatter").collect();
-        assert!(!grads.is_empty() && grads.iter().all(|i| i.dtype == Flat::F32), "{stage:?}: {log:?}");
-        assert!(log.iter().filter(|i| i.op == "all_gather").all(|i| i.dtype == Flat::BF16), "{stage:?}: {log:?}");
+        assert!(
+            !grads.is_empty() && grads.iter().all(|i| i.dtype == Flat::F32),
+            "{stage:?}: {log:?}"
+        );
+        assert!(
+            log.iter()
+                .filter(|i| i.op == "all_gather")
+                .all(|i| i.dtype == Flat::BF16),
+            "{stage:?}: {log:?}"
+        );
     }
     // And fp16 communication of bf16 gradients, at stage 0 (the all-reduce at the boundary).
     p.communication_dtype = Some(ComputeDtype::F16);
     let log = issued(Stage::Zero0, p);
     let reduced: Vec<_> = log.iter().filter(|i| i.op == "all_reduce" && i.bytes > 4).collect();
-    assert!(!reduced.is_empty() && reduced.iter().all(|i| i.dtype == Flat::F16), "{log:?}");
+    assert!(
+        !reduced.is_empty() && reduced.iter().all(|i| i.dtype == Flat::F16),
+        "{log:?}"
+    );
 }
 
 #[test]
 fn a_non_finite_bf16_gradient_fails_naming_the_step_or_is_skipped() {
-    let poison = vec![Poison { step: 2, rank: 1, value: f32::NAN }];
-    let runs = train(settings(Stage::Zero2, 1, PrecisionSettings::bf16()), 2, 5, poison.clone(), plain);
+    let poison = vec![Poison {
+        step: 2,
+        rank: 1,
+        value: f32::NAN,
+    }];
+    let runs = train(
+        settings(Stage::Zero2, 1, PrecisionSettings::bf16()),
+        2,
+        5,
+        poison.clone(),
+        plain,
+    );
     for (rank, run) in runs.iter().enumerate() {
         assert_eq!(run.steps.len(), 3, "rank {rank} stops at the failed step");
         let err = run.steps[2].clone().expect_err("step 3 must fail");
-        assert!(err.contains("step 3") && err.contains("bf16") && err.contains("Skip"), "rank {rank}: {err}");
+        assert!(
+            err.contains("step 3") && err.contains("bf16") && err.contains("Skip"),
+            "rank {rank}: {err}"
+        );
         // Each rank says what it saw: the NaN was in rank 1's batch, and reached rank 0 through
         // the averaged gradient.
         let seen = if rank == 1 { "the loss" } else { "the averaged gradient" };
@@ -188,17 +251,26 @@ fn a_non_finite_bf16_gradient_fails_naming_the_step_or_is_skipped() {
     p.non_finite = NonFinitePolicy::Skip;
     let runs = train(settings(Stage::Zero3, 1, p), 2, 5, poison, plain);
     for run in &runs {
-        let skipped: Vec<bool> = run.steps.iter().map(|s| s.as_ref().map(|r| r.skipped).unwrap_or(false)).collect();
+        let skipped: Vec<bool> = run
+            .steps
+            .iter()
+            .map(|s| s.as_ref().map(|r| r.skipped).unwrap_or(false))
+            .collect();
         assert_eq!(skipped, [false, false, true, false, false]);
         assert_eq!(run.values[2], run.values[1], "the skipped step moved the weights");
-        assert!(run.values[4].iter().flatten().all(|v| v.is_finite()), "NaN reached the weights");
+        assert!(
+            run.values[4].iter().flatten().all(|v| v.is_finite()),
+            "NaN reached the weights"
+        );
     }
 }
 
 #[test]
 fn the_config_sections_set_the_precision() {
     let parse = |text: &str| {
-        let config = zero_core::config::DeepSpeedConfig::from_str(text, "ds_config.json").expect("valid").config;
+        let config = zero_core::config::DeepSpeedConfig::from_str(text, "ds_config.json")
+            .expect("valid")
+            .config;
         let resolved = zero_burn::resolve(&config, 2, &Default::default()).expect("resolves");
         zero_burn::engine_settings(&resolved).expect("accepted").precision
     };
@@ -219,13 +291,21 @@ fn the_config_sections_set_the_precision() {
             min_loss_scale: 4.0
         })
     );
-    assert_eq!(p.comm_dtype(), ComputeDtype::F16, "gradients are reduced in the compute dtype by default");
-    let p = parse(&format!(r#"{{{base}, "bf16": {{"enabled": true}}, "communication_data_type": "fp32"}}"#));
+    assert_eq!(
+        p.comm_dtype(),
+        ComputeDtype::F16,
+        "gradients are reduced in the compute dtype by default"
+    );
+    let p = parse(&format!(
+        r#"{{{base}, "bf16": {{"enabled": true}}, "communication_data_type": "fp32"}}"#
+    ));
     assert_eq!(
         (p.dtype, p.non_finite, p.comm_dtype()),
         (ComputeDtype::Bf16, NonFinitePolicy::Error, ComputeDtype::F32)
     );
-    let p = parse(&format!(r#"{{{base}, "bf16": {{"enabled": true, "check_grad_overflow": false}}}}"#));
+    let p = parse(&format!(
+        r#"{{{base}, "bf16": {{"enabled": true, "check_grad_overflow": false}}}}"#
+    ));
     assert_eq!(p.non_finite, NonFinitePolicy::Ignore);
     assert_eq!(parse(&format!("{{{base}}}")), PrecisionSettings::fp32());
 }
@@ -244,8 +324,14 @@ fn zero_optimizer_in_a_burn_loop_trains_in_bf16_like_the_engine_and_refuses_fp16
             let s = settings(stage, 1, PrecisionSettings::bf16());
             let dtype = s.precision.dtype.burn();
             let optim = ZeroOptimizer::new(s.clone(), group.clone()).expect("optimizer");
-            let mut model = optim.synchronize::<B, _>(Net::<B>::new(&device, 3)).expect("synchronize");
-            assert_eq!(model.ends.input.weight.val().dtype(), DType::BF16, "synchronize casts the model");
+            let mut model = optim
+                .synchronize::<B, _>(Net::<B>::new(&device, 3))
+                .expect("synchronize");
+            assert_eq!(
+                model.ends.input.weight.val().dtype(),
+                DType::BF16,
+                "synchronize casts the model"
+            );
             let mut optim = optim;
             for step in 0..STEPS {
                 let (x, y) = common::batch::<B>(step, rows(rank, 2, 0, 1), &device);
@@ -253,7 +339,11 @@ fn zero_optimizer_in_a_burn_loop_trains_in_bf16_like_the_engine_and_refuses_fp16
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(LR, model, grads);
             }
-            assert_eq!(model.ends.head.weight.val().dtype(), DType::BF16, "the step writes bf16 parameters");
+            assert_eq!(
+                model.ends.head.weight.val().dtype(),
+                DType::BF16,
+                "the step writes bf16 parameters"
+            );
             let by_optimizer = common::values::<B, _>(&model);
 
             let mut engine = ZeroEngine::new(s, Net::<B>::new(&device, 3), group).expect("engine");
@@ -266,10 +356,18 @@ fn zero_optimizer_in_a_burn_loop_trains_in_bf16_like_the_engine_and_refuses_fp16
             (by_optimizer, common::values::<B, _>(engine.module()))
         });
         for (by_optimizer, by_engine) in runs {
-            assert_eq!(by_optimizer, by_engine, "{stage:?}: ZeroOptimizer and ZeroEngine differ in bf16");
+            assert_eq!(
+                by_optimizer, by_engine,
+                "{stage:?}: ZeroOptimizer and ZeroEngine differ in bf16"
+            );
         }
     }
-    let refused = common::on_ranks(1, |_, group| ZeroOptimizer::new(settings(Stage::Zero1, 1, fp16()), group).err());
+    let refused = common::on_ranks(1, |_, group| {
+        ZeroOptimizer::new(settings(Stage::Zero1, 1, fp16()), group).err()
+    });
     let err = refused[0].as_ref().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err.contains("fp16") && err.contains("ZeroEngine"), "fp16 must be refused with a way out: {err:?}");
+    assert!(
+        err.contains("fp16") && err.contains("ZeroEngine"),
+        "fp16 must be refused with a way out: {err:?}"
+    );
 }

@@ -240,10 +240,7 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
         formula.push(format!("per host: G × ({})", host_terms.join(" + ")));
     }
     if !nvme_terms.is_empty() {
-        formula.push(format!(
-            "per node on NVMe: G × ({})",
-            nvme_terms.join(" + ")
-        ));
+        formula.push(format!("per node on NVMe: G × ({})", nvme_terms.join(" + ")));
     }
     Estimate {
         per_device: device,
@@ -279,14 +276,7 @@ pub struct Gpt2Shape {
 }
 
 /// The names [`Gpt2Shape::preset`] knows, smallest first.
-pub const GPT2_PRESETS: [&str; 6] = [
-    "tiny",
-    "gpt2",
-    "gpt2-medium",
-    "gpt2-large",
-    "gpt2-xl",
-    "gpt2-10b",
-];
+pub const GPT2_PRESETS: [&str; 6] = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-10b"];
 
 impl Gpt2Shape {
     fn with(n_embd: u64, n_layer: u64, n_head: u64) -> Self {

@@ -116,11 +116,7 @@ const SCALE_FACTOR: f64 = 2.0;
 impl LossScaler {
     /// A scaler at its start.
     pub fn new(config: LossScalerConfig) -> Result<Self, LossScaleError> {
-        let invalid = |name, value: f64, reason| LossScaleError::InvalidSetting {
-            name,
-            value,
-            reason,
-        };
+        let invalid = |name, value: f64, reason| LossScaleError::InvalidSetting { name, value, reason };
         if !(config.loss_scale.is_finite() && config.loss_scale >= 0.0) {
             return Err(invalid(
                 "loss_scale",
@@ -129,11 +125,7 @@ impl LossScaler {
             ));
         }
         if !(config.min_loss_scale.is_finite() && config.min_loss_scale > 0.0) {
-            return Err(invalid(
-                "min_loss_scale",
-                config.min_loss_scale,
-                "must be > 0",
-            ));
+            return Err(invalid("min_loss_scale", config.min_loss_scale, "must be > 0"));
         }
         if config.loss_scale_window == 0 {
             return Err(invalid("loss_scale_window", 0.0, "must be at least 1"));
@@ -275,11 +267,7 @@ fn max_magnitude_bits(values: &[f32]) -> u32 {
             *lane = (*lane).max(x.to_bits() & 0x7FFF_FFFF);
         }
     }
-    let tail_max = tail
-        .iter()
-        .map(|x| x.to_bits() & 0x7FFF_FFFF)
-        .max()
-        .unwrap_or(0);
+    let tail_max = tail.iter().map(|x| x.to_bits() & 0x7FFF_FFFF).max().unwrap_or(0);
     lanes.into_iter().max().unwrap_or(0).max(tail_max)
 }
 
@@ -324,15 +312,9 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 was detected just above.
-            assert_eq!(
-                unsafe { max_magnitude_bits_avx2(&v) },
-                max_magnitude_bits(&v)
-            );
+            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
             v[1001] = 3.0;
-            assert_eq!(
-                unsafe { max_magnitude_bits_avx2(&v) },
-                max_magnitude_bits(&v)
-            );
+            assert_eq!(unsafe { max_magnitude_bits_avx2(&v) }, max_magnitude_bits(&v));
         }
     }
 
@@ -365,13 +347,7 @@ mod tests {
         assert_eq!(s.update(true).unwrap(), ScaleDecision::Skip);
         assert_eq!(s.scale(), 1.0);
         let err = s.update(true).unwrap_err();
-        assert_eq!(
-            err,
-            LossScaleError::OverflowAtMinimumScale {
-                step: 2,
-                scale: 1.0
-            }
-        );
+        assert_eq!(err, LossScaleError::OverflowAtMinimumScale { step: 2, scale: 1.0 });
         let text = err.to_string();
         assert!(text.contains("step 2") && text.contains("bf16"), "{text}");
     }

@@ -131,20 +131,12 @@ impl ParallelLayout {
 
     /// `data × tensor × pipeline` ranks.
     pub fn with_pipeline(data: usize, tensor: usize, pipeline: usize) -> Result<Self, LayoutError> {
-        for (axis, size) in [
-            (Axis::Data, data),
-            (Axis::Tensor, tensor),
-            (Axis::Pipeline, pipeline),
-        ] {
+        for (axis, size) in [(Axis::Data, data), (Axis::Tensor, tensor), (Axis::Pipeline, pipeline)] {
             if size == 0 {
                 return Err(LayoutError::EmptyAxis { axis: axis.name() });
             }
         }
-        Ok(ParallelLayout {
-            data,
-            tensor,
-            pipeline,
-        })
+        Ok(ParallelLayout { data, tensor, pipeline })
     }
 
     /// The size of `axis`.
@@ -173,9 +165,7 @@ impl ParallelLayout {
 
     /// The world rank at `coords`, or `None` if a coordinate is out of range.
     pub fn rank_at(&self, coords: Coords) -> Option<usize> {
-        let inside = Axis::ALL
-            .iter()
-            .all(|&axis| coords.on(axis) < self.size(axis));
+        let inside = Axis::ALL.iter().all(|&axis| coords.on(axis) < self.size(axis));
         inside.then(|| (coords.pipeline * self.data + coords.data) * self.tensor + coords.tensor)
     }
 
@@ -209,11 +199,7 @@ impl ParallelLayout {
     /// Which of [`groups_of`](Self::groups_of)`(axis)` holds `rank`.
     pub fn group_index(&self, axis: Axis, rank: usize) -> Result<usize, LayoutError> {
         let members = self.members(axis, rank)?;
-        Ok(self
-            .groups_of(axis)
-            .iter()
-            .position(|g| *g == members)
-            .unwrap_or(0))
+        Ok(self.groups_of(axis).iter().position(|g| *g == members).unwrap_or(0))
     }
 
     fn check_rank(&self, rank: usize) -> Result<(), LayoutError> {
@@ -241,13 +227,7 @@ impl ParallelLayout {
     /// [`ThreadGroup`] for the world and one per group along each axis, all built up front.
     /// Index `r` of the result belongs to world rank `r`; move each to its thread.
     pub fn threads(&self) -> Result<Vec<RankGroups>, LayoutError> {
-        let comm = |axis: &'static str| {
-            move |source| LayoutError::Comm {
-                axis,
-                rank: 0,
-                source,
-            }
-        };
+        let comm = |axis: &'static str| move |source| LayoutError::Comm { axis, rank: 0, source };
         let world = ThreadGroup::new_group(self.world_size()).map_err(comm("world"))?;
         // Per axis, per world rank: its handle in its group along that axis.
         let mut per_axis: Vec<Vec<Option<SharedGroup>>> = Vec::new();
@@ -293,13 +273,11 @@ impl ParallelLayout {
         let rank = world.rank();
         let coords = self.coords(rank)?;
         let split = |axis: Axis| -> Result<SharedGroup, LayoutError> {
-            let group = world
-                .split(&self.groups_of(axis))
-                .map_err(|source| LayoutError::Comm {
-                    axis: axis.name(),
-                    rank,
-                    source,
-                })?;
+            let group = world.split(&self.groups_of(axis)).map_err(|source| LayoutError::Comm {
+                axis: axis.name(),
+                rank,
+                source,
+            })?;
             Ok(Arc::new(group))
         };
         // The same order on every rank: each split is a collective over the world group.
@@ -389,9 +367,6 @@ mod tests {
 
     #[test]
     fn empty_axis_is_rejected() {
-        assert_eq!(
-            ParallelLayout::new(0, 2),
-            Err(LayoutError::EmptyAxis { axis: "data" })
-        );
+        assert_eq!(ParallelLayout::new(0, 2), Err(LayoutError::EmptyAxis { axis: "data" }));
     }
 }

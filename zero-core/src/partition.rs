@@ -136,12 +136,7 @@ impl LayoutBuilder {
     /// Adds the parameters as consecutive groups of about `bucket_elements` elements each: a
     /// parameter never straddles two groups, and a parameter larger than a bucket gets a group
     /// of its own. Returns the indices of the new groups.
-    pub fn buckets(
-        &mut self,
-        params: &[usize],
-        bucket_elements: usize,
-        placement: Placement,
-    ) -> Vec<usize> {
+    pub fn buckets(&mut self, params: &[usize], bucket_elements: usize, placement: Placement) -> Vec<usize> {
         let mut added = Vec::new();
         let mut current = Vec::new();
         let mut size = 0;
@@ -178,13 +173,7 @@ impl LayoutBuilder {
 impl PartitionLayout {
     /// Where each parameter lives, indexed like [`PartitionLayout::params`].
     pub fn places(&self) -> Vec<ParamPlace> {
-        let mut places = vec![
-            ParamPlace {
-                group: 0,
-                offset: 0
-            };
-            self.params.len()
-        ];
+        let mut places = vec![ParamPlace { group: 0, offset: 0 }; self.params.len()];
         for (gi, g) in self.groups.iter().enumerate() {
             for (&p, &offset) in g.params.iter().zip(&g.offsets) {
                 places[p] = ParamPlace { group: gi, offset };
@@ -299,13 +288,7 @@ mod tests {
         assert_eq!(layout.groups[1].params, vec![2]);
         assert_eq!(layout.groups[2].params, vec![3, 4]);
         let places = layout.places();
-        assert_eq!(
-            places[4],
-            ParamPlace {
-                group: 2,
-                offset: 5
-            }
-        );
+        assert_eq!(places[4], ParamPlace { group: 2, offset: 5 });
     }
 
     #[test]

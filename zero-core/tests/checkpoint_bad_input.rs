@@ -23,10 +23,7 @@ fn load_error(dir: &Path) -> CheckpointError {
         let new = layout(specs(""), 2, 1);
         checkpoint::load(comm.as_ref(), &dir, None, &new).err()
     });
-    assert!(
-        errors.iter().all(Option::is_some),
-        "every rank must fail: {errors:?}"
-    );
+    assert!(errors.iter().all(Option::is_some), "every rank must fail: {errors:?}");
     errors
         .into_iter()
         .flatten()
@@ -123,11 +120,7 @@ fn edited_metadata() {
     let (dir, tag) = fresh("meta");
     let path = tag.join("zero_meta.json");
     let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(
-        &path,
-        text.replacen("\"global_step\": 2", "\"global_step\": 3", 1),
-    )
-    .unwrap();
+    std::fs::write(&path, text.replacen("\"global_step\": 2", "\"global_step\": 3", 1)).unwrap();
     let e = load_error(&dir);
     assert!(matches!(e, CheckpointError::Metadata { .. }), "{e}");
     assert_names(&e, "zero_meta.json", "checksum mismatch");

@@ -20,20 +20,13 @@ fn any_world_size_and_stage_loads_any_other() {
                     let tag = tag.clone();
                     on_ranks(m, move |rank, comm| {
                         let new = layout(specs(""), m, t);
-                        let (meta, groups) =
-                            checkpoint::load(comm.as_ref(), &dir, Some(&tag), &new).expect("load");
+                        let (meta, groups) = checkpoint::load(comm.as_ref(), &dir, Some(&tag), &new).expect("load");
                         assert_eq!((meta.world_size, meta.stage, meta.global_step), (n, s, 5));
                         assert_eq!(meta.optimizer.step, 5);
                         assert_eq!(meta.client_state["data_position"], 120);
                         for (g, loaded) in groups.iter().enumerate() {
-                            let label = format!(
-                                "saved w{n} s{s}, loaded w{m} s{t}, rank {rank}, group {g}"
-                            );
-                            assert_eq!(
-                                loaded.master,
-                                owned(&new, g, rank, 5, 0),
-                                "{label}: master"
-                            );
+                            let label = format!("saved w{n} s{s}, loaded w{m} s{t}, rank {rank}, group {g}");
+                            assert_eq!(loaded.master, owned(&new, g, rank, 5, 0), "{label}: master");
                             assert_eq!(
                                 loaded.state[0],
                                 ("exp_avg".to_string(), owned(&new, g, rank, 5, 1)),
@@ -79,10 +72,7 @@ fn latest_names_the_newest_save_and_metadata_records_the_layout() {
     save_reference(&dir, "step3", 1, 0, 7, "");
     let again = Checkpoint::open(&dir, Some("step3")).expect("reopen");
     assert_eq!((again.meta.world_size, again.meta.global_step), (1, 7));
-    assert_eq!(
-        Checkpoint::open(&dir, None).expect("latest").meta.tag,
-        "step3"
-    );
+    assert_eq!(Checkpoint::open(&dir, None).expect("latest").meta.tag, "step3");
     assert!(!dir.join("step3.replaced").exists() && !dir.join("step3.partial").exists());
     std::fs::remove_dir_all(&dir).ok();
 }

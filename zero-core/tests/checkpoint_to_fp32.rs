@@ -26,8 +26,7 @@ fn read_all(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
                 assert!(
-                    out.insert(name.clone(), (view.shape().to_vec(), values))
-                        .is_none(),
+                    out.insert(name.clone(), (view.shape().to_vec(), values)).is_none(),
                     "{name} twice"
                 );
             }
@@ -82,8 +81,7 @@ fn sharded_output_with_index_and_renamed_keys() {
         report.files
     );
     let index: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
-            .unwrap();
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap()).unwrap();
     let map = index["weight_map"].as_object().unwrap();
     let got = read_all(&out);
     assert_eq!(map.len(), 5, "six parameters, one dropped");
@@ -96,17 +94,11 @@ fn sharded_output_with_index_and_renamed_keys() {
         let file = map[&name].as_str().unwrap();
         let bytes = std::fs::read(out.join(file)).unwrap();
         assert!(
-            SafeTensors::deserialize(&bytes)
-                .unwrap()
-                .tensor(&name)
-                .is_ok(),
+            SafeTensors::deserialize(&bytes).unwrap().tensor(&name).is_ok(),
             "the index must name {name}'s file"
         );
     }
-    let total: u64 = [0, 1, 3, 4, 5]
-        .iter()
-        .map(|&p| l.params[p].numel() as u64 * 4)
-        .sum();
+    let total: u64 = [0, 1, 3, 4, 5].iter().map(|&p| l.params[p].numel() as u64 * 4).sum();
     assert_eq!(index["metadata"]["total_size"], total);
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -127,17 +119,9 @@ fn command_line_converts_and_reports_damage() {
         ])
         .output()
         .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
     let got = read_all(&out);
-    assert!(
-        got.contains_key("transformer.layer0.weight"),
-        "{:?}",
-        got.keys()
-    );
+    assert!(got.contains_key("transformer.layer0.weight"), "{:?}", got.keys());
 
     let shard = dir.join("t/rank_00001.safetensors");
     let mut bytes = std::fs::read(&shard).unwrap();
@@ -170,9 +154,7 @@ fn command_line_converts_and_reports_damage() {
 #[test]
 #[ignore = "generates a checkpoint of ZERO_CKPT_BENCH_MB megabytes of weights for a measurement"]
 fn generate_large_checkpoint() {
-    let dir = std::path::PathBuf::from(
-        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
-    );
+    let dir = std::path::PathBuf::from(std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"));
     let mb: usize = std::env::var("ZERO_CKPT_BENCH_MB")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -198,9 +180,7 @@ fn generate_large_checkpoint() {
 #[test]
 #[ignore = "reads the checkpoint generate_large_checkpoint wrote, for a measurement"]
 fn load_large_checkpoint_at_another_world_size() {
-    let dir = std::path::PathBuf::from(
-        std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"),
-    );
+    let dir = std::path::PathBuf::from(std::env::var("ZERO_CKPT_BENCH_DIR").expect("ZERO_CKPT_BENCH_DIR"));
     let c = Checkpoint::open(&dir, None).expect("open");
     let params = c.meta.layout.params.clone();
     let bytes: u64 = std::fs::read_dir(dir.join(&c.meta.tag))
@@ -214,10 +194,7 @@ fn load_large_checkpoint_at_another_world_size() {
         let (_, groups) = zero_core::checkpoint::load(comm.as_ref(), &dir, None, &l).expect("load");
         // Reference: element 0 of the first segment of group 0.
         let s = &l.segments(0, rank)[0];
-        (
-            groups[0].master[s.local.start],
-            value(s.param, s.in_param.start, 1, 0),
-        )
+        (groups[0].master[s.local.start], value(s.param, s.in_param.start, 1, 0))
     });
     let secs = start.elapsed().as_secs_f64();
     for (got, want) in firsts {

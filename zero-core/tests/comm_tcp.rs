@@ -21,12 +21,7 @@ fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)>
 
 /// As [`run_world`]; `transport` "tcp" forces TCP between ranks of this host, "auto" lets them
 /// use Unix-domain sockets.
-fn run_world_over(
-    world: usize,
-    mode: &str,
-    timeout_secs: f64,
-    transport: &str,
-) -> Vec<(bool, String)> {
+fn run_world_over(world: usize, mode: &str, timeout_secs: f64, transport: &str) -> Vec<(bool, String)> {
     let port = free_port().to_string();
     let exe = std::env::current_exe().expect("test binary");
     let children: Vec<Child> = (0..world)
@@ -59,8 +54,7 @@ fn run_world_over(
                 std::thread::sleep(Duration::from_millis(10));
             }
             let out = child.wait_with_output().expect("output");
-            let text = String::from_utf8_lossy(&out.stdout).to_string()
-                + &String::from_utf8_lossy(&out.stderr);
+            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
             (out.status.success(), text)
         })
         .collect()
@@ -156,22 +150,16 @@ fn a_different_op_on_one_rank_is_reported_by_every_rank() {
         // A rank reports the mismatch it saw itself, or the one a peer's abort message carried
         // if that arrived first; both name rank 2, its op and the sequence number.
         let own = if rank == 2 {
-            "Mismatch { seq: 1, rank: 2, op: \"all_gather\", peer: 0, peer_op: \"all_reduce\" }"
-                .to_string()
+            "Mismatch { seq: 1, rank: 2, op: \"all_gather\", peer: 0, peer_op: \"all_reduce\" }".to_string()
         } else {
-            format!(
-                "Mismatch {{ seq: 1, rank: {rank}, op: \"all_reduce\", peer: 2, peer_op: \"all_gather\" }}"
-            )
+            format!("Mismatch {{ seq: 1, rank: {rank}, op: \"all_reduce\", peer: 2, peer_op: \"all_gather\" }}")
         };
         let relayed = ["0", "1"].iter().any(|r| {
             out.contains(&format!(
                 "Mismatch {{ seq: 1, rank: {r}, op: \"all_reduce\", peer: 2, peer_op: \"all_gather\" }}"
             ))
         });
-        assert!(
-            out.contains(&own) || relayed,
-            "rank {rank}: want {own}\n{out}"
-        );
+        assert!(out.contains(&own) || relayed, "rank {rank}: want {own}\n{out}");
     }
 }
 
@@ -182,9 +170,7 @@ fn a_late_rank_is_named_in_a_timeout() {
         assert!(ok, "rank {rank}:\n{out}");
         if rank != 1 {
             assert!(
-                out.contains(
-                    "RESULT Timeout { seq: 0, op: \"all_reduce\", peer: 1, seconds: 1.0 }"
-                ),
+                out.contains("RESULT Timeout { seq: 0, op: \"all_reduce\", peer: 1, seconds: 1.0 }"),
                 "rank {rank}:\n{out}"
             );
             let secs: f64 = out

@@ -10,18 +10,11 @@ use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, ThreadGroup
 
 /// Runs `f` on every rank of a fresh group, each on its own thread; returns the results in rank
 /// order.
-fn on_ranks<T: Send>(
-    world: usize,
-    timeout: Duration,
-    f: impl Fn(Arc<ThreadGroup>) -> T + Sync,
-) -> Vec<T> {
+fn on_ranks<T: Send>(world: usize, timeout: Duration, f: impl Fn(Arc<ThreadGroup>) -> T + Sync) -> Vec<T> {
     let ranks = ThreadGroup::with_timeout(world, timeout).expect("group");
     thread::scope(|s| {
         let handles: Vec<_> = ranks.into_iter().map(|g| s.spawn(|| f(g))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     })
 }
 
@@ -29,11 +22,7 @@ fn on_ranks<T: Send>(
 fn every_op_dtype_and_length_matches_the_reference_at_world_sizes_1_to_4() {
     for world in 1..=4 {
         let counts = on_ranks(world, Duration::from_secs(60), |g| exercise(&*g));
-        assert_eq!(
-            counts,
-            vec![comm_support::EXERCISE_COUNT; world],
-            "world {world}"
-        );
+        assert_eq!(counts, vec![comm_support::EXERCISE_COUNT; world], "world {world}");
     }
 }
 
@@ -41,8 +30,7 @@ fn every_op_dtype_and_length_matches_the_reference_at_world_sizes_1_to_4() {
 fn a_different_op_on_one_rank_fails_every_rank_and_poisons_the_group() {
     let errors = on_ranks(3, Duration::from_secs(30), |g| {
         let mut warm = FlatBuffer::F32(vec![1.0; 5]);
-        g.all_reduce(&mut warm, ReduceOp::Sum)
-            .expect("seq 0 agrees");
+        g.all_reduce(&mut warm, ReduceOp::Sum).expect("seq 0 agrees");
         let err = if g.rank() == 2 {
             g.all_gather(FlatBuffer::F32(vec![0.0; 5])).unwrap_err()
         } else {
@@ -63,23 +51,14 @@ fn a_different_op_on_one_rank_fails_every_rank_and_poisons_the_group() {
             } => {
                 assert_eq!(*r, rank);
                 if rank == 2 {
-                    assert_eq!(
-                        (op.as_str(), peer_op.as_str()),
-                        ("all_gather", "all_reduce")
-                    );
+                    assert_eq!((op.as_str(), peer_op.as_str()), ("all_gather", "all_reduce"));
                 } else {
-                    assert_eq!(
-                        (op.as_str(), *peer, peer_op.as_str()),
-                        ("all_reduce", 2, "all_gather")
-                    );
+                    assert_eq!((op.as_str(), *peer, peer_op.as_str()), ("all_reduce", 2, "all_gather"));
                 }
             }
             other => panic!("rank {rank}: expected a mismatch at seq 1, got {other}"),
         }
-        assert_eq!(
-            again, err,
-            "rank {rank}: the poisoned group repeats the original cause"
-        );
+        assert_eq!(again, err, "rank {rank}: the poisoned group repeats the original cause");
     }
 }
 
@@ -183,11 +162,7 @@ fn a_dropped_handle_or_a_panicking_rank_fails_its_peers_at_once() {
                 other => panic!("expected rank 2 lost, got {other}"),
             }
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "took {:?}",
-            start.elapsed()
-        );
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
 }
 

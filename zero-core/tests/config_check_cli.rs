@@ -39,10 +39,7 @@ fn prints_resolved_config_with_defaults() {
     assert_eq!(code, 0);
     assert_eq!(v["gradient_accumulation_steps"], 2);
     assert_eq!(v["zero_optimization"]["overlap_comm"], true);
-    assert_eq!(
-        v["zero_optimization"]["stage3_prefetch_bucket_size"],
-        50_000_000
-    );
+    assert_eq!(v["zero_optimization"]["stage3_prefetch_bucket_size"], 50_000_000);
 }
 
 #[test]
@@ -51,10 +48,7 @@ fn batch_needing_world_size_says_so() {
     assert_eq!(code, 0);
     let marker = v["train_batch_size"].as_str().unwrap();
     assert!(marker.contains("--world-size"), "{marker}");
-    let (_, v, _) = check(
-        r#"{"train_micro_batch_size_per_gpu": 4}"#,
-        &["--world-size", "3"],
-    );
+    let (_, v, _) = check(r#"{"train_micro_batch_size_per_gpu": 4}"#, &["--world-size", "3"]);
     assert_eq!(v["train_batch_size"], 12);
 }
 
@@ -76,10 +70,7 @@ fn errors_exit_2_and_warnings_go_to_stderr() {
     let (code, v, err) = check("{\"train_batch_size\": CONFIG_BATCH_SIZE}", &[]);
     assert_eq!(code, 2);
     assert!(v.is_null());
-    assert!(
-        err.contains("CONFIG_BATCH_SIZE") && err.contains(":1:"),
-        "{err}"
-    );
+    assert!(err.contains("CONFIG_BATCH_SIZE") && err.contains(":1:"), "{err}");
     let (code, _, err) = check(
         r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}"#,
         &["--world-size", "4"],

@@ -45,11 +45,7 @@ fn index(dir: &Path) -> BTreeMap<String, Vec<String>> {
 fn every_corpus_config_parses_or_names_its_placeholder() {
     let Some(dir) = corpus() else { return };
     let index = index(&dir);
-    assert!(
-        index.len() > 250,
-        "the corpus index lists {} files",
-        index.len()
-    );
+    assert!(index.len() > 250, "the corpus index lists {} files", index.len());
     let mut failures = Vec::new();
     let (mut valid, mut templates) = (0, 0);
     for (name, placeholders) in &index {
@@ -60,16 +56,14 @@ fn every_corpus_config_parses_or_names_its_placeholder() {
             match result {
                 Ok(parsed) => {
                     let raw = parsed.config.raw();
-                    let has_batch = raw.get("train_batch_size").is_some()
-                        || raw.get("train_micro_batch_size_per_gpu").is_some();
+                    let has_batch =
+                        raw.get("train_batch_size").is_some() || raw.get("train_micro_batch_size_per_gpu").is_some();
                     match parsed.config.resolve_partial(None, None, &Overrides::new()) {
                         Ok(_) => {}
                         // Partial configs (autotuning templates) give no batch size: DeepSpeed
                         // cannot run them either.
                         Err(ConfigError::Batch { .. }) if !has_batch => {}
-                        Err(e) => {
-                            failures.push(format!("{name}: parses but does not resolve: {e}"))
-                        }
+                        Err(e) => failures.push(format!("{name}: parses but does not resolve: {e}")),
                     }
                 }
                 Err(e) => failures.push(format!("{name}: {e}")),
@@ -77,16 +71,14 @@ fn every_corpus_config_parses_or_names_its_placeholder() {
         } else {
             templates += 1;
             match result {
-                Err(ConfigError::Placeholder {
-                    placeholder, line, ..
-                }) => {
+                Err(ConfigError::Placeholder { placeholder, line, .. }) => {
                     if !placeholders.contains(&placeholder) || line == 0 {
-                        failures.push(format!("{name}: placeholder `{placeholder}` at line {line}, index lists {placeholders:?}"));
+                        failures.push(format!(
+                            "{name}: placeholder `{placeholder}` at line {line}, index lists {placeholders:?}"
+                        ));
                     }
                 }
-                other => failures.push(format!(
-                    "{name}: expected a placeholder error, got {other:?}"
-                )),
+                other => failures.push(format!("{name}: expected a placeholder error, got {other:?}")),
             }
         }
     }
@@ -97,10 +89,7 @@ fn every_corpus_config_parses_or_names_its_placeholder() {
         index.len(),
         failures.join("\n")
     );
-    assert!(
-        valid > 250 && templates >= 10,
-        "{valid} valid, {templates} templates"
-    );
+    assert!(valid > 250 && templates >= 10, "{valid} valid, {templates} templates");
 }
 
 #[test]

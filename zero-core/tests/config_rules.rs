@@ -10,9 +10,7 @@ fn parse(text: &str) -> Parsed {
 }
 
 fn err(text: &str) -> String {
-    DeepSpeedConfig::from_str(text, "test.json")
-        .unwrap_err()
-        .to_string()
+    DeepSpeedConfig::from_str(text, "test.json").unwrap_err().to_string()
 }
 
 fn resolve(text: &str, world: usize) -> ResolvedConfig {
@@ -20,10 +18,7 @@ fn resolve(text: &str, world: usize) -> ResolvedConfig {
         world_size: world,
         ..Default::default()
     };
-    parse(text)
-        .config
-        .resolve(&ctx)
-        .unwrap_or_else(|e| panic!("{e}"))
+    parse(text).config.resolve(&ctx).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
@@ -32,10 +27,7 @@ fn deepspeed_defaults_fill_absent_keys() {
     assert_eq!(c.zero.stage, ZeroStage::Disabled);
     assert_eq!(c.zero.reduce_bucket_size, 500_000_000);
     assert_eq!(c.zero.allgather_bucket_size, 500_000_000);
-    assert!(
-        !c.zero.overlap_comm,
-        "overlap_comm defaults to false below stage 3"
-    );
+    assert!(!c.zero.overlap_comm, "overlap_comm defaults to false below stage 3");
     assert!(c.zero.contiguous_gradients && c.zero.reduce_scatter && c.zero.allgather_partitions);
     assert_eq!(c.zero.stage3_prefetch_bucket_size, 50_000_000);
     assert_eq!(c.zero.stage3_param_persistence_threshold, 100_000);
@@ -50,12 +42,9 @@ fn deepspeed_defaults_fill_absent_keys() {
     assert_eq!(c.steps_per_print, 10);
     assert!(c.optimizer.is_none() && c.scheduler.is_none());
     assert!(
-        resolve(
-            r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}}"#,
-            1
-        )
-        .zero
-        .overlap_comm
+        resolve(r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}}"#, 1)
+            .zero
+            .overlap_comm
     );
 }
 
@@ -66,26 +55,15 @@ fn fp16_defaults_and_precision_choice() {
         panic!("{:?}", c.precision)
     };
     assert_eq!(
-        (
-            l.loss_scale,
-            l.initial_scale_power,
-            l.loss_scale_window,
-            l.hysteresis
-        ),
+        (l.loss_scale, l.initial_scale_power, l.loss_scale_window, l.hysteresis),
         (0.0, 16, 1000, 2)
     );
     assert_eq!((l.consecutive_hysteresis, l.min_loss_scale), (false, 1.0));
     assert!(l.is_dynamic() && l.initial_scale() == 65536.0);
-    let c = resolve(
-        r#"{"train_batch_size": 8, "bfloat16": {"enabled": true}}"#,
-        1,
-    );
+    let c = resolve(r#"{"train_batch_size": 8, "bfloat16": {"enabled": true}}"#, 1);
     assert!(matches!(c.precision, Precision::Bf16(_)));
     let e = err(r#"{"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true}}"#);
-    assert!(
-        e.contains("fp16.enabled") && e.contains("bf16.enabled"),
-        "{e}"
-    );
+    assert!(e.contains("fp16.enabled") && e.contains("bf16.enabled"), "{e}");
 }
 
 #[test]
@@ -94,15 +72,10 @@ fn integers_written_as_floats_and_fractional_errors() {
         r#"{"train_batch_size": 8.0, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}}"#,
         1,
     );
-    assert_eq!(
-        (c.train_batch_size, c.zero.reduce_bucket_size),
-        (8, 50_000_000)
-    );
+    assert_eq!((c.train_batch_size, c.zero.reduce_bucket_size), (8, 50_000_000));
     let e = err(r#"{"train_batch_size": 8, "zero_optimization": {"allgather_bucket_size": 2.5}}"#);
     assert!(
-        e.contains("test.json")
-            && e.contains("`zero_optimization.allgather_bucket_size`")
-            && e.contains("2.5"),
+        e.contains("test.json") && e.contains("`zero_optimization.allgather_bucket_size`") && e.contains("2.5"),
         "{e}"
     );
     let e = err(r#"{"train_batch_size": 8, "zero_optimization": {"overlap_comm": 1}}"#);
@@ -142,10 +115,7 @@ fn legacy_spellings() {
     let e = err(
         r#"{"train_batch_size": 8, "zero_optimization": {"cpu_offload": true, "offload_optimizer": {"device": "cpu"}}}"#,
     );
-    assert!(
-        e.contains("cpu_offload") && e.contains("offload_optimizer"),
-        "{e}"
-    );
+    assert!(e.contains("cpu_offload") && e.contains("offload_optimizer"), "{e}");
     let e = err(
         r#"{"train_batch_size": 8, "zero_optimization": {"max_live_parameters": 1, "stage3_max_live_parameters": 2}}"#,
     );
@@ -171,13 +141,7 @@ fn offload_sections() {
     );
     let o = c.zero.offload_optimizer.unwrap();
     assert_eq!(
-        (
-            o.device,
-            o.nvme_path.as_deref(),
-            o.ratio,
-            o.buffer_count,
-            o.pin_memory
-        ),
+        (o.device, o.nvme_path.as_deref(), o.ratio, o.buffer_count, o.pin_memory),
         (OffloadDevice::Nvme, Some("/nvme"), 0.5, 8, true)
     );
     let p = c.zero.offload_param.unwrap();
@@ -190,16 +154,12 @@ fn offload_sections() {
         1,
     );
     assert!(none.zero.offload_optimizer.is_none());
-    let e = err(
-        r#"{"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}}"#,
-    );
+    let e = err(r#"{"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}}"#);
     assert!(
         e.contains("zero_optimization.offload_optimizer.device") && e.contains("\"cpu\", \"nvme\""),
         "{e}"
     );
-    let e = err(
-        r#"{"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "nvme"}}}"#,
-    );
+    let e = err(r#"{"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "nvme"}}}"#);
     assert!(e.contains("nvme_path"), "{e}");
     let e = err(
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#,
@@ -213,9 +173,7 @@ fn offload_sections() {
 
 #[test]
 fn unknown_keys_error_in_zero_and_warn_at_top_level() {
-    let e = err(
-        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 5}}"#,
-    );
+    let e = err(r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_prefetch_bucketsize": 5}}"#);
     assert!(
         e.contains("zero_optimization.stage3_prefetch_bucketsize")
             && e.contains("did you mean `stage3_prefetch_bucket_size`?"),
@@ -228,8 +186,7 @@ fn unknown_keys_error_in_zero_and_warn_at_top_level() {
     assert_eq!(w.len(), 2, "{w:?}");
     assert!(
         w.iter()
-            .any(|w| w.contains("gradient_clippping")
-                && w.contains("did you mean `gradient_clipping`?")),
+            .any(|w| w.contains("gradient_clippping") && w.contains("did you mean `gradient_clipping`?")),
         "{w:?}"
     );
     // A known section we do not act on is kept, silently.
@@ -246,49 +203,36 @@ fn unknown_keys_error_in_zero_and_warn_at_top_level() {
 #[test]
 fn optimizers() {
     let opt = |t: &str| {
-        resolve(
-            &format!(r#"{{"train_batch_size": 8, "optimizer": {t}}}"#),
-            1,
-        )
-        .optimizer
-        .unwrap()
+        resolve(&format!(r#"{{"train_batch_size": 8, "optimizer": {t}}}"#), 1)
+            .optimizer
+            .unwrap()
     };
     let OptimizerConfig::Adam(a) = opt(r#"{"type": "adam", "params": {"lr": 1e-4}}"#) else {
         panic!()
     };
-    assert!(
-        a.adam_w_mode,
-        "DeepSpeed's Adam is AdamW unless adam_w_mode is false"
-    );
+    assert!(a.adam_w_mode, "DeepSpeed's Adam is AdamW unless adam_w_mode is false");
     assert_eq!(
         (a.lr, a.betas, a.eps, a.weight_decay, a.bias_correction),
         (1e-4, [0.9, 0.999], 1e-8, 0.0, true)
     );
-    let OptimizerConfig::Adam(a) = opt(r#"{"type": "Adam", "params": {"adam_w_mode": false}}"#)
-    else {
+    let OptimizerConfig::Adam(a) = opt(r#"{"type": "Adam", "params": {"adam_w_mode": false}}"#) else {
         panic!()
     };
     assert!(!a.adam_w_mode);
-    let OptimizerConfig::AdamW(a) = opt(r#"{"type": "ADAMW", "params": {"adam_w_mode": false}}"#)
-    else {
+    let OptimizerConfig::AdamW(a) = opt(r#"{"type": "ADAMW", "params": {"adam_w_mode": false}}"#) else {
         panic!()
     };
     assert!(a.adam_w_mode);
-    let OptimizerConfig::Sgd(s) =
-        opt(r#"{"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true}}"#)
+    let OptimizerConfig::Sgd(s) = opt(r#"{"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true}}"#)
     else {
         panic!()
     };
-    assert_eq!(
-        (s.lr, s.momentum, s.nesterov, s.dampening),
-        (0.1, 0.9, true, 0.0)
-    );
+    assert_eq!((s.lr, s.momentum, s.nesterov, s.dampening), (0.1, 0.9, true, 0.0));
     let OptimizerConfig::Lamb(l) = opt(r#"{"type": "Lamb", "params": {}}"#) else {
         panic!()
     };
     assert_eq!((l.max_coeff, l.min_coeff, l.lr), (10.0, 0.01, 1e-3));
-    let OptimizerConfig::Lion(l) = opt(r#"{"type": "lion", "params": {"betas": [0.9, 0.99]}}"#)
-    else {
+    let OptimizerConfig::Lion(l) = opt(r#"{"type": "lion", "params": {"betas": [0.9, 0.99]}}"#) else {
         panic!()
     };
     assert_eq!(l.betas, [0.9, 0.99]);
@@ -299,9 +243,7 @@ fn optimizers() {
         e.contains("optimizer.type") && e.contains("did you mean \"Adam\""),
         "{e}"
     );
-    let e = err(
-        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"weight_deacy": 0.1}}}"#,
-    );
+    let e = err(r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"weight_deacy": 0.1}}}"#);
     assert!(
         e.contains("optimizer.params.weight_deacy") && e.contains("weight_decay"),
         "{e}"
@@ -311,43 +253,28 @@ fn optimizers() {
 #[test]
 fn schedulers() {
     let s = |t: &str| {
-        resolve(
-            &format!(r#"{{"train_batch_size": 8, "scheduler": {t}}}"#),
-            1,
-        )
-        .scheduler
-        .unwrap()
+        resolve(&format!(r#"{{"train_batch_size": 8, "scheduler": {t}}}"#), 1)
+            .scheduler
+            .unwrap()
     };
     let SchedulerConfig::WarmupLR(w) = s(r#"{"type": "WarmupLR", "params": {}}"#) else {
         panic!()
     };
     assert_eq!(
-        (
-            w.warmup_min_lr,
-            w.warmup_max_lr,
-            w.warmup_num_steps,
-            w.warmup_type
-        ),
+        (w.warmup_min_lr, w.warmup_max_lr, w.warmup_num_steps, w.warmup_type),
         (0.0, None, 1000, WarmupType::Log)
     );
-    let SchedulerConfig::WarmupDecayLR(w) =
-        s(r#"{"type": "WarmupDecayLR", "params": {"total_num_steps": 1e4}}"#)
+    let SchedulerConfig::WarmupDecayLR(w) = s(r#"{"type": "WarmupDecayLR", "params": {"total_num_steps": 1e4}}"#)
     else {
         panic!()
     };
-    assert_eq!(
-        (w.total_num_steps, w.warmup.warmup_max_lr),
-        (10_000, Some(0.001))
-    );
-    let SchedulerConfig::WarmupCosineLR(w) = s(
-        r#"{"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_type": "linear"}}"#,
-    ) else {
+    assert_eq!((w.total_num_steps, w.warmup.warmup_max_lr), (10_000, Some(0.001)));
+    let SchedulerConfig::WarmupCosineLR(w) =
+        s(r#"{"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_type": "linear"}}"#)
+    else {
         panic!()
     };
-    assert_eq!(
-        (w.cos_min_ratio, w.warmup_type),
-        (0.0001, WarmupType::Linear)
-    );
+    assert_eq!((w.cos_min_ratio, w.warmup_type), (0.0001, WarmupType::Linear));
     let SchedulerConfig::OneCycle(o) =
         s(r#"{"type": "OneCycle", "params": {"cycle_min_lr": 0.0, "cycle_max_lr": 0.1}}"#)
     else {
@@ -365,10 +292,7 @@ fn schedulers() {
     let SchedulerConfig::LRRangeTest(l) = s(r#"{"type": "LRRangeTest", "params": {}}"#) else {
         panic!()
     };
-    assert_eq!(
-        (l.lr_range_test_min_lr, l.lr_range_test_step_size),
-        (1e-3, 2000)
-    );
+    assert_eq!((l.lr_range_test_min_lr, l.lr_range_test_step_size), (1e-3, 2000));
     let e = err(r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}}"#);
     assert!(e.contains("scheduler.params.total_num_steps"), "{e}");
     let e = err(r#"{"train_batch_size": 8, "scheduler": {"type": "WarmupLr2"}}"#);
@@ -389,15 +313,9 @@ fn auto_values_resolve_from_hidden_size_overrides_or_fail_naming_the_key() {
         .warnings
         .iter()
         .any(|w| w.key == "zero_optimization.stage3_max_live_parameters"));
-    let keys: Vec<&str> = parsed
-        .config
-        .auto_keys()
-        .iter()
-        .map(|d| d.key.as_str())
-        .collect();
+    let keys: Vec<&str> = parsed.config.auto_keys().iter().map(|d| d.key.as_str()).collect();
     assert!(
-        keys.contains(&"optimizer.params.lr")
-            && keys.contains(&"zero_optimization.reduce_bucket_size"),
+        keys.contains(&"optimizer.params.lr") && keys.contains(&"zero_optimization.reduce_bucket_size"),
         "{keys:?}"
     );
     let overrides = Overrides::new()
@@ -412,18 +330,11 @@ fn auto_values_resolve_from_hidden_size_overrides_or_fail_naming_the_key() {
     };
     let c = parsed.config.resolve(&ctx).unwrap();
     assert_eq!(
-        (
-            c.train_batch_size,
-            c.micro_batch_size,
-            c.gradient_accumulation_steps
-        ),
+        (c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps),
         (8, 2, 1)
     );
     assert_eq!(c.zero.reduce_bucket_size, 1024 * 1024);
-    assert_eq!(
-        c.zero.stage3_prefetch_bucket_size, 943_718,
-        "floor(0.9 * 1024^2)"
-    );
+    assert_eq!(c.zero.stage3_prefetch_bucket_size, 943_718, "floor(0.9 * 1024^2)");
     assert_eq!(c.zero.stage3_param_persistence_threshold, 10 * 1024);
     assert_eq!(c.zero.stage3_max_live_parameters, 1_000_000_000);
     assert_eq!(c.gradient_clipping, 0.5);
@@ -457,12 +368,8 @@ fn auto_values_resolve_from_hidden_size_overrides_or_fail_naming_the_key() {
 fn relaxed_json_and_templates() {
     let p = parse("{\n // batch\n \"train_batch_size\": 8, # hash comment\n}\n");
     assert_eq!(p.warnings.len(), 2, "{:?}", p.warnings);
-    let e =
-        err("{\n \"train_batch_size\": 8,\n \"zero_optimization\": {\"stage\": ${zero_stage}}\n}");
-    assert!(
-        e.contains("test.json:3") && e.contains("${zero_stage}"),
-        "{e}"
-    );
+    let e = err("{\n \"train_batch_size\": 8,\n \"zero_optimization\": {\"stage\": ${zero_stage}}\n}");
+    assert!(e.contains("test.json:3") && e.contains("${zero_stage}"), "{e}");
     let e = err(r#"{"train_batch_size": "${BATCH}"}"#);
     assert!(e.contains("placeholder `${BATCH}`"), "{e}");
 }

@@ -35,10 +35,7 @@ fn gpt2_stage_2_on_8_devices_is_2psi_plus_14psi_over_n() {
     let psi: u64 = 124_439_808;
     let (ok, out, err) = estimate(&["--preset", "gpt2", "--stage", "2", "--gpus-per-node", "8"]);
     assert!(ok, "{err}");
-    assert_eq!(
-        bytes_on(&out, "per device"),
-        2 * psi + (14 * psi).div_ceil(8)
-    );
+    assert_eq!(bytes_on(&out, "per device"), 2 * psi + (14 * psi).div_ceil(8));
     assert!(out.contains("124439808 parameters"), "{out}");
     assert!(
         out.contains("params 2Ψ + grads 2Ψ/N + optimizer 12Ψ/N"),
@@ -69,16 +66,8 @@ fn offload_moves_bytes_to_the_host_and_nvme() {
     assert!(ok, "{err}");
     assert_eq!(bytes_on(&out, "per device"), 0, "{out}");
     // One host serves 4 devices: their fp16 parameter shards and fp32 gradient shards.
-    assert_eq!(
-        bytes_on(&out, "per host"),
-        4 * (2 * psi / 8 + 4 * psi / 8),
-        "{out}"
-    );
-    assert_eq!(
-        bytes_on(&out, "per node on NVMe"),
-        4 * (12 * psi / 8),
-        "{out}"
-    );
+    assert_eq!(bytes_on(&out, "per host"), 4 * (2 * psi / 8 + 4 * psi / 8), "{out}");
+    assert_eq!(bytes_on(&out, "per node on NVMe"), 4 * (12 * psi / 8), "{out}");
     // fp32 without offload at stage 0: 4 + 4 + 8.
     let (ok, out, _) = estimate(&["--params", "1000", "--stage", "0", "--dtype", "fp32"]);
     assert!(ok);

@@ -32,7 +32,11 @@ fn alive(pid: i32) -> bool {
 fn every_rank_gets_the_torchrun_environment() {
     let out = zero()
         .args(["launch", "--nproc-per-node", "3", "--"])
-        .args(["sh", "-c", "echo \"ENV $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT\""])
+        .args([
+            "sh",
+            "-c",
+            "echo \"ENV $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT\"",
+        ])
         .output()
         .expect("zero launch");
     assert!(out.status.success(), "{out:?}");
@@ -46,15 +50,7 @@ fn every_rank_gets_the_torchrun_environment() {
     assert_eq!(lines.len(), 3, "{text}");
     let port = lines[0][6];
     for (rank, l) in lines.iter().enumerate() {
-        let want = [
-            "ENV",
-            &rank.to_string(),
-            "3",
-            &rank.to_string(),
-            "3",
-            "127.0.0.1",
-            port,
-        ];
+        let want = ["ENV", &rank.to_string(), "3", &rank.to_string(), "3", "127.0.0.1", port];
         assert_eq!(l, &want.to_vec());
     }
     assert!(
@@ -89,10 +85,7 @@ fn a_failing_rank_stops_the_others_and_its_status_is_the_launchers() {
     let took = start.elapsed();
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("rank 2") && err.contains("exit code 3"),
-        "{err}"
-    );
+    assert!(err.contains("rank 2") && err.contains("exit code 3"), "{err}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
     for rank in [0, 1, 3] {
         let pid: i32 = std::fs::read_to_string(dir.join(format!("pid.{rank}")))
@@ -109,11 +102,7 @@ fn a_failing_rank_stops_the_others_and_its_status_is_the_launchers() {
 fn a_rank_killed_by_a_signal_is_reported_as_such() {
     let out = zero()
         .args(["launch", "--nproc-per-node", "2", "--grace-secs", "1", "--"])
-        .args([
-            "sh",
-            "-c",
-            "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 60",
-        ])
+        .args(["sh", "-c", "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 60"])
         .output()
         .expect("zero launch");
     assert_eq!(out.status.code(), Some(128 + 9), "{out:?}");
@@ -123,10 +112,7 @@ fn a_rank_killed_by_a_signal_is_reported_as_such() {
 
 #[test]
 fn bad_options_are_explained() {
-    let out = zero()
-        .args(["launch", "--", "true"])
-        .output()
-        .expect("zero launch");
+    let out = zero().args(["launch", "--", "true"]).output().expect("zero launch");
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--nproc-per-node"));
 }

@@ -57,10 +57,7 @@ fn dynamic_scaler_follows_deepspeed_trace() {
         }
         assert_eq!(scaler.skipped_steps(), skipped, "{name}: skipped steps");
     }
-    assert_eq!(
-        errors_seen, 3,
-        "the fixture's three runs into the minimum scale"
-    );
+    assert_eq!(errors_seen, 3, "the fixture's three runs into the minimum scale");
 }
 
 #[test]

@@ -23,8 +23,8 @@ fn schedules_match_deepspeed_step_by_step() {
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let section = json!({"type": case["type"], "params": case["params"]});
-        let spec: LrScheduleSpec = serde_json::from_value(section)
-            .unwrap_or_else(|e| panic!("{name}: config section does not parse: {e}"));
+        let spec: LrScheduleSpec =
+            serde_json::from_value(section).unwrap_or_else(|e| panic!("{name}: config section does not parse: {e}"));
         let mut sched = LrScheduler::new(spec.build(optimizer_lr).unwrap());
         let lrs = case["lrs"].as_array().unwrap();
         let betas = case["beta1"].as_array().unwrap();
@@ -67,28 +67,16 @@ fn scheduler_state_round_trips() {
 
 #[test]
 fn missing_and_invalid_params_are_named() {
-    let spec: LrScheduleSpec =
-        serde_json::from_value(json!({"type": "WarmupCosineLR", "params": {}})).unwrap();
+    let spec: LrScheduleSpec = serde_json::from_value(json!({"type": "WarmupCosineLR", "params": {}})).unwrap();
     let err = spec.build(1e-3).unwrap_err();
     assert!(err.to_string().contains("`total_num_steps`"), "{err}");
     let spec: LrScheduleSpec =
-        serde_json::from_value(json!({"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}))
-            .unwrap();
-    assert!(spec
-        .build(1e-3)
-        .unwrap_err()
-        .to_string()
-        .contains("cycle_max_lr"));
+        serde_json::from_value(json!({"type": "OneCycle", "params": {"cycle_min_lr": 0.1}})).unwrap();
+    assert!(spec.build(1e-3).unwrap_err().to_string().contains("cycle_max_lr"));
     let spec: LrScheduleSpec =
-        serde_json::from_value(json!({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}))
-            .unwrap();
-    assert!(spec
-        .build(1e-3)
-        .unwrap_err()
-        .to_string()
-        .contains("warmup_num_steps"));
-    let unknown = serde_json::from_value::<LrScheduleSpec>(
-        json!({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}),
-    );
+        serde_json::from_value(json!({"type": "WarmupLR", "params": {"warmup_num_steps": 0}})).unwrap();
+    assert!(spec.build(1e-3).unwrap_err().to_string().contains("warmup_num_steps"));
+    let unknown =
+        serde_json::from_value::<LrScheduleSpec>(json!({"type": "WarmupLR", "params": {"warmup_type": "cubic"}}));
     assert!(unknown.is_err());
 }

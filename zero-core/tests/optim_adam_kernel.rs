@@ -68,10 +68,7 @@ fn fused_reference(st: &mut State, s: &AdamScalars) {
 /// to the float64 reference from a real trajectory in the next test instead.
 #[test]
 fn simd_kernels_equal_the_fused_scalar_loop() {
-    for isa in Isa::available()
-        .into_iter()
-        .filter(|&isa| isa != Isa::Scalar)
-    {
+    for isa in Isa::available().into_iter().filter(|&isa| isa != Isa::Scalar) {
         for &n in &LENGTHS {
             for decoupled in [false, true] {
                 let s = scalars(decoupled);
@@ -79,16 +76,7 @@ fn simd_kernels_equal_the_fused_scalar_loop() {
                 let mut reference = state(n, 7);
                 fused_reference(&mut reference, &s);
                 let mut got = state(n, 7);
-                adam_step(
-                    isa,
-                    &mut got.p,
-                    &got.g,
-                    &mut got.m,
-                    &mut got.v,
-                    HalfCopy::None,
-                    &s,
-                )
-                .unwrap();
+                adam_step(isa, &mut got.p, &got.g, &mut got.m, &mut got.v, HalfCopy::None, &s).unwrap();
                 for i in 0..n {
                     for (name, a, b) in [
                         ("param", got.p[i], reference.p[i]),
@@ -113,16 +101,7 @@ fn simd_kernels_equal_the_fused_scalar_loop() {
 
 /// PyTorch's Adam/AdamW in float64: the independent reference.
 #[allow(clippy::too_many_arguments)]
-fn adam_f64(
-    p: &mut [f64],
-    g: &[f64],
-    m: &mut [f64],
-    v: &mut [f64],
-    lr: f64,
-    wd: f64,
-    decoupled: bool,
-    step: i32,
-) {
+fn adam_f64(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], lr: f64, wd: f64, decoupled: bool, step: i32) {
     let (b1, b2, eps) = (0.9_f64, 0.999_f64, 1e-8_f64);
     let bc1 = 1.0 - b1.powi(step);
     let bc2 = 1.0 - b2.powi(step);
@@ -156,16 +135,7 @@ fn every_isa_tracks_a_float64_reference_over_five_steps() {
                     let lr = 1e-2 * step as f64;
                     let s = AdamScalars::new(lr, 0.9, 0.999, 1e-8, 0.1, decoupled, true, step);
                     adam_step(isa, &mut p, &g, &mut m, &mut v, HalfCopy::None, &s).unwrap();
-                    adam_f64(
-                        &mut p64,
-                        &g64,
-                        &mut m64,
-                        &mut v64,
-                        lr,
-                        0.1,
-                        decoupled,
-                        step as i32,
-                    );
+                    adam_f64(&mut p64, &g64, &mut m64, &mut v64, lr, 0.1, decoupled, step as i32);
                     for (l, x) in largest.iter_mut().zip(&p64) {
                         *l = l.max(x.abs());
                     }
@@ -203,42 +173,14 @@ fn fused_copy_back_rounds_to_nearest_even_on_every_isa() {
             let s = scalars(true);
             let mut a = state(n, 3);
             let mut b16 = vec![bf16::ZERO; n];
-            adam_step(
-                isa,
-                &mut a.p,
-                &a.g,
-                &mut a.m,
-                &mut a.v,
-                HalfCopy::Bf16(&mut b16),
-                &s,
-            )
-            .unwrap();
+            adam_step(isa, &mut a.p, &a.g, &mut a.m, &mut a.v, HalfCopy::Bf16(&mut b16), &s).unwrap();
             let mut b = state(n, 3);
             let mut h16 = vec![f16::ZERO; n];
-            adam_step(
-                isa,
-                &mut b.p,
-                &b.g,
-                &mut b.m,
-                &mut b.v,
-                HalfCopy::F16(&mut h16),
-                &s,
-            )
-            .unwrap();
+            adam_step(isa, &mut b.p, &b.g, &mut b.m, &mut b.v, HalfCopy::F16(&mut h16), &s).unwrap();
             for i in 0..n {
                 // half's conversions are the reference for round-to-nearest-even.
-                assert_eq!(
-                    b16[i],
-                    bf16::from_f32(a.p[i]),
-                    "{} bf16 n={n} [{i}]",
-                    isa.name()
-                );
-                assert_eq!(
-                    h16[i],
-                    f16::from_f32(b.p[i]),
-                    "{} f16 n={n} [{i}]",
-                    isa.name()
-                );
+                assert_eq!(b16[i], bf16::from_f32(a.p[i]), "{} bf16 n={n} [{i}]", isa.name());
+                assert_eq!(h16[i], f16::from_f32(b.p[i]), "{} f16 n={n} [{i}]", isa.name());
             }
             assert_eq!(a.p, b.p, "the copy-back must not change the fp32 result");
         }
@@ -269,50 +211,22 @@ fn copy_back_handles_ties_overflow_subnormals_and_nan() {
     let s = AdamScalars::new(0.0, 0.9, 0.999, 1e-8, 0.0, true, true, 1);
     for isa in Isa::available() {
         // Repeat so that every value sits in a SIMD lane and in a tail position.
-        let p0: Vec<f32> = specials
-            .iter()
-            .cycle()
-            .take(specials.len() * 5)
-            .copied()
-            .collect();
+        let p0: Vec<f32> = specials.iter().cycle().take(specials.len() * 5).copied().collect();
         let n = p0.len();
         let (g, mut m, mut v) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let mut p = p0.clone();
         let mut b16 = vec![bf16::ZERO; n];
-        adam_step(
-            isa,
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
-            HalfCopy::Bf16(&mut b16),
-            &s,
-        )
-        .unwrap();
+        adam_step(isa, &mut p, &g, &mut m, &mut v, HalfCopy::Bf16(&mut b16), &s).unwrap();
         let mut p = p0.clone();
         let mut h16 = vec![f16::ZERO; n];
         adam_step(isa, &mut p, &g, &mut m, &mut v, HalfCopy::F16(&mut h16), &s).unwrap();
         for i in 0..n {
             let x = p0[i];
             if x.is_nan() {
-                assert!(
-                    b16[i].is_nan() && h16[i].is_nan(),
-                    "{} NaN at {i}",
-                    isa.name()
-                );
+                assert!(b16[i].is_nan() && h16[i].is_nan(), "{} NaN at {i}", isa.name());
             } else {
-                assert_eq!(
-                    b16[i].to_bits(),
-                    bf16::from_f32(x).to_bits(),
-                    "{} bf16 {x}",
-                    isa.name()
-                );
-                assert_eq!(
-                    h16[i].to_bits(),
-                    f16::from_f32(x).to_bits(),
-                    "{} f16 {x}",
-                    isa.name()
-                );
+                assert_eq!(b16[i].to_bits(), bf16::from_f32(x).to_bits(), "{} bf16 {x}", isa.name());
+                assert_eq!(h16[i].to_bits(), f16::from_f32(x).to_bits(), "{} f16 {x}", isa.name());
             }
         }
     }
@@ -322,29 +236,11 @@ fn copy_back_handles_ties_overflow_subnormals_and_nan() {
 fn mismatched_lengths_are_an_error_not_a_panic() {
     let s = scalars(true);
     let (mut p, g, mut m, mut v) = (vec![0.0; 8], vec![0.0; 7], vec![0.0; 8], vec![0.0; 8]);
-    let err = adam_step(
-        Isa::detect(),
-        &mut p,
-        &g,
-        &mut m,
-        &mut v,
-        HalfCopy::None,
-        &s,
-    )
-    .unwrap_err();
+    let err = adam_step(Isa::detect(), &mut p, &g, &mut m, &mut v, HalfCopy::None, &s).unwrap_err();
     assert!(err.to_string().contains("grads has 7 elements"), "{err}");
     let mut out = vec![bf16::ZERO; 9];
     let g = vec![0.0; 8];
-    let err = adam_step(
-        Isa::detect(),
-        &mut p,
-        &g,
-        &mut m,
-        &mut v,
-        HalfCopy::Bf16(&mut out),
-        &s,
-    )
-    .unwrap_err();
+    let err = adam_step(Isa::detect(), &mut p, &g, &mut m, &mut v, HalfCopy::Bf16(&mut out), &s).unwrap_err();
     assert!(err.to_string().contains("16-bit"), "{err}");
 }
 
@@ -353,10 +249,7 @@ fn thread_count_does_not_change_the_result() {
     let n = 300_001;
     let s = scalars(true);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         let mut st = state(n, 5);
         pool.install(|| {
             adam_step(

@@ -4,8 +4,7 @@
 
 use zero_core::optim::HalfCopy;
 use zero_core::optim::{
-    build, LambSpec, LambVariant, LionSpec, NormPartials, OptimizerSpec, Segment, ShardOptimizer,
-    ShardSegments,
+    build, LambSpec, LambVariant, LionSpec, NormPartials, OptimizerSpec, Segment, ShardOptimizer, ShardSegments,
 };
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -37,15 +36,7 @@ fn spec() -> LambSpec {
 /// LAMB in float64 on whole tensors: the reference. `Paper` follows You et al. (bias-corrected
 /// moments inside the update); `DeepSpeed` follows DeepSpeed's FusedLamb CUDA kernel (raw
 /// moments in the update and the trust ratio, lr·sqrt(bc2)/bc1 as the step size).
-fn lamb_f64(
-    variant: LambVariant,
-    params: &mut [f64],
-    m: &mut [f64],
-    v: &mut [f64],
-    grads: &[f64],
-    lr: f64,
-    t: i32,
-) {
+fn lamb_f64(variant: LambVariant, params: &mut [f64], m: &mut [f64], v: &mut [f64], grads: &[f64], lr: f64, t: i32) {
     let s = spec();
     let (b1, b2) = s.betas;
     let mut offset = 0;
@@ -137,10 +128,7 @@ fn lamb_matches_a_float64_reference_per_tensor_in_both_forms() {
         let mut opt = build(&OptimizerSpec::Lamb(spec), total, whole_segments()).unwrap();
         assert!(opt.needs_cross_rank_norms());
         for t in 1..=5 {
-            let g: Vec<f32> = random(total, 10 + t as u64)
-                .iter()
-                .map(|x| x * 0.1)
-                .collect();
+            let g: Vec<f32> = random(total, 10 + t as u64).iter().map(|x| x * 0.1).collect();
             let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
             opt.step(&mut p, &g, 0.01).unwrap();
             lamb_f64(variant, &mut p64, &mut m64, &mut v64, &g64, 0.01, t);
@@ -179,14 +167,7 @@ fn sharded_lamb_with_summed_partials_equals_one_rank() {
             })
             .collect();
         let mut opts: Vec<Box<dyn ShardOptimizer>> = (0..world)
-            .map(|r| {
-                build(
-                    &OptimizerSpec::Lamb(spec()),
-                    shard_len,
-                    shard_segments(world, r).1,
-                )
-                .unwrap()
-            })
+            .map(|r| build(&OptimizerSpec::Lamb(spec()), shard_len, shard_segments(world, r).1).unwrap())
             .collect();
         let mut reference = p0.clone();
         let mut ref_opt = build(&OptimizerSpec::Lamb(spec()), total, whole_segments()).unwrap();
@@ -210,13 +191,7 @@ fn sharded_lamb_with_summed_partials_equals_one_rank() {
             }
             for r in 0..world {
                 opts[r]
-                    .finish_step(
-                        &mut shards[r],
-                        &shard_grads[r],
-                        0.02,
-                        &totals,
-                        HalfCopy::None,
-                    )
+                    .finish_step(&mut shards[r], &shard_grads[r], 0.02, &totals, HalfCopy::None)
                     .unwrap();
             }
             // Local norms alone would give a different answer: the test can tell.
@@ -297,12 +272,7 @@ fn lion_matches_a_float64_reference() {
     let mut p = random(n, 5);
     let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
     let mut m64 = vec![0.0; n];
-    let mut opt = build(
-        &OptimizerSpec::Lion(spec.clone()),
-        n,
-        ShardSegments::single(n),
-    )
-    .unwrap();
+    let mut opt = build(&OptimizerSpec::Lion(spec.clone()), n, ShardSegments::single(n)).unwrap();
     for t in 0..5 {
         let mut g = random(n, 50 + t);
         g[0] = 0.0; // sign(0) = 0 on the first step
@@ -327,10 +297,7 @@ fn lion_matches_a_float64_reference() {
 fn large_lamb_segments_are_exact_and_independent_of_thread_count() {
     let n = 300_007;
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let mut opt = build(&OptimizerSpec::Lamb(spec()), n, ShardSegments::single(n)).unwrap();
             let mut p = random(n, 8);
@@ -338,8 +305,7 @@ fn large_lamb_segments_are_exact_and_independent_of_thread_count() {
             let partials = opt.begin_step(&p, &g).unwrap();
             let w2: f64 = random(n, 8).iter().map(|&x| (x as f64) * (x as f64)).sum();
             assert!(((partials.weight_sq(0) as f64) - w2).abs() <= 1e-6 * w2);
-            opt.finish_step(&mut p, &g, 0.01, &partials, HalfCopy::None)
-                .unwrap();
+            opt.finish_step(&mut p, &g, 0.01, &partials, HalfCopy::None).unwrap();
             (partials, p)
         })
     };

@@ -3,9 +3,7 @@
 //! malformed state is refused with an error that names the buffer.
 
 use half::bf16;
-use zero_core::optim::{
-    build, AdamSpec, HalfCopy, LambSpec, LionSpec, OptimizerSpec, SgdSpec, ShardSegments,
-};
+use zero_core::optim::{build, AdamSpec, HalfCopy, LambSpec, LionSpec, OptimizerSpec, SgdSpec, ShardSegments};
 
 fn specs() -> Vec<OptimizerSpec> {
     vec![
@@ -28,9 +26,7 @@ fn specs() -> Vec<OptimizerSpec> {
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
-        .map(|i| {
-            ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2000) as f32 / 1000.0 - 1.0
-        })
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2000) as f32 / 1000.0 - 1.0)
         .collect()
 }
 
@@ -43,9 +39,7 @@ fn restored_state_continues_the_run_exactly() {
         let mut first = build(&spec, n, ShardSegments::single(n)).unwrap();
         let mut p_resumed = data(n, 1);
         for t in 0..3 {
-            straight
-                .step(&mut p_straight, &data(n, 10 + t), 1e-2)
-                .unwrap();
+            straight.step(&mut p_straight, &data(n, 10 + t), 1e-2).unwrap();
             first.step(&mut p_resumed, &data(n, 10 + t), 1e-2).unwrap();
         }
         let saved: Vec<(String, Vec<f32>)> = first
@@ -60,18 +54,11 @@ fn restored_state_continues_the_run_exactly() {
             saved.iter().map(|(_, v)| v.len() * 4).sum::<usize>()
         );
         let mut resumed = build(&spec, n, ShardSegments::single(n)).unwrap();
-        let borrowed: Vec<(&str, &[f32])> = saved
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_slice()))
-            .collect();
+        let borrowed: Vec<(&str, &[f32])> = saved.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
         resumed.load_state(step, &borrowed).unwrap();
         for t in 3..5 {
-            straight
-                .step(&mut p_straight, &data(n, 10 + t), 1e-2)
-                .unwrap();
-            resumed
-                .step(&mut p_resumed, &data(n, 10 + t), 1e-2)
-                .unwrap();
+            straight.step(&mut p_straight, &data(n, 10 + t), 1e-2).unwrap();
+            resumed.step(&mut p_resumed, &data(n, 10 + t), 1e-2).unwrap();
         }
         assert_eq!(p_straight, p_resumed, "{}", resumed.name());
         assert_eq!(resumed.step_count(), 5);
@@ -91,36 +78,21 @@ fn malformed_state_is_refused_and_named() {
     let err = adam
         .load_state(1, &[("exp_avg", &good), ("exp_avg_sq", &short)])
         .unwrap_err();
-    assert!(
-        err.to_string().contains("exp_avg_sq` has 15 elements"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("exp_avg_sq` has 15 elements"), "{err}");
 
     let err = adam
         .load_state(
             1,
-            &[
-                ("exp_avg", &good),
-                ("exp_avg_sq", &good),
-                ("momentum_buffer", &good),
-            ],
+            &[("exp_avg", &good), ("exp_avg_sq", &good), ("momentum_buffer", &good)],
         )
         .unwrap_err();
-    assert!(
-        err.to_string().contains("`momentum_buffer` is not kept"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("`momentum_buffer` is not kept"), "{err}");
 
     // Nothing was written by the failed loads.
     assert_eq!(adam.step_count(), 0);
-    assert!(adam
-        .state()
-        .iter()
-        .all(|(_, b)| b.iter().all(|&x| x == 0.0)));
+    assert!(adam.state().iter().all(|(_, b)| b.iter().all(|&x| x == 0.0)));
 
-    let err = adam
-        .step(&mut vec![0.0; n + 1], &vec![0.0; n + 1], 1e-3)
-        .unwrap_err();
+    let err = adam.step(&mut vec![0.0; n + 1], &vec![0.0; n + 1], 1e-3).unwrap_err();
     assert!(err.to_string().contains("params has 17 elements"), "{err}");
     assert_eq!(adam.step_count(), 0, "a refused step must not count");
 }
@@ -170,11 +142,6 @@ fn momentum_can_be_cycled() {
         b.step(&mut pb, &data(n, 5 + t), 1e-2).unwrap();
     }
     assert_ne!(pa, pb);
-    let mut plain = build(
-        &OptimizerSpec::Sgd(SgdSpec::default()),
-        n,
-        ShardSegments::single(n),
-    )
-    .unwrap();
+    let mut plain = build(&OptimizerSpec::Sgd(SgdSpec::default()), n, ShardSegments::single(n)).unwrap();
     assert!(!plain.set_momentum(0.9));
 }

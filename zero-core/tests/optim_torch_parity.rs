@@ -3,9 +3,7 @@
 //! through the shard optimizers. Regenerate with `python3 tools/optim_reference.py`.
 
 use serde_json::Value;
-use zero_core::optim::{
-    build, AdamSpec, Isa, OptimizerSpec, SgdSpec, ShardOptimizer, ShardSegments,
-};
+use zero_core::optim::{build, AdamSpec, Isa, OptimizerSpec, SgdSpec, ShardOptimizer, ShardSegments};
 
 const FIXTURE: &str = include_str!("fixtures/optim/torch_reference.json");
 
@@ -68,12 +66,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32]) {
 fn replay(isa: Option<Isa>) {
     let doc: Value = serde_json::from_str(FIXTURE).expect("fixture is JSON");
     let params0 = floats(&doc["params0"]);
-    let grads: Vec<Vec<f32>> = doc["grads"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(floats)
-        .collect();
+    let grads: Vec<Vec<f32>> = doc["grads"].as_array().unwrap().iter().map(floats).collect();
     let cases = doc["cases"].as_array().unwrap();
     assert!(cases.len() >= 6, "fixture lost cases");
     for case in cases {
@@ -97,14 +90,8 @@ fn replay(isa: Option<Isa>) {
             for (l, x) in largest.iter_mut().zip(&p) {
                 *l = l.max(x.abs());
             }
-            opt.step(&mut p, &grads[step], lr.as_f64().unwrap())
-                .unwrap();
-            assert_close(
-                &format!("{name} step {}", step + 1),
-                &p,
-                &floats(want),
-                &largest,
-            );
+            opt.step(&mut p, &grads[step], lr.as_f64().unwrap()).unwrap();
+            assert_close(&format!("{name} step {}", step + 1), &p, &floats(want), &largest);
         }
         assert_eq!(opt.step_count(), lrs.len() as u64);
         let state = opt.state();

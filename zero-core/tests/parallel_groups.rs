@@ -22,9 +22,7 @@ fn probe(rank: usize, groups: &RankGroups) -> Vec<(Axis, f32, Vec<f32>)> {
             let g = groups.along(axis);
             let mut sum = FlatBuffer::F32(vec![rank as f32]);
             g.all_reduce(&mut sum, ReduceOp::Sum).expect("all-reduce");
-            let order = g
-                .all_gather(FlatBuffer::F32(vec![rank as f32]))
-                .expect("all-gather");
+            let order = g.all_gather(FlatBuffer::F32(vec![rank as f32])).expect("all-gather");
             (axis, sum.into_f32()[0], order.into_f32())
         })
         .collect()
@@ -115,8 +113,7 @@ fn ranks_that_disagree_on_the_partition_fail_instead_of_hanging() {
                     } else {
                         vec![vec![0, 1], vec![2, 3]]
                     };
-                    w.split(&groups)
-                        .expect_err("disagreeing partitions must fail")
+                    w.split(&groups).expect_err("disagreeing partitions must fail")
                 })
             })
             .collect();

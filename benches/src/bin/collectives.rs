@@ -12,9 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
-use zero_core::comm::{
-    CommError, DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup,
-};
+use zero_core::comm::{CommError, DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
 
@@ -45,10 +43,7 @@ const ANCHOR_GLOO: &[(usize, &str, usize, f64)] = &[
 ];
 
 fn iterations(bytes: usize) -> usize {
-    (64usize << 20)
-        .checked_div(bytes.max(1))
-        .unwrap_or(1)
-        .clamp(3, 20)
+    (64usize << 20).checked_div(bytes.max(1)).unwrap_or(1).clamp(3, 20)
 }
 
 fn busbw(op: &str, bytes: usize, world: usize, secs: f64) -> f64 {
@@ -150,10 +145,7 @@ fn threads_backend(world: usize, sizes: &[usize]) -> Vec<(String, usize, f64)> {
             .into_iter()
             .map(|g: Arc<ThreadGroup>| s.spawn(move || schedule(&*g, sizes)))
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
     results.into_iter().next().unwrap_or_default()
 }
@@ -218,11 +210,7 @@ fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-    };
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
     let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
     if args.iter().any(|a| a == "--tcp-rank") {
         let env = DistEnv::detect().unwrap_or_else(|e| {
@@ -241,17 +229,12 @@ fn main() {
             socket_buffer,
             unix_on_same_host,
         };
-        let g = TcpGroup::connect(
-            env.rank,
-            env.world_size,
-            &env.master_addr,
-            env.master_port,
-            options,
-        )
-        .unwrap_or_else(|e| {
-            eprintln!("rendezvous: {e}");
-            std::process::exit(1)
-        });
+        let g = TcpGroup::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options).unwrap_or_else(
+            |e| {
+                eprintln!("rendezvous: {e}");
+                std::process::exit(1)
+            },
+        );
         for (op, bytes, secs) in schedule(&g, &sizes) {
             if g.rank() == 0 {
                 println!("RESULT {op} {bytes} {secs:.6}");
@@ -260,11 +243,7 @@ fn main() {
         return;
     }
     let worlds = list(flag("--worlds"), &[2, 4]);
-    let sizes_arg = sizes
-        .iter()
-        .map(|s| s.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
 
     let mem1 = memcpy_bandwidth(1);
     let mem2 = memcpy_bandwidth(2);
@@ -287,10 +266,7 @@ fn main() {
         }
     );
 
-    let exe = std::env::current_exe()
-        .expect("own path")
-        .display()
-        .to_string();
+    let exe = std::env::current_exe().expect("own path").display().to_string();
     let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
     for &world in &worlds {
         let threads = threads_backend(world, &sizes);

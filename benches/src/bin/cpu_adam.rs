@@ -142,13 +142,7 @@ fn race(n: usize, threads: usize, steps: usize, contenders: &[Contender]) -> Vec
 fn torch(n: usize, threads: usize, steps: usize) -> Option<f64> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/bench_torch_adamw.py");
     let out = Command::new("python3")
-        .args([
-            script,
-            "--params",
-            &n.to_string(),
-            "--threads",
-            &threads.to_string(),
-        ])
+        .args([script, "--params", &n.to_string(), "--threads", &threads.to_string()])
         .args(["--steps", &steps.to_string()])
         .output()
         .ok()?;
@@ -189,9 +183,7 @@ fn main() {
     let report = |label: &str, secs: f64, bytes: f64, base: Option<(f64, &str)>| {
         let ns = secs * 1e9 / n as f64;
         let gbs = bytes * n as f64 / secs / 1e9;
-        let ratio = base.map_or(String::new(), |(b, name)| {
-            format!("  {:.2}x {name}", b / secs)
-        });
+        let ratio = base.map_or(String::new(), |(b, name)| format!("  {:.2}x {name}", b / secs));
         println!("  {label:<34} {ns:6.3} ns/param  {gbs:6.1} GB/s{ratio}");
     };
     let best = Isa::detect();
@@ -219,11 +211,7 @@ fn main() {
                     for (c, &ours) in contenders.iter().zip(&medians) {
                         if let Contender::Ours(isa, Copy16::None) = c {
                             if *isa != Isa::Scalar {
-                                println!(
-                                    "  torch fused / zero-core {}: {:.2}x",
-                                    isa.name(),
-                                    t / ours
-                                );
+                                println!("  torch fused / zero-core {}: {:.2}x", isa.name(), t / ours);
                             }
                         }
                     }

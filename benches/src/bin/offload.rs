@@ -25,11 +25,23 @@ struct Args {
 }
 
 fn args() -> Result<Args, String> {
-    let mut a = Args { params: 100_000_000, chunk: 1 << 22, buffers: 4, dir: std::env::temp_dir().join("zero-offload-bench"), steps: 3 };
+    let mut a = Args {
+        params: 100_000_000,
+        chunk: 1 << 22,
+        buffers: 4,
+        dir: std::env::temp_dir().join("zero-offload-bench"),
+        steps: 3,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let num = || value.replace('_', "").parse::<f64>().map(|v| v as usize).map_err(|_| format!("{flag} {value}: not a number"));
+        let num = || {
+            value
+                .replace('_', "")
+                .parse::<f64>()
+                .map(|v| v as usize)
+                .map_err(|_| format!("{flag} {value}: not a number"))
+        };
         match flag.as_str() {
             "--params" => a.params = num()?,
             "--chunk" => a.chunk = num()?,
@@ -97,12 +109,20 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let read = t.elapsed().as_secs_f64();
     file.drop_cache()?;
     let disk = gbps(2.0 * bytes, write + read);
-    println!("disk: write {:.2} GB/s, read {:.2} GB/s, read+write {disk:.2} GB/s", gbps(bytes, write), gbps(bytes, read));
+    println!(
+        "disk: write {:.2} GB/s, read {:.2} GB/s, read+write {disk:.2} GB/s",
+        gbps(bytes, write),
+        gbps(bytes, read)
+    );
 
     // The offloaded AdamW step, as the engine runs it: one optimizer of a chunk's length,
     // reloaded from each chunk's moments.
     let spec = OptimizerSpec::adamw();
-    let mut full = build(&spec, a.chunk.min(a.params), ShardSegments::single(a.chunk.min(a.params)))?;
+    let mut full = build(
+        &spec,
+        a.chunk.min(a.params),
+        ShardSegments::single(a.chunk.min(a.params)),
+    )?;
     let mut tail = None;
     let grads = vec![1e-3f32; a.params];
     let mut half = vec![half::bf16::ZERO; a.params];
@@ -146,7 +166,10 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     ratios.sort_by(f64::total_cmp);
     if let Some(median) = ratios.get(ratios.len() / 2) {
-        println!("median: the offloaded step reaches {:.0}% of the disk's read+write bandwidth", 100.0 * median);
+        println!(
+            "median: the offloaded step reaches {:.0}% of the disk's read+write bandwidth",
+            100.0 * median
+        );
     }
     Ok(())
 }

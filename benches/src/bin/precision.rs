@@ -43,8 +43,17 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a =
-        Args { only: None, steps: 8, world: 1, stage: 2, layers: 4, hidden: 256, vocab: 8192, seq: 128, batch: 4 };
+    let mut a = Args {
+        only: None,
+        steps: 8,
+        world: 1,
+        stage: 2,
+        layers: 4,
+        hidden: 256,
+        vocab: 8192,
+        seq: 128,
+        batch: 4,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -52,7 +61,9 @@ fn parse() -> Result<Args, String> {
             a.only = Some(value);
             continue;
         }
-        let n: usize = value.parse().map_err(|_| format!("{flag}: `{value}` is not a number"))?;
+        let n: usize = value
+            .parse()
+            .map_err(|_| format!("{flag}: `{value}` is not a number"))?;
         match flag.as_str() {
             "--steps" => a.steps = n,
             "--world" => a.world = n,
@@ -104,8 +115,9 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
                 let mut last = f32::NAN;
                 for step in 0..WARMUP + steps {
                     // Deterministic tokens, different per rank and step.
-                    let ids: Vec<i64> =
-                        (0..batch * seq).map(|i| ((i * 7919 + step * 104_729 + rank * 31) % vocab) as i64).collect();
+                    let ids: Vec<i64> = (0..batch * seq)
+                        .map(|i| ((i * 7919 + step * 104_729 + rank * 31) % vocab) as i64)
+                        .collect();
                     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
                     let start = Instant::now();
                     let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
@@ -119,7 +131,12 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
                         update.push(end - mid);
                     }
                 }
-                Ok(Timing { step: median(total), compute: median(compute), update: median(update), final_loss: last })
+                Ok(Timing {
+                    step: median(total),
+                    compute: median(compute),
+                    update: median(update),
+                    final_loss: last,
+                })
             })
         })
         .collect();
@@ -151,7 +168,13 @@ fn child(args: &Args, name: &str) -> Result<(), String> {
     }
     let t = run(args, precision)?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    println!("RESULT {name} {:.3} {:.3} {:.3} {:.4}", ms(t.step), ms(t.compute), ms(t.update), t.final_loss);
+    println!(
+        "RESULT {name} {:.3} {:.3} {:.3} {:.4}",
+        ms(t.step),
+        ms(t.compute),
+        ms(t.update),
+        t.final_loss
+    );
     Ok(())
 }
 
@@ -178,7 +201,10 @@ fn main() {
     let passed: Vec<String> = std::env::args().skip(1).collect();
     let mut base: Option<f64> = None;
     for name in ["fp32", "bf16", "fp16"] {
-        let out = std::process::Command::new(&exe).args(&passed).args(["--only", name]).output();
+        let out = std::process::Command::new(&exe)
+            .args(&passed)
+            .args(["--only", name])
+            .output();
         let out = match out {
             Ok(o) => o,
             Err(e) => {
@@ -189,7 +215,10 @@ fn main() {
         let text = String::from_utf8_lossy(&out.stdout);
         let Some(line) = text.lines().find(|l| l.starts_with("RESULT ")) else {
             let err = String::from_utf8_lossy(&out.stderr);
-            println!("{name}: failed: {}", err.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+            println!(
+                "{name}: failed: {}",
+                err.lines().rev().take(3).collect::<Vec<_>>().join(" | ")
+            );
             continue;
         };
         let f: Vec<f64> = line.split_whitespace().skip(2).filter_map(|v| v.parse().ok()).collect();

@@ -71,17 +71,13 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
                 settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
                 settings.param_persistence_threshold = 10 * config.n_embd;
                 let group: Arc<dyn ProcessGroup> = group;
-                let mut engine =
-                    ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
+                let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
                 let mut times = Vec::new();
                 for step in 0..=steps {
                     let ids: Vec<i64> = (0..micro * seq)
-                        .map(|i| {
-                            ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64
-                        })
+                        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
                         .collect();
-                    let tokens =
-                        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [micro, seq]), &device);
+                    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [micro, seq]), &device);
                     let t = Instant::now();
                     let loss = engine.forward((tokens.clone(), tokens)).expect("forward");
                     engine.backward(loss).expect("backward");
@@ -95,10 +91,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
             })
         })
         .collect();
-    let results: Vec<_> = handles
-        .into_iter()
-        .map(|h| h.join().expect("rank"))
-        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
     // The step is as slow as the slowest rank.
     let time = results.iter().map(|r| r.0).fold(0.0, f64::max);
     (time, results[0].1)

@@ -21,17 +21,12 @@ struct SimpleModel<B: Backend> {
 impl<B: Backend> SimpleModel<B> {
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 1, Int>) -> Tensor<B, 1> {
         let logits = self.fc2.forward(self.relu.forward(self.fc1.forward(x)));
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, y)
+        CrossEntropyLossConfig::new().init(&logits.device()).forward(logits, y)
     }
 }
 
 fn main() {
-    let stage: u8 = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
+    let stage: u8 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     let text = format!(
         r#"{{"train_batch_size": 32, "gradient_accumulation_steps": 1, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "Adam", "params": {{"lr": 1e-2}}}}}}"#
@@ -51,11 +46,7 @@ fn main() {
         let mut last = 0.0;
         for step in 0..50 {
             // Synthetic data: the label is the index of the largest of the first 10 inputs.
-            let x = Tensor::<B, 2>::random(
-                [16, 784],
-                burn::tensor::Distribution::Normal(0.0, 1.0),
-                &device,
-            );
+            let x = Tensor::<B, 2>::random([16, 784], burn::tensor::Distribution::Normal(0.0, 1.0), &device);
             let y = x.clone().slice([0..16, 0..10]).argmax(1).reshape([16]);
             let loss = engine.forward(|m| m.loss(x, y));
             last = engine.backward(loss).expect("backward");

@@ -27,8 +27,7 @@ pub enum DataSource {
 impl DataSource {
     /// Reads `--tokens FILE`: a JSON array of equal-length arrays of token ids.
     pub fn from_tokens_file(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
         let batch: TokenBatch = serde_json::from_str(&text).map_err(|e| {
             TrainError::Data(format!(
                 "{}: expected a JSON array of token-id arrays: {e}",
@@ -75,21 +74,14 @@ impl DataSource {
     pub fn max_token(&self) -> u32 {
         match self {
             DataSource::Fixed(b) => b.iter().flatten().copied().max().unwrap_or(0),
-            DataSource::Text { train, valid, .. } => {
-                train.iter().chain(valid).copied().max().unwrap_or(0)
-            }
+            DataSource::Text { train, valid, .. } => train.iter().chain(valid).copied().max().unwrap_or(0),
         }
     }
 
     /// The global batch of optimizer step `step`: `size` sequences. A fixed batch must have
     /// exactly `size` sequences; sampled windows are a deterministic function of
     /// `(seed, step, index)`, so every rank computes the same global batch and takes its rows.
-    pub fn global_batch(
-        &self,
-        step: u64,
-        size: usize,
-        seed: u64,
-    ) -> Result<TokenBatch, TrainError> {
+    pub fn global_batch(&self, step: u64, size: usize, seed: u64) -> Result<TokenBatch, TrainError> {
         match self {
             DataSource::Fixed(batch) if batch.len() == size => Ok(batch.clone()),
             DataSource::Fixed(batch) => Err(TrainError::Data(format!(
@@ -112,11 +104,9 @@ impl DataSource {
     pub fn validation(&self, count: usize) -> TokenBatch {
         match self {
             DataSource::Fixed(_) => Vec::new(),
-            DataSource::Text { valid, seq_len, .. } => valid
-                .chunks_exact(*seq_len)
-                .take(count)
-                .map(<[u32]>::to_vec)
-                .collect(),
+            DataSource::Text { valid, seq_len, .. } => {
+                valid.chunks_exact(*seq_len).take(count).map(<[u32]>::to_vec).collect()
+            }
         }
     }
 }
@@ -146,9 +136,7 @@ mod tests {
         let a = data.global_batch(3, 4, 42).expect("batch");
         assert_eq!(a, data.global_batch(3, 4, 42).expect("batch"));
         assert_ne!(a, data.global_batch(4, 4, 42).expect("batch"));
-        assert!(a
-            .iter()
-            .all(|s| s.len() == 8 && s.windows(2).all(|w| w[1] == w[0] + 1)));
+        assert!(a.iter().all(|s| s.len() == 8 && s.windows(2).all(|w| w[1] == w[0] + 1)));
         assert_eq!(data.validation(3).len(), 3);
     }
 
@@ -156,10 +144,7 @@ mod tests {
     fn a_fixed_batch_must_match_the_batch_size() {
         let data = DataSource::Fixed(vec![vec![1, 2, 3]; 4]);
         assert!(data.global_batch(0, 4, 0).is_ok());
-        let err = data
-            .global_batch(0, 8, 0)
-            .expect_err("size mismatch")
-            .to_string();
+        let err = data.global_batch(0, 8, 0).expect_err("size mismatch").to_string();
         assert!(err.contains("4 sequences") && err.contains("8"), "{err}");
     }
 }

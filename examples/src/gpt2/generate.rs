@@ -23,8 +23,8 @@ pub struct GenerateArgs {
 /// The prompt followed by the model's most likely continuation (greedy, within n_positions).
 pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
     let device = Default::default();
-    let (model, config) = Gpt2::<Flex>::load_pretrained(&args.model, &device)
-        .map_err(|e| TrainError::Model(e.to_string()))?;
+    let (model, config) =
+        Gpt2::<Flex>::load_pretrained(&args.model, &device).map_err(|e| TrainError::Model(e.to_string()))?;
     let tokenizer = Gpt2Tokenizer::new().map_err(|e| TrainError::Model(e.to_string()))?;
     let mut ids = tokenizer.encode(&args.prompt);
     if ids.is_empty() {
@@ -41,7 +41,5 @@ pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
         let next = last.argmax(0).into_scalar() as u32;
         ids.push(next);
     }
-    tokenizer
-        .decode(&ids)
-        .map_err(|e| TrainError::Model(e.to_string()))
+    tokenizer.decode(&ids).map_err(|e| TrainError::Model(e.to_string()))
 }

@@ -16,14 +16,7 @@ pub struct Progress {
 
 impl Progress {
     /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary.
-    pub fn new(
-        lead: bool,
-        show: bool,
-        steps: u64,
-        parameters: usize,
-        world: usize,
-        stage: u8,
-    ) -> Self {
+    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, world: usize, stage: u8) -> Self {
         let header = format!(
             "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {world} ranks",
             parameters as f64 / 1e6
@@ -53,9 +46,7 @@ impl Progress {
                 r.loss_scale,
                 r.tokens_per_s,
                 memory as f64 / 1e6,
-                r.valid_loss
-                    .map(|v| format!(" valid {v:.4}"))
-                    .unwrap_or_default()
+                r.valid_loss.map(|v| format!(" valid {v:.4}")).unwrap_or_default()
             ));
             bar.inc(1);
         }
@@ -81,8 +72,7 @@ impl Progress {
         if !self.lead {
             return;
         }
-        let tokens_per_s =
-            s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
+        let tokens_per_s = s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
         println!("{}", self.header);
         println!(
             "{} steps in {:.1} s: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
@@ -127,8 +117,7 @@ impl MetricsWriter {
 
     /// Appends one step.
     pub fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
-        let line =
-            serde_json::to_string(record).map_err(|e| io(&self.path, std::io::Error::other(e)))?;
+        let line = serde_json::to_string(record).map_err(|e| io(&self.path, std::io::Error::other(e)))?;
         writeln!(self.file, "{line}")
             .and_then(|_| self.file.flush())
             .map_err(|source| io(&self.path, source))
@@ -161,11 +150,7 @@ pub fn write_loss_curve(metrics: &Path, s: &TrainSummary) -> Result<(), TrainErr
             .iter()
             .filter_map(|r| r.valid_loss.map(|v| (r.step as f64, v)))
             .collect();
-        let all = losses
-            .iter()
-            .chain(&valid)
-            .map(|p| p.1)
-            .filter(|v| v.is_finite());
+        let all = losses.iter().chain(&valid).map(|p| p.1).filter(|v| v.is_finite());
         let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
         if lo > hi {
             return Ok(());

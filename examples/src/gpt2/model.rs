@@ -16,14 +16,10 @@ pub enum ModelSource {
 
 impl ModelSource {
     /// Builds the model on `device`.
-    pub fn build<B: Backend>(
-        &self,
-        device: &B::Device,
-    ) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
+    pub fn build<B: Backend>(&self, device: &B::Device) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
         match self {
             ModelSource::Preset(name) => {
-                let config =
-                    Gpt2Config::preset(name).map_err(|e| TrainError::Model(e.to_string()))?;
+                let config = Gpt2Config::preset(name).map_err(|e| TrainError::Model(e.to_string()))?;
                 Ok((config.init(device), config))
             }
             ModelSource::Pretrained(dir) => {

@@ -21,11 +21,7 @@ pub struct Monitors {
 
 impl Monitors {
     /// Opens the enabled monitors; `lead` is false on every rank but 0, which writes nothing.
-    pub fn open(
-        config: &MonitorConfig,
-        lead: bool,
-        samples_per_step: u64,
-    ) -> Result<Self, TrainError> {
+    pub fn open(config: &MonitorConfig, lead: bool, samples_per_step: u64) -> Result<Self, TrainError> {
         let none = Monitors {
             csv: None,
             tensorboard: None,
@@ -114,8 +110,7 @@ impl CsvMonitor {
 
     /// The file `tag` is written to.
     pub fn file_of(&self, tag: &str) -> PathBuf {
-        self.dir
-            .join(format!("{}.csv", tag.replace(['/', ' '], "_")))
+        self.dir.join(format!("{}.csv", tag.replace(['/', ' '], "_")))
     }
 
     /// Appends `step,value` to `tag`'s file, with the header first if the file is new.
@@ -163,8 +158,7 @@ mod tests {
         // A second monitor on the same directory (a resumed run) appends without a new header.
         let mut again = CsvMonitor::new(dir.path().join("job"));
         again.write("Train/Samples/lr", 24, 0.125).expect("write");
-        let text = std::fs::read_to_string(dir.path().join("job/Train_Samples_lr.csv"))
-            .expect("csv written");
+        let text = std::fs::read_to_string(dir.path().join("job/Train_Samples_lr.csv")).expect("csv written");
         assert_eq!(text, "step,lr\n8,0.5\n16,0.25\n24,0.125\n");
     }
 }

@@ -21,14 +21,13 @@ pub struct ScoreArgs {
 /// The loss of the whole batch (labels = inputs), as HuggingFace computes it.
 pub fn score(args: &ScoreArgs) -> Result<f64, TrainError> {
     let device = Default::default();
-    let (model, _) = Gpt2::<Flex>::load_pretrained(&args.model, &device)
-        .map_err(|e| TrainError::Model(e.to_string()))?;
+    let (model, _) =
+        Gpt2::<Flex>::load_pretrained(&args.model, &device).map_err(|e| TrainError::Model(e.to_string()))?;
     let DataSource::Fixed(batch) = DataSource::from_tokens_file(&args.tokens)? else {
         unreachable!("a tokens file is a fixed batch")
     };
     let seq = batch[0].len();
     let ids: Vec<i64> = batch.iter().flatten().map(|&t| t as i64).collect();
-    let tokens =
-        Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids, [batch.len(), seq]), &device);
+    let tokens = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids, [batch.len(), seq]), &device);
     Ok(model.loss(tokens.clone(), tokens).into_scalar() as f64)
 }

@@ -118,11 +118,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
             let mut c = i as u32;
             let mut k = 0;
             while k < 8 {
-                c = if c & 1 != 0 {
-                    (c >> 1) ^ 0x82F6_3B78
-                } else {
-                    c >> 1
-                };
+                c = if c & 1 != 0 { (c >> 1) ^ 0x82F6_3B78 } else { c >> 1 };
                 k += 1;
             }
             table[i] = c;
@@ -190,11 +186,7 @@ mod tests {
     #[test]
     fn varints_encode_as_protobuf_does() {
         // Protobuf's encoding guide: 1 is 0x01, 150 is 0x96 0x01, 300 is 0xAC 0x02.
-        for (v, want) in [
-            (1u64, vec![0x01u8]),
-            (150, vec![0x96, 0x01]),
-            (300, vec![0xAC, 0x02]),
-        ] {
+        for (v, want) in [(1u64, vec![0x01u8]), (150, vec![0x96, 0x01]), (300, vec![0xAC, 0x02])] {
             let mut out = Vec::new();
             put_varint(&mut out, v);
             assert_eq!(out, want, "{v}");

@@ -180,14 +180,11 @@ impl TimedGroup {
 
     fn timed(&self, issued: Instant, work: Work<FlatBuffer>, op: &'static str) -> Work<FlatBuffer> {
         let (reply, rx) = channel();
-        let sent = self.queue.lock().ok().and_then(|q| {
-            q.send(Pending {
-                work,
-                issued,
-                reply,
-            })
-            .err()
-        });
+        let sent = self
+            .queue
+            .lock()
+            .ok()
+            .and_then(|q| q.send(Pending { work, issued, reply }).err());
         match sent {
             // The waiter is gone (it cannot be while the group lives): hand the work back untimed.
             Some(failed) => failed.0.work,
@@ -212,11 +209,7 @@ impl ProcessGroup for TimedGroup {
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
         let t = Instant::now();
-        self.timed(
-            t,
-            self.inner.reduce_scatter_async(input, op),
-            "reduce_scatter",
-        )
+        self.timed(t, self.inner.reduce_scatter_async(input, op), "reduce_scatter")
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
@@ -226,11 +219,7 @@ impl ProcessGroup for TimedGroup {
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
         let t = Instant::now();
-        self.timed(
-            t,
-            self.inner.all_gather_into_async(shard, out),
-            "all_gather",
-        )
+        self.timed(t, self.inner.all_gather_into_async(shard, out), "all_gather")
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {

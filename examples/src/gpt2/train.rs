@@ -121,8 +121,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
             args.backend
         )));
     }
-    let parsed =
-        DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
+    let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
     }
@@ -130,8 +129,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     let data = Arc::new(match (&args.tokens, &args.data) {
         (Some(path), _) => DataSource::from_tokens_file(path)?,
         (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+            let text =
+                std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
             DataSource::from_text(&text, args.seq_len)?
         }
         (None, None) => DataSource::from_text(SHIPPED_CORPUS, args.seq_len)?,
@@ -262,21 +261,16 @@ fn rank_loop(
             t.end_step();
         }
         let report = report.ok_or_else(|| {
-            TrainError::Config("the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into())
+            TrainError::Config(
+                "the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into(),
+            )
         })?;
         let loss = mean_over_ranks(group.as_ref(), loss_sum / gas as f64)?;
-        let valid_loss =
-            if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-                Some(validate(
-                    &mut engine,
-                    group.as_ref(),
-                    &validation,
-                    rank,
-                    &device,
-                )?)
-            } else {
-                None
-            };
+        let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
+            Some(validate(&mut engine, group.as_ref(), &validation, rank, &device)?)
+        } else {
+            None
+        };
         let memory = memory_of_all_ranks(group.as_ref(), engine.memory())?;
         let record = StepRecord {
             step: step + 1,
@@ -302,9 +296,7 @@ fn rank_loop(
         }
         records.push(record);
         if let Some(dir) = &args.save {
-            let periodic = args
-                .save_every
-                .is_some_and(|k| k > 0 && (step + 1) % k == 0);
+            let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
             if periodic || step + 1 == args.steps {
                 let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
                 engine.save_checkpoint(dir, None, &client)?;
@@ -357,10 +349,7 @@ fn validate(
 }
 
 /// Every rank's memory report, on every rank (KiB in f32: exact up to 16 GiB per kind).
-fn memory_of_all_ranks(
-    group: &dyn ProcessGroup,
-    mine: MemoryReport,
-) -> Result<Vec<MemoryReport>, TrainError> {
+fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<Vec<MemoryReport>, TrainError> {
     use zero_burn::Bytes;
     let kinds = [
         mine.parameters,

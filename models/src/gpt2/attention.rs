@@ -40,12 +40,7 @@ impl<B: Backend> Gpt2Attention<B> {
     }
 
     /// The attention layer of block `layer` with the given projections.
-    pub fn from_linears(
-        config: &Gpt2Config,
-        layer: usize,
-        c_attn: Linear<B>,
-        c_proj: Linear<B>,
-    ) -> Self {
+    pub fn from_linears(config: &Gpt2Config, layer: usize, c_attn: Linear<B>, c_proj: Linear<B>) -> Self {
         Self {
             c_attn,
             c_proj,
@@ -60,10 +55,7 @@ impl<B: Backend> Gpt2Attention<B> {
         let [batch, seq, hidden] = x.dims();
         let head_dim = hidden / self.n_head;
         let qkv = self.c_attn.forward(x);
-        let heads = |part: Tensor<B, 3>| {
-            part.reshape([batch, seq, self.n_head, head_dim])
-                .swap_dims(1, 2)
-        };
+        let heads = |part: Tensor<B, 3>| part.reshape([batch, seq, self.n_head, head_dim]).swap_dims(1, 2);
         let query = heads(qkv.clone().narrow(2, 0, hidden));
         let key = heads(qkv.clone().narrow(2, hidden, hidden));
         let value = heads(qkv.narrow(2, 2 * hidden, hidden));

@@ -31,18 +31,14 @@ impl<B: Backend> Gpt2<B> {
     /// equal `wte.weight`; the attention-mask buffers older checkpoints store (`h.N.attn.bias`,
     /// `h.N.attn.masked_bias`) are skipped. F32, F16, BF16 and F64 tensors are read. Any missing
     /// or unknown tensor is an error that lists them all.
-    pub fn load_pretrained(
-        dir: impl AsRef<Path>,
-        device: &B::Device,
-    ) -> Result<(Self, Gpt2Config), CheckpointError> {
+    pub fn load_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<(Self, Gpt2Config), CheckpointError> {
         let dir = dir.as_ref();
         let config_path = dir.join(CONFIG_FILE);
         let json = read_to_string(&config_path)?;
-        let config =
-            Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
-                path: config_path,
-                source,
-            })?;
+        let config = Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
+            path: config_path,
+            source,
+        })?;
 
         let (files, reported_path) = weight_files(dir)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
@@ -55,11 +51,9 @@ impl<B: Backend> Gpt2<B> {
                 path: path.clone(),
                 source,
             })?;
-            let file = SafeTensors::deserialize(&bytes).map_err(|source| {
-                CheckpointError::Safetensors {
-                    path: path.clone(),
-                    source,
-                }
+            let file = SafeTensors::deserialize(&bytes).map_err(|source| CheckpointError::Safetensors {
+                path: path.clone(),
+                source,
             })?;
             for (stored_name, view) in file.iter() {
                 let name = stored_name.strip_prefix(HF_PREFIX).unwrap_or(stored_name);
@@ -120,11 +114,7 @@ impl<B: Backend> Gpt2<B> {
     /// Writes the model as a HuggingFace checkpoint directory (created if needed):
     /// `config.json` and one `model.safetensors` with F32 tensors named as `GPT2LMHeadModel`
     /// names them, the tied head left out, as `save_pretrained` does.
-    pub fn save_pretrained(
-        &self,
-        dir: impl AsRef<Path>,
-        config: &Gpt2Config,
-    ) -> Result<(), CheckpointError> {
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>, config: &Gpt2Config) -> Result<(), CheckpointError> {
         self.save_pretrained_sharded(dir, config, usize::MAX)
     }
 
@@ -145,24 +135,20 @@ impl<B: Backend> Gpt2<B> {
             source,
         })?;
         let config_path = dir.join(CONFIG_FILE);
-        let json = config
-            .to_json_string()
-            .map_err(|source| CheckpointError::Config {
-                path: config_path.clone(),
-                source,
-            })?;
+        let json = config.to_json_string().map_err(|source| CheckpointError::Config {
+            path: config_path.clone(),
+            source,
+        })?;
         write(&config_path, json.as_bytes())?;
 
         let tensors = self
             .hf_tensors()
             .into_iter()
             .map(|(name, data)| {
-                let values = data
-                    .to_vec::<f32>()
-                    .map_err(|error| CheckpointError::TensorData {
-                        key: name.clone(),
-                        reason: format!("{error:?}"),
-                    })?;
+                let values = data.to_vec::<f32>().map_err(|error| CheckpointError::TensorData {
+                    key: name.clone(),
+                    reason: format!("{error:?}"),
+                })?;
                 let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                 Ok((format!("{HF_PREFIX}{name}"), data.shape.to_vec(), bytes))
             })
@@ -214,11 +200,10 @@ impl<B: Backend> Gpt2<B> {
                 "metadata": { "total_size": total_size },
                 "weight_map": weight_map,
             });
-            let text =
-                serde_json::to_string_pretty(&index).map_err(|source| CheckpointError::Json {
-                    path: index_path.clone(),
-                    source,
-                })?;
+            let text = serde_json::to_string_pretty(&index).map_err(|source| CheckpointError::Json {
+                path: index_path.clone(),
+                source,
+            })?;
             write(&index_path, text.as_bytes())?;
         } else if index_path.exists() {
             // A stale index would make readers look for shards that are not there any more.
@@ -234,11 +219,7 @@ impl<B: Backend> Gpt2<B> {
 impl<B: Backend> Gpt2<B> {
     /// Checks that `config` describes this model's parameters, so that a checkpoint is never
     /// written with a config.json that cannot load it back.
-    fn check_matches(
-        &self,
-        config: &Gpt2Config,
-        config_path: &Path,
-    ) -> Result<(), CheckpointError> {
+    fn check_matches(&self, config: &Gpt2Config, config_path: &Path) -> Result<(), CheckpointError> {
         let expected = config.param_shapes();
         let actual: Vec<(String, Vec<usize>)> = self
             .hf_tensors()
@@ -287,9 +268,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, PathBuf), CheckpointError> 
     }
     let index_path = dir.join(INDEX_FILE);
     if !index_path.is_file() {
-        return Err(CheckpointError::NoWeights {
-            dir: dir.to_path_buf(),
-        });
+        return Err(CheckpointError::NoWeights { dir: dir.to_path_buf() });
     }
     #[derive(serde::Deserialize)]
     struct Index {
@@ -303,9 +282,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, PathBuf), CheckpointError> 
     let mut seen = HashSet::new();
     let mut files = Vec::new();
     for file in index.weight_map.values() {
-        let plain = Path::new(file)
-            .file_name()
-            .is_some_and(|name| name == file.as_str());
+        let plain = Path::new(file).file_name().is_some_and(|name| name == file.as_str());
         if !plain {
             return Err(CheckpointError::BadShardName {
                 index: index_path,
@@ -333,11 +310,7 @@ fn is_mask_buffer(name: &str) -> bool {
 }
 
 /// Converts a stored float tensor to f32 `TensorData`.
-fn to_f32_data(
-    path: &Path,
-    key: &str,
-    view: &TensorView<'_>,
-) -> Result<TensorData, CheckpointError> {
+fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorData, CheckpointError> {
     let bytes = view.data();
     let values: Vec<f32> = match view.dtype() {
         Dtype::F32 => bytes

@@ -100,13 +100,7 @@ impl Activation {
 impl Gpt2Config {
     /// A configuration with the given sizes and GPT-2's defaults elsewhere (`gelu_new`, LayerNorm
     /// epsilon 1e-5, tied head).
-    pub fn new(
-        vocab_size: usize,
-        n_positions: usize,
-        n_embd: usize,
-        n_layer: usize,
-        n_head: usize,
-    ) -> Self {
+    pub fn new(vocab_size: usize, n_positions: usize, n_embd: usize, n_layer: usize, n_head: usize) -> Self {
         Self {
             vocab_size,
             n_positions,
@@ -173,9 +167,7 @@ impl Gpt2Config {
             });
         }
         if Activation::from_hf_name(&self.activation_function).is_none() {
-            return Err(Gpt2ConfigError::UnsupportedActivation(
-                self.activation_function.clone(),
-            ));
+            return Err(Gpt2ConfigError::UnsupportedActivation(self.activation_function.clone()));
         }
         if !self.tie_word_embeddings {
             return Err(Gpt2ConfigError::UntiedHead);
@@ -266,10 +258,7 @@ mod tests {
         ));
         config.activation_function = "gelu_new".into();
         config.tie_word_embeddings = false;
-        assert!(matches!(
-            config.validate(),
-            Err(Gpt2ConfigError::UntiedHead)
-        ));
+        assert!(matches!(config.validate(), Err(Gpt2ConfigError::UntiedHead)));
     }
 
     #[test]

@@ -7,12 +7,7 @@ use burn::tensor::Distribution;
 
 /// A `[d_input, d_output]` linear layer with weights drawn from N(0, std²) and a zero bias, as
 /// HuggingFace initializes GPT-2's Conv1D layers (which store the same `[in, out]` layout).
-pub(crate) fn normal_linear<B: Backend>(
-    d_input: usize,
-    d_output: usize,
-    std: f64,
-    device: &B::Device,
-) -> Linear<B> {
+pub(crate) fn normal_linear<B: Backend>(d_input: usize, d_output: usize, std: f64, device: &B::Device) -> Linear<B> {
     let weight = Tensor::random([d_input, d_output], Distribution::Normal(0.0, std), device);
     Linear {
         weight: Param::from_tensor(weight),
@@ -21,12 +16,7 @@ pub(crate) fn normal_linear<B: Backend>(
 }
 
 /// An embedding table of `[rows, dim]` drawn from N(0, std²).
-pub(crate) fn normal_embedding<B: Backend>(
-    rows: usize,
-    dim: usize,
-    std: f64,
-    device: &B::Device,
-) -> Embedding<B> {
+pub(crate) fn normal_embedding<B: Backend>(rows: usize, dim: usize, std: f64, device: &B::Device) -> Embedding<B> {
     let weight = Tensor::random([rows, dim], Distribution::Normal(0.0, std), device);
     Embedding {
         weight: Param::from_tensor(weight),

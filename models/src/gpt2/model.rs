@@ -141,11 +141,7 @@ impl<B: Backend> Gpt2<B> {
 
 /// Mean cross-entropy of `logits` `[batch, n, vocab]` against `targets` `[batch, n]`, leaving out
 /// targets equal to [`IGNORE_INDEX`].
-fn shifted_cross_entropy<B: Backend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-    rows: usize,
-) -> Tensor<B, 1> {
+fn shifted_cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>, rows: usize) -> Tensor<B, 1> {
     let [_, _, vocab] = logits.dims();
     // The loss is computed in f32 whatever the model's dtype (as HuggingFace upcasts bf16/fp16
     // logits): a softmax over 50k entries in bf16 loses the small probabilities.
@@ -155,9 +151,7 @@ fn shifted_cross_entropy<B: Backend>(
     let counted = targets.clone().not_equal_elem(IGNORE_INDEX);
     // Ignored rows gather any valid index, then are zeroed by the mask.
     let safe_targets = targets.mask_fill(counted.clone().bool_not(), 0);
-    let picked = log_probs
-        .gather(1, safe_targets.unsqueeze_dim(1))
-        .reshape([rows]);
+    let picked = log_probs.gather(1, safe_targets.unsqueeze_dim(1)).reshape([rows]);
     let weights = counted.float();
     let total = (picked * weights.clone()).sum().neg();
     total / weights.sum()

@@ -91,16 +91,8 @@ impl<B: Backend> Gpt2<B> {
         for (layer, block) in self.blocks.iter().enumerate() {
             let prefix = format!("h.{layer}.");
             push_layer_norm(&mut out, &format!("{prefix}ln_1"), &block.ln_1);
-            push_linear(
-                &mut out,
-                &format!("{prefix}attn.c_attn"),
-                &block.attn.c_attn,
-            );
-            push_linear(
-                &mut out,
-                &format!("{prefix}attn.c_proj"),
-                &block.attn.c_proj,
-            );
+            push_linear(&mut out, &format!("{prefix}attn.c_attn"), &block.attn.c_attn);
+            push_linear(&mut out, &format!("{prefix}attn.c_proj"), &block.attn.c_proj);
             push_layer_norm(&mut out, &format!("{prefix}ln_2"), &block.ln_2);
             push_linear(&mut out, &format!("{prefix}mlp.c_fc"), &block.mlp.c_fc);
             push_linear(&mut out, &format!("{prefix}mlp.c_proj"), &block.mlp.c_proj);
@@ -144,12 +136,7 @@ impl<B: Backend> Gpt2<B> {
                 take.linear(&format!("{p}mlp.c_fc"))?,
                 take.linear(&format!("{p}mlp.c_proj"))?,
             );
-            model.blocks.push(Gpt2Block {
-                ln_1,
-                attn,
-                ln_2,
-                mlp,
-            });
+            model.blocks.push(Gpt2Block { ln_1, attn, ln_2, mlp });
         }
         Ok(model)
     }
@@ -162,11 +149,7 @@ fn push_linear<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, line
     }
 }
 
-fn push_layer_norm<B: Backend>(
-    out: &mut Vec<(String, TensorData)>,
-    name: &str,
-    norm: &LayerNorm<B>,
-) {
+fn push_layer_norm<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, norm: &LayerNorm<B>) {
     out.push((format!("{name}.weight"), norm.gamma.val().into_data()));
     if let Some(beta) = &norm.beta {
         out.push((format!("{name}.bias"), beta.val().into_data()));
@@ -180,17 +163,11 @@ struct TensorSource<'a, B: Backend> {
 }
 
 impl<B: Backend> TensorSource<'_, B> {
-    fn param<const D: usize>(
-        &mut self,
-        name: &str,
-    ) -> Result<Param<Tensor<B, D>>, CheckpointError> {
-        let data = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| CheckpointError::TensorData {
-                key: name.to_string(),
-                reason: "not among the loaded tensors".to_string(),
-            })?;
+    fn param<const D: usize>(&mut self, name: &str) -> Result<Param<Tensor<B, D>>, CheckpointError> {
+        let data = self.tensors.remove(name).ok_or_else(|| CheckpointError::TensorData {
+            key: name.to_string(),
+            reason: "not among the loaded tensors".to_string(),
+        })?;
         if data.shape.len() != D {
             return Err(CheckpointError::TensorData {
                 key: name.to_string(),
@@ -207,11 +184,7 @@ impl<B: Backend> TensorSource<'_, B> {
         })
     }
 
-    fn layer_norm(
-        &mut self,
-        name: &str,
-        config: &Gpt2Config,
-    ) -> Result<LayerNorm<B>, CheckpointError> {
+    fn layer_norm(&mut self, name: &str, config: &Gpt2Config) -> Result<LayerNorm<B>, CheckpointError> {
         // LayerNorm's epsilon is private to Burn: build one from its config, then set the weights.
         let mut norm = layer_norm(config.n_embd, config.layer_norm_epsilon, self.device);
         norm.gamma = self.param(&format!("{name}.weight"))?;

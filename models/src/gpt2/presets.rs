@@ -4,14 +4,7 @@ use super::config::Gpt2Config;
 use super::error::Gpt2ConfigError;
 
 /// The names [`Gpt2Config::preset`] accepts.
-pub const PRESET_NAMES: [&str; 6] = [
-    "tiny",
-    "gpt2",
-    "gpt2-medium",
-    "gpt2-large",
-    "gpt2-xl",
-    "gpt2-10b",
-];
+pub const PRESET_NAMES: [&str; 6] = ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-10b"];
 
 /// GPT-2's BPE vocabulary size (r50k_base).
 pub const GPT2_VOCAB_SIZE: usize = 50257;

@@ -37,11 +37,7 @@ pub trait TpBackend: Backend {
 }
 
 /// The element-wise sum of a tensor primitive over `group` (values only, no graph).
-pub fn all_reduce_primitive<B: Backend>(
-    x: FloatTensor<B>,
-    group: &TpGroup,
-    what: &'static str,
-) -> FloatTensor<B> {
+pub fn all_reduce_primitive<B: Backend>(x: FloatTensor<B>, group: &TpGroup, what: &'static str) -> FloatTensor<B> {
     if group.size() == 1 {
         return x;
     }
@@ -114,22 +110,13 @@ pub fn copy_to_tp<B: TpBackend, const D: usize>(x: Tensor<B, D>, group: &TpGroup
     if group.size() == 1 {
         return x;
     }
-    Tensor::from_primitive(TensorPrimitive::Float(B::tp_copy(
-        x.into_primitive().tensor(),
-        group,
-    )))
+    Tensor::from_primitive(TensorPrimitive::Float(B::tp_copy(x.into_primitive().tensor(), group)))
 }
 
 /// Megatron's `g`: the sum of `x` over the tensor-parallel group; its gradient passes unchanged.
-pub fn reduce_from_tp<B: TpBackend, const D: usize>(
-    x: Tensor<B, D>,
-    group: &TpGroup,
-) -> Tensor<B, D> {
+pub fn reduce_from_tp<B: TpBackend, const D: usize>(x: Tensor<B, D>, group: &TpGroup) -> Tensor<B, D> {
     if group.size() == 1 {
         return x;
     }
-    Tensor::from_primitive(TensorPrimitive::Float(B::tp_reduce(
-        x.into_primitive().tensor(),
-        group,
-    )))
+    Tensor::from_primitive(TensorPrimitive::Float(B::tp_reduce(x.into_primitive().tensor(), group)))
 }

@@ -35,12 +35,8 @@ pub fn vocab_parallel_cross_entropy<B: TpBackend>(
         .clone()
         .lower_elem(start)
         .bool_or(targets.clone().greater_equal_elem(end));
-    let local = targets
-        .clone()
-        .sub_scalar(start)
-        .mask_fill(outside.clone(), 0);
-    let picked =
-        shifted.gather(1, local.unsqueeze_dim(1)) * outside.bool_not().float().unsqueeze_dim(1);
+    let local = targets.clone().sub_scalar(start).mask_fill(outside.clone(), 0);
+    let picked = shifted.gather(1, local.unsqueeze_dim(1)) * outside.bool_not().float().unsqueeze_dim(1);
     let target_logit = reduce_from_tp(picked, group);
 
     let per_row = (sum_exp.log() - target_logit).reshape([rows]);

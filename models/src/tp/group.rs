@@ -32,12 +32,7 @@ pub struct TpGroup {
 
 impl std::fmt::Debug for TpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "TpGroup(rank {} of {})",
-            self.group.rank(),
-            self.group.world_size()
-        )
+        write!(f, "TpGroup(rank {} of {})", self.group.rank(), self.group.world_size())
     }
 }
 
@@ -79,12 +74,7 @@ impl TpGroup {
     }
 
     /// All-reduces `values` in place; on failure records it and fills them with NaN.
-    pub(crate) fn all_reduce_vec(
-        &self,
-        values: Vec<f32>,
-        op: ReduceOp,
-        what: &'static str,
-    ) -> Vec<f32> {
+    pub(crate) fn all_reduce_vec(&self, values: Vec<f32>, op: ReduceOp, what: &'static str) -> Vec<f32> {
         if self.size() == 1 {
             return values;
         }
@@ -148,17 +138,11 @@ mod tests {
                     let g = TpGroup::new(g.clone() as SharedGroup);
                     s.spawn(move || {
                         let r = g.rank() as f32;
-                        let t = Tensor::<Flex, 2>::from_floats(
-                            [[r, -r], [1.0, 2.0 * r]],
-                            &Default::default(),
-                        );
+                        let t = Tensor::<Flex, 2>::from_floats([[r, -r], [1.0, 2.0 * r]], &Default::default());
                         let sum = g.all_reduce_tensor(t.clone(), ReduceOp::Sum, "test");
                         let max = g.all_reduce_tensor(t, ReduceOp::Max, "test");
                         assert!(g.check().is_ok());
-                        (
-                            sum.into_data().to_vec().unwrap(),
-                            max.into_data().to_vec().unwrap(),
-                        )
+                        (sum.into_data().to_vec().unwrap(), max.into_data().to_vec().unwrap())
                     })
                 })
                 .collect();
@@ -180,8 +164,8 @@ mod tests {
                 .map(|g| {
                     let g = TpGroup::new(g.clone() as SharedGroup);
                     s.spawn(move || {
-                        let t = Tensor::<Flex, 1>::from_floats([1.5, -0.25], &Default::default())
-                            .cast(FloatDType::BF16);
+                        let t =
+                            Tensor::<Flex, 1>::from_floats([1.5, -0.25], &Default::default()).cast(FloatDType::BF16);
                         let sum = g.all_reduce_tensor(t, ReduceOp::Sum, "test");
                         (sum.dtype(), zero_burn::params::tensor_to_vec(sum))
                     })

@@ -39,17 +39,10 @@ pub struct RowParallelLinear<B: Backend> {
 
 /// Column ranges `[start, start + len)` of a weight's output dimension that one rank holds,
 /// one per piece: a fused projection (GPT-2's q|k|v) is split piece by piece.
-pub(crate) fn rank_chunks(
-    total: usize,
-    pieces: usize,
-    rank: usize,
-    size: usize,
-) -> Vec<(usize, usize)> {
+pub(crate) fn rank_chunks(total: usize, pieces: usize, rank: usize, size: usize) -> Vec<(usize, usize)> {
     let piece = total / pieces;
     let chunk = piece / size;
-    (0..pieces)
-        .map(|p| (p * piece + rank * chunk, chunk))
-        .collect()
+    (0..pieces).map(|p| (p * piece + rank * chunk, chunk)).collect()
 }
 
 /// Checks that `dim` splits evenly over the group.
@@ -69,17 +62,9 @@ pub(crate) fn check_divisible(what: &str, dim: usize, size: usize) -> Result<(),
 impl<B: TpBackend> ColumnParallelLinear<B> {
     /// This rank's part of the full `linear`, whose output holds `pieces` equal blocks (1 for a
     /// plain layer, 3 for a fused q|k|v projection), each split evenly across the group.
-    pub fn from_full(
-        linear: &Linear<B>,
-        pieces: usize,
-        group: TpGroup,
-    ) -> Result<Self, TpLoadError> {
+    pub fn from_full(linear: &Linear<B>, pieces: usize, group: TpGroup) -> Result<Self, TpLoadError> {
         let [_, d_out] = linear.weight.dims();
-        check_divisible(
-            "a column-parallel layer's output",
-            d_out,
-            pieces * group.size(),
-        )?;
+        check_divisible("a column-parallel layer's output", d_out, pieces * group.size())?;
         let chunks = rank_chunks(d_out, pieces, group.rank(), group.size());
         let weight = Tensor::cat(
             chunks
@@ -116,17 +101,10 @@ impl<B: TpBackend> RowParallelLinear<B> {
         let [d_in, _] = linear.weight.dims();
         check_divisible("a row-parallel layer's input", d_in, group.size())?;
         let chunk = d_in / group.size();
-        let weight = linear
-            .weight
-            .val()
-            .detach()
-            .narrow(0, group.rank() * chunk, chunk);
+        let weight = linear.weight.val().detach().narrow(0, group.rank() * chunk, chunk);
         Ok(RowParallelLinear {
             weight: Param::from_tensor(weight.detach()),
-            bias: linear
-                .bias
-                .as_ref()
-                .map(|b| Param::from_tensor(b.val().detach())),
+            bias: linear.bias.as_ref().map(|b| Param::from_tensor(b.val().detach())),
             group,
         })
     }

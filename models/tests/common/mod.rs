@@ -68,11 +68,7 @@ impl Reference {
     }
 
     /// A float tensor on a backend.
-    pub fn floats<B: Backend, const D: usize>(
-        &self,
-        name: &str,
-        device: &B::Device,
-    ) -> Tensor<B, D> {
+    pub fn floats<B: Backend, const D: usize>(&self, name: &str, device: &B::Device) -> Tensor<B, D> {
         Tensor::from_data(self.get(name), device)
     }
 }

@@ -50,14 +50,22 @@ impl<B: Backend> Net<B> {
     /// Deterministic weights (a smooth function of the parameter index and element index).
     pub fn new(device: &B::Device, blocks: usize) -> Self {
         let net = Net {
-            ends: Ends { input: LinearConfig::new(IN, HIDDEN).init(device), head: LinearConfig::new(HIDDEN, OUT).init(device) },
+            ends: Ends {
+                input: LinearConfig::new(IN, HIDDEN).init(device),
+                head: LinearConfig::new(HIDDEN, OUT).init(device),
+            },
             blocks: (0..blocks)
-                .map(|_| Block { up: LinearConfig::new(HIDDEN, 7).init(device), down: LinearConfig::new(7, HIDDEN).init(device) })
+                .map(|_| Block {
+                    up: LinearConfig::new(HIDDEN, 7).init(device),
+                    down: LinearConfig::new(7, HIDDEN).init(device),
+                })
                 .collect(),
         };
         let sizes: Vec<usize> = describe::<B, _>(&net).iter().map(|(_, s)| s.numel()).collect();
         write_values(net, device, true, |i| {
-            (0..sizes[i]).map(|k| 0.3 * ((i * 131 + k * 7) as f32 * 0.37).sin()).collect()
+            (0..sizes[i])
+                .map(|k| 0.3 * ((i * 131 + k * 7) as f32 * 0.37).sin())
+                .collect()
         })
     }
 
@@ -95,10 +103,19 @@ impl<B: AutodiffBackend> ChainModel<B> for Net<B> {
 }
 
 /// Rows `rows` of the deterministic global batch of step `step`.
-pub fn batch<B: Backend>(step: usize, rows: std::ops::Range<usize>, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+pub fn batch<B: Backend>(
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let n = rows.len();
-    let x: Vec<f32> = rows.clone().flat_map(|r| (0..IN).map(move |c| ((r * 17 + c * 5 + step * 3) as f32 * 0.21).cos())).collect();
-    let y: Vec<f32> = rows.flat_map(|r| (0..OUT).map(move |c| ((r * 11 + c * 3 + step) as f32 * 0.13).sin())).collect();
+    let x: Vec<f32> = rows
+        .clone()
+        .flat_map(|r| (0..IN).map(move |c| ((r * 17 + c * 5 + step * 3) as f32 * 0.21).cos()))
+        .collect();
+    let y: Vec<f32> = rows
+        .flat_map(|r| (0..OUT).map(move |c| ((r * 11 + c * 3 + step) as f32 * 0.13).sin()))
+        .collect();
     (
         Tensor::from_data(TensorData::new(x, [n, IN]), device),
         Tensor::from_data(TensorData::new(y, [n, OUT]), device),
@@ -106,7 +123,10 @@ pub fn batch<B: Backend>(step: usize, rows: std::ops::Range<usize>, device: &B::
 }
 
 /// Runs `f(rank, group)` on `world` threads; returns the results in rank order.
-pub fn on_ranks<T: Send + 'static>(world: usize, f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static) -> Vec<T> {
+pub fn on_ranks<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let groups = ThreadGroup::new_group(world).expect("thread group");
     let f = Arc::new(f);
     let handles: Vec<_> = groups
@@ -117,7 +137,10 @@ pub fn on_ranks<T: Send + 'static>(world: usize, f: impl Fn(usize, Arc<dyn Proce
             std::thread::spawn(move || f(rank, g as Arc<dyn ProcessGroup>))
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
 }
 
 /// Every parameter's values, flattened, in visit order.

@@ -102,7 +102,11 @@ pub fn train_on(
         let gas = settings.gradient_accumulation_steps;
         let dtype = settings.precision.dtype.burn();
         let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 3), wrap(group)).expect("engine");
-        let mut run = RankRun { losses: Vec::new(), steps: Vec::new(), values: Vec::new() };
+        let mut run = RankRun {
+            losses: Vec::new(),
+            steps: Vec::new(),
+            values: Vec::new(),
+        };
         for step in 0..steps {
             let mut loss_sum = 0.0;
             for micro in 0..gas {
@@ -124,7 +128,10 @@ pub fn train_on(
                 Ok(None) => panic!("no step at the accumulation boundary"),
                 Err(e) => {
                     run.steps.push(Err(e.to_string()));
-                    assert!(matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }), "{e}");
+                    assert!(
+                        matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }),
+                        "{e}"
+                    );
                     break;
                 }
             }
@@ -165,7 +172,11 @@ pub struct Recording {
 
 impl Recording {
     fn note(&self, op: &'static str, b: &FlatBuffer) {
-        let issued = Issued { op, dtype: b.dtype(), bytes: b.byte_len() };
+        let issued = Issued {
+            op,
+            dtype: b.dtype(),
+            bytes: b.byte_len(),
+        };
         self.log.lock().unwrap_or_else(|e| e.into_inner()).push(issued);
     }
 }

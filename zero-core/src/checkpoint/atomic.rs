@@ -27,8 +27,7 @@ pub(crate) fn create_temporary(path: &Path) -> Result<(PathBuf, File), Checkpoin
 
 /// Flushes `file` (written at `tmp`) to disk and renames it to `path`.
 pub(crate) fn commit(tmp: &Path, file: File, path: &Path) -> Result<(), CheckpointError> {
-    file.sync_all()
-        .map_err(|e| CheckpointError::io(tmp, "fsync", e))?;
+    file.sync_all().map_err(|e| CheckpointError::io(tmp, "fsync", e))?;
     drop(file);
     std::fs::rename(tmp, path).map_err(|e| CheckpointError::io(path, "rename", e))?;
     sync_parent(path)

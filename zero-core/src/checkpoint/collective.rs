@@ -38,20 +38,14 @@ pub fn agree<T>(
 
 /// Every rank's `bytes`, in rank order, on every rank. Bytes travel one per f32 element (exact),
 /// which is wasteful but only ever used for records of a few hundred bytes.
-pub(crate) fn all_gather_bytes(
-    comm: &dyn ProcessGroup,
-    bytes: &[u8],
-) -> Result<Vec<Vec<u8>>, CheckpointError> {
+pub(crate) fn all_gather_bytes(comm: &dyn ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CheckpointError> {
     if comm.world_size() == 1 {
         return Ok(vec![bytes.to_vec()]);
     }
     // Lengths first, as two 16-bit halves each (exact in f32), so buffers can be padded alike.
     let len = bytes.len() as u32;
     let lens = comm
-        .all_gather(FlatBuffer::F32(vec![
-            (len >> 16) as f32,
-            (len & 0xffff) as f32,
-        ]))?
+        .all_gather(FlatBuffer::F32(vec![(len >> 16) as f32, (len & 0xffff) as f32]))?
         .into_f32();
     let lens: Vec<usize> = lens
         .chunks(2)

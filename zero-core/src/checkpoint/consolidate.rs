@@ -60,9 +60,7 @@ fn exported_params(
 /// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000000` (bytes).
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let digits = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
+    let digits = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
     let (number, unit) = t.split_at(digits);
     let value: f64 = number
         .parse()
@@ -157,9 +155,7 @@ pub fn to_fp32(
             for piece in param_sources(layout, &old_places, *p, 0..n, 0) {
                 let reader = match readers.entry(piece.file_rank) {
                     std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::btree_map::Entry::Vacant(e) => {
-                        e.insert(checkpoint.open_shard(piece.file_rank)?)
-                    }
+                    std::collections::btree_map::Entry::Vacant(e) => e.insert(checkpoint.open_shard(piece.file_rank)?),
                 };
                 reader.read_f32(
                     &super::format::master_tensor(piece.group),
@@ -214,8 +210,7 @@ impl GroupExport {
         dtype: Option<HalfDtype>,
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, CheckpointError> {
-        let exported: HashMap<usize, String> =
-            exported_params(layout, names)?.into_iter().collect();
+        let exported: HashMap<usize, String> = exported_params(layout, names)?.into_iter().collect();
         let mut entries = Vec::new();
         let mut plan = Vec::with_capacity(layout.groups.len());
         for g in &layout.groups {
@@ -247,9 +242,10 @@ impl GroupExport {
 
     /// Writes the parameters of the next group from its full (gathered) values.
     pub fn write_group(&mut self, values: &[f32]) -> Result<(), CheckpointError> {
-        let group = self.plan.get(self.next_group).ok_or_else(|| {
-            CheckpointError::Usage("more groups written than the layout has".into())
-        })?;
+        let group = self
+            .plan
+            .get(self.next_group)
+            .ok_or_else(|| CheckpointError::Usage("more groups written than the layout has".into()))?;
         for &(offset, n) in group {
             let v = values.get(offset..offset + n).ok_or_else(|| {
                 CheckpointError::Usage(format!(

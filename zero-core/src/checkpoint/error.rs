@@ -95,20 +95,12 @@ pub enum CheckpointError {
 
 impl CheckpointError {
     /// An I/O error on `path` while doing `action`; a missing file becomes [`CheckpointError::Missing`].
-    pub(crate) fn io(
-        path: impl Into<PathBuf>,
-        action: &'static str,
-        source: std::io::Error,
-    ) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, action: &'static str, source: std::io::Error) -> Self {
         let path = path.into();
         if source.kind() == std::io::ErrorKind::NotFound && action == "open" {
             CheckpointError::Missing { path }
         } else {
-            CheckpointError::Io {
-                path,
-                action,
-                source,
-            }
+            CheckpointError::Io { path, action, source }
         }
     }
 }

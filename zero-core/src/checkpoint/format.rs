@@ -160,8 +160,7 @@ impl CheckpointMeta {
             path: path.to_path_buf(),
             detail,
         };
-        let meta: CheckpointMeta =
-            serde_json::from_slice(bytes).map_err(|e| bad(format!("not readable JSON: {e}")))?;
+        let meta: CheckpointMeta = serde_json::from_slice(bytes).map_err(|e| bad(format!("not readable JSON: {e}")))?;
         if meta.format_version != FORMAT_VERSION {
             return Err(bad(format!(
                 "format version {} (this build reads version {FORMAT_VERSION})",
@@ -172,9 +171,9 @@ impl CheckpointMeta {
             Some(recorded) if recorded == meta.content_crc() => {}
             Some(recorded) => {
                 return Err(bad(format!(
-                "checksum mismatch (recorded {recorded:08x}, content {:08x}): the file was altered",
-                meta.content_crc()
-            )))
+                    "checksum mismatch (recorded {recorded:08x}, content {:08x}): the file was altered",
+                    meta.content_crc()
+                )))
             }
             None => return Err(bad("no meta_crc32".into())),
         }
@@ -288,7 +287,9 @@ pub fn check_tag(dir: &Path, tag: &str) -> Result<(), CheckpointError> {
     } else {
         Err(CheckpointError::Tag {
             path: dir.to_path_buf(),
-            detail: format!("`{tag}` cannot be a tag: it must be a plain directory name (no `/`, no leading `.`, not `latest`)"),
+            detail: format!(
+                "`{tag}` cannot be a tag: it must be a plain directory name (no `/`, no leading `.`, not `latest`)"
+            ),
         })
     }
 }

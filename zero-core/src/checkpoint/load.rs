@@ -86,14 +86,10 @@ impl Checkpoint {
 
     /// Opens rank `rank`'s shard and checks that it holds the tensors the metadata implies.
     pub fn open_shard(&self, rank: usize) -> Result<ShardReader, CheckpointError> {
-        let record = self
-            .meta
-            .files
-            .get(rank)
-            .ok_or_else(|| CheckpointError::Metadata {
-                path: self.meta_path(),
-                detail: format!("no file record for rank {rank}"),
-            })?;
+        let record = self.meta.files.get(rank).ok_or_else(|| CheckpointError::Metadata {
+            path: self.meta_path(),
+            detail: format!("no file record for rank {rank}"),
+        })?;
         let expected_name = format::shard_file_name(rank);
         if record.name != expected_name {
             return Err(CheckpointError::Metadata {
@@ -123,11 +119,7 @@ impl Checkpoint {
     /// Reads `rank`'s owned slices of every group of `layout` (the caller's layout, at any world
     /// size and grouping over the same parameters, which [`CheckpointMeta::check_model`]
     /// checks). Only the needed shard files are opened, and of them only the needed chunks read.
-    pub fn read_rank(
-        &self,
-        layout: &PartitionLayout,
-        rank: usize,
-    ) -> Result<Vec<LoadedGroup>, CheckpointError> {
+    pub fn read_rank(&self, layout: &PartitionLayout, rank: usize) -> Result<Vec<LoadedGroup>, CheckpointError> {
         self.meta.check_model(&self.meta_path(), &layout.params)?;
         let plan = plan_rank(&self.meta.layout, layout, rank);
         // Open (length, header, tensor list) every needed file before reading any value.

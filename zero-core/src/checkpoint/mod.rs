@@ -28,13 +28,9 @@ mod save;
 mod writer;
 
 pub use collective::agree;
-pub use consolidate::{
-    parse_size, to_fp32, ConsolidateReport, GroupExport, INDEX_FILE, SINGLE_FILE,
-};
+pub use consolidate::{parse_size, to_fp32, ConsolidateReport, GroupExport, INDEX_FILE, SINGLE_FILE};
 pub use error::CheckpointError;
-pub use format::{
-    CheckpointMeta, FileRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE,
-};
+pub use format::{CheckpointMeta, FileRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule};
 pub use reader::ShardReader;

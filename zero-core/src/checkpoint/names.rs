@@ -42,9 +42,9 @@ impl NameMap {
         if let Some(prefix) = text.strip_prefix('!') {
             return Ok(NameRule::Drop(prefix.to_string()));
         }
-        let (from, to) = text.split_once('=').ok_or_else(|| {
-            format!("`{text}` is not a rename rule: write FROM=TO, *SUFFIX=TO or !PREFIX")
-        })?;
+        let (from, to) = text
+            .split_once('=')
+            .ok_or_else(|| format!("`{text}` is not a rename rule: write FROM=TO, *SUFFIX=TO or !PREFIX"))?;
         Ok(match from.strip_prefix('*') {
             Some(suffix) => NameRule::Suffix {
                 from: suffix.to_string(),
@@ -106,10 +106,7 @@ mod tests {
     fn gpt2_rules_give_huggingface_keys() {
         // Reference: the key names of HuggingFace's GPT2LMHeadModel state dict.
         let m = NameMap::gpt2_huggingface();
-        assert_eq!(
-            m.apply("ends.wte.weight").as_deref(),
-            Some("transformer.wte.weight")
-        );
+        assert_eq!(m.apply("ends.wte.weight").as_deref(), Some("transformer.wte.weight"));
         assert_eq!(
             m.apply("blocks.3.attn.c_attn.weight").as_deref(),
             Some("transformer.h.3.attn.c_attn.weight")
@@ -118,10 +115,7 @@ mod tests {
             m.apply("blocks.0.ln_1.gamma").as_deref(),
             Some("transformer.h.0.ln_1.weight")
         );
-        assert_eq!(
-            m.apply("ends.ln_f.beta").as_deref(),
-            Some("transformer.ln_f.bias")
-        );
+        assert_eq!(m.apply("ends.ln_f.beta").as_deref(), Some("transformer.ln_f.bias"));
     }
 
     #[test]

@@ -28,10 +28,7 @@ impl ShardReader {
     /// Opens `path`, checks its length against `record`, verifies and parses its header.
     pub fn open(path: &Path, record: &FileRecord) -> Result<Self, CheckpointError> {
         let file = File::open(path).map_err(|e| CheckpointError::io(path, "open", e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| CheckpointError::io(path, "stat", e))?
-            .len();
+        let len = file.metadata().map_err(|e| CheckpointError::io(path, "stat", e))?.len();
         if len != record.bytes {
             return Err(CheckpointError::Length {
                 path: path.to_path_buf(),
@@ -39,23 +36,17 @@ impl ShardReader {
                 actual: len,
             });
         }
-        if record.chunk_bytes == 0
-            || record.chunk_crc32.len() as u64 != record.bytes.div_ceil(record.chunk_bytes)
-        {
+        if record.chunk_bytes == 0 || record.chunk_crc32.len() as u64 != record.bytes.div_ceil(record.chunk_bytes) {
             return Err(CheckpointError::Metadata {
                 path: path.to_path_buf(),
-                detail: format!(
-                    "the record of {} has an inconsistent chunk list",
-                    record.name
-                ),
+                detail: format!("the record of {} has an inconsistent chunk list", record.name),
             });
         }
         let mut reader = ShardReader {
             path: path.to_path_buf(),
             file,
             record: record.clone(),
-            header: Metadata::new(None, Vec::new())
-                .map_err(|e| CheckpointError::Usage(e.to_string()))?,
+            header: Metadata::new(None, Vec::new()).map_err(|e| CheckpointError::Usage(e.to_string()))?,
             data_start: 0,
             chunk: None,
             verified: vec![false; record.chunk_crc32.len()],
@@ -110,9 +101,7 @@ impl ShardReader {
             }
         }
         if present.len() != expected.len() {
-            let extra = present
-                .keys()
-                .find(|k| !expected.iter().any(|(n, _)| n == *k));
+            let extra = present.keys().find(|k| !expected.iter().any(|(n, _)| n == *k));
             return Err(self.mismatch(format!(
                 "{} tensors where the layout needs {} (unexpected: {})",
                 present.len(),
@@ -124,12 +113,7 @@ impl ShardReader {
     }
 
     /// Reads elements `elems` of the f32 tensor `tensor` into `out`.
-    pub fn read_f32(
-        &mut self,
-        tensor: &str,
-        elems: Range<usize>,
-        out: &mut [f32],
-    ) -> Result<(), CheckpointError> {
+    pub fn read_f32(&mut self, tensor: &str, elems: Range<usize>, out: &mut [f32]) -> Result<(), CheckpointError> {
         let info = self
             .header
             .info(tensor)
@@ -179,11 +163,7 @@ impl ShardReader {
                     .map_err(|e| CheckpointError::io(&self.path, "read", e))?;
             } else {
                 self.load_chunk(c)?;
-                let chunk = self
-                    .chunk
-                    .as_ref()
-                    .map(|(_, b)| b.as_slice())
-                    .unwrap_or(&[]);
+                let chunk = self.chunk.as_ref().map(|(_, b)| b.as_slice()).unwrap_or(&[]);
                 let from = (at - c as u64 * size) as usize;
                 out[written..written + take].copy_from_slice(&chunk[from..from + take]);
             }

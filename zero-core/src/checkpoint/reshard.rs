@@ -74,13 +74,7 @@ pub fn plan_rank(old: &PartitionLayout, new: &PartitionLayout, rank: usize) -> V
         .map(|g| {
             let mut pieces: Vec<Piece> = Vec::new();
             for seg in new.segments(g, rank) {
-                for piece in param_sources(
-                    old,
-                    &old_places,
-                    seg.param,
-                    seg.in_param.clone(),
-                    seg.local.start,
-                ) {
+                for piece in param_sources(old, &old_places, seg.param, seg.in_param.clone(), seg.local.start) {
                     // Consecutive parameters usually stay consecutive: one read instead of many.
                     match pieces.last_mut() {
                         Some(last)
@@ -156,8 +150,7 @@ mod tests {
                     for (g, pieces) in plan.iter().enumerate() {
                         let mut got = vec![0.0f32; new.owned_len(g)];
                         for p in pieces {
-                            got[p.dst.clone()]
-                                .copy_from_slice(&shards[p.file_rank][p.group][p.src.clone()]);
+                            got[p.dst.clone()].copy_from_slice(&shards[p.file_rank][p.group][p.src.clone()]);
                         }
                         let mut want = vec![0.0f32; new.owned_len(g)];
                         for s in new.segments(g, rank) {
@@ -165,7 +158,10 @@ mod tests {
                                 want[l] = (s.param * 1000 + i) as f32;
                             }
                         }
-                        assert_eq!(got, want, "old world {old_world} {old_place:?} → new world {new_world}, rank {rank}, group {g}");
+                        assert_eq!(
+                            got, want,
+                            "old world {old_world} {old_place:?} → new world {new_world}, rank {rank}, group {g}"
+                        );
                     }
                 }
             }
@@ -177,12 +173,7 @@ mod tests {
         let l = layout(2, 1000, Placement::Sharded);
         let plan = plan_rank(&l, &l, 1);
         assert_eq!(plan.len(), 1);
-        assert_eq!(
-            plan[0].len(),
-            1,
-            "a contiguous slice must be one read: {:?}",
-            plan[0]
-        );
+        assert_eq!(plan[0].len(), 1, "a contiguous slice must be one read: {:?}", plan[0]);
         assert_eq!(plan[0][0].file_rank, 1);
     }
 }

@@ -16,9 +16,7 @@
 use super::atomic;
 use super::collective::{agree, all_gather_bytes};
 use super::error::CheckpointError;
-use super::format::{
-    self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
-};
+use super::format::{self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
 use crate::loss_scaler::LossScalerState;
@@ -71,11 +69,7 @@ pub fn save(
     format::check_tag(dir, tag)?;
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
-    let prepared = if rank == 0 {
-        prepare_staging(&staging)
-    } else {
-        Ok(())
-    };
+    let prepared = if rank == 0 { prepare_staging(&staging) } else { Ok(()) };
     agree(comm, "save", prepared)?;
 
     let written = write_shard(&staging, rank, request);
@@ -94,18 +88,13 @@ pub fn save(
 
 fn prepare_staging(staging: &Path) -> Result<(), CheckpointError> {
     if staging.exists() {
-        std::fs::remove_dir_all(staging)
-            .map_err(|e| CheckpointError::io(staging, "remove stale", e))?;
+        std::fs::remove_dir_all(staging).map_err(|e| CheckpointError::io(staging, "remove stale", e))?;
     }
     std::fs::create_dir_all(staging).map_err(|e| CheckpointError::io(staging, "create", e))
 }
 
 /// Writes this rank's shard file into the staging directory.
-fn write_shard(
-    staging: &Path,
-    rank: usize,
-    req: &SaveRequest<'_>,
-) -> Result<FileRecord, CheckpointError> {
+fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<FileRecord, CheckpointError> {
     let layout = req.layout;
     if req.groups.len() != layout.groups.len() {
         return Err(CheckpointError::Usage(format!(
@@ -163,9 +152,8 @@ fn publish(
         .iter()
         .enumerate()
         .map(|(r, b)| {
-            serde_json::from_slice::<FileRecord>(b).map_err(|e| {
-                CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}"))
-            })
+            serde_json::from_slice::<FileRecord>(b)
+                .map_err(|e| CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let state_names: Vec<String> = req
@@ -210,17 +198,14 @@ fn publish(
     let replaced = dir.join(format!("{tag}.replaced"));
     if target.exists() {
         if replaced.exists() {
-            std::fs::remove_dir_all(&replaced)
-                .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+            std::fs::remove_dir_all(&replaced).map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
         }
-        std::fs::rename(&target, &replaced)
-            .map_err(|e| CheckpointError::io(&target, "rename", e))?;
+        std::fs::rename(&target, &replaced).map_err(|e| CheckpointError::io(&target, "rename", e))?;
     }
     std::fs::rename(staging, &target).map_err(|e| CheckpointError::io(staging, "rename", e))?;
     atomic::sync_dir(dir)?;
     if replaced.exists() {
-        std::fs::remove_dir_all(&replaced)
-            .map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
+        std::fs::remove_dir_all(&replaced).map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
     }
     atomic::write_file(&dir.join(LATEST_FILE), tag.as_bytes())
 }

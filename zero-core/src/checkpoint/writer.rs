@@ -141,17 +141,10 @@ impl SafetensorsStream {
             at += len;
         }
         let header = Metadata::new(metadata, infos).map_err(|e| {
-            CheckpointError::Usage(format!(
-                "{}: cannot build the safetensors header: {e}",
-                path.display()
-            ))
+            CheckpointError::Usage(format!("{}: cannot build the safetensors header: {e}", path.display()))
         })?;
-        let mut json = serde_json::to_vec(&header).map_err(|e| {
-            CheckpointError::Usage(format!(
-                "{}: cannot serialise the header: {e}",
-                path.display()
-            ))
-        })?;
+        let mut json = serde_json::to_vec(&header)
+            .map_err(|e| CheckpointError::Usage(format!("{}: cannot serialise the header: {e}", path.display())))?;
         // The format pads the header with spaces so that the data starts 8-byte aligned.
         while json.len() % 8 != 0 {
             json.push(b' ');

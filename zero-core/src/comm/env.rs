@@ -96,14 +96,11 @@ impl DistEnv {
         };
         let need = |var: &'static str| get(var).ok_or(EnvError::Missing { launcher, var });
         let number = |var: &'static str, value: String| {
-            value
-                .trim()
-                .parse::<usize>()
-                .map_err(|_| EnvError::Invalid {
-                    var,
-                    value,
-                    reason: "expected a non-negative integer".into(),
-                })
+            value.trim().parse::<usize>().map_err(|_| EnvError::Invalid {
+                var,
+                value,
+                reason: "expected a non-negative integer".into(),
+            })
         };
         let port = |var: &'static str, value: String| {
             value.trim().parse::<u16>().map_err(|_| EnvError::Invalid {
@@ -135,12 +132,14 @@ impl DistEnv {
             }
         };
         let master_addr = match launcher {
-            Launcher::Slurm => get("MASTER_ADDR")
-                .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
-                .ok_or(EnvError::Missing {
-                    launcher,
-                    var: "MASTER_ADDR",
-                })?,
+            Launcher::Slurm => {
+                get("MASTER_ADDR")
+                    .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
+                    .ok_or(EnvError::Missing {
+                        launcher,
+                        var: "MASTER_ADDR",
+                    })?
+            }
             _ => need("MASTER_ADDR")?,
         };
         let master_port = match (launcher, get("MASTER_PORT")) {
@@ -192,10 +191,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| map.get(k).cloned()
     }
 
@@ -209,10 +205,7 @@ mod tests {
             ("MASTER_PORT", "1234"),
         ]))
         .unwrap();
-        assert_eq!(
-            (e.rank, e.world_size, e.local_rank, e.master_port),
-            (3, 4, 1, 1234)
-        );
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.master_port), (3, 4, 1, 1234));
         assert_eq!(e.launcher, Launcher::Torchrun);
         let missing = DistEnv::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "2")]));
         assert_eq!(
@@ -244,10 +237,7 @@ mod tests {
             ("MASTER_ADDR", "h"),
         ]))
         .unwrap_err();
-        assert!(
-            err.to_string().contains("OMPI_COMM_WORLD_LOCAL_RANK"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("OMPI_COMM_WORLD_LOCAL_RANK"), "{err}");
         let bad = DistEnv::from_lookup(env(&[
             ("SLURM_PROCID", "2"),
             ("SLURM_NTASKS", "2"),

@@ -22,9 +22,7 @@ pub enum CommError {
         peer_op: String,
     },
     /// Ranks passed buffers of different lengths or dtypes to the same collective.
-    #[error(
-        "collective `{op}` #{seq}: rank {rank} passed {detail}; rank {peer} passed {peer_detail}"
-    )]
+    #[error("collective `{op}` #{seq}: rank {rank} passed {detail}; rank {peer} passed {peer_detail}")]
     ShapeMismatch {
         /// Sequence number of the collective.
         seq: u64,

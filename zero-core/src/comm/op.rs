@@ -181,11 +181,7 @@ mod tests {
         };
         assert!(matches!(
             d.check(0, 1, &gather),
-            Err(CommError::Mismatch {
-                seq: 7,
-                peer: 1,
-                ..
-            })
+            Err(CommError::Mismatch { seq: 7, peer: 1, .. })
         ));
     }
 }

@@ -76,12 +76,7 @@ pub(crate) fn finish(acc: &mut [f32], op: ReduceOp, world: usize) {
 /// Every input pointer must be valid for reads of `len` elements and every output for writes of
 /// `len` elements for the whole call, and no other thread may access any of them meanwhile.
 /// Outputs may be inputs: each block is read completely before it is written.
-pub(crate) unsafe fn reduce_raw<T: Element>(
-    inputs: &[*const T],
-    outputs: &[*mut T],
-    len: usize,
-    op: ReduceOp,
-) {
+pub(crate) unsafe fn reduce_raw<T: Element>(inputs: &[*const T], outputs: &[*mut T], len: usize, op: ReduceOp) {
     let mut acc = [0f32; BLOCK];
     let mut tmp = [0f32; BLOCK];
     let mut start = 0;

@@ -67,20 +67,13 @@ impl ThreadGroup {
     }
 
     /// As [`ThreadGroup::new_group`], with an explicit timeout for every wait.
-    pub fn with_timeout(
-        world: usize,
-        timeout: Duration,
-    ) -> Result<Vec<Arc<ThreadGroup>>, CommError> {
+    pub fn with_timeout(world: usize, timeout: Duration) -> Result<Vec<Arc<ThreadGroup>>, CommError> {
         if world == 0 {
             return Err(CommError::Setup("a group needs at least one rank".into()));
         }
         let shared = Arc::new(Shared {
             world,
-            timeout: if timeout.is_zero() {
-                DEFAULT_TIMEOUT
-            } else {
-                timeout
-            },
+            timeout: if timeout.is_zero() { DEFAULT_TIMEOUT } else { timeout },
             state: Mutex::new(SharedState {
                 phase: vec![0; world],
                 desc: vec![None; world],
@@ -98,11 +91,7 @@ impl ThreadGroup {
                     seq: 0,
                 };
                 let worker = Worker::spawn(format!("zero-comm-thread-rank{rank}"), state)?;
-                Ok(Arc::new(ThreadGroup {
-                    rank,
-                    world,
-                    worker,
-                }))
+                Ok(Arc::new(ThreadGroup { rank, world, worker }))
             })
             .collect()
     }
@@ -130,9 +119,8 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0, None)
-        })
+        self.worker
+            .submit("all_gather", move |s| s.run(OpKind::AllGather, shard, None, 0, None))
     }
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
@@ -142,9 +130,8 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker.submit("broadcast", move |s| {
-            s.run(OpKind::Broadcast, buffer, None, root, None)
-        })
+        self.worker
+            .submit("broadcast", move |s| s.run(OpKind::Broadcast, buffer, None, root, None))
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -332,9 +319,7 @@ impl ThreadRank {
             )));
         }
         if kind == OpKind::Broadcast && root >= world {
-            return Err(invalid(format!(
-                "root {root} is not a rank of a group of {world}"
-            )));
+            return Err(invalid(format!("root {root} is not a rank of a group of {world}")));
         }
         if let Some(out) = &out {
             if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
@@ -387,10 +372,7 @@ impl ThreadRank {
             None => match Arc::try_unwrap(mine) {
                 Ok(shared) if kind == OpKind::ReduceScatter => {
                     let chunk = desc.len as usize / world;
-                    Ok(shared
-                        .buf
-                        .into_inner()
-                        .keep_range(rank * chunk..(rank + 1) * chunk))
+                    Ok(shared.buf.into_inner().keep_range(rank * chunk..(rank + 1) * chunk))
                 }
                 Ok(shared) => Ok(shared.buf.into_inner()),
                 // Every peer dropped its reference before reaching the last phase.
@@ -425,10 +407,7 @@ impl ThreadRank {
                     .iter()
                     .map(|&p| unsafe { p.add(mine_r.start) } as *const T)
                     .collect();
-                let outputs: Vec<*mut T> = ptrs
-                    .iter()
-                    .map(|&p| unsafe { p.add(mine_r.start) })
-                    .collect();
+                let outputs: Vec<*mut T> = ptrs.iter().map(|&p| unsafe { p.add(mine_r.start) }).collect();
                 let op = desc.reduce.unwrap_or(ReduceOp::Sum);
                 unsafe { reduce_raw(&inputs, &outputs, mine_r.len(), op) };
                 Ok(None)

@@ -110,15 +110,9 @@ impl<S: BackendState> Worker<S> {
 impl<S: BackendState> Drop for Worker<S> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.stop(
-                "its thread panicked".to_string(),
-                Duration::from_millis(100),
-            );
+            self.stop("its thread panicked".to_string(), Duration::from_millis(100));
         } else {
-            self.stop(
-                "it dropped its group handle".to_string(),
-                Duration::from_secs(30),
-            );
+            self.stop("it dropped its group handle".to_string(), Duration::from_secs(30));
         }
     }
 }

@@ -42,11 +42,7 @@ pub(crate) fn read_batch(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Batch
             Some((_, v)) => {
                 let n: u64 = cx.convert(name, v)?;
                 if n == 0 {
-                    return Err(cx.invalid(
-                        name,
-                        v,
-                        "batch sizes and accumulation steps must be > 0",
-                    ));
+                    return Err(cx.invalid(name, v, "batch sizes and accumulation steps must be > 0"));
                 }
                 Ok(Some(Auto::Value(n)))
             }
@@ -95,9 +91,7 @@ pub(crate) fn resolve_batch(
         message,
     };
     if train.is_none() && micro.is_none() {
-        let resolved_by = if spec.train_batch_size.is_some()
-            || spec.train_micro_batch_size_per_gpu.is_some()
-        {
+        let resolved_by = if spec.train_batch_size.is_some() || spec.train_micro_batch_size_per_gpu.is_some() {
             "values the training script supplies (ResolveContext::overrides; --set)"
         } else {
             "nothing: the file gives neither train_batch_size nor train_micro_batch_size_per_gpu"
@@ -168,14 +162,7 @@ pub(crate) fn resolve_batch(
         (None, Some(m), Some(g)) => (m * g * world, m, g),
         (Some(t), None, None) => (
             t,
-            divide(
-                t,
-                world,
-                TRAIN,
-                &format!("the world size ({world})"),
-                MICRO,
-                &err,
-            )?,
+            divide(t, world, TRAIN, &format!("the world size ({world})"), MICRO, &err)?,
             1,
         ),
         (None, Some(m), None) => (m * world, m, 1),
@@ -254,11 +241,7 @@ fn without_world(
     let sizes = BatchSizes {
         train_batch_size: train.unwrap_or(0),
         micro_batch_size: micro.unwrap_or(0),
-        gradient_accumulation_steps: gas.unwrap_or(if train.is_some() && micro.is_some() {
-            0
-        } else {
-            1
-        }),
+        gradient_accumulation_steps: gas.unwrap_or(if train.is_some() && micro.is_some() { 0 } else { 1 }),
     };
     Ok((sizes, deferred))
 }
@@ -275,27 +258,10 @@ mod tests {
         }
     }
 
-    fn run(
-        t: Option<u64>,
-        m: Option<u64>,
-        g: Option<u64>,
-        world: usize,
-    ) -> Result<(u64, u64, u64), String> {
-        resolve_batch(
-            &spec(t, m, g),
-            Some(world),
-            &Overrides::new(),
-            "f.json",
-            false,
-        )
-        .map(|(b, _)| {
-            (
-                b.train_batch_size,
-                b.micro_batch_size,
-                b.gradient_accumulation_steps,
-            )
-        })
-        .map_err(|e| e.to_string())
+    fn run(t: Option<u64>, m: Option<u64>, g: Option<u64>, world: usize) -> Result<(u64, u64, u64), String> {
+        resolve_batch(&spec(t, m, g), Some(world), &Overrides::new(), "f.json", false)
+            .map(|(b, _)| (b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps))
+            .map_err(|e| e.to_string())
     }
 
     // Reference: DeepSpeed's _set_batch_related_parameters and _batch_assertion, applied by hand.
@@ -327,25 +293,16 @@ mod tests {
     #[test]
     fn indivisible_derivations_are_errors() {
         let e = run(Some(30), Some(4), None, 2).unwrap_err();
-        assert!(
-            e.contains("gradient_accumulation_steps cannot be derived"),
-            "{e}"
-        );
-        assert!(
-            run(Some(2), None, None, 4).is_err(),
-            "train < world would give micro 0"
-        );
+        assert!(e.contains("gradient_accumulation_steps cannot be derived"), "{e}");
+        assert!(run(Some(2), None, None, 4).is_err(), "train < world would give micro 0");
     }
 
     #[test]
     fn none_or_only_gas_is_an_error() {
-        assert!(run(None, None, None, 1)
-            .unwrap_err()
-            .contains("must be given"));
+        assert!(run(None, None, None, 1).unwrap_err().contains("must be given"));
         assert!(run(None, None, Some(4), 1).is_err());
         // At parse time (deferring), a missing triad is left for initialize, where it fails.
-        let (_, d) =
-            resolve_batch(&spec(None, None, None), None, &Overrides::new(), "f", true).unwrap();
+        let (_, d) = resolve_batch(&spec(None, None, None), None, &Overrides::new(), "f", true).unwrap();
         assert_eq!(d.len(), 3);
         assert!(d[0].resolved_by.contains("neither"));
     }
@@ -360,11 +317,7 @@ mod tests {
         let o = Overrides::new().with(MICRO, 8).with(GAS, 2);
         let (b, _) = resolve_batch(&s, Some(2), &o, "f", false).unwrap();
         assert_eq!(
-            (
-                b.train_batch_size,
-                b.micro_batch_size,
-                b.gradient_accumulation_steps
-            ),
+            (b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps),
             (32, 8, 2)
         );
         assert!(resolve_batch(&s, Some(2), &Overrides::new(), "f", false).is_err());
@@ -372,33 +325,12 @@ mod tests {
 
     #[test]
     fn without_world_size_the_needed_keys_are_deferred() {
-        let (_, d) = resolve_batch(
-            &spec(None, Some(4), None),
-            None,
-            &Overrides::new(),
-            "f",
-            true,
-        )
-        .unwrap();
+        let (_, d) = resolve_batch(&spec(None, Some(4), None), None, &Overrides::new(), "f", true).unwrap();
         let keys: Vec<_> = d.iter().map(|d| d.key.as_str()).collect();
         assert_eq!(keys, [TRAIN, GAS]);
-        let (b, d) = resolve_batch(
-            &spec(Some(64), Some(4), Some(2)),
-            None,
-            &Overrides::new(),
-            "f",
-            true,
-        )
-        .unwrap();
+        let (b, d) = resolve_batch(&spec(Some(64), Some(4), Some(2)), None, &Overrides::new(), "f", true).unwrap();
         assert_eq!(b.train_batch_size, 64);
         assert!(d[0].resolved_by.contains("world size of 8"));
-        assert!(resolve_batch(
-            &spec(Some(63), Some(4), Some(2)),
-            None,
-            &Overrides::new(),
-            "f",
-            true,
-        )
-        .is_err());
+        assert!(resolve_batch(&spec(Some(63), Some(4), Some(2)), None, &Overrides::new(), "f", true,).is_err());
     }
 }

@@ -52,20 +52,16 @@ mod zero;
 pub use auto::{Auto, Overrides};
 pub use batch::{BatchSizes, BatchSpec};
 pub use error::{ConfigError, ConfigWarning};
-pub use optimizer::{
-    AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams,
-};
+pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams};
 pub use precision::{AmpConfig, Bf16Options, LossScaleConfig, Precision};
 pub use reader::Deferred;
 pub use resolved::{AllreduceOp, PartialResolution, ResolveContext, ResolvedConfig};
 pub use scheduler::{
-    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineParams, WarmupDecayParams,
-    WarmupParams, WarmupType,
+    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineParams, WarmupDecayParams, WarmupParams, WarmupType,
 };
 pub use sections::{
-    ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CommDataType, CommsLoggerConfig,
-    FileMonitorConfig, FlopsProfilerConfig, MonitorConfig, PipelineConfig, TagValidation,
-    TensorParallelConfig, WandbConfig,
+    ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CommDataType, CommsLoggerConfig, FileMonitorConfig,
+    FlopsProfilerConfig, MonitorConfig, PipelineConfig, TagValidation, TensorParallelConfig, WandbConfig,
 };
 pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, ZeroStage};
 
@@ -123,11 +119,7 @@ impl DeepSpeedConfig {
         cx.text = text;
         cx.warn = true;
         let (draft, batch) = resolved::build(&raw, &mut cx, None)?;
-        let auto_keys = cx
-            .deferred
-            .into_iter()
-            .filter(|d| d.key != "world_size")
-            .collect();
+        let auto_keys = cx.deferred.into_iter().filter(|d| d.key != "world_size").collect();
         Ok(Parsed {
             config: DeepSpeedConfig {
                 source_name: source_name.to_string(),
@@ -143,8 +135,7 @@ impl DeepSpeedConfig {
     /// Resolves the config for a run: every value a plain one. Fails, naming the key, where an
     /// "auto" value has nothing to resolve it.
     pub fn resolve(&self, ctx: &ResolveContext) -> Result<ResolvedConfig, ConfigError> {
-        let (config, _) =
-            self.resolve_with(Some(ctx.world_size), ctx.hidden_size, &ctx.overrides, false)?;
+        let (config, _) = self.resolve_with(Some(ctx.world_size), ctx.hidden_size, &ctx.overrides, false)?;
         Ok(config)
     }
 
@@ -158,10 +149,7 @@ impl DeepSpeedConfig {
     ) -> Result<PartialResolution, ConfigError> {
         let (config, deferred) = self.resolve_with(world_size, hidden_size, overrides, true)?;
         // Only parsing tolerates a config with no batch size at all; any run needs one.
-        if deferred
-            .iter()
-            .any(|d| d.resolved_by.starts_with("nothing"))
-        {
+        if deferred.iter().any(|d| d.resolved_by.starts_with("nothing")) {
             return Err(ConfigError::Batch {
                 source_name: self.source_name.clone(),
                 message: "the file gives neither train_batch_size nor \

@@ -194,10 +194,7 @@ const KNOWN: &[&str] = &[
 ];
 
 /// Reads `optimizer`; `None` when absent (the caller brings its own optimizer).
-pub(crate) fn read_optimizer(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<Option<OptimizerConfig>, ConfigError> {
+pub(crate) fn read_optimizer(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option<OptimizerConfig>, ConfigError> {
     let mut s = top.child("optimizer", cx)?;
     if !s.present() {
         return Ok(None);
@@ -208,10 +205,7 @@ pub(crate) fn read_optimizer(
     s.finish(cx, UnknownKeys::Warn)?;
     let Some(name) = name else {
         if p.present() {
-            cx.warning(
-                "optimizer",
-                "params without a type are ignored; set optimizer.type",
-            );
+            cx.warning("optimizer", "params without a type are ignored; set optimizer.type");
         }
         return Ok(None);
     };
@@ -220,12 +214,7 @@ pub(crate) fn read_optimizer(
         let lowered: Vec<String> = KNOWN.iter().map(|k| k.to_ascii_lowercase()).collect();
         let lowered: Vec<&str> = lowered.iter().map(String::as_str).collect();
         let suggestion = nearest(&lower, &lowered)
-            .and_then(|n| {
-                KNOWN
-                    .iter()
-                    .find(|k| k.eq_ignore_ascii_case(&n))
-                    .map(|k| k.to_string())
-            })
+            .and_then(|n| KNOWN.iter().find(|k| k.eq_ignore_ascii_case(&n)).map(|k| k.to_string()))
             .or_else(|| lower.contains("adamw").then(|| "AdamW".to_string()))
             .or_else(|| lower.contains("adam").then(|| "Adam".to_string()));
         let hint = suggestion
@@ -365,10 +354,7 @@ fn adam(p: &mut Section<'_>, cx: &mut Cx<'_>, is_adamw: bool) -> Result<AdamPara
 }
 
 /// Params of an optimizer this crate does not type: kept as written, "auto" resolved.
-fn untyped_params(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<Map<String, Value>, ConfigError> {
+fn untyped_params(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Map<String, Value>, ConfigError> {
     let mut out = Map::new();
     let params = top
         .raw("optimizer")

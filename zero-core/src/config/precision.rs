@@ -81,10 +81,7 @@ pub struct AmpConfig {
 }
 
 /// Reads `fp16`, `bf16`/`bfloat16` and `amp`.
-pub(crate) fn read_precision(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<(Precision, AmpConfig), ConfigError> {
+pub(crate) fn read_precision(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<(Precision, AmpConfig), ConfigError> {
     let mut fp16 = top.child("fp16", cx)?;
     let fp16_enabled: bool = cx.get(&mut fp16, &["enabled"], false)?;
     let loss = LossScaleConfig {
@@ -95,11 +92,7 @@ pub(crate) fn read_precision(
         hysteresis: cx.get(&mut fp16, &["hysteresis"], 2)?,
         consecutive_hysteresis: cx.get(&mut fp16, &["consecutive_hysteresis"], false)?,
         min_loss_scale: non_negative(cx, &mut fp16, "min_loss_scale", 1.0)?,
-        fp16_master_weights_and_grads: cx.get(
-            &mut fp16,
-            &["fp16_master_weights_and_grads"],
-            false,
-        )?,
+        fp16_master_weights_and_grads: cx.get(&mut fp16, &["fp16_master_weights_and_grads"], false)?,
     };
     if fp16_enabled && loss.is_dynamic() {
         for (name, bad) in [
@@ -141,11 +134,7 @@ pub(crate) fn read_precision(
     let bf16_options = Bf16Options {
         immediate_grad_update: cx.get(&mut bf16, &["immediate_grad_update"], false)?,
         check_grad_overflow: cx.get(&mut bf16, &["check_grad_overflow"], true)?,
-        bf16_master_weights_and_grads: cx.get(
-            &mut bf16,
-            &["bf16_master_weights_and_grads"],
-            false,
-        )?,
+        bf16_master_weights_and_grads: cx.get(&mut bf16, &["bf16_master_weights_and_grads"], false)?,
         bf16_optimizer_states: cx.get(&mut bf16, &["bf16_optimizer_states"], false)?,
     };
     if bf16_options.bf16_optimizer_states && !bf16_options.bf16_master_weights_and_grads {
@@ -207,12 +196,7 @@ pub(crate) fn read_precision(
     ))
 }
 
-fn non_negative(
-    cx: &mut Cx<'_>,
-    s: &mut Section<'_>,
-    name: &'static str,
-    default: f64,
-) -> Result<f64, ConfigError> {
+fn non_negative(cx: &mut Cx<'_>, s: &mut Section<'_>, name: &'static str, default: f64) -> Result<f64, ConfigError> {
     let v: f64 = cx.get(s, &[name], default)?;
     if v < 0.0 {
         return Err(cx.invalid(&s.key(name), &Value::from(v), "it must be >= 0"));

@@ -48,14 +48,8 @@ fn fill_hint(key: &str) -> Option<String> {
         "amp.opt_level",
     ];
     if MODEL.contains(&key) {
-        Some(
-            "derived from the model's hidden size at initialize (ResolveContext::hidden_size)"
-                .into(),
-        )
-    } else if CALLER.contains(&key)
-        || key.starts_with("optimizer.params.")
-        || key.starts_with("scheduler.params.")
-    {
+        Some("derived from the model's hidden size at initialize (ResolveContext::hidden_size)".into())
+    } else if CALLER.contains(&key) || key.starts_with("optimizer.params.") || key.starts_with("scheduler.params.") {
         Some(format!(
             "a value the training script supplies (ResolveContext::overrides[\"{key}\"]; --set)"
         ))
@@ -152,17 +146,8 @@ impl<'a> Cx<'a> {
     /// What "auto" at `key` (canonical spelling `canonical`) becomes: the caller's override,
     /// a derived value, DeepSpeed's default, or (for keys only the caller or the model can
     /// fill) a deferral or an error.
-    pub fn resolve_auto<T: Scalar>(
-        &mut self,
-        key: &str,
-        canonical: &str,
-        default: T,
-    ) -> Result<T, ConfigError> {
-        if let Some(v) = self
-            .overrides
-            .get(key)
-            .or_else(|| self.overrides.get(canonical))
-        {
+    pub fn resolve_auto<T: Scalar>(&mut self, key: &str, canonical: &str, default: T) -> Result<T, ConfigError> {
+        if let Some(v) = self.overrides.get(key).or_else(|| self.overrides.get(canonical)) {
             return self.convert(key, v);
         }
         if let Some(v) = self.derived.get(canonical).cloned() {
@@ -361,9 +346,7 @@ impl Scalar for u64 {
         v.as_u64().or_else(|| {
             let f = integral(v)?;
             // 2^64 itself is not representable; stay strictly below it.
-            (0.0..18_446_744_073_709_551_616.0)
-                .contains(&f)
-                .then_some(f as u64)
+            (0.0..18_446_744_073_709_551_616.0).contains(&f).then_some(f as u64)
         })
     }
     fn to_json(&self) -> Value {
@@ -433,10 +416,7 @@ impl Scalar for Vec<String> {
         match v {
             // DeepSpeed's list fields take a lone string as a one-element list.
             Value::String(s) => Some(vec![s.clone()]),
-            Value::Array(items) => items
-                .iter()
-                .map(|i| i.as_str().map(str::to_string))
-                .collect(),
+            Value::Array(items) => items.iter().map(|i| i.as_str().map(str::to_string)).collect(),
             _ => None,
         }
     }
@@ -560,26 +540,13 @@ mod tests {
         cx.warn = true;
         let doc = json!({"stage3_prefetch_bucketsize": 1});
         let mut s = Section::new(Some(&doc), "zero_optimization", &cx).unwrap();
-        let _ = cx
-            .get(&mut s, &["stage3_prefetch_bucket_size"], 0u64)
-            .unwrap();
-        let e = s
-            .finish(&mut cx, UnknownKeys::Error)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("did you mean `stage3_prefetch_bucket_size`?"),
-            "{e}"
-        );
-        assert!(
-            e.contains("zero_optimization.stage3_prefetch_bucketsize"),
-            "{e}"
-        );
+        let _ = cx.get(&mut s, &["stage3_prefetch_bucket_size"], 0u64).unwrap();
+        let e = s.finish(&mut cx, UnknownKeys::Error).unwrap_err().to_string();
+        assert!(e.contains("did you mean `stage3_prefetch_bucket_size`?"), "{e}");
+        assert!(e.contains("zero_optimization.stage3_prefetch_bucketsize"), "{e}");
 
         let mut s = Section::new(Some(&doc), "", &cx).unwrap();
-        let _ = cx
-            .get(&mut s, &["stage3_prefetch_bucket_size"], 0u64)
-            .unwrap();
+        let _ = cx.get(&mut s, &["stage3_prefetch_bucket_size"], 0u64).unwrap();
         s.finish(&mut cx, UnknownKeys::Warn).unwrap();
         assert_eq!(cx.warnings.len(), 1);
         assert!(cx.warnings[0].message.contains("did you mean"));
@@ -591,9 +558,6 @@ mod tests {
             nearest("overlap_com", &["overlap_comm", "stage"]).as_deref(),
             Some("overlap_comm")
         );
-        assert_eq!(
-            nearest("cuda_visible_devices", &["stage", "overlap_comm"]),
-            None
-        );
+        assert_eq!(nearest("cuda_visible_devices", &["stage", "overlap_comm"]), None);
     }
 }

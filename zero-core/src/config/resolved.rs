@@ -150,8 +150,7 @@ pub(crate) fn build(
 ) -> Result<(ResolvedConfig, BatchSpec), ConfigError> {
     let mut top = Section::new(Some(raw), "", cx)?;
     let batch_spec = read_batch(&mut top, cx)?;
-    let (batch, batch_deferred) =
-        resolve_batch(&batch_spec, world, cx.overrides, cx.source, cx.defer)?;
+    let (batch, batch_deferred) = resolve_batch(&batch_spec, world, cx.overrides, cx.source, cx.defer)?;
     cx.deferred.extend(batch_deferred);
 
     let zero = read_zero(&mut top, cx)?;
@@ -168,8 +167,7 @@ pub(crate) fn build(
     }
     let communication_data_type = read_comm_dtype(&mut top, cx, "communication_data_type")?;
     let seq_parallel_communication_data_type =
-        read_comm_dtype(&mut top, cx, "seq_parallel_communication_data_type")?
-            .unwrap_or(CommDataType::Fp32);
+        read_comm_dtype(&mut top, cx, "seq_parallel_communication_data_type")?.unwrap_or(CommDataType::Fp32);
     let op: String = cx.get(&mut top, &["gradient_allreduce_op"], "mean".to_string())?;
     let gradient_allreduce_op = match op.to_ascii_lowercase().as_str() {
         "mean" => AllreduceOp::Mean,
@@ -213,11 +211,7 @@ pub(crate) fn build(
         dump_state: cx.get(&mut top, &["dump_state"], false)?,
         disable_allgather: cx.get(&mut top, &["disable_allgather"], false)?,
         sparse_gradients: cx.get(&mut top, &["sparse_gradients"], false)?,
-        zero_allow_untested_optimizer: cx.get(
-            &mut top,
-            &["zero_allow_untested_optimizer"],
-            false,
-        )?,
+        zero_allow_untested_optimizer: cx.get(&mut top, &["zero_allow_untested_optimizer"], false)?,
         zero_force_ds_cpu_optimizer: cx.get(&mut top, &["zero_force_ds_cpu_optimizer"], true)?,
         dataloader_drop_last: cx.get(&mut top, &["dataloader_drop_last"], false)?,
         seed: cx.get(&mut top, &["seed"], None)?,
@@ -242,10 +236,7 @@ pub(crate) fn build(
 pub(crate) fn derived_from_hidden(hidden: usize) -> Vec<(String, Value)> {
     let h = hidden as u64;
     vec![
-        (
-            "zero_optimization.reduce_bucket_size".into(),
-            Value::from(h * h),
-        ),
+        ("zero_optimization.reduce_bucket_size".into(), Value::from(h * h)),
         // 0.9·h², exactly, in integers.
         (
             "zero_optimization.stage3_prefetch_bucket_size".into(),

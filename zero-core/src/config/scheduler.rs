@@ -160,13 +160,7 @@ pub struct LrRangeTestParams {
     pub last_batch_iteration: i64,
 }
 
-const DEEPSPEED: &[&str] = &[
-    "WarmupLR",
-    "WarmupDecayLR",
-    "WarmupCosineLR",
-    "OneCycle",
-    "LRRangeTest",
-];
+const DEEPSPEED: &[&str] = &["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"];
 const TORCH: &[&str] = &[
     "LambdaLR",
     "MultiplicativeLR",
@@ -186,10 +180,7 @@ const TORCH: &[&str] = &[
 ];
 
 /// Reads `scheduler`; `None` when absent.
-pub(crate) fn read_scheduler(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<Option<SchedulerConfig>, ConfigError> {
+pub(crate) fn read_scheduler(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option<SchedulerConfig>, ConfigError> {
     let mut s = top.child("scheduler", cx)?;
     if !s.present() {
         return Ok(None);
@@ -198,10 +189,7 @@ pub(crate) fn read_scheduler(
     let mut p = s.child("params", cx)?;
     s.finish(cx, UnknownKeys::Warn)?;
     let Some(name) = name else {
-        cx.warning(
-            "scheduler",
-            "a scheduler without a type is ignored; set scheduler.type",
-        );
+        cx.warning("scheduler", "a scheduler without a type is ignored; set scheduler.type");
         return Ok(None);
     };
     let all: Vec<&str> = DEEPSPEED.iter().chain(TORCH).copied().collect();
@@ -284,11 +272,7 @@ pub(crate) fn read_scheduler(
     Ok(Some(config))
 }
 
-fn warmup(
-    p: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-    max_default: Option<f64>,
-) -> Result<WarmupParams, ConfigError> {
+fn warmup(p: &mut Section<'_>, cx: &mut Cx<'_>, max_default: Option<f64>) -> Result<WarmupParams, ConfigError> {
     Ok(WarmupParams {
         warmup_min_lr: cx.get(p, &["warmup_min_lr"], 0.0)?,
         warmup_max_lr: cx.get(p, &["warmup_max_lr"], max_default)?,

@@ -189,27 +189,16 @@ pub(crate) fn read_activation_checkpointing(
     let c = ActivationCheckpointingConfig {
         partition_activations: cx.get(&mut s, &["partition_activations"], false)?,
         cpu_checkpointing: cx.get(&mut s, &["cpu_checkpointing"], false)?,
-        contiguous_memory_optimization: cx.get(
-            &mut s,
-            &["contiguous_memory_optimization"],
-            false,
-        )?,
+        contiguous_memory_optimization: cx.get(&mut s, &["contiguous_memory_optimization"], false)?,
         number_checkpoints: cx.get(&mut s, &["number_checkpoints"], None)?,
-        synchronize_checkpoint_boundary: cx.get(
-            &mut s,
-            &["synchronize_checkpoint_boundary"],
-            false,
-        )?,
+        synchronize_checkpoint_boundary: cx.get(&mut s, &["synchronize_checkpoint_boundary"], false)?,
         profile: cx.get(&mut s, &["profile"], false)?,
     };
     s.finish(cx, UnknownKeys::Warn)?;
     Ok(c)
 }
 
-pub(crate) fn read_pipeline(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<PipelineConfig, ConfigError> {
+pub(crate) fn read_pipeline(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<PipelineConfig, ConfigError> {
     let mut s = top.child("pipeline", cx)?;
     let stages = match s.lookup(&["stages"], cx)? {
         Some((_, Value::String(v))) if v == "auto" => Auto::Auto,
@@ -249,10 +238,7 @@ pub(crate) fn read_tensor_parallel(
     Ok(TensorParallelConfig {
         autotp_size,
         tp_overlap_comm,
-        other: others(
-            top.raw("tensor_parallel"),
-            &["autotp_size", "tp_overlap_comm"],
-        ),
+        other: others(top.raw("tensor_parallel"), &["autotp_size", "tp_overlap_comm"]),
     })
 }
 
@@ -268,11 +254,7 @@ fn others(section: Option<&Value>, known: &[&str]) -> Map<String, Value> {
         .unwrap_or_default()
 }
 
-fn file_monitor(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-    name: &'static str,
-) -> Result<FileMonitorConfig, ConfigError> {
+fn file_monitor(top: &mut Section<'_>, cx: &mut Cx<'_>, name: &'static str) -> Result<FileMonitorConfig, ConfigError> {
     let mut s = top.child(name, cx)?;
     let c = FileMonitorConfig {
         enabled: cx.get(&mut s, &["enabled"], false)?,
@@ -283,10 +265,7 @@ fn file_monitor(
     Ok(c)
 }
 
-pub(crate) fn read_monitors(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<MonitorConfig, ConfigError> {
+pub(crate) fn read_monitors(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<MonitorConfig, ConfigError> {
     let tensorboard = file_monitor(top, cx, "tensorboard")?;
     let csv_monitor = file_monitor(top, cx, "csv_monitor")?;
     let mut w = top.child("wandb", cx)?;
@@ -306,10 +285,7 @@ pub(crate) fn read_monitors(
     })
 }
 
-pub(crate) fn read_checkpoint(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<CheckpointConfig, ConfigError> {
+pub(crate) fn read_checkpoint(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<CheckpointConfig, ConfigError> {
     let mut s = top.child("checkpoint", cx)?;
     let tag: String = cx.get(&mut s, &["tag_validation"], "WARN".to_string())?;
     let tag_validation = match tag.to_ascii_uppercase().as_str() {
@@ -360,10 +336,7 @@ pub(crate) fn read_aio(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<AioConf
     Ok(c)
 }
 
-pub(crate) fn read_comms_logger(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<CommsLoggerConfig, ConfigError> {
+pub(crate) fn read_comms_logger(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<CommsLoggerConfig, ConfigError> {
     let mut s = top.child("comms_logger", cx)?;
     let c = CommsLoggerConfig {
         enabled: cx.get(&mut s, &["enabled"], false)?,
@@ -376,10 +349,7 @@ pub(crate) fn read_comms_logger(
     Ok(c)
 }
 
-pub(crate) fn read_flops_profiler(
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<FlopsProfilerConfig, ConfigError> {
+pub(crate) fn read_flops_profiler(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<FlopsProfilerConfig, ConfigError> {
     let mut s = top.child("flops_profiler", cx)?;
     let c = FlopsProfilerConfig {
         enabled: cx.get(&mut s, &["enabled"], false)?,
@@ -423,9 +393,7 @@ pub(crate) fn read_comm_dtype(
     if !matches!(lower.as_str(), "fp32" | "fp16" | "bf16") {
         cx.warning(
             name,
-            format!(
-                "\"{written}\" read as {dtype:?}; DeepSpeed itself accepts only fp32, fp16 or bf16"
-            ),
+            format!("\"{written}\" read as {dtype:?}; DeepSpeed itself accepts only fp32, fp16 or bf16"),
         );
     }
     Ok(Some(dtype))

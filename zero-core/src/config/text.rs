@@ -16,10 +16,7 @@ use std::fmt;
 
 /// Parses `text` (named `source_name` in errors) into a JSON value, with warnings for the
 /// relaxations it had to make.
-pub(crate) fn parse_relaxed(
-    text: &str,
-    source_name: &str,
-) -> Result<(Value, Vec<ConfigWarning>), ConfigError> {
+pub(crate) fn parse_relaxed(text: &str, source_name: &str) -> Result<(Value, Vec<ConfigWarning>), ConfigError> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let scan = scan(text);
     if let Some(err) = scan.bad_literal {
@@ -72,19 +69,11 @@ pub(crate) fn parse_relaxed(
 }
 
 /// Builds the error for unsubstituted placeholders: the first by name and line, the others listed.
-pub(crate) fn placeholder_error(
-    source_name: &str,
-    first: &(String, usize),
-    rest: &[(String, usize)],
-) -> ConfigError {
+pub(crate) fn placeholder_error(source_name: &str, first: &(String, usize), rest: &[(String, usize)]) -> ConfigError {
     let more = if rest.is_empty() {
         String::new()
     } else {
-        let listed: Vec<String> = rest
-            .iter()
-            .take(8)
-            .map(|(p, l)| format!("`{p}` (line {l})"))
-            .collect();
+        let listed: Vec<String> = rest.iter().take(8).map(|(p, l)| format!("`{p}` (line {l})")).collect();
         let tail = if rest.len() > 8 {
             format!(" and {} more", rest.len() - 8)
         } else {
@@ -247,18 +236,14 @@ fn scan(text: &str) -> Scan {
             }
             c if c.is_ascii_digit() || c == '-' => {
                 // A number, exponent included (`5e8`, `-1.5E-3`); the JSON parser judges it.
-                while i < n
-                    && (chars[i].is_ascii_alphanumeric() || matches!(chars[i], '.' | '+' | '-'))
-                {
+                while i < n && (chars[i].is_ascii_alphanumeric() || matches!(chars[i], '.' | '+' | '-')) {
                     out.clean.push(chars[i]);
                     i += 1;
                 }
             }
             c if c.is_alphabetic() || c == '_' => {
                 let mut end = i;
-                while end < n
-                    && (chars[end].is_alphanumeric() || matches!(chars[end], '_' | '.' | '-'))
-                {
+                while end < n && (chars[end].is_alphanumeric() || matches!(chars[end], '_' | '.' | '-')) {
                     end += 1;
                 }
                 let word: String = chars[i..end].iter().collect();
@@ -384,9 +369,7 @@ struct NoDuplicates(Value);
 
 impl<'de> Deserialize<'de> for NoDuplicates {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_any(NoDuplicatesVisitor)
-            .map(NoDuplicates)
+        deserializer.deserialize_any(NoDuplicatesVisitor).map(NoDuplicates)
     }
 }
 
@@ -471,11 +454,7 @@ mod tests {
 
     #[test]
     fn comment_markers_inside_strings_are_text() {
-        let (v, w) = parse_relaxed(
-            r#"{"p": "http://x/#y, ]", "q": "${not_a_placeholder}"}"#,
-            "t",
-        )
-        .unwrap();
+        let (v, w) = parse_relaxed(r#"{"p": "http://x/#y, ]", "q": "${not_a_placeholder}"}"#, "t").unwrap();
         assert_eq!(v["p"], "http://x/#y, ]");
         assert_eq!(v["q"], "${not_a_placeholder}");
         assert!(w.is_empty());
@@ -485,11 +464,7 @@ mod tests {
     fn bare_placeholders_are_named_with_their_line() {
         for (text, name, line) in [
             ("{\n\"stage\": ${zero_stage}\n}", "${zero_stage}", 2),
-            (
-                "{\"enabled\": CONFIG_FP16_ENABLED}",
-                "CONFIG_FP16_ENABLED",
-                1,
-            ),
+            ("{\"enabled\": CONFIG_FP16_ENABLED}", "CONFIG_FP16_ENABLED", 1),
             ("{\n\n\"x\": $VAR}", "$VAR", 3),
             ("{\"x\": {{ var }} }", "{{var}}", 1),
             ("{\"x\": %BS%}", "%BS%", 1),
@@ -497,9 +472,7 @@ mod tests {
         ] {
             match parse_relaxed(text, "f.json") {
                 Err(ConfigError::Placeholder {
-                    placeholder,
-                    line: l,
-                    ..
+                    placeholder, line: l, ..
                 }) => {
                     assert_eq!(placeholder, name, "{text}");
                     assert_eq!(l, line, "{text}");
@@ -511,13 +484,9 @@ mod tests {
 
     #[test]
     fn all_placeholders_are_listed() {
-        let err =
-            parse_relaxed("{\"a\": A_B,\n\"b\": C_D,\n\"c\": E, \"d\": A_B}", "f").unwrap_err();
+        let err = parse_relaxed("{\"a\": A_B,\n\"b\": C_D,\n\"c\": E, \"d\": A_B}", "f").unwrap_err();
         let msg = err.to_string();
-        assert!(
-            msg.contains("`A_B`") && msg.contains("`C_D` (line 2)"),
-            "{msg}"
-        );
+        assert!(msg.contains("`A_B`") && msg.contains("`C_D` (line 2)"), "{msg}");
         assert!(msg.contains("`E` (line 3)"), "{msg}");
         assert!(
             msg.contains("2 other(s)"),
@@ -528,10 +497,7 @@ mod tests {
     #[test]
     fn python_literals_get_a_specific_error() {
         let err = parse_relaxed("{\"a\": True}", "f").unwrap_err();
-        assert!(
-            err.to_string().contains("JSON writes booleans as true"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("JSON writes booleans as true"), "{err}");
     }
 
     #[test]

@@ -205,8 +205,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
 
     let offload_optimizer = read_offload_optimizer(&mut s, cx)?;
     let offload_param = read_offload_param(&mut s, cx)?;
-    let (offload_optimizer, offload_param) =
-        legacy_offload_flags(&mut s, cx, offload_optimizer, offload_param)?;
+    let (offload_optimizer, offload_param) = legacy_offload_flags(&mut s, cx, offload_optimizer, offload_param)?;
 
     if let Some(o) = &offload_optimizer {
         if o.ratio < 1.0 && !is3 {
@@ -233,11 +232,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
         contiguous_gradients: cx.get(&mut s, &["contiguous_gradients"], true)?,
         reduce_scatter: cx.get(&mut s, &["reduce_scatter"], true)?,
         reduce_bucket_size: cx.get(&mut s, &["reduce_bucket_size"], ELEMENTS_5E8)?,
-        use_multi_rank_bucket_allreduce: cx.get(
-            &mut s,
-            &["use_multi_rank_bucket_allreduce"],
-            true,
-        )?,
+        use_multi_rank_bucket_allreduce: cx.get(&mut s, &["use_multi_rank_bucket_allreduce"], true)?,
         allgather_partitions: cx.get(&mut s, &["allgather_partitions"], true)?,
         allgather_bucket_size: cx.get(&mut s, &["allgather_bucket_size"], ELEMENTS_5E8)?,
         overlap_comm: cx.get(&mut s, &["overlap_comm"], is3)?,
@@ -253,18 +248,12 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
         )?,
         stage3_param_persistence_threshold: cx.get(
             &mut s,
-            &[
-                "stage3_param_persistence_threshold",
-                "param_persistence_threshold",
-            ],
+            &["stage3_param_persistence_threshold", "param_persistence_threshold"],
             100_000,
         )?,
         stage3_model_persistence_threshold: cx.get(
             &mut s,
-            &[
-                "stage3_model_persistence_threshold",
-                "model_persistence_threshold",
-            ],
+            &["stage3_model_persistence_threshold", "model_persistence_threshold"],
             i64::MAX as u64,
         )?,
         stage3_max_live_parameters: cx.get(
@@ -280,10 +269,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
         stage3_gather_16bit_weights_on_model_save: gather_16bit(&mut s, cx)?,
         stage3_module_granularity_threshold: cx.get(
             &mut s,
-            &[
-                "stage3_module_granularity_threshold",
-                "module_granularity_threshold",
-            ],
+            &["stage3_module_granularity_threshold", "module_granularity_threshold"],
             0,
         )?,
         stage3_use_all_reduce_for_fetch_params: cx.get(
@@ -294,39 +280,23 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
             ],
             false,
         )?,
-        stage3_allgather_sequential: cx.get(
-            &mut s,
-            &["stage3_allgather_sequential", "allgather_sequential"],
-            false,
-        )?,
+        stage3_allgather_sequential: cx.get(&mut s, &["stage3_allgather_sequential", "allgather_sequential"], false)?,
         ignore_unused_parameters: cx.get(&mut s, &["ignore_unused_parameters"], true)?,
         legacy_stage1: cx.get(&mut s, &["legacy_stage1"], false)?,
         round_robin_gradients: cx.get(&mut s, &["round_robin_gradients"], false)?,
         zero_hpz_partition_size: cx.get(&mut s, &["zero_hpz_partition_size"], 1)?,
         zero_quantized_weights: cx.get(&mut s, &["zero_quantized_weights"], false)?,
-        zero_quantized_nontrainable_weights: cx.get(
-            &mut s,
-            &["zero_quantized_nontrainable_weights"],
-            false,
-        )?,
+        zero_quantized_nontrainable_weights: cx.get(&mut s, &["zero_quantized_nontrainable_weights"], false)?,
         zero_quantized_gradients: cx.get(&mut s, &["zero_quantized_gradients"], false)?,
         zeropp_loco_param: cx.get(&mut s, &["zeropp_loco_param"], None)?,
         mics_shard_size: cx.get(&mut s, &["mics_shard_size"], -1)?,
-        mics_hierarchical_params_gather: cx.get(
-            &mut s,
-            &["mics_hierarchical_params_gather"],
-            false,
-        )?,
+        mics_hierarchical_params_gather: cx.get(&mut s, &["mics_hierarchical_params_gather"], false)?,
         memory_efficient_linear: cx.get(&mut s, &["memory_efficient_linear"], true)?,
         pipeline_loading_checkpoint: cx.get(&mut s, &["pipeline_loading_checkpoint"], false)?,
         override_module_apply: cx.get(&mut s, &["override_module_apply"], true)?,
         log_trace_cache_warnings: cx.get(&mut s, &["log_trace_cache_warnings"], false)?,
         enable_sanity_checks: cx.get(&mut s, &["enable_sanity_checks"], false)?,
-        save_muon_momentum_buffer_in_memory: cx.get(
-            &mut s,
-            &["save_muon_momentum_buffer_in_memory"],
-            false,
-        )?,
+        save_muon_momentum_buffer_in_memory: cx.get(&mut s, &["save_muon_momentum_buffer_in_memory"], false)?,
         leaf_module: object_or_none(&mut s, "leaf_module", cx)?,
         zenflow: object_or_none(&mut s, "zenflow", cx)?,
     };
@@ -341,11 +311,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
 }
 
 /// `"zero_optimization": true` (DeepSpeed's oldest form): stage 1, bucket from `allgather_size`.
-fn legacy_bool_form(
-    enabled: bool,
-    top: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<ZeroConfig, ConfigError> {
+fn legacy_bool_form(enabled: bool, top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroConfig, ConfigError> {
     cx.warning(
         "zero_optimization",
         "a boolean zero_optimization is deprecated; write {\"stage\": N}",
@@ -387,11 +353,7 @@ fn gather_16bit(s: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<bool, ConfigErro
     cx.get(s, &NAMES, false)
 }
 
-fn object_or_none(
-    s: &mut Section<'_>,
-    name: &'static str,
-    cx: &mut Cx<'_>,
-) -> Result<Option<Value>, ConfigError> {
+fn object_or_none(s: &mut Section<'_>, name: &'static str, cx: &mut Cx<'_>) -> Result<Option<Value>, ConfigError> {
     let v: Option<Value> = cx.get(s, &[name], None)?;
     match v {
         Some(v) if !v.is_object() => Err(ConfigError::InvalidType {
@@ -435,10 +397,7 @@ fn nvme_path(
     Ok(path)
 }
 
-fn read_offload_optimizer(
-    z: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<Option<OffloadOptimizerConfig>, ConfigError> {
+fn read_offload_optimizer(z: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option<OffloadOptimizerConfig>, ConfigError> {
     let mut s = z.child("offload_optimizer", cx)?;
     let device = read_device(&mut s, cx)?;
     let nvme_path = nvme_path(&mut s, cx, device)?;
@@ -466,10 +425,7 @@ fn read_offload_optimizer(
     Ok(device.map(|_| config))
 }
 
-fn read_offload_param(
-    z: &mut Section<'_>,
-    cx: &mut Cx<'_>,
-) -> Result<Option<OffloadParamConfig>, ConfigError> {
+fn read_offload_param(z: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option<OffloadParamConfig>, ConfigError> {
     let mut s = z.child("offload_param", cx)?;
     let device = read_device(&mut s, cx)?;
     let nvme_path = nvme_path(&mut s, cx, device)?;
@@ -497,9 +453,7 @@ fn legacy_offload_flags(
     let cpu_offload: Option<bool> = cx.get(s, &["cpu_offload"], None)?;
     let cpu_offload_param: Option<bool> = cx.get(s, &["cpu_offload_param"], None)?;
     let pin: Option<bool> = cx.get(s, &["cpu_offload_use_pin_memory"], None)?;
-    let written = |s: &mut Section<'_>, cx: &Cx<'_>, name: &'static str| {
-        s.lookup(&[name], cx).map(|v| v.is_some())
-    };
+    let written = |s: &mut Section<'_>, cx: &Cx<'_>, name: &'static str| s.lookup(&[name], cx).map(|v| v.is_some());
     if let Some(flag) = cpu_offload {
         if written(s, cx, "offload_optimizer")? {
             return Err(conflict(cx, "cpu_offload", "offload_optimizer"));

@@ -87,9 +87,7 @@ impl LaunchPlan {
     /// Resolves the options (reading the hostfile, finding this node, picking a port).
     pub fn resolve(opts: &LaunchOptions) -> Result<Self, LaunchError> {
         if opts.command.is_empty() {
-            return Err(LaunchError::Options(
-                "no program to launch (give it after `--`)".into(),
-            ));
+            return Err(LaunchError::Options("no program to launch (give it after `--`)".into()));
         }
         let (first_rank, local, world, nnodes, default_master) = match &opts.hostfile {
             Some(path) => {
@@ -130,9 +128,9 @@ impl LaunchPlan {
                 (first, slots, world, hosts.len(), hosts[0].name.clone())
             }
             None => {
-                let nproc = opts.nproc_per_node.ok_or_else(|| {
-                    LaunchError::Options("--nproc-per-node is required without a hostfile".into())
-                })?;
+                let nproc = opts
+                    .nproc_per_node
+                    .ok_or_else(|| LaunchError::Options("--nproc-per-node is required without a hostfile".into()))?;
                 let nnodes = opts.nnodes.unwrap_or(1);
                 let node = opts.node_rank.unwrap_or(0);
                 if nproc == 0 || nnodes == 0 || node >= nnodes {
@@ -140,25 +138,19 @@ impl LaunchPlan {
                         "need --nproc-per-node ≥ 1, --nnodes ≥ 1 and --node-rank < --nnodes (got {nproc}, {nnodes}, {node})"
                     )));
                 }
-                (
-                    node * nproc,
-                    nproc,
-                    nnodes * nproc,
-                    nnodes,
-                    "127.0.0.1".to_string(),
-                )
+                (node * nproc, nproc, nnodes * nproc, nnodes, "127.0.0.1".to_string())
             }
         };
-        let master_port =
-            match (opts.master_port, nnodes) {
-                (Some(p), _) if p != 0 => p,
-                (_, 1) => free_port()?,
-                (None, _) => DEFAULT_MULTI_NODE_PORT,
-                (Some(_), _) => return Err(LaunchError::Options(
-                    "--master-port 0 cannot be used with several nodes: they must agree on a port"
-                        .into(),
-                )),
-            };
+        let master_port = match (opts.master_port, nnodes) {
+            (Some(p), _) if p != 0 => p,
+            (_, 1) => free_port()?,
+            (None, _) => DEFAULT_MULTI_NODE_PORT,
+            (Some(_), _) => {
+                return Err(LaunchError::Options(
+                    "--master-port 0 cannot be used with several nodes: they must agree on a port".into(),
+                ))
+            }
+        };
         Ok(LaunchPlan {
             first_rank,
             local_world_size: local,
@@ -212,10 +204,7 @@ mod tests {
             ..Default::default()
         };
         let plan = LaunchPlan::resolve(&opts).unwrap();
-        assert_eq!(
-            (plan.first_rank, plan.world_size, plan.local_world_size),
-            (4, 8, 4)
-        );
+        assert_eq!((plan.first_rank, plan.world_size, plan.local_world_size), (4, 8, 4));
         let env = plan.env(3);
         assert!(env.contains(&("RANK".into(), "7".into())));
         assert!(env.contains(&("LOCAL_RANK".into(), "3".into())));
@@ -248,10 +237,7 @@ mod tests {
             ..Default::default()
         };
         let plan = LaunchPlan::resolve(&opts).unwrap();
-        assert_eq!(
-            (plan.first_rank, plan.local_world_size, plan.world_size),
-            (2, 3, 5)
-        );
+        assert_eq!((plan.first_rank, plan.local_world_size, plan.world_size), (2, 3, 5));
         assert_eq!(
             (plan.master_addr.as_str(), plan.master_port),
             ("a", DEFAULT_MULTI_NODE_PORT)
@@ -260,10 +246,7 @@ mod tests {
             nproc_per_node: Some(4),
             ..opts
         };
-        assert!(LaunchPlan::resolve(&wrong)
-            .unwrap_err()
-            .to_string()
-            .contains("slots=3"));
+        assert!(LaunchPlan::resolve(&wrong).unwrap_err().to_string().contains("slots=3"));
         std::fs::remove_dir_all(&dir).ok();
     }
 }

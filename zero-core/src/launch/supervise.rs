@@ -122,11 +122,7 @@ pub fn supervise(plan: &LaunchPlan) -> Result<Outcome, LaunchError> {
                 let mut done = vec![false; children.len()];
                 stop_all(&mut children, &mut done, plan.grace);
                 return Err(LaunchError::Io {
-                    what: format!(
-                        "starting rank {} ({:?})",
-                        plan.first_rank + local,
-                        plan.command[0]
-                    ),
+                    what: format!("starting rank {} ({:?})", plan.first_rank + local, plan.command[0]),
                     message: e.to_string(),
                 });
             }

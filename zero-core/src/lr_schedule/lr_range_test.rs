@@ -40,14 +40,8 @@ pub struct LrRangeTest {
 impl LrRangeTest {
     /// The schedule.
     pub fn new(params: &LrRangeTestParams) -> Result<Self, ScheduleError> {
-        positive_steps(
-            "LRRangeTest",
-            "lr_range_test_step_size",
-            params.lr_range_test_step_size,
-        )?;
-        Ok(LrRangeTest {
-            params: params.clone(),
-        })
+        positive_steps("LRRangeTest", "lr_range_test_step_size", params.lr_range_test_step_size)?;
+        Ok(LrRangeTest { params: params.clone() })
     }
 }
 
@@ -55,11 +49,7 @@ impl LrSchedule for LrRangeTest {
     fn lr_at(&self, iteration: u64) -> f64 {
         let p = &self.params;
         let x = (iteration + 1) as f64 / p.lr_range_test_step_size as f64;
-        let x = if p.lr_range_test_staircase {
-            x.floor()
-        } else {
-            x
-        };
+        let x = if p.lr_range_test_staircase { x.floor() } else { x };
         p.lr_range_test_min_lr * (1.0 + p.lr_range_test_step_rate * x)
     }
 

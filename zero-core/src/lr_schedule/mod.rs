@@ -173,11 +173,7 @@ impl LrScheduler {
     }
 }
 
-pub(crate) fn positive_steps(
-    schedule: &'static str,
-    param: &'static str,
-    value: u64,
-) -> Result<u64, ScheduleError> {
+pub(crate) fn positive_steps(schedule: &'static str, param: &'static str, value: u64) -> Result<u64, ScheduleError> {
     if value == 0 {
         Err(ScheduleError::Invalid {
             schedule,

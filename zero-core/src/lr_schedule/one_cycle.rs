@@ -106,9 +106,7 @@ impl OneCycle {
             total_size: total,
             step_ratio: first / total,
             first_stair_count: p.cycle_first_stair_count,
-            second_stair_count: p
-                .cycle_second_stair_count
-                .unwrap_or(p.cycle_first_stair_count),
+            second_stair_count: p.cycle_second_stair_count.unwrap_or(p.cycle_first_stair_count),
             decay_step_size: p.decay_step_size as f64,
             skip_lr_decay: no_decay_steps || p.decay_lr_rate == 0.0,
             skip_mom_decay: no_decay_steps || p.decay_mom_rate == 0.0,

@@ -26,11 +26,7 @@ pub(crate) struct Warmup {
 }
 
 impl Warmup {
-    pub(crate) fn new(
-        schedule: &'static str,
-        kind: WarmupType,
-        num_steps: u64,
-    ) -> Result<Self, ScheduleError> {
+    pub(crate) fn new(schedule: &'static str, kind: WarmupType, num_steps: u64) -> Result<Self, ScheduleError> {
         let num_steps = positive_steps(schedule, "warmup_num_steps", num_steps)?.max(2);
         Ok(Warmup {
             kind,

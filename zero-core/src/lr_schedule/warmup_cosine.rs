@@ -56,11 +56,7 @@ impl WarmupCosineLr {
             total_num_steps,
             warmup_min_ratio: params.warmup_min_ratio,
             cos_min_ratio: params.cos_min_ratio,
-            warmup: Warmup::new(
-                "WarmupCosineLR",
-                params.warmup_type,
-                params.warmup_num_steps,
-            )?,
+            warmup: Warmup::new("WarmupCosineLR", params.warmup_type, params.warmup_num_steps)?,
         })
     }
 

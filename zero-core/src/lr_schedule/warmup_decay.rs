@@ -58,10 +58,7 @@ impl WarmupDecayLr {
         )
         .map_err(|e| match e {
             ScheduleError::Invalid {
-                param,
-                value,
-                reason,
-                ..
+                param, value, reason, ..
             } => ScheduleError::Invalid {
                 schedule: "WarmupDecayLR",
                 param,

@@ -130,12 +130,8 @@ pub fn stream_chunks<E: std::fmt::Display>(
         }
         drop(done_tx);
         drop(filled_rx);
-        let (write_error, write_time) = writer
-            .join()
-            .map_err(|_| OffloadError::ThreadPanicked("writer"))?;
-        let (free_rx, read_time) = reader
-            .join()
-            .map_err(|_| OffloadError::ThreadPanicked("reader"))?;
+        let (write_error, write_time) = writer.join().map_err(|_| OffloadError::ThreadPanicked("writer"))?;
+        let (free_rx, read_time) = reader.join().map_err(|_| OffloadError::ThreadPanicked("reader"))?;
         pool.extend(free_rx.try_iter());
         stats.read_time = read_time;
         stats.write_time = write_time;
@@ -160,8 +156,7 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> (std::path::PathBuf, SwapFile) {
-        let dir =
-            std::env::temp_dir().join(format!("zero-stream-unit-{}-{name}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("zero-stream-unit-{}-{name}", std::process::id()));
         let file = SwapFile::create(&dir, "s.swap").expect("create");
         (dir, file)
     }
@@ -189,17 +184,9 @@ mod tests {
                 Ok::<(), String>(())
             })
             .expect("stream");
-            assert_eq!(
-                seen,
-                (0..11).collect::<Vec<_>>(),
-                "{buffers} buffers: chunks in order"
-            );
+            assert_eq!(seen, (0..11).collect::<Vec<_>>(), "{buffers} buffers: chunks in order");
             assert_eq!(stats.bytes_read, (len * 2 * 4) as u64);
-            assert_eq!(
-                pool.len(),
-                buffers.min(11),
-                "{buffers} buffers return to the pool"
-            );
+            assert_eq!(pool.len(), buffers.min(11), "{buffers} buffers return to the pool");
         }
         let back = file.read_region(&region).expect("read");
         // Four passes: y grows by 1 each pass, x adds the current y each pass.
@@ -233,10 +220,7 @@ mod tests {
             back[0][..20].iter().all(|&v| v == 2.0),
             "chunks before the failure were written"
         );
-        assert!(
-            back[0][20..].iter().all(|&v| v == 1.0),
-            "chunks after it were not"
-        );
+        assert!(back[0][20..].iter().all(|&v| v == 1.0), "chunks after it were not");
         drop(file);
         let _ = std::fs::remove_dir(&dir);
     }

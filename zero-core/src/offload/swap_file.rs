@@ -68,11 +68,7 @@ impl SwapFile {
 
     /// Stores `buffers` (each `region.len` long, `region.width` of them) into `region`, chunk by
     /// chunk through one host buffer of a chunk's size.
-    pub fn write_region(
-        &self,
-        region: &SwapRegion,
-        buffers: &[&[f32]],
-    ) -> Result<(), OffloadError> {
+    pub fn write_region(&self, region: &SwapRegion, buffers: &[&[f32]]) -> Result<(), OffloadError> {
         check_buffers(region, buffers.iter().map(|b| b.len()))?;
         let mut staging = Vec::with_capacity(region.chunk.min(region.len) * region.width);
         for c in 0..region.chunks() {
@@ -122,8 +118,7 @@ impl SwapFile {
         self.sync()?;
         use std::os::fd::AsRawFd;
         // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
-        let rc =
-            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let rc = unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         if rc != 0 {
             return Err(OffloadError::Io {
                 op: "fadvise",
@@ -136,10 +131,7 @@ impl SwapFile {
     }
 }
 
-fn check_buffers(
-    region: &SwapRegion,
-    lens: impl Iterator<Item = usize>,
-) -> Result<(), OffloadError> {
+fn check_buffers(region: &SwapRegion, lens: impl Iterator<Item = usize>) -> Result<(), OffloadError> {
     let lens: Vec<usize> = lens.collect();
     if lens.len() != region.width {
         return Err(OffloadError::Length {
@@ -183,8 +175,7 @@ mod tests {
         assert_eq!(back, vec![a.clone(), b]);
         // Chunk 1 is stored interleaved: elements 4..8 of `a`, then of `b`.
         let mut chunk = vec![0.0; 8];
-        file.read_at(region.chunk_offset(1), &mut chunk)
-            .expect("read chunk");
+        file.read_at(region.chunk_offset(1), &mut chunk).expect("read chunk");
         assert_eq!(&chunk[..4], &a[4..8]);
         assert!(file.write_region(&region, &[&a]).is_err());
         let path = file.path().to_path_buf();

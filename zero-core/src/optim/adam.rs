@@ -22,11 +22,7 @@ impl Adam {
     /// this CPU supports.
     pub fn new(spec: AdamSpec, len: usize) -> Result<Self, OptimError> {
         spec.validate()?;
-        let max_exp_avg_sq = if spec.amsgrad {
-            vec![0.0; len]
-        } else {
-            Vec::new()
-        };
+        let max_exp_avg_sq = if spec.amsgrad { vec![0.0; len] } else { Vec::new() };
         Ok(Adam {
             beta1: spec.betas.0,
             spec,
@@ -152,10 +148,7 @@ impl ShardOptimizer for Adam {
 
     fn load_state(&mut self, step: u64, buffers: &[(&str, &[f32])]) -> Result<(), OptimError> {
         let len = self.len();
-        let mut targets = vec![
-            ("exp_avg", &mut self.exp_avg),
-            ("exp_avg_sq", &mut self.exp_avg_sq),
-        ];
+        let mut targets = vec![("exp_avg", &mut self.exp_avg), ("exp_avg_sq", &mut self.exp_avg_sq)];
         if self.spec.amsgrad {
             targets.push(("max_exp_avg_sq", &mut self.max_exp_avg_sq));
         }

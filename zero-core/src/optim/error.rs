@@ -38,9 +38,7 @@ pub enum OptimError {
         reason: String,
     },
     /// A checkpoint lacks a state buffer this optimizer keeps.
-    #[error(
-        "optimizer state `{name}` is missing from the checkpoint (the optimizer keeps: {expected})"
-    )]
+    #[error("optimizer state `{name}` is missing from the checkpoint (the optimizer keeps: {expected})")]
     MissingState {
         /// The missing buffer.
         name: String,

@@ -11,10 +11,7 @@ use rayon::prelude::*;
 
 use super::adam_kernel::HalfCopy;
 use super::state::load_buffers;
-use super::{
-    adam_kernel, check_len, LambSpec, LambVariant, NormPartials, OptimError, ShardOptimizer,
-    ShardSegments,
-};
+use super::{adam_kernel, check_len, LambSpec, LambVariant, NormPartials, OptimError, ShardOptimizer, ShardSegments};
 
 /// Elements per parallel chunk (see the Adam kernel for the reasoning).
 const CHUNK: usize = 1 << 16;
@@ -132,9 +129,7 @@ impl ShardOptimizer for Lamb {
 
     fn begin_step(&mut self, params: &[f32], grads: &[f32]) -> Result<NormPartials, OptimError> {
         if self.pending {
-            return Err(OptimError::PhaseOrder(
-                "begin_step called twice without finish_step",
-            ));
+            return Err(OptimError::PhaseOrder("begin_step called twice without finish_step"));
         }
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
@@ -182,9 +177,7 @@ impl ShardOptimizer for Lamb {
         out: HalfCopy<'_>,
     ) -> Result<(), OptimError> {
         if !self.pending {
-            return Err(OptimError::PhaseOrder(
-                "finish_step called before begin_step",
-            ));
+            return Err(OptimError::PhaseOrder("finish_step called before begin_step"));
         }
         check_len("params", self.len(), params.len())?;
         if totals.0.len() != 2 * self.segments.num_params {
@@ -196,10 +189,7 @@ impl ShardOptimizer for Lamb {
         let dir = self.direction();
         let step_factor = self.step_factor();
         for seg in &self.segments.segments {
-            let ratio = self.trust_ratio(
-                totals.weight_sq(seg.param_id),
-                totals.update_sq(seg.param_id),
-            );
+            let ratio = self.trust_ratio(totals.weight_sq(seg.param_id), totals.update_sq(seg.param_id));
             let scale = (lr * step_factor * ratio as f64) as f32;
             let r = seg.range.clone();
             params[r.clone()]
@@ -240,10 +230,7 @@ impl ShardOptimizer for Lamb {
         let len = self.len();
         load_buffers(
             len,
-            &mut [
-                ("exp_avg", &mut self.exp_avg),
-                ("exp_avg_sq", &mut self.exp_avg_sq),
-            ],
+            &mut [("exp_avg", &mut self.exp_avg), ("exp_avg_sq", &mut self.exp_avg_sq)],
             buffers,
         )?;
         self.step = step;

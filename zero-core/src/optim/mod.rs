@@ -116,10 +116,7 @@ pub trait ShardOptimizer: Send + std::fmt::Debug {
 
     /// Bytes of optimizer state held (not counting the parameters).
     fn state_bytes(&self) -> usize {
-        self.state()
-            .iter()
-            .map(|(_, b)| std::mem::size_of_val(*b))
-            .sum()
+        self.state().iter().map(|(_, b)| std::mem::size_of_val(*b)).sum()
     }
 
     /// The state buffers, by name, each as long as the shard.
@@ -137,11 +134,7 @@ pub trait ShardOptimizer: Send + std::fmt::Debug {
 }
 
 /// Builds the optimizer `spec` describes for a shard of `len` elements cut into `segments`.
-pub fn build(
-    spec: &OptimizerSpec,
-    len: usize,
-    segments: ShardSegments,
-) -> Result<Box<dyn ShardOptimizer>, OptimError> {
+pub fn build(spec: &OptimizerSpec, len: usize, segments: ShardSegments) -> Result<Box<dyn ShardOptimizer>, OptimError> {
     segments.validate(len)?;
     Ok(match spec {
         OptimizerSpec::Adam(s) => Box::new(Adam::new(s.clone(), len)?),

@@ -51,11 +51,7 @@ impl ShardSegments {
         };
         for (index, s) in self.segments.iter().enumerate() {
             if s.range.start > s.range.end || s.range.end > len {
-                return Err(bad(
-                    index,
-                    s,
-                    format!("outside the shard of {len} elements"),
-                ));
+                return Err(bad(index, s, format!("outside the shard of {len} elements")));
             }
             if s.param_id >= self.num_params {
                 return Err(bad(

@@ -10,13 +10,7 @@ pub(crate) fn load_buffers(
     targets: &mut [(&'static str, &mut Vec<f32>)],
     buffers: &[(&str, &[f32])],
 ) -> Result<(), OptimError> {
-    let expected = || {
-        targets
-            .iter()
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let expected = || targets.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
     for (name, data) in buffers {
         if !targets.iter().any(|(n, _)| n == name) {
             return Err(OptimError::UnknownState {

@@ -12,21 +12,14 @@ use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement}
 
 /// Parameter shapes: sizes that world sizes 2-4 do not divide, one matrix, one scalar-like.
 pub fn specs(prefix: &str) -> Vec<ParamSpec> {
-    [
-        vec![7, 3],
-        vec![13],
-        vec![1],
-        vec![10, 10],
-        vec![9],
-        vec![5, 4],
-    ]
-    .into_iter()
-    .enumerate()
-    .map(|(i, shape)| ParamSpec {
-        name: format!("{prefix}layer{i}.weight"),
-        shape,
-    })
-    .collect()
+    [vec![7, 3], vec![13], vec![1], vec![10, 10], vec![9], vec![5, 4]]
+        .into_iter()
+        .enumerate()
+        .map(|(i, shape)| ParamSpec {
+            name: format!("{prefix}layer{i}.weight"),
+            shape,
+        })
+        .collect()
 }
 
 /// A layout like the engines build: buckets (stages 0-2: replicated for 0, sharded for 1-2) or
@@ -38,8 +31,7 @@ pub fn layout(params: Vec<ParamSpec>, world: usize, stage: u8) -> PartitionLayou
     match stage {
         0 => drop(b.buckets(&all, 40, Placement::Replicated)),
         3 => {
-            let (small, large): (Vec<usize>, Vec<usize>) =
-                all.iter().partition(|&&p| numels[p] < 10);
+            let (small, large): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&p| numels[p] < 10);
             b.group(large, Placement::Sharded);
             b.group(small, Placement::Replicated);
         }
@@ -60,13 +52,7 @@ pub fn value(p: usize, i: usize, step: u64, kind: usize) -> f32 {
 }
 
 /// `rank`'s owned slice of `group` for buffer `kind` (padding zero).
-pub fn owned(
-    layout: &PartitionLayout,
-    group: usize,
-    rank: usize,
-    step: u64,
-    kind: usize,
-) -> Vec<f32> {
+pub fn owned(layout: &PartitionLayout, group: usize, rank: usize, step: u64, kind: usize) -> Vec<f32> {
     let mut v = vec![0.0f32; layout.owned_len(group)];
     for s in layout.segments(group, rank) {
         for (l, i) in s.local.zip(s.in_param) {
@@ -78,9 +64,7 @@ pub fn owned(
 
 /// The full parameter `p` at `step`.
 pub fn full(layout: &PartitionLayout, p: usize, step: u64) -> Vec<f32> {
-    (0..layout.params[p].numel())
-        .map(|i| value(p, i, step, 0))
-        .collect()
+    (0..layout.params[p].numel()).map(|i| value(p, i, step, 0)).collect()
 }
 
 /// Runs `f(rank, group)` on `world` threads; results in rank order.
@@ -110,14 +94,7 @@ pub fn save_reference(dir: &Path, tag: &str, world: usize, stage: u8, step: u64,
 }
 
 /// Saves the reference state of parameters `params` (see [`save_reference`]).
-pub fn save_specs(
-    dir: &Path,
-    tag: &str,
-    world: usize,
-    stage: u8,
-    step: u64,
-    params: Vec<ParamSpec>,
-) {
+pub fn save_specs(dir: &Path, tag: &str, world: usize, stage: u8, step: u64, params: Vec<ParamSpec>) {
     let dir = dir.to_path_buf();
     let tag = tag.to_string();
     on_ranks(world, move |rank, comm| {

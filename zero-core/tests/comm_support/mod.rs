@@ -54,13 +54,7 @@ fn eps(dtype: DType) -> f64 {
 
 /// The reference: every rank's held values reduced in f64 (exact here), with the magnitude that
 /// bounds the rounding error of each element.
-pub fn reference(
-    world: usize,
-    len: usize,
-    salt: u64,
-    dtype: DType,
-    op: ReduceOp,
-) -> (Vec<f64>, Vec<f64>) {
+pub fn reference(world: usize, len: usize, salt: u64, dtype: DType, op: ReduceOp) -> (Vec<f64>, Vec<f64>) {
     let all: Vec<Vec<f64>> = (0..world).map(|r| held(r, len, salt, dtype)).collect();
     let mut want = vec![0.0; len];
     let mut scale = vec![0.0; len];
@@ -72,24 +66,13 @@ pub fn reference(
             ReduceOp::Max => column.clone().fold(f64::NEG_INFINITY, f64::max),
         };
         let abs: f64 = column.map(f64::abs).sum();
-        scale[i] = if op == ReduceOp::Avg {
-            abs / world as f64
-        } else {
-            abs
-        };
+        scale[i] = if op == ReduceOp::Avg { abs / world as f64 } else { abs };
     }
     (want, scale)
 }
 
 /// Asserts `got` equals the reference up to one rounding to its dtype (exactly, for Max).
-pub fn assert_close(
-    got: &FlatBuffer,
-    want: &[f64],
-    scale: &[f64],
-    dtype: DType,
-    op: ReduceOp,
-    what: &str,
-) {
+pub fn assert_close(got: &FlatBuffer, want: &[f64], scale: &[f64], dtype: DType, op: ReduceOp, what: &str) {
     assert_eq!(got.dtype(), dtype, "{what}: dtype");
     assert_eq!(got.len(), want.len(), "{what}: length");
     let values = got.clone().into_f32();
@@ -122,8 +105,7 @@ pub fn exercise(g: &dyn ProcessGroup) -> usize {
                 salt += 1;
                 let what = format!("rank {rank}/{world} all_reduce {op:?} {dtype:?} len {len}");
                 let mut buf = FlatBuffer::from_f32(&input(rank, len, salt), dtype);
-                g.all_reduce(&mut buf, op)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                g.all_reduce(&mut buf, op).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let (want, scale) = reference(world, len, salt, dtype, op);
                 assert_close(&buf, &want, &scale, dtype, op, &what);
                 count += 1;
@@ -132,9 +114,7 @@ pub fn exercise(g: &dyn ProcessGroup) -> usize {
                 let what = format!("rank {rank}/{world} reduce_scatter {op:?} {dtype:?} len {len}");
                 let full = len * world;
                 let buf = FlatBuffer::from_f32(&input(rank, full, salt), dtype);
-                let out = g
-                    .reduce_scatter(buf, op)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let out = g.reduce_scatter(buf, op).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let (want, scale) = reference(world, full, salt, dtype, op);
                 let mine = rank * len..(rank + 1) * len;
                 assert_close(&out, &want[mine.clone()], &scale[mine], dtype, op, &what);
@@ -143,39 +123,22 @@ pub fn exercise(g: &dyn ProcessGroup) -> usize {
             salt += 1;
             let what = format!("rank {rank}/{world} all_gather {dtype:?} len {len}");
             let shard = FlatBuffer::from_f32(&input(rank, len, salt), dtype);
-            let out = g
-                .all_gather(shard)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let out = g.all_gather(shard).unwrap_or_else(|e| panic!("{what}: {e}"));
             let want: Vec<f64> = (0..world).flat_map(|r| held(r, len, salt, dtype)).collect();
-            assert_close(
-                &out,
-                &want,
-                &vec![0.0; want.len()],
-                dtype,
-                ReduceOp::Max,
-                &what,
-            );
+            assert_close(&out, &want, &vec![0.0; want.len()], dtype, ReduceOp::Max, &what);
             // Again into a reused output buffer holding stale values.
             let shard = FlatBuffer::from_f32(&input(rank, len, salt), dtype);
             let mut reused = FlatBuffer::from_f32(&vec![9.0; len * world], dtype);
             g.all_gather_into(shard, &mut reused)
                 .unwrap_or_else(|e| panic!("{what} into: {e}"));
-            assert_close(
-                &reused,
-                &want,
-                &vec![0.0; want.len()],
-                dtype,
-                ReduceOp::Max,
-                &what,
-            );
+            assert_close(&reused, &want, &vec![0.0; want.len()], dtype, ReduceOp::Max, &what);
             count += 2;
 
             salt += 1;
             let root = (salt as usize) % world;
             let what = format!("rank {rank}/{world} broadcast from {root} {dtype:?} len {len}");
             let mut buf = FlatBuffer::from_f32(&input(rank, len, salt), dtype);
-            g.broadcast(&mut buf, root)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            g.broadcast(&mut buf, root).unwrap_or_else(|e| panic!("{what}: {e}"));
             let want = held(root, len, salt, dtype);
             assert_close(&buf, &want, &vec![0.0; len], dtype, ReduceOp::Max, &what);
             count += 1;
@@ -193,10 +156,7 @@ fn exercise_async(g: &dyn ProcessGroup, salt: u64) -> usize {
         FlatBuffer::from_f32(&input(rank, len, salt + 1), DType::BF16),
         ReduceOp::Sum,
     );
-    let b = g.all_gather_async(FlatBuffer::from_f32(
-        &input(rank, len, salt + 2),
-        DType::F32,
-    ));
+    let b = g.all_gather_async(FlatBuffer::from_f32(&input(rank, len, salt + 2), DType::F32));
     let c = g.reduce_scatter_async(
         FlatBuffer::from_f32(&input(rank, len * world, salt + 3), DType::F16),
         ReduceOp::Avg,
@@ -206,17 +166,8 @@ fn exercise_async(g: &dyn ProcessGroup, salt: u64) -> usize {
     let b = b.wait().expect("async all_gather");
     let a = a.wait().expect("async all_reduce");
     let (want, scale) = reference(world, len, salt + 1, DType::BF16, ReduceOp::Sum);
-    assert_close(
-        &a,
-        &want,
-        &scale,
-        DType::BF16,
-        ReduceOp::Sum,
-        "async all_reduce",
-    );
-    let want: Vec<f64> = (0..world)
-        .flat_map(|r| held(r, len, salt + 2, DType::F32))
-        .collect();
+    assert_close(&a, &want, &scale, DType::BF16, ReduceOp::Sum, "async all_reduce");
+    let want: Vec<f64> = (0..world).flat_map(|r| held(r, len, salt + 2, DType::F32)).collect();
     assert_close(
         &b,
         &want,

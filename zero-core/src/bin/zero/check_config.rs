@@ -44,8 +44,7 @@ fn check(args: &Args) -> Result<String, String> {
             .split_once('=')
             .ok_or_else(|| format!("--set {item}: expected KEY=JSON"))?;
         // A bare word that is not JSON is taken as a string (`--set amp.opt_level=O1`).
-        let value =
-            serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
+        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
         overrides.set(key, value);
     }
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
@@ -59,16 +58,10 @@ fn check(args: &Args) -> Result<String, String> {
     let mut json = serde_json::to_value(&partial.config).map_err(|e| e.to_string())?;
     for deferred in &partial.deferred {
         if deferred.key == "world_size" {
-            eprintln!(
-                "note: {}; pass --world-size to check it",
-                deferred.resolved_by
-            );
+            eprintln!("note: {}; pass --world-size to check it", deferred.resolved_by);
             continue;
         }
-        let marker = Value::String(format!(
-            "auto: resolved at initialize from {}",
-            deferred.resolved_by
-        ));
+        let marker = Value::String(format!("auto: resolved at initialize from {}", deferred.resolved_by));
         match pointer_for(&json, &deferred.key) {
             Some(pointer) => {
                 if let Some(slot) = json.pointer_mut(&pointer) {

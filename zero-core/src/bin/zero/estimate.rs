@@ -78,8 +78,8 @@ fn report(args: &Args) -> Result<String, String> {
     if args.gpus_per_node == 0 || args.nodes == 0 {
         return Err("--gpus-per-node and --nodes must be at least 1".into());
     }
-    let dtype = Dtype::from_name(&args.dtype)
-        .ok_or_else(|| format!("--dtype {}: expected bf16, fp16 or fp32", args.dtype))?;
+    let dtype =
+        Dtype::from_name(&args.dtype).ok_or_else(|| format!("--dtype {}: expected bf16, fp16 or fp32", args.dtype))?;
     let offload_param = target("offload-param", args.offload_param.as_deref())?;
     if offload_param.is_some() && args.stage != 3 {
         return Err(format!(
@@ -88,18 +88,10 @@ fn report(args: &Args) -> Result<String, String> {
         ));
     }
     let (params, largest, what) = match (&args.params, &args.preset) {
-        (Some(p), _) => (
-            parse_count(p)?,
-            None,
-            format!("{} parameters", parse_count(p)?),
-        ),
+        (Some(p), _) => (parse_count(p)?, None, format!("{} parameters", parse_count(p)?)),
         (None, Some(name)) => {
-            let shape = Gpt2Shape::preset(name).ok_or_else(|| {
-                format!(
-                    "--preset {name}: unknown (known: {})",
-                    GPT2_PRESETS.join(", ")
-                )
-            })?;
+            let shape = Gpt2Shape::preset(name)
+                .ok_or_else(|| format!("--preset {name}: unknown (known: {})", GPT2_PRESETS.join(", ")))?;
             let what = format!(
                 "{name}: {} parameters ({} layers, hidden {}), largest gather unit {} parameters",
                 shape.num_params(),
@@ -134,11 +126,7 @@ fn report(args: &Args) -> Result<String, String> {
         if b.total() == 0 && title != "per device" {
             return;
         }
-        out.push_str(&format!(
-            "{title}: {} ({} bytes)\n",
-            human_bytes(b.total()),
-            b.total()
-        ));
+        out.push_str(&format!("{title}: {} ({} bytes)\n", human_bytes(b.total()), b.total()));
         for (kind, v) in [
             ("parameters", b.parameters),
             ("gradients", b.gradients),
@@ -146,10 +134,7 @@ fn report(args: &Args) -> Result<String, String> {
             ("largest gather", b.gathered),
         ] {
             if v > 0 {
-                out.push_str(&format!(
-                    "  {kind:<16} {:>12}  ({v} bytes)\n",
-                    human_bytes(v)
-                ));
+                out.push_str(&format!("  {kind:<16} {:>12}  ({v} bytes)\n", human_bytes(v)));
             }
         }
     };

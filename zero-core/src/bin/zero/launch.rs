@@ -60,11 +60,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     match supervise(&plan) {
         Ok(Outcome::Success) => ExitCode::SUCCESS,
-        Ok(Outcome::RankFailed {
-            rank,
-            local_rank,
-            how,
-        }) => {
+        Ok(Outcome::RankFailed { rank, local_rank, how }) => {
             eprintln!(
                 "zero launch: rank {rank} (local rank {local_rank}) failed with {how}; the other ranks were stopped"
             );

@@ -64,13 +64,11 @@ fn convert(args: &Args) -> Result<String, String> {
         .map(parse_size)
         .transpose()
         .map_err(|e| format!("--max-shard-size {e}"))?;
-    let checkpoint =
-        Checkpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?;
+    let checkpoint = Checkpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?;
     if args.verify {
         checkpoint.verify().map_err(|e| e.to_string())?;
     }
-    let report =
-        to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)).map_err(|e| e.to_string())?;
+    let report = to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)).map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
     let mut summary = format!(
         "checkpoint {} (step {}, saved by {} ranks at stage {}): {} tensors, {} bytes of fp32 weights",

@@ -116,9 +116,7 @@ impl Link {
         while sent < frame.len() && Instant::now() < deadline {
             match (&self.ctrl).write(&frame[sent..]) {
                 Ok(n) => sent += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(_) => return,
             }

@@ -100,13 +100,7 @@ impl TcpGroup {
             timeout,
             ..TcpOptions::default()
         };
-        Self::connect(
-            env.rank,
-            env.world_size,
-            &env.master_addr,
-            env.master_port,
-            options,
-        )
+        Self::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options)
     }
 
     /// Joins a group explicitly: rank 0 listens on `master_port` of the host `master_addr`
@@ -122,14 +116,7 @@ impl TcpGroup {
             buffer: options.socket_buffer,
             unix_on_same_host: options.unix_on_same_host,
         };
-        let (links, hosts) = connect_mesh(
-            rank,
-            world,
-            master_addr,
-            master_port,
-            options.timeout,
-            tuning,
-        )?;
+        let (links, hosts) = connect_mesh(rank, world, master_addr, master_port, options.timeout, tuning)?;
         Self::from_links(rank, links, hosts, options)
     }
 
@@ -196,9 +183,8 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0, None)
-        })
+        self.worker
+            .submit("all_gather", move |s| s.run(OpKind::AllGather, shard, None, 0, None))
     }
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
@@ -208,9 +194,8 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker.submit("broadcast", move |s| {
-            s.run(OpKind::Broadcast, buffer, None, root, None)
-        })
+        self.worker
+            .submit("broadcast", move |s| s.run(OpKind::Broadcast, buffer, None, root, None))
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -301,9 +286,7 @@ impl TcpRank {
             )));
         }
         if kind == OpKind::Broadcast && root >= world {
-            return Err(invalid(format!(
-                "root {root} is not a rank of a group of {world}"
-            )));
+            return Err(invalid(format!("root {root} is not a rank of a group of {world}")));
         }
         if let Some(out) = &out {
             if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
@@ -463,9 +446,7 @@ impl TcpRank {
             return Ok(());
         }
         let base = work.as_mut_ptr();
-        let sends = (0..n - 1)
-            .map(|k| seg_of(base, &ranges[(first + n - k) % n]))
-            .collect();
+        let sends = (0..n - 1).map(|k| seg_of(base, &ranges[(first + n - k) % n])).collect();
         let recvs = (0..n - 1)
             .map(|k| seg_of(base, &ranges[(first + 2 * n - 1 - k) % n]))
             .collect();
@@ -523,9 +504,7 @@ impl TcpRank {
             return Ok(());
         }
         let base = buf.as_mut_ptr();
-        let sends = (0..n - 1)
-            .map(|k| seg_of(base, &ranges[(own + n - k) % n]))
-            .collect();
+        let sends = (0..n - 1).map(|k| seg_of(base, &ranges[(own + n - k) % n])).collect();
         let recvs = (0..n - 1)
             .map(|k| seg_of(base, &ranges[(own + 2 * n - 1 - k) % n]))
             .collect();
@@ -536,12 +515,7 @@ impl TcpRank {
     }
 
     /// Pipelined chain root → root+1 → …: each rank forwards bytes as they arrive.
-    fn chain_broadcast<T: Element>(
-        &mut self,
-        desc: &OpDesc,
-        buf: &mut [T],
-        root: usize,
-    ) -> Result<(), CommError> {
+    fn chain_broadcast<T: Element>(&mut self, desc: &OpDesc, buf: &mut [T], root: usize) -> Result<(), CommError> {
         let n = self.world;
         if n == 1 {
             return Ok(());

@@ -167,9 +167,7 @@ impl Mesh {
 
     fn link(&self, peer: usize) -> &Link {
         // Flows are built only for peers of the mesh.
-        self.links[peer]
-            .as_ref()
-            .expect("a flow names a peer of the mesh")
+        self.links[peer].as_ref().expect("a flow names a peer of the mesh")
     }
 
     /// Runs the flows to completion, or fails naming the peer at fault and the collective.
@@ -220,18 +218,11 @@ impl Mesh {
             } else {
                 let seg = flow.segs[flow.cur.seg];
                 // SAFETY: the segment is this flow's to write until processed passes it.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        seg.ptr.add(flow.cur.off),
-                        seg.len - flow.cur.off,
-                    )
-                };
+                let dst = unsafe { std::slice::from_raw_parts_mut(seg.ptr.add(flow.cur.off), seg.len - flow.cur.off) };
                 (&*stream).read(dst)
             };
             match result {
-                Ok(0) => {
-                    return Err(self.lost(desc, flow.peer, "closed its connection mid-collective"))
-                }
+                Ok(0) => return Err(self.lost(desc, flow.peer, "closed its connection mid-collective")),
                 Ok(n) => {
                     progressed = true;
                     flow.done += n;
@@ -245,9 +236,7 @@ impl Mesh {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return Err(self.lost(desc, flow.peer, &format!("connection error: {e}")))
-                }
+                Err(e) => return Err(self.lost(desc, flow.peer, &format!("connection error: {e}"))),
             }
         }
         Ok(progressed)
@@ -262,9 +251,7 @@ impl Mesh {
             let seg = flow.segs[flow.cur.seg];
             let elems = ((seg.len - flow.cur.off) / 4).min(whole - from);
             // SAFETY: f32-aligned segment of f32 values owned by this flow until processed.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(seg.ptr.add(flow.cur.off) as *mut f32, elems)
-            };
+            let dst = unsafe { std::slice::from_raw_parts_mut(seg.ptr.add(flow.cur.off) as *mut f32, elems) };
             combine(dst, &self.scratch[from..from + elems], op);
             if let Some((_, world)) = flow.finish.filter(|&(seg, _)| seg == flow.cur.seg) {
                 finish(dst, ReduceOp::Avg, world);
@@ -282,12 +269,7 @@ impl Mesh {
     }
 
     /// Writes what the gate allows; true if anything left.
-    fn drive_send(
-        &mut self,
-        desc: &OpDesc,
-        flow: &mut SendFlow,
-        limit: usize,
-    ) -> Result<bool, CommError> {
+    fn drive_send(&mut self, desc: &OpDesc, flow: &mut SendFlow, limit: usize) -> Result<bool, CommError> {
         let mut progressed = false;
         while flow.done < limit {
             let seg = flow.segs[flow.cur.seg];
@@ -303,9 +285,7 @@ impl Mesh {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return Err(self.lost(desc, flow.peer, &format!("connection error: {e}")))
-                }
+                Err(e) => return Err(self.lost(desc, flow.peer, &format!("connection error: {e}"))),
             }
         }
         Ok(progressed)
@@ -345,10 +325,7 @@ impl Mesh {
     /// Reads every control connection; fails if a peer in `involved` aborted. A peer that is
     /// gone fails the collective through its data connection instead, once the data it sent
     /// before leaving is used up: a peer may well exit right after its last collective.
-    pub(crate) fn check_peers(
-        &mut self,
-        involved: impl Fn(usize) -> bool,
-    ) -> Result<(), CommError> {
+    pub(crate) fn check_peers(&mut self, involved: impl Fn(usize) -> bool) -> Result<(), CommError> {
         for peer in 0..self.links.len() {
             let Some(link) = self.links[peer].as_mut() else {
                 continue;
@@ -372,11 +349,7 @@ impl Mesh {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut add = |fd: i32, events: i16| match fds.iter_mut().find(|p| p.fd == fd) {
             Some(p) => p.events |= events,
-            None => fds.push(libc::pollfd {
-                fd,
-                events,
-                revents: 0,
-            }),
+            None => fds.push(libc::pollfd { fd, events, revents: 0 }),
         };
         for r in recvs.iter().filter(|r| r.done < r.total) {
             add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);

@@ -79,8 +79,7 @@ fn recv_frame<T: serde::de::DeserializeOwned>(
     deadline: Instant,
     what: &str,
 ) -> Result<T, CommError> {
-    s.set_read_timeout(Some(remaining(deadline)?))
-        .map_err(setup)?;
+    s.set_read_timeout(Some(remaining(deadline)?)).map_err(setup)?;
     let mut len = [0u8; 4];
     s.read_exact(&mut len)
         .map_err(|e| setup(format!("rendezvous: reading {what}: {e}")))?;
@@ -101,11 +100,7 @@ fn recv_frame<T: serde::de::DeserializeOwned>(
 }
 
 /// Accepts one connection on either listener before `deadline`.
-fn accept(
-    tcp: &TcpListener,
-    unix: Option<&UnixListener>,
-    deadline: Instant,
-) -> Result<Stream, CommError> {
+fn accept(tcp: &TcpListener, unix: Option<&UnixListener>, deadline: Instant) -> Result<Stream, CommError> {
     tcp.set_nonblocking(true).map_err(setup)?;
     if let Some(u) = unix {
         u.set_nonblocking(true).map_err(setup)?;
@@ -125,8 +120,7 @@ fn accept(
                     s.set_nonblocking(false).map_err(setup)?;
                     return Ok(Stream::Unix(s));
                 }
-                Err(e)
-                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(setup(format!("rendezvous: accept failed: {e}"))),
             }
         }
@@ -189,8 +183,7 @@ fn write_hello(s: &mut Stream, rank: usize, kind: u32) -> Result<(), CommError> 
 }
 
 fn read_hello(s: &mut Stream, deadline: Instant) -> Result<(u32, usize, u32), CommError> {
-    s.set_read_timeout(Some(remaining(deadline)?))
-        .map_err(setup)?;
+    s.set_read_timeout(Some(remaining(deadline)?)).map_err(setup)?;
     let mut raw = [0u8; 12];
     (&*s)
         .read_exact(&mut raw)
@@ -220,9 +213,7 @@ pub(crate) fn connect_mesh(
     tuning: SocketTuning,
 ) -> Result<(Vec<Option<Link>>, Vec<PeerHost>), CommError> {
     if rank >= world {
-        return Err(setup(format!(
-            "rank {rank} is not below the world size {world}"
-        )));
+        return Err(setup(format!("rank {rank} is not below the world size {world}")));
     }
     if world == 1 {
         let me = PeerHost {
@@ -238,8 +229,8 @@ pub(crate) fn connect_mesh(
     } else {
         std::net::Ipv6Addr::UNSPECIFIED.into()
     };
-    let listener = TcpListener::bind((unspecified, 0))
-        .map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
+    let listener =
+        TcpListener::bind((unspecified, 0)).map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
     let my_port = listener.local_addr().map_err(setup)?.port();
     let host = host_identity();
     // An abstract name: nothing to clean up in the file system, unique per process.
@@ -266,11 +257,8 @@ pub(crate) fn connect_mesh(
 
     // 1. The address table, through rank 0.
     let table: Vec<Entry> = if rank == 0 {
-        let master_listener = TcpListener::bind((unspecified, master_port)).map_err(|e| {
-            setup(format!(
-                "rank 0 cannot listen on MASTER_PORT {master_port}: {e}"
-            ))
-        })?;
+        let master_listener = TcpListener::bind((unspecified, master_port))
+            .map_err(|e| setup(format!("rank 0 cannot listen on MASTER_PORT {master_port}: {e}")))?;
         let mut table: Vec<Option<Entry>> = (0..world).map(|_| None).collect();
         let mut conns: Vec<TcpStream> = Vec::new();
         for _ in 1..world {
@@ -345,18 +333,14 @@ impl MeshListeners {
     /// Opens a TCP listener on an ephemeral port (on every interface of `ip`'s family) and,
     /// when `unix_on_same_host`, an abstract Unix-domain listener named after the process,
     /// `rank` and that port. Returns them with the port and the Unix name (empty: none).
-    pub(crate) fn open(
-        rank: usize,
-        ipv6: bool,
-        unix_on_same_host: bool,
-    ) -> Result<(Self, u16), CommError> {
+    pub(crate) fn open(rank: usize, ipv6: bool, unix_on_same_host: bool) -> Result<(Self, u16), CommError> {
         let unspecified: IpAddr = if ipv6 {
             std::net::Ipv6Addr::UNSPECIFIED.into()
         } else {
             Ipv4Addr::UNSPECIFIED.into()
         };
-        let tcp = TcpListener::bind((unspecified, 0))
-            .map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
+        let tcp =
+            TcpListener::bind((unspecified, 0)).map_err(|e| setup(format!("cannot open a listening socket: {e}")))?;
         let port = tcp.local_addr().map_err(setup)?.port();
         let unix = if unix_on_same_host {
             UnixAddr::from_abstract_name(split_unix_name(std::process::id(), rank, port).as_bytes())
@@ -382,13 +366,7 @@ pub(crate) fn split_unix_name(pid: u32, rank: usize, port: u16) -> String {
 
 /// How a subgroup member is reached: built from the world's [`PeerHost`] and what the member
 /// announced for the subgroup.
-pub(crate) fn subgroup_entry(
-    world: usize,
-    rank: usize,
-    peer: &PeerHost,
-    port: u16,
-    unix: String,
-) -> SubEntry {
+pub(crate) fn subgroup_entry(world: usize, rank: usize, peer: &PeerHost, port: u16, unix: String) -> SubEntry {
     SubEntry(Entry {
         world,
         rank,
@@ -451,9 +429,9 @@ fn mesh_from_table(
             let mut s = match unix {
                 Some(u) => Stream::Unix(u),
                 None => {
-                    let ip: IpAddr = e.ip.parse().map_err(|_| {
-                        setup(format!("rank {peer} has an unreadable address {:?}", e.ip))
-                    })?;
+                    let ip: IpAddr =
+                        e.ip.parse()
+                            .map_err(|_| setup(format!("rank {peer} has an unreadable address {:?}", e.ip)))?;
                     Stream::Tcp(connect(SocketAddr::new(ip, e.port), deadline)?)
                 }
             };
@@ -469,15 +447,9 @@ fn mesh_from_table(
         let mut s = accept(&listener, unix_listener.as_ref(), deadline)?;
         let (magic, peer, kind) = read_hello(&mut s, deadline)?;
         if magic != MESH_MAGIC || peer <= rank || peer >= world || kind > 1 {
-            return Err(setup(
-                "an unexpected connection reached this rank's mesh listener",
-            ));
+            return Err(setup("an unexpected connection reached this rank's mesh listener"));
         }
-        let slot = if kind == 0 {
-            &mut data[peer]
-        } else {
-            &mut ctrl[peer]
-        };
+        let slot = if kind == 0 { &mut data[peer] } else { &mut ctrl[peer] };
         if slot.replace(s).is_some() {
             return Err(setup(format!("rank {peer} connected twice")));
         }

@@ -7,9 +7,7 @@
 //! subgroups' without any multiplexing, and a failure in one surfaces there, with its own
 //! sequence numbers, like in any group.
 
-use super::rendezvous::{
-    connect_submesh, split_unix_name, subgroup_entry, MeshListeners, SocketTuning,
-};
+use super::rendezvous::{connect_submesh, split_unix_name, subgroup_entry, MeshListeners, SocketTuning};
 use super::{CommError, FlatBuffer, ProcessGroup, TcpGroup};
 use std::net::IpAddr;
 
@@ -60,9 +58,7 @@ impl TcpGroup {
         for g in groups {
             for &m in g {
                 if m >= world {
-                    return Err(invalid(format!(
-                        "rank {m} is not a rank of this group of {world}"
-                    )));
+                    return Err(invalid(format!("rank {m} is not a rank of this group of {world}")));
                 }
                 if std::mem::replace(&mut seen[m], true) {
                     return Err(invalid(format!("rank {m} is in two subgroups")));
@@ -77,12 +73,8 @@ impl TcpGroup {
             .find_map(|g| g.iter().position(|&m| m == self.rank).map(|i| (g, i)))
             .ok_or_else(|| invalid(format!("rank {} is in no subgroup", self.rank)))?;
 
-        let ipv6 = self.hosts[self.rank]
-            .ip
-            .parse::<IpAddr>()
-            .is_ok_and(|ip| ip.is_ipv6());
-        let (listeners, port) =
-            MeshListeners::open(self.rank, ipv6, self.options.unix_on_same_host)?;
+        let ipv6 = self.hosts[self.rank].ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_ipv6());
+        let (listeners, port) = MeshListeners::open(self.rank, ipv6, self.options.unix_on_same_host)?;
         let pid = std::process::id();
         let mine = [
             f32::from(port),

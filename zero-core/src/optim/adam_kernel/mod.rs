@@ -58,9 +58,7 @@ impl Isa {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
-                is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f"),
@@ -233,13 +231,7 @@ pub fn adam_step(
     if !isa.is_supported() {
         return Err(OptimError::UnsupportedIsa(isa.name()));
     }
-    check_lengths(
-        params.len(),
-        grads.len(),
-        exp_avg.len(),
-        exp_avg_sq.len(),
-        out.len(),
-    )?;
+    check_lengths(params.len(), grads.len(), exp_avg.len(), exp_avg_sq.len(), out.len())?;
     let kernel = chunk_fn(isa);
     let serial = params.len() <= CHUNK || rayon::current_num_threads() == 1;
     match out {
@@ -257,15 +249,11 @@ pub fn adam_step(
         }
         HalfCopy::Bf16(o) => {
             let bits: &mut [u16] = bytemuck::cast_slice_mut(o);
-            run_with_bits(
-                kernel, serial, params, grads, exp_avg, exp_avg_sq, bits, true, scalars,
-            );
+            run_with_bits(kernel, serial, params, grads, exp_avg, exp_avg_sq, bits, true, scalars);
         }
         HalfCopy::F16(o) => {
             let bits: &mut [u16] = bytemuck::cast_slice_mut(o);
-            run_with_bits(
-                kernel, serial, params, grads, exp_avg, exp_avg_sq, bits, false, scalars,
-            );
+            run_with_bits(kernel, serial, params, grads, exp_avg, exp_avg_sq, bits, false, scalars);
         }
     }
     Ok(())
@@ -291,14 +279,7 @@ fn run_with_bits(
         }
     }
     if serial {
-        kernel(
-            params,
-            grads,
-            exp_avg,
-            exp_avg_sq,
-            wrap(bits, bf16),
-            scalars,
-        );
+        kernel(params, grads, exp_avg, exp_avg_sq, wrap(bits, bf16), scalars);
     } else {
         params
             .par_chunks_mut(CHUNK)
@@ -353,24 +334,14 @@ pub fn copy_to_half(src: &[f32], out: HalfCopy<'_>) -> Result<(), OptimError> {
     }
     match out {
         HalfCopy::None => {}
-        HalfCopy::Bf16(o) => {
-            o.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| {
-                    o.iter_mut()
-                        .zip(s)
-                        .for_each(|(o, &s)| *o = bf16::from_f32(s))
-                })
-        }
-        HalfCopy::F16(o) => {
-            o.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| {
-                    o.iter_mut()
-                        .zip(s)
-                        .for_each(|(o, &s)| *o = f16::from_f32(s))
-                })
-        }
+        HalfCopy::Bf16(o) => o
+            .par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = bf16::from_f32(s))),
+        HalfCopy::F16(o) => o
+            .par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, &s)| *o = f16::from_f32(s))),
     }
     Ok(())
 }

@@ -18,13 +18,7 @@ fn mul_add<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
 
 /// The update of one element: returns the new (p, m, v).
 #[inline(always)]
-pub(super) fn adam_element<const FUSED: bool>(
-    p: f32,
-    g: f32,
-    m: f32,
-    v: f32,
-    s: &AdamScalars,
-) -> (f32, f32, f32) {
+pub(super) fn adam_element<const FUSED: bool>(p: f32, g: f32, m: f32, v: f32, s: &AdamScalars) -> (f32, f32, f32) {
     let g = mul_add::<FUSED>(s.l2_decay, p, g);
     let m = mul_add::<FUSED>(s.beta1, m, s.one_minus_beta1 * g);
     let v = mul_add::<FUSED>(s.beta2, v, s.one_minus_beta2 * g * g);
@@ -70,26 +64,12 @@ pub(super) fn adam_loop<const FUSED: bool>(
 
 /// The portable kernel: separate multiplies and adds (a software `fma` would be far slower on
 /// CPUs without the instruction).
-pub(super) fn adam_chunk(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    out: OutBits<'_>,
-    s: &AdamScalars,
-) {
+pub(super) fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], out: OutBits<'_>, s: &AdamScalars) {
     adam_loop::<false>(p, g, m, v, out, s);
 }
 
 /// AMSGrad: the denominator uses the running maximum of the second moment.
-pub(super) fn amsgrad_chunk(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    vmax: &mut [f32],
-    s: &AdamScalars,
-) {
+pub(super) fn amsgrad_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], vmax: &mut [f32], s: &AdamScalars) {
     let n = p.len();
     let (g, m, v, vmax) = (&g[..n], &mut m[..n], &mut v[..n], &mut vmax[..n]);
     for i in 0..n {

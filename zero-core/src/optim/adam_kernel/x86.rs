@@ -37,14 +37,7 @@ pub(super) fn adam_chunk_avx512(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn adam_avx2(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    mut out: OutBits<'_>,
-    s: &AdamScalars,
-) {
+unsafe fn adam_avx2(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], mut out: OutBits<'_>, s: &AdamScalars) {
     const LANES: usize = 8;
     let n = p.len();
     assert!(g.len() >= n && m.len() >= n && v.len() >= n);
@@ -79,11 +72,7 @@ unsafe fn adam_avx2(
             let g2 = _mm256_mul_ps(_mm256_mul_ps(omb2, gv), gv);
             let vv = _mm256_fmadd_ps(b2, _mm256_loadu_ps(vp.add(i)), g2);
             let denom = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), isb, eps);
-            let pn = _mm256_fmadd_ps(
-                neg_step,
-                _mm256_div_ps(mv, denom),
-                _mm256_mul_ps(pv, pscale),
-            );
+            let pn = _mm256_fmadd_ps(neg_step, _mm256_div_ps(mv, denom), _mm256_mul_ps(pv, pscale));
             _mm256_storeu_ps(pp.add(i), pn);
             _mm256_storeu_ps(mp.add(i), mv);
             _mm256_storeu_ps(vp.add(i), vv);
@@ -129,14 +118,7 @@ fn bf16_avx2(x: __m256) -> __m128i {
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn adam_avx512(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    mut out: OutBits<'_>,
-    s: &AdamScalars,
-) {
+unsafe fn adam_avx512(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], mut out: OutBits<'_>, s: &AdamScalars) {
     const LANES: usize = 16;
     let n = p.len();
     assert!(g.len() >= n && m.len() >= n && v.len() >= n);
@@ -171,11 +153,7 @@ unsafe fn adam_avx512(
             let g2 = _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv);
             let vv = _mm512_fmadd_ps(b2, _mm512_loadu_ps(vp.add(i)), g2);
             let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), isb, eps);
-            let pn = _mm512_fmadd_ps(
-                neg_step,
-                _mm512_div_ps(mv, denom),
-                _mm512_mul_ps(pv, pscale),
-            );
+            let pn = _mm512_fmadd_ps(neg_step, _mm512_div_ps(mv, denom), _mm512_mul_ps(pv, pscale));
             _mm512_storeu_ps(pp.add(i), pn);
             _mm512_storeu_ps(mp.add(i), mv);
             _mm512_storeu_ps(vp.add(i), vv);
