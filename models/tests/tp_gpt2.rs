@@ -277,6 +277,8 @@ fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, reference: &[V
         let model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
         let mut settings = settings(stage);
         settings.gradient_accumulation_steps = gas;
+        // Tensor-parallel collectives run inside backward(): fence the rank threads.
+        settings.backward_fence = Some(groups.world.clone());
         let mut engine = ChainEngine::new(settings, model, groups.data.clone()).unwrap();
         let per_micro = GLOBAL_BATCH / dp / gas;
         let d = groups.coords.data;

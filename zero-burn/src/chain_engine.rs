@@ -362,6 +362,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Backward of one micro-batch's loss, with the reduction of its gradients. Returns the loss
     /// value.
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
+        self.fence()?;
         let mut grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
             Pending::Kept {
@@ -377,6 +378,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 drop((grads, head));
                 for b in (0..self.blocks.len()).rev() {
                     let (x, y) = blocks.pop().unwrap_or_else(|| unreachable!());
+                    self.fence()?;
                     let mut grads = y.dot(grad_h).backward();
                     grad_h = x
                         .take_grad(&mut grads)
@@ -384,6 +386,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                 }
                 let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
+                self.fence()?;
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
             }
@@ -403,6 +406,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                     let block = self.materialize_block(b, true)?;
                     let x = inputs.pop().unwrap_or_else(|| unreachable!()).leaf();
                     let y = M::block_forward(&block, x.clone());
+                    self.fence()?;
                     let mut grads = y.dot(grad_h).backward();
                     grad_h = x
                         .take_grad(&mut grads)
@@ -412,6 +416,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 }
                 let ends = self.materialize_ends(true)?;
                 let embedded = M::embed(&ends, &batch);
+                self.fence()?;
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
                 self.release(0, ends);
@@ -479,6 +484,14 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Steps skipped so far for a non-finite gradient.
     pub fn skipped_steps(&self) -> u64 {
         self.core.skipped_steps
+    }
+
+    /// The barrier of `backward_fence` (see [`EngineSettings::backward_fence`]), if any.
+    fn fence(&self) -> Result<(), ZeroError> {
+        match &self.core.settings.backward_fence {
+            Some(group) => Ok(group.barrier()?),
+            None => Ok(()),
+        }
     }
 
     /// Stage 3: the ends with their gathered weights (leaves recording gradients when

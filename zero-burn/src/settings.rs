@@ -60,6 +60,14 @@ pub struct EngineSettings {
     pub precision: PrecisionSettings,
     /// Where the optimizer step runs and the fp32 masters and optimizer state live.
     pub offload_optimizer: OptimizerOffload,
+    /// Every rank thread of this process whose model runs collectives inside `backward()`
+    /// (tensor parallelism) must name the group of all of them here. On burn 0.21 the cleanup at
+    /// the end of one thread's `backward()` locks every thread's autodiff graph; a thread still
+    /// inside its own `backward()`, waiting in a collective for the first one's next part, would
+    /// wait forever. With a fence, every rank passes a barrier of this group before each part's
+    /// `backward()`, so no rank starts a part while another is still finishing the last one.
+    /// Not needed (None) for one rank per process, or when no collective runs inside backward.
+    pub backward_fence: Option<zero_core::comm::SharedGroup>,
 }
 
 /// Where the optimizer step runs and where the fp32 masters and optimizer state live
@@ -238,6 +246,7 @@ impl EngineSettings {
             alignment: 16,
             precision: PrecisionSettings::fp32(),
             offload_optimizer: OptimizerOffload::None,
+            backward_fence: None,
         }
     }
 
