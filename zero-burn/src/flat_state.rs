@@ -79,7 +79,6 @@ pub(crate) struct StateDtypes {
 pub(crate) struct FlatState {
     pub layout: PartitionLayout,
     pub groups: Vec<GroupState>,
-    pub rank: usize,
     pub dtypes: StateDtypes,
     offload: OffloadState,
 }
@@ -212,7 +211,6 @@ impl FlatState {
         Ok(FlatState {
             layout,
             groups,
-            rank,
             dtypes,
             offload: OffloadState { pool, nvme },
         })
