@@ -27,6 +27,10 @@ use zero_core::comm::ProcessGroup;
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
 /// peer) panics with the error's message, on every surviving rank; use [`crate::ZeroEngine`] for
 /// a `Result`-returning loop. Clones share one state: the optimizer is one per rank.
+///
+/// Its Burn record is empty: Burn's own checkpointing of the optimizer (`to_record`) does not
+/// carry the sharded Adam state. Resumable training goes through the engines'
+/// `save_checkpoint` / `load_checkpoint`.
 #[derive(Clone)]
 pub struct ZeroOptimizer {
     settings: EngineSettings,
