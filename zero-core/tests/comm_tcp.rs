@@ -158,7 +158,8 @@ fn a_different_op_on_one_rank_is_reported_by_every_rank() {
             out.contains(&format!(
                 "Mismatch {{ seq: 1, rank: {r}, op: \"all_reduce\", peer: 2, peer_op: \"all_gather\" }}"
             ))
-        }) || out.contains("Mismatch { seq: 1, rank: 2, op: \"all_gather\", peer: 0, peer_op: \"all_reduce\" }");
+        }) || out
+            .contains("Mismatch { seq: 1, rank: 2, op: \"all_gather\", peer: 0, peer_op: \"all_reduce\" }");
         assert!(out.contains(&own) || relayed, "rank {rank}: want {own}\n{out}");
     }
 }
