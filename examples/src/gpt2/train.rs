@@ -113,7 +113,7 @@ pub struct TrainSummary {
     pub parameters: usize,
 }
 
-/// Runs the training; returns rank 0's summary.
+/// Runs the training; returns the summary of the first rank this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     if args.backend != "cpu" {
         return Err(TrainError::Config(format!(
@@ -145,13 +145,15 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
         rank_loop(rank, group, &args, &config, &data, &source)
     })
     .map_err(|e| TrainError::Engine(e.into()))?;
-    let mut summary = None;
+    // Every rank's summary holds the same step records (losses are averaged over the ranks);
+    // return the first this process hosts: rank 0's with threads, the process's own rank under
+    // a launcher.
+    let mut first = None;
     for r in results {
-        if let Some(s) = r? {
-            summary = Some(s);
-        }
+        let s = r?;
+        first.get_or_insert(s);
     }
-    summary.ok_or_else(|| TrainError::Config("no rank 0 in this process".into()))
+    first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
 
 /// One rank's training loop.
@@ -162,7 +164,7 @@ fn rank_loop(
     config: &DeepSpeedConfig,
     data: &DataSource,
     source: &ModelSource,
-) -> Result<Option<TrainSummary>, TrainError> {
+) -> Result<TrainSummary, TrainError> {
     let device = Default::default();
     <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
     let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
@@ -314,7 +316,7 @@ fn rank_loop(
         m.finish()?;
         super::metrics::write_loss_curve(path, &summary)?;
     }
-    Ok(lead.then_some(summary))
+    Ok(summary)
 }
 
 /// Token ids `[rows, seq]` as an Int tensor.
