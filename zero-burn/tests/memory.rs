@@ -7,23 +7,6 @@ use common::*;
 use zero_burn::{ChainEngine, EngineSettings, MemoryReport, Stage};
 use zero_core::optim::OptimizerSpec;
 
-const BLOCK_ELEMENTS: usize = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
-
-/// Ψ of the test model (no padding).
-fn psi(blocks: usize) -> usize {
-    let b = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
-    let ends = common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
-    ends + blocks * b
-}
-
-fn within(label: &str, got: usize, want: f64, slack: f64) {
-    let tolerance = 0.05 * want + slack;
-    assert!(
-        (got as f64 - want).abs() <= tolerance,
-        "{label}: engine reports {got} bytes, the formula gives {want:.0} (tolerance {tolerance:.0})"
-    );
-}
-
 fn report(stage: Stage, world: usize) -> MemoryReport {
     let reports = on_ranks(world, move |rank, group| {
         let device = Default::default();

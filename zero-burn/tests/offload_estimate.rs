@@ -9,12 +9,7 @@ use zero_burn::{ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, Pre
 use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
 
-const BLOCK_ELEMENTS: usize = HIDDEN * 7 + 7 + 7 * HIDDEN + HIDDEN;
 const BLOCKS: usize = 40;
-
-fn psi() -> u64 {
-    (IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT + BLOCKS * BLOCK_ELEMENTS) as u64
-}
 
 fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport {
     let reports = on_ranks(world, move |rank, group| {
@@ -51,7 +46,13 @@ fn estimate_matches_the_engines_accounting() {
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             let label = format!("stage {stage:?} world {world}");
             let r = report(stage, world, OptimizerOffload::None);
-            let e = estimate(&EstimateInput::new(psi(), stage.number(), world as u64, Dtype::Bf16)).per_device;
+            let e = estimate(&EstimateInput::new(
+                psi(BLOCKS) as u64,
+                stage.number(),
+                world as u64,
+                Dtype::Bf16,
+            ))
+            .per_device;
             close(
                 &format!("{label} parameters"),
                 r.parameters.current,
@@ -77,7 +78,7 @@ fn estimate_matches_the_engines_accounting() {
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         let label = format!("cpu offload stage {stage:?}");
         let r = report(stage, 2, OptimizerOffload::Cpu { threads: 1 });
-        let mut input = EstimateInput::new(psi(), stage.number(), 2, Dtype::Bf16);
+        let mut input = EstimateInput::new(psi(BLOCKS) as u64, stage.number(), 2, Dtype::Bf16);
         input.offload_optimizer = Some(OffloadTarget::Cpu);
         let e = estimate(&input);
         let host = r.locations.master_weights.host + r.locations.optimizer_state.host;

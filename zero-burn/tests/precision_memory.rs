@@ -9,22 +9,7 @@ use common::*;
 use zero_burn::{ChainEngine, EngineSettings, MemoryReport, PrecisionSettings, Stage};
 use zero_core::optim::OptimizerSpec;
 
-const BLOCK_ELEMENTS: usize = common::HIDDEN * 7 + 7 + 7 * common::HIDDEN + common::HIDDEN;
 const BLOCKS: usize = 40;
-
-/// Ψ of the test model (no padding).
-fn psi() -> usize {
-    let ends = common::IN * common::HIDDEN + common::HIDDEN + common::HIDDEN * common::OUT + common::OUT;
-    ends + BLOCKS * BLOCK_ELEMENTS
-}
-
-fn within(label: &str, got: usize, want: f64, slack: f64) {
-    let tolerance = 0.05 * want + slack;
-    assert!(
-        (got as f64 - want).abs() <= tolerance,
-        "{label}: engine reports {got} bytes, the formula gives {want:.0} (tolerance {tolerance:.0})"
-    );
-}
 
 fn report(stage: Stage, world: usize) -> MemoryReport {
     let reports = on_ranks(world, move |rank, group| {
@@ -50,7 +35,7 @@ fn report(stage: Stage, world: usize) -> MemoryReport {
 
 #[test]
 fn per_rank_bytes_follow_the_mixed_precision_zero_formulas() {
-    let psi = psi() as f64;
+    let psi = psi(BLOCKS) as f64;
     // Padding: at most one element per rank and group; 2 + 4 + 8 bytes of it per element.
     let slack = 14.0 * (BLOCKS + 2) as f64;
     for world in [1usize, 2, 4] {

@@ -163,3 +163,21 @@ pub fn max_relative_error(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     }
     diff / scale
 }
+
+/// Parameters of one residual block of [`Net`].
+pub const BLOCK_ELEMENTS: usize = HIDDEN * 7 + 7 + 7 * HIDDEN + HIDDEN;
+
+/// Ψ of [`Net`] with `blocks` blocks (no padding).
+pub fn psi(blocks: usize) -> usize {
+    let ends = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT;
+    ends + blocks * BLOCK_ELEMENTS
+}
+
+/// Asserts that the engine's figure `got` is within 5 % plus `slack` bytes of the formula's.
+pub fn within(label: &str, got: usize, want: f64, slack: f64) {
+    let tolerance = 0.05 * want + slack;
+    assert!(
+        (got as f64 - want).abs() <= tolerance,
+        "{label}: engine reports {got} bytes, the formula gives {want:.0} (tolerance {tolerance:.0})"
+    );
+}
