@@ -107,38 +107,28 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.submit("all_reduce", move |s| {
-            s.run(OpKind::AllReduce, buffer, Some(op), 0, None)
-        })
+        self.worker.collective(OpKind::AllReduce, buffer, Some(op), 0, None)
     }
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.submit("reduce_scatter", move |s| {
-            s.run(OpKind::ReduceScatter, input, Some(op), 0, None)
-        })
+        self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker
-            .submit("all_gather", move |s| s.run(OpKind::AllGather, shard, None, 0, None))
+        self.worker.collective(OpKind::AllGather, shard, None, 0, None)
     }
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0, Some(out))
-        })
+        self.worker.collective(OpKind::AllGather, shard, None, 0, Some(out))
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker
-            .submit("broadcast", move |s| s.run(OpKind::Broadcast, buffer, None, root, None))
+        self.worker.collective(OpKind::Broadcast, buffer, None, root, None)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         self.worker
-            .submit("barrier", |s| {
-                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
-            })
+            .collective(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
             .wait()
             .map(drop)
     }
@@ -202,6 +192,17 @@ struct ThreadRank {
 }
 
 impl BackendState for ThreadRank {
+    fn run(
+        &mut self,
+        kind: OpKind,
+        buffer: FlatBuffer,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError> {
+        self.run_collective(kind, buffer, reduce, root, out)
+    }
+
     fn on_error(&mut self, error: &CommError) {
         if let Ok(mut st) = self.shared.state.lock() {
             st.abort.get_or_insert_with(|| error.clone());
@@ -290,7 +291,7 @@ impl ThreadRank {
 
     // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
     #[allow(clippy::manual_is_multiple_of)]
-    fn run(
+    fn run_collective(
         &mut self,
         kind: OpKind,
         buffer: FlatBuffer,

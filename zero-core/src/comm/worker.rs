@@ -4,7 +4,8 @@
 //! so asynchronous and blocking collectives can be mixed. The worker also holds the group's
 //! poison: once a collective fails, every later one fails at once with the same cause.
 
-use super::{CommError, Work};
+use super::op::OpKind;
+use super::{CommError, FlatBuffer, ReduceOp, Work};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Mutex;
@@ -16,6 +17,16 @@ pub(crate) trait BackendState: Send + 'static {
     fn on_error(&mut self, error: &CommError);
     /// Called when the handle is dropped and every queued collective has run.
     fn on_exit(&mut self, reason: &str);
+    /// Runs one collective on the worker thread. `reduce` for the reducing ops, `root` for
+    /// broadcast, `out` an optional buffer to reuse for an all-gather's result.
+    fn run(
+        &mut self,
+        kind: OpKind,
+        buffer: FlatBuffer,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError>;
 }
 
 type Job<S> = Box<dyn FnOnce(&mut S, &mut Option<CommError>) + Send>;
@@ -57,6 +68,18 @@ impl<S: BackendState> Worker<S> {
             tx: Mutex::new(Some(tx)),
             exited: Mutex::new(exited),
         })
+    }
+
+    /// Queues one collective (see [`BackendState::run`]).
+    pub(crate) fn collective(
+        &self,
+        kind: OpKind,
+        buffer: FlatBuffer,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        out: Option<FlatBuffer>,
+    ) -> Work<FlatBuffer> {
+        self.submit(kind.name(), move |s| s.run(kind, buffer, reduce, root, out))
     }
 
     /// Queues `f`; its result arrives through the returned handle.

@@ -171,38 +171,28 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.submit("all_reduce", move |s| {
-            s.run(OpKind::AllReduce, buffer, Some(op), 0, None)
-        })
+        self.worker.collective(OpKind::AllReduce, buffer, Some(op), 0, None)
     }
 
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.submit("reduce_scatter", move |s| {
-            s.run(OpKind::ReduceScatter, input, Some(op), 0, None)
-        })
+        self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker
-            .submit("all_gather", move |s| s.run(OpKind::AllGather, shard, None, 0, None))
+        self.worker.collective(OpKind::AllGather, shard, None, 0, None)
     }
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.submit("all_gather", move |s| {
-            s.run(OpKind::AllGather, shard, None, 0, Some(out))
-        })
+        self.worker.collective(OpKind::AllGather, shard, None, 0, Some(out))
     }
 
     fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker
-            .submit("broadcast", move |s| s.run(OpKind::Broadcast, buffer, None, root, None))
+        self.worker.collective(OpKind::Broadcast, buffer, None, root, None)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         self.worker
-            .submit("barrier", |s| {
-                s.run(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
-            })
+            .collective(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
             .wait()
             .map(drop)
     }
@@ -216,6 +206,17 @@ struct TcpRank {
 }
 
 impl BackendState for TcpRank {
+    fn run(
+        &mut self,
+        kind: OpKind,
+        buffer: FlatBuffer,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        out: Option<FlatBuffer>,
+    ) -> Result<FlatBuffer, CommError> {
+        self.run_collective(kind, buffer, reduce, root, out)
+    }
+
     fn on_error(&mut self, error: &CommError) {
         let msg = Control::Abort(error.clone());
         for link in self.mesh.links.iter_mut().flatten() {
@@ -257,7 +258,7 @@ impl TcpRank {
 
     // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
     #[allow(clippy::manual_is_multiple_of)]
-    fn run(
+    fn run_collective(
         &mut self,
         kind: OpKind,
         buffer: FlatBuffer,
