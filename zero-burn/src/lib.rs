@@ -8,7 +8,8 @@
 //!
 //! - [`ZeroEngine`]: stages 0-2 around any Burn module.
 //! - [`ChainEngine`]: every stage, for models that say how they chain their blocks
-//!   ([`ChainModel`]); stage 3 needs it.
+//!   ([`ChainModel`]); stage 3 needs it. A model that is a list of layers declares it with
+//!   [`Sequential`].
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
 //! # Mixed precision
@@ -42,6 +43,7 @@ mod memory;
 mod optimizer;
 mod optimizer_bridge;
 pub mod params;
+pub mod sequential;
 mod settings;
 
 pub use chain::{ChainModel, Hidden};
@@ -55,4 +57,5 @@ pub use initialize::{
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
+pub use sequential::{Layer, Sequential};
 pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};

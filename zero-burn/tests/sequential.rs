@@ -1,0 +1,162 @@
+//! `Sequential`: a model declared as a list of layers trains under every stage exactly as the
+//! same layers do in plain Burn.
+//!
+//! Reference: plain Burn on one thread (`Sequential::loss` on the whole global batch, Burn's
+//! own AdamW), independent of the engine. Parameters after 4 steps agree to 1e-6 relative. Only
+//! rank 0 starts from the reference's weights; the other ranks start from Burn's random
+//! initialisation, so the test also checks that the engine starts every rank from rank 0's.
+//! Adam's eps is 1e-4 for the reason given in exactness.rs.
+
+mod common;
+
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{Int, Tensor, TensorData};
+use common::{max_relative_error, on_ranks, values, B};
+use zero_burn::params::{describe, write_values};
+use zero_burn::sequential::{CrossEntropy, Layer, MeanSquaredError, Sequential, SequentialLoss};
+use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_core::optim::{AdamSpec, OptimizerSpec};
+
+const STEPS: usize = 4;
+const LR: f64 = 0.01;
+const ROWS: usize = 8;
+const IN: usize = 12;
+const OUT: usize = 5;
+
+type Model<L> = Sequential<B, Layer<B>, L>;
+
+/// Linear → ReLU → LayerNorm → Linear → GELU → Linear: parameter-free blocks between
+/// parameter blocks, so stage 3 gathers nothing for some of them.
+fn model<L: SequentialLoss>(deterministic: bool) -> Model<L> {
+    let device = Default::default();
+    let m = Model::<L>::new(vec![
+        Layer::linear(IN, 16, &device),
+        Layer::relu(),
+        Layer::layer_norm(16, &device),
+        Layer::linear(16, 16, &device),
+        Layer::gelu(),
+        Layer::linear(16, OUT, &device),
+    ]);
+    if !deterministic {
+        return m;
+    }
+    let sizes: Vec<usize> = describe::<B, _>(&m).iter().map(|(_, s)| s.numel()).collect();
+    write_values(m, &device, true, |i| {
+        (0..sizes[i])
+            .map(|k| 0.4 * ((i * 97 + k * 13) as f32 * 0.29).sin())
+            .collect()
+    })
+}
+
+fn inputs(step: usize, rows: std::ops::Range<usize>) -> Tensor<B, 2> {
+    let n = rows.len();
+    let x: Vec<f32> = rows
+        .flat_map(|r| (0..IN).map(move |c| ((r * 19 + c * 7 + step * 5) as f32 * 0.23).cos()))
+        .collect();
+    Tensor::from_data(TensorData::new(x, [n, IN]), &Default::default())
+}
+
+/// A batch for each loss: class labels for cross-entropy, a smooth target for MSE.
+trait Targets: SequentialLoss {
+    fn target(step: usize, rows: std::ops::Range<usize>) -> Self::Target<B>;
+}
+impl Targets for CrossEntropy {
+    fn target(step: usize, rows: std::ops::Range<usize>) -> Tensor<B, 1, Int> {
+        let n = rows.len();
+        let y: Vec<i64> = rows.map(|r| ((r * 3 + step) % OUT) as i64).collect();
+        Tensor::from_data(TensorData::new(y, [n]), &Default::default())
+    }
+}
+impl Targets for MeanSquaredError {
+    fn target(step: usize, rows: std::ops::Range<usize>) -> Tensor<B, 2> {
+        let n = rows.len();
+        let y: Vec<f32> = rows
+            .flat_map(|r| (0..OUT).map(move |c| ((r * 5 + c * 11 + step) as f32 * 0.17).sin()))
+            .collect();
+        Tensor::from_data(TensorData::new(y, [n, OUT]), &Default::default())
+    }
+}
+
+fn adamw() -> OptimizerSpec {
+    OptimizerSpec::Adam(AdamSpec {
+        lr: LR,
+        betas: (0.9, 0.999),
+        eps: 1e-4,
+        weight_decay: 0.01,
+        decoupled_weight_decay: true,
+        bias_correction: true,
+        amsgrad: false,
+    })
+}
+
+fn reference<L: Targets>() -> Vec<Vec<f32>> {
+    let mut m = model::<L>(true);
+    let mut optim = AdamWConfig::new().with_epsilon(1e-4).with_weight_decay(0.01).init();
+    for step in 0..STEPS {
+        let batch = (inputs(step, 0..ROWS), L::target(step, 0..ROWS));
+        let grads = GradientsParams::from_grads(m.loss(&batch).backward(), &m);
+        m = optim.step(LR, m, grads);
+    }
+    values::<B, _>(&m)
+}
+
+fn run<L: Targets>(stage: Stage, world: usize) -> Vec<Vec<f32>> {
+    let results = on_ranks(world, move |rank, group| {
+        let mut settings = EngineSettings::new(stage, adamw());
+        settings.gradient_clipping = 0.0;
+        settings.param_persistence_threshold = 0;
+        let mut engine = ChainEngine::new(settings, model::<L>(rank == 0), group).expect("engine");
+        let per_rank = ROWS / world;
+        for step in 0..STEPS {
+            let rows = rank * per_rank..(rank + 1) * per_rank;
+            let loss = engine
+                .forward((inputs(step, rows.clone()), L::target(step, rows)))
+                .expect("forward");
+            engine.backward(loss).expect("backward");
+            engine.step().expect("step");
+        }
+        values::<B, _>(&engine.module().expect("module"))
+    });
+    results.into_iter().next().unwrap_or_default()
+}
+
+fn check<L: Targets>(label: &str) {
+    let want = reference::<L>();
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for world in [1, 2, 4] {
+            let got = run::<L>(stage, world);
+            let err = max_relative_error(&got, &want);
+            assert!(
+                err < 1e-6,
+                "{label}, stage {stage:?}, world {world}: relative error {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sequential_cross_entropy_matches_plain_burn_at_every_stage() {
+    check::<CrossEntropy>("cross-entropy");
+}
+
+#[test]
+fn sequential_mse_matches_plain_burn_at_every_stage() {
+    check::<MeanSquaredError>("mse");
+}
+
+#[test]
+fn sequential_forward_is_the_layers_in_order() {
+    // Reference: the same Burn layers called by hand.
+    let m = model::<CrossEntropy>(true);
+    let x = inputs(0, 0..3);
+    let mut h = x.clone();
+    for layer in &m.layers {
+        h = match layer {
+            Layer::Linear(l) => l.forward(h),
+            Layer::Activation(a) => a.forward(h),
+            Layer::LayerNorm(n) => n.forward(h),
+        };
+    }
+    let got = m.forward(x).into_data().to_vec::<f32>().expect("f32");
+    assert_eq!(got, h.into_data().to_vec::<f32>().expect("f32"));
+}
