@@ -12,7 +12,7 @@
 
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 
 /// A model the engine can run part by part (required for ZeRO stage 3; usable at every stage).
 ///
@@ -68,6 +68,11 @@ pub trait Hidden<B: AutodiffBackend>: Clone + Send {
     fn dot(self, seed: Self) -> Tensor<B, 1>;
     /// Bytes held by the activation (f32 elements).
     fn bytes(&self) -> usize;
+    /// The values as host data, one [`TensorData`] per tensor (activation checkpoints kept in
+    /// host memory, or partitioned across ranks).
+    fn to_host(&self) -> Vec<TensorData>;
+    /// The activation rebuilt on `device` from [`Hidden::to_host`]'s data, recording nothing.
+    fn from_host(data: Vec<TensorData>, device: &B::Device) -> Self;
 }
 
 impl<B: AutodiffBackend, const D: usize> Hidden<B> for Tensor<B, D> {
@@ -85,5 +90,15 @@ impl<B: AutodiffBackend, const D: usize> Hidden<B> for Tensor<B, D> {
     }
     fn bytes(&self) -> usize {
         self.shape().num_elements() * 4
+    }
+    fn to_host(&self) -> Vec<TensorData> {
+        vec![self.to_data()]
+    }
+    fn from_host(mut data: Vec<TensorData>, device: &B::Device) -> Self {
+        // One tensor in, one out: `to_host` wrote exactly one.
+        Tensor::from_data(
+            data.pop().unwrap_or_else(|| unreachable!("to_host gives one tensor")),
+            device,
+        )
     }
 }

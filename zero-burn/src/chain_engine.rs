@@ -22,6 +22,7 @@
 //! reduce-scattered, in the background with `overlap_comm`) while the blocks before it are still
 //! to be differentiated.
 
+use crate::activation_checkpointing::{ActivationCheckpointing, Stored};
 use crate::chain::{ChainModel, Hidden};
 use crate::core::{EngineCore, StepReport};
 use crate::error::ZeroError;
@@ -34,6 +35,7 @@ use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup, Work};
 use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
@@ -65,11 +67,19 @@ enum Pending<B: AutodiffBackend, M: ChainModel<B>> {
         last: M::Hidden,
         head: M::Ends,
     },
+    /// Stages 0-2 with activation checkpointing: the embedding's graph, each segment of blocks
+    /// with its checkpointed input, and the head's leaves.
+    Checkpointed {
+        embedded: M::Hidden,
+        segments: Vec<(Range<usize>, Stored<M::Hidden>)>,
+        last: M::Hidden,
+        head: M::Ends,
+    },
     /// Stage 3: the head's graph, the blocks' inputs and the batch (for the embedding's backward).
     Blockwise {
         last: M::Hidden,
         ends: M::Ends,
-        inputs: Vec<M::Hidden>,
+        inputs: Vec<Stored<M::Hidden>>,
         batch: M::Batch,
     },
 }
@@ -273,6 +283,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             // used twice (embedding, head): each use gets its own leaves over the same values.
             let embed_ends = fresh_leaves::<B, _>(self.ends.clone());
             let embedded = M::embed(&embed_ends, &batch);
+            if let Some(ac) = self.core.settings.activation_checkpointing.clone() {
+                return self.forward_checkpointed(&ac, embed_ends, embedded, batch);
+            }
             let mut h = embedded.clone();
             let mut blocks = Vec::with_capacity(self.blocks.len());
             for block in &self.blocks {
@@ -311,9 +324,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let mut h = M::embed(&ends, &batch).detached();
         self.release(0, ends);
         let mut inputs = Vec::with_capacity(n);
+        let keep = self.core.settings.activation_checkpointing.clone().unwrap_or_default();
         for b in 0..n {
             let block = self.materialize_block(b, false)?;
-            inputs.push(h.clone());
+            inputs.push(keep.store(h.clone())?);
             h = M::block_forward(&block, h).detached();
             self.release(b + 1, block);
         }
@@ -329,6 +343,44 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 ends,
                 inputs,
                 batch,
+            },
+        })
+    }
+
+    /// Stages 0-2 with activation checkpointing: the blocks run untracked, keeping each
+    /// segment's input; the head is its own graph on a leaf.
+    fn forward_checkpointed(
+        &mut self,
+        ac: &ActivationCheckpointing,
+        embed_ends: M::Ends,
+        embedded: M::Hidden,
+        batch: M::Batch,
+    ) -> Result<ChainLoss<B, M>, ZeroError> {
+        let mut h = embedded.detached();
+        let mut segments = Vec::new();
+        for seg in ac.segments(self.blocks.len())? {
+            if ac.synchronize_checkpoint_boundary {
+                self.core.comm.barrier()?;
+            }
+            segments.push((seg.clone(), ac.store(h.clone())?));
+            for block in &self.blocks[seg] {
+                // A copy whose parameters record nothing: no graph is built, nothing is kept.
+                h = M::block_forward(&block.clone().no_grad(), h).detached();
+            }
+        }
+        let head = fresh_leaves::<B, _>(self.ends.clone());
+        let last = h.leaf();
+        let loss = M::head_loss(&head, last.clone(), &batch);
+        let value = loss.clone().into_scalar().elem::<f32>();
+        self.embed_ends = Some(embed_ends);
+        Ok(ChainLoss {
+            value,
+            loss,
+            pending: Pending::Checkpointed {
+                embedded,
+                segments,
+                last,
+                head,
             },
         })
     }
@@ -390,6 +442,39 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
             }
+            Pending::Checkpointed {
+                embedded,
+                mut segments,
+                last,
+                head,
+            } => {
+                let mut grad_h = last
+                    .take_grad(&mut grads)
+                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &head, &mut grads)?;
+                drop((grads, head));
+                let ac = self.core.settings.activation_checkpointing.clone().unwrap_or_default();
+                while let Some((seg, stored)) = segments.pop() {
+                    // Rerun the segment from its checkpoint, this time recording the graph.
+                    let x = ac.restore(stored, &self.device)?.leaf();
+                    let mut y = x.clone();
+                    for block in &self.blocks[seg.clone()] {
+                        y = M::block_forward(block, y);
+                    }
+                    self.fence()?;
+                    let mut grads = y.dot(grad_h).backward();
+                    grad_h = x.take_grad(&mut grads).ok_or_else(|| {
+                        ZeroError::Model(format!("blocks {seg:?}: the output does not depend on the input"))
+                    })?;
+                    for b in seg.rev() {
+                        absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
+                    }
+                }
+                let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
+                self.fence()?;
+                let mut grads = embedded.dot(grad_h).backward();
+                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
+            }
             Pending::Blockwise {
                 last,
                 ends,
@@ -402,9 +487,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
                 self.release(0, ends);
                 drop(grads);
+                let keep = self.core.settings.activation_checkpointing.clone().unwrap_or_default();
                 for b in (0..self.blocks.len()).rev() {
                     let block = self.materialize_block(b, true)?;
-                    let x = inputs.pop().unwrap_or_else(|| unreachable!()).leaf();
+                    let stored = inputs.pop().unwrap_or_else(|| unreachable!());
+                    let x = keep.restore(stored, &self.device)?.leaf();
                     let y = M::block_forward(&block, x.clone());
                     self.fence()?;
                     let mut grads = y.dot(grad_h).backward();

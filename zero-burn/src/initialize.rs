@@ -11,6 +11,7 @@ use crate::error::ZeroError;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage,
 };
+use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
@@ -81,7 +82,22 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.lr_schedule = lr_schedule;
     settings.precision = precision;
     settings.offload_optimizer = offload_optimizer;
+    settings.activation_checkpointing = activation_checkpointing(config);
     Ok(settings)
+}
+
+/// Activation checkpointing from the config's `activation_checkpointing` section: on when the
+/// section is written. `partition_activations` needs the tensor-parallel group, which only the
+/// caller knows: set [`ActivationCheckpointing::partition_group`] on the result (without it,
+/// one rank's activation is its whole activation and there is nothing to split).
+pub fn activation_checkpointing(config: &ResolvedConfig) -> Option<ActivationCheckpointing> {
+    let c = &config.activation_checkpointing;
+    c.present.then(|| ActivationCheckpointing {
+        number_checkpoints: c.number_checkpoints.map(|n| n as usize),
+        cpu_checkpointing: c.cpu_checkpointing,
+        partition_group: None,
+        synchronize_checkpoint_boundary: c.synchronize_checkpoint_boundary,
+    })
 }
 
 /// Host buffers for NVMe offload hold at most this many elements per state buffer and chunk,

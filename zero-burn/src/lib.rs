@@ -30,6 +30,7 @@
 //!
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
+mod activation_checkpointing;
 mod chain;
 mod chain_engine;
 mod checkpoint;
@@ -46,14 +47,15 @@ pub mod params;
 pub mod sequential;
 mod settings;
 
+pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheckpointing};
 pub use chain::{ChainModel, Hidden};
 pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
-    engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
-    precision_settings, resolve, InitOptions,
+    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_with, lr_schedule,
+    optimizer_offload, optimizer_spec, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;

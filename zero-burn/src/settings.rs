@@ -68,6 +68,10 @@ pub struct EngineSettings {
     /// `backward()`, so no rank starts a part while another is still finishing the last one.
     /// Not needed (None) for one rank per process, or when no collective runs inside backward.
     pub backward_fence: Option<zero_core::comm::SharedGroup>,
+    /// Checkpoint the blocks' activations (chain models): keep a few block inputs from forward
+    /// and recompute the rest in backward. `None`: stages 0-2 keep every block's graph; stage 3
+    /// keeps each block's input (it recomputes every block anyway).
+    pub activation_checkpointing: Option<crate::ActivationCheckpointing>,
 }
 
 /// Where the optimizer step runs and where the fp32 masters and optimizer state live
@@ -247,6 +251,7 @@ impl EngineSettings {
             precision: PrecisionSettings::fp32(),
             offload_optimizer: OptimizerOffload::None,
             backward_fence: None,
+            activation_checkpointing: None,
         }
     }
 

@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 /// `activation_checkpointing`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationCheckpointingConfig {
+    /// The section is in the config. DeepSpeed leaves enabling checkpointing to the model code;
+    /// here a present section turns it on for a chain model's blocks.
+    pub present: bool,
     /// Partition checkpointed activations over model-parallel ranks (default false).
     pub partition_activations: bool,
     /// Keep checkpoints on the host (default false).
@@ -187,6 +190,7 @@ pub(crate) fn read_activation_checkpointing(
 ) -> Result<ActivationCheckpointingConfig, ConfigError> {
     let mut s = top.child("activation_checkpointing", cx)?;
     let c = ActivationCheckpointingConfig {
+        present: s.present(),
         partition_activations: cx.get(&mut s, &["partition_activations"], false)?,
         cpu_checkpointing: cx.get(&mut s, &["cpu_checkpointing"], false)?,
         contiguous_memory_optimization: cx.get(&mut s, &["contiguous_memory_optimization"], false)?,

@@ -1,0 +1,287 @@
+//! Activation checkpointing changes where activations live, never the result.
+//!
+//! References:
+//! - plain Burn on one thread: the whole model's `loss(x, y).backward()` and Burn's own AdamW
+//!   (independent of the engine); parameters after 4 steps agree to 1e-6 relative;
+//! - the same engine without checkpointing: recomputation reruns the same operations in the same
+//!   order, so the parameters must be bit for bit the same.
+//!
+//! The model has 5 residual blocks, so 2 checkpoints cut it unevenly (3 + 2 blocks).
+
+mod common;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use common::*;
+use zero_burn::{checkpointed_grads, ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
+use zero_core::comm::{SharedGroup, ThreadGroup};
+use zero_core::optim::{AdamSpec, OptimizerSpec};
+
+const BLOCKS: usize = 5;
+const STEPS: usize = 4;
+const LR: f64 = 0.01;
+
+fn adamw() -> OptimizerSpec {
+    OptimizerSpec::Adam(AdamSpec {
+        lr: LR,
+        betas: (0.9, 0.999),
+        eps: 1e-4,
+        weight_decay: 0.01,
+        decoupled_weight_decay: true,
+        bias_correction: true,
+        amsgrad: false,
+    })
+}
+
+fn settings(stage: Stage, ac: Option<ActivationCheckpointing>) -> EngineSettings {
+    let mut s = EngineSettings::new(stage, adamw());
+    s.gradient_clipping = 0.0;
+    s.gradient_accumulation_steps = 2;
+    s.reduce_bucket_size = 100;
+    s.param_persistence_threshold = 13;
+    s.activation_checkpointing = ac;
+    s
+}
+
+fn reference() -> Vec<Vec<f32>> {
+    let device = Default::default();
+    let mut model = Net::<B>::new(&device, BLOCKS);
+    let mut optim = AdamWConfig::new().with_epsilon(1e-4).with_weight_decay(0.01).init();
+    for step in 0..STEPS {
+        let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    values::<B, _>(&model)
+}
+
+/// Trains on `world` rank threads (2 micro-batches per step), each rank with its own slice of
+/// the global batch; `partition` gives every rank its own 2-rank group to split checkpoints in.
+fn run(stage: Stage, world: usize, ac: Option<ActivationCheckpointing>) -> Vec<Vec<f32>> {
+    let results = on_ranks(world, move |rank, group| {
+        let device = Default::default();
+        let mut engine =
+            ChainEngine::new(settings(stage, ac.clone()), Net::<B>::new(&device, BLOCKS), group).expect("engine");
+        let per_micro = GLOBAL_BATCH / world / 2;
+        for step in 0..STEPS {
+            for micro in 0..2 {
+                let start = rank * 2 * per_micro + micro * per_micro;
+                let loss = engine
+                    .forward(batch::<B>(step, start..start + per_micro, &device))
+                    .expect("forward");
+                engine.backward(loss).expect("backward");
+                engine.step().expect("step");
+            }
+        }
+        values::<B, _>(&engine.module().expect("module"))
+    });
+    results.into_iter().next().unwrap_or_default()
+}
+
+fn variants() -> Vec<(&'static str, ActivationCheckpointing)> {
+    vec![
+        ("every block", ActivationCheckpointing::default()),
+        (
+            "1 checkpoint",
+            ActivationCheckpointing {
+                number_checkpoints: Some(1),
+                ..Default::default()
+            },
+        ),
+        (
+            "2 checkpoints, on the host",
+            ActivationCheckpointing {
+                number_checkpoints: Some(2),
+                cpu_checkpointing: true,
+                synchronize_checkpoint_boundary: true,
+                ..Default::default()
+            },
+        ),
+    ]
+}
+
+#[test]
+fn checkpointing_gives_the_same_weights_at_every_stage() {
+    let want = reference();
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for world in [1, 2] {
+            let plain = run(stage, world, None);
+            for (label, ac) in variants() {
+                let got = run(stage, world, Some(ac));
+                let err = max_relative_error(&got, &want);
+                assert!(
+                    err < 1e-6,
+                    "{label}, stage {stage:?}, world {world}: {err:e} from plain Burn"
+                );
+                assert!(
+                    got == plain,
+                    "{label}, stage {stage:?}, world {world}: not bitwise the unchecked run"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn partitioned_checkpoints_are_split_and_gathered_back() {
+    // Two ranks that compute the same activation (as tensor-parallel ranks do), each with its own
+    // one-rank data-parallel group, share a 2-rank group to split checkpoints in.
+    let want = reference();
+    for stage in [Stage::Zero0, Stage::Zero3] {
+        let pieces = ThreadGroup::new_group(2).expect("group");
+        let handles: Vec<_> = pieces
+            .into_iter()
+            .map(|piece_group| {
+                std::thread::spawn(move || {
+                    let dp = ThreadGroup::new_group(1).expect("group").remove(0) as SharedGroup;
+                    let ac = ActivationCheckpointing {
+                        number_checkpoints: Some(2),
+                        partition_group: Some(piece_group as SharedGroup),
+                        ..Default::default()
+                    };
+                    let device = Default::default();
+                    let mut engine = ChainEngine::new(settings(stage, Some(ac)), Net::<B>::new(&device, BLOCKS), dp)
+                        .expect("engine");
+                    for step in 0..STEPS {
+                        for micro in 0..2 {
+                            let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
+                            let loss = engine.forward(batch::<B>(step, rows, &device)).expect("forward");
+                            engine.backward(loss).expect("backward");
+                            engine.step().expect("step");
+                        }
+                    }
+                    values::<B, _>(&engine.module().expect("module"))
+                })
+            })
+            .collect();
+        for h in handles {
+            let got = h.join().expect("rank");
+            let err = max_relative_error(&got, &want);
+            assert!(err < 1e-6, "stage {stage:?}: {err:e} from plain Burn");
+        }
+    }
+}
+
+/// Every gradient of `model` in `grads`, flattened, in visit order (empty where there is none).
+fn grad_values<M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> Vec<Vec<f32>> {
+    struct Collect<'a>(&'a GradientsParams, Vec<Vec<f32>>);
+    impl ModuleVisitor<B> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let g = self.0.get::<<B as AutodiffBackend>::InnerBackend, D>(p.id);
+            self.1.push(g.map(zero_burn::params::tensor_to_vec).unwrap_or_default());
+        }
+    }
+    let mut c = Collect(grads, Vec::new());
+    model.visit(&mut c);
+    c.1
+}
+
+#[test]
+fn checkpointed_grads_equal_plain_backward() {
+    let device = Default::default();
+    let model = Net::<B>::new(&device, BLOCKS);
+    let (x, y) = batch::<B>(0, 0..GLOBAL_BATCH, &device);
+    let loss = model.loss(x.clone(), y.clone());
+    let want_loss = loss.clone().into_scalar();
+    let want = grad_values(&model, &GradientsParams::from_grads(loss.backward(), &model));
+    assert!(want.iter().all(|g| !g.is_empty()), "every parameter has a gradient");
+    for count in [None, Some(1), Some(2), Some(BLOCKS + 3)] {
+        let (value, grads) = checkpointed_grads(&model, &(x.clone(), y.clone()), count).expect("grads");
+        assert_eq!(value, want_loss, "{count:?}: the loss");
+        let got = grad_values(&model, &grads);
+        let err = max_relative_error(&got, &want);
+        assert!(
+            err < 1e-6,
+            "{count:?} checkpoints: gradients {err:e} from plain backward"
+        );
+    }
+}
+
+#[test]
+fn zero_checkpoints_is_an_error_naming_the_key() {
+    let err = zero_burn::segments(4, Some(0)).expect_err("0 checkpoints");
+    assert!(err.to_string().contains("number_checkpoints"), "{err}");
+    let cut = zero_burn::segments(5, Some(2)).expect("segments");
+    assert_eq!(cut, vec![0..3, 3..5]);
+    assert_eq!(zero_burn::segments(3, None).expect("segments"), vec![0..1, 1..2, 2..3]);
+    assert_eq!(zero_burn::segments(2, Some(7)).expect("segments"), vec![0..1, 1..2]);
+}
+
+/// Block calls, counted by [`Counted`].
+static BLOCK_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// [`Net`] with its block calls counted.
+#[derive(burn::module::Module, Debug)]
+struct Counted<B: burn::tensor::backend::Backend> {
+    net: Net<B>,
+}
+
+impl<B: AutodiffBackend> zero_burn::ChainModel<B> for Counted<B> {
+    type Batch = <Net<B> as zero_burn::ChainModel<B>>::Batch;
+    type Hidden = Tensor<B, 2>;
+    type Ends = Ends<B>;
+    type Block = Block<B>;
+    fn into_parts(self) -> (Ends<B>, Vec<Block<B>>) {
+        self.net.into_parts()
+    }
+    fn from_parts(ends: Ends<B>, blocks: Vec<Block<B>>) -> Self {
+        Counted {
+            net: Net::from_parts(ends, blocks),
+        }
+    }
+    fn embed(ends: &Ends<B>, batch: &Self::Batch) -> Tensor<B, 2> {
+        Net::embed(ends, batch)
+    }
+    fn block_forward(block: &Block<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        BLOCK_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Net::block_forward(block, x)
+    }
+    fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        Net::head_loss(ends, h, batch)
+    }
+}
+
+#[test]
+fn checkpointed_blocks_run_twice_and_unchecked_once() {
+    // Reference: the definition. Without checkpointing, stages 0-2 keep each block's graph from
+    // forward (one call per block); with it, backward reruns every block from its checkpoint.
+    use std::sync::atomic::Ordering::SeqCst;
+    for (ac, per_block) in [(None, 1), (Some(ActivationCheckpointing::default()), 2)] {
+        let device = Default::default();
+        let group = ThreadGroup::new_group(1).expect("group").remove(0) as SharedGroup;
+        let model = Counted {
+            net: Net::<B>::new(&device, BLOCKS),
+        };
+        let mut engine = ChainEngine::new(settings(Stage::Zero2, ac.clone()), model, group).expect("engine");
+        BLOCK_CALLS.store(0, SeqCst);
+        let loss = engine.forward(batch::<B>(0, 0..4, &device)).expect("forward");
+        engine.backward(loss).expect("backward");
+        assert_eq!(BLOCK_CALLS.load(SeqCst), per_block * BLOCKS, "{ac:?}");
+    }
+}
+
+#[test]
+fn the_config_section_turns_checkpointing_on() {
+    use zero_core::config::DeepSpeedConfig;
+    let settings_of = |text: &str| {
+        let config = DeepSpeedConfig::from_str(text, "test.json").expect("config").config;
+        let resolved = zero_burn::resolve(&config, 2, &Default::default()).expect("resolve");
+        zero_burn::engine_settings(&resolved).expect("settings")
+    };
+    let off = settings_of(r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}"#);
+    assert!(off.activation_checkpointing.is_none(), "no section, no checkpointing");
+    let on = settings_of(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "activation_checkpointing": {"number_checkpoints": 3,
+            "cpu_checkpointing": true, "partition_activations": true}}"#,
+    );
+    let ac = on.activation_checkpointing.expect("section present");
+    assert_eq!(ac.number_checkpoints, Some(3));
+    assert!(ac.cpu_checkpointing);
+    assert!(
+        ac.partition_group.is_none(),
+        "the caller names the tensor-parallel group"
+    );
+}
