@@ -1,0 +1,179 @@
+//! Activation memory against the number of activation checkpoints, on a GPT-2.
+//!
+//! A counting allocator records the peak of live heap bytes during one micro-batch's forward
+//! and backward, above what was live before it (the model states). The named baseline is the
+//! same engine without checkpointing, in the same run.
+//!
+//! The model: with `L` blocks, `h` bytes per block input (batch × seq × n_embd × 4), `A` bytes
+//! of activations a block's graph holds and `C` for the embedding and head, no checkpointing
+//! holds about `L·A + C`; `k` checkpoints hold `k·h`, plus one segment's graph in backward,
+//! `⌈L/k⌉·A`, plus `C`. `A` and `C` are fitted from two measured points (no checkpointing and one
+//! checkpoint per block); the other rows are predictions.
+//!
+//! `cargo run --release -p zero-benches --bin activation_memory -- [--layers 8] [--embd 128]
+//!  [--seq 256] [--batch 4]`
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Int, Tensor, TensorData};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::Instant;
+use zero_burn::{ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
+use zero_core::comm::{SharedGroup, ThreadGroup};
+use zero_core::optim::OptimizerSpec;
+use zero_models::Gpt2Config;
+
+type B = Autodiff<Flex>;
+
+/// The system allocator, counting live bytes and their peak.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged to the system allocator.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(live, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded unchanged to the system allocator.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                let live = LIVE.fetch_add(new_size - layout.size(), Relaxed) + new_size - layout.size();
+                PEAK.fetch_max(live, Relaxed);
+            } else {
+                LIVE.fetch_sub(layout.size() - new_size, Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+struct Options {
+    layers: usize,
+    embd: usize,
+    seq: usize,
+    batch: usize,
+}
+
+fn options() -> Options {
+    let mut o = Options {
+        layers: 8,
+        embd: 128,
+        seq: 256,
+        batch: 4,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    for pair in args.chunks(2) {
+        let value: usize = pair.get(1).and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+            eprintln!("{} needs a number", pair[0]);
+            std::process::exit(2);
+        });
+        match pair[0].as_str() {
+            "--layers" => o.layers = value,
+            "--embd" => o.embd = value,
+            "--seq" => o.seq = value,
+            "--batch" => o.batch = value,
+            other => {
+                eprintln!("unknown option {other}");
+                std::process::exit(2);
+            }
+        }
+    }
+    o
+}
+
+/// Peak bytes above the resting level during forward + backward (median-free: the allocator's
+/// peak is exact), and the seconds it took; after one warm-up step.
+fn measure(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>) -> (usize, f64) {
+    let device = Default::default();
+    let group = ThreadGroup::new_group(1).expect("group").remove(0) as SharedGroup;
+    let mut settings = EngineSettings::new(Stage::Zero0, OptimizerSpec::adamw());
+    settings.activation_checkpointing = ac;
+    let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
+    let ids: Vec<i64> = (0..o.batch * o.seq).map(|i| ((i * 7919) % config.vocab_size) as i64).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
+    let mut result = (0, 0.0);
+    for step in 0..2 {
+        let rest = LIVE.load(Relaxed);
+        PEAK.store(rest, Relaxed);
+        let t = Instant::now();
+        let loss = engine.forward((tokens.clone(), tokens.clone())).expect("forward");
+        engine.backward(loss).expect("backward");
+        let secs = t.elapsed().as_secs_f64();
+        let peak = PEAK.load(Relaxed) - rest;
+        engine.step().expect("step");
+        if step == 1 {
+            result = (peak, secs);
+        }
+    }
+    result
+}
+
+fn mb(bytes: f64) -> f64 {
+    bytes / 1e6
+}
+
+fn main() {
+    let o = options();
+    // A small vocabulary keeps the logits (part of C) from hiding the blocks' share.
+    let config = Gpt2Config::new(512, o.seq.max(64), o.embd, o.layers, 4);
+    let l = o.layers;
+    let h = (o.batch * o.seq * o.embd * 4) as f64;
+    println!(
+        "GPT-2: {l} layers, n_embd {}, vocab 512; batch {} x seq {}; stage 0, 1 rank; h = {:.2} MB per block input",
+        o.embd,
+        o.batch,
+        o.seq,
+        mb(h)
+    );
+    let (off, off_t) = measure(&config, &o, None);
+    let (every, every_t) = measure(&config, &o, Some(ActivationCheckpointing::default()));
+    let a = (off as f64 - every as f64 + l as f64 * h) / (l as f64 - 1.0);
+    let c = off as f64 - l as f64 * a;
+    println!("fitted: A = {:.2} MB per block graph, C = {:.2} MB", mb(a), mb(c));
+    println!("| checkpoints | peak activation memory | vs none | predicted k·h + ⌈L/k⌉·A + C | fwd+bwd time | vs none |");
+    println!("|---|---|---|---|---|---|");
+    println!("| none (baseline) | {:.1} MB | 1.00x | (fit) | {:.3} s | 1.00x |", mb(off as f64), off_t);
+    let mut counts: Vec<usize> = vec![1, 2, 4, l];
+    counts.retain(|&k| k <= l);
+    counts.dedup();
+    for k in counts {
+        let (peak, t) = if k == l {
+            (every, every_t)
+        } else {
+            measure(
+                &config,
+                &o,
+                Some(ActivationCheckpointing {
+                    number_checkpoints: Some(k),
+                    ..Default::default()
+                }),
+            )
+        };
+        let predicted = k as f64 * h + l.div_ceil(k) as f64 * a + c;
+        let note = if k == l { " (fit)" } else { "" };
+        println!(
+            "| {k} | {:.1} MB | {:.2}x | {:.1} MB{note} | {t:.3} s | {:.2}x |",
+            mb(peak as f64),
+            peak as f64 / off as f64,
+            mb(predicted),
+            t / off_t
+        );
+    }
+}
