@@ -106,7 +106,9 @@ fn measure(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>
     let mut settings = EngineSettings::new(Stage::Zero0, OptimizerSpec::adamw());
     settings.activation_checkpointing = ac;
     let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
-    let ids: Vec<i64> = (0..o.batch * o.seq).map(|i| ((i * 7919) % config.vocab_size) as i64).collect();
+    let ids: Vec<i64> = (0..o.batch * o.seq)
+        .map(|i| ((i * 7919) % config.vocab_size) as i64)
+        .collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
     let mut result = (0, 0.0);
     for step in 0..2 {
@@ -147,9 +149,15 @@ fn main() {
     let a = (off as f64 - every as f64 + l as f64 * h) / (l as f64 - 1.0);
     let c = off as f64 - l as f64 * a;
     println!("fitted: A = {:.2} MB per block graph, C = {:.2} MB", mb(a), mb(c));
-    println!("| checkpoints | peak activation memory | vs none | predicted k·h + ⌈L/k⌉·A + C | fwd+bwd time | vs none |");
+    println!(
+        "| checkpoints | peak activation memory | vs none | predicted k·h + ⌈L/k⌉·A + C | fwd+bwd time | vs none |"
+    );
     println!("|---|---|---|---|---|---|");
-    println!("| none (baseline) | {:.1} MB | 1.00x | (fit) | {:.3} s | 1.00x |", mb(off as f64), off_t);
+    println!(
+        "| none (baseline) | {:.1} MB | 1.00x | (fit) | {:.3} s | 1.00x |",
+        mb(off as f64),
+        off_t
+    );
     let mut counts: Vec<usize> = vec![1, 2, 4, l];
     counts.retain(|&k| k <= l);
     counts.dedup();

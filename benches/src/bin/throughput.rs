@@ -1,0 +1,221 @@
+//! Training throughput of GPT-2 under each ZeRO stage at world size 1: tokens per second and
+//! model FLOPs utilisation, on the CPU (Flex) or, built with `--features cuda`, on a CUDA GPU.
+//!
+//! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
+//!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
+//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu]`
+//!
+//! One line per model and stage, in markdown. The step is forward + backward + optimizer step,
+//! synchronised with the device before the clock stops; the figure is the median over `--steps`
+//! timed steps after 2 warm-up steps. FLOPs per token follow the usual count for a decoder:
+//! 6 × (matrix parameters: every parameter but the position embedding; the tied token embedding
+//! counts once, as the LM head) + 12 × layers × n_embd × seq (attention scores and their use,
+//! forward and backward). MFU = achieved FLOP/s ÷ `--peak-tflops` (default: 989 for cuda, the
+//! H100/H200 SXM dense bf16 figure; for cpu the default is 0 and MFU is not printed).
+//!
+//! With `--offload-optimizer cpu` the fp32 masters and Adam state live in host memory (ZeRO-Offload)
+//! and a model that does not fit runs as far as it can: a failure is printed as the row's result.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use std::time::Instant;
+use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
+use zero_core::comm::{SharedGroup, ThreadGroup};
+use zero_core::loss_scaler::LossScalerConfig;
+use zero_core::optim::OptimizerSpec;
+use zero_models::Gpt2Config;
+
+#[derive(Clone, Debug)]
+struct Options {
+    backend: String,
+    models: Vec<String>,
+    stages: Vec<u8>,
+    dtype: String,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    peak_tflops: Option<f64>,
+    offload_cpu: bool,
+}
+
+fn options() -> Result<Options, String> {
+    let mut o = Options {
+        backend: "cpu".into(),
+        models: vec!["tiny".into()],
+        stages: vec![0, 1, 2, 3],
+        dtype: "fp32".into(),
+        batch: 4,
+        seq: 64,
+        steps: 3,
+        peak_tflops: None,
+        offload_cpu: false,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    for pair in args.chunks(2) {
+        let value = pair
+            .get(1)
+            .cloned()
+            .ok_or_else(|| format!("{} needs a value", pair[0]))?;
+        let number = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{}: {v} is not a number", pair[0]))
+        };
+        match pair[0].as_str() {
+            "--backend" => o.backend = value,
+            "--models" => o.models = value.split(',').map(String::from).collect(),
+            "--stages" => {
+                o.stages = value
+                    .split(',')
+                    .map(|v| v.parse().map_err(|_| format!("--stages: {v} is not 0-3")))
+                    .collect::<Result<_, _>>()?
+            }
+            "--dtype" => o.dtype = value,
+            "--batch" => o.batch = number(&value)?,
+            "--seq" => o.seq = number(&value)?,
+            "--steps" => o.steps = number(&value)?.max(1),
+            "--peak-tflops" => {
+                o.peak_tflops = Some(
+                    value
+                        .parse()
+                        .map_err(|_| format!("--peak-tflops: {value} is not a number"))?,
+                )
+            }
+            "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
+            other => return Err(format!("unknown option {other} {value}")),
+        }
+    }
+    Ok(o)
+}
+
+fn precision(name: &str) -> Result<PrecisionSettings, String> {
+    match name {
+        "fp32" => Ok(PrecisionSettings::fp32()),
+        "bf16" => Ok(PrecisionSettings::bf16()),
+        "fp16" => Ok(PrecisionSettings::fp16(LossScalerConfig::default())),
+        other => Err(format!("--dtype {other}: expected bf16, fp16 or fp32")),
+    }
+}
+
+/// Training FLOPs per token (see the header).
+fn flops_per_token(c: &Gpt2Config, seq: usize) -> f64 {
+    let matrix_params = c.num_params() as f64 - (c.n_positions * c.n_embd) as f64;
+    6.0 * matrix_params + 12.0 * (c.n_layer * c.n_embd * seq) as f64
+}
+
+struct Row {
+    step_s: f64,
+    tokens_per_s: f64,
+    loss: f32,
+    memory: zero_burn::MemoryReport,
+}
+
+/// Median step of `o.steps` timed steps after 2 warm-up steps, on one rank.
+fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
+    let group = ThreadGroup::new_group(1).map_err(|e| e.to_string())?.remove(0) as SharedGroup;
+    let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
+    settings.precision = precision(&o.dtype)?;
+    settings.overlap_comm = true;
+    settings.reduce_bucket_size = 5 * config.n_embd * config.n_embd;
+    settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd;
+    settings.param_persistence_threshold = 10 * config.n_embd;
+    if o.offload_cpu {
+        settings.offload_optimizer = OptimizerOffload::Cpu { threads: 0 };
+    }
+    let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
+    let mut times = Vec::new();
+    let mut loss = f32::NAN;
+    for step in 0..2 + o.steps {
+        let ids: Vec<i64> = (0..o.batch * o.seq)
+            .map(|i| ((i * 7919 + step * 104_729) % config.vocab_size) as i64)
+            .collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
+        B::sync(&device).map_err(|e| format!("{e:?}"))?;
+        let start = Instant::now();
+        let pending = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
+        loss = engine.backward(pending).map_err(|e| e.to_string())?;
+        engine.step().map_err(|e| e.to_string())?;
+        B::sync(&device).map_err(|e| format!("{e:?}"))?;
+        if step >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let step_s = times[times.len() / 2];
+    Ok(Row {
+        step_s,
+        tokens_per_s: (o.batch * o.seq) as f64 / step_s,
+        loss,
+        memory: engine.memory(),
+    })
+}
+
+fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
+    match backend {
+        "cpu" => run::<Autodiff<burn::backend::Flex>>(Default::default(), config, stage, o),
+        #[cfg(feature = "cuda")]
+        "cuda" => run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err("this binary was built without the `cuda` feature (cargo ... --features cuda)".into()),
+        other => Err(format!("--backend {other}: expected cpu or cuda")),
+    }
+}
+
+fn main() {
+    let o = match options() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("throughput: {e}");
+            std::process::exit(2);
+        }
+    };
+    let peak = o.peak_tflops.unwrap_or(if o.backend == "cuda" { 989.0 } else { 0.0 });
+    println!(
+        "backend {}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
+        o.backend,
+        o.dtype,
+        o.batch,
+        o.seq,
+        o.steps,
+        if o.offload_cpu { "cpu" } else { "none" }
+    );
+    println!("| model | params | stage | step | tokens/s | MFU | loss | model states (engine's count) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for name in &o.models {
+        let config = match Gpt2Config::preset(name) {
+            Ok(c) => Gpt2Config {
+                n_positions: c.n_positions.max(o.seq),
+                ..c
+            },
+            Err(e) => {
+                eprintln!("throughput: {e}");
+                std::process::exit(2);
+            }
+        };
+        for &stage in &o.stages {
+            let Some(stage_kind) = Stage::from_number(stage) else {
+                eprintln!("throughput: stage {stage} is not 0-3");
+                std::process::exit(2);
+            };
+            let params = format!("{:.1}M", config.num_params() as f64 / 1e6);
+            match run_on(&o.backend, &config, stage_kind, &o) {
+                Ok(r) => {
+                    let achieved = r.tokens_per_s * flops_per_token(&config, o.seq);
+                    let mfu = if peak > 0.0 {
+                        format!("{:.1}%", 100.0 * achieved / (peak * 1e12))
+                    } else {
+                        "-".into()
+                    };
+                    println!(
+                        "| {name} | {params} | {stage} | {:.1} ms | {:.0} | {mfu} | {:.3} | {:.2} GB |",
+                        r.step_s * 1e3,
+                        r.tokens_per_s,
+                        r.loss,
+                        r.memory.total_current() as f64 / 1e9
+                    );
+                }
+                Err(e) => println!("| {name} | {params} | {stage} | failed: {e} | | | | |"),
+            }
+        }
+    }
+}

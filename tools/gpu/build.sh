@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds what the GPU checks run, with the `cuda` feature, and stages it in .gpu/ (ignored by
+# git) for the GPU machine, which has no Rust toolchain: the throughput bench, and every test
+# binary of zero-core and zero-burn (the NCCL tests among them).
+#
+#   bash tools/gpu/build.sh        # here; then run tools/gpu/run.sh there, carrying .gpu
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+rm -rf .gpu && mkdir -p .gpu
+cargo build --release --features cuda -p zero-benches --bin throughput
+cp target/release/throughput .gpu/
+# Test executables, found from cargo's JSON messages.
+cargo test --release --features cuda -p zero-core -p zero-burn --no-run --message-format=json \
+  | python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"] + "-" + m["target"]["kind"][0]
+        shutil.copy(m["executable"], ".gpu/test-" + name)
+        print("staged", name)
+'
+strip .gpu/* 2>/dev/null || true
+du -sh .gpu
