@@ -10,6 +10,8 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/ex
 rm -rf .gpu && mkdir -p .gpu
 cargo build --release --features cuda -p zero-benches --bin throughput
 cp target/release/throughput .gpu/
+cargo build --release -p zero-core --bin zero
+cp target/release/zero .gpu/
 # Test executables, found from cargo's JSON messages.
 cargo test --release --features cuda -p zero-core -p zero-burn --no-run --message-format=json \
   | python3 -c '

@@ -25,5 +25,6 @@ python3 tools/gpu/torch_gpt2_throughput.py --models gpt2 --batch 8 --seq 1024 --
 python3 tools/gpu/torch_gpt2_throughput.py --models gpt2-xl --batch 4 --seq 1024 --steps "$steps"
 echo "== ZeRO-Offload (optimizer on the CPU), stage 3, up the ladder"
 for m in gpt2-xl gpt2-10b; do
+  .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --dtype bf16
   .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 --offload-optimizer cpu
 done
