@@ -415,7 +415,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// value.
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
         self.fence()?;
-        let mut grads = self.core.backward_loss(loss.loss, loss.value).backward();
+        let grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
             Pending::Kept {
                 embedded,
@@ -423,11 +423,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 last,
                 head,
             } => {
-                let mut grad_h = last
-                    .take_grad(&mut grads)
-                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
-                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &head, &mut grads)?;
-                drop((grads, head));
+                let mut grad_h = self.head_backward(&last, &head, grads)?;
+                drop(head);
                 for b in (0..self.blocks.len()).rev() {
                     let (x, y) = blocks.pop().unwrap_or_else(|| unreachable!());
                     self.fence()?;
@@ -437,10 +434,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                         .ok_or_else(|| ZeroError::Model(format!("block {b}'s output does not depend on its input")))?;
                     absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                 }
-                let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
-                self.fence()?;
-                let mut grads = embedded.dot(grad_h).backward();
-                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
+                self.embed_backward(embedded, grad_h)?;
             }
             Pending::Checkpointed {
                 embedded,
@@ -448,11 +442,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 last,
                 head,
             } => {
-                let mut grad_h = last
-                    .take_grad(&mut grads)
-                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
-                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &head, &mut grads)?;
-                drop((grads, head));
+                let mut grad_h = self.head_backward(&last, &head, grads)?;
+                drop(head);
                 let ac = self.core.settings.activation_checkpointing.clone().unwrap_or_default();
                 while let Some((seg, stored)) = segments.pop() {
                     // Rerun the segment from its checkpoint, this time recording the graph.
@@ -470,10 +461,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                         absorb_into::<B, _>(&mut self.core, &self.parts[b + 1].params, &self.blocks[b], &mut grads)?;
                     }
                 }
-                let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
-                self.fence()?;
-                let mut grads = embedded.dot(grad_h).backward();
-                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
+                self.embed_backward(embedded, grad_h)?;
             }
             Pending::Blockwise {
                 last,
@@ -481,12 +469,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 mut inputs,
                 batch,
             } => {
-                let mut grad_h = last
-                    .take_grad(&mut grads)
-                    .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
-                absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
+                let mut grad_h = self.head_backward(&last, &ends, grads)?;
                 self.release(0, ends);
-                drop(grads);
                 let keep = self.core.settings.activation_checkpointing.clone().unwrap_or_default();
                 for b in (0..self.blocks.len()).rev() {
                     let block = self.materialize_block(b, true)?;
@@ -511,6 +495,29 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         }
         self.core.finish_micro_batch()?;
         Ok(loss.value)
+    }
+
+    /// The head's part of backward: absorbs the ends' gradients from the loss graph and returns
+    /// the gradient of the last block's output.
+    fn head_backward(
+        &mut self,
+        last: &M::Hidden,
+        ends: &M::Ends,
+        mut grads: B::Gradients,
+    ) -> Result<M::Hidden, ZeroError> {
+        let grad_h = last
+            .take_grad(&mut grads)
+            .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
+        absorb_into::<B, _>(&mut self.core, &self.parts[0].params, ends, &mut grads)?;
+        Ok(grad_h)
+    }
+
+    /// Stages 0-2: the embedding's backward, on the graph kept from forward.
+    fn embed_backward(&mut self, embedded: M::Hidden, grad_h: M::Hidden) -> Result<(), ZeroError> {
+        let ends = self.embed_ends.take().unwrap_or_else(|| unreachable!("set by forward"));
+        self.fence()?;
+        let mut grads = embedded.dot(grad_h).backward();
+        absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)
     }
 
     /// The optimizer step at an accumulation boundary; `None` between boundaries.

@@ -17,22 +17,14 @@ use burn::tensor::Tensor;
 use common::*;
 use zero_burn::{checkpointed_grads, ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_core::optim::OptimizerSpec;
 
 const BLOCKS: usize = 5;
 const STEPS: usize = 4;
 const LR: f64 = 0.01;
 
 fn adamw() -> OptimizerSpec {
-    OptimizerSpec::Adam(AdamSpec {
-        lr: LR,
-        betas: (0.9, 0.999),
-        eps: 1e-4,
-        weight_decay: 0.01,
-        decoupled_weight_decay: true,
-        bias_correction: true,
-        amsgrad: false,
-    })
+    adamw_eps4(LR)
 }
 
 fn settings(stage: Stage, ac: Option<ActivationCheckpointing>) -> EngineSettings {
@@ -191,10 +183,11 @@ fn checkpointed_grads_equal_plain_backward() {
         let (value, grads) = checkpointed_grads(&model, &(x.clone(), y.clone()), count).expect("grads");
         assert_eq!(value, want_loss, "{count:?}: the loss");
         let got = grad_values(&model, &grads);
-        let err = max_relative_error(&got, &want);
-        assert!(
-            err < 1e-6,
-            "{count:?} checkpoints: gradients {err:e} from plain backward"
+        assert_close(
+            &format!("{count:?} checkpoints: gradients vs plain backward"),
+            &got,
+            &want,
+            1e-6,
         );
     }
 }

@@ -11,11 +11,11 @@ mod common;
 
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{max_relative_error, on_ranks, values, B};
+use common::{adamw_eps4, assert_close, on_ranks, values, B};
 use zero_burn::params::{describe, write_values};
 use zero_burn::sequential::{CrossEntropy, Layer, MeanSquaredError, Sequential, SequentialLoss};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_core::optim::OptimizerSpec;
 
 const STEPS: usize = 4;
 const LR: f64 = 0.01;
@@ -78,15 +78,7 @@ impl Targets for MeanSquaredError {
 }
 
 fn adamw() -> OptimizerSpec {
-    OptimizerSpec::Adam(AdamSpec {
-        lr: LR,
-        betas: (0.9, 0.999),
-        eps: 1e-4,
-        weight_decay: 0.01,
-        decoupled_weight_decay: true,
-        bias_correction: true,
-        amsgrad: false,
-    })
+    adamw_eps4(LR)
 }
 
 fn reference<L: Targets>() -> Vec<Vec<f32>> {
@@ -125,11 +117,7 @@ fn check<L: Targets>(label: &str) {
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1, 2, 4] {
             let got = run::<L>(stage, world);
-            let err = max_relative_error(&got, &want);
-            assert!(
-                err < 1e-6,
-                "{label}, stage {stage:?}, world {world}: relative error {err:e}"
-            );
+            assert_close(&format!("{label}, stage {stage:?}, world {world}"), &got, &want, 1e-6);
         }
     }
 }

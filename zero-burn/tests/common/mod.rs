@@ -181,3 +181,26 @@ pub fn within(label: &str, got: usize, want: f64, slack: f64) {
         "{label}: engine reports {got} bytes, the formula gives {want:.0} (tolerance {tolerance:.0})"
     );
 }
+
+/// AdamW (lr `lr`, betas 0.9/0.999, weight decay 0.01) with eps 1e-4: see exactness.rs for why
+/// not 1e-8.
+pub fn adamw_eps4(lr: f64) -> zero_core::optim::OptimizerSpec {
+    zero_core::optim::OptimizerSpec::Adam(zero_core::optim::AdamSpec {
+        lr,
+        betas: (0.9, 0.999),
+        eps: 1e-4,
+        weight_decay: 0.01,
+        decoupled_weight_decay: true,
+        bias_correction: true,
+        amsgrad: false,
+    })
+}
+
+/// Fails with `label` unless `got` is within `tolerance` of `want` (max relative error).
+pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>], tolerance: f64) {
+    let err = max_relative_error(got, want);
+    assert!(
+        err < tolerance,
+        "{label}: relative error {err:e} (tolerance {tolerance:e})"
+    );
+}
