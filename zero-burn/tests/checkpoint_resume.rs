@@ -12,23 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroEngine};
 use zero_core::checkpoint::{to_fp32, Checkpoint, HalfDtype, NameMap};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
 
 const BLOCKS: usize = 3;
 
 fn settings(stage: Stage, gas: usize) -> EngineSettings {
-    let mut s = EngineSettings::new(
-        stage,
-        OptimizerSpec::Adam(AdamSpec {
-            lr: 0.01,
-            betas: (0.9, 0.999),
-            eps: 1e-4,
-            weight_decay: 0.01,
-            decoupled_weight_decay: true,
-            bias_correction: true,
-            amsgrad: false,
-        }),
-    );
+    let mut s = EngineSettings::new(stage, common::adamw_eps4(0.01));
     s.gradient_accumulation_steps = gas;
     s.reduce_bucket_size = 100;
     s.param_persistence_threshold = 13;

@@ -9,21 +9,13 @@ use burn::tensor::DType;
 use std::sync::{Arc, Mutex};
 use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
 use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_core::optim::OptimizerSpec;
 
 pub const LR: f64 = 0.01;
 
 /// AdamW with eps 1e-4 (see exactness.rs for why not 1e-8).
 pub fn adamw() -> OptimizerSpec {
-    OptimizerSpec::Adam(AdamSpec {
-        lr: LR,
-        betas: (0.9, 0.999),
-        eps: 1e-4,
-        weight_decay: 0.01,
-        decoupled_weight_decay: true,
-        bias_correction: true,
-        amsgrad: false,
-    })
+    adamw_eps4(LR)
 }
 
 /// The settings of exactness.rs (several buckets at stages 1-2, biases replicated at stage 3),
