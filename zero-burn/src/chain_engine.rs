@@ -104,6 +104,11 @@ pub struct ChainEngine<B: AutodiffBackend, M: ChainModel<B>> {
     schedule: VecDeque<usize>,
     /// Stages 0-2: the leaves of the ends used by the pending micro-batch's embedding.
     embed_ends: Option<M::Ends>,
+    /// Stage 3: the ends' gathered values, kept from the embedding to the head and on to the
+    /// embedding's backward when `max_reuse_distance` and `max_live_parameters` allow.
+    kept_ends: Option<HashMap<usize, FlatBuffer>>,
+    /// Stage 3: whether the pending micro-batch keeps the ends between their uses.
+    keep_ends: bool,
 }
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
@@ -272,6 +277,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             prefetched: HashMap::new(),
             schedule: VecDeque::new(),
             embed_ends: None,
+            kept_ends: None,
+            keep_ends: false,
         })
     }
 
@@ -312,12 +319,15 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             });
         }
         let n = self.blocks.len();
-        // ends, blocks…, ends | blocks in reverse…, ends
+        self.drop_kept_ends();
+        self.keep_ends = self.ends_reused_within_limits();
+        // ends, blocks…, ends | blocks in reverse…, ends; kept ends are gathered once.
+        let again: &[usize] = if self.keep_ends { &[] } else { &[0] };
         self.schedule = std::iter::once(0)
             .chain(1..=n)
-            .chain(std::iter::once(0))
+            .chain(again.iter().copied())
             .chain((1..=n).rev())
-            .chain(std::iter::once(0))
+            .chain(again.iter().copied())
             .collect();
 
         let ends = self.materialize_ends(false)?;
@@ -396,6 +406,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             return Ok(M::head_loss(&self.ends, h, &batch).into_scalar().elem::<f32>());
         }
         let n = self.blocks.len();
+        self.drop_kept_ends();
+        self.keep_ends = false;
         self.schedule = std::iter::once(0).chain(1..=n).chain(std::iter::once(0)).collect();
         let ends = self.materialize_ends(false)?;
         let mut h = M::embed(&ends, &batch).detached();
@@ -490,6 +502,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 self.fence()?;
                 let mut grads = embedded.dot(grad_h).backward();
                 absorb_into::<B, _>(&mut self.core, &self.parts[0].params, &ends, &mut grads)?;
+                // The ends' last use in this micro-batch.
+                self.keep_ends = false;
+                self.kept_ends = None;
                 self.release(0, ends);
             }
         }
@@ -525,6 +540,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         if !self.core.at_boundary() {
             return Ok(None);
         }
+        self.drop_kept_ends();
         let report = self.core.update()?;
         // A skipped step moved nothing; stage 3 gathers its new shards at the next use.
         if !report.skipped {
@@ -539,6 +555,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             return Ok(M::from_parts(self.ends.clone(), self.blocks.clone()));
         }
         self.schedule.clear();
+        self.drop_kept_ends();
+        self.keep_ends = false;
         let ends = self.materialize_ends(false)?;
         self.release(0, ());
         let mut blocks = Vec::with_capacity(self.blocks.len());
@@ -591,8 +609,35 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Stage 3: the ends with their gathered weights (leaves recording gradients when
     /// `require_grad`); the next parts on the schedule are prefetched.
     fn materialize_ends(&mut self, require_grad: bool) -> Result<M::Ends, ZeroError> {
-        let values = self.gather_values(0)?;
-        Ok(self.fill(self.ends.clone(), 0, &values, require_grad))
+        let values = match self.kept_ends.take() {
+            Some(values) => values,
+            None => self.gather_values(0)?,
+        };
+        let ends = self.fill(self.ends.clone(), 0, &values, require_grad);
+        if self.keep_ends {
+            self.kept_ends = Some(values);
+        }
+        Ok(ends)
+    }
+
+    /// Whether the ends may stay gathered from the embedding to the head, and from the head's
+    /// backward to the embedding's (DeepSpeed's `stage3_max_reuse_distance`: the parameters
+    /// gathered in between, here every block; `stage3_max_live_parameters`: the ends and the
+    /// largest block live at once).
+    fn ends_reused_within_limits(&self) -> bool {
+        let blocks = &self.parts[1..];
+        let distance: usize = blocks.iter().map(|p| p.gathered_elements).sum();
+        let largest = blocks.iter().map(|p| p.gathered_elements).max().unwrap_or(0);
+        distance <= self.core.settings.max_reuse_distance
+            && self.parts[0].gathered_elements + largest <= self.core.settings.max_live_parameters
+    }
+
+    /// Drops ends kept from a micro-batch whose backward never came (their values would be
+    /// stale after the next step).
+    fn drop_kept_ends(&mut self) {
+        if self.kept_ends.take().is_some() {
+            self.release(0, ());
+        }
     }
 
     /// Stage 3: block `b` with its gathered weights (see [`Self::materialize_ends`]).
@@ -681,6 +726,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Drops a gathered part and its accounting.
     fn release<P>(&self, part: usize, module: P) {
         drop(module);
+        if part == 0 && self.kept_ends.is_some() {
+            // Still held for a later use; accounted for until then.
+            return;
+        }
         let bytes = self.parts[part].gathered_elements * self.element_size();
         self.core.memory.sub_gathered(bytes);
     }

@@ -83,6 +83,8 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.precision = precision;
     settings.offload_optimizer = offload_optimizer;
     settings.activation_checkpointing = activation_checkpointing(config);
+    settings.max_reuse_distance = config.zero.stage3_max_reuse_distance as usize;
+    settings.max_live_parameters = config.zero.stage3_max_live_parameters as usize;
     Ok(settings)
 }
 

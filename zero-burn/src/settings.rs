@@ -72,6 +72,12 @@ pub struct EngineSettings {
     /// and recompute the rest in backward. `None`: stages 0-2 keep every block's graph; stage 3
     /// keeps each block's input (it recomputes every block anyway).
     pub activation_checkpointing: Option<crate::ActivationCheckpointing>,
+    /// Stage 3: a gathered part stays gathered until its next use when the parameters gathered
+    /// in between are at most this many (`stage3_max_reuse_distance`).
+    pub max_reuse_distance: usize,
+    /// Stage 3: parameters kept gathered for reuse never make more than this many live at once
+    /// (`stage3_max_live_parameters`).
+    pub max_live_parameters: usize,
 }
 
 /// Where the optimizer step runs and where the fp32 masters and optimizer state live
@@ -252,6 +258,8 @@ impl EngineSettings {
             offload_optimizer: OptimizerOffload::None,
             backward_fence: None,
             activation_checkpointing: None,
+            max_reuse_distance: 1_000_000_000,
+            max_live_parameters: 1_000_000_000,
         }
     }
 

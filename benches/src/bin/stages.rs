@@ -7,7 +7,10 @@
 //! divided by N where the stage shards it).
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1]`
+//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N]`
+//!
+//! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
+//! micro-batch (the default keeps them gathered between uses).
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -26,6 +29,7 @@ struct Options {
     steps: usize,
     seq: usize,
     micro: usize,
+    max_reuse_distance: usize,
 }
 
 fn options() -> Options {
@@ -35,6 +39,7 @@ fn options() -> Options {
         steps: 3,
         seq: 64,
         micro: 1,
+        max_reuse_distance: 1_000_000_000,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -45,6 +50,7 @@ fn options() -> Options {
             "--steps" => o.steps = value.parse().unwrap_or(o.steps),
             "--seq" => o.seq = value.parse().unwrap_or(o.seq),
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
+            "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
             other => {
                 eprintln!("unknown option {other}");
                 std::process::exit(2);
@@ -62,7 +68,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
         .enumerate()
         .map(|(rank, group)| {
             let config = config.clone();
-            let (steps, seq, micro) = (o.steps, o.seq, o.micro);
+            let (steps, seq, micro, reuse) = (o.steps, o.seq, o.micro, o.max_reuse_distance);
             std::thread::spawn(move || {
                 let device = Default::default();
                 let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
@@ -70,6 +76,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
                 settings.reduce_bucket_size = config.n_embd * config.n_embd;
                 settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
                 settings.param_persistence_threshold = 10 * config.n_embd;
+                settings.max_reuse_distance = reuse;
                 let group: Arc<dyn ProcessGroup> = group;
                 let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
                 let mut times = Vec::new();
