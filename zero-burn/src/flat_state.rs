@@ -216,9 +216,56 @@ impl FlatState {
         })
     }
 
-    /// Whether the masters and optimizer state are in a swap file (checkpoints cannot read them).
+    /// Whether the masters and optimizer state are in a swap file.
     pub fn swapped(&self) -> bool {
         self.offload.nvme.is_some()
+    }
+
+    /// Swapped state: group `group`'s masters, then each optimizer buffer (in the order of its
+    /// optimizer's `state()`), read from the swap file chunk by chunk. `None` when the state is
+    /// in memory.
+    pub fn read_swapped_group(&self, group: usize) -> Result<Option<Vec<Vec<f32>>>, ZeroError> {
+        let Some(nvme) = &self.offload.nvme else {
+            return Ok(None);
+        };
+        Ok(Some(nvme.file.read_region(&nvme.regions[group])?))
+    }
+
+    /// Swapped state: replaces group `group`'s masters and optimizer buffers in the swap file
+    /// (`buffers` as [`FlatState::read_swapped_group`] returns them), chunk by chunk.
+    pub fn write_swapped_group(&self, group: usize, buffers: &[&[f32]]) -> Result<(), ZeroError> {
+        let Some(nvme) = &self.offload.nvme else {
+            return Err(ZeroError::Usage(format!(
+                "group {group}: writing swapped state of an engine whose state is in memory"
+            )));
+        };
+        Ok(nvme.file.write_region(&nvme.regions[group], buffers)?)
+    }
+
+    /// Puts a restored group in place: its owned masters, its optimizer, and (swapped state
+    /// only) the optimizer's buffers in the order of its `state()`, which go to the swap file
+    /// with the masters. The parameter shard is derived from the masters.
+    pub fn restore_group(
+        &mut self,
+        group: usize,
+        master: Vec<f32>,
+        optimizer: GroupOptimizer,
+        swapped_state: Option<Vec<Vec<f32>>>,
+    ) -> Result<(), ZeroError> {
+        let g = &mut self.groups[group];
+        if let Some(half) = &mut g.half {
+            *half = FlatBuffer::from_f32(&master, half.dtype());
+        }
+        g.optimizer = optimizer;
+        match swapped_state {
+            None => g.master = master,
+            Some(state) => {
+                let mut buffers: Vec<&[f32]> = vec![&master];
+                buffers.extend(state.iter().map(Vec::as_slice));
+                self.write_swapped_group(group, &buffers)?;
+            }
+        }
+        Ok(())
     }
 
     /// Adds a micro-batch gradient of the whole (padded) group, `scale` times.

@@ -159,6 +159,12 @@ impl GroupOptimizer {
         Ok(())
     }
 
+    /// Swapped state: the optimizer continues from `steps` steps taken (a restored checkpoint).
+    pub fn set_swapped_steps(&mut self, steps: u64) {
+        self.swapped_steps = steps;
+        self.inner.set_step_count(steps);
+    }
+
     /// Swapped state: every chunk of this step was updated.
     pub fn end_swapped_step(&mut self) {
         self.swapped_steps += 1;
