@@ -51,8 +51,10 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
     engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
-    precision_settings, resolve, InitOptions,
+    param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
-pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
+pub use settings::{
+    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
+};

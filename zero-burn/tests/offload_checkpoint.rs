@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use std::path::PathBuf;
 use std::sync::Arc;
-use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
+use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
 
 const BLOCKS: usize = 3;
@@ -154,6 +154,18 @@ fn checkpoints_move_between_nvme_offload_and_memory() {
             s.offload_optimizer = OptimizerOffload::Cpu { threads: 1 };
             s
         }),
+        (
+            "saved with nvme, loaded with the parameter shards on nvme",
+            offloaded.clone(),
+            {
+                let mut s = memory.clone();
+                s.offload_param = ParamOffload::Nvme {
+                    path: swap.join("params"),
+                    max_in_cpu: 0,
+                };
+                s
+            },
+        ),
     ] {
         let ckpt = scratch(&format!("ckpt-{}", label.replace(' ', "-").replace(',', "")));
         let (losses, params) = run(world, first, second, Some(ckpt.clone()));
