@@ -5,6 +5,12 @@
 //! world size or stage are `zero_core::checkpoint`'s; this file hands it the engine's flat state
 //! (each group's owned fp32 masters and optimizer buffers) and puts what it reads back in place.
 //!
+//! With the state offloaded to NVMe, the save reads the masters and optimizer buffers back from
+//! the swap file chunk by chunk and the load writes them into it; the files are those of an
+//! in-memory engine, so a checkpoint moves freely between offloaded and in-memory training.
+//! The shard writer and reader take whole slices, so for the length of a save or load the
+//! rank's fp32 state is in host memory once (what an in-memory engine holds all the time).
+//!
 //! Resuming is exact: the masters, every optimizer buffer and step count, and the engine's step
 //! (hence the learning-rate schedule's position) are restored bit for bit, and the accumulators
 //! are empty at a boundary, so a resumed run computes what the uninterrupted run would have.
@@ -111,7 +117,6 @@ impl EngineCore {
         };
         let layout = &self.state.layout;
         let swapped = self.state.swapped();
-        let current = &self.state.groups;
         let rebuilt = (|| {
             let mut optimizers = Vec::with_capacity(groups.len());
             for (gi, g) in groups.iter().enumerate() {
@@ -119,8 +124,7 @@ impl EngineCore {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let mut opt = if swapped {
-                    // One chunk's optimizer, as the engine was built with.
-                    factory.build_chunked(gi, current[gi].optimizer.inner.len())?
+                    factory.build_chunked(gi)?
                 } else {
                     factory.build(layout, gi, rank)?
                 };

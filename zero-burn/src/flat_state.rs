@@ -137,6 +137,7 @@ impl FlatState {
         let mut regions = Vec::new();
         let mut file_elements = 0u64;
         let mut widest_chunk = 0usize;
+        let mut widest_width = 0usize;
         if pool_threads.is_some() {
             memory.set_optimizer_on_host();
         }
@@ -174,7 +175,7 @@ impl FlatState {
                 }
                 Some((file, _, chunk_elements)) => {
                     let chunk = (*chunk_elements).min(master.len());
-                    let optimizer = factory.build_chunked(gi, chunk)?;
+                    let optimizer = factory.build_chunked(gi)?;
                     let width = 1 + optimizer.state_width();
                     let region = SwapRegion::new(file_elements, master.len(), width, chunk.max(1));
                     // Fresh state is zero, like an in-memory optimizer's.
@@ -184,9 +185,10 @@ impl FlatState {
                     file.write_region(&region, &buffers)?;
                     file_elements += region.elements();
                     widest_chunk = widest_chunk.max(chunk * width);
+                    widest_width = widest_width.max(width);
                     regions.push(region);
-                    // The chunk optimizer's own state: one chunk's worth, in memory.
-                    memory.add_optimizer(optimizer.state_bytes());
+                    // The chunk optimizer's scratch state (one chunk's worth, for one group at a
+                    // time) is counted with the host buffers below.
                     memory.add_nvme_master(master.len() * 4);
                     memory.add_nvme_optimizer(master.len() * 4 * (width - 1));
                     let param_dtype = dtypes.half_shard.unwrap_or(dtypes.accumulate);
@@ -241,7 +243,9 @@ impl FlatState {
         let nvme = swap.map(|(file, buffer_count, _)| {
             // The host buffers are allocated once, here, and counted as host optimizer memory.
             let buffers: Vec<Vec<f32>> = (0..buffer_count).map(|_| vec![0.0f32; widest_chunk]).collect();
-            memory.add_optimizer(buffer_count * widest_chunk * 4);
+            // The scratch optimizer of the group being stepped: its state buffers for one chunk.
+            let scratch = widest_chunk / widest_width.max(1) * widest_width.saturating_sub(1) * 4;
+            memory.add_optimizer(buffer_count * widest_chunk * 4 + scratch);
             NvmeState {
                 file,
                 regions,
