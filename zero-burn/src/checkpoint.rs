@@ -194,7 +194,7 @@ impl EngineCore {
         self.state.reset_accumulators();
         self.micro_steps = 0;
         self.global_step = meta.global_step;
-        if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler.clone()) {
+        if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler) {
             scaler.load_state(state);
         }
         Ok(meta.client_state)

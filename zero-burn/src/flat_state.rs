@@ -94,6 +94,8 @@ pub(crate) struct FlatState {
 impl FlatState {
     /// Builds the state from the full initial values of every parameter (`values(i)`), keeping
     /// only the owned ranges.
+    // Each argument is a separate part of the engine's setup, passed once at construction.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: PartitionLayout,
         rank: usize,
