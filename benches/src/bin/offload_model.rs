@@ -247,17 +247,13 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         human_bytes(m.locations.optimizer_state.nvme as u64),
         human_bytes(m.gathered.peak as u64),
     );
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
+    // The last step: the first one also warms the page cache and the allocator up.
+    let (fb, opt) = times.last().copied().unwrap_or((f64::NAN, f64::NAN));
     println!(
-        "RESULT {}: steps ran; step median {:.1} s (forward+backward {:.1} s, optimizer {:.1} s); peak RSS (VmHWM) \
-         {:.2} GiB; estimate {:.2} GiB; wall {:.0} s",
+        "RESULT {}: steps ran; last step {:.1} s (forward+backward {fb:.1} s, optimizer {opt:.1} s); peak RSS \
+         (VmHWM) {:.2} GiB; estimate {:.2} GiB; wall {:.0} s",
         a.preset,
-        median(times.iter().map(|t| t.0 + t.1).collect()),
-        median(times.iter().map(|t| t.0).collect()),
-        median(times.iter().map(|t| t.1).collect()),
+        fb + opt,
         gib(hwm),
         gib(host),
         started.elapsed().as_secs_f64()
