@@ -264,7 +264,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
             // The fp32 masters are the parameters themselves: count them once, as parameters.
             // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)
-            let owned = core.state.layout.owned_numel() * 4;
+            let owned = core.state.master_bytes_without_shard();
             core.memory.sub_master(owned);
             core.memory.add_parameters(owned);
         }
@@ -711,10 +711,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 if layout.groups[g].placement != Placement::Sharded || self.prefetched.contains_key(&g) {
                     continue;
                 }
+                // A shard that cannot be read is left to the gather that needs it, which fails.
+                let Ok(shard) = self.core.shard_buffer(g) else { continue };
                 self.core
                     .memory
                     .add_gathered(layout.groups[g].padded * self.element_size());
-                let shard = self.core.shard_buffer(g);
                 self.prefetched.insert(g, self.core.comm.all_gather_async(shard));
             }
             if planned >= budget {

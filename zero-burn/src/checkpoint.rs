@@ -5,6 +5,12 @@
 //! world size or stage are `zero_core::checkpoint`'s; this file hands it the engine's flat state
 //! (each group's owned fp32 masters and optimizer buffers) and puts what it reads back in place.
 //!
+//! With the state offloaded to NVMe, the save reads the masters and optimizer buffers back from
+//! the swap file chunk by chunk and the load writes them into it; the files are those of an
+//! in-memory engine, so a checkpoint moves freely between offloaded and in-memory training.
+//! The shard writer and reader take whole slices, so for the length of a save or load the
+//! rank's fp32 state is in host memory once (what an in-memory engine holds all the time).
+//!
 //! Resuming is exact: the masters, every optimizer buffer and step count, and the engine's step
 //! (hence the learning-rate schedule's position) are restored bit for bit, and the accumulators
 //! are empty at a boundary, so a resumed run computes what the uninterrupted run would have.
@@ -25,7 +31,6 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
 use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
-use zero_core::comm::FlatBuffer;
 
 impl EngineCore {
     fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {
@@ -33,16 +38,6 @@ impl EngineCore {
             return Err(ZeroError::Usage(format!(
                 "{what} between accumulation boundaries ({} of {} micro-batches absorbed): call it after step()",
                 self.micro_steps, self.settings.gradient_accumulation_steps
-            )));
-        }
-        Ok(())
-    }
-
-    fn require_in_memory(&self, what: &str) -> Result<(), ZeroError> {
-        if self.state.swapped() {
-            return Err(ZeroError::Usage(format!(
-                "{what} with offload_optimizer on NVMe: checkpoints cannot read the swapped masters and optimizer \
-                 state yet; train with offload_optimizer device \"cpu\" (or none) to save and load checkpoints"
             )));
         }
         Ok(())
@@ -56,22 +51,47 @@ impl EngineCore {
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
         self.require_boundary("save_checkpoint")?;
-        self.require_in_memory("save_checkpoint")?;
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
-        let request = SaveRequest {
-            layout: &self.state.layout,
-            groups: self
-                .state
-                .groups
-                .iter()
-                .map(|g| GroupShard {
+        // Swapped state (NVMe offload) is read back from the swap file, chunk by chunk, group
+        // by group; the checkpoint is the same as an in-memory engine's.
+        let swapped = (0..self.state.groups.len())
+            .map(|gi| self.state.read_swapped_group(gi))
+            .collect::<Result<Vec<_>, ZeroError>>();
+        // Every rank learns whether every swap file could be read before any rank writes.
+        let swapped = agree(
+            self.comm.as_ref(),
+            "save",
+            swapped.map_err(|e| CheckpointError::Usage(format!("rank {}: {e}", self.comm.rank()))),
+        )?;
+        let groups = self
+            .state
+            .groups
+            .iter()
+            .zip(&swapped)
+            .map(|(g, read)| match read {
+                None => GroupShard {
                     master: &g.master,
                     state: g.optimizer.inner.state(),
-                })
-                .collect(),
+                },
+                Some(buffers) => GroupShard {
+                    master: &buffers[0],
+                    state: g
+                        .optimizer
+                        .inner
+                        .state()
+                        .iter()
+                        .map(|(name, _)| *name)
+                        .zip(buffers[1..].iter().map(Vec::as_slice))
+                        .collect(),
+                },
+            })
+            .collect();
+        let request = SaveRequest {
+            layout: &self.state.layout,
+            groups,
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
@@ -90,17 +110,24 @@ impl EngineCore {
     /// client state.
     pub(crate) fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load_checkpoint")?;
-        self.require_in_memory("load_checkpoint")?;
         let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
         let rank = self.comm.rank();
         let factory = OptimizerFactory {
             spec: self.settings.optimizer.clone(),
         };
         let layout = &self.state.layout;
+        let swapped = self.state.swapped();
         let rebuilt = (|| {
             let mut optimizers = Vec::with_capacity(groups.len());
             for (gi, g) in groups.iter().enumerate() {
-                let mut opt = factory.build(layout, gi, rank)?;
+                let restoring = |e: String| {
+                    ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
+                };
+                let mut opt = if swapped {
+                    factory.build_chunked(gi)?
+                } else {
+                    factory.build(layout, gi, rank)?
+                };
                 if opt.inner.name() != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
                         "the checkpoint's optimizer is `{}` but the engine's is `{}`",
@@ -108,11 +135,34 @@ impl EngineCore {
                         opt.inner.name()
                     )));
                 }
-                let buffers: Vec<(&str, &[f32])> = g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
-                opt.inner.load_state(meta.optimizer.step, &buffers).map_err(|e| {
-                    ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
-                })?;
-                optimizers.push(opt);
+                if !swapped {
+                    let buffers: Vec<(&str, &[f32])> =
+                        g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+                    opt.inner
+                        .load_state(meta.optimizer.step, &buffers)
+                        .map_err(|e| restoring(e.to_string()))?;
+                    optimizers.push((opt, None));
+                    continue;
+                }
+                // Swapped: the buffers go to the swap file in the chunk optimizer's order.
+                let mut order = Vec::new();
+                for (name, _) in opt.inner.state() {
+                    let i = g
+                        .state
+                        .iter()
+                        .position(|(n, _)| n == name)
+                        .ok_or_else(|| restoring(format!("no `{name}` buffer in the checkpoint")))?;
+                    if g.state[i].1.len() != g.master.len() {
+                        return Err(restoring(format!(
+                            "`{name}` has {} elements, the masters {}",
+                            g.state[i].1.len(),
+                            g.master.len()
+                        )));
+                    }
+                    order.push(i);
+                }
+                opt.set_swapped_steps(meta.optimizer.step);
+                optimizers.push((opt, Some(order)));
             }
             Ok(optimizers)
         })();
@@ -131,18 +181,20 @@ impl EngineCore {
             (Err(e), _) => return Err(e),
             (Ok(_), Err(e)) => return Err(e.into()),
         };
-        for ((state, loaded), optimizer) in self.state.groups.iter_mut().zip(groups).zip(optimizers) {
-            state.master = loaded.master;
-            // The 16-bit shard (stage 3 in bf16/fp16) is derived from the masters.
-            if let Some(half) = &mut state.half {
-                *half = FlatBuffer::from_f32(&state.master, half.dtype());
-            }
-            state.optimizer = optimizer;
+        for (gi, (loaded, (optimizer, order))) in groups.into_iter().zip(optimizers).enumerate() {
+            let state = match order {
+                None => None,
+                Some(order) => {
+                    let mut buffers: Vec<Option<Vec<f32>>> = loaded.state.into_iter().map(|(_, b)| Some(b)).collect();
+                    Some(order.iter().filter_map(|&i| buffers[i].take()).collect())
+                }
+            };
+            self.state.restore_group(gi, loaded.master, optimizer, state)?;
         }
         self.state.reset_accumulators();
         self.micro_steps = 0;
         self.global_step = meta.global_step;
-        if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler.clone()) {
+        if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler) {
             scaler.load_state(state);
         }
         Ok(meta.client_state)

@@ -7,7 +7,7 @@ use crate::flat_state::{FlatState, GradFlow, StateDtypes};
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::OptimizerFactory;
-use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, ParamOffload, Stage};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::HashMap;
@@ -71,7 +71,11 @@ impl EngineCore {
         let precision = &settings.precision;
         let dtypes = StateDtypes {
             accumulate: precision.dtype,
-            half_shard: (settings.stage == Stage::Zero3 && precision.dtype.is_half()).then_some(precision.dtype),
+            // Stage 3 keeps the parameter shard apart from the masters when it is 16-bit, or
+            // when it is offloaded (the masters stay with the optimizer).
+            half_shard: (settings.stage == Stage::Zero3
+                && (precision.dtype.is_half() || settings.offload_param != ParamOffload::None))
+                .then_some(precision.dtype),
             communicate: precision.comm_dtype(),
         };
         let scaler = match &precision.loss_scaler {
@@ -89,6 +93,7 @@ impl EngineCore {
             &memory,
             dtypes,
             &settings.offload_optimizer,
+            &settings.offload_param,
         )?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
@@ -308,7 +313,7 @@ impl EngineCore {
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
-        self.state.apply(grads, coef, lr, self.comm.as_ref())?;
+        self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
         Ok(Some(grad_norm))
     }
 
@@ -347,21 +352,21 @@ impl EngineCore {
     /// The full padded values of one group in the compute dtype: what the model sees. A 16-bit
     /// gather moves half the bytes of an fp32 one.
     pub fn gather_group_buffer(&self, group: usize) -> Result<FlatBuffer, ZeroError> {
-        let shard = self.shard_buffer(group);
+        let shard = self.shard_buffer(group)?;
         match self.state.layout.groups[group].placement {
             Placement::Sharded if self.comm.world_size() > 1 => Ok(self.comm.all_gather(shard)?),
             _ => Ok(shard),
         }
     }
 
-    /// The rank's owned values of a group in the compute dtype (the 16-bit shard when one is
-    /// kept, else the masters, rounded when the compute dtype is 16-bit).
-    pub fn shard_buffer(&self, group: usize) -> FlatBuffer {
-        let g = &self.state.groups[group];
-        match &g.half {
-            Some(h) => h.clone(),
-            None => FlatBuffer::from_f32(&g.master, self.settings.precision.dtype.flat()),
-        }
+    /// The rank's owned values of a group in the compute dtype (the parameter shard when one is
+    /// kept, from memory or read in from its file, else the masters, rounded when the compute
+    /// dtype is 16-bit). The buffer is the caller's, dropped after the gather.
+    pub fn shard_buffer(&self, group: usize) -> Result<FlatBuffer, ZeroError> {
+        Ok(match self.state.param_shard(group)? {
+            Some(h) => h,
+            None => FlatBuffer::from_f32(&self.state.groups[group].master, self.settings.precision.dtype.flat()),
+        })
     }
 }
 

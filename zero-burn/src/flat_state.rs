@@ -11,7 +11,7 @@ use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
-use crate::settings::{ComputeDtype, OptimizerOffload};
+use crate::settings::{ComputeDtype, OptimizerOffload, ParamOffload};
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
 use zero_core::optim::{CpuPool, HalfCopy};
@@ -56,12 +56,20 @@ struct NvmeState {
     buffers: Vec<Vec<f32>>,
 }
 
+/// Stage-3 parameter shards kept in a file (`offload_param` on NVMe): where each group's shard
+/// is, or `None` for the groups kept in memory.
+struct ParamFile {
+    file: SwapFile,
+    slots: Vec<Option<u64>>,
+}
+
 /// The optimizer step's placement: its own thread pool (CPU and NVMe offload) and the swap file
-/// (NVMe).
+/// (NVMe); and the parameter shards' file.
 #[derive(Default)]
 struct OffloadState {
     pool: Option<CpuPool>,
     nvme: Option<NvmeState>,
+    params: Option<ParamFile>,
 }
 
 /// The dtypes of the flat state besides the fp32 masters.
@@ -86,6 +94,8 @@ pub(crate) struct FlatState {
 impl FlatState {
     /// Builds the state from the full initial values of every parameter (`values(i)`), keeping
     /// only the owned ranges.
+    // Each argument is a separate part of the engine's setup, passed once at construction.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: PartitionLayout,
         rank: usize,
@@ -95,6 +105,7 @@ impl FlatState {
         memory: &MemoryTracker,
         dtypes: StateDtypes,
         offload: &OptimizerOffload,
+        param_offload: &ParamOffload,
     ) -> Result<Self, ZeroError> {
         let mut groups = Vec::with_capacity(layout.groups.len());
         let (pool_threads, swap) = match offload {
@@ -113,9 +124,22 @@ impl FlatState {
                 )
             }
         };
+        let (mut param_file, mut in_cpu_budget) = match param_offload {
+            ParamOffload::None => (None, 0),
+            ParamOffload::Cpu => (None, usize::MAX),
+            ParamOffload::Nvme { path, max_in_cpu } => {
+                let file = SwapFile::create(path, &format!("zero_params_rank{rank}.swap"))?;
+                let slots = Vec::with_capacity(layout.groups.len());
+                (Some((ParamFile { file, slots }, 0u64)), *max_in_cpu)
+            }
+        };
+        if *param_offload != ParamOffload::None {
+            memory.set_params_on_host();
+        }
         let mut regions = Vec::new();
         let mut file_elements = 0u64;
         let mut widest_chunk = 0usize;
+        let mut widest_width = 0usize;
         if pool_threads.is_some() {
             memory.set_optimizer_on_host();
         }
@@ -153,7 +177,7 @@ impl FlatState {
                 }
                 Some((file, _, chunk_elements)) => {
                     let chunk = (*chunk_elements).min(master.len());
-                    let optimizer = factory.build_chunked(gi, chunk)?;
+                    let optimizer = factory.build_chunked(gi)?;
                     let width = 1 + optimizer.state_width();
                     let region = SwapRegion::new(file_elements, master.len(), width, chunk.max(1));
                     // Fresh state is zero, like an in-memory optimizer's.
@@ -163,9 +187,10 @@ impl FlatState {
                     file.write_region(&region, &buffers)?;
                     file_elements += region.elements();
                     widest_chunk = widest_chunk.max(chunk * width);
+                    widest_width = widest_width.max(width);
                     regions.push(region);
-                    // The chunk optimizer's own state: one chunk's worth, in memory.
-                    memory.add_optimizer(optimizer.state_bytes());
+                    // The chunk optimizer's scratch state (one chunk's worth, for one group at a
+                    // time) is counted with the host buffers below.
                     memory.add_nvme_master(master.len() * 4);
                     memory.add_nvme_optimizer(master.len() * 4 * (width - 1));
                     let param_dtype = dtypes.half_shard.unwrap_or(dtypes.accumulate);
@@ -173,10 +198,30 @@ impl FlatState {
                     (Vec::new(), optimizer, half)
                 }
             };
-            if let Some(h) = &half {
+            let mut half = half;
+            if let Some(h) = &mut half {
                 // The 16-bit shard is the rank's copy of the parameters (stage 3, or any stage
-                // with the masters on NVMe).
-                memory.add_parameters(h.byte_len());
+                // with the masters on NVMe). With parameters on NVMe, the groups that no longer
+                // fit in `max_in_cpu` go to the file and leave an empty buffer of their dtype.
+                let bytes = h.byte_len();
+                match &mut param_file {
+                    Some((file, end)) if h.len() > in_cpu_budget => {
+                        file.file.write_flat_at(*end, h)?;
+                        file.slots.push(Some(*end));
+                        *end += bytes as u64;
+                        memory.add_nvme_parameters(bytes);
+                        *h = FlatBuffer::from_f32(&[], h.dtype());
+                    }
+                    _ => {
+                        if let Some((file, _)) = &mut param_file {
+                            file.slots.push(None);
+                        }
+                        in_cpu_budget = in_cpu_budget.saturating_sub(h.len());
+                        memory.add_parameters(bytes);
+                    }
+                }
+            } else if let Some((file, _)) = &mut param_file {
+                file.slots.push(None);
             }
             let grad = half_buffer::zeros(dtypes.accumulate, grad_len);
             groups.push(GroupState {
@@ -200,7 +245,9 @@ impl FlatState {
         let nvme = swap.map(|(file, buffer_count, _)| {
             // The host buffers are allocated once, here, and counted as host optimizer memory.
             let buffers: Vec<Vec<f32>> = (0..buffer_count).map(|_| vec![0.0f32; widest_chunk]).collect();
-            memory.add_optimizer(buffer_count * widest_chunk * 4);
+            // The scratch optimizer of the group being stepped: its state buffers for one chunk.
+            let scratch = widest_chunk / widest_width.max(1) * widest_width.saturating_sub(1) * 4;
+            memory.add_optimizer(buffer_count * widest_chunk * 4 + scratch);
             NvmeState {
                 file,
                 regions,
@@ -212,13 +259,107 @@ impl FlatState {
             layout,
             groups,
             dtypes,
-            offload: OffloadState { pool, nvme },
+            offload: OffloadState {
+                pool,
+                nvme,
+                params: param_file.map(|(f, _)| f),
+            },
         })
     }
 
-    /// Whether the masters and optimizer state are in a swap file (checkpoints cannot read them).
+    /// Whether the masters and optimizer state are in a swap file.
     pub fn swapped(&self) -> bool {
         self.offload.nvme.is_some()
+    }
+
+    /// The rank's parameter shard of `group` in the compute dtype, when one is kept apart from
+    /// the masters: from memory, or read in from the parameter file (the caller drops it after
+    /// the gather). `None`: the masters are the parameters.
+    pub fn param_shard(&self, group: usize) -> Result<Option<FlatBuffer>, ZeroError> {
+        let g = &self.groups[group];
+        let Some(half) = &g.half else {
+            return Ok(None);
+        };
+        match self.param_slot(group) {
+            None => Ok(Some(half.clone())),
+            Some((file, byte)) => Ok(Some(file.read_flat_at(
+                byte,
+                half.dtype(),
+                self.layout.owned_len(group),
+            )?)),
+        }
+    }
+
+    /// Where group `group`'s parameter shard is in the parameter file, if it is there.
+    fn param_slot(&self, group: usize) -> Option<(&SwapFile, u64)> {
+        let params = self.offload.params.as_ref()?;
+        params
+            .slots
+            .get(group)
+            .copied()
+            .flatten()
+            .map(|byte| (&params.file, byte))
+    }
+
+    /// Bytes of fp32 masters that are also the model's parameters (no separate shard kept).
+    pub fn master_bytes_without_shard(&self) -> usize {
+        self.groups
+            .iter()
+            .filter(|g| g.half.is_none())
+            .map(|g| g.master.len() * 4)
+            .sum()
+    }
+
+    /// Swapped state: group `group`'s masters, then each optimizer buffer (in the order of its
+    /// optimizer's `state()`), read from the swap file chunk by chunk. `None` when the state is
+    /// in memory.
+    pub fn read_swapped_group(&self, group: usize) -> Result<Option<Vec<Vec<f32>>>, ZeroError> {
+        let Some(nvme) = &self.offload.nvme else {
+            return Ok(None);
+        };
+        Ok(Some(nvme.file.read_region(&nvme.regions[group])?))
+    }
+
+    /// Swapped state: replaces group `group`'s masters and optimizer buffers in the swap file
+    /// (`buffers` as [`FlatState::read_swapped_group`] returns them), chunk by chunk.
+    pub fn write_swapped_group(&self, group: usize, buffers: &[&[f32]]) -> Result<(), ZeroError> {
+        let Some(nvme) = &self.offload.nvme else {
+            return Err(ZeroError::Usage(format!(
+                "group {group}: writing swapped state of an engine whose state is in memory"
+            )));
+        };
+        Ok(nvme.file.write_region(&nvme.regions[group], buffers)?)
+    }
+
+    /// Puts a restored group in place: its owned masters, its optimizer, and (swapped state
+    /// only) the optimizer's buffers in the order of its `state()`, which go to the swap file
+    /// with the masters. The parameter shard is derived from the masters.
+    pub fn restore_group(
+        &mut self,
+        group: usize,
+        master: Vec<f32>,
+        optimizer: GroupOptimizer,
+        swapped_state: Option<Vec<Vec<f32>>>,
+    ) -> Result<(), ZeroError> {
+        let slot = self.param_slot(group).map(|(_, byte)| byte);
+        let g = &mut self.groups[group];
+        if let Some(half) = &mut g.half {
+            let fresh = FlatBuffer::from_f32(&master, half.dtype());
+            match (slot, &self.offload.params) {
+                (Some(byte), Some(params)) => params.file.write_flat_at(byte, &fresh)?,
+                _ => *half = fresh,
+            }
+        }
+        g.optimizer = optimizer;
+        match swapped_state {
+            None => g.master = master,
+            Some(state) => {
+                let mut buffers: Vec<&[f32]> = vec![&master];
+                buffers.extend(state.iter().map(Vec::as_slice));
+                self.write_swapped_group(group, &buffers)?;
+            }
+        }
+        Ok(())
     }
 
     /// Adds a micro-batch gradient of the whole (padded) group, `scale` times.
@@ -303,6 +444,7 @@ impl FlatState {
         coef: f32,
         lr: f64,
         group_comm: &dyn ProcessGroup,
+        memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
         for grad in &mut grads {
             if coef != 1.0 {
@@ -310,11 +452,31 @@ impl FlatState {
             }
         }
         let groups = &mut self.groups;
-        let mut run = || match &mut self.offload.nvme {
-            None => step_in_memory(groups, &grads, lr, group_comm),
-            Some(nvme) => step_swapped(groups, nvme, &grads, lr),
+        let owned: Vec<usize> = (0..groups.len()).map(|gi| self.layout.owned_len(gi)).collect();
+        let OffloadState { pool, nvme, params } = &mut self.offload;
+        let mut run = || -> Result<(), ZeroError> {
+            for gi in 0..groups.len() {
+                // A shard kept in the parameter file is in memory only for its group's step:
+                // the step writes every element of it, so it is not read in first.
+                let slot = params.as_ref().and_then(|p| p.slots[gi].map(|byte| (&p.file, byte)));
+                if let (Some(_), Some(half)) = (slot, &mut groups[gi].half) {
+                    *half = FlatBuffer::zeros(half.dtype(), owned[gi]);
+                    memory.add_parameters(half.byte_len());
+                }
+                let one = std::slice::from_mut(&mut groups[gi]);
+                match nvme {
+                    None => step_in_memory(one, &grads[gi..=gi], lr, group_comm)?,
+                    Some(nvme) => step_swapped(one, nvme, gi, &grads[gi..=gi], lr)?,
+                }
+                if let (Some((file, byte)), Some(half)) = (slot, &mut groups[gi].half) {
+                    let shard = std::mem::replace(half, FlatBuffer::from_f32(&[], half.dtype()));
+                    memory.sub_parameters(shard.byte_len());
+                    file.write_flat_at(byte, &shard)?;
+                }
+            }
+            Ok(())
         };
-        match &self.offload.pool {
+        match pool {
             Some(pool) => pool.install(run)?,
             None => run()?,
         }
@@ -350,14 +512,25 @@ fn step_in_memory(
             Some(FlatBuffer::F32(_)) => HalfCopy::None,
         };
         g.optimizer.step(&mut g.master, grad, lr, comm, out)?;
+        // An fp32 shard kept apart from the masters (parameter offload) is their copy.
+        if let Some(FlatBuffer::F32(h)) = &mut g.half {
+            h.copy_from_slice(&g.master);
+        }
     }
     Ok(())
 }
 
-/// One optimizer step of every group with masters and state streamed from the swap file: each
+/// One optimizer step of every group (`groups` starting at group `first`) with masters and state
+/// streamed from the swap file: each
 /// chunk is read, stepped (writing the new parameter shard in the compute dtype), written back.
-fn step_swapped(groups: &mut [GroupState], nvme: &mut NvmeState, grads: &[Vec<f32>], lr: f64) -> Result<(), ZeroError> {
-    for ((g, grad), region) in groups.iter_mut().zip(grads).zip(&nvme.regions) {
+fn step_swapped(
+    groups: &mut [GroupState],
+    nvme: &mut NvmeState,
+    first: usize,
+    grads: &[Vec<f32>],
+    lr: f64,
+) -> Result<(), ZeroError> {
+    for ((g, grad), region) in groups.iter_mut().zip(grads).zip(&nvme.regions[first..]) {
         let GroupState { optimizer, half, .. } = g;
         stream_chunks(&nvme.file, region, nvme.buffer_count, &mut nvme.buffers, |c, chunk| {
             let range = region.chunk_range(c);

@@ -9,7 +9,7 @@ use crate::chain_engine::ChainEngine;
 use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
 use crate::settings::{
-    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage,
+    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
@@ -60,13 +60,7 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
         .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
     let precision = precision_settings(config)?;
     let offload_optimizer = optimizer_offload(config)?;
-    if config.zero.offload_param.as_ref().is_some() {
-        return Err(ZeroError::Config(
-            "zero_optimization.offload_param: parameter offload is not available (optimizer offload is); remove the \
-             section or set its device to \"none\""
-                .into(),
-        ));
-    }
+    let offload_param = param_offload(config, stage)?;
     let optimizer = optimizer_spec(config.optimizer.as_ref())?;
     let lr_schedule = match &config.scheduler {
         None => None,
@@ -82,6 +76,7 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.lr_schedule = lr_schedule;
     settings.precision = precision;
     settings.offload_optimizer = offload_optimizer;
+    settings.offload_param = offload_param;
     settings.activation_checkpointing = activation_checkpointing(config);
     settings.max_reuse_distance = config.zero.stage3_max_reuse_distance as usize;
     settings.max_live_parameters = config.zero.stage3_max_live_parameters as usize;
@@ -133,6 +128,33 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
                 buffer_count,
                 chunk_elements: sub_group.clamp(1, MAX_NVME_CHUNK_ELEMENTS),
                 threads: 0,
+            }
+        }
+    })
+}
+
+/// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`; refused
+/// at stages 0-2, where every rank holds the whole model.
+pub fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, ZeroError> {
+    let Some(o) = config.zero.offload_param.as_ref() else {
+        return Ok(ParamOffload::None);
+    };
+    if stage != Stage::Zero3 {
+        return Err(ZeroError::Config(format!(
+            "zero_optimization.offload_param: parameters are partitioned only at stage 3, not {}; remove the section \
+             or use stage 3",
+            stage.number()
+        )));
+    }
+    Ok(match o.device {
+        OffloadDevice::Cpu => ParamOffload::Cpu,
+        OffloadDevice::Nvme => {
+            let path = o.nvme_path.as_ref().ok_or_else(|| {
+                ZeroError::Config("zero_optimization.offload_param.nvme_path: required with device \"nvme\"".into())
+            })?;
+            ParamOffload::Nvme {
+                path: path.into(),
+                max_in_cpu: usize::try_from(o.max_in_cpu).unwrap_or(usize::MAX),
             }
         }
     })

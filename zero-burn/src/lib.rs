@@ -55,9 +55,11 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use initialize::{
     activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_with, lr_schedule,
-    optimizer_offload, optimizer_spec, precision_settings, resolve, InitOptions,
+    optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
 pub use sequential::{Layer, Sequential};
-pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
+pub use settings::{
+    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
+};

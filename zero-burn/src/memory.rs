@@ -49,7 +49,8 @@ pub struct Locations {
 /// Current bytes of every kind by location.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LocationSplit {
-    /// Model parameters (and the parameter shard).
+    /// Model parameters (and the parameter shard; with stage 3 `offload_param`, on the host
+    /// or in files).
     pub parameters: Locations,
     /// Gradient accumulators.
     pub gradients: Locations,
@@ -104,6 +105,9 @@ pub struct MemoryTracker {
     gathered: Counter,
     nvme_master: Counter,
     nvme_optimizer: Counter,
+    nvme_parameters: Counter,
+    /// The parameter shards are in host memory (stage 3 `offload_param`).
+    params_on_host: std::sync::atomic::AtomicBool,
     /// The masters and optimizer state are in host memory for an offloaded step.
     optimizer_on_host: std::sync::atomic::AtomicBool,
 }
@@ -111,6 +115,16 @@ pub struct MemoryTracker {
 impl MemoryTracker {
     pub(crate) fn add_parameters(&self, bytes: usize) {
         self.parameters.add(bytes)
+    }
+    pub(crate) fn sub_parameters(&self, bytes: usize) {
+        self.parameters.sub(bytes)
+    }
+    /// From now on the parameter shards count as host memory.
+    pub(crate) fn set_params_on_host(&self) {
+        self.params_on_host.store(true, Ordering::Relaxed)
+    }
+    pub(crate) fn add_nvme_parameters(&self, bytes: usize) {
+        self.nvme_parameters.add(bytes)
     }
     pub(crate) fn add_grads(&self, bytes: usize) {
         self.gradients.add(bytes)
@@ -176,7 +190,15 @@ impl MemoryTracker {
         };
         MemoryReport {
             locations: LocationSplit {
-                parameters: on_device(report.parameters),
+                parameters: if self.params_on_host.load(Ordering::Relaxed) {
+                    Locations {
+                        host: report.parameters.current,
+                        nvme: self.nvme_parameters.get().current,
+                        ..Default::default()
+                    }
+                } else {
+                    on_device(report.parameters)
+                },
                 gradients: on_device(report.gradients),
                 master_weights: optimizer_side(report.master_weights, &self.nvme_master),
                 optimizer_state: optimizer_side(report.optimizer_state, &self.nvme_optimizer),

@@ -39,13 +39,14 @@ impl OptimizerFactory {
         })
     }
 
-    /// The optimizer for a shard whose state is swapped: `inner` is built for one chunk of
-    /// `chunk` elements (the state buffers' names come from it), and [`GroupOptimizer::step_chunk`]
-    /// updates chunks one after the other. Only element-wise optimizers can be cut so: LAMB's
+    /// The optimizer for a shard whose state is swapped: `inner` holds no elements (the state
+    /// buffers' names and the step count come from it), and [`GroupOptimizer::step_chunk`]
+    /// updates chunks one after the other through a scratch optimizer of a chunk's length that
+    /// lives only for the group's step. Only element-wise optimizers can be cut so: LAMB's
     /// per-tensor trust ratio needs every chunk at once.
-    pub fn build_chunked(&self, group: usize, chunk: usize) -> Result<GroupOptimizer, ZeroError> {
-        let inner = optim::build(&self.spec, chunk, ShardSegments::single(chunk))
-            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+    pub fn build_chunked(&self, group: usize) -> Result<GroupOptimizer, ZeroError> {
+        let inner =
+            optim::build(&self.spec, 0, ShardSegments::single(0)).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
         if inner.needs_cross_rank_norms() {
             return Err(ZeroError::Config(format!(
                 "zero_optimization.offload_optimizer: the `{}` optimizer of group {group} needs every element of a tensor \
@@ -68,7 +69,8 @@ impl OptimizerFactory {
 pub(crate) struct GroupOptimizer {
     pub inner: Box<dyn ShardOptimizer>,
     sharded: bool,
-    /// Swapped state: optimizers of other chunk lengths (the last chunk of a shard is shorter).
+    /// Swapped state: the scratch optimizers of this step's chunk lengths (the last chunk of a
+    /// shard is shorter), dropped when the step ends.
     chunked: Vec<Box<dyn ShardOptimizer>>,
     /// Swapped state: steps taken (the chunk optimizers are reloaded with it for every chunk).
     swapped_steps: u64,
@@ -125,9 +127,7 @@ impl GroupOptimizer {
     ) -> Result<(), ZeroError> {
         let n = grads.len();
         let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
-        let opt = if self.inner.len() == n {
-            &mut self.inner
-        } else {
+        let opt = {
             match self.chunked.iter().position(|o| o.len() == n) {
                 Some(i) => &mut self.chunked[i],
                 None => {
@@ -159,8 +159,15 @@ impl GroupOptimizer {
         Ok(())
     }
 
+    /// Swapped state: the optimizer continues from `steps` steps taken (a restored checkpoint).
+    pub fn set_swapped_steps(&mut self, steps: u64) {
+        self.swapped_steps = steps;
+        self.inner.set_step_count(steps);
+    }
+
     /// Swapped state: every chunk of this step was updated.
     pub fn end_swapped_step(&mut self) {
+        self.chunked.clear();
         self.swapped_steps += 1;
         self.inner.set_step_count(self.swapped_steps);
     }

@@ -60,6 +60,8 @@ pub struct EngineSettings {
     pub precision: PrecisionSettings,
     /// Where the optimizer step runs and the fp32 masters and optimizer state live.
     pub offload_optimizer: OptimizerOffload,
+    /// Stage 3: where the rank's parameter shards live between gathers.
+    pub offload_param: ParamOffload,
     /// Every rank thread of this process whose model runs collectives inside `backward()`
     /// (tensor parallelism) must name the group of all of them here. On burn 0.21 the cleanup at
     /// the end of one thread's `backward()` locks every thread's autodiff graph; a thread still
@@ -104,6 +106,26 @@ pub enum OptimizerOffload {
         chunk_elements: usize,
         /// Optimizer threads (0: one per core).
         threads: usize,
+    },
+}
+
+/// Where a stage-3 rank keeps its parameter shards (in the compute dtype) between gathers
+/// (DeepSpeed's `zero_optimization.offload_param`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub enum ParamOffload {
+    /// Beside the model, on its device.
+    #[default]
+    None,
+    /// In host memory; each gather takes the shard from there.
+    Cpu,
+    /// In one file per rank under `path`: a gather reads the shard in and drops it after,
+    /// the optimizer step writes the new shard out. The first groups whose shards fit in
+    /// `max_in_cpu` elements stay in host memory instead.
+    Nvme {
+        /// Directory of the parameter files.
+        path: std::path::PathBuf,
+        /// Parameter elements kept in host memory rather than in the file.
+        max_in_cpu: usize,
     },
 }
 
@@ -236,6 +258,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("alignment", &self.alignment)
             .field("precision", &self.precision)
             .field("offload_optimizer", &self.offload_optimizer)
+            .field("offload_param", &self.offload_param)
             .finish()
     }
 }
@@ -256,6 +279,7 @@ impl EngineSettings {
             alignment: 16,
             precision: PrecisionSettings::fp32(),
             offload_optimizer: OptimizerOffload::None,
+            offload_param: ParamOffload::None,
             backward_fence: None,
             activation_checkpointing: None,
             max_reuse_distance: 1_000_000_000,

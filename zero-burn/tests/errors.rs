@@ -108,7 +108,7 @@ fn sixteen_bit_masters_and_offload_sections_are_refused_not_ignored() {
             "fp16_master_weights_and_grads",
         ),
         (
-            r#""zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}"#,
+            r#""zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}"#,
             "offload_param",
         ),
     ] {

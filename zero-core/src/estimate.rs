@@ -9,7 +9,9 @@
 //! Offloading the optimizer moves the K part (the rank's shard of masters and moments) to the
 //! host or to NVMe, together with an fp32 copy of the rank's gradient shard that the host step
 //! reads (stages 2-3: the device keeps no gradient shard; stages 0-1: the device keeps its full
-//! gradients and the host the fp32 copy of its shard). Offloading parameters (stage 3) moves
+//! gradients and the host the fp32 copy of its shard). In fp32 the offloaded part is 12Ψ/N too:
+//! the step needs its masters beside the moments, and the parameters stay where they were.
+//! Offloading parameters (stage 3) moves
 //! the parameter shard too. The largest gather unit (stage 3's live gather) stays on the device.
 //!
 //! ```
@@ -210,8 +212,11 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
             OffloadTarget::Cpu => (&mut host, &mut host_terms),
             OffloadTarget::Nvme => (&mut nvme, &mut nvme_terms),
         };
-        place.optimizer_state = device.optimizer_state;
-        terms.push(format!("optimizer {k}Ψ{}", frac(n_opt)));
+        // fp32 masters travel with the offloaded moments (the device's parameters are no
+        // longer the masters the step updates): 12 bytes whatever the dtype.
+        let k_off = if input.dtype == Dtype::Fp32 { 12 } else { k };
+        place.optimizer_state = share(k_off, psi, n_opt);
+        terms.push(format!("optimizer {k_off}Ψ{}", frac(n_opt)));
         device.optimizer_state = 0;
         device_terms.retain(|t| !t.starts_with("optimizer"));
         // The host step reads an fp32 gradient shard; it lives in host memory even when the
@@ -412,6 +417,24 @@ mod tests {
         assert_eq!(e.per_node_nvme.optimizer_state, 9600);
         assert_eq!(e.per_node_nvme.parameters, 1600);
         assert_eq!(e.per_host.gradients, 3200);
+    }
+
+    // Reference: the swap files of an fp32 gpt2-xl run with both offloads on NVMe
+    // (BENCHMARKS.md): 18,691,334,400 bytes of masters and moments (12Ψ) and 6,230,444,800
+    // bytes of parameter shards (4Ψ), Ψ = 1,557,611,200.
+    #[test]
+    fn fp32_offload_moves_masters_with_the_moments() {
+        let psi = 1_557_611_200;
+        let mut input = EstimateInput::new(psi, 3, 1, Dtype::Fp32);
+        input.offload_optimizer = Some(OffloadTarget::Nvme);
+        input.offload_param = Some(OffloadTarget::Nvme);
+        let e = estimate(&input);
+        assert_eq!(e.per_node_nvme.optimizer_state, 18_691_334_400);
+        assert_eq!(e.per_node_nvme.parameters, 6_230_444_800);
+        assert_eq!(e.per_device.total(), 0);
+        // Without offload the fp32 parameters are the masters: 8 bytes of moments.
+        let plain = estimate(&EstimateInput::new(psi, 3, 1, Dtype::Fp32));
+        assert_eq!(plain.per_device.optimizer_state, 8 * psi);
     }
 
     // Reference: GPT2LMHeadModel(GPT2Config(...)).num_parameters() in transformers (tied head).

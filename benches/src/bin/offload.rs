@@ -7,7 +7,8 @@
 //! time). The offloaded step streams the same file through `--buffers` host buffers (read
 //! chunk i+1 while stepping chunk i with AdamW and writing chunk i-1), then flushes; its
 //! throughput is 2 × bytes / step time. The ratio is the fraction of the disk's bandwidth the
-//! step reaches (the page cache is dropped before every measurement).
+//! step reaches (the page cache is dropped before every measurement). Each round measures both,
+//! back to back, and the ratio is taken per round.
 //!
 //! Usage: offload [--params 100000000] [--chunk 4194304] [--buffers 4] [--dir PATH] [--steps 3]
 
@@ -86,34 +87,13 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         a.dir.display()
     );
 
-    // Baseline: sequential write then read of the same file with one buffer of a chunk's size.
-    let mut staging = vec![0.5f32; a.chunk.min(a.params) * width];
     // A first pass allocates the file's blocks: the step overwrites, so the baseline must too.
+    let mut staging = vec![0.5f32; a.chunk.min(a.params) * width];
     for c in 0..region.chunks() {
         let n = region.chunk_range(c).len() * width;
         file.write_at(region.chunk_offset(c), &staging[..n])?;
     }
     file.drop_cache()?;
-    let t = Instant::now();
-    for c in 0..region.chunks() {
-        let n = region.chunk_range(c).len() * width;
-        file.write_at(region.chunk_offset(c), &staging[..n])?;
-    }
-    file.drop_cache()?;
-    let write = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for c in 0..region.chunks() {
-        let n = region.chunk_range(c).len() * width;
-        file.read_at(region.chunk_offset(c), &mut staging[..n])?;
-    }
-    let read = t.elapsed().as_secs_f64();
-    file.drop_cache()?;
-    let disk = gbps(2.0 * bytes, write + read);
-    println!(
-        "disk: write {:.2} GB/s, read {:.2} GB/s, read+write {disk:.2} GB/s",
-        gbps(bytes, write),
-        gbps(bytes, read)
-    );
 
     // The offloaded AdamW step, as the engine runs it: one optimizer of a chunk's length,
     // reloaded from each chunk's moments.
@@ -127,48 +107,101 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let grads = vec![1e-3f32; a.params];
     let mut half = vec![half::bf16::ZERO; a.params];
     let mut pool = Vec::new();
-    let mut ratios = Vec::new();
+    let mut rounds = Vec::new();
+    let (mut disks, mut steps) = (Vec::new(), Vec::new());
+    // Each round measures the disk and the step back to back (in alternating order), so that
+    // the shared machine's drifting load falls on both sides of each ratio alike.
     for step in 0..a.steps {
-        file.drop_cache()?;
-        let t = Instant::now();
-        let stats = stream_chunks(&file, &region, a.buffers, &mut pool, |c, chunk| {
-            let range = region.chunk_range(c);
-            let n = range.len();
-            let opt = if n == full.len() {
-                &mut full
-            } else {
-                tail.get_or_insert_with(|| build(&spec, n, ShardSegments::single(n)).expect("tail optimizer"))
-            };
-            let (master, states) = chunk.split_at_mut(n);
-            {
-                let (m, v) = states.split_at(n);
-                opt.load_state(step as u64, &[("exp_avg", m), ("exp_avg_sq", v)])?;
+        let mut disk = 0.0;
+        let mut line = String::new();
+        for side in [step % 2, 1 - step % 2] {
+            if side == 0 {
+                // Baseline: sequential overwrite (flushed) then read, one chunk-sized buffer.
+                file.drop_cache()?;
+                let t = Instant::now();
+                for c in 0..region.chunks() {
+                    let n = region.chunk_range(c).len() * width;
+                    file.write_at(region.chunk_offset(c), &staging[..n])?;
+                }
+                file.drop_cache()?;
+                let write = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                for c in 0..region.chunks() {
+                    let n = region.chunk_range(c).len() * width;
+                    file.read_at(region.chunk_offset(c), &mut staging[..n])?;
+                }
+                let read = t.elapsed().as_secs_f64();
+                disk = gbps(2.0 * bytes, write + read);
+                line.push_str(&format!(
+                    "disk write {:.2} read {:.2} read+write {disk:.2} GB/s; ",
+                    gbps(bytes, write),
+                    gbps(bytes, read)
+                ));
+                continue;
             }
-            opt.step_with_copy(master, &grads[range.clone()], 1e-4, HalfCopy::Bf16(&mut half[range]))?;
-            for ((_, data), target) in opt.state().iter().zip(states.chunks_exact_mut(n)) {
-                target.copy_from_slice(data);
-            }
-            Ok::<(), zero_core::optim::OptimError>(())
-        })?;
-        file.sync()?;
-        let secs = t.elapsed().as_secs_f64();
-        let through = gbps(2.0 * bytes, secs);
-        ratios.push(through / disk);
-        println!(
-            "step {step}: {secs:.2} s, {:.2} ns/param, {through:.2} GB/s read+write = {:.0}% of the disk \
-             (reader busy {:.2} s, writer {:.2} s, AdamW {:.2} s)",
-            secs * 1e9 / a.params as f64,
-            100.0 * through / disk,
-            stats.read_time.as_secs_f64(),
-            stats.write_time.as_secs_f64(),
-            stats.compute_time.as_secs_f64()
-        );
+            file.drop_cache()?;
+            let t = Instant::now();
+            let stats = stream_chunks(&file, &region, a.buffers, &mut pool, |c, chunk| {
+                let range = region.chunk_range(c);
+                let n = range.len();
+                let opt = if n == full.len() {
+                    &mut full
+                } else {
+                    tail.get_or_insert_with(|| build(&spec, n, ShardSegments::single(n)).expect("tail optimizer"))
+                };
+                let (master, states) = chunk.split_at_mut(n);
+                {
+                    let (m, v) = states.split_at(n);
+                    opt.load_state(step as u64, &[("exp_avg", m), ("exp_avg_sq", v)])?;
+                }
+                opt.step_with_copy(master, &grads[range.clone()], 1e-4, HalfCopy::Bf16(&mut half[range]))?;
+                for ((_, data), target) in opt.state().iter().zip(states.chunks_exact_mut(n)) {
+                    target.copy_from_slice(data);
+                }
+                Ok::<(), zero_core::optim::OptimError>(())
+            })?;
+            file.sync()?;
+            let secs = t.elapsed().as_secs_f64();
+            line.push_str(&format!(
+                "step {secs:.2} s, {:.2} ns/param, {:.2} GB/s read+write (reader busy {:.2} s, writer {:.2} s, \
+                 AdamW {:.2} s); ",
+                secs * 1e9 / a.params as f64,
+                gbps(2.0 * bytes, secs),
+                stats.read_time.as_secs_f64(),
+                stats.write_time.as_secs_f64(),
+                stats.compute_time.as_secs_f64()
+            ));
+            rounds.push(secs);
+        }
+        let through = gbps(2.0 * bytes, rounds[step]);
+        let ratio = through / disk;
+        disks.push(disk);
+        steps.push(through);
+        println!("round {step}: {line}= {:.0}% of the disk", 100.0 * ratio);
+        rounds[step] = ratio;
     }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let (disk, step) = (median(&mut disks), median(&mut steps));
+    println!(
+        "medians: disk {disk:.2} GB/s ({:.2}-{:.2}), step {step:.2} GB/s ({:.2}-{:.2}): the step reaches {:.0}% of the \
+         disk",
+        disks.first().copied().unwrap_or(f64::NAN),
+        disks.last().copied().unwrap_or(f64::NAN),
+        steps.first().copied().unwrap_or(f64::NAN),
+        steps.last().copied().unwrap_or(f64::NAN),
+        100.0 * step / disk
+    );
+    let mut ratios = rounds;
     ratios.sort_by(f64::total_cmp);
-    if let Some(median) = ratios.get(ratios.len() / 2) {
+    if let (Some(median), Some(lo), Some(hi)) = (ratios.get(ratios.len() / 2), ratios.first(), ratios.last()) {
         println!(
-            "median: the offloaded step reaches {:.0}% of the disk's read+write bandwidth",
-            100.0 * median
+            "per round: median {:.0}% of the disk's read+write bandwidth (rounds {:.0}%-{:.0}%)",
+            100.0 * median,
+            100.0 * lo,
+            100.0 * hi
         );
     }
     Ok(())

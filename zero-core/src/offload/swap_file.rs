@@ -1,6 +1,7 @@
 //! A scratch file of f32 elements accessed by position (pread/pwrite), removed when dropped.
 
 use super::{OffloadError, SwapRegion};
+use crate::comm::{DType, FlatBuffer};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -64,6 +65,44 @@ impl SwapFile {
                 offset: byte,
                 source,
             })
+    }
+
+    /// Writes a flat buffer of any dtype from byte `byte` (a parameter shard in its own dtype).
+    pub fn write_flat_at(&self, byte: u64, data: &FlatBuffer) -> Result<(), OffloadError> {
+        let bytes: &[u8] = match data {
+            FlatBuffer::F32(v) => bytemuck::cast_slice(v),
+            FlatBuffer::F16(v) => bytemuck::cast_slice(v),
+            FlatBuffer::BF16(v) => bytemuck::cast_slice(v),
+        };
+        self.file.write_all_at(bytes, byte).map_err(|source| OffloadError::Io {
+            op: "write",
+            path: self.path.clone(),
+            offset: byte,
+            source,
+        })
+    }
+
+    /// Reads `len` elements of `dtype` from byte `byte` (what [`SwapFile::write_flat_at`] wrote).
+    pub fn read_flat_at(&self, byte: u64, dtype: DType, len: usize) -> Result<FlatBuffer, OffloadError> {
+        let mut out = match dtype {
+            DType::F32 => FlatBuffer::F32(vec![0.0; len]),
+            DType::F16 => FlatBuffer::F16(vec![half::f16::ZERO; len]),
+            DType::BF16 => FlatBuffer::BF16(vec![half::bf16::ZERO; len]),
+        };
+        let bytes: &mut [u8] = match &mut out {
+            FlatBuffer::F32(v) => bytemuck::cast_slice_mut(v),
+            FlatBuffer::F16(v) => bytemuck::cast_slice_mut(v),
+            FlatBuffer::BF16(v) => bytemuck::cast_slice_mut(v),
+        };
+        self.file
+            .read_exact_at(bytes, byte)
+            .map_err(|source| OffloadError::Io {
+                op: "read",
+                path: self.path.clone(),
+                offset: byte,
+                source,
+            })?;
+        Ok(out)
     }
 
     /// Stores `buffers` (each `region.len` long, `region.width` of them) into `region`, chunk by
@@ -178,6 +217,19 @@ mod tests {
         file.read_at(region.chunk_offset(1), &mut chunk).expect("read chunk");
         assert_eq!(&chunk[..4], &a[4..8]);
         assert!(file.write_region(&region, &[&a]).is_err());
+        // Flat buffers of every dtype come back as written, after the f32 region.
+        let end = (region.offset + region.elements()) * 4;
+        let h = FlatBuffer::BF16(a.iter().map(|&v| half::bf16::from_f32(v * 1.5)).collect());
+        file.write_flat_at(end, &h).expect("write flat");
+        let f = FlatBuffer::F16(a.iter().map(|&v| half::f16::from_f32(-v)).collect());
+        file.write_flat_at(end + 22, &f).expect("write flat");
+        assert_eq!(file.read_flat_at(end, DType::BF16, 11).expect("read flat"), h);
+        assert_eq!(file.read_flat_at(end + 22, DType::F16, 11).expect("read flat"), f);
+        assert_eq!(
+            file.read_region(&region).expect("read")[0],
+            a,
+            "the region is untouched"
+        );
         let path = file.path().to_path_buf();
         drop(file);
         assert!(!path.exists(), "the scratch file is removed on drop");

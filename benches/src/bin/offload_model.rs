@@ -1,0 +1,263 @@
+//! The largest GPT-2 whose training step runs on this machine with ZeRO-3 and offload: one
+//! preset per process, its training steps timed, its peak resident memory (`VmHWM`) read from
+//! the kernel beside what `zero estimate` predicts for the same setting.
+//!
+//! The run is refused before anything is allocated when the estimate's host bytes (device and
+//! host together: the CPU backend's device is host memory) exceed `--max-host-gib`, so that a
+//! ladder of presets stops at the first one the machine cannot hold instead of swapping.
+//!
+//! `offload_model --preset gpt2-large [--seq 32] [--batch 1] [--world 1] [--steps 2]
+//!  [--dtype fp32|bf16] [--optimizer nvme|cpu] [--param nvme|cpu|none] [--dir PATH]
+//!  [--max-host-gib 20]`
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Int, Tensor, TensorData};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
+use zero_core::comm::{ProcessGroup, ThreadGroup};
+use zero_core::estimate::{estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget};
+use zero_core::optim::OptimizerSpec;
+use zero_models::Gpt2Config;
+
+type B = Autodiff<Flex>;
+
+struct Args {
+    preset: String,
+    seq: usize,
+    batch: usize,
+    world: usize,
+    steps: usize,
+    dtype: String,
+    optimizer: String,
+    param: String,
+    dir: PathBuf,
+    max_host_gib: f64,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        preset: "gpt2".into(),
+        seq: 32,
+        batch: 1,
+        world: 1,
+        steps: 2,
+        dtype: "fp32".into(),
+        optimizer: "nvme".into(),
+        param: "nvme".into(),
+        dir: std::env::temp_dir().join("zero-offload-model"),
+        max_host_gib: 20.0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let num = || {
+            value
+                .parse::<usize>()
+                .map_err(|_| format!("{flag} {value}: not a number"))
+        };
+        match flag.as_str() {
+            "--preset" => a.preset = value,
+            "--seq" => a.seq = num()?,
+            "--batch" => a.batch = num()?,
+            "--world" => a.world = num()?,
+            "--steps" => a.steps = num()?,
+            "--dtype" => a.dtype = value,
+            "--optimizer" => a.optimizer = value,
+            "--param" => a.param = value,
+            "--dir" => a.dir = PathBuf::from(value),
+            "--max-host-gib" => a.max_host_gib = value.parse().map_err(|_| format!("{flag} {value}: not a number"))?,
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// A field of /proc/self/status in bytes (`VmHWM`: peak resident set; `VmRSS`: now).
+fn proc_status_bytes(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn main() {
+    let a = match args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&a) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn target(name: &str) -> Result<Option<OffloadTarget>, String> {
+    match name {
+        "cpu" => Ok(Some(OffloadTarget::Cpu)),
+        "nvme" => Ok(Some(OffloadTarget::Nvme)),
+        "none" => Ok(None),
+        other => Err(format!("offload device {other}: expected cpu, nvme or none")),
+    }
+}
+
+fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let config = Gpt2Config::preset(&a.preset)?;
+    let shape = Gpt2Shape::preset(&a.preset).ok_or_else(|| format!("no estimate shape for {}", a.preset))?;
+    let dtype = Dtype::from_name(&a.dtype).ok_or_else(|| format!("--dtype {}", a.dtype))?;
+    let mut input = EstimateInput::new(shape.num_params(), 3, a.world as u64, dtype);
+    input.largest_gather = Some(shape.largest_gather());
+    input.offload_optimizer = target(&a.optimizer)?;
+    input.offload_param = target(&a.param)?;
+    let predicted = estimate(&input);
+    // Per process: every rank thread's device and host bytes (both are this machine's memory).
+    let host = (predicted.per_device.total() + predicted.per_host.total()) * a.world as u64;
+    println!(
+        "{} ({:.0}M params), stage 3, {} rank thread(s), {}, optimizer {}, params {}, seq {} batch {}",
+        a.preset,
+        shape.num_params() as f64 / 1e6,
+        a.world,
+        a.dtype,
+        a.optimizer,
+        a.param,
+        a.seq,
+        a.batch
+    );
+    println!(
+        "zero estimate: per device {} + per host {} (x{} ranks = {:.2} GiB in this process), NVMe {}",
+        human_bytes(predicted.per_device.total()),
+        human_bytes(predicted.per_host.total()),
+        a.world,
+        gib(host),
+        human_bytes(predicted.per_node_nvme.total())
+    );
+    if gib(host) > a.max_host_gib {
+        println!(
+            "refused: the estimate ({:.2} GiB) exceeds --max-host-gib {}",
+            gib(host),
+            a.max_host_gib
+        );
+        return Ok(());
+    }
+
+    let precision = match a.dtype.as_str() {
+        "fp32" => PrecisionSettings::fp32(),
+        "bf16" => PrecisionSettings::bf16(),
+        other => return Err(format!("--dtype {other}: fp32 or bf16 here").into()),
+    };
+    let offload_optimizer = match a.optimizer.as_str() {
+        "cpu" => OptimizerOffload::Cpu { threads: 0 },
+        "nvme" => OptimizerOffload::Nvme {
+            path: a.dir.join("optimizer"),
+            buffer_count: 4,
+            chunk_elements: 1 << 22, // the engine's largest chunk (initialize.rs)
+            threads: 0,
+        },
+        "none" => OptimizerOffload::None,
+        other => return Err(format!("--optimizer {other}").into()),
+    };
+    let offload_param = match a.param.as_str() {
+        "cpu" => ParamOffload::Cpu,
+        "nvme" => ParamOffload::Nvme {
+            path: a.dir.join("params"),
+            max_in_cpu: 0,
+        },
+        "none" => ParamOffload::None,
+        other => return Err(format!("--param {other}").into()),
+    };
+    let groups = ThreadGroup::new_group(a.world)?;
+    let started = Instant::now();
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let config = config.clone();
+            let (precision, offload_optimizer, offload_param) =
+                (precision.clone(), offload_optimizer.clone(), offload_param.clone());
+            let (steps, seq, batch) = (a.steps, a.seq, a.batch);
+            std::thread::spawn(move || -> Result<_, String> {
+                let device = Default::default();
+                let mut settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+                settings.precision = precision;
+                settings.offload_optimizer = offload_optimizer;
+                settings.offload_param = offload_param;
+                settings.overlap_comm = true;
+                settings.reduce_bucket_size = config.n_embd * config.n_embd;
+                settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
+                settings.param_persistence_threshold = 10 * config.n_embd;
+                let dtype = settings.precision.dtype;
+                let group: Arc<dyn ProcessGroup> = group;
+                let t = Instant::now();
+                let mut engine =
+                    ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
+                let init = t.elapsed().as_secs_f64();
+                let after_init = proc_status_bytes("VmHWM:");
+                let mut times = Vec::new();
+                for step in 0..steps {
+                    let ids: Vec<i64> = (0..batch * seq)
+                        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
+                        .collect();
+                    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+                    let t = Instant::now();
+                    let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
+                    let value = engine.backward(loss).map_err(|e| e.to_string())?;
+                    let fb = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    engine.step().map_err(|e| e.to_string())?;
+                    let opt = t.elapsed().as_secs_f64();
+                    if rank == 0 {
+                        println!(
+                            "step {step}: loss {value:.4}, forward+backward {fb:.1} s, optimizer step {opt:.1} s ({:?})",
+                            dtype
+                        );
+                    }
+                    times.push((fb, opt));
+                }
+                Ok((init, after_init, times, engine.memory()))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for h in handles {
+        results.push(h.join().map_err(|_| "a rank thread panicked")??);
+    }
+    let (init, after_init, times, memory) = &results[0];
+    let hwm = proc_status_bytes("VmHWM:").unwrap_or(0);
+    let m = memory;
+    println!(
+        "engine built in {init:.1} s (peak RSS then {:.2} GiB); rank 0 after the last step: parameters {} (host {}, \
+         nvme {}), gradients {} (peak {}), masters {} (nvme {}), optimizer state {} (nvme {}), gathered peak {}",
+        gib(after_init.unwrap_or(0)),
+        human_bytes(m.parameters.current as u64),
+        human_bytes(m.locations.parameters.host as u64),
+        human_bytes(m.locations.parameters.nvme as u64),
+        human_bytes(m.gradients.current as u64),
+        human_bytes(m.gradients.peak as u64),
+        human_bytes(m.master_weights.current as u64),
+        human_bytes(m.locations.master_weights.nvme as u64),
+        human_bytes(m.optimizer_state.current as u64),
+        human_bytes(m.locations.optimizer_state.nvme as u64),
+        human_bytes(m.gathered.peak as u64),
+    );
+    // The last step: the first one also warms the page cache and the allocator up.
+    let (fb, opt) = times.last().copied().unwrap_or((f64::NAN, f64::NAN));
+    println!(
+        "RESULT {}: steps ran; last step {:.1} s (forward+backward {fb:.1} s, optimizer {opt:.1} s); peak RSS \
+         (VmHWM) {:.2} GiB; estimate {:.2} GiB; wall {:.0} s",
+        a.preset,
+        fb + opt,
+        gib(hwm),
+        gib(host),
+        started.elapsed().as_secs_f64()
+    );
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(())
+}
