@@ -42,6 +42,7 @@ mod memory;
 mod optimizer;
 mod optimizer_bridge;
 pub mod params;
+mod partitioned_init;
 mod settings;
 
 pub use chain::{ChainModel, Hidden};
@@ -55,4 +56,5 @@ pub use initialize::{
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
+pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
