@@ -11,6 +11,14 @@
 //!   ([`ChainModel`]); stage 3 needs it.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
+//! # Stage-3 helpers
+//!
+//! - [`ChainEngine::new_partitioned`] (DeepSpeed's `zero.Init`): build a stage-3 engine block by
+//!   block, so that no rank ever holds the whole model.
+//! - [`ChainEngine::gather_parameters`] / [`ChainEngine::gather_block`] → [`GatheredParameters`]
+//!   (DeepSpeed's `GatheredParameters`): read partitioned parameters whole, or change them on one
+//!   rank and write the change into every rank's shard.
+//!
 //! # Mixed precision
 //!
 //! With `"bf16": {"enabled": true}` or `"fp16": {"enabled": true}` the model's parameters and
@@ -36,6 +44,7 @@ mod core;
 mod engine;
 mod error;
 mod flat_state;
+mod gathered;
 mod half_buffer;
 mod initialize;
 mod memory;
@@ -50,6 +59,7 @@ pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
+pub use gathered::GatheredParameters;
 pub use initialize::{
     engine_settings, initialize, initialize_chain, initialize_with, lr_schedule, optimizer_offload, optimizer_spec,
     precision_settings, resolve, InitOptions,
