@@ -18,6 +18,9 @@
 //! - [`ChainEngine::gather_parameters`] / [`ChainEngine::gather_block`] → [`GatheredParameters`]
 //!   (DeepSpeed's `GatheredParameters`): read partitioned parameters whole, or change them on one
 //!   rank and write the change into every rank's shard.
+//! - [`TiledLinear`] (DeepSpeed's `TiledLinear`): a linear layer cut into tiles, each its own
+//!   parameter; as blocks of a chain ([`LinearTile`], [`TileCarry`]) stage 3 gathers one tile at
+//!   a time.
 //!
 //! # Mixed precision
 //!
@@ -53,6 +56,7 @@ mod optimizer_bridge;
 pub mod params;
 mod partitioned_init;
 mod settings;
+mod tiled_linear;
 
 pub use chain::{ChainModel, Hidden};
 pub use chain_engine::{ChainEngine, ChainLoss};
@@ -68,3 +72,4 @@ pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
 pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};
+pub use tiled_linear::{LinearTile, TileCarry, TiledLinear, TiledLinearConfig};
