@@ -21,9 +21,9 @@ use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
-use crate::params::{describe, read_values, skeleton};
+use crate::params::{describe, skeleton, tensor_to_vec};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use std::ops::Range;
@@ -220,6 +220,34 @@ fn lazy_device<B: AutodiffBackend, P: Module<B>>(module: &P) -> Option<B::Device
     first.0
 }
 
+/// The module's float parameter values (flattened, f32, in visit order) and its skeleton. Each
+/// parameter's tensor is released as its values are taken, so that a part is never held twice.
+fn take_values<B: AutodiffBackend, P: Module<B>>(module: P) -> (P, Vec<Vec<f32>>) {
+    struct Take {
+        values: Vec<Vec<f32>>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for Take {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let shape = param.lazy_shape();
+            let device = param.lazy_device();
+            let (id, tensor, _) = param.consume();
+            self.values.push(tensor_to_vec(tensor));
+            let init_shape = shape.clone();
+            // As `params::skeleton`: a placeholder that never allocates unless read directly.
+            Param::uninitialized(
+                id,
+                move |device, _| Tensor::zeros(init_shape.clone(), device),
+                device,
+                false,
+                shape,
+            )
+        }
+    }
+    let mut take = Take { values: Vec::new() };
+    let skeleton = module.map(&mut take);
+    (skeleton, take.values)
+}
+
 /// Walks the parts in order, keeping only the rank's owned pieces of each.
 struct ShardCutter<'a> {
     settings: &'a EngineSettings,
@@ -242,14 +270,13 @@ impl ShardCutter<'_> {
         let world = self.comm.world_size();
         let rank = self.comm.rank();
         let broadcast = self.values == InitValues::RankZero && world > 1;
-        let mut values: Vec<Vec<f32>> = Vec::with_capacity(local_specs.len());
-        if broadcast && rank != 0 {
+        let (part, mut values) = if broadcast && rank != 0 {
             // Never materialize (or draw) values that rank 0's broadcast replaces.
-            values.extend(local_specs.iter().map(|s| vec![0.0; s.numel()]));
+            let zeros = local_specs.iter().map(|s| vec![0.0; s.numel()]).collect();
+            (skeleton::<B, _>(part), zeros)
         } else {
-            read_values::<B, _>(&part, |_, v| values.push(v));
-        }
-        let part = skeleton::<B, _>(part);
+            take_values::<B, _>(part)
+        };
         if broadcast {
             let mut flat = Vec::with_capacity(values.iter().map(Vec::len).sum());
             for v in &values {

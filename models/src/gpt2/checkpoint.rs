@@ -459,15 +459,30 @@ fn read_stored(stored: &StoredTensor) -> Result<TensorData, CheckpointError> {
     };
     let mut file = fs::File::open(&stored.path).map_err(io)?;
     file.seek(SeekFrom::Start(stored.start)).map_err(io)?;
-    let mut bytes = vec![0u8; stored.len];
-    file.read_exact(&mut bytes).map_err(io)?;
-    bytes_to_f32_data(
-        &stored.path,
-        &stored.stored_name,
-        stored.dtype,
-        stored.shape.clone(),
-        &bytes,
-    )
+    // Read and widen in chunks, so that the tensor is held once, in f32, and not also as bytes.
+    const CHUNK: usize = 1 << 20;
+    // Whole-byte float types only reach here (the header check and the conversion refuse others).
+    let width = (stored.dtype.bitsize() / 8).max(1);
+    let mut values: Vec<f32> = Vec::with_capacity(stored.len / width);
+    let mut bytes = vec![0u8; CHUNK.min(stored.len)];
+    let mut left = stored.len;
+    while left > 0 {
+        let n = CHUNK.min(left);
+        file.read_exact(&mut bytes[..n]).map_err(io)?;
+        let chunk = bytes_to_f32_data(
+            &stored.path,
+            &stored.stored_name,
+            stored.dtype,
+            vec![n / width],
+            &bytes[..n],
+        )?;
+        values.extend_from_slice(chunk.as_slice::<f32>().map_err(|e| CheckpointError::TensorData {
+            key: stored.stored_name.clone(),
+            reason: format!("{e:?}"),
+        })?);
+        left -= n;
+    }
+    Ok(TensorData::new(values, stored.shape.clone()))
 }
 
 /// The tensors a safetensors file holds, from its header alone (the 8-byte header length, then
