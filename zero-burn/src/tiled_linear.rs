@@ -143,9 +143,7 @@ impl<B: Backend> TiledLinear<B> {
                     .slice([in_start..in_start + in_len, out_start..out_start + out_len])
                     .detach();
                 let bias = match (&linear.bias, i) {
-                    (Some(b), 0) => Some(Param::from_tensor(
-                        b.val().slice([out_start..out_start + out_len]).detach(),
-                    )),
+                    (Some(b), 0) => Some(Param::from_tensor(b.val().narrow(0, out_start, out_len).detach())),
                     _ => None,
                 };
                 tiles.push(LinearTile {
