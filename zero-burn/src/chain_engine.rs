@@ -42,13 +42,13 @@ use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement}
 
 /// One part of the chain: the ends (part 0) or a block (part `b + 1`).
 #[derive(Clone, Debug)]
-struct Part {
+pub(crate) struct Part {
     /// Global parameter indices, in the part's visit order.
-    params: Vec<usize>,
+    pub(crate) params: Vec<usize>,
     /// Groups holding the part's parameters.
-    groups: Vec<usize>,
+    pub(crate) groups: Vec<usize>,
     /// Elements of the part's sharded groups, padded: what a gather brings in.
-    gathered_elements: usize,
+    pub(crate) gathered_elements: usize,
 }
 
 /// A micro-batch's loss, and what its backward needs.
@@ -93,13 +93,13 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainLoss<B, M> {
 
 /// ZeRO, every stage, for a [`ChainModel`].
 pub struct ChainEngine<B: AutodiffBackend, M: ChainModel<B>> {
-    ends: M::Ends,
-    blocks: Vec<M::Block>,
-    parts: Vec<Part>,
-    core: EngineCore,
-    device: B::Device,
+    pub(crate) ends: M::Ends,
+    pub(crate) blocks: Vec<M::Block>,
+    pub(crate) parts: Vec<Part>,
+    pub(crate) core: EngineCore,
+    pub(crate) device: B::Device,
     /// Stage 3: gathers issued ahead of use, by group.
-    prefetched: HashMap<usize, Work<FlatBuffer>>,
+    pub(crate) prefetched: HashMap<usize, Work<FlatBuffer>>,
     /// Stage 3: the parts still to be gathered this micro-batch, in order.
     schedule: VecDeque<usize>,
     /// Stages 0-2: the leaves of the ends used by the pending micro-batch's embedding.
@@ -760,6 +760,29 @@ fn absorb_into<B: AutodiffBackend, P: Module<B>>(
 
 /// What checkpointing needs of the engine (`crate::checkpoint`).
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
+    /// An engine from parts already laid out and a core already holding the rank's state (the
+    /// partitioned construction of `crate::partitioned_init` builds them part by part).
+    pub(crate) fn from_state(
+        ends: M::Ends,
+        blocks: Vec<M::Block>,
+        parts: Vec<Part>,
+        core: EngineCore,
+        device: B::Device,
+    ) -> Self {
+        ChainEngine {
+            ends,
+            blocks,
+            parts,
+            core,
+            device,
+            prefetched: HashMap::new(),
+            schedule: VecDeque::new(),
+            embed_ends: None,
+            kept_ends: None,
+            keep_ends: false,
+        }
+    }
+
     /// The shared state, to save.
     pub(crate) fn core_ref(&self) -> &EngineCore {
         &self.core

@@ -12,6 +12,17 @@
 //!   [`Sequential`].
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
+//! # Stage-3 helpers
+//!
+//! - [`ChainEngine::new_partitioned`] (DeepSpeed's `zero.Init`): build a stage-3 engine block by
+//!   block, so that no rank ever holds the whole model.
+//! - [`ChainEngine::gather_parameters`] / [`ChainEngine::gather_block`] → [`GatheredParameters`]
+//!   (DeepSpeed's `GatheredParameters`): read partitioned parameters whole, or change them on one
+//!   rank and write the change into every rank's shard.
+//! - [`TiledLinear`] (DeepSpeed's `TiledLinear`): a linear layer cut into tiles, each its own
+//!   parameter; as blocks of a chain ([`LinearTile`], [`TileCarry`]) stage 3 gathers one tile at
+//!   a time.
+//!
 //! # Mixed precision
 //!
 //! With `"bf16": {"enabled": true}` or `"fp16": {"enabled": true}` the model's parameters and
@@ -38,14 +49,17 @@ mod core;
 mod engine;
 mod error;
 mod flat_state;
+mod gathered;
 mod half_buffer;
 mod initialize;
 mod memory;
 mod optimizer;
 mod optimizer_bridge;
 pub mod params;
+mod partitioned_init;
 pub mod sequential;
 mod settings;
+mod tiled_linear;
 
 pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheckpointing};
 pub use chain::{ChainModel, Hidden};
@@ -53,13 +67,16 @@ pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
+pub use gathered::GatheredParameters;
 pub use initialize::{
     activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_with, lr_schedule,
     optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
+pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use sequential::{Layer, Sequential};
 pub use settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
+pub use tiled_linear::{LinearTile, TileCarry, TiledLinear, TiledLinearConfig};

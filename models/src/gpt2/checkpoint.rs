@@ -33,12 +33,7 @@ impl<B: Backend> Gpt2<B> {
     /// or unknown tensor is an error that lists them all.
     pub fn load_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<(Self, Gpt2Config), CheckpointError> {
         let dir = dir.as_ref();
-        let config_path = dir.join(CONFIG_FILE);
-        let json = read_to_string(&config_path)?;
-        let config = Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
-            path: config_path,
-            source,
-        })?;
+        let config = read_config(dir)?;
 
         let (files, reported_path) = weight_files(dir)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
@@ -311,8 +306,18 @@ fn is_mask_buffer(name: &str) -> bool {
 
 /// Converts a stored float tensor to f32 `TensorData`.
 fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorData, CheckpointError> {
-    let bytes = view.data();
-    let values: Vec<f32> = match view.dtype() {
+    bytes_to_f32_data(path, key, view.dtype(), view.shape().to_vec(), view.data())
+}
+
+/// Converts the little-endian bytes of a stored float tensor to f32 `TensorData`.
+fn bytes_to_f32_data(
+    path: &Path,
+    key: &str,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: &[u8],
+) -> Result<TensorData, CheckpointError> {
+    let values: Vec<f32> = match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -337,7 +342,209 @@ fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorDa
             })
         }
     };
-    Ok(TensorData::new(values, view.shape().to_vec()))
+    Ok(TensorData::new(values, shape))
+}
+
+/// The GPT-2 configuration of a checkpoint directory.
+fn read_config(dir: &Path) -> Result<Gpt2Config, CheckpointError> {
+    let config_path = dir.join(CONFIG_FILE);
+    let json = read_to_string(&config_path)?;
+    Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
+        path: config_path,
+        source,
+    })
+}
+
+/// One tensor of a checkpoint, located but not read.
+#[derive(Clone, Debug)]
+struct StoredTensor {
+    path: PathBuf,
+    /// The name in the file (with its prefix, if any).
+    stored_name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Offset of the first byte in the file.
+    start: u64,
+    /// Bytes.
+    len: usize,
+}
+
+/// A checkpoint's tensors, checked against its config and located by file and offset, none of
+/// them read: [`TensorIndex::read`] reads one tensor at a time, holding nothing else. What the
+/// partitioned load reads from.
+#[derive(Debug)]
+pub(crate) struct TensorIndex {
+    tensors: HashMap<String, StoredTensor>,
+}
+
+impl TensorIndex {
+    /// Reads the config and the safetensors headers of a checkpoint directory and checks the
+    /// tensors as [`Gpt2::load_pretrained`] does (names, shapes, the tied head).
+    pub(crate) fn open(dir: &Path) -> Result<(Self, Gpt2Config), CheckpointError> {
+        let config = read_config(dir)?;
+        let (files, reported_path) = weight_files(dir)?;
+        let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
+        let mut tensors = HashMap::with_capacity(expected.len());
+        let mut unexpected = Vec::new();
+        let mut lm_head = None;
+        for path in files {
+            for stored in read_header(&path)? {
+                let name = stored
+                    .stored_name
+                    .strip_prefix(HF_PREFIX)
+                    .unwrap_or(&stored.stored_name)
+                    .to_string();
+                if name == LM_HEAD {
+                    lm_head = Some(stored);
+                    continue;
+                }
+                if is_mask_buffer(&name) {
+                    continue;
+                }
+                let Some(shape) = expected.get(&name) else {
+                    unexpected.push(stored.stored_name.clone());
+                    continue;
+                };
+                if &stored.shape != shape {
+                    return Err(CheckpointError::ShapeMismatch {
+                        path: stored.path.clone(),
+                        key: stored.stored_name.clone(),
+                        expected: shape.clone(),
+                        found: stored.shape.clone(),
+                    });
+                }
+                let (path, key) = (stored.path.clone(), stored.stored_name.clone());
+                if tensors.insert(name, stored).is_some() {
+                    return Err(CheckpointError::DuplicateKey { path, key });
+                }
+            }
+        }
+        let mut missing: Vec<String> = expected.keys().filter(|n| !tensors.contains_key(*n)).cloned().collect();
+        if !missing.is_empty() || !unexpected.is_empty() {
+            missing.sort();
+            unexpected.sort();
+            return Err(CheckpointError::KeyMismatch {
+                path: reported_path,
+                missing,
+                unexpected,
+            });
+        }
+        let index = TensorIndex { tensors };
+        if let Some(head) = lm_head {
+            // Two embedding-sized tensors for the moment of the check, as a whole load holds.
+            let tied = index.read("wte.weight")? == read_stored(&head)?;
+            if !tied {
+                return Err(CheckpointError::UntiedHead { path: head.path });
+            }
+        }
+        Ok((index, config))
+    }
+
+    /// One tensor (HuggingFace name without prefix), read from its file and widened to f32.
+    pub(crate) fn read(&self, name: &str) -> Result<TensorData, CheckpointError> {
+        let stored = self.tensors.get(name).ok_or_else(|| CheckpointError::TensorData {
+            key: name.to_string(),
+            reason: "not in the checkpoint".to_string(),
+        })?;
+        read_stored(stored)
+    }
+}
+
+/// Reads one located tensor's bytes and converts them.
+fn read_stored(stored: &StoredTensor) -> Result<TensorData, CheckpointError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let io = |source| CheckpointError::Io {
+        path: stored.path.clone(),
+        source,
+    };
+    let mut file = fs::File::open(&stored.path).map_err(io)?;
+    file.seek(SeekFrom::Start(stored.start)).map_err(io)?;
+    // Read and widen in chunks, so that the tensor is held once, in f32, and not also as bytes.
+    const CHUNK: usize = 1 << 20;
+    // Whole-byte float types only reach here (the header check and the conversion refuse others).
+    let width = (stored.dtype.bitsize() / 8).max(1);
+    let mut values: Vec<f32> = Vec::with_capacity(stored.len / width);
+    let mut bytes = vec![0u8; CHUNK.min(stored.len)];
+    let mut left = stored.len;
+    while left > 0 {
+        let n = CHUNK.min(left);
+        file.read_exact(&mut bytes[..n]).map_err(io)?;
+        let chunk = bytes_to_f32_data(
+            &stored.path,
+            &stored.stored_name,
+            stored.dtype,
+            vec![n / width],
+            &bytes[..n],
+        )?;
+        values.extend_from_slice(chunk.as_slice::<f32>().map_err(|e| CheckpointError::TensorData {
+            key: stored.stored_name.clone(),
+            reason: format!("{e:?}"),
+        })?);
+        left -= n;
+    }
+    Ok(TensorData::new(values, stored.shape.clone()))
+}
+
+/// The tensors a safetensors file holds, from its header alone (the 8-byte header length, then
+/// the JSON header), each checked to lie within the file.
+fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
+    use safetensors::SafeTensorError;
+    use std::io::Read;
+    /// Headers larger than this are refused, as the safetensors reader refuses them.
+    const MAX_HEADER: u64 = 100_000_000;
+    #[derive(serde::Deserialize)]
+    struct Info {
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data_offsets: (usize, usize),
+    }
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let format = |source| CheckpointError::Safetensors {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = fs::File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut len_bytes = [0u8; 8];
+    file.read_exact(&mut len_bytes)
+        .map_err(|_| format(SafeTensorError::HeaderTooSmall))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_HEADER || 8 + header_len > file_len {
+        return Err(format(SafeTensorError::InvalidHeaderLength));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let entries: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| format(SafeTensorError::InvalidHeaderDeserialization(e)))?;
+    let data_start = 8 + header_len;
+    let mut out = Vec::with_capacity(entries.len());
+    for (name, value) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: Info =
+            serde_json::from_value(value).map_err(|e| format(SafeTensorError::InvalidHeaderDeserialization(e)))?;
+        let (begin, end) = info.data_offsets;
+        let numel: usize = info.shape.iter().product();
+        let fits = end >= begin
+            && numel.checked_mul(info.dtype.bitsize()).map(|bits| bits.div_ceil(8)) == Some(end - begin)
+            && data_start + end as u64 <= file_len;
+        if !fits {
+            return Err(format(SafeTensorError::InvalidOffset(name)));
+        }
+        out.push(StoredTensor {
+            path: path.to_path_buf(),
+            stored_name: name,
+            dtype: info.dtype,
+            shape: info.shape,
+            start: data_start + begin as u64,
+            len: end - begin,
+        });
+    }
+    Ok(out)
 }
 
 fn read_to_string(path: &Path) -> Result<String, CheckpointError> {

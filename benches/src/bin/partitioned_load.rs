@@ -1,0 +1,211 @@
+//! Peak memory of loading a HuggingFace GPT-2 checkpoint into a stage-3 engine: the whole model
+//! per rank (`Gpt2::load_pretrained`, then `ChainEngine::new`: the baseline) against the
+//! partitioned load (`Gpt2::load_pretrained_partitioned`: tensor by tensor, block by block).
+//!
+//! Ranks are threads of one process, so the process's peak resident set (VmHWM of
+//! /proc/self/status) counts every rank. Each way is measured in a fresh child process of this
+//! binary; the checkpoint (random weights) is written first by another child.
+//!
+//! `cargo run --release -p zero-benches --bin partitioned_load -- [--model gpt2] [--world 4]
+//!  [--dir <checkpoint dir; a temporary one by default>]`
+
+use burn::backend::{Autodiff, Flex};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_core::comm::{ProcessGroup, ThreadGroup};
+use zero_core::optim::{OptimizerSpec, SgdSpec};
+use zero_models::{Gpt2, Gpt2Config};
+
+type B = Autodiff<Flex>;
+
+struct Options {
+    model: String,
+    world: usize,
+    dir: Option<PathBuf>,
+    mode: Option<String>,
+}
+
+fn options() -> Options {
+    let mut o = Options {
+        model: "gpt2".into(),
+        world: 4,
+        dir: None,
+        mode: None,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    for pair in args.chunks(2) {
+        let value = pair.get(1).cloned().unwrap_or_default();
+        match pair[0].as_str() {
+            "--model" => o.model = value,
+            "--world" => o.world = value.parse().unwrap_or(o.world),
+            "--dir" => o.dir = Some(PathBuf::from(value)),
+            "--mode" => o.mode = Some(value),
+            other => fail(&format!("unknown option {other}")),
+        }
+    }
+    o
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("partitioned_load: {message}");
+    std::process::exit(1);
+}
+
+/// A field of /proc/self/status, in bytes (0 where there is none).
+fn status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Stage 3 with plain SGD: no optimizer state, so the engine holds the shards and little else.
+fn settings() -> EngineSettings {
+    EngineSettings::new(
+        Stage::Zero3,
+        OptimizerSpec::Sgd(SgdSpec {
+            lr: 1e-4,
+            ..Default::default()
+        }),
+    )
+}
+
+/// Loads the checkpoint on `world` rank threads, one way or the other; returns rank 0's
+/// parameter bytes.
+fn load(dir: &Path, world: usize, partitioned: bool) -> usize {
+    let groups = ThreadGroup::new_group(world).unwrap_or_else(|e| fail(&format!("thread group: {e}")));
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|g| {
+            let dir = dir.to_path_buf();
+            std::thread::spawn(move || {
+                let comm = g as Arc<dyn ProcessGroup>;
+                let device = Default::default();
+                let engine = if partitioned {
+                    Gpt2::<B>::load_pretrained_partitioned(&dir, settings(), comm, &device)
+                        .map(|(engine, _)| engine)
+                        .map_err(|e| e.to_string())
+                } else {
+                    Gpt2::<B>::load_pretrained(&dir, &device)
+                        .map_err(|e| e.to_string())
+                        .and_then(|(model, _)| ChainEngine::new(settings(), model, comm).map_err(|e| e.to_string()))
+                };
+                engine.map(|e| e.memory().parameters.current)
+            })
+        })
+        .collect();
+    let mut bytes = 0;
+    for h in handles {
+        match h.join() {
+            Ok(Ok(b)) => bytes = bytes.max(b),
+            Ok(Err(e)) => fail(&e),
+            Err(_) => fail("a rank panicked"),
+        }
+    }
+    bytes
+}
+
+fn child(o: &Options, mode: &str, dir: &Path) {
+    match mode {
+        "prepare" => {
+            let config = Gpt2Config::preset(&o.model).unwrap_or_else(|e| fail(&e.to_string()));
+            let device = Default::default();
+            let model = config.init::<Flex>(&device);
+            model
+                .save_pretrained(dir, &config)
+                .unwrap_or_else(|e| fail(&format!("writing the checkpoint: {e}")));
+        }
+        "full" | "partitioned" => {
+            let before = status_bytes("VmRSS:");
+            let start = Instant::now();
+            let shard = load(dir, o.world, mode == "partitioned");
+            let seconds = start.elapsed().as_secs_f64();
+            println!("RESULT {} {} {} {seconds:.3}", before, status_bytes("VmHWM:"), shard);
+        }
+        other => fail(&format!("unknown mode {other}")),
+    }
+}
+
+/// Runs this binary in `mode`; parses its RESULT line (rss before, peak, shard bytes, seconds).
+fn spawn(o: &Options, mode: &str, dir: &Path) -> Option<(u64, u64, u64, f64)> {
+    let exe = std::env::current_exe().unwrap_or_else(|e| fail(&format!("own path: {e}")));
+    let out = Command::new(exe)
+        .args(["--mode", mode, "--model", &o.model, "--world", &o.world.to_string()])
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .unwrap_or_else(|e| fail(&format!("starting the {mode} child: {e}")));
+    if !out.status.success() {
+        fail(&format!(
+            "{mode} child failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find_map(|l| l.strip_prefix("RESULT "))?;
+    let f: Vec<&str> = line.split_whitespace().collect();
+    Some((
+        f.first()?.parse().ok()?,
+        f.get(1)?.parse().ok()?,
+        f.get(2)?.parse().ok()?,
+        f.get(3)?.parse().ok()?,
+    ))
+}
+
+fn main() {
+    let o = options();
+    let temp;
+    let dir = match &o.dir {
+        Some(d) => d.clone(),
+        None => {
+            temp = std::env::temp_dir().join(format!("zero-partitioned-load-{}", std::process::id()));
+            temp.clone()
+        }
+    };
+    if let Some(mode) = &o.mode {
+        child(&o, mode, &dir);
+        return;
+    }
+    let config = Gpt2Config::preset(&o.model).unwrap_or_else(|e| fail(&e.to_string()));
+    let psi: usize = config
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    if !dir.join("model.safetensors").is_file() {
+        spawn(&o, "prepare", &dir);
+    }
+    let mb = |b: u64| b as f64 / 1e6;
+    println!(
+        "{} ({:.1}M parameters, {:.0} MB in fp32), world {} (rank threads of one process)",
+        o.model,
+        psi as f64 / 1e6,
+        mb(psi as u64 * 4),
+        o.world
+    );
+    println!("| load | peak RSS above start (all ranks) | ratio to full | per rank | rank 0's shard | seconds |");
+    println!("|---|---|---|---|---|---|");
+    let mut baseline = None;
+    for mode in ["full", "partitioned"] {
+        let Some((before, peak, shard, seconds)) = spawn(&o, mode, &dir) else {
+            fail(&format!("no result from the {mode} child"));
+        };
+        let delta = peak.saturating_sub(before);
+        let base = *baseline.get_or_insert(delta);
+        println!(
+            "| {mode} | {:.0} MB | {:.2} | {:.0} MB | {:.0} MB | {seconds:.2} |",
+            mb(delta),
+            delta as f64 / base as f64,
+            mb(delta) / o.world as f64,
+            mb(shard)
+        );
+    }
+    if o.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,187 @@
+//! GPT-2 straight into a stage-3 engine, block by block: never the whole model in one rank's
+//! memory.
+//!
+//! - [`Gpt2::load_pretrained_partitioned`]: a HuggingFace checkpoint (one file or shards with an
+//!   index) read tensor by tensor, by offset; each block is assembled, the rank's shard kept,
+//!   the block dropped. A rank holds at most the ends (`wte`, `wpe`, `ln_f`), one block and its
+//!   shards, where [`Gpt2::load_pretrained`] followed by `ChainEngine::new` holds the file, the
+//!   whole model and then the shards.
+//! - [`Gpt2Config::init_partitioned`]: a random GPT-2 (DeepSpeed's `zero.Init`), equal to
+//!   [`Gpt2Config::init`] followed by `ChainEngine::new`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Param;
+use burn::nn::{Embedding, LayerNorm, Linear};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use zero_burn::{ChainEngine, EngineSettings, InitValues, PartitionedInitError, ZeroError};
+use zero_core::comm::ProcessGroup;
+
+use super::attention::Gpt2Attention;
+use super::block::Gpt2Block;
+use super::checkpoint::TensorIndex;
+use super::config::Gpt2Config;
+use super::error::CheckpointError;
+use super::init::{layer_norm, normal_embedding};
+use super::mlp::Gpt2Mlp;
+use super::model::Gpt2;
+
+/// The stage-3 engine of a GPT-2.
+pub type Gpt2Engine<B> = ChainEngine<B, Gpt2<B>>;
+
+/// Why a partitioned load failed: the checkpoint, or the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionedLoadError {
+    /// The checkpoint could not be read or does not match its config (the error names the file
+    /// and the tensor).
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A block could not be read.
+    #[error("block {block}: {source}")]
+    Block {
+        /// The block (HuggingFace's `h.{block}`).
+        block: usize,
+        /// What went wrong.
+        source: CheckpointError,
+    },
+    /// The engine could not be set up.
+    #[error(transparent)]
+    Engine(#[from] ZeroError),
+}
+
+impl From<PartitionedInitError<CheckpointError>> for PartitionedLoadError {
+    fn from(e: PartitionedInitError<CheckpointError>) -> Self {
+        match e {
+            PartitionedInitError::Build { block, source } => PartitionedLoadError::Block { block, source },
+            PartitionedInitError::Engine(e) => PartitionedLoadError::Engine(e),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> Gpt2<B> {
+    /// Loads a HuggingFace GPT-2 checkpoint directory into an engine of `settings` (stage 3:
+    /// partitioned) on `comm`, every rank reading the tensors it needs from the files: the same
+    /// checks and the same values as [`Gpt2::load_pretrained`] followed by `ChainEngine::new`,
+    /// with at most the ends, one block and the rank's shards in memory.
+    pub fn load_pretrained_partitioned(
+        dir: impl AsRef<Path>,
+        settings: EngineSettings,
+        comm: Arc<dyn ProcessGroup>,
+        device: &B::Device,
+    ) -> Result<(Gpt2Engine<B>, Gpt2Config), PartitionedLoadError> {
+        let (index, config) = TensorIndex::open(dir.as_ref())?;
+        let ends = Gpt2 {
+            wte: Embedding {
+                weight: param(&index, "wte.weight", device)?,
+            },
+            wpe: Embedding {
+                weight: param(&index, "wpe.weight", device)?,
+            },
+            blocks: Vec::new(),
+            ln_f: norm(&index, "ln_f", &config, device)?,
+        };
+        let engine = ChainEngine::try_new_partitioned(
+            settings,
+            ends,
+            config.n_layer,
+            |layer| read_block(&index, &config, layer, device),
+            InitValues::Local,
+            comm,
+        )?;
+        Ok((engine, config))
+    }
+}
+
+impl Gpt2Config {
+    /// A randomly initialized GPT-2 built block by block into an engine of `settings`: equal,
+    /// bit for bit, to [`Gpt2Config::init`] followed by `ChainEngine::new` from the same seed.
+    /// Rank 0's values are broadcast part by part, as `ChainEngine::new` broadcasts them.
+    ///
+    /// # Errors
+    ///
+    /// An invalid configuration (checked first), or an engine that cannot be set up.
+    pub fn init_partitioned<B: AutodiffBackend>(
+        &self,
+        settings: EngineSettings,
+        comm: Arc<dyn ProcessGroup>,
+        device: &B::Device,
+    ) -> Result<Gpt2Engine<B>, ZeroError> {
+        self.validate()
+            .map_err(|e| ZeroError::Model(format!("GPT-2 configuration: {e}")))?;
+        let d = self.n_embd;
+        // The random draws follow `init`'s order: wte, wpe, then each block (ln_f draws none).
+        let ends = Gpt2 {
+            wte: normal_embedding(self.vocab_size, d, self.initializer_range, device),
+            wpe: normal_embedding(self.n_positions, d, self.initializer_range, device),
+            blocks: Vec::new(),
+            ln_f: layer_norm(d, self.layer_norm_epsilon, device),
+        };
+        ChainEngine::new_partitioned(
+            settings,
+            ends,
+            self.n_layer,
+            |layer| Gpt2Block::new(self, layer, device),
+            InitValues::RankZero,
+            comm,
+        )
+    }
+}
+
+/// Block `layer` read from the checkpoint, tensor by tensor.
+fn read_block<B: Backend>(
+    index: &TensorIndex,
+    config: &Gpt2Config,
+    layer: usize,
+    device: &B::Device,
+) -> Result<Gpt2Block<B>, CheckpointError> {
+    let p = format!("h.{layer}.");
+    let ln_1 = norm(index, &format!("{p}ln_1"), config, device)?;
+    let c_attn = linear(index, &format!("{p}attn.c_attn"), device)?;
+    let c_proj = linear(index, &format!("{p}attn.c_proj"), device)?;
+    let ln_2 = norm(index, &format!("{p}ln_2"), config, device)?;
+    let c_fc = linear(index, &format!("{p}mlp.c_fc"), device)?;
+    let mlp_proj = linear(index, &format!("{p}mlp.c_proj"), device)?;
+    Ok(Gpt2Block {
+        ln_1,
+        attn: Gpt2Attention::from_linears(config, layer, c_attn, c_proj),
+        ln_2,
+        mlp: Gpt2Mlp::from_linears(config, c_fc, mlp_proj),
+    })
+}
+
+fn param<B: Backend, const D: usize>(
+    index: &TensorIndex,
+    name: &str,
+    device: &B::Device,
+) -> Result<Param<Tensor<B, D>>, CheckpointError> {
+    let data = index.read(name)?;
+    if data.shape.len() != D {
+        return Err(CheckpointError::TensorData {
+            key: name.to_string(),
+            reason: format!("rank {} where {D} is needed", data.shape.len()),
+        });
+    }
+    Ok(Param::from_tensor(Tensor::from_data(data, device)))
+}
+
+fn linear<B: Backend>(index: &TensorIndex, name: &str, device: &B::Device) -> Result<Linear<B>, CheckpointError> {
+    Ok(Linear {
+        weight: param(index, &format!("{name}.weight"), device)?,
+        bias: Some(param(index, &format!("{name}.bias"), device)?),
+    })
+}
+
+fn norm<B: Backend>(
+    index: &TensorIndex,
+    name: &str,
+    config: &Gpt2Config,
+    device: &B::Device,
+) -> Result<LayerNorm<B>, CheckpointError> {
+    // LayerNorm's epsilon is private to Burn: build one from its config, then set the weights.
+    let mut norm = layer_norm(config.n_embd, config.layer_norm_epsilon, device);
+    norm.gamma = param(index, &format!("{name}.weight"), device)?;
+    norm.beta = Some(param(index, &format!("{name}.bias"), device)?);
+    Ok(norm)
+}
