@@ -80,8 +80,9 @@ fn elems(mb: usize, world: usize) -> usize {
 
 /// Runs the schedule on one rank; returns (op, bytes, median seconds) as seen by this rank.
 ///
-/// Buffers are allocated and filled outside the timed region: all_reduce works in place, all_gather
-/// writes into a reused output (`all_gather_into`), reduce_scatter consumes a fresh input.
+/// Buffers are allocated and filled outside the timed region and reused: all_reduce works in
+/// place, all_gather writes into a reused output (`all_gather_into`), reduce_scatter reads a
+/// reused input and writes a reused output (`reduce_scatter_into`).
 fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> {
     let world = g.world_size();
     let fail = |op: &str, e: CommError| -> ! {
@@ -94,21 +95,40 @@ fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> 
         let bytes = n * 4;
         for op in OPS {
             let mut full = FlatBuffer::F32(vec![1.0; n]);
-            let shard = FlatBuffer::F32(vec![1.0; n / world]);
+            let mut shard = FlatBuffer::F32(vec![1.0; n / world]);
             let mut times = Vec::new();
             // One warm-up round, then the measured ones.
             for _ in 0..=iterations(bytes) {
-                let input = (op == "reduce_scatter").then(|| FlatBuffer::F32(vec![1.0; n]));
-                let part = shard.clone();
+                if op == "all_reduce" {
+                    // Keep the values finite and equal on every rank.
+                    if let FlatBuffer::F32(v) = &mut full {
+                        v.fill(1.0);
+                    }
+                }
                 g.barrier().unwrap_or_else(|e| fail("barrier", e));
                 let t = Instant::now();
-                let done = match input {
-                    Some(input) => g.reduce_scatter(input, ReduceOp::Sum).map(drop),
-                    None if op == "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
-                    None => g.all_gather_into(part, &mut full),
+                let done = match op {
+                    "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
+                    "reduce_scatter" => g.reduce_scatter_into(&mut full, &mut shard, ReduceOp::Sum),
+                    _ => {
+                        // The shard is moved in and comes back in the output; copy it back
+                        // outside the timed region below.
+                        let part = std::mem::replace(&mut shard, FlatBuffer::F32(Vec::new()));
+                        let r = g.all_gather_into(part, &mut full);
+                        times.push(t.elapsed().as_secs_f64());
+                        shard = FlatBuffer::F32(vec![1.0; n / world]);
+                        r.unwrap_or_else(|e| fail(op, e));
+                        continue;
+                    }
                 };
                 times.push(t.elapsed().as_secs_f64());
                 done.unwrap_or_else(|e| fail(op, e));
+                if op == "reduce_scatter" {
+                    // The input's values are unspecified afterwards (TCP works in it).
+                    if let FlatBuffer::F32(v) = &mut full {
+                        v.fill(1.0);
+                    }
+                }
             }
             times.remove(0);
             out.push((op.to_string(), bytes, median(times)));

@@ -24,7 +24,7 @@ mod stream;
 mod subgroup;
 
 use super::env::{timeout_from_env, DistEnv};
-use super::op::{OpDesc, OpKind, DESC_BYTES};
+use super::op::{validate, OpDesc, OpKind, DESC_BYTES};
 use super::reduce::{finish, widen, Element};
 use super::threads::{into_flat, split};
 use super::worker::{BackendState, Worker};
@@ -178,6 +178,15 @@ impl ProcessGroup for TcpGroup {
         self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
     }
 
+    fn reduce_scatter_into_async(
+        &self,
+        input: FlatBuffer,
+        out: FlatBuffer,
+        op: ReduceOp,
+    ) -> Work<(FlatBuffer, FlatBuffer)> {
+        self.worker.reduce_scatter_into(input, out, op)
+    }
+
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         self.worker.collective(OpKind::AllGather, shard, None, 0, None)
     }
@@ -213,7 +222,7 @@ impl BackendState for TcpRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         self.run_collective(kind, buffer, reduce, root, out)
     }
 
@@ -256,8 +265,6 @@ impl TcpRank {
         (self.mesh.rank + self.world - 1) % self.world
     }
 
-    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
-    #[allow(clippy::manual_is_multiple_of)]
     fn run_collective(
         &mut self,
         kind: OpKind,
@@ -265,7 +272,7 @@ impl TcpRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         let world = self.world;
         let desc = OpDesc {
             kind,
@@ -276,32 +283,7 @@ impl TcpRank {
             root: root as u64,
         };
         self.seq += 1;
-        let invalid = |message: String| CommError::InvalidArgument {
-            op: kind.name().to_string(),
-            message,
-        };
-        if kind == OpKind::ReduceScatter && buffer.len() % world != 0 {
-            return Err(invalid(format!(
-                "input length {} is not a multiple of the world size {world}",
-                buffer.len()
-            )));
-        }
-        if kind == OpKind::Broadcast && root >= world {
-            return Err(invalid(format!("root {root} is not a rank of a group of {world}")));
-        }
-        if let Some(out) = &out {
-            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
-                return Err(invalid(format!(
-                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
-                     ranks needs {}",
-                    out.len(),
-                    out.dtype(),
-                    buffer.len(),
-                    buffer.dtype(),
-                    buffer.len() * world
-                )));
-            }
-        }
+        validate(kind, &buffer, world, root, out.as_ref())?;
         if world > 1 {
             self.exchange_headers(&desc)?;
         }
@@ -362,7 +344,7 @@ impl TcpRank {
         desc: &OpDesc,
         v: Vec<T>,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         let (world, rank) = (self.world, self.mesh.rank);
         let op = desc.reduce.unwrap_or(ReduceOp::Sum);
         match desc.kind {
@@ -373,7 +355,7 @@ impl TcpRank {
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
                         self.ring_all_reduce_f32(desc, &mut work, &ranges, op)?;
-                        Ok(into_flat(work))
+                        Ok((into_flat(work), None))
                     }
                     Err((_, mut v)) => {
                         let mut work = widen(&v);
@@ -383,7 +365,7 @@ impl TcpRank {
                         T::store(&work[r.clone()], &mut v[r]);
                         drop(work);
                         self.ring_all_gather(desc, &mut v, &ranges, owned)?;
-                        Ok(into_flat(v))
+                        Ok((into_flat(v), None))
                     }
                 }
             }
@@ -393,20 +375,37 @@ impl TcpRank {
                 let mine = ranges[rank].clone();
                 // Starting one chunk back leaves this rank with its own chunk reduced.
                 let first = (rank + world - 1) % world;
-                // The result stays in the input's allocation (see `keep_range`).
+                let out = out.and_then(FlatBuffer::into_vec::<T>);
+                // Without an output, the result stays in the input's allocation (see
+                // `keep_range`); with one, it lands there and the input goes back.
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
                         self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
                         finish(&mut work[mine.clone()], op, world);
-                        Ok(FlatBuffer::F32(work).keep_range(mine))
+                        match out {
+                            // T is f32 here: the store is a copy.
+                            Some(mut o) => {
+                                T::store(&work[mine], &mut o);
+                                Ok((into_flat(o), Some(FlatBuffer::F32(work))))
+                            }
+                            None => Ok((FlatBuffer::F32(work).keep_range(mine), None)),
+                        }
                     }
                     Err((_, mut v)) => {
                         let mut work = widen(&v);
                         self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
                         finish(&mut work[mine.clone()], op, world);
-                        T::store(&work[mine.clone()], &mut v[mine.clone()]);
-                        drop(work);
-                        Ok(into_flat(v).keep_range(mine))
+                        match out {
+                            Some(mut o) => {
+                                T::store(&work[mine], &mut o);
+                                Ok((into_flat(o), Some(into_flat(v))))
+                            }
+                            None => {
+                                T::store(&work[mine.clone()], &mut v[mine.clone()]);
+                                drop(work);
+                                Ok((into_flat(v).keep_range(mine), None))
+                            }
+                        }
                     }
                 }
             }
@@ -418,16 +417,15 @@ impl TcpRank {
                     None => vec![T::zeroed(); c * world],
                 };
                 out[ranges[rank].clone()].copy_from_slice(&v);
-                drop(v);
                 self.ring_all_gather(desc, &mut out, &ranges, rank)?;
-                Ok(into_flat(out))
+                Ok((into_flat(out), Some(into_flat(v))))
             }
             OpKind::Broadcast => {
                 let mut v = v;
                 self.chain_broadcast(desc, &mut v, desc.root as usize)?;
-                Ok(into_flat(v))
+                Ok((into_flat(v), None))
             }
-            OpKind::Barrier => Ok(into_flat(v)),
+            OpKind::Barrier => Ok((into_flat(v), None)),
         }
     }
 
