@@ -90,6 +90,9 @@ impl DeviceElement for half::bf16 {}
 
 mod sealed {
     /// Only the communication dtypes are device elements.
+    // The bound lets the crate's generic code use its own element functions; the trait cannot be
+    // named outside the crate, so nothing private leaks.
+    #[allow(private_bounds)]
     pub trait Sealed: super::Element {}
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
@@ -141,7 +144,27 @@ impl NcclGroup {
 
     /// Builds the NCCL communicator over an established TCP group, on GPU `device`: rank 0
     /// creates the unique id and broadcasts it through `ctrl`, which then carries the headers.
+    ///
+    /// A machine without the CUDA driver or the NCCL library gives a [`CommError::Setup`] that
+    /// says which library is missing.
     pub fn over(ctrl: TcpGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
+        let rank = ctrl.rank();
+        // cudarc panics when it cannot load a library; that is a setup error here.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Self::build(ctrl, device, timeout))).unwrap_or_else(
+            |panic| {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown cause");
+                Err(CommError::Setup(format!(
+                    "NCCL rank {rank}: CUDA or NCCL is unusable: {what}"
+                )))
+            },
+        )
+    }
+
+    fn build(ctrl: TcpGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
         let (rank, world) = (ctrl.rank(), ctrl.world_size());
         let setup = |what: &str, e: &dyn std::fmt::Debug| CommError::Setup(format!("NCCL rank {rank}: {what}: {e:?}"));
         let ctx = CudaContext::new(device).map_err(|e| setup(&format!("cannot open GPU {device}"), &e))?;
@@ -209,7 +232,14 @@ impl NcclGroup {
         self.worker.submit(kind.name(), |_| Ok(())).wait()?;
         let mut st = self.shared.lock(kind.name())?;
         let seq = self.shared.begin(&mut st, kind, dtype, len, reduce, root)?;
-        f(&mut st, seq)
+        // A symbol missing from an old NCCL makes cudarc panic: an error of this collective.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut st, seq))).unwrap_or_else(|_| {
+            Err(CommError::Backend {
+                op: kind.name().to_string(),
+                seq,
+                message: "the CUDA or NCCL library failed (see the message above)".into(),
+            })
+        })
     }
 
     /// Enqueues an all-reduce of `buf` in place on the group's stream, after `ready` (see the
@@ -441,7 +471,7 @@ impl BackendState for NcclRank {
                 // Reductions run in f32 whatever the dtype (see the module documentation).
                 let mut values = to_f32(buffer);
                 if !values.is_empty() {
-                    let mut dev = st.stream.memcpy_stod(&values).map_err(|e| driver(kind, seq, e))?;
+                    let mut dev = st.stream.clone_htod(&values).map_err(|e| driver(kind, seq, e))?;
                     st.comm()?
                         .all_reduce_in_place(&mut dev, &nccl_op(op))
                         .map_err(|e| nccl(kind, seq, e))?;
@@ -457,7 +487,7 @@ impl BackendState for NcclRank {
                 let chunk = input.len() / world;
                 let mut shard = vec![0f32; chunk];
                 if chunk > 0 {
-                    let dev_in = st.stream.memcpy_stod(&input).map_err(|e| driver(kind, seq, e))?;
+                    let dev_in = st.stream.clone_htod(&input).map_err(|e| driver(kind, seq, e))?;
                     let mut dev_out = alloc::<f32>(&st.stream, chunk, kind, seq)?;
                     st.comm()?
                         .reduce_scatter(&dev_in, &mut dev_out, &nccl_op(op))
@@ -533,7 +563,7 @@ fn gather<T: DeviceElement>(
     let kind = OpKind::AllGather;
     let mut host = vec![T::zeroed(); shard.len() * world];
     if !shard.is_empty() {
-        let dev_in = st.stream.memcpy_stod(shard).map_err(|e| driver(kind, seq, e))?;
+        let dev_in = st.stream.clone_htod(shard).map_err(|e| driver(kind, seq, e))?;
         let mut dev_out = alloc::<T>(&st.stream, host.len(), kind, seq)?;
         st.comm()?
             .all_gather(&dev_in, &mut dev_out)
@@ -556,7 +586,7 @@ fn bcast<T: DeviceElement>(
 ) -> Result<FlatBuffer, CommError> {
     let kind = OpKind::Broadcast;
     if !values.is_empty() {
-        let mut dev = st.stream.memcpy_stod(&values).map_err(|e| driver(kind, seq, e))?;
+        let mut dev = st.stream.clone_htod(&values).map_err(|e| driver(kind, seq, e))?;
         st.comm()?
             .broadcast_in_place(&mut dev, root as i32)
             .map_err(|e| nccl(kind, seq, e))?;
