@@ -3,7 +3,8 @@
 //! Ranks that find themselves on the same host (same kernel and network namespace) connect
 //! through Unix-domain sockets instead, unless ZERO_COMM_TRANSPORT=tcp or
 //! [`TcpOptions::unix_on_same_host`] is off: same stream protocol, about half the kernel's work
-//! per byte.
+//! per byte. Their data connections then become pipes fed by `vmsplice` (one copy per byte
+//! instead of two), unless ZERO_COMM_PIPES=0.
 //!
 //! Rendezvous follows torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or
 //! Slurm's or Open MPI's through [`DistEnv::detect`]. Reductions run as a ring: a reduce-scatter
@@ -18,6 +19,7 @@
 //! between all ranks, so a mismatch is seen by every rank before any payload moves.
 
 mod link;
+mod pipe;
 mod pump;
 mod rendezvous;
 mod stream;
@@ -68,6 +70,14 @@ pub enum Transport {
     Tcp,
     /// A Unix-domain socket (the peer runs on the same host).
     Unix,
+    /// A pair of pipes set up over a Unix-domain socket, fed by `vmsplice` (the peer runs on the
+    /// same host): one copy per byte instead of two.
+    Pipe,
+}
+
+/// Whether same-host data connections become pipes: yes unless ZERO_COMM_PIPES=0.
+pub(crate) fn pipes_wanted() -> bool {
+    std::env::var("ZERO_COMM_PIPES").map_or(true, |v| v.trim() != "0")
 }
 
 /// One rank of a group of processes connected over TCP (or Unix-domain sockets on one host).
@@ -115,6 +125,7 @@ impl TcpGroup {
         let tuning = SocketTuning {
             buffer: options.socket_buffer,
             unix_on_same_host: options.unix_on_same_host,
+            pipes: options.unix_on_same_host && pipes_wanted(),
         };
         let (links, hosts) = connect_mesh(rank, world, master_addr, master_port, options.timeout, tuning)?;
         Self::from_links(rank, links, hosts, options)
@@ -134,6 +145,7 @@ impl TcpGroup {
                 l.as_ref().map(|l| match l.data {
                     stream::Stream::Tcp(_) => Transport::Tcp,
                     stream::Stream::Unix(_) => Transport::Unix,
+                    stream::Stream::Pipes(_) => Transport::Pipe,
                 })
             })
             .collect();
@@ -232,7 +244,7 @@ impl BackendState for TcpRank {
             link.send_ctrl(&msg, Duration::from_millis(200));
             // A peer blocked on this rank's data sees the end of the stream at once, and reads
             // the cause above; a peer that needs nothing more from this rank is not disturbed.
-            let _ = link.data.shutdown(std::net::Shutdown::Write);
+            let _ = link.data.close_write();
         }
     }
 

@@ -8,6 +8,8 @@
 //! every peer's control connection, and gives up when nothing moved for the timeout.
 
 use super::link::Link;
+use super::pipe::SPLICE_MIN;
+use super::stream::Stream;
 use crate::comm::op::OpDesc;
 use crate::comm::reduce::{combine, finish};
 use crate::comm::{CommError, ReduceOp};
@@ -58,6 +60,9 @@ pub(crate) struct SendFlow {
     total: usize,
     done: usize,
     cur: Cursor,
+    /// Some bytes went out by reference (pipes): the peer must read them before the memory is
+    /// handed back.
+    by_reference: bool,
 }
 
 impl SendFlow {
@@ -72,6 +77,7 @@ impl SendFlow {
             total,
             done: 0,
             cur,
+            by_reference: false,
         }
     }
 }
@@ -192,7 +198,7 @@ impl Mesh {
                 progressed |= self.drive_send(desc, send, limit)?;
             }
             if sends.iter().all(|s| s.done == s.total) && recvs.iter().all(|r| r.done == r.total) {
-                return Ok(());
+                return self.drain(desc, sends);
             }
             if progressed {
                 last_progress = Instant::now();
@@ -200,6 +206,51 @@ impl Mesh {
             }
             self.wait(desc, sends, recvs, last_progress + self.timeout)?;
         }
+    }
+
+    /// Waits until every peer this rank sent to by reference has read all of it: the memory
+    /// goes back to the caller, who may write it. The reader is normally right behind.
+    fn drain(&mut self, desc: &OpDesc, sends: &[SendFlow]) -> Result<(), CommError> {
+        for flow in sends.iter().filter(|f| f.by_reference) {
+            let mut last = usize::MAX;
+            let mut last_progress = Instant::now();
+            let mut pause = Duration::from_micros(5);
+            loop {
+                let unread = match self.link(flow.peer).data.unread() {
+                    Ok(n) => n,
+                    Err(e) => return Err(self.lost(desc, flow.peer, &format!("connection error: {e}"))),
+                };
+                if unread == 0 {
+                    break;
+                }
+                if unread != last {
+                    last = unread;
+                    last_progress = Instant::now();
+                    pause = Duration::from_micros(5);
+                }
+                let peer = flow.peer;
+                self.check_peers(|p| p == peer)?;
+                if let Some(reason) = self.links[peer].as_ref().and_then(|l| l.gone.clone()) {
+                    return Err(CommError::PeerLost {
+                        seq: desc.seq,
+                        op: desc.kind.name().to_string(),
+                        peer,
+                        reason,
+                    });
+                }
+                if last_progress.elapsed() >= self.timeout {
+                    return Err(CommError::Timeout {
+                        seq: desc.seq,
+                        op: desc.kind.name().to_string(),
+                        peer,
+                        seconds: self.timeout.as_secs_f64(),
+                    });
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
+        }
+        Ok(())
     }
 
     /// Reads what is available; true if anything arrived.
@@ -276,10 +327,12 @@ impl Mesh {
             let n = (seg.len - flow.cur.off).min(limit - flow.done);
             // SAFETY: bytes below the gate are final; nobody writes them during the collective.
             let src = unsafe { std::slice::from_raw_parts(seg.ptr.add(flow.cur.off), n) };
-            match (&self.link(flow.peer).data).write(src) {
+            let mut data = &self.link(flow.peer).data;
+            match data.write(src) {
                 Ok(0) => return Err(self.lost(desc, flow.peer, "stopped accepting data")),
                 Ok(n) => {
                     progressed = true;
+                    flow.by_reference |= matches!(data, Stream::Pipes(_)) && src.len() >= SPLICE_MIN;
                     flow.done += n;
                     flow.cur.advance(&flow.segs, n);
                 }
@@ -352,11 +405,11 @@ impl Mesh {
             None => fds.push(libc::pollfd { fd, events, revents: 0 }),
         };
         for r in recvs.iter().filter(|r| r.done < r.total) {
-            add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);
+            add(self.link(r.peer).data.read_fd(), libc::POLLIN);
         }
         for s in sends.iter().filter(|s| s.done < s.total) {
             if s.done < send_limit(s, recvs) {
-                add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
+                add(self.link(s.peer).data.write_fd(), libc::POLLOUT);
             }
         }
         for link in self
