@@ -2,8 +2,9 @@
 //! backends, against the machine's memory bandwidth and torch's gloo, measured in the same run.
 //!
 //! nccl-tests conventions, `bytes` being the full buffer: all_reduce busbw = bytes·2(n-1)/n / t;
-//! reduce_scatter and all_gather busbw = bytes·(n-1)/n / t. TCP runs one process per rank on
-//! loopback (this binary re-executed with the torchrun variables).
+//! reduce_scatter and all_gather busbw = bytes·(n-1)/n / t. The TCP group runs one process per
+//! rank (this binary re-executed with the torchrun variables), over TCP loopback, Unix-domain
+//! sockets, and pipes (its default between ranks of one host).
 //!
 //! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo]
 
@@ -179,12 +180,13 @@ fn free_port() -> u16 {
 
 /// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's
 /// `RESULT op bytes seconds` lines.
-fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String, usize, f64)>> {
+fn processes(world: usize, program: &str, args: &[String], envs: &[(&str, &str)]) -> Option<Vec<(String, usize, f64)>> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {
             Command::new(program)
                 .args(args)
+                .envs(envs.iter().copied())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("RANK", rank.to_string())
@@ -301,28 +303,32 @@ fn main() {
             rows.push(("threads".into(), world, op, bytes, secs, bw, vs));
         }
         let mut tcp_runs = Vec::new();
-        for transport in ["tcp", "auto"] {
+        // TCP over loopback; Unix-domain sockets between ranks of this host; pipes fed by
+        // vmsplice (the default between ranks of one host).
+        for transport in ["tcp", "unix", "pipes"] {
             let mut tcp_args = vec![
                 "--tcp-rank".to_string(),
                 "--sizes".into(),
                 sizes_arg.clone(),
                 "--transport".into(),
-                transport.into(),
+                if transport == "tcp" { "tcp" } else { "auto" }.into(),
             ];
+            let pipes = if transport == "pipes" { "1" } else { "0" };
             if let Some(b) = flag("--socket-buffer") {
                 tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
             }
             if !args.iter().any(|a| a == "--no-tcp") {
-                let name = if transport == "tcp" {
-                    "tcp (loopback)"
-                } else {
-                    "tcp group, unix sockets"
+                let name = match transport {
+                    "tcp" => "tcp group, tcp loopback",
+                    "unix" => "tcp group, unix sockets",
+                    _ => "tcp group, pipes",
                 };
-                tcp_runs.push((name, processes(world, &exe, &tcp_args).unwrap_or_default()));
+                let results = processes(world, &exe, &tcp_args, &[("ZERO_COMM_PIPES", pipes)]);
+                tcp_runs.push((name, results.unwrap_or_default()));
             }
         }
         let gloo: BTreeMap<(String, usize), f64> = if torch {
-            processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
+            processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()], &[])
                 .unwrap_or_default()
                 .into_iter()
                 .map(|(op, bytes, secs)| ((op.clone(), bytes), busbw(&op, bytes, world, secs)))
