@@ -37,7 +37,13 @@ fn exercise_into(g: &dyn ProcessGroup) -> usize {
             }
         }
     }
-    // An output of the wrong length is refused, naming the op (every rank, so nobody waits).
+    checked
+}
+
+/// An output of the wrong length is refused, naming the op. Run on a fresh group, every rank at
+/// once: the failing rank tells its peers, which would fail whatever they were doing.
+fn refuses_a_wrong_output(g: &dyn ProcessGroup) -> usize {
+    let (rank, world) = (g.rank(), g.world_size());
     let mut bad_in = FlatBuffer::F32(vec![0.0; 4 * world]);
     let mut bad_out = FlatBuffer::F32(vec![0.0; 3]);
     match g.reduce_scatter_into(&mut bad_in, &mut bad_out, ReduceOp::Sum) {
@@ -47,7 +53,7 @@ fn exercise_into(g: &dyn ProcessGroup) -> usize {
         }
         other => panic!("rank {rank}: a 3-element output for 4-element chunks: {other:?}"),
     }
-    checked
+    1
 }
 
 fn on_threads<G: Send + Sync>(ranks: Vec<G>, f: impl Fn(&G) -> usize + Sync) -> Vec<usize> {
@@ -65,6 +71,9 @@ fn thread_group_reduce_scatter_into_matches_the_reference() {
         let ranks = ThreadGroup::with_timeout(world, Duration::from_secs(60)).expect("group");
         let counts = on_threads(ranks, |g: &Arc<ThreadGroup>| exercise_into(&**g));
         assert_eq!(counts, vec![CHECKS; world], "world {world}");
+        let ranks = ThreadGroup::with_timeout(world, Duration::from_secs(60)).expect("group");
+        let refused = on_threads(ranks, |g: &Arc<ThreadGroup>| refuses_a_wrong_output(&**g));
+        assert_eq!(refused, vec![1; world]);
     }
 }
 
@@ -95,6 +104,8 @@ fn tcp_group_reduce_scatter_into_matches_the_reference_over_both_transports() {
         for world in 2..=3 {
             let counts = on_threads(tcp_world(world, unix), |g| exercise_into(g));
             assert_eq!(counts, vec![CHECKS; world], "world {world}, unix sockets {unix}");
+            let refused = on_threads(tcp_world(world, unix), |g| refuses_a_wrong_output(g));
+            assert_eq!(refused, vec![1; world]);
         }
     }
 }
