@@ -475,12 +475,14 @@ impl BackendState for NcclRank {
                     st.comm()?
                         .all_reduce_in_place(&mut dev, &nccl_op(op))
                         .map_err(|e| nccl(kind, seq, e))?;
+                    // Wait (with the deadline) before the copy: a copy to pageable memory blocks until
+                    // the stream gets there, with no deadline of its own.
+                    shared.finish(&mut st, kind, seq)?;
                     st.stream
                         .memcpy_dtoh(&dev, &mut values)
                         .map_err(|e| driver(kind, seq, e))?;
-                    shared.finish(&mut st, kind, seq)?;
                 }
-                Ok((FlatBuffer::from_f32(&values, dtype), None))
+                Ok((from_f32_vec(values, dtype), None))
             }
             OpKind::ReduceScatter => {
                 let input = to_f32(buffer);
@@ -492,16 +494,18 @@ impl BackendState for NcclRank {
                     st.comm()?
                         .reduce_scatter(&dev_in, &mut dev_out, &nccl_op(op))
                         .map_err(|e| nccl(kind, seq, e))?;
+                    // Wait (with the deadline) before the copy: a copy to pageable memory blocks until
+                    // the stream gets there, with no deadline of its own.
+                    shared.finish(&mut st, kind, seq)?;
                     st.stream
                         .memcpy_dtoh(&dev_out, &mut shard)
                         .map_err(|e| driver(kind, seq, e))?;
-                    shared.finish(&mut st, kind, seq)?;
                 }
                 let shard = FlatBuffer::from_f32(&shard, dtype);
                 match out {
                     Some(mut o) => {
                         o.copy_from(&shard);
-                        Ok((o, Some(FlatBuffer::from_f32(&input, dtype))))
+                        Ok((o, Some(from_f32_vec(input, dtype))))
                     }
                     None => Ok((shard, None)),
                 }
@@ -531,6 +535,14 @@ impl BackendState for NcclRank {
                 Ok((result, None))
             }
         }
+    }
+}
+
+/// The f32 values as a buffer of `dtype` (a move for f32).
+fn from_f32_vec(values: Vec<f32>, dtype: DType) -> FlatBuffer {
+    match dtype {
+        DType::F32 => FlatBuffer::F32(values),
+        _ => FlatBuffer::from_f32(&values, dtype),
     }
 }
 
@@ -568,10 +580,12 @@ fn gather<T: DeviceElement>(
         st.comm()?
             .all_gather(&dev_in, &mut dev_out)
             .map_err(|e| nccl(kind, seq, e))?;
+        // Wait (with the deadline) before the copy: a copy to pageable memory blocks until
+        // the stream gets there, with no deadline of its own.
+        shared.finish(st, kind, seq)?;
         st.stream
             .memcpy_dtoh(&dev_out, &mut host)
             .map_err(|e| driver(kind, seq, e))?;
-        shared.finish(st, kind, seq)?;
     }
     Ok(into_flat(host))
 }
@@ -590,10 +604,12 @@ fn bcast<T: DeviceElement>(
         st.comm()?
             .broadcast_in_place(&mut dev, root as i32)
             .map_err(|e| nccl(kind, seq, e))?;
+        // Wait (with the deadline) before the copy: a copy to pageable memory blocks until
+        // the stream gets there, with no deadline of its own.
+        shared.finish(st, kind, seq)?;
         st.stream
             .memcpy_dtoh(&dev, &mut values)
             .map_err(|e| driver(kind, seq, e))?;
-        shared.finish(st, kind, seq)?;
     }
     Ok(into_flat(values))
 }
