@@ -6,7 +6,7 @@
 //! rank (this binary re-executed with the torchrun variables), over TCP loopback, Unix-domain
 //! sockets, and pipes (its default between ranks of one host).
 //!
-//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo]
+//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo] [--no-tcp] [--socket-buffer BYTES]
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
