@@ -9,8 +9,9 @@
 //!
 //! The price: the pipe sees the sender's memory, not a snapshot of it, until the receiver has
 //! read it. The collectives never write a byte they have sent before its receiver has consumed
-//! it (a ring only gets a chunk back after the next rank has passed it on), and a collective
-//! that spliced waits for its pipes to drain before it returns the buffer ([`Pipes::unread`]).
+//! it (a ring only gets a chunk back after the next rank has passed it on), and after a large
+//! flow the receiver acknowledges it, so the sender hands the memory back only once it was read
+//! (`Mesh::acknowledge`).
 //! Small writes (headers) are plain copies.
 
 use std::fs::File;
@@ -127,15 +128,6 @@ impl Pipes {
     /// Closes this rank's direction: the peer reads the end of the stream.
     pub(crate) fn close_write(&mut self) {
         self.tx = None;
-    }
-
-    /// Bytes written to the peer that it has not read yet.
-    pub(crate) fn unread(&self) -> io::Result<usize> {
-        let Some(tx) = &self.tx else { return Ok(0) };
-        let mut n: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int.
-        cvt(unsafe { libc::ioctl(tx.as_raw_fd(), libc::FIONREAD, &mut n) })?;
-        Ok(n.max(0) as usize)
     }
 
     /// Writes `buf`, by reference when it is large (see the module documentation).

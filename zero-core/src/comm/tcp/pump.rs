@@ -17,6 +17,9 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+/// The acknowledgement byte of a large flow over a pipe (see [`Mesh::acknowledge`]).
+const ACK: u8 = 0xAC;
+
 /// f32 elements of the staging buffer of reducing receives.
 const SCRATCH_ELEMS: usize = 1 << 18;
 
@@ -60,9 +63,6 @@ pub(crate) struct SendFlow {
     total: usize,
     done: usize,
     cur: Cursor,
-    /// Some bytes went out by reference (pipes): the peer must read them before the memory is
-    /// handed back.
-    by_reference: bool,
 }
 
 impl SendFlow {
@@ -77,7 +77,6 @@ impl SendFlow {
             total,
             done: 0,
             cur,
-            by_reference: false,
         }
     }
 }
@@ -183,6 +182,12 @@ impl Mesh {
         sends: &mut [SendFlow],
         recvs: &mut [RecvFlow],
     ) -> Result<(), CommError> {
+        self.run_flows(desc, sends, recvs)?;
+        self.acknowledge(desc, sends, recvs)
+    }
+
+    /// Runs the flows to completion (the body of [`Mesh::pump`]).
+    fn run_flows(&mut self, desc: &OpDesc, sends: &mut [SendFlow], recvs: &mut [RecvFlow]) -> Result<(), CommError> {
         if recvs.iter().any(|r| r.sink != Sink::Copy) && self.scratch.is_empty() {
             self.scratch = vec![0f32; SCRATCH_ELEMS];
         }
@@ -198,7 +203,7 @@ impl Mesh {
                 progressed |= self.drive_send(desc, send, limit)?;
             }
             if sends.iter().all(|s| s.done == s.total) && recvs.iter().all(|r| r.done == r.total) {
-                return self.drain(desc, sends);
+                return Ok(());
             }
             if progressed {
                 last_progress = Instant::now();
@@ -208,49 +213,55 @@ impl Mesh {
         }
     }
 
-    /// Waits until every peer this rank sent to by reference has read all of it: the memory
-    /// goes back to the caller, who may write it. The reader is normally right behind.
-    fn drain(&mut self, desc: &OpDesc, sends: &[SendFlow]) -> Result<(), CommError> {
-        for flow in sends.iter().filter(|f| f.by_reference) {
-            let mut last = usize::MAX;
-            let mut last_progress = Instant::now();
-            let mut pause = Duration::from_micros(5);
-            loop {
-                let unread = match self.link(flow.peer).data.unread() {
-                    Ok(n) => n,
-                    Err(e) => return Err(self.lost(desc, flow.peer, &format!("connection error: {e}"))),
-                };
-                if unread == 0 {
-                    break;
-                }
-                if unread != last {
-                    last = unread;
-                    last_progress = Instant::now();
-                    pause = Duration::from_micros(5);
-                }
-                let peer = flow.peer;
-                self.check_peers(|p| p == peer)?;
-                if let Some(reason) = self.links[peer].as_ref().and_then(|l| l.gone.clone()) {
-                    return Err(CommError::PeerLost {
-                        seq: desc.seq,
-                        op: desc.kind.name().to_string(),
-                        peer,
-                        reason,
-                    });
-                }
-                if last_progress.elapsed() >= self.timeout {
-                    return Err(CommError::Timeout {
-                        seq: desc.seq,
-                        op: desc.kind.name().to_string(),
-                        peer,
-                        seconds: self.timeout.as_secs_f64(),
-                    });
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(1));
-            }
+    /// Over pipes, a large payload travels by reference (see [`super::pipe`]): its memory goes
+    /// back to the caller, who may write it, only once the peer has read it. So after every
+    /// flow of at least [`SPLICE_MIN`] bytes over a pipe, its receiver sends one byte back and
+    /// its sender waits for it; both sides know which flows these are, since every send flow
+    /// is a peer's receive flow of the same length. The acknowledgement follows everything the
+    /// peer sent in the collective, so it is the next byte on its stream.
+    fn acknowledge(&mut self, desc: &OpDesc, sends: &[SendFlow], recvs: &[RecvFlow]) -> Result<(), CommError> {
+        let piped = |mesh: &Mesh, peer: usize| matches!(mesh.link(peer).data, Stream::Pipes(_));
+        let ack_to: Vec<usize> = recvs
+            .iter()
+            .filter(|r| r.total >= SPLICE_MIN && piped(self, r.peer))
+            .map(|r| r.peer)
+            .collect();
+        let ack_from: Vec<usize> = sends
+            .iter()
+            .filter(|s| s.total >= SPLICE_MIN && piped(self, s.peer))
+            .map(|s| s.peer)
+            .collect();
+        if ack_to.is_empty() && ack_from.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let mut out = [ACK];
+        let mut got = vec![0u8; ack_from.len()];
+        let mut acks: Vec<SendFlow> = ack_to
+            .iter()
+            .map(|&p| {
+                let seg = Seg {
+                    ptr: out.as_mut_ptr(),
+                    len: 1,
+                };
+                SendFlow::new(p, vec![seg], None)
+            })
+            .collect();
+        let mut waits: Vec<RecvFlow> = ack_from
+            .iter()
+            .zip(got.iter_mut())
+            .map(|(&p, b)| RecvFlow::new(p, vec![Seg { ptr: b, len: 1 }], Sink::Copy))
+            .collect();
+        self.run_flows(desc, &mut acks, &mut waits)?;
+        drop(waits);
+        match ack_from.iter().zip(&got).find(|(_, &b)| b != ACK) {
+            Some((&peer, _)) => Err(CommError::PeerLost {
+                seq: desc.seq,
+                op: desc.kind.name().to_string(),
+                peer,
+                reason: "it sent something else than an acknowledgement (its stream is out of step)".into(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Reads what is available; true if anything arrived.
@@ -327,12 +338,10 @@ impl Mesh {
             let n = (seg.len - flow.cur.off).min(limit - flow.done);
             // SAFETY: bytes below the gate are final; nobody writes them during the collective.
             let src = unsafe { std::slice::from_raw_parts(seg.ptr.add(flow.cur.off), n) };
-            let mut data = &self.link(flow.peer).data;
-            match data.write(src) {
+            match (&self.link(flow.peer).data).write(src) {
                 Ok(0) => return Err(self.lost(desc, flow.peer, "stopped accepting data")),
                 Ok(n) => {
                     progressed = true;
-                    flow.by_reference |= matches!(data, Stream::Pipes(_)) && src.len() >= SPLICE_MIN;
                     flow.done += n;
                     flow.cur.advance(&flow.segs, n);
                 }

@@ -79,15 +79,6 @@ impl Stream {
             other => other.as_raw_fd(),
         }
     }
-
-    /// For pipes, the bytes sent that the peer has not read yet; zero for sockets, whose
-    /// writes are copies.
-    pub(crate) fn unread(&self) -> io::Result<usize> {
-        match self {
-            Stream::Pipes(p) => p.unread(),
-            _ => Ok(0),
-        }
-    }
 }
 
 impl Read for &Stream {
