@@ -8,11 +8,12 @@ use comm_support::{assert_close, input, reference, DTYPES, OPS};
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
-use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
+use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup, Work};
 
 /// Every dtype and op, twice in a row with the same buffers (the second call reuses what the
-/// first handed back); returns the number of checked results.
-fn exercise_into(g: &dyn ProcessGroup) -> usize {
+/// first handed back); returns the number of checked results. `whole_input`: the backend hands
+/// the input's allocation back (the trait's default implementation does not).
+fn exercise_into_with(g: &dyn ProcessGroup, whole_input: bool) -> usize {
     let (rank, world) = (g.rank(), g.world_size());
     let len = 1001;
     let mut checked = 0;
@@ -32,12 +33,60 @@ fn exercise_into(g: &dyn ProcessGroup) -> usize {
                 let (want, scale) = reference(world, len * world, salt, dtype, op);
                 let mine = rank * len..(rank + 1) * len;
                 assert_close(&out, &want[mine.clone()], &scale[mine], dtype, op, &what);
-                assert_eq!(input_buf.len(), len * world, "{what}: the input comes back whole");
+                if whole_input {
+                    assert_eq!(input_buf.len(), len * world, "{what}: the input comes back whole");
+                }
                 checked += 1;
             }
         }
     }
     checked
+}
+
+fn exercise_into(g: &dyn ProcessGroup) -> usize {
+    exercise_into_with(g, true)
+}
+
+/// A group that implements only what the trait requires, over a thread group: it runs the
+/// default `reduce_scatter_into_async`.
+#[derive(Debug)]
+struct Plain(Arc<ThreadGroup>);
+
+impl ProcessGroup for Plain {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.0.all_reduce_async(buffer, op)
+    }
+    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
+        self.0.reduce_scatter_async(input, op)
+    }
+    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
+        self.0.all_gather_async(shard)
+    }
+    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
+        self.0.broadcast_async(buffer, root)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.0.barrier()
+    }
+}
+
+#[test]
+fn the_default_reduce_scatter_into_matches_the_reference() {
+    for world in 1..=3 {
+        let ranks: Vec<Plain> = ThreadGroup::with_timeout(world, Duration::from_secs(60))
+            .expect("group")
+            .into_iter()
+            .map(Plain)
+            .collect();
+        let counts = on_threads(ranks, |g: &Plain| exercise_into_with(g, false));
+        assert_eq!(counts, vec![CHECKS; world], "world {world}");
+    }
 }
 
 /// An output of the wrong length is refused, naming the op. Run on a fresh group, every rank at
