@@ -106,8 +106,10 @@ impl TcpGroup {
             Some(t) => t,
             None => timeout_from_env().map_err(|e| CommError::Setup(e.to_string()))?,
         };
+        let forced_tcp = std::env::var("ZERO_COMM_TRANSPORT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("tcp"));
         let options = TcpOptions {
             timeout,
+            unix_on_same_host: !forced_tcp,
             ..TcpOptions::default()
         };
         Self::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options)
