@@ -2,10 +2,11 @@
 //! backends, against the machine's memory bandwidth and torch's gloo, measured in the same run.
 //!
 //! nccl-tests conventions, `bytes` being the full buffer: all_reduce busbw = bytes·2(n-1)/n / t;
-//! reduce_scatter and all_gather busbw = bytes·(n-1)/n / t. TCP runs one process per rank on
-//! loopback (this binary re-executed with the torchrun variables).
+//! reduce_scatter and all_gather busbw = bytes·(n-1)/n / t. The TCP group runs one process per
+//! rank (this binary re-executed with the torchrun variables), over TCP loopback, Unix-domain
+//! sockets, and pipes (its default between ranks of one host).
 //!
-//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo]
+//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo] [--no-tcp] [--socket-buffer BYTES]
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -80,8 +81,9 @@ fn elems(mb: usize, world: usize) -> usize {
 
 /// Runs the schedule on one rank; returns (op, bytes, median seconds) as seen by this rank.
 ///
-/// Buffers are allocated and filled outside the timed region: all_reduce works in place, all_gather
-/// writes into a reused output (`all_gather_into`), reduce_scatter consumes a fresh input.
+/// Buffers are allocated and filled outside the timed region and reused: all_reduce works in
+/// place, all_gather writes into a reused output (`all_gather_into`), reduce_scatter reads a
+/// reused input and writes a reused output (`reduce_scatter_into`).
 fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> {
     let world = g.world_size();
     let fail = |op: &str, e: CommError| -> ! {
@@ -94,21 +96,40 @@ fn schedule(g: &dyn ProcessGroup, sizes: &[usize]) -> Vec<(String, usize, f64)> 
         let bytes = n * 4;
         for op in OPS {
             let mut full = FlatBuffer::F32(vec![1.0; n]);
-            let shard = FlatBuffer::F32(vec![1.0; n / world]);
+            let mut shard = FlatBuffer::F32(vec![1.0; n / world]);
             let mut times = Vec::new();
             // One warm-up round, then the measured ones.
             for _ in 0..=iterations(bytes) {
-                let input = (op == "reduce_scatter").then(|| FlatBuffer::F32(vec![1.0; n]));
-                let part = shard.clone();
+                if op == "all_reduce" {
+                    // Keep the values finite and equal on every rank.
+                    if let FlatBuffer::F32(v) = &mut full {
+                        v.fill(1.0);
+                    }
+                }
                 g.barrier().unwrap_or_else(|e| fail("barrier", e));
                 let t = Instant::now();
-                let done = match input {
-                    Some(input) => g.reduce_scatter(input, ReduceOp::Sum).map(drop),
-                    None if op == "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
-                    None => g.all_gather_into(part, &mut full),
+                let done = match op {
+                    "all_reduce" => g.all_reduce(&mut full, ReduceOp::Sum),
+                    "reduce_scatter" => g.reduce_scatter_into(&mut full, &mut shard, ReduceOp::Sum),
+                    _ => {
+                        // The shard is moved in and comes back in the output; copy it back
+                        // outside the timed region below.
+                        let part = std::mem::replace(&mut shard, FlatBuffer::F32(Vec::new()));
+                        let r = g.all_gather_into(part, &mut full);
+                        times.push(t.elapsed().as_secs_f64());
+                        shard = FlatBuffer::F32(vec![1.0; n / world]);
+                        r.unwrap_or_else(|e| fail(op, e));
+                        continue;
+                    }
                 };
                 times.push(t.elapsed().as_secs_f64());
                 done.unwrap_or_else(|e| fail(op, e));
+                if op == "reduce_scatter" {
+                    // The input's values are unspecified afterwards (TCP works in it).
+                    if let FlatBuffer::F32(v) = &mut full {
+                        v.fill(1.0);
+                    }
+                }
             }
             times.remove(0);
             out.push((op.to_string(), bytes, median(times)));
@@ -159,12 +180,13 @@ fn free_port() -> u16 {
 
 /// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's
 /// `RESULT op bytes seconds` lines.
-fn processes(world: usize, program: &str, args: &[String]) -> Option<Vec<(String, usize, f64)>> {
+fn processes(world: usize, program: &str, args: &[String], envs: &[(&str, &str)]) -> Option<Vec<(String, usize, f64)>> {
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {
             Command::new(program)
                 .args(args)
+                .envs(envs.iter().copied())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("RANK", rank.to_string())
@@ -281,28 +303,32 @@ fn main() {
             rows.push(("threads".into(), world, op, bytes, secs, bw, vs));
         }
         let mut tcp_runs = Vec::new();
-        for transport in ["tcp", "auto"] {
+        // TCP over loopback; Unix-domain sockets between ranks of this host; pipes fed by
+        // vmsplice (the default between ranks of one host).
+        for transport in ["tcp", "unix", "pipes"] {
             let mut tcp_args = vec![
                 "--tcp-rank".to_string(),
                 "--sizes".into(),
                 sizes_arg.clone(),
                 "--transport".into(),
-                transport.into(),
+                if transport == "tcp" { "tcp" } else { "auto" }.into(),
             ];
+            let pipes = if transport == "pipes" { "1" } else { "0" };
             if let Some(b) = flag("--socket-buffer") {
                 tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
             }
             if !args.iter().any(|a| a == "--no-tcp") {
-                let name = if transport == "tcp" {
-                    "tcp (loopback)"
-                } else {
-                    "tcp group, unix sockets"
+                let name = match transport {
+                    "tcp" => "tcp group, tcp loopback",
+                    "unix" => "tcp group, unix sockets",
+                    _ => "tcp group, pipes",
                 };
-                tcp_runs.push((name, processes(world, &exe, &tcp_args).unwrap_or_default()));
+                let results = processes(world, &exe, &tcp_args, &[("ZERO_COMM_PIPES", pipes)]);
+                tcp_runs.push((name, results.unwrap_or_default()));
             }
         }
         let gloo: BTreeMap<(String, usize), f64> = if torch {
-            processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()])
+            processes(world, "python3", &[gloo_script.into(), sizes_arg.clone()], &[])
                 .unwrap_or_default()
                 .into_iter()
                 .map(|(op, bytes, secs)| ((op.clone(), bytes), busbw(&op, bytes, world, secs)))

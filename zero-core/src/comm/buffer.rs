@@ -150,6 +150,18 @@ impl FlatBuffer {
         }
     }
 
+    /// Copies `src` into this buffer if both have the same dtype and length; false (and nothing
+    /// copied) otherwise.
+    pub fn copy_from(&mut self, src: &FlatBuffer) -> bool {
+        match (self, src) {
+            (FlatBuffer::F32(d), FlatBuffer::F32(s)) if d.len() == s.len() => d.copy_from_slice(s),
+            (FlatBuffer::F16(d), FlatBuffer::F16(s)) if d.len() == s.len() => d.copy_from_slice(s),
+            (FlatBuffer::BF16(d), FlatBuffer::BF16(s)) if d.len() == s.len() => d.copy_from_slice(s),
+            _ => return false,
+        }
+        true
+    }
+
     /// A mutable view.
     pub fn as_mut(&mut self) -> BufferMut<'_> {
         match self {

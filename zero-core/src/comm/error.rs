@@ -72,6 +72,16 @@ pub enum CommError {
         /// What is wrong and what would be valid.
         message: String,
     },
+    /// The backend's library (CUDA, NCCL) failed during a collective.
+    #[error("collective `{op}` #{seq}: {message}")]
+    Backend {
+        /// The op.
+        op: String,
+        /// Sequence number of the collective.
+        seq: u64,
+        /// What the library reported.
+        message: String,
+    },
     /// Setting the group up failed (rendezvous, environment).
     #[error("process group setup: {0}")]
     Setup(String),

@@ -6,7 +6,8 @@
 //! that names the rank, the op and the sequence number.
 //!
 //! Backends live in their own files: threads in one process ([`ThreadGroup`]), processes over TCP
-//! ([`TcpGroup`]), NCCL (behind the `cuda` feature, in zero-burn, where the device buffers are).
+//! ([`TcpGroup`]), processes with one GPU each over NCCL (`NcclGroup`, behind the `cuda`
+//! feature, which also takes device buffers).
 //! Each runs its collectives on one worker thread per rank, in issue order.
 //!
 //! Reductions of 16-bit buffers (f16, bf16) accumulate in f32 on every backend and round to the
@@ -20,6 +21,8 @@
 mod buffer;
 pub mod env;
 mod error;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod op;
 mod reduce;
 mod tcp;
@@ -30,6 +33,8 @@ mod worker;
 pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
 pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
+#[cfg(feature = "cuda")]
+pub use nccl::{DeviceElement, NcclGroup};
 pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;
 pub use work::Work;
@@ -70,6 +75,28 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// reduction of every rank's chunk `r`. The input length must be a multiple of the world size.
     fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer>;
 
+    /// As [`ProcessGroup::reduce_scatter_async`], writing this rank's reduced chunk into `out`
+    /// (the input's length divided by the world size, same dtype). The result is `(out, input)`:
+    /// both allocations come back, so a caller that reuses them pays no allocation, page fault
+    /// or page freeing per call. The input's values afterwards are unspecified (a backend may
+    /// use it as workspace). Backends without a native implementation copy the shard of
+    /// [`ProcessGroup::reduce_scatter_async`] into `out` and hand back an empty input.
+    fn reduce_scatter_into_async(
+        &self,
+        input: FlatBuffer,
+        out: FlatBuffer,
+        op: ReduceOp,
+    ) -> Work<(FlatBuffer, FlatBuffer)> {
+        let dtype = input.dtype();
+        self.reduce_scatter_async(input, op).map(move |shard| {
+            let mut out = out;
+            if !out.copy_from(&shard) {
+                out = shard;
+            }
+            (out, FlatBuffer::zeros(dtype, 0))
+        })
+    }
+
     /// Concatenates every rank's equally sized `shard`, in rank order.
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer>;
 
@@ -98,6 +125,18 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Blocking [`ProcessGroup::reduce_scatter_async`].
     fn reduce_scatter(&self, input: FlatBuffer, op: ReduceOp) -> Result<FlatBuffer, CommError> {
         self.reduce_scatter_async(input, op).wait()
+    }
+
+    /// Blocking [`ProcessGroup::reduce_scatter_into_async`]: this rank's reduced chunk lands in
+    /// `out`; `input` keeps its allocation, with unspecified values.
+    fn reduce_scatter_into(&self, input: &mut FlatBuffer, out: &mut FlatBuffer, op: ReduceOp) -> Result<(), CommError> {
+        let dtype = input.dtype();
+        let taken_in = std::mem::replace(input, FlatBuffer::zeros(dtype, 0));
+        let taken_out = std::mem::replace(out, FlatBuffer::zeros(dtype, 0));
+        let (shard, spare) = self.reduce_scatter_into_async(taken_in, taken_out, op).wait()?;
+        *out = shard;
+        *input = spare;
+        Ok(())
     }
 
     /// Blocking [`ProcessGroup::all_gather_async`].

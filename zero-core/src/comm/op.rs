@@ -1,6 +1,6 @@
 //! What a rank says about the collective it is entering, so that peers can check they agree.
 
-use super::{CommError, DType, ReduceOp};
+use super::{CommError, DType, FlatBuffer, ReduceOp};
 
 /// The collectives, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,6 +152,49 @@ impl OpDesc {
             root: word(24..32),
         })
     }
+}
+
+/// Checks what no rank could make valid: a reduce-scatter input the world size does not divide,
+/// a broadcast root outside the group, an output buffer of the wrong dtype or length.
+// `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
+#[allow(clippy::manual_is_multiple_of)]
+pub(crate) fn validate(
+    kind: OpKind,
+    buffer: &FlatBuffer,
+    world: usize,
+    root: usize,
+    out: Option<&FlatBuffer>,
+) -> Result<(), CommError> {
+    let invalid = |message: String| {
+        Err(CommError::InvalidArgument {
+            op: kind.name().to_string(),
+            message,
+        })
+    };
+    let len = buffer.len();
+    if kind == OpKind::ReduceScatter && len % world != 0 {
+        return invalid(format!(
+            "input length {len} is not a multiple of the world size {world}"
+        ));
+    }
+    if kind == OpKind::Broadcast && root >= world {
+        return invalid(format!("root {root} is not a rank of a group of {world}"));
+    }
+    if let Some(out) = out {
+        let (want, what) = match kind {
+            OpKind::ReduceScatter => (len / world, format!("a chunk of {len} elements over {world} ranks")),
+            _ => (len * world, format!("gathering {len} elements from {world} ranks")),
+        };
+        if out.dtype() != buffer.dtype() || out.len() != want {
+            return invalid(format!(
+                "the output holds {} {:?} elements; {what} needs {want} {:?} elements",
+                out.len(),
+                out.dtype(),
+                buffer.dtype()
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

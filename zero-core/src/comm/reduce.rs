@@ -60,6 +60,16 @@ pub(crate) fn combine(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     }
 }
 
+/// `acc[i] = a[i] ⊕ b[i]`.
+#[inline]
+fn combine2(acc: &mut [f32], a: &[f32], b: &[f32], op: ReduceOp) {
+    let it = acc.iter_mut().zip(a).zip(b);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => it.for_each(|((o, x), y)| *o = *x + *y),
+        ReduceOp::Max => it.for_each(|((o, x), y)| *o = x.max(*y)),
+    }
+}
+
 /// Applies what remains of `op` once every rank has been combined (the division of a mean).
 #[inline]
 pub(crate) fn finish(acc: &mut [f32], op: ReduceOp, world: usize) {
@@ -82,14 +92,27 @@ pub(crate) unsafe fn reduce_raw<T: Element>(inputs: &[*const T], outputs: &[*mut
     let mut start = 0;
     while start < len {
         let n = BLOCK.min(len - start);
-        for (j, &input) in inputs.iter().enumerate() {
-            // SAFETY: in bounds by the caller's contract; the shared slice ends before any
-            // output slice below is created.
-            let src = unsafe { std::slice::from_raw_parts(input.add(start), n) };
+        // SAFETY: in bounds by the caller's contract; the shared slices end before any output
+        // slice below is created.
+        let src = |j: usize| unsafe { std::slice::from_raw_parts(inputs[j].add(start), n) };
+        let mut j = 0;
+        if T::DTYPE == DType::F32 && inputs.len() >= 2 {
+            // f32 needs no widening: the first two inputs are combined straight from memory, one
+            // pass instead of a copy of each into the accumulator.
+            let (a, b) = (
+                bytemuck::cast_slice::<T, f32>(src(0)),
+                bytemuck::cast_slice::<T, f32>(src(1)),
+            );
+            combine2(&mut acc[..n], a, b, op);
+            j = 2;
+        }
+        for j in j..inputs.len() {
             if j == 0 {
-                T::load(src, &mut acc[..n]);
+                T::load(src(j), &mut acc[..n]);
+            } else if T::DTYPE == DType::F32 {
+                combine(&mut acc[..n], bytemuck::cast_slice::<T, f32>(src(j)), op);
             } else {
-                T::load(src, &mut tmp[..n]);
+                T::load(src(j), &mut tmp[..n]);
                 combine(&mut acc[..n], &tmp[..n], op);
             }
         }

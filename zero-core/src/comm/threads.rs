@@ -10,7 +10,7 @@
 //! failure on one rank becomes an error on all of them.
 
 use super::env::{timeout_from_env, DEFAULT_TIMEOUT};
-use super::op::{OpDesc, OpKind};
+use super::op::{validate, OpDesc, OpKind};
 use super::reduce::{reduce_raw, Element};
 use super::worker::{BackendState, Worker};
 use super::{CommError, DType, FlatBuffer, ProcessGroup, ReduceOp, Work};
@@ -114,6 +114,15 @@ impl ProcessGroup for ThreadGroup {
         self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
     }
 
+    fn reduce_scatter_into_async(
+        &self,
+        input: FlatBuffer,
+        out: FlatBuffer,
+        op: ReduceOp,
+    ) -> Work<(FlatBuffer, FlatBuffer)> {
+        self.worker.reduce_scatter_into(input, out, op)
+    }
+
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         self.worker.collective(OpKind::AllGather, shard, None, 0, None)
     }
@@ -199,7 +208,7 @@ impl BackendState for ThreadRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         self.run_collective(kind, buffer, reduce, root, out)
     }
 
@@ -289,8 +298,6 @@ impl ThreadRank {
         }
     }
 
-    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
-    #[allow(clippy::manual_is_multiple_of)]
     fn run_collective(
         &mut self,
         kind: OpKind,
@@ -298,7 +305,7 @@ impl ThreadRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         let (world, rank) = (self.shared.world, self.rank);
         let desc = OpDesc {
             kind,
@@ -309,32 +316,7 @@ impl ThreadRank {
             root: root as u64,
         };
         self.seq += 1;
-        let invalid = |message: String| CommError::InvalidArgument {
-            op: kind.name().to_string(),
-            message,
-        };
-        if kind == OpKind::ReduceScatter && buffer.len() % world != 0 {
-            return Err(invalid(format!(
-                "input length {} is not a multiple of the world size {world}",
-                buffer.len()
-            )));
-        }
-        if kind == OpKind::Broadcast && root >= world {
-            return Err(invalid(format!("root {root} is not a rank of a group of {world}")));
-        }
-        if let Some(out) = &out {
-            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
-                return Err(invalid(format!(
-                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
-                     ranks needs {}",
-                    out.len(),
-                    out.dtype(),
-                    buffer.len(),
-                    buffer.dtype(),
-                    buffer.len() * world
-                )));
-            }
-        }
+        validate(kind, &buffer, world, root, out.as_ref())?;
         let base = 3 * desc.seq;
         let mine = Arc::new(SharedBuf::new(buffer));
         let peers: Vec<Arc<SharedBuf>> = {
@@ -368,19 +350,21 @@ impl ThreadRank {
             let mut st = self.step(&desc, base + 3)?;
             st.bufs[rank] = None;
         }
+        // Every peer dropped its reference before reaching the last phase.
+        let mine = Arc::try_unwrap(mine)
+            .map_err(|_| CommError::Shutdown {
+                op: kind.name().to_string(),
+            })?
+            .buf
+            .into_inner();
         match output {
-            Some(out) => Ok(out),
-            None => match Arc::try_unwrap(mine) {
-                Ok(shared) if kind == OpKind::ReduceScatter => {
-                    let chunk = desc.len as usize / world;
-                    Ok(shared.buf.into_inner().keep_range(rank * chunk..(rank + 1) * chunk))
-                }
-                Ok(shared) => Ok(shared.buf.into_inner()),
-                // Every peer dropped its reference before reaching the last phase.
-                Err(_) => Err(CommError::Shutdown {
-                    op: kind.name().to_string(),
-                }),
-            },
+            // The input (the shard of an all-gather) is not part of the result.
+            Some(out) => Ok((out, Some(mine))),
+            None if kind == OpKind::ReduceScatter => {
+                let chunk = desc.len as usize / world;
+                Ok((mine.keep_range(rank * chunk..(rank + 1) * chunk), None))
+            }
+            None => Ok((mine, None)),
         }
     }
 
@@ -414,16 +398,25 @@ impl ThreadRank {
                 Ok(None)
             }
             OpKind::ReduceScatter => {
-                // Slice `rank` of this rank's input is read by no peer: the result goes there,
-                // and `run` keeps only it, in the input's allocation.
+                // One pass: block by block, this rank reads its chunk from every input and
+                // writes the combination once. Without an output, slice `rank` of this rank's
+                // input, which no peer reads, takes the result, and `run` keeps only it.
                 let chunk = len / world;
                 let inputs: Vec<*const T> = ptrs
                     .iter()
                     .map(|&p| unsafe { p.add(rank * chunk) } as *const T)
                     .collect();
                 let op = desc.reduce.unwrap_or(ReduceOp::Sum);
-                unsafe { reduce_raw(&inputs, &[own.add(rank * chunk)], chunk, op) };
-                Ok(None)
+                match out.and_then(FlatBuffer::into_vec::<T>) {
+                    Some(mut out) => {
+                        unsafe { reduce_raw(&inputs, &[out.as_mut_ptr()], chunk, op) };
+                        Ok(Some(into_flat(out)))
+                    }
+                    None => {
+                        unsafe { reduce_raw(&inputs, &[own.add(rank * chunk)], chunk, op) };
+                        Ok(None)
+                    }
+                }
             }
             OpKind::AllGather => {
                 let mut out = match out.and_then(FlatBuffer::into_vec::<T>) {

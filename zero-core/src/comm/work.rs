@@ -14,6 +14,8 @@ pub struct Work<T> {
 enum WorkState<T> {
     Ready(Result<T, CommError>),
     Pending(Receiver<Result<T, CommError>>, &'static str),
+    /// A pending handle whose result is transformed once it arrives.
+    Mapped(Box<dyn FnOnce() -> Result<T, CommError> + Send>, &'static str),
 }
 
 impl<T> Work<T> {
@@ -39,15 +41,37 @@ impl<T> Work<T> {
             WorkState::Pending(rx, op) => rx
                 .recv()
                 .unwrap_or_else(|_| Err(CommError::Shutdown { op: op.to_string() })),
+            WorkState::Mapped(f, _) => f(),
+        }
+    }
+
+    /// The name of the collective while it is pending.
+    fn op(&self) -> Option<&'static str> {
+        match &self.state {
+            WorkState::Ready(_) => None,
+            WorkState::Pending(_, op) | WorkState::Mapped(_, op) => Some(op),
+        }
+    }
+}
+
+impl<T: Send + 'static> Work<T> {
+    /// A handle to `f` applied to this one's result, once it is there; nothing blocks before
+    /// [`Work::wait`].
+    pub fn map<U>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Work<U> {
+        match self.op() {
+            None => Work::ready(self.wait().map(f)),
+            Some(op) => Work {
+                state: WorkState::Mapped(Box::new(move || self.wait().map(f)), op),
+            },
         }
     }
 }
 
 impl<T> std::fmt::Debug for Work<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.state {
-            WorkState::Ready(_) => f.write_str("Work(ready)"),
-            WorkState::Pending(_, op) => write!(f, "Work(pending {op})"),
+        match self.op() {
+            None => f.write_str("Work(ready)"),
+            Some(op) => write!(f, "Work(pending {op})"),
         }
     }
 }

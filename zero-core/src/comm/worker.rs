@@ -18,7 +18,10 @@ pub(crate) trait BackendState: Send + 'static {
     /// Called when the handle is dropped and every queued collective has run.
     fn on_exit(&mut self, reason: &str);
     /// Runs one collective on the worker thread. `reduce` for the reducing ops, `root` for
-    /// broadcast, `out` an optional buffer to reuse for an all-gather's result.
+    /// broadcast, `out` an optional buffer to reuse for an all-gather's or a reduce-scatter's
+    /// result. Returns the result and the input's allocation when the result does not live in
+    /// it (values unspecified): a reduce-scatter into `out` hands it back to the caller, other
+    /// collectives free it only after the caller has its answer.
     fn run(
         &mut self,
         kind: OpKind,
@@ -26,7 +29,7 @@ pub(crate) trait BackendState: Send + 'static {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError>;
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError>;
 }
 
 type Job<S> = Box<dyn FnOnce(&mut S, &mut Option<CommError>) + Send>;
@@ -79,7 +82,25 @@ impl<S: BackendState> Worker<S> {
         root: usize,
         out: Option<FlatBuffer>,
     ) -> Work<FlatBuffer> {
-        self.submit(kind.name(), move |s| s.run(kind, buffer, reduce, root, out))
+        self.submit_then_free(kind.name(), move |s| match s.run(kind, buffer, reduce, root, out) {
+            Ok((result, spare)) => (Ok(result), spare),
+            Err(e) => (Err(e), None),
+        })
+    }
+
+    /// Queues a reduce-scatter into `out`; the result is `(out, input)`.
+    pub(crate) fn reduce_scatter_into(
+        &self,
+        input: FlatBuffer,
+        out: FlatBuffer,
+        reduce: ReduceOp,
+    ) -> Work<(FlatBuffer, FlatBuffer)> {
+        let kind = OpKind::ReduceScatter;
+        self.submit(kind.name(), move |s| {
+            let dtype = input.dtype();
+            let (shard, spare) = s.run(kind, input, Some(reduce), 0, Some(out))?;
+            Ok((shard, spare.unwrap_or_else(|| FlatBuffer::zeros(dtype, 0))))
+        })
     }
 
     /// Queues `f`; its result arrives through the returned handle.
@@ -88,13 +109,23 @@ impl<S: BackendState> Worker<S> {
         T: Send + 'static,
         F: FnOnce(&mut S) -> Result<T, CommError> + Send + 'static,
     {
+        self.submit_then_free(op, move |s| (f(s), None))
+    }
+
+    /// As [`Worker::submit`]; `f` also returns a buffer to free once the answer is sent, so
+    /// that the caller does not wait for the pages of a consumed input to be returned.
+    fn submit_then_free<T, F>(&self, op: &'static str, f: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut S) -> (Result<T, CommError>, Option<FlatBuffer>) + Send + 'static,
+    {
         let (done_tx, done_rx) = mpsc::channel();
         let job: Job<S> = Box::new(move |state, poison| {
-            let result = match poison {
-                Some(cause) => Err(cause.clone()),
+            let (result, garbage) = match poison {
+                Some(cause) => (Err(cause.clone()), None),
                 None => match catch_unwind(AssertUnwindSafe(|| f(state))) {
                     Ok(r) => r,
-                    Err(_) => Err(CommError::Shutdown { op: op.to_string() }),
+                    Err(_) => (Err(CommError::Shutdown { op: op.to_string() }), None),
                 },
             };
             if let (Err(e), None) = (&result, &poison) {
@@ -103,6 +134,7 @@ impl<S: BackendState> Worker<S> {
             }
             // The caller may have dropped its handle; the collective still counted.
             let _ = done_tx.send(result);
+            drop(garbage);
         });
         let sent = match self.tx.lock() {
             Ok(tx) => tx.as_ref().map(|tx| tx.send(Message::Run(job)).is_ok()),

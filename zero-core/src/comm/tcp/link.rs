@@ -1,7 +1,8 @@
 //! The connections to one peer, and the control messages they carry.
 //!
-//! Each pair of ranks holds two TCP connections: `data` carries collective headers and payload in
-//! a fixed order both sides know, `ctrl` carries small framed messages at any time: why a rank
+//! Each pair of ranks holds two connections: `data` (TCP, a Unix socket, or a pair of pipes
+//! between ranks of one host) carries collective headers and payload in a fixed order both sides
+//! know, `ctrl` (a socket) carries small framed messages at any time: why a rank
 //! aborted, or that it is leaving. A peer whose `ctrl` closes without a goodbye has died; every
 //! wait watches every peer's `ctrl`, so a death is seen at once, even by ranks that were not
 //! exchanging data with it.

@@ -3,7 +3,8 @@
 //! Ranks that find themselves on the same host (same kernel and network namespace) connect
 //! through Unix-domain sockets instead, unless ZERO_COMM_TRANSPORT=tcp or
 //! [`TcpOptions::unix_on_same_host`] is off: same stream protocol, about half the kernel's work
-//! per byte.
+//! per byte. Their data connections then become pipes fed by `vmsplice` (one copy per byte
+//! instead of two), unless ZERO_COMM_PIPES=0.
 //!
 //! Rendezvous follows torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or
 //! Slurm's or Open MPI's through [`DistEnv::detect`]. Reductions run as a ring: a reduce-scatter
@@ -18,13 +19,14 @@
 //! between all ranks, so a mismatch is seen by every rank before any payload moves.
 
 mod link;
+mod pipe;
 mod pump;
 mod rendezvous;
 mod stream;
 mod subgroup;
 
 use super::env::{timeout_from_env, DistEnv};
-use super::op::{OpDesc, OpKind, DESC_BYTES};
+use super::op::{validate, OpDesc, OpKind, DESC_BYTES};
 use super::reduce::{finish, widen, Element};
 use super::threads::{into_flat, split};
 use super::worker::{BackendState, Worker};
@@ -68,6 +70,14 @@ pub enum Transport {
     Tcp,
     /// A Unix-domain socket (the peer runs on the same host).
     Unix,
+    /// A pair of pipes set up over a Unix-domain socket, fed by `vmsplice` (the peer runs on the
+    /// same host): one copy per byte instead of two.
+    Pipe,
+}
+
+/// Whether same-host data connections become pipes: yes unless ZERO_COMM_PIPES=0.
+pub(crate) fn pipes_wanted() -> bool {
+    std::env::var("ZERO_COMM_PIPES").map_or(true, |v| v.trim() != "0")
 }
 
 /// One rank of a group of processes connected over TCP (or Unix-domain sockets on one host).
@@ -96,8 +106,10 @@ impl TcpGroup {
             Some(t) => t,
             None => timeout_from_env().map_err(|e| CommError::Setup(e.to_string()))?,
         };
+        let forced_tcp = std::env::var("ZERO_COMM_TRANSPORT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("tcp"));
         let options = TcpOptions {
             timeout,
+            unix_on_same_host: !forced_tcp,
             ..TcpOptions::default()
         };
         Self::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options)
@@ -115,6 +127,7 @@ impl TcpGroup {
         let tuning = SocketTuning {
             buffer: options.socket_buffer,
             unix_on_same_host: options.unix_on_same_host,
+            pipes: options.unix_on_same_host && pipes_wanted(),
         };
         let (links, hosts) = connect_mesh(rank, world, master_addr, master_port, options.timeout, tuning)?;
         Self::from_links(rank, links, hosts, options)
@@ -134,6 +147,7 @@ impl TcpGroup {
                 l.as_ref().map(|l| match l.data {
                     stream::Stream::Tcp(_) => Transport::Tcp,
                     stream::Stream::Unix(_) => Transport::Unix,
+                    stream::Stream::Pipes(_) => Transport::Pipe,
                 })
             })
             .collect();
@@ -178,6 +192,15 @@ impl ProcessGroup for TcpGroup {
         self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
     }
 
+    fn reduce_scatter_into_async(
+        &self,
+        input: FlatBuffer,
+        out: FlatBuffer,
+        op: ReduceOp,
+    ) -> Work<(FlatBuffer, FlatBuffer)> {
+        self.worker.reduce_scatter_into(input, out, op)
+    }
+
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         self.worker.collective(OpKind::AllGather, shard, None, 0, None)
     }
@@ -213,7 +236,7 @@ impl BackendState for TcpRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         self.run_collective(kind, buffer, reduce, root, out)
     }
 
@@ -223,7 +246,7 @@ impl BackendState for TcpRank {
             link.send_ctrl(&msg, Duration::from_millis(200));
             // A peer blocked on this rank's data sees the end of the stream at once, and reads
             // the cause above; a peer that needs nothing more from this rank is not disturbed.
-            let _ = link.data.shutdown(std::net::Shutdown::Write);
+            let _ = link.data.close_write();
         }
     }
 
@@ -256,8 +279,6 @@ impl TcpRank {
         (self.mesh.rank + self.world - 1) % self.world
     }
 
-    // `%` rather than `is_multiple_of`: the workspace supports Rust 1.85.
-    #[allow(clippy::manual_is_multiple_of)]
     fn run_collective(
         &mut self,
         kind: OpKind,
@@ -265,7 +286,7 @@ impl TcpRank {
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         let world = self.world;
         let desc = OpDesc {
             kind,
@@ -276,32 +297,7 @@ impl TcpRank {
             root: root as u64,
         };
         self.seq += 1;
-        let invalid = |message: String| CommError::InvalidArgument {
-            op: kind.name().to_string(),
-            message,
-        };
-        if kind == OpKind::ReduceScatter && buffer.len() % world != 0 {
-            return Err(invalid(format!(
-                "input length {} is not a multiple of the world size {world}",
-                buffer.len()
-            )));
-        }
-        if kind == OpKind::Broadcast && root >= world {
-            return Err(invalid(format!("root {root} is not a rank of a group of {world}")));
-        }
-        if let Some(out) = &out {
-            if out.dtype() != buffer.dtype() || out.len() != buffer.len() * world {
-                return Err(invalid(format!(
-                    "the output holds {} {:?} elements; gathering {} {:?} elements from {world} \
-                     ranks needs {}",
-                    out.len(),
-                    out.dtype(),
-                    buffer.len(),
-                    buffer.dtype(),
-                    buffer.len() * world
-                )));
-            }
-        }
+        validate(kind, &buffer, world, root, out.as_ref())?;
         if world > 1 {
             self.exchange_headers(&desc)?;
         }
@@ -362,7 +358,7 @@ impl TcpRank {
         desc: &OpDesc,
         v: Vec<T>,
         out: Option<FlatBuffer>,
-    ) -> Result<FlatBuffer, CommError> {
+    ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
         let (world, rank) = (self.world, self.mesh.rank);
         let op = desc.reduce.unwrap_or(ReduceOp::Sum);
         match desc.kind {
@@ -373,7 +369,7 @@ impl TcpRank {
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
                         self.ring_all_reduce_f32(desc, &mut work, &ranges, op)?;
-                        Ok(into_flat(work))
+                        Ok((into_flat(work), None))
                     }
                     Err((_, mut v)) => {
                         let mut work = widen(&v);
@@ -383,7 +379,7 @@ impl TcpRank {
                         T::store(&work[r.clone()], &mut v[r]);
                         drop(work);
                         self.ring_all_gather(desc, &mut v, &ranges, owned)?;
-                        Ok(into_flat(v))
+                        Ok((into_flat(v), None))
                     }
                 }
             }
@@ -393,20 +389,37 @@ impl TcpRank {
                 let mine = ranges[rank].clone();
                 // Starting one chunk back leaves this rank with its own chunk reduced.
                 let first = (rank + world - 1) % world;
-                // The result stays in the input's allocation (see `keep_range`).
+                let out = out.and_then(FlatBuffer::into_vec::<T>);
+                // Without an output, the result stays in the input's allocation (see
+                // `keep_range`); with one, it lands there and the input goes back.
                 match bytemuck::allocation::try_cast_vec::<T, f32>(v) {
                     Ok(mut work) => {
                         self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
                         finish(&mut work[mine.clone()], op, world);
-                        Ok(FlatBuffer::F32(work).keep_range(mine))
+                        match out {
+                            // T is f32 here: the store is a copy.
+                            Some(mut o) => {
+                                T::store(&work[mine], &mut o);
+                                Ok((into_flat(o), Some(FlatBuffer::F32(work))))
+                            }
+                            None => Ok((FlatBuffer::F32(work).keep_range(mine), None)),
+                        }
                     }
                     Err((_, mut v)) => {
                         let mut work = widen(&v);
                         self.ring_reduce_scatter(desc, &mut work, &ranges, first, op)?;
                         finish(&mut work[mine.clone()], op, world);
-                        T::store(&work[mine.clone()], &mut v[mine.clone()]);
-                        drop(work);
-                        Ok(into_flat(v).keep_range(mine))
+                        match out {
+                            Some(mut o) => {
+                                T::store(&work[mine], &mut o);
+                                Ok((into_flat(o), Some(into_flat(v))))
+                            }
+                            None => {
+                                T::store(&work[mine.clone()], &mut v[mine.clone()]);
+                                drop(work);
+                                Ok((into_flat(v).keep_range(mine), None))
+                            }
+                        }
                     }
                 }
             }
@@ -418,16 +431,15 @@ impl TcpRank {
                     None => vec![T::zeroed(); c * world],
                 };
                 out[ranges[rank].clone()].copy_from_slice(&v);
-                drop(v);
                 self.ring_all_gather(desc, &mut out, &ranges, rank)?;
-                Ok(into_flat(out))
+                Ok((into_flat(out), Some(into_flat(v))))
             }
             OpKind::Broadcast => {
                 let mut v = v;
                 self.chain_broadcast(desc, &mut v, desc.root as usize)?;
-                Ok(into_flat(v))
+                Ok((into_flat(v), None))
             }
-            OpKind::Barrier => Ok(into_flat(v)),
+            OpKind::Barrier => Ok((into_flat(v), None)),
         }
     }
 

@@ -8,12 +8,17 @@
 //! every peer's control connection, and gives up when nothing moved for the timeout.
 
 use super::link::Link;
+use super::pipe::SPLICE_MIN;
+use super::stream::Stream;
 use crate::comm::op::OpDesc;
 use crate::comm::reduce::{combine, finish};
 use crate::comm::{CommError, ReduceOp};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
+
+/// The acknowledgement byte of a large flow over a pipe (see [`Mesh::acknowledge`]).
+const ACK: u8 = 0xAC;
 
 /// f32 elements of the staging buffer of reducing receives.
 const SCRATCH_ELEMS: usize = 1 << 18;
@@ -177,6 +182,12 @@ impl Mesh {
         sends: &mut [SendFlow],
         recvs: &mut [RecvFlow],
     ) -> Result<(), CommError> {
+        self.run_flows(desc, sends, recvs)?;
+        self.acknowledge(desc, sends, recvs)
+    }
+
+    /// Runs the flows to completion (the body of [`Mesh::pump`]).
+    fn run_flows(&mut self, desc: &OpDesc, sends: &mut [SendFlow], recvs: &mut [RecvFlow]) -> Result<(), CommError> {
         if recvs.iter().any(|r| r.sink != Sink::Copy) && self.scratch.is_empty() {
             self.scratch = vec![0f32; SCRATCH_ELEMS];
         }
@@ -199,6 +210,57 @@ impl Mesh {
                 continue;
             }
             self.wait(desc, sends, recvs, last_progress + self.timeout)?;
+        }
+    }
+
+    /// Over pipes, a large payload travels by reference (see [`super::pipe`]): its memory goes
+    /// back to the caller, who may write it, only once the peer has read it. So after every
+    /// flow of at least [`SPLICE_MIN`] bytes over a pipe, its receiver sends one byte back and
+    /// its sender waits for it; both sides know which flows these are, since every send flow
+    /// is a peer's receive flow of the same length. The acknowledgement follows everything the
+    /// peer sent in the collective, so it is the next byte on its stream.
+    fn acknowledge(&mut self, desc: &OpDesc, sends: &[SendFlow], recvs: &[RecvFlow]) -> Result<(), CommError> {
+        let piped = |mesh: &Mesh, peer: usize| matches!(mesh.link(peer).data, Stream::Pipes(_));
+        let ack_to: Vec<usize> = recvs
+            .iter()
+            .filter(|r| r.total >= SPLICE_MIN && piped(self, r.peer))
+            .map(|r| r.peer)
+            .collect();
+        let ack_from: Vec<usize> = sends
+            .iter()
+            .filter(|s| s.total >= SPLICE_MIN && piped(self, s.peer))
+            .map(|s| s.peer)
+            .collect();
+        if ack_to.is_empty() && ack_from.is_empty() {
+            return Ok(());
+        }
+        let mut out = [ACK];
+        let mut got = vec![0u8; ack_from.len()];
+        let mut acks: Vec<SendFlow> = ack_to
+            .iter()
+            .map(|&p| {
+                let seg = Seg {
+                    ptr: out.as_mut_ptr(),
+                    len: 1,
+                };
+                SendFlow::new(p, vec![seg], None)
+            })
+            .collect();
+        let mut waits: Vec<RecvFlow> = ack_from
+            .iter()
+            .zip(got.iter_mut())
+            .map(|(&p, b)| RecvFlow::new(p, vec![Seg { ptr: b, len: 1 }], Sink::Copy))
+            .collect();
+        self.run_flows(desc, &mut acks, &mut waits)?;
+        drop(waits);
+        match ack_from.iter().zip(&got).find(|(_, &b)| b != ACK) {
+            Some((&peer, _)) => Err(CommError::PeerLost {
+                seq: desc.seq,
+                op: desc.kind.name().to_string(),
+                peer,
+                reason: "it sent something else than an acknowledgement (its stream is out of step)".into(),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -352,11 +414,11 @@ impl Mesh {
             None => fds.push(libc::pollfd { fd, events, revents: 0 }),
         };
         for r in recvs.iter().filter(|r| r.done < r.total) {
-            add(self.link(r.peer).data.as_raw_fd(), libc::POLLIN);
+            add(self.link(r.peer).data.read_fd(), libc::POLLIN);
         }
         for s in sends.iter().filter(|s| s.done < s.total) {
             if s.done < send_limit(s, recvs) {
-                add(self.link(s.peer).data.as_raw_fd(), libc::POLLOUT);
+                add(self.link(s.peer).data.write_fd(), libc::POLLOUT);
             }
         }
         for link in self

@@ -4,6 +4,7 @@
 //! through Unix-domain sockets, others through TCP.
 
 use super::link::Link;
+use super::pipe::Pipes;
 use super::stream::Stream;
 use crate::comm::CommError;
 use socket2::SockRef;
@@ -22,6 +23,8 @@ pub(crate) struct SocketTuning {
     pub buffer: Option<usize>,
     /// Connect to peers on the same host through Unix-domain sockets.
     pub unix_on_same_host: bool,
+    /// Upgrade those Unix-domain data connections to pipes (both sides must want it).
+    pub pipes: bool,
 }
 
 /// What a rank tells rank 0, and rank 0 tells everyone: how to reach each rank.
@@ -415,6 +418,8 @@ fn mesh_from_table(
     let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
     let mut data: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
     let mut ctrl: Vec<Option<Stream>> = (0..world).map(|_| None).collect();
+    // Per peer: whichever side connected asked for pipes.
+    let mut asked_pipes = vec![false; world];
     for peer in 0..rank {
         let e = &table[peer];
         for kind in 0..2u32 {
@@ -435,7 +440,10 @@ fn mesh_from_table(
                     Stream::Tcp(connect(SocketAddr::new(ip, e.port), deadline)?)
                 }
             };
-            write_hello(&mut s, rank, kind)?;
+            // Kind 2: a data connection that would rather be pipes.
+            let asked = kind == 0 && tuning.pipes && matches!(s, Stream::Unix(_));
+            write_hello(&mut s, rank, if asked { 2 } else { kind })?;
+            asked_pipes[peer] |= asked;
             if kind == 0 {
                 data[peer] = Some(s)
             } else {
@@ -446,10 +454,13 @@ fn mesh_from_table(
     for _ in 0..2 * (world - 1 - rank) {
         let mut s = accept(&listener, unix_listener.as_ref(), deadline)?;
         let (magic, peer, kind) = read_hello(&mut s, deadline)?;
-        if magic != MESH_MAGIC || peer <= rank || peer >= world || kind > 1 {
+        if magic != MESH_MAGIC || peer <= rank || peer >= world || kind > 2 {
             return Err(setup("an unexpected connection reached this rank's mesh listener"));
         }
-        let slot = if kind == 0 { &mut data[peer] } else { &mut ctrl[peer] };
+        if kind == 2 {
+            asked_pipes[peer] = true;
+        }
+        let slot = if kind == 1 { &mut ctrl[peer] } else { &mut data[peer] };
         if slot.replace(s).is_some() {
             return Err(setup(format!("rank {peer} connected twice")));
         }
@@ -459,6 +470,24 @@ fn mesh_from_table(
             return Err(setup(format!("no connection to rank {peer}")));
         };
         tune(&d, tuning)?;
+        let d = match d {
+            Stream::Unix(u) if asked_pipes[peer] => {
+                let failed = |e: std::io::Error| setup(format!("rendezvous: pipes to rank {peer}: {e}"));
+                let pipes = if peer < rank {
+                    Pipes::answer(&u, deadline).map_err(failed)?
+                } else if tuning.pipes {
+                    Some(Pipes::offer(&u, deadline).map_err(failed)?)
+                } else {
+                    Pipes::decline(&u).map_err(failed)?;
+                    None
+                };
+                match pipes {
+                    Some(p) => Stream::Pipes(p),
+                    None => Stream::Unix(u),
+                }
+            }
+            d => d,
+        };
         c.set_nodelay().map_err(setup)?;
         d.set_read_timeout(None).map_err(setup)?;
         c.set_read_timeout(None).map_err(setup)?;

@@ -108,6 +108,7 @@ impl TcpGroup {
         let tuning = SocketTuning {
             buffer: self.options.socket_buffer,
             unix_on_same_host: self.options.unix_on_same_host,
+            pipes: self.options.unix_on_same_host && super::pipes_wanted(),
         };
         let links = connect_submesh(local, table, listeners, self.options.timeout, tuning)?;
         let hosts = members.iter().map(|&m| self.hosts[m].clone()).collect();
