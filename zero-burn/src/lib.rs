@@ -9,6 +9,8 @@
 //! - [`ZeroEngine`]: stages 0-2 around any Burn module.
 //! - [`ChainEngine`]: every stage, for models that say how they chain their blocks
 //!   ([`ChainModel`]); stage 3 needs it.
+//! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
+//!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
 //! # Mixed precision
@@ -42,6 +44,7 @@ mod memory;
 mod optimizer;
 mod optimizer_bridge;
 pub mod params;
+pub mod pipeline;
 mod settings;
 
 pub use chain::{ChainModel, Hidden};
@@ -55,4 +58,5 @@ pub use initialize::{
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
+pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use settings::{ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, PrecisionSettings, Stage};

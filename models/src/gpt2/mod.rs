@@ -11,6 +11,7 @@ mod init;
 mod mlp;
 mod model;
 mod names;
+mod pipeline;
 mod presets;
 
 pub use attention::Gpt2Attention;
@@ -21,4 +22,5 @@ pub use error::{CheckpointError, Gpt2ConfigError};
 pub use mlp::Gpt2Mlp;
 pub use model::{Gpt2, IGNORE_INDEX};
 pub use names::HF_PREFIX;
+pub use pipeline::{Gpt2Embed, Gpt2Head, Gpt2Layer, Gpt2LayerSpec, TIED_WTE};
 pub use presets::{GPT2_VOCAB_SIZE, PRESET_NAMES};
