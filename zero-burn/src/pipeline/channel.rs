@@ -56,13 +56,21 @@ impl Channel {
     /// Queues `values` of `shape` for the peer and returns at once.
     pub fn send(&mut self, shape: &[usize], values: Vec<f32>) -> Result<(), ZeroError> {
         if self.root != self.group.rank() {
-            return Err(ZeroError::Usage(format!("send on the receiving end of the channel for {}", self.what)));
+            return Err(ZeroError::Usage(format!(
+                "send on the receiving end of the channel for {}",
+                self.what
+            )));
         }
         let header = encode_shape(shape).ok_or_else(|| {
-            ZeroError::Model(format!("{}: an activation of shape {shape:?} has more than {MAX_DIMS} dimensions", self.what))
+            ZeroError::Model(format!(
+                "{}: an activation of shape {shape:?} has more than {MAX_DIMS} dimensions",
+                self.what
+            ))
         })?;
-        self.pending.push(self.group.broadcast_async(FlatBuffer::F32(header), self.root));
-        self.pending.push(self.group.broadcast_async(FlatBuffer::F32(values), self.root));
+        self.pending
+            .push(self.group.broadcast_async(FlatBuffer::F32(header), self.root));
+        self.pending
+            .push(self.group.broadcast_async(FlatBuffer::F32(values), self.root));
         Ok(())
     }
 

@@ -19,7 +19,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, SharedGroup};
+use zero_core::comm::{FlatBuffer, ReduceOp, SharedGroup};
 use zero_core::parallel::{Axis, RankGroups};
 use zero_core::partition::{LayoutBuilder, ParamSpec, Placement};
 
@@ -118,11 +118,10 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         }
         let (first, last) = (module.is_first(), module.is_last());
         let mut layers = module.layers;
-        let device = layers
-            .iter()
-            .flat_map(|l| l.devices())
-            .next()
-            .ok_or_else(|| ZeroError::Model(format!("stage {stage}'s layers have no parameters (no device found)")))?;
+        let device =
+            layers.iter().flat_map(|l| l.devices()).next().ok_or_else(|| {
+                ZeroError::Model(format!("stage {stage}'s layers have no parameters (no device found)"))
+            })?;
 
         // Parameters, layer by layer, named by the layer's index in the whole model.
         let mut specs: Vec<ParamSpec> = Vec::new();
@@ -233,7 +232,13 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()
-                .map(|g| if send { Channel::sender(g, what) } else { Channel::receiver(g, what) })
+                .map(|g| {
+                    if send {
+                        Channel::sender(g, what)
+                    } else {
+                        Channel::receiver(g, what)
+                    }
+                })
                 .transpose()
         };
         let s = groups.stage.clone();
@@ -246,10 +251,26 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             params_of,
             tied,
             core,
-            send_next: channel(&s.send_next, true, format!("activations from stage {stage} to {}", stage + 1))?,
-            recv_prev: channel(&s.recv_prev, false, format!("activations from stage {} to {stage}", stage.wrapping_sub(1)))?,
-            send_prev: channel(&s.send_prev, true, format!("gradients from stage {stage} to {}", stage.wrapping_sub(1)))?,
-            recv_next: channel(&s.recv_next, false, format!("gradients from stage {} to {stage}", stage + 1))?,
+            send_next: channel(
+                &s.send_next,
+                true,
+                format!("activations from stage {stage} to {}", stage + 1),
+            )?,
+            recv_prev: channel(
+                &s.recv_prev,
+                false,
+                format!("activations from stage {} to {stage}", stage.wrapping_sub(1)),
+            )?,
+            send_prev: channel(
+                &s.send_prev,
+                true,
+                format!("gradients from stage {stage} to {}", stage.wrapping_sub(1)),
+            )?,
+            recv_next: channel(
+                &s.recv_next,
+                false,
+                format!("gradients from stage {} to {stage}", stage + 1),
+            )?,
             tied_group,
             pipeline_group: groups.pipeline.clone(),
             device,

@@ -39,15 +39,42 @@ mod tests {
     fn warm_up_steady_cool_down() {
         assert_eq!(
             one_f_one_b(0, 4, 4),
-            vec![Forward(0), Forward(1), Forward(2), Forward(3), Backward(0), Backward(1), Backward(2), Backward(3)]
+            vec![
+                Forward(0),
+                Forward(1),
+                Forward(2),
+                Forward(3),
+                Backward(0),
+                Backward(1),
+                Backward(2),
+                Backward(3)
+            ]
         );
         assert_eq!(
             one_f_one_b(2, 4, 4),
-            vec![Forward(0), Forward(1), Backward(0), Forward(2), Backward(1), Forward(3), Backward(2), Backward(3)]
+            vec![
+                Forward(0),
+                Forward(1),
+                Backward(0),
+                Forward(2),
+                Backward(1),
+                Forward(3),
+                Backward(2),
+                Backward(3)
+            ]
         );
         assert_eq!(
             one_f_one_b(3, 4, 4),
-            vec![Forward(0), Backward(0), Forward(1), Backward(1), Forward(2), Backward(2), Forward(3), Backward(3)]
+            vec![
+                Forward(0),
+                Backward(0),
+                Forward(1),
+                Backward(1),
+                Forward(2),
+                Backward(2),
+                Forward(3),
+                Backward(3)
+            ]
         );
     }
 }
