@@ -69,9 +69,13 @@ fn measure(stages: usize, micro: usize, width: usize, rows: usize, steps: usize)
                             linear: LinearConfig::new(width, width).init(&device),
                         })
                         .collect();
-                    let module =
-                        PipelineModule::from_layers::<B>(layers, stages, PartitionMethod::Uniform, groups.coords.pipeline)
-                            .unwrap_or_else(|e| panic!("module: {e}"));
+                    let module = PipelineModule::from_layers::<B>(
+                        layers,
+                        stages,
+                        PartitionMethod::Uniform,
+                        groups.coords.pipeline,
+                    )
+                    .unwrap_or_else(|e| panic!("module: {e}"));
                     let mut settings = EngineSettings::new(
                         Stage::Zero0,
                         OptimizerSpec::Sgd(SgdSpec {
@@ -127,7 +131,10 @@ fn main() {
     let rows = arg("--rows", 256);
     let steps = arg("--steps", 3).max(1);
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("width {width}, rows {rows}, {steps} measured steps; load average {}", load.trim());
+    println!(
+        "width {width}, rows {rows}, {steps} measured steps; load average {}",
+        load.trim()
+    );
     println!("| p | m | theory (p-1)/(m+p-1) | measured idle, mean over stages | per stage |");
     println!("|---|---|---|---|---|");
     for p in [2, 4] {

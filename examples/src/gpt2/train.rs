@@ -407,15 +407,14 @@ fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), TrainE
 /// (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for.
 fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), TrainError> {
     let raw = config.raw();
-    let stages = match raw.pointer("/pipeline/stages") {
-        None | Some(serde_json::Value::Null) => 1,
-        Some(serde_json::Value::String(s)) if s == "auto" => 1,
-        Some(v) => v
-            .as_u64()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| TrainError::Config(format!("pipeline.stages: {v} is not \"auto\" nor a positive integer")))?
-            as usize,
-    };
+    let stages =
+        match raw.pointer("/pipeline/stages") {
+            None | Some(serde_json::Value::Null) => 1,
+            Some(serde_json::Value::String(s)) if s == "auto" => 1,
+            Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                TrainError::Config(format!("pipeline.stages: {v} is not \"auto\" nor a positive integer"))
+            })? as usize,
+        };
     let tensor = match raw.pointer("/tensor_parallel/autotp_size") {
         None | Some(serde_json::Value::Null) => 1,
         Some(v) => v
@@ -530,7 +529,14 @@ fn pipeline_rank_loop(
 
     let lead = groups.world.rank() == 0;
     let parameters = model_config.num_params() as usize;
-    let mut progress = Progress::new(lead, !args.quiet, args.steps, parameters, world, resolved.zero.stage as u8);
+    let mut progress = Progress::new(
+        lead,
+        !args.quiet,
+        args.steps,
+        parameters,
+        world,
+        resolved.zero.stage as u8,
+    );
     let mut metrics = match (&args.metrics, lead) {
         (Some(path), true) => Some(MetricsWriter::create(path)?),
         _ => None,
@@ -593,7 +599,9 @@ fn same_weights_as_rank_0(
     let mut values: Vec<Vec<f32>> = Vec::new();
     read_values::<B, _>(&model, |_, v| values.push(v));
     let mut flat = FlatBuffer::F32(values.concat());
-    world.broadcast(&mut flat, 0).map_err(|e| TrainError::Engine(e.into()))?;
+    world
+        .broadcast(&mut flat, 0)
+        .map_err(|e| TrainError::Engine(e.into()))?;
     let flat = flat.into_f32();
     let mut at = 0;
     Ok(write_values(model, device, true, |i| {
