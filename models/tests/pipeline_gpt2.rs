@@ -11,7 +11,7 @@ use burn::prelude::*;
 use zero_burn::params::{describe, read_values, write_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
-use zero_core::comm::ThreadGroup;
+use zero_core::comm::{TcpGroup, TcpOptions, ThreadGroup};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::{ParallelLayout, RankGroups};
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
@@ -112,16 +112,61 @@ fn reference(micro_batches: usize) -> (Vec<f32>, Vec<f64>, Vec<Vec<Vec<f32>>>) {
 /// per-step losses and gradient norms.
 type StageRun = (usize, Vec<Vec<Vec<f32>>>, Vec<f32>, Vec<f64>);
 
-fn run_pipeline(data: usize, stages: usize, method: PartitionMethod, stage: Stage) -> Vec<StageRun> {
-    let ranks = ParallelLayout::with_pipeline(data, 1, stages)
-        .unwrap()
-        .threads()
-        .unwrap();
+/// How the ranks talk: thread groups, or TCP on loopback (each rank a thread here, with the
+/// subgroups split off a TCP world group as separate processes would).
+#[derive(Clone, Copy, Debug)]
+enum Transport {
+    Threads,
+    Tcp,
+}
+
+/// Per rank, what builds its groups (on the rank's own thread: TCP ranks connect together).
+type MakeGroups = Box<dyn FnOnce() -> RankGroups + Send>;
+
+fn rank_groups(layout: ParallelLayout, transport: Transport) -> Vec<MakeGroups> {
+    match transport {
+        Transport::Threads => layout
+            .threads()
+            .unwrap()
+            .into_iter()
+            .map(|g| Box::new(move || g) as MakeGroups)
+            .collect(),
+        Transport::Tcp => {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .unwrap()
+                .port();
+            let options = TcpOptions {
+                timeout: std::time::Duration::from_secs(60),
+                ..TcpOptions::default()
+            };
+            let world = layout.world_size();
+            (0..world)
+                .map(|r| {
+                    Box::new(move || {
+                        let group = TcpGroup::connect(r, world, "127.0.0.1", port, options).unwrap();
+                        layout.tcp(group).unwrap()
+                    }) as MakeGroups
+                })
+                .collect()
+        }
+    }
+}
+
+fn run_pipeline_over(
+    data: usize,
+    stages: usize,
+    method: PartitionMethod,
+    stage: Stage,
+    transport: Transport,
+) -> Vec<StageRun> {
+    let ranks = rank_groups(ParallelLayout::with_pipeline(data, 1, stages).unwrap(), transport);
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .into_iter()
-            .map(|groups: RankGroups| {
+            .map(|make| {
                 s.spawn(move || {
+                    let groups: RankGroups = make();
                     let device = Default::default();
                     let layers = full_model(&device).into_pipeline_layers();
                     let module =
@@ -163,9 +208,13 @@ fn relative_error(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
 }
 
 fn check(data: usize, stages: usize, method: PartitionMethod, stage: Stage) {
+    check_over(data, stages, method, stage, Transport::Threads);
+}
+
+fn check_over(data: usize, stages: usize, method: PartitionMethod, stage: Stage, transport: Transport) {
     let (want_losses, want_norms, want_layers) = reference(data * MICRO);
-    let runs = run_pipeline(data, stages, method, stage);
-    let label = format!("PP {stages} × DP {data} ({method:?}, {stage:?})");
+    let runs = run_pipeline_over(data, stages, method, stage, transport);
+    let label = format!("PP {stages} × DP {data} ({method:?}, {stage:?}, {transport:?})");
     let mut seen = vec![false; want_layers.len()];
     for (first, layers, losses, norms) in &runs {
         for (s, (got, want)) in losses.iter().zip(&want_losses).enumerate() {
@@ -206,6 +255,12 @@ fn four_stages_match_one_process() {
     check(1, 4, PartitionMethod::Uniform, Stage::Zero0);
 }
 
+/// The channels, the tied group and the norm over TCP subgroups of a TCP world.
+#[test]
+fn two_stages_times_two_data_ranks_over_tcp_match_one_process() {
+    check_over(2, 2, PartitionMethod::Parameters, Stage::Zero1, Transport::Tcp);
+}
+
 /// One stage holds both copies of `wte`: they are summed locally and stay equal.
 #[test]
 fn one_stage_matches_one_process() {
@@ -222,4 +277,22 @@ fn layer_specs_count_the_parameters_they_build() {
         let built: usize = describe::<B, _>(&layer).iter().map(|(_, s)| s.numel()).sum();
         assert_eq!(LayerSpec::<B>::num_params(&spec), built, "layer {}", spec.index);
     }
+}
+
+/// A stage built from specs holds only its layers. Reference, by hand: the layers of
+/// `[Embed, 3 blocks, Head]` have 1024, 3280, 3280, 3280 and 800 elements; the cut into two
+/// stages with the smallest largest stage is after the first block (4304 | 7360).
+#[test]
+fn stages_built_from_specs_hold_only_their_layers() {
+    use zero_models::gpt2::Gpt2LayerSpec;
+    let device = Default::default();
+    let specs = Gpt2LayerSpec::all(&config());
+    let first = PipelineModule::from_specs::<B, _>(&specs, 2, PartitionMethod::Parameters, 0, &device).unwrap();
+    let last = PipelineModule::from_specs::<B, _>(&specs, 2, PartitionMethod::Parameters, 1, &device).unwrap();
+    assert_eq!((first.range.clone(), last.range.clone()), (0..2, 2..5));
+    assert_eq!(first.layers.len() + last.layers.len(), LAYERS + 2);
+    assert!(matches!(first.layers[0], Gpt2Layer::Embed(_)));
+    assert!(matches!(last.layers.last(), Some(Gpt2Layer::Head(_))));
+    let uniform = PipelineModule::from_specs::<B, _>(&specs, 4, PartitionMethod::Uniform, 3, &device).unwrap();
+    assert_eq!(uniform.range, 4..5);
 }

@@ -144,6 +144,19 @@ mod tests {
         assert_eq!(second, (vec![1], vec![7.0]));
     }
 
+    /// A receive whose peer never sends fails after the group's timeout instead of hanging.
+    #[test]
+    fn a_silent_peer_times_out() {
+        let mut ends = ThreadGroup::with_timeout(2, std::time::Duration::from_millis(200))
+            .unwrap()
+            .into_iter();
+        let (_peer, b) = (ends.next().unwrap(), ends.next().unwrap());
+        let mut rx = Channel::receiver(b, "test").unwrap();
+        let started = std::time::Instant::now();
+        assert!(matches!(rx.recv(), Err(ZeroError::Comm(_))));
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+
     #[test]
     fn shape_header_round_trips() {
         let h = encode_shape(&[4, 16, 128]).unwrap();
