@@ -369,6 +369,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         let (mut grads, start) = match flight.output {
             Output::Loss(loss, value) => {
                 let start = clock.elapsed();
+                self.fence()?;
                 (self.core.backward_loss(loss, value).backward(), start)
             }
             Output::Hidden(y) => {
@@ -379,6 +380,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 let (shape, values) = channel.recv()?;
                 let start = clock.elapsed();
                 let dy = L::Hidden::from_values(values, shape, &self.device);
+                self.fence()?;
                 (y.dot(dy).backward(), start)
             }
         };
@@ -406,6 +408,17 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         });
         if let (Some(dx), Some(channel)) = (dx, self.send_prev.as_mut()) {
             channel.send(&dx.dims(), dx.to_values())?;
+        }
+        Ok(())
+    }
+
+    /// Tensor parallelism in threads: every rank of the fence group passes a barrier before a
+    /// `backward()` (see [`EngineSettings::backward_fence`]). With a pipeline the fence must be
+    /// the tensor group: ranks of other stages reach their backwards at other times, and a
+    /// barrier with them would wait on gradients that wait on the barrier.
+    fn fence(&self) -> Result<(), ZeroError> {
+        if let Some(group) = &self.core.settings.backward_fence {
+            group.barrier()?;
         }
         Ok(())
     }
