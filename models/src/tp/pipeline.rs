@@ -15,6 +15,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use zero_burn::params::describe;
 use zero_burn::pipeline::{PipeLayer, TiedWeight};
 
 /// Token (vocab-parallel) and position (replicated) embeddings: the first layer.
@@ -128,6 +129,24 @@ impl<B: AutodiffBackend + TpBackend> PipeLayer<B> for TpGpt2Layer<B> {
                 param: 0,
             }],
             TpGpt2Layer::Block(_) => Vec::new(),
+        }
+    }
+
+    /// `wte`'s rows; in a block the column-parallel layers (weight and bias) and the
+    /// row-parallel layers' weights. Position embedding, LayerNorms and row-parallel biases are
+    /// replicated.
+    fn tensor_split(&self) -> Vec<usize> {
+        match self {
+            TpGpt2Layer::Embed(_) | TpGpt2Layer::Head(_) => vec![0],
+            TpGpt2Layer::Block(block) => describe::<B, _>(block)
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, spec))| {
+                    let n = &spec.name;
+                    n.contains("c_attn") || n.contains("c_fc") || (n.contains("c_proj") && n.ends_with("weight"))
+                })
+                .map(|(i, _)| i)
+                .collect(),
         }
     }
 }

@@ -109,13 +109,6 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 module.stage, module.stages
             )));
         }
-        if groups.layout.size(Axis::Tensor) > 1 && settings.gradient_clipping > 0.0 {
-            return Err(ZeroError::Config(
-                "gradient_clipping with tensor and pipeline parallelism together is not available: the global norm \
-                 would count the weights replicated over the tensor group once per tensor rank; set it to 0"
-                    .into(),
-            ));
-        }
         let (first, last) = (module.is_first(), module.is_last());
         let mut layers = module.layers;
         let device =
@@ -221,11 +214,20 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             |i| std::mem::take(&mut values[i]),
             memory,
         )?;
-        // The norm counts each tied key once: on the first stage holding it, its first copy.
-        let mut counted = vec![true; core.state.layout.params.len()];
+        // The norm counts each parameter once: the slices of a tensor-split parameter on every
+        // tensor rank, a replicated one on tensor rank 0; a tied key on the first stage holding
+        // it, its first copy.
+        let mut counted = vec![groups.coords.tensor == 0; core.state.layout.params.len()];
+        for (layer, params) in layers.iter().zip(&params_of) {
+            for i in layer.tensor_split() {
+                if let Some(&p) = params.get(i) {
+                    counted[p] = true;
+                }
+            }
+        }
         for copies in tied.values() {
             for (k, &c) in copies.iter().enumerate() {
-                counted[c] = k == 0 && (tied_group.is_none() || stage == 0);
+                counted[c] = counted[c] && k == 0 && (tied_group.is_none() || stage == 0);
             }
         }
         core.grad_norm = Some(global_norm(counted, data.rank(), groups.world.clone()));

@@ -30,6 +30,12 @@ pub trait PipeLayer<B: AutodiffBackend>: Module<B> {
     fn tied(&self) -> Vec<TiedWeight> {
         Vec::new()
     }
+    /// Under tensor parallelism, the indices (in visit order) of this layer's parameters that
+    /// are split over the tensor group, each tensor rank holding a different slice. The others
+    /// are taken as replicated over it, and the global gradient norm counts them once.
+    fn tensor_split(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// A parameter of a layer that is tied to parameters of other layers.
