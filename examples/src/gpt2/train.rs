@@ -1,8 +1,9 @@
 //! `gpt2 train`: GPT-2 trained by the ZeRO engine from a DeepSpeed config.
 //!
 //! Every rank runs [`rank_loop`]; rank 0 alone prints, writes the metrics file and draws. With
-//! `pipeline.stages` above 1 the ranks are laid out data × pipeline and run
-//! [`pipeline_rank_loop`] instead: each holds one stage of the model's layers.
+//! `pipeline.stages` or `tensor_parallel.autotp_size` above 1 the ranks are laid out data ×
+//! tensor × pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one
+//! stage of the model's layers.
 
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
@@ -17,12 +18,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::params::{read_values, write_values};
-use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
+use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, InitOptions, MemoryReport};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::DeepSpeedConfig;
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
-use zero_models::gpt2::Gpt2Layer;
+use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
+use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
 
 type B = Autodiff<Flex>;
@@ -425,8 +427,8 @@ fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), Tr
     Ok((stages, tensor))
 }
 
-/// Training with the ranks laid out data × tensor × pipeline: as threads, or this process's
-/// one rank under a launcher.
+/// Training with the ranks laid out data × tensor × pipeline (the data degree is what is left
+/// of the world): as threads, or this process's one rank under a launcher.
 fn train_pipeline(
     args: &TrainArgs,
     config: Arc<DeepSpeedConfig>,
@@ -435,12 +437,6 @@ fn train_pipeline(
     stages: usize,
     tensor: usize,
 ) -> Result<TrainSummary, TrainError> {
-    if tensor > 1 {
-        return Err(TrainError::Config(format!(
-            "tensor_parallel.autotp_size {tensor} with pipeline.stages {stages}: the trainer runs pipeline and data \
-             parallelism; tensor parallelism is not wired into it yet (set autotp_size to 1)"
-        )));
-    }
     if args.save.is_some() || args.load.is_some() {
         return Err(TrainError::Config(
             "--save/--load: checkpoints of pipelined runs are not available yet (remove pipeline.stages or the flags)"
@@ -501,7 +497,6 @@ fn pipeline_rank_loop(
     <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
     let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
     check_data(data, &model_config)?;
-    let world = groups.layout.world_size();
     let dp = groups.layout.size(Axis::Data);
     let options = InitOptions {
         hidden_size: Some(model_config.n_embd),
@@ -523,68 +518,104 @@ fn pipeline_rank_loop(
     // depend on how the ranks' threads shared the random generator.
     let model = same_weights_as_rank_0(model, groups.world.as_ref(), &device)?;
     let stages = groups.layout.size(Axis::Pipeline);
-    let module =
-        PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, groups.coords.pipeline)?;
-    let mut engine = PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?;
+    let stage = groups.coords.pipeline;
+    let run = PipelineRun {
+        args,
+        data,
+        groups: &groups,
+        micro,
+        gas,
+        global,
+        zero_stage: resolved.zero.stage as u8,
+        parameters: model_config.num_params() as usize,
+    };
+    if groups.layout.size(Axis::Tensor) > 1 {
+        let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
+            .map_err(|e| TrainError::Model(format!("tensor_parallel.autotp_size: {e}")))?;
+        let module = PipelineModule::from_layers::<B>(tp.into_pipeline_layers(), stages, method, stage)?;
+        let mut settings = settings;
+        // Tensor-parallel collectives run inside backward(): fence the stage's tensor ranks.
+        settings.backward_fence = Some(groups.tensor.clone());
+        run.steps(PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?)
+    } else {
+        let module = PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, stage)?;
+        run.steps(PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?)
+    }
+}
 
-    let lead = groups.world.rank() == 0;
-    let parameters = model_config.num_params() as usize;
-    let mut progress = Progress::new(
-        lead,
-        !args.quiet,
-        args.steps,
-        parameters,
-        world,
-        resolved.zero.stage as u8,
-    );
-    let mut metrics = match (&args.metrics, lead) {
-        (Some(path), true) => Some(MetricsWriter::create(path)?),
-        _ => None,
-    };
-    let d = groups.coords.data;
-    let started = Instant::now();
-    let mut records = Vec::new();
-    for step in 0..args.steps {
-        let t0 = Instant::now();
-        let batch = data.global_batch(step, global, args.seed)?;
-        let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
-        let micro_batches: Vec<_> = mine
-            .chunks(micro)
-            .map(|chunk| {
-                let tokens = token_tensor(chunk, &device);
-                (tokens.clone(), tokens)
-            })
-            .collect();
-        let out = engine.train_batch(&micro_batches)?;
-        let record = StepRecord {
-            step: step + 1,
-            loss: out.loss as f64,
-            lr: out.report.lr,
-            loss_scale: out.report.loss_scale,
-            grad_norm: out.report.grad_norm,
-            tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
-            skipped: out.report.skipped,
-            valid_loss: None,
-            memory: Vec::new(),
+/// What the steps of a pipelined run need besides the engine.
+struct PipelineRun<'a> {
+    args: &'a TrainArgs,
+    data: &'a DataSource,
+    groups: &'a RankGroups,
+    micro: usize,
+    gas: usize,
+    global: usize,
+    zero_stage: u8,
+    parameters: usize,
+}
+
+impl PipelineRun<'_> {
+    /// The training steps: each data index trains on its share of every global batch.
+    fn steps<L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
+        &self,
+        mut engine: PipelineEngine<B, L>,
+    ) -> Result<TrainSummary, TrainError> {
+        let (args, data, groups) = (self.args, self.data, self.groups);
+        let (micro, gas, global) = (self.micro, self.gas, self.global);
+        let device = Default::default();
+        let world = groups.layout.world_size();
+        let lead = groups.world.rank() == 0;
+        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
+        let mut metrics = match (&args.metrics, lead) {
+            (Some(path), true) => Some(MetricsWriter::create(path)?),
+            _ => None,
         };
-        progress.step(&record);
-        if let Some(m) = metrics.as_mut() {
-            m.write(&record)?;
+        let d = groups.coords.data;
+        let started = Instant::now();
+        let mut records = Vec::new();
+        for step in 0..args.steps {
+            let t0 = Instant::now();
+            let batch = data.global_batch(step, global, args.seed)?;
+            let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
+            let micro_batches: Vec<_> = mine
+                .chunks(micro)
+                .map(|chunk| {
+                    let tokens = token_tensor(chunk, &device);
+                    (tokens.clone(), tokens)
+                })
+                .collect();
+            let out = engine.train_batch(&micro_batches)?;
+            let record = StepRecord {
+                step: step + 1,
+                loss: out.loss as f64,
+                lr: out.report.lr,
+                loss_scale: out.report.loss_scale,
+                grad_norm: out.report.grad_norm,
+                tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
+                skipped: out.report.skipped,
+                valid_loss: None,
+                memory: Vec::new(),
+            };
+            progress.step(&record);
+            if let Some(m) = metrics.as_mut() {
+                m.write(&record)?;
+            }
+            records.push(record);
         }
-        records.push(record);
+        let summary = TrainSummary {
+            steps: records,
+            seconds: started.elapsed().as_secs_f64(),
+            world_size: world,
+            parameters: self.parameters,
+        };
+        progress.finish(&summary);
+        if let (Some(m), Some(path)) = (metrics, &args.metrics) {
+            m.finish()?;
+            super::metrics::write_loss_curve(path, &summary)?;
+        }
+        Ok(summary)
     }
-    let summary = TrainSummary {
-        steps: records,
-        seconds: started.elapsed().as_secs_f64(),
-        world_size: world,
-        parameters,
-    };
-    progress.finish(&summary);
-    if let (Some(m), Some(path)) = (metrics, &args.metrics) {
-        m.finish()?;
-        super::metrics::write_loss_curve(path, &summary)?;
-    }
-    Ok(summary)
 }
 
 /// `model` with world rank 0's weights.
