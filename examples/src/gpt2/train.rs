@@ -7,7 +7,7 @@
 
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
-use super::model::ModelSource;
+use super::model::{check_data, same_weights_as_rank_0, ModelSource};
 use super::monitor::Monitors;
 use super::timers::{StepTimers, TimedGroup};
 use super::TrainError;
@@ -17,7 +17,6 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::params::{read_values, write_values};
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, InitOptions, MemoryReport};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
@@ -25,7 +24,7 @@ use zero_core::config::DeepSpeedConfig;
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
 use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
-use zero_models::{Gpt2, Gpt2Config};
+use zero_models::Gpt2;
 
 type B = Autodiff<Flex>;
 
@@ -386,25 +385,6 @@ fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<V
         .collect())
 }
 
-/// Whether the data fits the model's vocabulary and positions.
-fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), TrainError> {
-    if data.max_token() as usize >= model_config.vocab_size {
-        return Err(TrainError::Data(format!(
-            "token id {} is outside the model's vocabulary of {}",
-            data.max_token(),
-            model_config.vocab_size
-        )));
-    }
-    if data.seq_len() > model_config.n_positions {
-        return Err(TrainError::Data(format!(
-            "sequences of {} tokens exceed the model's n_positions {}",
-            data.seq_len(),
-            model_config.n_positions
-        )));
-    }
-    Ok(())
-}
-
 /// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel degree
 /// (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for.
 fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), TrainError> {
@@ -445,7 +425,7 @@ fn train_pipeline(
     }
     let launched = DistEnv::detect().ok();
     let world = launched.as_ref().map_or(args.nproc.max(1), |env| env.world_size);
-    if world % (stages * tensor) != 0 {
+    if !world.is_multiple_of(stages * tensor) {
         return Err(TrainError::Config(format!(
             "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
         )));
@@ -616,28 +596,4 @@ impl PipelineRun<'_> {
         }
         Ok(summary)
     }
-}
-
-/// `model` with world rank 0's weights.
-fn same_weights_as_rank_0(
-    model: Gpt2<B>,
-    world: &dyn ProcessGroup,
-    device: &burn::tensor::Device<B>,
-) -> Result<Gpt2<B>, TrainError> {
-    if world.world_size() == 1 {
-        return Ok(model);
-    }
-    let mut values: Vec<Vec<f32>> = Vec::new();
-    read_values::<B, _>(&model, |_, v| values.push(v));
-    let mut flat = FlatBuffer::F32(values.concat());
-    world
-        .broadcast(&mut flat, 0)
-        .map_err(|e| TrainError::Engine(e.into()))?;
-    let flat = flat.into_f32();
-    let mut at = 0;
-    Ok(write_values(model, device, true, |i| {
-        let n = values[i].len();
-        at += n;
-        flat[at - n..at].to_vec()
-    }))
 }
