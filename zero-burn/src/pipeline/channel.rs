@@ -3,7 +3,8 @@
 //! [`ProcessGroup`] has no send/recv, so a channel is a 2-rank group used in one direction: a
 //! send is a broadcast rooted at the sender, a receive the same broadcast posted by the peer.
 //! Each message is a small header (the shape) then the values, so the receiver needs to know
-//! nothing in advance. Sends are asynchronous (the schedule never blocks on one); their handles
+//! nothing in advance. Values travel as f32 (16-bit activations widen exactly and are rounded
+//! back, exactly, on arrival). Sends are asynchronous (the schedule never blocks on one); their handles
 //! are kept and waited for at [`Channel::flush`]. Every wait has the group's timeout. A native
 //! send/recv can replace the broadcasts behind this type without changing its users.
 

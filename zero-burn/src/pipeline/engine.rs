@@ -13,7 +13,7 @@ use crate::flat_state::{FlatState, GradFlow};
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
-use crate::settings::{EngineSettings, Stage};
+use crate::settings::{EngineSettings, NonFinitePolicy, Stage};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{BTreeMap, VecDeque};
@@ -100,6 +100,14 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                  accumulated whole over the micro-batches, then reduced)",
                 settings.stage.number()
             )));
+        }
+        if settings.precision.loss_scaler.is_some() || settings.precision.non_finite == NonFinitePolicy::Skip {
+            return Err(ZeroError::Config(
+                "fp16 loss scaling and the non-finite skip policy decide per data-parallel group whether a step is \
+                 skipped; with a pipeline every stage would have to agree, which is not available: use bf16 or fp32 \
+                 (without the skip policy)"
+                    .into(),
+            ));
         }
         let stages = groups.layout.size(Axis::Pipeline);
         let stage = groups.coords.pipeline;
@@ -328,7 +336,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         let (input, mut h) = match &mut self.recv_prev {
             Some(channel) if !self.first => {
                 let (shape, values) = channel.recv()?;
-                let x = L::Hidden::from_values(values, shape, &self.device).leaf();
+                let x = L::Hidden::from_values(values, shape, self.dtype(), &self.device).leaf();
                 (Some(x.clone()), x)
             }
             _ => (None, layers[0].input(batch)),
@@ -381,7 +389,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                     .ok_or_else(|| ZeroError::Usage(format!("stage {} has no next stage to hear from", self.stage)))?;
                 let (shape, values) = channel.recv()?;
                 let start = clock.elapsed();
-                let dy = L::Hidden::from_values(values, shape, &self.device);
+                let dy = L::Hidden::from_values(values, shape, self.dtype(), &self.device);
                 self.fence()?;
                 (y.dot(dy).backward(), start)
             }
@@ -412,6 +420,11 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             channel.send(&dx.dims(), dx.to_values())?;
         }
         Ok(())
+    }
+
+    /// The dtype the layers compute in (activations arrive in it).
+    fn dtype(&self) -> burn::tensor::DType {
+        self.core.settings.precision.dtype.burn()
     }
 
     /// Tensor parallelism in threads: every rank of the fence group passes a barrier before a

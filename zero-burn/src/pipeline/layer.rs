@@ -3,7 +3,7 @@
 use crate::chain::Hidden;
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Shape, Tensor, TensorData};
+use burn::tensor::{DType, Shape, Tensor, TensorData};
 
 /// One layer of a pipelined model. All layers of a model share one type (an enum of the kinds
 /// of layers, in Burn's style), so that any contiguous run of them can make a stage.
@@ -65,8 +65,8 @@ pub trait PipeHidden<B: AutodiffBackend>: Hidden<B> {
     fn dims(&self) -> Vec<usize>;
     /// The values, row-major, as f32.
     fn to_values(&self) -> Vec<f32>;
-    /// An activation of `shape` from row-major f32 values.
-    fn from_values(values: Vec<f32>, shape: Vec<usize>, device: &B::Device) -> Self;
+    /// An activation of `shape` and `dtype` from row-major f32 values.
+    fn from_values(values: Vec<f32>, shape: Vec<usize>, dtype: DType, device: &B::Device) -> Self;
     /// The device it lives on.
     fn device_of(&self) -> B::Device;
     /// Zeros of the same shape (the gradient of an input that took no part in the loss).
@@ -80,8 +80,13 @@ impl<B: AutodiffBackend, const D: usize> PipeHidden<B> for Tensor<B, D> {
     fn to_values(&self) -> Vec<f32> {
         crate::params::data_to_vec(self.clone().detach().into_data())
     }
-    fn from_values(values: Vec<f32>, shape: Vec<usize>, device: &B::Device) -> Self {
-        Tensor::from_data(TensorData::new(values, Shape::from(shape)), device)
+    fn from_values(values: Vec<f32>, shape: Vec<usize>, dtype: DType, device: &B::Device) -> Self {
+        let t: Tensor<B, D> = Tensor::from_data(TensorData::new(values, Shape::from(shape)), device);
+        if dtype == DType::F32 {
+            t
+        } else {
+            t.cast(dtype)
+        }
     }
     fn device_of(&self) -> B::Device {
         self.device()
