@@ -62,6 +62,15 @@ fn run_against_pytorch_with(stages: usize, tensor: usize, nproc: usize, zero_sta
     let summary = train(&args).expect("training runs");
     assert_eq!(summary.world_size, nproc);
     assert_eq!(summary.steps.len(), losses.len());
+    // Every rank reports its memory, and each holds only part of the model's parameters.
+    let parameters: Vec<usize> = summary.steps[0].memory.iter().map(|m| m.parameters.current).collect();
+    assert_eq!(parameters.len(), nproc);
+    // (fp32: 4 bytes per parameter; the whole model would be `summary.parameters * 4`.)
+    assert!(
+        parameters.iter().all(|&p| p > 0 && p < summary.parameters * 4),
+        "{parameters:?} bytes per rank of a {}-parameter model",
+        summary.parameters
+    );
     for (record, (&want_loss, &want_norm)) in summary.steps.iter().zip(losses.iter().zip(&norms)) {
         let loss_err = (record.loss - want_loss).abs() / want_loss.abs();
         let norm_err = (record.grad_norm - want_norm).abs() / want_norm.abs();

@@ -566,6 +566,7 @@ impl PipelineRun<'_> {
                 })
                 .collect();
             let out = engine.train_batch(&micro_batches)?;
+            let memory = memory_of_all_ranks(groups.world.as_ref(), engine.memory())?;
             let record = StepRecord {
                 step: step + 1,
                 loss: out.loss as f64,
@@ -575,7 +576,7 @@ impl PipelineRun<'_> {
                 tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
                 skipped: out.report.skipped,
                 valid_loss: None,
-                memory: Vec::new(),
+                memory,
             };
             progress.step(&record);
             if let Some(m) = metrics.as_mut() {

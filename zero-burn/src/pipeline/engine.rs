@@ -503,6 +503,11 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         &self.layers
     }
 
+    /// Bytes held by this rank (its stage's parameters, gradients and optimizer shard), by kind.
+    pub fn memory(&self) -> crate::memory::MemoryReport {
+        self.core.memory.report()
+    }
+
     /// This rank's stage.
     pub fn stage(&self) -> usize {
         self.stage
