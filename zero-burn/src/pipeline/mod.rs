@@ -21,7 +21,7 @@ mod partition;
 mod schedule;
 
 pub use channel::Channel;
-pub use engine::{PipelineEngine, PipelineStep};
+pub use engine::{OpSpan, PipelineEngine, PipelineStep};
 pub use layer::{LayerSpec, PipeHidden, PipeLayer, TiedWeight};
 pub use module::PipelineModule;
 pub use partition::{partition_layers, PartitionMethod};
