@@ -35,6 +35,10 @@ pub struct StepReport {
     pub loss_scale: f64,
 }
 
+/// The squared-and-summed gradient norm of a whole model when this engine holds only a piece
+/// of it (a pipeline stage): given the state and the owned, reduced gradients, the global norm.
+pub(crate) type GradNormFn = Box<dyn Fn(&FlatState, &[Vec<f32>]) -> Result<f64, ZeroError> + Send + Sync>;
+
 /// The shared state and logic of the engines.
 pub(crate) struct EngineCore {
     pub state: FlatState,
@@ -52,6 +56,8 @@ pub(crate) struct EngineCore {
     pub scaler: Option<LossScaler>,
     /// A micro-batch loss of this step was infinite or NaN on this rank.
     loss_non_finite: bool,
+    /// Replaces the norm over the data-parallel group when the model spans more ranks.
+    pub grad_norm: Option<GradNormFn>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
 }
@@ -108,6 +114,7 @@ impl EngineCore {
             skipped_steps: 0,
             scaler,
             loss_non_finite: false,
+            grad_norm: None,
             assembler,
             in_flight: Vec::new(),
         })
@@ -304,7 +311,10 @@ impl EngineCore {
                 });
             }
         }
-        let scaled_norm = self.state.global_grad_norm(&grads, self.comm.as_ref())?;
+        let scaled_norm = match &self.grad_norm {
+            Some(norm) => norm(&self.state, &grads)?,
+            None => self.state.global_grad_norm(&grads, self.comm.as_ref())?,
+        };
         let unscale = 1.0 / loss_scale;
         let grad_norm = scaled_norm * unscale;
         let max_norm = self.settings.gradient_clipping;

@@ -10,6 +10,8 @@
 //! - [`ChainEngine`]: every stage, for models that say how they chain their blocks
 //!   ([`ChainModel`]); stage 3 needs it. A model that is a list of layers declares it with
 //!   [`Sequential`].
+//! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
+//!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
 //!
 //! # Stage-3 helpers
@@ -57,6 +59,7 @@ mod optimizer;
 mod optimizer_bridge;
 pub mod params;
 mod partitioned_init;
+pub mod pipeline;
 pub mod sequential;
 mod settings;
 mod tiled_linear;
@@ -75,6 +78,7 @@ pub use initialize::{
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::ZeroOptimizer;
 pub use partitioned_init::{InitValues, PartitionedInitError};
+pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use sequential::{Layer, Sequential};
 pub use settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,

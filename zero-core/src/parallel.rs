@@ -241,6 +241,18 @@ impl ParallelLayout {
             }
             per_axis.push(handles);
         }
+        // Per world rank, its handle in each pipeline subgroup, in `pipeline_partitions` order.
+        let mut stage_handles: Vec<Vec<Option<SharedGroup>>> = Vec::new();
+        for partition in self.pipeline_partitions() {
+            let mut handles: Vec<Option<SharedGroup>> = vec![None; self.world_size()];
+            for members in partition {
+                let group = ThreadGroup::new_group(members.len()).map_err(comm("pipeline"))?;
+                for (&member, handle) in members.iter().zip(group) {
+                    handles[member] = Some(handle as SharedGroup);
+                }
+            }
+            stage_handles.push(handles);
+        }
         world
             .into_iter()
             .enumerate()
@@ -252,13 +264,25 @@ impl ParallelLayout {
                         source: CommError::Setup("no group was built for this rank".into()),
                     })
                 };
+                let handles: Vec<SharedGroup> = stage_handles
+                    .iter_mut()
+                    .map(|h| {
+                        h[rank].take().ok_or(LayoutError::Comm {
+                            axis: "pipeline",
+                            rank,
+                            source: CommError::Setup("no pipeline subgroup was built for this rank".into()),
+                        })
+                    })
+                    .collect::<Result<_, _>>()?;
+                let coords = self.coords(rank)?;
                 Ok(RankGroups {
                     layout: *self,
-                    coords: self.coords(rank)?,
+                    coords,
                     data: take(0)?,
                     tensor: take(1)?,
                     pipeline: take(2)?,
                     world: world as SharedGroup,
+                    stage: self.stage_groups(coords, handles),
                 })
             })
             .collect()
@@ -284,6 +308,18 @@ impl ParallelLayout {
         let data = split(Axis::Data)?;
         let tensor = split(Axis::Tensor)?;
         let pipeline = split(Axis::Pipeline)?;
+        let handles = self
+            .pipeline_partitions()
+            .iter()
+            .map(|partition| {
+                let group = world.split(partition).map_err(|source| LayoutError::Comm {
+                    axis: "pipeline",
+                    rank,
+                    source,
+                })?;
+                Ok(Arc::new(group) as SharedGroup)
+            })
+            .collect::<Result<Vec<_>, LayoutError>>()?;
         Ok(RankGroups {
             layout: *self,
             coords,
@@ -291,8 +327,106 @@ impl ParallelLayout {
             tensor,
             pipeline,
             world: Arc::new(world),
+            stage: self.stage_groups(coords, handles),
         })
     }
+
+    /// The partitions of the world behind [`StageGroups`], in this order: for each adjacent pair
+    /// of stages `(s, s + 1)`, the activation channel then the gradient channel (each a 2-rank
+    /// group per data and tensor index, sender first for activations, receiver first for
+    /// gradients — both list stage `s` first); then the tied group (first and last stage); then
+    /// the model group (every stage and tensor rank of one data index). Ranks left out of a
+    /// partition's pairs sit alone, so that each is a partition (what [`TcpGroup::split`] needs).
+    fn pipeline_partitions(&self) -> Vec<Vec<Vec<usize>>> {
+        let p = self.pipeline;
+        let pairs = |a: usize, b: usize| -> Vec<Vec<usize>> {
+            let mut groups = Vec::new();
+            let mut paired = vec![false; self.world_size()];
+            for data in 0..self.data {
+                for tensor in 0..self.tensor {
+                    let at = |pipeline| self.rank_at(Coords { data, tensor, pipeline });
+                    if let (Some(x), Some(y)) = (at(a), at(b)) {
+                        paired[x] = true;
+                        paired[y] = true;
+                        groups.push(vec![x, y]);
+                    }
+                }
+            }
+            groups.extend((0..self.world_size()).filter(|&r| !paired[r]).map(|r| vec![r]));
+            groups
+        };
+        let mut out = Vec::new();
+        for s in 0..p.saturating_sub(1) {
+            out.push(pairs(s, s + 1));
+            out.push(pairs(s, s + 1));
+        }
+        if p > 1 {
+            out.push(pairs(0, p - 1));
+        }
+        let model: Vec<Vec<usize>> = (0..self.data)
+            .map(|data| {
+                (0..self.pipeline)
+                    .flat_map(|pipeline| (0..self.tensor).map(move |tensor| (pipeline, tensor)))
+                    .filter_map(|(pipeline, tensor)| self.rank_at(Coords { data, tensor, pipeline }))
+                    .collect()
+            })
+            .collect();
+        out.push(model);
+        out
+    }
+
+    /// Picks this rank's [`StageGroups`] out of its handles in the pipeline partitions (in
+    /// [`pipeline_partitions`](Self::pipeline_partitions) order).
+    fn stage_groups(&self, coords: Coords, handles: Vec<SharedGroup>) -> StageGroups {
+        let p = self.pipeline;
+        let s = coords.pipeline;
+        let mut handles = handles.into_iter();
+        let mut activations = Vec::new();
+        let mut gradients = Vec::new();
+        for _ in 0..p.saturating_sub(1) {
+            activations.extend(handles.next());
+            gradients.extend(handles.next());
+        }
+        let tied = if p > 1 { handles.next() } else { None };
+        let model = handles.next();
+        let pick = |list: &Vec<SharedGroup>, pair: Option<usize>| pair.and_then(|i| list.get(i).cloned());
+        let has_tied = p > 1 && (s == 0 || s == p - 1);
+        StageGroups {
+            stage: s,
+            stages: p,
+            send_next: pick(&activations, (s + 1 < p).then_some(s)),
+            recv_prev: pick(&activations, s.checked_sub(1)),
+            send_prev: pick(&gradients, s.checked_sub(1)),
+            recv_next: pick(&gradients, (s + 1 < p).then_some(s)),
+            tied: if has_tied { tied } else { None },
+            model,
+        }
+    }
+}
+
+/// What a pipeline stage talks over besides its data and tensor groups: one 2-rank channel per
+/// neighbour and direction (in each, the lower stage is rank 0), the tied group of the first
+/// and last stage, and the model group.
+#[derive(Clone, Debug)]
+pub struct StageGroups {
+    /// This rank's stage.
+    pub stage: usize,
+    /// Number of stages.
+    pub stages: usize,
+    /// Activations to stage `stage + 1` (none on the last stage).
+    pub send_next: Option<SharedGroup>,
+    /// Activations from stage `stage - 1` (none on the first stage).
+    pub recv_prev: Option<SharedGroup>,
+    /// Gradients to stage `stage - 1` (none on the first stage).
+    pub send_prev: Option<SharedGroup>,
+    /// Gradients from stage `stage + 1` (none on the last stage).
+    pub recv_next: Option<SharedGroup>,
+    /// The first and last stage (rank 0: the first), which both hold the tied weights; only on
+    /// those two stages, and only with more than one stage.
+    pub tied: Option<SharedGroup>,
+    /// Every stage and tensor rank of this rank's data-parallel index, in world-rank order: the
+    /// group over which the pieces of one model replica's gradient norm are summed.
+    pub model: Option<SharedGroup>,
 }
 
 /// One rank's process groups under a [`ParallelLayout`].
@@ -310,6 +444,8 @@ pub struct RankGroups {
     pub tensor: SharedGroup,
     /// The ranks that hold the other pipeline stages.
     pub pipeline: SharedGroup,
+    /// The pipeline stage's channels, tied group and model group.
+    pub stage: StageGroups,
 }
 
 impl RankGroups {
@@ -363,6 +499,54 @@ mod tests {
             assert_eq!(all, (0..8).collect::<Vec<_>>());
         }
         assert_eq!(layout.group_index(Axis::Data, 5).unwrap(), 3);
+    }
+
+    /// Reference: the pairs written out by hand for data 2 × pipeline 3.
+    #[test]
+    fn pipeline_partitions_pair_neighbours() {
+        let layout = ParallelLayout::with_pipeline(2, 1, 3).unwrap();
+        let parts = layout.pipeline_partitions();
+        // Two pairs of neighbours × two directions, the tied group, the model group.
+        assert_eq!(parts.len(), 6);
+        assert_eq!(parts[0], vec![vec![0, 2], vec![1, 3], vec![4], vec![5]]);
+        assert_eq!(parts[2], vec![vec![2, 4], vec![3, 5], vec![0], vec![1]]);
+        assert_eq!(parts[4], vec![vec![0, 4], vec![1, 5], vec![2], vec![3]]);
+        assert_eq!(parts[5], vec![vec![0, 2, 4], vec![1, 3, 5]]);
+    }
+
+    /// A stage's channels connect it to its neighbours, in both directions.
+    #[test]
+    fn stage_channels_carry_to_the_neighbour() {
+        let layout = ParallelLayout::with_pipeline(1, 1, 3).unwrap();
+        let ranks = layout.threads().unwrap();
+        assert!(ranks[0].stage.recv_prev.is_none() && ranks[2].stage.send_next.is_none());
+        assert!(ranks[1].stage.tied.is_none() && ranks[0].stage.tied.is_some());
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let s = g.stage.stage;
+                    let mut got = Vec::new();
+                    if let Some(c) = &g.stage.send_next {
+                        let mut b = crate::comm::FlatBuffer::F32(vec![s as f32 + 1.0]);
+                        c.broadcast(&mut b, 0).unwrap();
+                    }
+                    if let Some(c) = &g.stage.recv_prev {
+                        let mut b = crate::comm::FlatBuffer::F32(vec![0.0]);
+                        c.broadcast(&mut b, 0).unwrap();
+                        got.push(b.into_f32()[0]);
+                    }
+                    if let Some(c) = &g.stage.model {
+                        let mut b = crate::comm::FlatBuffer::F32(vec![1.0]);
+                        c.all_reduce(&mut b, crate::comm::ReduceOp::Sum).unwrap();
+                        got.push(b.into_f32()[0]);
+                    }
+                    got
+                })
+            })
+            .collect();
+        let got: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(got, vec![vec![3.0], vec![1.0, 3.0], vec![2.0, 3.0]]);
     }
 
     #[test]

@@ -1,9 +1,15 @@
 //! The model a run starts from: a preset, or a HuggingFace checkpoint directory.
 
+use super::data::DataSource;
 use super::TrainError;
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use std::path::PathBuf;
+use zero_burn::params::{read_values, write_values};
+use zero_core::comm::{FlatBuffer, ProcessGroup};
 use zero_models::{Gpt2, Gpt2Config};
+
+type B = Autodiff<Flex>;
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -27,4 +33,47 @@ impl ModelSource {
             }
         }
     }
+}
+
+/// Whether the data fits the model's vocabulary and positions.
+pub fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), TrainError> {
+    if data.max_token() as usize >= model_config.vocab_size {
+        return Err(TrainError::Data(format!(
+            "token id {} is outside the model's vocabulary of {}",
+            data.max_token(),
+            model_config.vocab_size
+        )));
+    }
+    if data.seq_len() > model_config.n_positions {
+        return Err(TrainError::Data(format!(
+            "sequences of {} tokens exceed the model's n_positions {}",
+            data.seq_len(),
+            model_config.n_positions
+        )));
+    }
+    Ok(())
+}
+
+/// `model` with world rank 0's weights.
+pub fn same_weights_as_rank_0(
+    model: Gpt2<B>,
+    world: &dyn ProcessGroup,
+    device: &burn::tensor::Device<B>,
+) -> Result<Gpt2<B>, TrainError> {
+    if world.world_size() == 1 {
+        return Ok(model);
+    }
+    let mut values: Vec<Vec<f32>> = Vec::new();
+    read_values::<B, _>(&model, |_, v| values.push(v));
+    let mut flat = FlatBuffer::F32(values.concat());
+    world
+        .broadcast(&mut flat, 0)
+        .map_err(|e| TrainError::Engine(e.into()))?;
+    let flat = flat.into_f32();
+    let mut at = 0;
+    Ok(write_values(model, device, true, |i| {
+        let n = values[i].len();
+        at += n;
+        flat[at - n..at].to_vec()
+    }))
 }

@@ -1,10 +1,13 @@
 //! `gpt2 train`: GPT-2 trained by the ZeRO engine from a DeepSpeed config.
 //!
-//! Every rank runs [`rank_loop`]; rank 0 alone prints, writes the metrics file and draws.
+//! Every rank runs [`rank_loop`]; rank 0 alone prints, writes the metrics file and draws. With
+//! `pipeline.stages` or `tensor_parallel.autotp_size` above 1 the ranks are laid out data ×
+//! tensor × pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one
+//! stage of the model's layers.
 
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
-use super::model::ModelSource;
+use super::model::{check_data, same_weights_as_rank_0, ModelSource};
 use super::monitor::Monitors;
 use super::timers::{StepTimers, TimedGroup};
 use super::TrainError;
@@ -14,9 +17,13 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, InitOptions, MemoryReport};
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
+use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::DeepSpeedConfig;
+use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
+use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
+use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::Gpt2;
 
 type B = Autodiff<Flex>;
@@ -140,6 +147,10 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
         (None, Some(name)) => ModelSource::Preset(name.clone()),
         (None, None) => ModelSource::Preset("tiny".into()),
     };
+    let (stages, tensor) = model_parallel_degrees(&config)?;
+    if stages > 1 || tensor > 1 {
+        return train_pipeline(args, config, data, source, stages, tensor);
+    }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
         rank_loop(rank, group, &args, &config, &data, &source)
@@ -168,20 +179,7 @@ fn rank_loop(
     let device = Default::default();
     <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
     let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
-    if data.max_token() as usize >= model_config.vocab_size {
-        return Err(TrainError::Data(format!(
-            "token id {} is outside the model's vocabulary of {}",
-            data.max_token(),
-            model_config.vocab_size
-        )));
-    }
-    if data.seq_len() > model_config.n_positions {
-        return Err(TrainError::Data(format!(
-            "sequences of {} tokens exceed the model's n_positions {}",
-            data.seq_len(),
-            model_config.n_positions
-        )));
-    }
+    check_data(data, &model_config)?;
     let world = group.world_size();
     let options = InitOptions {
         hidden_size: Some(model_config.n_embd),
@@ -385,4 +383,218 @@ fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<V
             }
         })
         .collect())
+}
+
+/// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel degree
+/// (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for.
+fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), TrainError> {
+    let raw = config.raw();
+    let stages =
+        match raw.pointer("/pipeline/stages") {
+            None | Some(serde_json::Value::Null) => 1,
+            Some(serde_json::Value::String(s)) if s == "auto" => 1,
+            Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                TrainError::Config(format!("pipeline.stages: {v} is not \"auto\" nor a positive integer"))
+            })? as usize,
+        };
+    let tensor = match raw.pointer("/tensor_parallel/autotp_size") {
+        None | Some(serde_json::Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| TrainError::Config(format!("tensor_parallel.autotp_size: {v} is not an integer")))?
+            .max(1) as usize,
+    };
+    Ok((stages, tensor))
+}
+
+/// Training with the ranks laid out data × tensor × pipeline (the data degree is what is left
+/// of the world): as threads, or this process's one rank under a launcher.
+fn train_pipeline(
+    args: &TrainArgs,
+    config: Arc<DeepSpeedConfig>,
+    data: Arc<DataSource>,
+    source: ModelSource,
+    stages: usize,
+    tensor: usize,
+) -> Result<TrainSummary, TrainError> {
+    if args.save.is_some() || args.load.is_some() {
+        return Err(TrainError::Config(
+            "--save/--load: checkpoints of pipelined runs are not available yet (remove pipeline.stages or the flags)"
+                .into(),
+        ));
+    }
+    let launched = DistEnv::detect().ok();
+    let world = launched.as_ref().map_or(args.nproc.max(1), |env| env.world_size);
+    if !world.is_multiple_of(stages * tensor) {
+        return Err(TrainError::Config(format!(
+            "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
+        )));
+    }
+    let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let comm = |e: zero_core::comm::CommError| TrainError::Engine(e.into());
+    if launched.is_some() {
+        let world_group = TcpGroup::from_env(None).map_err(comm)?;
+        let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
+        return pipeline_rank_loop(groups, args, &config, &data, &source);
+    }
+    let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
+    let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|groups| {
+                let (config, data, source) = (&config, &data, &source);
+                s.spawn(move || pipeline_rank_loop(groups, args, config, data, source))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(TrainError::Config(format!("rank {rank} panicked"))))
+            })
+            .collect()
+    });
+    let mut first = None;
+    for r in results {
+        let s = r?;
+        first.get_or_insert(s);
+    }
+    first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
+}
+
+/// One rank of a pipelined run: its stage of the model's layers, trained on its data index's
+/// share of each global batch.
+fn pipeline_rank_loop(
+    groups: RankGroups,
+    args: &TrainArgs,
+    config: &DeepSpeedConfig,
+    data: &DataSource,
+    source: &ModelSource,
+) -> Result<TrainSummary, TrainError> {
+    let device = Default::default();
+    <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
+    let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
+    check_data(data, &model_config)?;
+    let dp = groups.layout.size(Axis::Data);
+    let options = InitOptions {
+        hidden_size: Some(model_config.n_embd),
+        ..Default::default()
+    };
+    let resolved = zero_burn::resolve(config, dp, &options)?;
+    let settings = zero_burn::engine_settings(&resolved)?;
+    let (micro, gas, global) = (
+        resolved.micro_batch_size as usize,
+        resolved.gradient_accumulation_steps as usize,
+        resolved.train_batch_size as usize,
+    );
+    let method = match resolved.pipeline.partition.as_str() {
+        // DeepSpeed's default; the layers here are balanced by parameters.
+        "best" => PartitionMethod::Parameters,
+        name => PartitionMethod::from_name(name)?,
+    };
+    // Every stage cuts the same model: world rank 0's weights, so that a stage's layers do not
+    // depend on how the ranks' threads shared the random generator.
+    let model = same_weights_as_rank_0(model, groups.world.as_ref(), &device)?;
+    let stages = groups.layout.size(Axis::Pipeline);
+    let stage = groups.coords.pipeline;
+    let run = PipelineRun {
+        args,
+        data,
+        groups: &groups,
+        micro,
+        gas,
+        global,
+        zero_stage: resolved.zero.stage as u8,
+        parameters: model_config.num_params() as usize,
+    };
+    if groups.layout.size(Axis::Tensor) > 1 {
+        let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
+            .map_err(|e| TrainError::Model(format!("tensor_parallel.autotp_size: {e}")))?;
+        let module = PipelineModule::from_layers::<B>(tp.into_pipeline_layers(), stages, method, stage)?;
+        let mut settings = settings;
+        // Tensor-parallel collectives run inside backward(): fence the stage's tensor ranks.
+        settings.backward_fence = Some(groups.tensor.clone());
+        run.steps(PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?)
+    } else {
+        let module = PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, stage)?;
+        run.steps(PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?)
+    }
+}
+
+/// What the steps of a pipelined run need besides the engine.
+struct PipelineRun<'a> {
+    args: &'a TrainArgs,
+    data: &'a DataSource,
+    groups: &'a RankGroups,
+    micro: usize,
+    gas: usize,
+    global: usize,
+    zero_stage: u8,
+    parameters: usize,
+}
+
+impl PipelineRun<'_> {
+    /// The training steps: each data index trains on its share of every global batch.
+    fn steps<L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
+        &self,
+        mut engine: PipelineEngine<B, L>,
+    ) -> Result<TrainSummary, TrainError> {
+        let (args, data, groups) = (self.args, self.data, self.groups);
+        let (micro, gas, global) = (self.micro, self.gas, self.global);
+        let device = Default::default();
+        let world = groups.layout.world_size();
+        let lead = groups.world.rank() == 0;
+        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
+        let mut metrics = match (&args.metrics, lead) {
+            (Some(path), true) => Some(MetricsWriter::create(path)?),
+            _ => None,
+        };
+        let d = groups.coords.data;
+        let started = Instant::now();
+        let mut records = Vec::new();
+        for step in 0..args.steps {
+            let t0 = Instant::now();
+            let batch = data.global_batch(step, global, args.seed)?;
+            let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
+            let micro_batches: Vec<_> = mine
+                .chunks(micro)
+                .map(|chunk| {
+                    let tokens = token_tensor(chunk, &device);
+                    (tokens.clone(), tokens)
+                })
+                .collect();
+            let out = engine.train_batch(&micro_batches)?;
+            let memory = memory_of_all_ranks(groups.world.as_ref(), engine.memory())?;
+            let record = StepRecord {
+                step: step + 1,
+                loss: out.loss as f64,
+                lr: out.report.lr,
+                loss_scale: out.report.loss_scale,
+                grad_norm: out.report.grad_norm,
+                tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
+                skipped: out.report.skipped,
+                valid_loss: None,
+                memory,
+            };
+            progress.step(&record);
+            if let Some(m) = metrics.as_mut() {
+                m.write(&record)?;
+            }
+            records.push(record);
+        }
+        let summary = TrainSummary {
+            steps: records,
+            seconds: started.elapsed().as_secs_f64(),
+            world_size: world,
+            parameters: self.parameters,
+        };
+        progress.finish(&summary);
+        if let (Some(m), Some(path)) = (metrics, &args.metrics) {
+            m.finish()?;
+            super::metrics::write_loss_curve(path, &summary)?;
+        }
+        Ok(summary)
+    }
 }

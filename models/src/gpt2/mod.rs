@@ -12,6 +12,7 @@ mod mlp;
 mod model;
 mod names;
 mod partitioned;
+mod pipeline;
 mod presets;
 
 pub use attention::Gpt2Attention;
@@ -23,4 +24,5 @@ pub use mlp::Gpt2Mlp;
 pub use model::{Gpt2, IGNORE_INDEX};
 pub use names::HF_PREFIX;
 pub use partitioned::{Gpt2Engine, PartitionedLoadError};
+pub use pipeline::{Gpt2Embed, Gpt2Head, Gpt2Layer, Gpt2LayerSpec, TIED_WTE};
 pub use presets::{GPT2_VOCAB_SIZE, PRESET_NAMES};

@@ -141,7 +141,11 @@ impl<B: Backend> Gpt2<B> {
 
 /// Mean cross-entropy of `logits` `[batch, n, vocab]` against `targets` `[batch, n]`, leaving out
 /// targets equal to [`IGNORE_INDEX`].
-fn shifted_cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>, rows: usize) -> Tensor<B, 1> {
+pub(crate) fn shifted_cross_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    rows: usize,
+) -> Tensor<B, 1> {
     let [_, _, vocab] = logits.dims();
     // The loss is computed in f32 whatever the model's dtype (as HuggingFace upcasts bf16/fp16
     // logits): a softmax over 50k entries in bf16 loses the small probabilities.

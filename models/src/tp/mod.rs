@@ -23,6 +23,7 @@ mod embedding;
 mod group;
 mod linear;
 mod model;
+mod pipeline;
 
 pub use block::{TpAttention, TpBlock, TpMlp};
 pub use collectives::{all_reduce_primitive, copy_to_tp, reduce_from_tp, TpBackend};
@@ -31,6 +32,7 @@ pub use embedding::VocabParallelEmbedding;
 pub use group::{TpError, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use model::TpGpt2;
+pub use pipeline::{TpEmbed, TpGpt2Layer, TpHead};
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
