@@ -203,7 +203,7 @@ fn tensor_parallel_over_tcp_subgroups_matches_the_full_model() {
 /// Settings of the training comparison: AdamW with eps 1e-4 (see zero-burn's exactness tests:
 /// a tiny eps amplifies summation-order rounding in near-zero gradient elements), small buckets
 /// so that stages 1-2 reduce several per step, biases replicated under stage 3.
-fn settings(stage: Stage) -> EngineSettings {
+fn settings(stage: Stage, clip: f64) -> EngineSettings {
     let mut s = EngineSettings::new(
         stage,
         OptimizerSpec::Adam(AdamSpec {
@@ -219,6 +219,7 @@ fn settings(stage: Stage) -> EngineSettings {
     s.reduce_bucket_size = 300;
     s.param_persistence_threshold = 20;
     s.prefetch_bucket_size = 1000;
+    s.gradient_clipping = clip;
     s
 }
 
@@ -226,10 +227,10 @@ const STEPS: usize = 5;
 const GLOBAL_BATCH: usize = 4;
 
 /// The single-process run: the full model, the whole global batch, one rank.
-fn reference_training() -> Vec<Vec<f32>> {
+fn reference_training(clip: f64) -> Vec<Vec<f32>> {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let mut engine = ChainEngine::new(settings(Stage::Zero0), full_model(&device), group).unwrap();
+    let mut engine = ChainEngine::new(settings(Stage::Zero0, clip), full_model(&device), group).unwrap();
     for step in 0..STEPS {
         let batch = tokens(step, 0..GLOBAL_BATCH, &device);
         let loss = engine.forward((batch.clone(), batch)).unwrap();
@@ -241,7 +242,7 @@ fn reference_training() -> Vec<Vec<f32>> {
 
 #[test]
 fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
-    let reference = reference_training();
+    let reference = reference_training(0.0);
     let initial = full_model(&Default::default());
     assert!(
         max_relative_error(&values(&initial), &reference) > 1e-3,
@@ -249,13 +250,13 @@ fn tp2_dp2_trains_like_one_process_under_zero_stages_1_to_3() {
     );
 
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        check_training(stage, 2, 2, 1, &reference);
+        check_training(stage, 2, 2, 1, 0.0, &reference);
     }
 }
 
 #[test]
 fn other_layouts_stage_0_and_accumulation_train_like_one_process() {
-    let reference = reference_training();
+    let reference = reference_training(0.0);
     for (stage, dp, tp, gas) in [
         (Stage::Zero0, 2, 2, 1),
         (Stage::Zero2, 2, 2, 2),
@@ -263,20 +264,40 @@ fn other_layouts_stage_0_and_accumulation_train_like_one_process() {
         (Stage::Zero1, 1, 4, 1),
         (Stage::Zero3, 1, 4, 2),
     ] {
-        check_training(stage, dp, tp, gas, &reference);
+        check_training(stage, dp, tp, gas, 0.0, &reference);
+    }
+}
+
+#[test]
+fn clipping_under_tensor_parallelism_uses_the_whole_models_norm() {
+    // Reference: one process clipping the full model's gradient norm. With 0.05 every step is
+    // clipped (the norm is above 1 here), so a norm over one rank's slices would scale the
+    // gradients differently and the weights would part.
+    let reference = reference_training(0.05);
+    assert!(
+        max_relative_error(&reference, &reference_training(0.0)) > 1e-3,
+        "the clip engages"
+    );
+    for (stage, dp, tp, gas) in [
+        (Stage::Zero1, 2, 2, 1),
+        (Stage::Zero3, 2, 2, 1),
+        (Stage::Zero2, 1, 4, 2),
+    ] {
+        check_training(stage, dp, tp, gas, 0.05, &reference);
     }
 }
 
 /// Trains the tensor-parallel model on a `dp × tp` layout, `gas` micro-batches per step (the
 /// global batch split in order across data-parallel ranks, then micro-batches), and compares
 /// every rank's weights with its slice of the reference's.
-fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, reference: &[Vec<f32>]) {
+fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f64, reference: &[Vec<f32>]) {
     let results = on_layout(dp, tp, |groups| {
         let device = Default::default();
         let group = TpGroup::new(groups.tensor.clone());
         let model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
-        let mut settings = settings(stage);
+        let mut settings = settings(stage, clip);
         settings.gradient_accumulation_steps = gas;
+        settings.tensor_parallel_group = Some(groups.tensor.clone());
         // Tensor-parallel collectives run inside backward(): fence the rank threads.
         settings.backward_fence = Some(groups.world.clone());
         let mut engine = ChainEngine::new(settings, model, groups.data.clone()).unwrap();
@@ -297,7 +318,7 @@ fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, reference: &[V
     });
     for (coords, got, want) in results {
         let err = max_relative_error(&got, &want);
-        let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} {coords:?}");
+        let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} {coords:?}");
         eprintln!("{label}: weights max relative error {err:e}");
         assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
     }

@@ -53,6 +53,18 @@ pub trait ChainModel<B: AutodiffBackend>: Module<B> + Sized {
     fn block_forward(block: &Self::Block, x: Self::Hidden) -> Self::Hidden;
     /// The loss (a one-element tensor) from the last block's output.
     fn head_loss(ends: &Self::Ends, h: Self::Hidden, batch: &Self::Batch) -> Tensor<B, 1>;
+
+    /// Under tensor parallelism, the indices (in visit order) of the ends' parameters that are
+    /// split over the tensor group, each tensor rank holding a different slice; the others are
+    /// replicated over it. The global gradient norm counts a split parameter's slices on every
+    /// tensor rank and a replicated one once. Default: none is split.
+    fn ends_tensor_split(_ends: &Self::Ends) -> Vec<usize> {
+        Vec::new()
+    }
+    /// As [`ChainModel::ends_tensor_split`], for a block.
+    fn block_tensor_split(_block: &Self::Block) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// An activation between parts of a chain: what the engine needs to cut the autodiff graph at

@@ -144,6 +144,16 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         for (b, block) in blocks.iter().enumerate() {
             push_part(format!("blocks.{b}."), describe::<B, _>(block));
         }
+        // Parameters split over the tensor group (their slices all count in the global norm).
+        let mut tensor_split = vec![false; specs.len()];
+        let splits = std::iter::once(M::ends_tensor_split(&ends)).chain(blocks.iter().map(M::block_tensor_split));
+        for (params, split) in part_params.iter().zip(splits) {
+            for i in split {
+                if let Some(&p) = params.get(i) {
+                    tensor_split[p] = true;
+                }
+            }
+        }
 
         let numels: Vec<usize> = specs.iter().map(ParamSpec::numel).collect();
         let world = comm.world_size();
@@ -253,7 +263,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             (Stage::Zero2 | Stage::Zero3, Placement::Sharded) => GradFlow::ReduceThenAccumulate,
             _ => GradFlow::AccumulateThenReduce,
         };
-        let core = EngineCore::new(
+        let tensor_group = settings.tensor_parallel_group.clone();
+        let data_comm = comm.clone();
+        let mut core = EngineCore::new(
             layout.clone(),
             comm,
             settings,
@@ -261,6 +273,15 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             |i| std::mem::take(&mut values[i]),
             memory,
         )?;
+        if let Some(tensor) = tensor_group {
+            // Each split parameter counts on every tensor rank, a replicated one on tensor rank 0.
+            let counted = tensor_split.iter().map(|&split| split || tensor.rank() == 0).collect();
+            core.grad_norm = Some(crate::core::counted_grad_norm(
+                counted,
+                data_comm.rank(),
+                vec![data_comm, tensor],
+            ));
+        }
         if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
             // The fp32 masters are the parameters themselves: count them once, as parameters.
             // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)

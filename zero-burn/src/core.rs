@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::HashMap;
 use std::sync::Arc;
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, Work};
+use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, SharedGroup, Work};
 use zero_core::loss_scaler::{has_overflow, LossScaler, ScaleDecision};
 use zero_core::partition::{ParamPlace, PartitionLayout, Placement};
 
@@ -38,6 +38,36 @@ pub struct StepReport {
 /// The squared-and-summed gradient norm of a whole model when this engine holds only a piece
 /// of it (a pipeline stage): given the state and the owned, reduced gradients, the global norm.
 pub(crate) type GradNormFn = Box<dyn Fn(&FlatState, &[Vec<f32>]) -> Result<f64, ZeroError> + Send + Sync>;
+
+/// The gradient norm of a model spread over more ranks than the data-parallel group: each rank
+/// sums the squares of its `counted` parameters in its owned ranges (a replicated group only on
+/// data rank 0), and the partial sums are added over each of `groups` in turn (groups whose
+/// members hold disjoint parts: the data-parallel group, then the tensor-parallel group).
+pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Vec<SharedGroup>) -> GradNormFn {
+    Box::new(move |state: &FlatState, grads: &[Vec<f32>]| {
+        let mut sum = 0.0f64;
+        for (gi, grad) in grads.iter().enumerate() {
+            let rank = match state.layout.groups[gi].placement {
+                Placement::Replicated if data_rank != 0 => continue,
+                Placement::Replicated => 0,
+                Placement::Sharded => data_rank,
+            };
+            for seg in state.layout.segments(gi, rank) {
+                if counted[seg.param] {
+                    sum += grad[seg.local].iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
+                }
+            }
+        }
+        for group in &groups {
+            if group.world_size() > 1 {
+                let mut b = FlatBuffer::F32(vec![sum as f32]);
+                group.all_reduce(&mut b, ReduceOp::Sum)?;
+                sum = b.into_f32()[0] as f64;
+            }
+        }
+        Ok(sum.sqrt())
+    })
+}
 
 /// The shared state and logic of the engines.
 pub(crate) struct EngineCore {

@@ -74,6 +74,11 @@ pub struct EngineSettings {
     /// and recompute the rest in backward. `None`: stages 0-2 keep every block's graph; stage 3
     /// keeps each block's input (it recomputes every block anyway).
     pub activation_checkpointing: Option<crate::ActivationCheckpointing>,
+    /// The tensor-parallel group of a model whose parameters are split over several ranks
+    /// (`ChainModel::ends_tensor_split`/`block_tensor_split` say which): the global gradient
+    /// norm, and so clipping, then covers the whole model, not this rank's slices. `None`: the
+    /// model is whole on every rank of the data-parallel group.
+    pub tensor_parallel_group: Option<zero_core::comm::SharedGroup>,
     /// Stage 3: a gathered part stays gathered until its next use when the parameters gathered
     /// in between are at most this many (`stage3_max_reuse_distance`).
     pub max_reuse_distance: usize,
@@ -282,6 +287,7 @@ impl EngineSettings {
             offload_param: ParamOffload::None,
             backward_fence: None,
             activation_checkpointing: None,
+            tensor_parallel_group: None,
             max_reuse_distance: 1_000_000_000,
             max_live_parameters: 1_000_000_000,
         }

@@ -11,6 +11,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use zero_burn::params::describe;
 use zero_burn::ChainModel;
 
 /// GPT-2 with every layer split Megatron-style over a tensor-parallel group: `wte`
@@ -145,4 +146,28 @@ impl<B: AutodiffBackend + TpBackend> ChainModel<B> for TpGpt2<B> {
     fn head_loss(ends: &TpGpt2<B>, h: Tensor<B, 3>, batch: &Self::Batch) -> Tensor<B, 1> {
         ends.head_loss(h, batch.1.clone())
     }
+
+    /// `wte` (this rank's vocabulary rows) is the ends' first parameter.
+    fn ends_tensor_split(_ends: &TpGpt2<B>) -> Vec<usize> {
+        vec![0]
+    }
+
+    fn block_tensor_split(block: &TpBlock<B>) -> Vec<usize> {
+        tensor_split_params::<B>(block)
+    }
+}
+
+/// The parameters of a block split over the tensor group: the column-parallel `c_attn` and
+/// `c_fc` (weights and biases) and the row-parallel projections' weights (their biases are
+/// added once, replicated).
+pub(crate) fn tensor_split_params<B: Backend>(block: &TpBlock<B>) -> Vec<usize> {
+    describe::<B, _>(block)
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, spec))| {
+            let n = &spec.name;
+            n.contains("c_attn") || n.contains("c_fc") || (n.contains("c_proj") && n.ends_with("weight"))
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
