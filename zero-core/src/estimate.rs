@@ -263,6 +263,9 @@ fn join_terms(terms: &[String]) -> String {
     }
 }
 
+/// DeepSpeed's default `stage3_max_reuse_distance` and `stage3_max_live_parameters`.
+pub const DEFAULT_REUSE_LIMIT: u64 = 1_000_000_000;
+
 /// A GPT-2 shape: what the parameter count and the largest gather unit depend on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Gpt2Shape {
@@ -330,10 +333,19 @@ impl Gpt2Shape {
         self.ends_params() + self.n_layer * self.block_params()
     }
 
-    /// The largest unit stage 3 gathers at once: a block, or the ends (which the chain engine
-    /// gathers together).
+    /// The most parameters stage 3 holds gathered at once. The chain engine gathers the ends
+    /// together and, within DeepSpeed's default `stage3_max_reuse_distance` and
+    /// `stage3_max_live_parameters` (1e9 each, see [`DEFAULT_REUSE_LIMIT`]), keeps them gathered
+    /// while the blocks run: the ends plus the largest block. Beyond those limits each part is
+    /// released after use: the larger of a block and the ends.
     pub fn largest_gather(&self) -> u64 {
-        self.block_params().max(self.ends_params())
+        let blocks = self.n_layer * self.block_params();
+        let kept = self.ends_params() + self.block_params();
+        if blocks <= DEFAULT_REUSE_LIMIT && kept <= DEFAULT_REUSE_LIMIT {
+            kept
+        } else {
+            self.block_params().max(self.ends_params())
+        }
     }
 }
 
