@@ -29,8 +29,9 @@ use zero_core::comm::ProcessGroup;
 /// a `Result`-returning loop. Clones share one state: the optimizer is one per rank.
 ///
 /// Its Burn record is empty: Burn's own checkpointing of the optimizer (`to_record`) does not
-/// carry the sharded Adam state. Resumable training goes through the engines'
-/// `save_checkpoint` / `load_checkpoint`.
+/// carry the sharded Adam state. Resumable training goes through
+/// [`ZeroOptimizer::save_checkpoint`] / [`ZeroOptimizer::load_checkpoint`] (the engines' sharded
+/// format, loadable by them and at another world size).
 #[derive(Clone)]
 pub struct ZeroOptimizer {
     settings: EngineSettings,
@@ -88,19 +89,56 @@ impl ZeroOptimizer {
         core.as_ref().map(|c| c.memory.report()).unwrap_or_default()
     }
 
-    fn try_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+    /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
+    /// step count) under `dir/tag` (tag None: `global_step{N}`), in the engines' sharded format;
+    /// every rank calls this after a step. The module's weights are the masters rounded, so this
+    /// is the whole training state. Returns the tag directory.
+    pub fn save_checkpoint(
         &self,
-        lr: f64,
+        dir: impl AsRef<std::path::Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError> {
+        let guard = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        let core = guard.as_ref().ok_or_else(|| {
+            ZeroError::Usage(
+                "ZeroOptimizer::save_checkpoint before the first step: the state is built at the first step".into(),
+            )
+        })?;
+        core.save_checkpoint(dir.as_ref(), tag, client_state)
+    }
+
+    /// Restores the state saved by [`ZeroOptimizer::save_checkpoint`] (or by an engine, at any
+    /// world size and stage 0-2) for `module`, and returns the module with the restored weights
+    /// and the client state. Every file is verified before anything changes.
+    pub fn load_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        tag: Option<&str>,
         module: M,
-        mut take: impl FnMut(burn::module::ParamId) -> Option<Vec<f32>>,
-    ) -> Result<M, ZeroError> {
+    ) -> Result<(M, serde_json::Value), ZeroError> {
         let device = first_device::<B, M>(&module)?;
         let mut guard = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        self.ensure_core::<B, M>(&mut guard, &module)?;
+        let core = guard.as_mut().unwrap_or_else(|| unreachable!("just built"));
+        let client = core.load_checkpoint(dir.as_ref(), tag)?;
+        let mut source = core.value_source();
+        let module = write_data(module, &device, true, |i, _| source.take_data(i));
+        source.finish()?;
+        Ok((module, client))
+    }
+
+    /// Builds the flat state from `module` if this is its first use.
+    fn ensure_core<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        guard: &mut Option<EngineCore>,
+        module: &M,
+    ) -> Result<(), ZeroError> {
         if guard.is_none() {
-            let layout = replicated_layout::<B, M>(&module, &self.settings, self.comm.world_size());
+            let layout = replicated_layout::<B, M>(module, &self.settings, self.comm.world_size());
             let mut values = vec![Vec::new(); layout.params.len()];
             let dtype = self.settings.precision.dtype;
-            crate::params::read_values::<B, M>(&module, |i, mut v| {
+            crate::params::read_values::<B, M>(module, |i, mut v| {
                 half_buffer::round_to(dtype, &mut v);
                 values[i] = v
             });
@@ -122,6 +160,18 @@ impl ZeroOptimizer {
                 memory,
             )?);
         }
+        Ok(())
+    }
+
+    fn try_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        lr: f64,
+        module: M,
+        mut take: impl FnMut(burn::module::ParamId) -> Option<Vec<f32>>,
+    ) -> Result<M, ZeroError> {
+        let device = first_device::<B, M>(&module)?;
+        let mut guard = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        self.ensure_core::<B, M>(&mut guard, &module)?;
         let core = guard.as_mut().unwrap_or_else(|| unreachable!());
         // Burn's loop owns the schedule: use its learning rate for this step.
         let fixed = lr;
