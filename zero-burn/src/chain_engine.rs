@@ -185,14 +185,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             });
         }
         let layout = builder.finish();
-        for part in &mut parts {
-            part.gathered_elements = part
-                .groups
-                .iter()
-                .filter(|&&g| layout.groups[g].placement == Placement::Sharded)
-                .map(|&g| layout.groups[g].padded)
-                .sum();
-        }
+        count_gathered_elements(&mut parts, &layout);
 
         // Initial values: rank 0's, broadcast part by part; each rank keeps its owned ranges.
         let mut values: Vec<Vec<f32>> = vec![Vec::new(); layout.params.len()];
@@ -289,18 +282,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             core.memory.sub_master(owned);
             core.memory.add_parameters(owned);
         }
-        Ok(ChainEngine {
-            ends,
-            blocks,
-            parts,
-            core,
-            device,
-            prefetched: HashMap::new(),
-            schedule: VecDeque::new(),
-            embed_ends: None,
-            kept_ends: None,
-            keep_ends: false,
-        })
+        Ok(Self::from_state(ends, blocks, parts, core, device))
     }
 
     /// Forward of one micro-batch.
@@ -754,6 +736,19 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         }
         let bytes = self.parts[part].gathered_elements * self.element_size();
         self.core.memory.sub_gathered(bytes);
+    }
+}
+
+/// Sets each part's `gathered_elements`: the padded elements of its sharded groups, what a
+/// gather of the part brings in.
+pub(crate) fn count_gathered_elements(parts: &mut [Part], layout: &PartitionLayout) {
+    for part in parts {
+        part.gathered_elements = part
+            .groups
+            .iter()
+            .filter(|&&g| layout.groups[g].placement == Placement::Sharded)
+            .map(|&g| layout.groups[g].padded)
+            .sum();
     }
 }
 

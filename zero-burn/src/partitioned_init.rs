@@ -158,14 +158,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             })
             .collect();
         let layout = builder.finish();
-        for part in &mut parts {
-            part.gathered_elements = part
-                .groups
-                .iter()
-                .filter(|&&g| layout.groups[g].placement == Placement::Sharded)
-                .map(|&g| layout.groups[g].padded)
-                .sum();
-        }
+        crate::chain_engine::count_gathered_elements(&mut parts, &layout);
 
         let memory = Arc::new(MemoryTracker::default());
         let dtype = settings.precision.dtype;
