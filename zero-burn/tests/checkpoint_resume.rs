@@ -337,7 +337,7 @@ fn exports_match_the_model_stage_3() {
         };
         e.save_weights(d.join("f32/model.safetensors"), None, &|n| map.apply(n))
             .expect("f32 save");
-        e.save_checkpoint(&d.join("ckpt"), None, &serde_json::Value::Null)
+        e.save_checkpoint(d.join("ckpt"), None, &serde_json::Value::Null)
             .expect("save");
         let names: Vec<String> = e.layout().params.iter().map(|p| p.name.clone()).collect();
         (names, values::<B, _>(&e.module().expect("module")))

@@ -14,7 +14,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train (ranks as threads with --nproc, or one rank per process under `zero launch`).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Print the loss of a checkpoint on a token batch (last line: `loss <value>`).
     Score(ScoreArgs),
     /// Continue a prompt greedily.

@@ -64,7 +64,7 @@ fn parse_count(text: &str) -> Result<u64, String> {
         return Ok(n);
     }
     match clean.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 1.0 && v < 1e18 => Ok(v.round() as u64),
+        Ok(v) if (1.0..1e18).contains(&v) => Ok(v.round() as u64),
         _ => Err(format!(
             "--params {text}: expected a positive count such as 124439808 or 1.5e9"
         )),
