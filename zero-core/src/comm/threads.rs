@@ -13,7 +13,7 @@ use super::env::{timeout_from_env, DEFAULT_TIMEOUT};
 use super::op::{validate, OpDesc, OpKind};
 use super::reduce::{reduce_raw, Element};
 use super::worker::{BackendState, Worker};
-use super::{CommError, DType, FlatBuffer, ProcessGroup, ReduceOp, Work};
+use super::{CommError, DType, FlatBuffer, ReduceOp};
 use half::{bf16, f16};
 use std::cell::UnsafeCell;
 use std::ops::Range;
@@ -97,51 +97,7 @@ impl ThreadGroup {
     }
 }
 
-impl ProcessGroup for ThreadGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllReduce, buffer, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_into_async(
-        &self,
-        input: FlatBuffer,
-        out: FlatBuffer,
-        op: ReduceOp,
-    ) -> Work<(FlatBuffer, FlatBuffer)> {
-        self.worker.reduce_scatter_into(input, out, op)
-    }
-
-    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, None)
-    }
-
-    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, Some(out))
-    }
-
-    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::Broadcast, buffer, None, root, None)
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.worker
-            .collective(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
-            .wait()
-            .map(drop)
-    }
-}
+super::worker::process_group_on_worker!(ThreadGroup);
 
 /// What all ranks of a group share.
 struct Shared {

@@ -11,6 +11,89 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// Implements [`super::ProcessGroup`] for a backend handle with fields `rank`, `world` and a
+/// `worker` running its collectives: every op goes through the worker's queue in issue order.
+macro_rules! process_group_on_worker {
+    ($handle:ty) => {
+        impl $crate::comm::ProcessGroup for $handle {
+            fn rank(&self) -> usize {
+                self.rank
+            }
+
+            fn world_size(&self) -> usize {
+                self.world
+            }
+
+            fn all_reduce_async(
+                &self,
+                buffer: $crate::comm::FlatBuffer,
+                op: $crate::comm::ReduceOp,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker
+                    .collective($crate::comm::op::OpKind::AllReduce, buffer, Some(op), 0, None)
+            }
+
+            fn reduce_scatter_async(
+                &self,
+                input: $crate::comm::FlatBuffer,
+                op: $crate::comm::ReduceOp,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker
+                    .collective($crate::comm::op::OpKind::ReduceScatter, input, Some(op), 0, None)
+            }
+
+            fn reduce_scatter_into_async(
+                &self,
+                input: $crate::comm::FlatBuffer,
+                out: $crate::comm::FlatBuffer,
+                op: $crate::comm::ReduceOp,
+            ) -> $crate::comm::Work<($crate::comm::FlatBuffer, $crate::comm::FlatBuffer)> {
+                self.worker.reduce_scatter_into(input, out, op)
+            }
+
+            fn all_gather_async(
+                &self,
+                shard: $crate::comm::FlatBuffer,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker
+                    .collective($crate::comm::op::OpKind::AllGather, shard, None, 0, None)
+            }
+
+            fn all_gather_into_async(
+                &self,
+                shard: $crate::comm::FlatBuffer,
+                out: $crate::comm::FlatBuffer,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker
+                    .collective($crate::comm::op::OpKind::AllGather, shard, None, 0, Some(out))
+            }
+
+            fn broadcast_async(
+                &self,
+                buffer: $crate::comm::FlatBuffer,
+                root: usize,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker
+                    .collective($crate::comm::op::OpKind::Broadcast, buffer, None, root, None)
+            }
+
+            fn barrier(&self) -> Result<(), $crate::comm::CommError> {
+                self.worker
+                    .collective(
+                        $crate::comm::op::OpKind::Barrier,
+                        $crate::comm::FlatBuffer::F32(Vec::new()),
+                        None,
+                        0,
+                        None,
+                    )
+                    .wait()
+                    .map(drop)
+            }
+        }
+    };
+}
+pub(crate) use process_group_on_worker;
+
 /// What a backend keeps on its worker thread.
 pub(crate) trait BackendState: Send + 'static {
     /// Called once with the first error; tells the peers, if the backend can.

@@ -28,7 +28,7 @@ use super::env::{timeout_from_env, DistEnv};
 use super::op::{OpDesc, OpKind, DESC_BYTES};
 use super::reduce::Element;
 use super::worker::Worker;
-use super::{CommError, DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, Work};
+use super::{CommError, DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType};
 use host::NcclRank;
@@ -432,48 +432,4 @@ impl Shared {
     }
 }
 
-impl ProcessGroup for NcclGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllReduce, buffer, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_into_async(
-        &self,
-        input: FlatBuffer,
-        out: FlatBuffer,
-        op: ReduceOp,
-    ) -> Work<(FlatBuffer, FlatBuffer)> {
-        self.worker.reduce_scatter_into(input, out, op)
-    }
-
-    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, None)
-    }
-
-    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, Some(out))
-    }
-
-    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::Broadcast, buffer, None, root, None)
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.worker
-            .collective(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
-            .wait()
-            .map(drop)
-    }
-}
+crate::comm::worker::process_group_on_worker!(NcclGroup);
