@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the GPU checks run, with the `cuda` feature, and stages it in .gpu/ (ignored by
-# git) for the GPU machine, which has no Rust toolchain: the throughput bench, and every test
-# binary of zero-core and zero-burn (the NCCL tests among them).
+# git) for the GPU machine, which has no Rust toolchain: the throughput bench, `zero`, and the
+# NCCL test (the other tests run on the CPU backend and read fixtures by build-time paths).
 #
 #   bash tools/gpu/build.sh        # here; then run tools/gpu/run.sh there, carrying .gpu
 set -euo pipefail
@@ -13,7 +13,7 @@ cp target/release/throughput .gpu/
 cargo build --release -p zero-core --bin zero
 cp target/release/zero .gpu/
 # Test executables, found from cargo's JSON messages.
-cargo test --release --features cuda -p zero-core -p zero-burn --no-run --message-format=json \
+cargo test --release --features cuda -p zero-core --test comm_nccl --no-run --message-format=json \
   | python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
