@@ -72,19 +72,23 @@ pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
     layers: Vec<L>,
     first: bool,
     last: bool,
-    stage: usize,
-    stages: usize,
+    pub(super) stage: usize,
+    pub(super) stages: usize,
     /// Per layer, the layout indices of its parameters.
     params_of: Vec<Vec<usize>>,
     /// Per tied key (sorted), the layout indices of this stage's copies.
     tied: BTreeMap<String, Vec<usize>>,
-    core: EngineCore,
+    pub(super) core: EngineCore,
     send_next: Option<Channel>,
     recv_prev: Option<Channel>,
     send_prev: Option<Channel>,
     recv_next: Option<Channel>,
     tied_group: Option<SharedGroup>,
-    pipeline_group: SharedGroup,
+    pub(super) pipeline_group: SharedGroup,
+    /// Every rank of the job: checkpoints and the overflow decision are agreed over it.
+    pub(super) world: SharedGroup,
+    /// Ranks of the tensor group.
+    pub(super) tensor_size: usize,
     device: B::Device,
     timeline: Vec<OpSpan>,
 }
@@ -130,7 +134,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         for (i, layer) in layers.iter().enumerate() {
             let start = specs.len();
             specs.extend(describe::<B, _>(layer).into_iter().map(|(_, s)| ParamSpec {
-                name: format!("layers.{}.{}", module.range.start + i, s.name),
+                name: layer.param_name(module.range.start + i, &s.name),
                 ..s
             }));
             params_of.push((start..specs.len()).collect::<Vec<_>>());
@@ -283,6 +287,8 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             )?,
             tied_group,
             pipeline_group: groups.pipeline.clone(),
+            world: groups.world.clone(),
+            tensor_size: groups.layout.size(Axis::Tensor),
             device,
             timeline: Vec::new(),
         })
@@ -469,7 +475,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// Writes the updated masters (gathered over the data group under stage 1) into the layers.
-    fn refresh_layers(&mut self) -> Result<(), ZeroError> {
+    pub(super) fn refresh_layers(&mut self) -> Result<(), ZeroError> {
         let mut source = self.core.value_source();
         for (layer, params) in self.layers.iter_mut().zip(&self.params_of) {
             let old = std::mem::replace(layer, skeleton::<B, _>(layer.clone()));

@@ -14,6 +14,7 @@
 //!   clipping uses the global norm over every stage.
 
 mod channel;
+mod checkpoint;
 mod engine;
 mod layer;
 mod module;
