@@ -69,9 +69,9 @@ enum Output<B: AutodiffBackend, H> {
 /// [`train_batch`](Self::train_batch) with the step's `gradient_accumulation_steps`
 /// micro-batches of its data-parallel index.
 pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
-    layers: Vec<L>,
-    first: bool,
-    last: bool,
+    pub(super) layers: Vec<L>,
+    pub(super) first: bool,
+    pub(super) last: bool,
     pub(super) stage: usize,
     pub(super) stages: usize,
     /// Per layer, the layout indices of its parameters.
@@ -79,8 +79,8 @@ pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
     /// Per tied key (sorted), the layout indices of this stage's copies.
     tied: BTreeMap<String, Vec<usize>>,
     pub(super) core: EngineCore,
-    send_next: Option<Channel>,
-    recv_prev: Option<Channel>,
+    pub(super) send_next: Option<Channel>,
+    pub(super) recv_prev: Option<Channel>,
     send_prev: Option<Channel>,
     recv_next: Option<Channel>,
     tied_group: Option<SharedGroup>,
@@ -89,7 +89,7 @@ pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
     pub(super) world: SharedGroup,
     /// Ranks of the tensor group.
     pub(super) tensor_size: usize,
-    device: B::Device,
+    pub(super) device: B::Device,
     timeline: Vec<OpSpan>,
 }
 
@@ -429,7 +429,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// The dtype the layers compute in (activations arrive in it).
-    fn dtype(&self) -> burn::tensor::DType {
+    pub(super) fn dtype(&self) -> burn::tensor::DType {
         self.core.settings.precision.dtype.burn()
     }
 
@@ -485,7 +485,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// The last stage's mean loss, averaged over the data group, then broadcast to every stage.
-    fn shared_loss(&self, losses: &[f32]) -> Result<f32, ZeroError> {
+    pub(super) fn shared_loss(&self, losses: &[f32]) -> Result<f32, ZeroError> {
         let mut loss = if losses.is_empty() {
             0.0
         } else {

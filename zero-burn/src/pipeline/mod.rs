@@ -16,6 +16,7 @@
 mod channel;
 mod checkpoint;
 mod engine;
+mod eval;
 mod layer;
 mod module;
 mod partition;
