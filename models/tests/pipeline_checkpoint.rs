@@ -229,3 +229,9 @@ fn two_stages_resume_bit_for_bit_and_consolidate() {
 fn two_stages_times_two_data_ranks_resume_bit_for_bit_and_consolidate() {
     check(2, 2, Stage::Zero1);
 }
+
+/// Stage 2's layout (the tied copies in groups of their own) saves and resumes the same way.
+#[test]
+fn two_stages_times_two_data_ranks_under_zero_2_resume_bit_for_bit_and_consolidate() {
+    check(2, 2, Stage::Zero2);
+}

@@ -62,7 +62,7 @@ enum Output<B: AutodiffBackend, H> {
     Hidden(H),
 }
 
-/// One pipeline stage, trained with ZeRO stage 0 or 1 over its data-parallel group.
+/// One pipeline stage, trained with ZeRO stage 0, 1 or 2 over its data-parallel group.
 ///
 /// Every rank of the job builds one, from its [`PipelineModule`] and its groups of a
 /// `ParallelLayout` with a pipeline axis; then each step every rank calls
@@ -98,12 +98,14 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// of `groups.layout`'s pipeline size. The data-parallel rank 0's weights are broadcast over
     /// the data group, and the first stage's tied weights to the last stage's copies.
     pub fn new(settings: EngineSettings, module: PipelineModule<L>, groups: &RankGroups) -> Result<Self, ZeroError> {
-        if !matches!(settings.stage, Stage::Zero0 | Stage::Zero1) {
-            return Err(ZeroError::Config(format!(
-                "zero_optimization.stage {}: pipeline parallelism runs with stage 0 or 1 (each stage's gradients are \
-                 accumulated whole over the micro-batches, then reduced)",
-                settings.stage.number()
-            )));
+        if settings.stage == Stage::Zero3 {
+            return Err(ZeroError::Config(
+                "zero_optimization.stage 3 with pipeline parallelism: stage 3 gathers every layer's weights for each \
+                 forward and backward, and the 1F1B schedule interleaves the micro-batches' forwards and backwards, \
+                 so each layer would be gathered twice per micro-batch for weights that a stage holds for its own \
+                 layers only anyway; DeepSpeed's pipeline engine refuses it too. Use stage 0, 1 or 2"
+                    .into(),
+            ));
         }
         if settings.precision.loss_scaler.is_some() || settings.precision.non_finite == NonFinitePolicy::Skip {
             return Err(ZeroError::Config(
@@ -171,8 +173,23 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         } else {
             Placement::Sharded
         };
-        builder.buckets(&all, settings.reduce_bucket_size.max(1), placement);
+        let bucket = settings.reduce_bucket_size.max(1);
+        // Stage 2 reduce-scatters each micro-batch's gradients as they come; the tied copies
+        // live in groups of their own that accumulate whole, since their gradients are summed
+        // with the other copies' (on another stage) before the data-parallel reduction.
+        let mut whole_groups = Vec::new();
+        if settings.stage == Stage::Zero2 {
+            let is_tied = |p: &usize| tied.values().any(|c| c.contains(p));
+            let (tied_params, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|p| is_tied(p));
+            builder.buckets(&rest, bucket, placement);
+            if !tied_params.is_empty() {
+                whole_groups = builder.buckets(&tied_params, bucket, placement);
+            }
+        } else {
+            builder.buckets(&all, bucket, placement);
+        }
         let layout = builder.finish();
+        let stage_2 = settings.stage == Stage::Zero2;
 
         // Initial values: the layers', then data rank 0's, then the tied keys' first copy.
         let mut values: Vec<Vec<f32>> = Vec::with_capacity(layout.params.len());
@@ -222,7 +239,13 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             layout,
             data.clone(),
             settings,
-            |_| GradFlow::AccumulateThenReduce,
+            |g| {
+                if stage_2 && !whole_groups.contains(&g) {
+                    GradFlow::ReduceThenAccumulate
+                } else {
+                    GradFlow::AccumulateThenReduce
+                }
+            },
             |i| std::mem::take(&mut values[i]),
             memory,
         )?;
