@@ -13,7 +13,7 @@ use crate::flat_state::{FlatState, GradFlow};
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
-use crate::settings::{EngineSettings, NonFinitePolicy, Stage};
+use crate::settings::{EngineSettings, Stage};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{BTreeMap, VecDeque};
@@ -104,14 +104,6 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                  forward and backward, and the 1F1B schedule interleaves the micro-batches' forwards and backwards, \
                  so each layer would be gathered twice per micro-batch for weights that a stage holds for its own \
                  layers only anyway; DeepSpeed's pipeline engine refuses it too. Use stage 0, 1 or 2"
-                    .into(),
-            ));
-        }
-        if settings.precision.loss_scaler.is_some() || settings.precision.non_finite == NonFinitePolicy::Skip {
-            return Err(ZeroError::Config(
-                "fp16 loss scaling and the non-finite skip policy decide per data-parallel group whether a step is \
-                 skipped; with a pipeline every stage would have to agree, which is not available: use bf16 or fp32 \
-                 (without the skip policy)"
                     .into(),
             ));
         }
@@ -266,6 +258,9 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             }
         }
         core.grad_norm = Some(global_norm(counted, data.rank(), groups.world.clone()));
+        // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
+        // whole world: every stage skips the step together, or fails together at once.
+        core.overflow_group = Some(groups.world.clone());
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()
