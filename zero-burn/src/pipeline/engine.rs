@@ -85,6 +85,9 @@ pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
     recv_next: Option<Channel>,
     tied_group: Option<SharedGroup>,
     pub(super) pipeline_group: SharedGroup,
+    /// Under stage 2, the groups holding this stage's tied copies, reduce-scattered like the
+    /// others and summed shard by shard over the tied group (empty: summed whole).
+    tied_shards: Vec<usize>,
     /// Every rank of the job: checkpoints and the overflow decision are agreed over it.
     pub(super) world: SharedGroup,
     /// Ranks of the tensor group.
@@ -166,16 +169,24 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             Placement::Sharded
         };
         let bucket = settings.reduce_bucket_size.max(1);
-        // Stage 2 reduce-scatters each micro-batch's gradients as they come; the tied copies
-        // live in groups of their own that accumulate whole, since their gradients are summed
-        // with the other copies' (on another stage) before the data-parallel reduction.
+        // Stage 2 reduce-scatters each micro-batch's gradients as they come. The tied copies
+        // live in groups of their own, laid out by key: when each stage holds one copy of each
+        // key, the first and the last stage's tied groups are cut alike, so a data rank's
+        // reduced shards of them hold the same elements and are summed over the tied group as
+        // they are. Otherwise (copies sharing a stage) the tied groups accumulate whole.
         let mut whole_groups = Vec::new();
+        let mut tied_shards = Vec::new();
         if settings.stage == Stage::Zero2 {
-            let is_tied = |p: &usize| tied.values().any(|c| c.contains(p));
-            let (tied_params, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|p| is_tied(p));
+            let tied_params: Vec<usize> = tied.values().flatten().copied().collect();
+            let rest: Vec<usize> = all.iter().copied().filter(|p| !tied_params.contains(p)).collect();
             builder.buckets(&rest, bucket, placement);
             if !tied_params.is_empty() {
-                whole_groups = builder.buckets(&tied_params, bucket, placement);
+                let added = builder.buckets(&tied_params, bucket, placement);
+                if stages > 1 && tied_group.is_some() && tied.values().all(|c| c.len() == 1) {
+                    tied_shards = added;
+                } else {
+                    whole_groups = added;
+                }
             }
         } else {
             builder.buckets(&all, bucket, placement);
@@ -305,6 +316,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             )?,
             tied_group,
             pipeline_group: groups.pipeline.clone(),
+            tied_shards,
             world: groups.world.clone(),
             tensor_size: groups.layout.size(Axis::Tensor),
             device,
@@ -465,6 +477,17 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// Sums the accumulated gradients of every tied key's copies, on this stage and over the
     /// tied group, and gives the sum to each copy.
     fn reduce_tied(&mut self) -> Result<(), ZeroError> {
+        if let (false, Some(group)) = (self.tied_shards.is_empty(), &self.tied_group) {
+            for &g in &self.tied_shards {
+                let mut shard = Vec::new();
+                with_accumulator(&mut self.core.state, g, |acc| shard = acc.to_vec());
+                let mut buf = FlatBuffer::F32(shard);
+                group.all_reduce(&mut buf, ReduceOp::Sum)?;
+                let sum = buf.into_f32();
+                with_accumulator(&mut self.core.state, g, |acc| acc.copy_from_slice(&sum));
+            }
+            return Ok(());
+        }
         let places = self.core.places.clone();
         for copies in self.tied.values() {
             let n = self.core.state.layout.params[copies[0]].numel();
