@@ -285,3 +285,9 @@ fn a_two_stage_checkpoint_resumes_on_other_cuts() {
         assert!(seen.iter().all(|&s| s), "every layer was resumed");
     }
 }
+
+/// Stage 0 keeps whole replicas: data rank 0's file holds every group, data rank 1 sends none.
+#[test]
+fn two_stages_times_two_data_ranks_under_zero_0_resume_bit_for_bit_and_consolidate() {
+    check(2, 2, Stage::Zero0);
+}
