@@ -94,6 +94,12 @@ fn two_stages_times_two_data_ranks_follow_pytorch() {
     run_against_pytorch(2, 4, 1);
 }
 
+/// ZeRO stage 2 over the data ranks of each stage.
+#[test]
+fn two_stages_times_two_data_ranks_under_zero_2_follow_pytorch() {
+    run_against_pytorch(2, 4, 2);
+}
+
 #[test]
 fn four_stages_follow_pytorch() {
     run_against_pytorch(4, 4, 0);

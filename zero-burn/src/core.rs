@@ -88,6 +88,9 @@ pub(crate) struct EngineCore {
     loss_non_finite: bool,
     /// Replaces the norm over the data-parallel group when the model spans more ranks.
     pub grad_norm: Option<GradNormFn>,
+    /// The ranks that must agree on skipping (or failing) a step, when more than `comm`'s: a
+    /// pipeline's whole world, so that every stage skips together.
+    pub overflow_group: Option<Arc<dyn ProcessGroup>>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
 }
@@ -145,6 +148,7 @@ impl EngineCore {
             scaler,
             loss_non_finite: false,
             grad_norm: None,
+            overflow_group: None,
             assembler,
             in_flight: Vec::new(),
         })
@@ -309,9 +313,10 @@ impl EngineCore {
                 None
             };
             let mut overflow = local.is_some();
-            if self.comm.world_size() > 1 {
+            let group = self.overflow_group.as_ref().unwrap_or(&self.comm);
+            if group.world_size() > 1 {
                 let mut flag = FlatBuffer::F32(vec![if overflow { 1.0 } else { 0.0 }]);
-                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+                group.all_reduce(&mut flag, ReduceOp::Max)?;
                 overflow = flag.into_f32()[0] > 0.0;
             }
             if let Some(scaler) = &mut self.scaler {

@@ -417,12 +417,6 @@ fn train_pipeline(
     stages: usize,
     tensor: usize,
 ) -> Result<TrainSummary, TrainError> {
-    if args.save.is_some() || args.load.is_some() {
-        return Err(TrainError::Config(
-            "--save/--load: checkpoints of pipelined runs are not available yet (remove pipeline.stages or the flags)"
-                .into(),
-        ));
-    }
     let launched = DistEnv::detect().ok();
     let world = launched.as_ref().map_or(args.nproc.max(1), |env| env.world_size);
     if !world.is_multiple_of(stages * tensor) {
@@ -508,6 +502,7 @@ fn pipeline_rank_loop(
         global,
         zero_stage: resolved.zero.stage as u8,
         parameters: model_config.num_params() as usize,
+        every: resolved.steps_per_print.max(1),
     };
     if groups.layout.size(Axis::Tensor) > 1 {
         let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
@@ -533,6 +528,8 @@ struct PipelineRun<'a> {
     global: usize,
     zero_stage: u8,
     parameters: usize,
+    /// steps_per_print: how often the validation loss is computed.
+    every: u64,
 }
 
 impl PipelineRun<'_> {
@@ -552,9 +549,30 @@ impl PipelineRun<'_> {
             _ => None,
         };
         let d = groups.coords.data;
+        let mut first_step = 0;
+        if let Some(dir) = &args.load {
+            let client = engine.load_checkpoint(dir, None)?;
+            first_step = client
+                .get("step")
+                .and_then(|v| v.as_u64())
+                .unwrap_or(engine.global_step());
+            if first_step != engine.global_step() {
+                return Err(TrainError::Config(format!(
+                    "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
+                    dir.display(),
+                    engine.global_step()
+                )));
+            }
+        }
+        // Validation as without a pipeline: each data index evaluates its share of the held-out
+        // rows as one micro-batch, forward only through the stages.
+        let dp = groups.layout.size(Axis::Data);
+        let validation = data.validation(global.max(dp));
+        let per = validation.len() / dp;
+        let valid_rows = &validation[(d * per).min(validation.len())..((d + 1) * per).min(validation.len())];
         let started = Instant::now();
         let mut records = Vec::new();
-        for step in 0..args.steps {
+        for step in first_step..args.steps {
             let t0 = Instant::now();
             let batch = data.global_batch(step, global, args.seed)?;
             let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
@@ -566,6 +584,12 @@ impl PipelineRun<'_> {
                 })
                 .collect();
             let out = engine.train_batch(&micro_batches)?;
+            let valid_loss = if per > 0 && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
+                let tokens = token_tensor(valid_rows, &device);
+                Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
+            } else {
+                None
+            };
             let memory = memory_of_all_ranks(groups.world.as_ref(), engine.memory())?;
             let record = StepRecord {
                 step: step + 1,
@@ -575,7 +599,7 @@ impl PipelineRun<'_> {
                 grad_norm: out.report.grad_norm,
                 tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
                 skipped: out.report.skipped,
-                valid_loss: None,
+                valid_loss,
                 memory,
             };
             progress.step(&record);
@@ -583,6 +607,13 @@ impl PipelineRun<'_> {
                 m.write(&record)?;
             }
             records.push(record);
+            if let Some(dir) = &args.save {
+                let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+                if periodic || step + 1 == args.steps {
+                    let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
+                    engine.save_checkpoint(dir, None, &client)?;
+                }
+            }
         }
         let summary = TrainSummary {
             steps: records,

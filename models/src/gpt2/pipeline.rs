@@ -144,6 +144,22 @@ impl<B: AutodiffBackend> PipeLayer<B> for Gpt2Layer<B> {
             Gpt2Layer::Block(_) => Vec::new(),
         }
     }
+
+    /// The single [`Gpt2`]'s names (`wte.weight`, `blocks.3.attn…`, `ln_f.gamma`), so that a
+    /// pipelined checkpoint consolidates into the whole model; the head's copy of `wte` is
+    /// `lm_head.weight` (HuggingFace's name for the tied head, equal to `wte.weight`).
+    fn param_name(&self, index: usize, visited: &str) -> String {
+        // Burn's visitor names the enum's variant first.
+        let inner = visited.split_once('.').map_or(visited, |(_, rest)| rest);
+        match self {
+            Gpt2Layer::Embed(_) => inner.to_string(),
+            Gpt2Layer::Block(_) => format!("blocks.{}.{inner}", index.saturating_sub(1)),
+            Gpt2Layer::Head(_) => match inner.strip_prefix("wte.") {
+                Some(rest) => format!("lm_head.{rest}"),
+                None => inner.to_string(),
+            },
+        }
+    }
 }
 
 /// Builds one GPT-2 pipeline layer with GPT-2's initialization (DeepSpeed's `LayerSpec`).

@@ -13,7 +13,7 @@ use crate::flat_state::{FlatState, GradFlow};
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::params::{describe, fresh_leaves, read_values, skeleton, take_grads, write_data};
-use crate::settings::{EngineSettings, NonFinitePolicy, Stage};
+use crate::settings::{EngineSettings, Stage};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{BTreeMap, VecDeque};
@@ -62,30 +62,37 @@ enum Output<B: AutodiffBackend, H> {
     Hidden(H),
 }
 
-/// One pipeline stage, trained with ZeRO stage 0 or 1 over its data-parallel group.
+/// One pipeline stage, trained with ZeRO stage 0, 1 or 2 over its data-parallel group.
 ///
 /// Every rank of the job builds one, from its [`PipelineModule`] and its groups of a
 /// `ParallelLayout` with a pipeline axis; then each step every rank calls
 /// [`train_batch`](Self::train_batch) with the step's `gradient_accumulation_steps`
 /// micro-batches of its data-parallel index.
 pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
-    layers: Vec<L>,
-    first: bool,
-    last: bool,
-    stage: usize,
-    stages: usize,
+    pub(super) layers: Vec<L>,
+    pub(super) first: bool,
+    pub(super) last: bool,
+    pub(super) stage: usize,
+    pub(super) stages: usize,
     /// Per layer, the layout indices of its parameters.
     params_of: Vec<Vec<usize>>,
     /// Per tied key (sorted), the layout indices of this stage's copies.
     tied: BTreeMap<String, Vec<usize>>,
-    core: EngineCore,
-    send_next: Option<Channel>,
-    recv_prev: Option<Channel>,
+    pub(super) core: EngineCore,
+    pub(super) send_next: Option<Channel>,
+    pub(super) recv_prev: Option<Channel>,
     send_prev: Option<Channel>,
     recv_next: Option<Channel>,
     tied_group: Option<SharedGroup>,
-    pipeline_group: SharedGroup,
-    device: B::Device,
+    pub(super) pipeline_group: SharedGroup,
+    /// Under stage 2, the groups holding this stage's tied copies, reduce-scattered like the
+    /// others and summed shard by shard over the tied group (empty: summed whole).
+    tied_shards: Vec<usize>,
+    /// Every rank of the job: checkpoints and the overflow decision are agreed over it.
+    pub(super) world: SharedGroup,
+    /// Ranks of the tensor group.
+    pub(super) tensor_size: usize,
+    pub(super) device: B::Device,
     timeline: Vec<OpSpan>,
 }
 
@@ -94,18 +101,12 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// of `groups.layout`'s pipeline size. The data-parallel rank 0's weights are broadcast over
     /// the data group, and the first stage's tied weights to the last stage's copies.
     pub fn new(settings: EngineSettings, module: PipelineModule<L>, groups: &RankGroups) -> Result<Self, ZeroError> {
-        if !matches!(settings.stage, Stage::Zero0 | Stage::Zero1) {
-            return Err(ZeroError::Config(format!(
-                "zero_optimization.stage {}: pipeline parallelism runs with stage 0 or 1 (each stage's gradients are \
-                 accumulated whole over the micro-batches, then reduced)",
-                settings.stage.number()
-            )));
-        }
-        if settings.precision.loss_scaler.is_some() || settings.precision.non_finite == NonFinitePolicy::Skip {
+        if settings.stage == Stage::Zero3 {
             return Err(ZeroError::Config(
-                "fp16 loss scaling and the non-finite skip policy decide per data-parallel group whether a step is \
-                 skipped; with a pipeline every stage would have to agree, which is not available: use bf16 or fp32 \
-                 (without the skip policy)"
+                "zero_optimization.stage 3 with pipeline parallelism: stage 3 gathers every layer's weights for each \
+                 forward and backward, and the 1F1B schedule interleaves the micro-batches' forwards and backwards, \
+                 so each layer would be gathered twice per micro-batch for weights that a stage holds for its own \
+                 layers only anyway; DeepSpeed's pipeline engine refuses it too. Use stage 0, 1 or 2"
                     .into(),
             ));
         }
@@ -130,7 +131,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         for (i, layer) in layers.iter().enumerate() {
             let start = specs.len();
             specs.extend(describe::<B, _>(layer).into_iter().map(|(_, s)| ParamSpec {
-                name: format!("layers.{}.{}", module.range.start + i, s.name),
+                name: layer.param_name(module.range.start + i, &s.name),
                 ..s
             }));
             params_of.push((start..specs.len()).collect::<Vec<_>>());
@@ -167,8 +168,31 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         } else {
             Placement::Sharded
         };
-        builder.buckets(&all, settings.reduce_bucket_size.max(1), placement);
+        let bucket = settings.reduce_bucket_size.max(1);
+        // Stage 2 reduce-scatters each micro-batch's gradients as they come. The tied copies
+        // live in groups of their own, laid out by key: when each stage holds one copy of each
+        // key, the first and the last stage's tied groups are cut alike, so a data rank's
+        // reduced shards of them hold the same elements and are summed over the tied group as
+        // they are. Otherwise (copies sharing a stage) the tied groups accumulate whole.
+        let mut whole_groups = Vec::new();
+        let mut tied_shards = Vec::new();
+        if settings.stage == Stage::Zero2 {
+            let tied_params: Vec<usize> = tied.values().flatten().copied().collect();
+            let rest: Vec<usize> = all.iter().copied().filter(|p| !tied_params.contains(p)).collect();
+            builder.buckets(&rest, bucket, placement);
+            if !tied_params.is_empty() {
+                let added = builder.buckets(&tied_params, bucket, placement);
+                if stages > 1 && tied_group.is_some() && tied.values().all(|c| c.len() == 1) {
+                    tied_shards = added;
+                } else {
+                    whole_groups = added;
+                }
+            }
+        } else {
+            builder.buckets(&all, bucket, placement);
+        }
         let layout = builder.finish();
+        let stage_2 = settings.stage == Stage::Zero2;
 
         // Initial values: the layers', then data rank 0's, then the tied keys' first copy.
         let mut values: Vec<Vec<f32>> = Vec::with_capacity(layout.params.len());
@@ -218,7 +242,13 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             layout,
             data.clone(),
             settings,
-            |_| GradFlow::AccumulateThenReduce,
+            |g| {
+                if stage_2 && !whole_groups.contains(&g) {
+                    GradFlow::ReduceThenAccumulate
+                } else {
+                    GradFlow::AccumulateThenReduce
+                }
+            },
             |i| std::mem::take(&mut values[i]),
             memory,
         )?;
@@ -239,6 +269,9 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             }
         }
         core.grad_norm = Some(global_norm(counted, data.rank(), groups.world.clone()));
+        // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
+        // whole world: every stage skips the step together, or fails together at once.
+        core.overflow_group = Some(groups.world.clone());
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()
@@ -283,6 +316,9 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             )?,
             tied_group,
             pipeline_group: groups.pipeline.clone(),
+            tied_shards,
+            world: groups.world.clone(),
+            tensor_size: groups.layout.size(Axis::Tensor),
             device,
             timeline: Vec::new(),
         })
@@ -423,7 +459,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// The dtype the layers compute in (activations arrive in it).
-    fn dtype(&self) -> burn::tensor::DType {
+    pub(super) fn dtype(&self) -> burn::tensor::DType {
         self.core.settings.precision.dtype.burn()
     }
 
@@ -441,6 +477,17 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// Sums the accumulated gradients of every tied key's copies, on this stage and over the
     /// tied group, and gives the sum to each copy.
     fn reduce_tied(&mut self) -> Result<(), ZeroError> {
+        if let (false, Some(group)) = (self.tied_shards.is_empty(), &self.tied_group) {
+            for &g in &self.tied_shards {
+                let mut shard = Vec::new();
+                with_accumulator(&mut self.core.state, g, |acc| shard = acc.to_vec());
+                let mut buf = FlatBuffer::F32(shard);
+                group.all_reduce(&mut buf, ReduceOp::Sum)?;
+                let sum = buf.into_f32();
+                with_accumulator(&mut self.core.state, g, |acc| acc.copy_from_slice(&sum));
+            }
+            return Ok(());
+        }
         let places = self.core.places.clone();
         for copies in self.tied.values() {
             let n = self.core.state.layout.params[copies[0]].numel();
@@ -469,7 +516,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// Writes the updated masters (gathered over the data group under stage 1) into the layers.
-    fn refresh_layers(&mut self) -> Result<(), ZeroError> {
+    pub(super) fn refresh_layers(&mut self) -> Result<(), ZeroError> {
         let mut source = self.core.value_source();
         for (layer, params) in self.layers.iter_mut().zip(&self.params_of) {
             let old = std::mem::replace(layer, skeleton::<B, _>(layer.clone()));
@@ -479,7 +526,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     }
 
     /// The last stage's mean loss, averaged over the data group, then broadcast to every stage.
-    fn shared_loss(&self, losses: &[f32]) -> Result<f32, ZeroError> {
+    pub(super) fn shared_loss(&self, losses: &[f32]) -> Result<f32, ZeroError> {
         let mut loss = if losses.is_empty() {
             0.0
         } else {

@@ -36,6 +36,14 @@ pub trait PipeLayer<B: AutodiffBackend>: Module<B> {
     fn tensor_split(&self) -> Vec<usize> {
         Vec::new()
     }
+    /// The name, in the whole model, of this layer's parameter that Burn's visitor calls
+    /// `visited` (its path inside the layer), this layer being the model's layer `index`.
+    /// Checkpoints carry these names, so a pipelined checkpoint consolidates into the model's
+    /// own weights; a tied copy other than the first needs a name of its own. By default:
+    /// `layers.{index}.{visited}`.
+    fn param_name(&self, index: usize, visited: &str) -> String {
+        format!("layers.{index}.{visited}")
+    }
 }
 
 /// A parameter of a layer that is tied to parameters of other layers.

@@ -9,12 +9,16 @@
 //! - [`PipelineEngine`]: trains one stage. Each optimizer step runs
 //!   `gradient_accumulation_steps` micro-batches on the 1F1B schedule ([`one_f_one_b`]),
 //!   activations and their gradients crossing stages over [`Channel`]s; the stage's parameters
-//!   are one ZeRO stage-0/1 flat state reduced over the data-parallel group; weights tied between
-//!   the first and last stage (GPT-2's `wte`) have their gradients summed before the optimizer;
-//!   clipping uses the global norm over every stage.
+//!   are one ZeRO stage-0/1/2 flat state over the data-parallel group (stage 2 reduce-scatters
+//!   each micro-batch's gradients as they come); weights tied between the first and last stage
+//!   (GPT-2's `wte`) have their gradients summed before the optimizer; clipping uses the global
+//!   norm over every stage. `save_checkpoint`/`load_checkpoint` write and read one checkpoint of
+//!   the whole model; `eval_batch` runs forwards only (validation).
 
 mod channel;
+mod checkpoint;
 mod engine;
+mod eval;
 mod layer;
 mod module;
 mod partition;
