@@ -18,6 +18,7 @@
 //! Every collective starts with an exchange of headers (op, sequence number, dtype, length)
 //! between all ranks, so a mismatch is seen by every rank before any payload moves.
 
+mod duplex;
 mod link;
 mod pipe;
 mod pump;
