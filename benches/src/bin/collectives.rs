@@ -269,7 +269,10 @@ fn main() {
     let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("load average at the start: {}", load.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
+    println!(
+        "load average at the start: {}",
+        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    );
     let mem1 = memcpy_bandwidth(1);
     let mem2 = memcpy_bandwidth(2);
     println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
@@ -317,7 +320,10 @@ fn main() {
         let chosen: Vec<String> = flag("--transports")
             .map(|s| s.split(',').map(|t| t.trim().to_string()).collect())
             .unwrap_or_else(|| vec!["tcp".into(), "unix".into(), "pipes".into()]);
-        for transport in ["tcp", "unix", "pipes"].into_iter().filter(|t| chosen.iter().any(|c| c == t)) {
+        for transport in ["tcp", "unix", "pipes"]
+            .into_iter()
+            .filter(|t| chosen.iter().any(|c| c == t))
+        {
             let mut tcp_args = vec![
                 "--tcp-rank".to_string(),
                 "--sizes".into(),

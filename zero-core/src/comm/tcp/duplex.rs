@@ -108,7 +108,12 @@ fn duplex_enabled() -> bool {
 
 impl Mesh {
     /// Runs one send and one receive flow to completion, the send on a thread of its own.
-    pub(crate) fn run_duplex(&mut self, desc: &OpDesc, send: &mut SendFlow, recv: &mut RecvFlow) -> Result<(), CommError> {
+    pub(crate) fn run_duplex(
+        &mut self,
+        desc: &OpDesc,
+        send: &mut SendFlow,
+        recv: &mut RecvFlow,
+    ) -> Result<(), CommError> {
         if self.wake.is_none() {
             self.wake = Some(Wake::new()?);
         }
@@ -264,6 +269,7 @@ fn push(flow: &mut SendFlow, fd: RawFd, shared: &Shared) -> Result<(), SendFail>
             continue;
         }
         let (ptr, n) = flow.next_bytes(limit);
+
         // SAFETY: `ptr..ptr + n` lies in a segment of the flow, below the gate (final bytes).
         let r = unsafe { libc::send(fd, ptr.cast(), n, libc::MSG_NOSIGNAL) };
         if r > 0 {
