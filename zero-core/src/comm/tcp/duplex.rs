@@ -31,6 +31,7 @@ const NAP: Duration = Duration::from_millis(50);
 pub(crate) struct Wake(OwnedFd);
 
 impl Wake {
+    /// A fresh, non-blocking eventfd.
     pub(crate) fn new() -> Result<Self, CommError> {
         // SAFETY: eventfd takes no pointers; a non-negative result is a fresh descriptor.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -42,6 +43,7 @@ impl Wake {
         Ok(Wake(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// Clears pending wake-ups.
     fn drain(&self) {
         let mut v: u64 = 0;
         // SAFETY: reads at most 8 bytes into a live u64; EAGAIN (nothing pending) is fine.

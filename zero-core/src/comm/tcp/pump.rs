@@ -83,10 +83,12 @@ impl SendFlow {
 }
 
 impl SendFlow {
+    /// The rank written to.
     pub(crate) fn peer(&self) -> usize {
         self.peer
     }
 
+    /// Bytes the flow streams in all.
     pub(crate) fn total(&self) -> usize {
         self.total
     }
@@ -96,6 +98,7 @@ impl SendFlow {
         self.done
     }
 
+    /// The gate `(head, receive flow)`: see [`SendFlow`].
     pub(crate) fn gate(&self) -> Option<(usize, usize)> {
         self.gate
     }
@@ -185,10 +188,12 @@ impl RecvFlow {
 }
 
 impl RecvFlow {
+    /// The rank read from.
     pub(crate) fn peer(&self) -> usize {
         self.peer
     }
 
+    /// Bytes the flow receives in all.
     pub(crate) fn total(&self) -> usize {
         self.total
     }
