@@ -1,5 +1,5 @@
 //! The TCP backend's two-thread path (a rank sends on one thread while it receives and reduces
-//! on another), taken by ring steps over sockets that move at least 1 MiB: large collectives
+//! on another), taken by ring steps over sockets that send at least 4 MiB: large collectives
 //! over forced TCP checked against the f64 single-process reference, and a rank that dies in the
 //! middle of a large transfer. This binary re-executes itself once per rank (the `rank_main`
 //! test, which does nothing unless ZERO_TEST_MODE is set), on loopback.
@@ -11,10 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use zero_core::comm::{DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, Transport};
 
-/// Elements per buffer: 4 MiB of f32 and a remainder, so that every ring step of every op at
-/// world 2-3 streams more than the 1 MiB from which sends get their own thread, and the chunks
-/// are uneven.
-const LEN: usize = (1 << 20) + 7;
+/// Elements per buffer: 8 MiB of f32 and a remainder, so that every ring stream of f32 values
+/// (and the f32 partial sums of the bf16 all_reduce) at world 2-3 sends more than the 4 MiB
+/// from which sends get their own thread, and the chunks are uneven.
+const LEN: usize = (2 << 20) + 7;
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");

@@ -14,7 +14,7 @@
 //! sends and receives (n-1)/n of the buffer per phase, the bandwidth optimum. 16-bit buffers are
 //! reduced in f32 (partial sums travel as f32, twice the bytes) so that the result is rounded
 //! once; their all-gather phase moves 16-bit values. Over sockets (TCP, Unix), a ring step that
-//! sends at least 1 MiB writes from a thread of its own while the collective's thread reads and
+//! sends at least 4 MiB writes from a thread of its own while the collective's thread reads and
 //! reduces, so neither direction of a link waits for the other (see `duplex`;
 //! ZERO_COMM_DUPLEX=0 keeps both on one thread).
 //!
