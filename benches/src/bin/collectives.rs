@@ -6,7 +6,8 @@
 //! rank (this binary re-executed with the torchrun variables), over TCP loopback, Unix-domain
 //! sockets, and pipes (its default between ranks of one host).
 //!
-//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo] [--no-tcp] [--socket-buffer BYTES]
+//! Usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo] [--no-tcp] [--no-threads]
+//!   [--transports tcp,unix,pipes] [--socket-buffer BYTES]
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -267,6 +268,11 @@ fn main() {
     let worlds = list(flag("--worlds"), &[2, 4]);
     let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
 
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "load average at the start: {}",
+        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    );
     let mem1 = memcpy_bandwidth(1);
     let mem2 = memcpy_bandwidth(2);
     println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
@@ -291,7 +297,12 @@ fn main() {
     let exe = std::env::current_exe().expect("own path").display().to_string();
     let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
     for &world in &worlds {
-        let threads = threads_backend(world, &sizes);
+        // --no-threads skips the in-process baseline (it takes both cores for a while).
+        let threads = if args.iter().any(|a| a == "--no-threads") {
+            Vec::new()
+        } else {
+            threads_backend(world, &sizes)
+        };
         let mem = if world >= 2 { mem2 } else { mem1 };
         for (op, bytes, secs) in threads {
             let bw = busbw(&op, bytes, world, secs);
@@ -305,7 +316,14 @@ fn main() {
         let mut tcp_runs = Vec::new();
         // TCP over loopback; Unix-domain sockets between ranks of this host; pipes fed by
         // vmsplice (the default between ranks of one host).
-        for transport in ["tcp", "unix", "pipes"] {
+        // --transports tcp,unix,pipes picks which of them run (all by default).
+        let chosen: Vec<String> = flag("--transports")
+            .map(|s| s.split(',').map(|t| t.trim().to_string()).collect())
+            .unwrap_or_else(|| vec!["tcp".into(), "unix".into(), "pipes".into()]);
+        for transport in ["tcp", "unix", "pipes"]
+            .into_iter()
+            .filter(|t| chosen.iter().any(|c| c == t))
+        {
             let mut tcp_args = vec![
                 "--tcp-rank".to_string(),
                 "--sizes".into(),

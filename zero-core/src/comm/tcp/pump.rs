@@ -7,6 +7,7 @@
 //! granularity of socket reads instead of whole chunks. While a flow waits, the loop also watches
 //! every peer's control connection, and gives up when nothing moved for the timeout.
 
+use super::duplex::{self, Wake};
 use super::link::Link;
 use super::pipe::SPLICE_MIN;
 use super::stream::Stream;
@@ -81,6 +82,42 @@ impl SendFlow {
     }
 }
 
+impl SendFlow {
+    /// The rank written to.
+    pub(crate) fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Bytes the flow streams in all.
+    pub(crate) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Bytes written so far.
+    pub(crate) fn done(&self) -> usize {
+        self.done
+    }
+
+    /// The gate `(head, receive flow)`: see [`SendFlow`].
+    pub(crate) fn gate(&self) -> Option<(usize, usize)> {
+        self.gate
+    }
+
+    /// The next contiguous bytes to write, at most up to stream offset `limit` (> `done`).
+    pub(crate) fn next_bytes(&self, limit: usize) -> (*const u8, usize) {
+        let seg = self.segs[self.cur.seg];
+        let n = (seg.len - self.cur.off).min(limit - self.done);
+        // SAFETY: the cursor stays inside the segment while bytes remain.
+        (unsafe { seg.ptr.add(self.cur.off) }, n)
+    }
+
+    /// Records `n` bytes written.
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.done += n;
+        self.cur.advance(&self.segs, n);
+    }
+}
+
 /// How far the gate lets `send` go.
 fn send_limit(send: &SendFlow, recvs: &[RecvFlow]) -> usize {
     match send.gate {
@@ -150,6 +187,28 @@ impl RecvFlow {
     }
 }
 
+impl RecvFlow {
+    /// The rank read from.
+    pub(crate) fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Bytes the flow receives in all.
+    pub(crate) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Bytes read so far.
+    pub(crate) fn done(&self) -> usize {
+        self.done
+    }
+
+    /// Bytes landed so far.
+    pub(crate) fn processed(&self) -> usize {
+        self.processed
+    }
+}
+
 /// All connections of one rank, indexed by peer rank (`None` at this rank's own index).
 pub(crate) struct Mesh {
     pub rank: usize,
@@ -157,6 +216,8 @@ pub(crate) struct Mesh {
     pub timeout: Duration,
     scratch: Vec<f32>,
     pending: usize,
+    /// Wakes this rank's receiving loop when its sending thread ends (see [`super::duplex`]).
+    pub(super) wake: Option<Wake>,
 }
 
 impl Mesh {
@@ -167,12 +228,23 @@ impl Mesh {
             timeout,
             scratch: Vec::new(),
             pending: 0,
+            wake: None,
         }
     }
 
     fn link(&self, peer: usize) -> &Link {
         // Flows are built only for peers of the mesh.
         self.links[peer].as_ref().expect("a flow names a peer of the mesh")
+    }
+
+    /// The descriptor to write `peer`'s data to.
+    pub(super) fn link_data_fd(&self, peer: usize) -> std::os::fd::RawFd {
+        self.link(peer).data.write_fd()
+    }
+
+    /// The descriptor to read `peer`'s data from.
+    pub(super) fn link_read_fd(&self, peer: usize) -> std::os::fd::RawFd {
+        self.link(peer).data.read_fd()
     }
 
     /// Runs the flows to completion, or fails naming the peer at fault and the collective.
@@ -182,15 +254,20 @@ impl Mesh {
         sends: &mut [SendFlow],
         recvs: &mut [RecvFlow],
     ) -> Result<(), CommError> {
-        self.run_flows(desc, sends, recvs)?;
+        match (&mut *sends, &mut *recvs) {
+            ([send], [recv]) if duplex::wanted(self, send, recv) => {
+                self.prepare_scratch(std::slice::from_ref(recv));
+                self.pending = 0;
+                self.run_duplex(desc, send, recv)?;
+            }
+            _ => self.run_flows(desc, sends, recvs)?,
+        }
         self.acknowledge(desc, sends, recvs)
     }
 
     /// Runs the flows to completion (the body of [`Mesh::pump`]).
     fn run_flows(&mut self, desc: &OpDesc, sends: &mut [SendFlow], recvs: &mut [RecvFlow]) -> Result<(), CommError> {
-        if recvs.iter().any(|r| r.sink != Sink::Copy) && self.scratch.is_empty() {
-            self.scratch = vec![0f32; SCRATCH_ELEMS];
-        }
+        self.prepare_scratch(recvs);
         self.pending = 0;
         let mut last_progress = Instant::now();
         loop {
@@ -210,6 +287,13 @@ impl Mesh {
                 continue;
             }
             self.wait(desc, sends, recvs, last_progress + self.timeout)?;
+        }
+    }
+
+    /// Allocates the staging buffer of reducing receives once.
+    fn prepare_scratch(&mut self, recvs: &[RecvFlow]) {
+        if recvs.iter().any(|r| r.sink != Sink::Copy) && self.scratch.is_empty() {
+            self.scratch = vec![0f32; SCRATCH_ELEMS];
         }
     }
 
@@ -266,6 +350,17 @@ impl Mesh {
 
     /// Reads what is available; true if anything arrived.
     fn drive_recv(&mut self, desc: &OpDesc, flow: &mut RecvFlow) -> Result<bool, CommError> {
+        self.drive_recv_with(desc, flow, &mut |_| {})
+    }
+
+    /// [`Mesh::drive_recv`], telling `landed` the flow's `processed` after every read, so that
+    /// a sending thread gated on it can go on while this one reads more.
+    pub(super) fn drive_recv_with(
+        &mut self,
+        desc: &OpDesc,
+        flow: &mut RecvFlow,
+        landed: &mut dyn FnMut(usize),
+    ) -> Result<bool, CommError> {
         let mut progressed = false;
         while flow.done < flow.total {
             let Some(link) = self.links[flow.peer].as_ref() else {
@@ -295,6 +390,7 @@ impl Mesh {
                             flow.processed += n;
                         }
                     }
+                    landed(flow.processed);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -355,7 +451,7 @@ impl Mesh {
 
     /// The error for a broken data connection: the peer's own abort message if it sent one (it
     /// names the original cause), else that the peer is gone.
-    fn lost(&mut self, desc: &OpDesc, peer: usize, what: &str) -> CommError {
+    pub(super) fn lost(&mut self, desc: &OpDesc, peer: usize, what: &str) -> CommError {
         // An aborting peer writes its cause on the control connection before it shuts its data
         // connections; the two connections are not ordered, so give the message a moment.
         let until = Instant::now() + Duration::from_millis(200);
