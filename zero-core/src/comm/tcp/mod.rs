@@ -34,7 +34,7 @@ use super::op::{validate, OpDesc, OpKind, DESC_BYTES};
 use super::reduce::{finish, widen, Element};
 use super::threads::{into_flat, split};
 use super::worker::{BackendState, Worker};
-use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
+use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp};
 use half::{bf16, f16};
 use link::Control;
 use pump::{Mesh, RecvFlow, Seg, SendFlow, Sink};
@@ -182,51 +182,7 @@ impl TcpGroup {
     }
 }
 
-impl ProcessGroup for TcpGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce_async(&self, buffer: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllReduce, buffer, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_async(&self, input: FlatBuffer, op: ReduceOp) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::ReduceScatter, input, Some(op), 0, None)
-    }
-
-    fn reduce_scatter_into_async(
-        &self,
-        input: FlatBuffer,
-        out: FlatBuffer,
-        op: ReduceOp,
-    ) -> Work<(FlatBuffer, FlatBuffer)> {
-        self.worker.reduce_scatter_into(input, out, op)
-    }
-
-    fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, None)
-    }
-
-    fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::AllGather, shard, None, 0, Some(out))
-    }
-
-    fn broadcast_async(&self, buffer: FlatBuffer, root: usize) -> Work<FlatBuffer> {
-        self.worker.collective(OpKind::Broadcast, buffer, None, root, None)
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.worker
-            .collective(OpKind::Barrier, FlatBuffer::F32(Vec::new()), None, 0, None)
-            .wait()
-            .map(drop)
-    }
-}
+crate::comm::worker::process_group_on_worker!(TcpGroup);
 
 /// The worker-side state of one rank.
 struct TcpRank {
