@@ -21,6 +21,17 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
+    /// Builds the model on `device` from the backend's generator seeded with `seed`. Rank
+    /// threads share the backend's one generator: the seeding and the draws happen under one
+    /// process-wide lock, so every rank (rank 0 above all, whose weights the engine broadcasts)
+    /// draws the same weights, whatever the threads' timing.
+    pub fn build_seeded<B: Backend>(&self, device: &B::Device, seed: u64) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
+        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
+        B::seed(device, seed);
+        self.build(device)
+    }
+
     /// Builds the model on `device`.
     pub fn build<B: Backend>(&self, device: &B::Device) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
         match self {

@@ -177,8 +177,7 @@ fn rank_loop(
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
     let device = Default::default();
-    <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
-    let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
+    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let world = group.world_size();
     let options = InitOptions {
@@ -468,8 +467,7 @@ fn pipeline_rank_loop(
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
     let device = Default::default();
-    <Flex as burn::tensor::backend::Backend>::seed(&device, args.seed);
-    let (model, model_config): (Gpt2<B>, _) = source.build(&device)?;
+    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let dp = groups.layout.size(Axis::Data);
     let options = InitOptions {
