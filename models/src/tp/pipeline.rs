@@ -15,7 +15,6 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use zero_burn::params::describe;
 use zero_burn::pipeline::{PipeLayer, TiedWeight};
 
 /// Token (vocab-parallel) and position (replicated) embeddings: the first layer.
@@ -138,15 +137,7 @@ impl<B: AutodiffBackend + TpBackend> PipeLayer<B> for TpGpt2Layer<B> {
     fn tensor_split(&self) -> Vec<usize> {
         match self {
             TpGpt2Layer::Embed(_) | TpGpt2Layer::Head(_) => vec![0],
-            TpGpt2Layer::Block(block) => describe::<B, _>(block)
-                .iter()
-                .enumerate()
-                .filter(|(_, (_, spec))| {
-                    let n = &spec.name;
-                    n.contains("c_attn") || n.contains("c_fc") || (n.contains("c_proj") && n.ends_with("weight"))
-                })
-                .map(|(i, _)| i)
-                .collect(),
+            TpGpt2Layer::Block(block) => super::model::tensor_split_params::<B>(block),
         }
     }
 }

@@ -268,7 +268,11 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 counted[c] = counted[c] && k == 0 && (tied_group.is_none() || stage == 0);
             }
         }
-        core.grad_norm = Some(global_norm(counted, data.rank(), groups.world.clone()));
+        core.grad_norm = Some(crate::core::counted_grad_norm(
+            counted,
+            data.rank(),
+            vec![groups.world.clone()],
+        ));
         // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
         // whole world: every stage skips the step together, or fails together at once.
         core.overflow_group = Some(groups.world.clone());
@@ -588,30 +592,4 @@ fn split_into(flat: &[f32], values: &mut [Vec<f32>]) {
         v.copy_from_slice(&flat[at..at + n]);
         at += n;
     }
-}
-
-/// The whole model's gradient norm: each rank sums the squares of the counted parameters in its
-/// owned ranges (a replicated group only on data rank 0), and the sums meet over `world`.
-fn global_norm(counted: Vec<bool>, data_rank: usize, world: SharedGroup) -> crate::core::GradNormFn {
-    Box::new(move |state: &FlatState, grads: &[Vec<f32>]| {
-        let mut sum = 0.0f64;
-        for (gi, grad) in grads.iter().enumerate() {
-            let rank = match state.layout.groups[gi].placement {
-                Placement::Replicated if data_rank != 0 => continue,
-                Placement::Replicated => 0,
-                Placement::Sharded => data_rank,
-            };
-            for seg in state.layout.segments(gi, rank) {
-                if counted[seg.param] {
-                    sum += grad[seg.local].iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
-                }
-            }
-        }
-        if world.world_size() > 1 {
-            let mut b = FlatBuffer::F32(vec![sum as f32]);
-            world.all_reduce(&mut b, ReduceOp::Sum)?;
-            sum = b.into_f32()[0] as f64;
-        }
-        Ok(sum.sqrt())
-    })
 }
