@@ -7,11 +7,13 @@
 //! consolidated weights (same initial weights, same micro-batches, same SGD; equal to fp32
 //! rounding, as the pipeline itself is in `pipeline_gpt2.rs`).
 
-use burn::backend::{Autodiff, Flex};
+mod pipeline_support;
+
 use burn::prelude::*;
+use pipeline_support::{micro_batch, B};
 use std::collections::HashMap;
 use std::path::Path;
-use zero_burn::params::{describe, read_values, write_values};
+use zero_burn::params::{describe, read_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
 use zero_core::checkpoint::{to_fp32, Checkpoint, SINGLE_FILE};
@@ -20,41 +22,15 @@ use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
 
-type B = Autodiff<Flex>;
-
-const VOCAB: usize = 48;
-const SEQ: usize = 7;
-const MICRO: usize = 2;
-const ROWS: usize = 2;
-
 fn config() -> Gpt2Config {
-    Gpt2Config::new(VOCAB, 16, 16, 3, 4)
+    pipeline_support::config(3)
 }
 
-/// Deterministic weights (every thread builds the same model).
 fn full_model(device: &Device<B>) -> Gpt2<B> {
-    let model = config().init::<B>(device);
-    let specs = describe::<B, _>(&model);
-    write_values(model, device, true, |i| {
-        let (name, n) = (&specs[i].1.name, specs[i].1.numel());
-        let gamma = name.contains("ln_") && name.ends_with("gamma");
-        let (base, scale) = if gamma { (1.0, 0.1) } else { (0.0, 0.3) };
-        (0..n)
-            .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
-            .collect()
-    })
+    pipeline_support::full_model(&config(), device)
 }
 
-fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let ids: Vec<i64> = (0..ROWS)
-        .flat_map(|r| {
-            let row = micro * ROWS + r;
-            (0..SEQ).map(move |t| ((row * 31 + t * 17 + step * 5 + row * t) % VOCAB) as i64)
-        })
-        .collect();
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
-    (t.clone(), t)
-}
+const MICRO: usize = 2;
 
 /// SGD with momentum (its momentum buffer must survive the checkpoint), with clipping. Not Adam:
 /// it turns the rounding noise of an exactly-zero gradient (the attention's key bias) into

@@ -6,9 +6,11 @@
 //! same per-step losses and final weights to fp32 rounding over 5 steps; the head's copy of the
 //! tied `wte` must equal the embedding's.
 
-use burn::backend::{Autodiff, Flex};
+mod pipeline_support;
+
 use burn::prelude::*;
-use zero_burn::params::{describe, read_values, write_values};
+use pipeline_support::{micro_batch, B};
+use zero_burn::params::{describe, read_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
 use zero_core::comm::{TcpGroup, TcpOptions, ThreadGroup};
@@ -16,48 +18,19 @@ use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::{ParallelLayout, RankGroups};
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
 
-type B = Autodiff<Flex>;
+fn config() -> Gpt2Config {
+    pipeline_support::config(LAYERS)
+}
 
-const VOCAB: usize = 48;
-const EMBD: usize = 16;
-const HEADS: usize = 4;
+fn full_model(device: &Device<B>) -> Gpt2<B> {
+    pipeline_support::full_model(&config(), device)
+}
+
 const LAYERS: usize = 3;
-const SEQ: usize = 7;
 const STEPS: usize = 5;
 /// Micro-batches per step on each data-parallel rank.
 const MICRO: usize = 4;
 /// Rows per micro-batch.
-const ROWS: usize = 2;
-
-fn config() -> Gpt2Config {
-    Gpt2Config::new(VOCAB, 16, EMBD, LAYERS, HEADS)
-}
-
-/// Deterministic weights (no random generator, so every thread builds the same model).
-fn full_model(device: &Device<B>) -> Gpt2<B> {
-    let model = config().init::<B>(device);
-    let specs = describe::<B, _>(&model);
-    write_values(model, device, true, |i| {
-        let (name, n) = (&specs[i].1.name, specs[i].1.numel());
-        let gamma = name.contains("ln_") && name.ends_with("gamma");
-        let (base, scale) = if gamma { (1.0, 0.1) } else { (0.0, 0.3) };
-        (0..n)
-            .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
-            .collect()
-    })
-}
-
-/// Micro-batch `micro` (of the global batch) of step `step`: tokens and labels.
-fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let ids: Vec<i64> = (0..ROWS)
-        .flat_map(|r| {
-            let row = micro * ROWS + r;
-            (0..SEQ).map(move |t| ((row * 31 + t * 17 + step * 5 + row * t) % VOCAB) as i64)
-        })
-        .collect();
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
-    (t.clone(), t)
-}
 
 fn settings(micro_batches: usize, stage: Stage) -> EngineSettings {
     let mut s = EngineSettings::new(

@@ -7,10 +7,11 @@
 //! rows, a head's activation gradient does not), and one process skips a step whenever any
 //! part overflowed. Every stage must skip exactly the reference's steps, with its loss scales.
 
-use burn::backend::{Autodiff, Flex};
+mod pipeline_support;
+
 use burn::prelude::*;
+use pipeline_support::{micro_batch, B};
 use std::time::{Duration, Instant};
-use zero_burn::params::{describe, write_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
 use zero_core::comm::ThreadGroup;
@@ -19,37 +20,16 @@ use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
 
-type B = Autodiff<Flex>;
-
-const VOCAB: usize = 48;
-const SEQ: usize = 7;
-const MICRO: usize = 2;
-const ROWS: usize = 2;
-const STEPS: usize = 12;
+fn config() -> Gpt2Config {
+    pipeline_support::config(3)
+}
 
 fn full_model(device: &Device<B>) -> Gpt2<B> {
-    let model = Gpt2Config::new(VOCAB, 16, 16, 3, 4).init::<B>(device);
-    let specs = describe::<B, _>(&model);
-    write_values(model, device, true, |i| {
-        let (name, n) = (&specs[i].1.name, specs[i].1.numel());
-        let gamma = name.contains("ln_") && name.ends_with("gamma");
-        let (base, scale) = if gamma { (1.0, 0.1) } else { (0.0, 0.3) };
-        (0..n)
-            .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
-            .collect()
-    })
+    pipeline_support::full_model(&config(), device)
 }
 
-fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let ids: Vec<i64> = (0..ROWS)
-        .flat_map(|r| {
-            let row = micro * ROWS + r;
-            (0..SEQ).map(move |t| ((row * 31 + t * 17 + step * 5 + row * t) % VOCAB) as i64)
-        })
-        .collect();
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
-    (t.clone(), t)
-}
+const MICRO: usize = 2;
+const STEPS: usize = 12;
 
 fn settings(precision: PrecisionSettings) -> EngineSettings {
     let mut s = EngineSettings::new(

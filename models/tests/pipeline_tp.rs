@@ -5,9 +5,10 @@
 //! PP 2 (4 ranks as threads) must give the same per-step losses and gradient norms over 5 steps; every loss after the
 //! first depends on every weight, so a wrong update anywhere shows.
 
-use burn::backend::{Autodiff, Flex};
+mod pipeline_support;
+
 use burn::prelude::*;
-use zero_burn::params::{describe, write_values};
+use pipeline_support::{micro_batch, B};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
 use zero_core::comm::ThreadGroup;
@@ -16,37 +17,16 @@ use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config};
 use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
 
-type B = Autodiff<Flex>;
-
-const VOCAB: usize = 48;
-const SEQ: usize = 7;
-const STEPS: usize = 5;
-const MICRO: usize = 3;
-const ROWS: usize = 2;
+fn config() -> Gpt2Config {
+    pipeline_support::config(2)
+}
 
 fn full_model(device: &Device<B>) -> Gpt2<B> {
-    let model = Gpt2Config::new(VOCAB, 16, 16, 2, 4).init::<B>(device);
-    let specs = describe::<B, _>(&model);
-    write_values(model, device, true, |i| {
-        let (name, n) = (&specs[i].1.name, specs[i].1.numel());
-        let gamma = name.contains("ln_") && name.ends_with("gamma");
-        let (base, scale) = if gamma { (1.0, 0.1) } else { (0.0, 0.3) };
-        (0..n)
-            .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
-            .collect()
-    })
+    pipeline_support::full_model(&config(), device)
 }
 
-fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let ids: Vec<i64> = (0..ROWS)
-        .flat_map(|r| {
-            let row = micro * ROWS + r;
-            (0..SEQ).map(move |t| ((row * 31 + t * 17 + step * 5 + row * t) % VOCAB) as i64)
-        })
-        .collect();
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
-    (t.clone(), t)
-}
+const STEPS: usize = 5;
+const MICRO: usize = 3;
 
 /// A gentle SGD: with lr 0.2 and momentum 0.9 this tiny model is near the edge of stability,
 /// and the rounding differences of tensor-parallel sums (1e-7) grow tenfold per step.

@@ -1,0 +1,49 @@
+//! What the pipeline tests share: a small GPT-2 with deterministic weights and deterministic
+//! token batches (no random generator, so every rank thread builds the same model and data).
+
+#![allow(dead_code)]
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zero_burn::params::{describe, write_values};
+use zero_models::gpt2::{Gpt2, Gpt2Config};
+
+pub type B = Autodiff<Flex>;
+
+/// Vocabulary of the test models.
+pub const VOCAB: usize = 48;
+/// Tokens per row.
+pub const SEQ: usize = 7;
+/// Rows per micro-batch.
+pub const ROWS: usize = 2;
+
+/// A GPT-2 of `layers` blocks, hidden 16, 4 heads, 16 positions.
+pub fn config(layers: usize) -> Gpt2Config {
+    Gpt2Config::new(VOCAB, 16, 16, layers, 4)
+}
+
+/// `config`'s model with deterministic weights (layer-norm gains near 1, the rest near 0).
+pub fn full_model(config: &Gpt2Config, device: &Device<B>) -> Gpt2<B> {
+    let model = config.init::<B>(device);
+    let specs = describe::<B, _>(&model);
+    write_values(model, device, true, |i| {
+        let (name, n) = (&specs[i].1.name, specs[i].1.numel());
+        let gamma = name.contains("ln_") && name.ends_with("gamma");
+        let (base, scale) = if gamma { (1.0, 0.1) } else { (0.0, 0.3) };
+        (0..n)
+            .map(|k| base + scale * ((i * 131 + k * 7) as f32 * 0.37).sin())
+            .collect()
+    })
+}
+
+/// Micro-batch `micro` (of the global batch) of step `step`: tokens and labels.
+pub fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let ids: Vec<i64> = (0..ROWS)
+        .flat_map(|r| {
+            let row = micro * ROWS + r;
+            (0..SEQ).map(move |t| ((row * 31 + t * 17 + step * 5 + row * t) % VOCAB) as i64)
+        })
+        .collect();
+    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
+    (t.clone(), t)
+}
