@@ -202,21 +202,10 @@ fn rank_loop(
         (group.clone(), None)
     };
     let mut engine = ChainEngine::new(settings, model, engine_group)?;
-    let mut first_step = 0;
-    if let Some(dir) = &args.load {
-        let client = engine.load_checkpoint(dir, None)?;
-        first_step = client
-            .get("step")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(engine.global_step());
-        if first_step != engine.global_step() {
-            return Err(TrainError::Config(format!(
-                "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
-                dir.display(),
-                engine.global_step()
-            )));
-        }
-    }
+    let first_step = match &args.load {
+        Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+        None => 0,
+    };
 
     let mut progress = Progress::new(
         lead,
@@ -294,14 +283,45 @@ fn rank_loop(
             }
         }
         records.push(record);
-        if let Some(dir) = &args.save {
-            let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
-            if periodic || step + 1 == args.steps {
-                let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
-                engine.save_checkpoint(dir, None, &client)?;
-            }
+        if let Some((dir, client)) = checkpoint_due(args, step) {
+            engine.save_checkpoint(dir, None, &client)?;
         }
     }
+    finish_run(args, progress, metrics, records, started, world, parameters)
+}
+
+/// The step to resume after, from a loaded checkpoint's client state; it must be the engine's
+/// optimizer step (a checkpoint whose data position and optimizer disagree is refused).
+fn resume_step(dir: &std::path::Path, client: &serde_json::Value, global_step: u64) -> Result<u64, TrainError> {
+    let step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(global_step);
+    if step != global_step {
+        return Err(TrainError::Config(format!(
+            "{}: the checkpoint's data position (step {step}) and optimizer step ({global_step}) disagree",
+            dir.display(),
+        )));
+    }
+    Ok(step)
+}
+
+/// Where and with what client state to save after `step` (0-based), when `--save` (with
+/// `--save-every`, or at the last step) asks for a checkpoint then.
+fn checkpoint_due(args: &TrainArgs, step: u64) -> Option<(&PathBuf, serde_json::Value)> {
+    let dir = args.save.as_ref()?;
+    let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+    (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed })))
+}
+
+/// The end of a rank's run: the summary, the progress bar's last line, the metrics file closed
+/// and the loss curve drawn beside it.
+fn finish_run(
+    args: &TrainArgs,
+    mut progress: Progress,
+    metrics: Option<MetricsWriter>,
+    records: Vec<StepRecord>,
+    started: Instant,
+    world: usize,
+    parameters: usize,
+) -> Result<TrainSummary, TrainError> {
     let summary = TrainSummary {
         steps: records,
         seconds: started.elapsed().as_secs_f64(),
@@ -547,21 +567,10 @@ impl PipelineRun<'_> {
             _ => None,
         };
         let d = groups.coords.data;
-        let mut first_step = 0;
-        if let Some(dir) = &args.load {
-            let client = engine.load_checkpoint(dir, None)?;
-            first_step = client
-                .get("step")
-                .and_then(|v| v.as_u64())
-                .unwrap_or(engine.global_step());
-            if first_step != engine.global_step() {
-                return Err(TrainError::Config(format!(
-                    "{}: the checkpoint's data position (step {first_step}) and optimizer step ({}) disagree",
-                    dir.display(),
-                    engine.global_step()
-                )));
-            }
-        }
+        let first_step = match &args.load {
+            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+            None => 0,
+        };
         // Validation as without a pipeline: each data index evaluates its share of the held-out
         // rows as one micro-batch, forward only through the stages.
         let dp = groups.layout.size(Axis::Data);
@@ -605,25 +614,10 @@ impl PipelineRun<'_> {
                 m.write(&record)?;
             }
             records.push(record);
-            if let Some(dir) = &args.save {
-                let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
-                if periodic || step + 1 == args.steps {
-                    let client = serde_json::json!({ "step": step + 1, "seed": args.seed });
-                    engine.save_checkpoint(dir, None, &client)?;
-                }
+            if let Some((dir, client)) = checkpoint_due(args, step) {
+                engine.save_checkpoint(dir, None, &client)?;
             }
         }
-        let summary = TrainSummary {
-            steps: records,
-            seconds: started.elapsed().as_secs_f64(),
-            world_size: world,
-            parameters: self.parameters,
-        };
-        progress.finish(&summary);
-        if let (Some(m), Some(path)) = (metrics, &args.metrics) {
-            m.finish()?;
-            super::metrics::write_loss_curve(path, &summary)?;
-        }
-        Ok(summary)
+        finish_run(args, progress, metrics, records, started, world, self.parameters)
     }
 }
