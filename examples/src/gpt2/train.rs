@@ -307,7 +307,7 @@ fn resume_step(dir: &std::path::Path, client: &serde_json::Value, global_step: u
 /// `--save-every`, or at the last step) asks for a checkpoint then.
 fn checkpoint_due(args: &TrainArgs, step: u64) -> Option<(&PathBuf, serde_json::Value)> {
     let dir = args.save.as_ref()?;
-    let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1) % k == 0);
+    let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1).is_multiple_of(k));
     (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed })))
 }
 
