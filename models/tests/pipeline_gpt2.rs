@@ -30,7 +30,6 @@ const LAYERS: usize = 3;
 const STEPS: usize = 5;
 /// Micro-batches per step on each data-parallel rank.
 const MICRO: usize = 4;
-/// Rows per micro-batch.
 
 fn settings(micro_batches: usize, stage: Stage) -> EngineSettings {
     let mut s = EngineSettings::new(
