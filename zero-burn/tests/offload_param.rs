@@ -18,25 +18,9 @@ fn scratch(name: &str) -> PathBuf {
 /// step. Reference: the same run with the shards in memory beside the model; a shard goes to
 /// the file and back unchanged, so nothing may differ in any bit.
 fn assert_same_training(label: &str, base: EngineSettings, offload: ParamOffload, world: usize) {
-    const STEPS: usize = 4;
-    let want = train(base.clone(), world, STEPS, vec![], plain);
-    let mut with = base;
+    let mut with = base.clone();
     with.offload_param = offload;
-    let got = train(with, world, STEPS, vec![], plain);
-    for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert_eq!(g.steps.len(), STEPS, "{label} rank {rank}: {:?}", g.steps);
-        assert_eq!(w.losses, g.losses, "{label} rank {rank}: losses");
-        for step in 0..STEPS {
-            assert!(
-                w.values[step] == g.values[step],
-                "{label} rank {rank}: weights after step {step} differ"
-            );
-        }
-        assert!(
-            w.values[0] != w.values[STEPS - 1],
-            "{label}: training must move the weights"
-        );
-    }
+    assert_bit_for_bit(label, base, with, world);
 }
 
 #[test]

@@ -159,10 +159,15 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     // Every rank's summary holds the same step records (losses are averaged over the ranks);
     // return the first this process hosts: rank 0's with threads, the process's own rank under
     // a launcher.
+    first_summary(results)
+}
+
+/// Every rank's summary holds the same step records (losses are averaged over the ranks): the
+/// first this process hosts, after checking that no rank failed.
+fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<TrainSummary, TrainError> {
     let mut first = None;
     for r in results {
-        let s = r?;
-        first.get_or_insert(s);
+        first.get_or_insert(r?);
     }
     first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
@@ -469,12 +474,7 @@ fn train_pipeline(
             })
             .collect()
     });
-    let mut first = None;
-    for r in results {
-        let s = r?;
-        first.get_or_insert(s);
-    }
-    first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
+    first_summary(results)
 }
 
 /// One rank of a pipelined run: its stage of the model's layers, trained on its data index's

@@ -205,3 +205,26 @@ impl ProcessGroup for Recording {
 pub fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     max_relative_error(a, b)
 }
+
+/// Trains `base` and `with` for 4 steps on `world` ranks and asserts that every rank's losses
+/// and weights after every step are the same bits (and that training moved the weights, so the
+/// equality is not that of two untouched models).
+pub fn assert_bit_for_bit(label: &str, base: EngineSettings, with: EngineSettings, world: usize) {
+    const STEPS: usize = 4;
+    let want = train(base, world, STEPS, vec![], plain);
+    let got = train(with, world, STEPS, vec![], plain);
+    for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(g.steps.len(), STEPS, "{label} rank {rank}: {:?}", g.steps);
+        assert_eq!(w.losses, g.losses, "{label} rank {rank}: losses");
+        for step in 0..STEPS {
+            assert!(
+                w.values[step] == g.values[step],
+                "{label} rank {rank}: weights after step {step} differ"
+            );
+        }
+        assert!(
+            w.values[0] != w.values[STEPS - 1],
+            "{label}: training must move the weights"
+        );
+    }
+}
