@@ -18,7 +18,6 @@ use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, Stage};
 use zero_core::checkpoint::{to_fp32, Checkpoint, SINGLE_FILE};
 use zero_core::comm::ThreadGroup;
-use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
 
@@ -32,23 +31,8 @@ fn full_model(device: &Device<B>) -> Gpt2<B> {
 
 const MICRO: usize = 2;
 
-/// SGD with momentum (its momentum buffer must survive the checkpoint), with clipping. Not Adam:
-/// it turns the rounding noise of an exactly-zero gradient (the attention's key bias) into
-/// full-size updates, and the comparison with one process would measure that noise.
 fn settings(micro_batches: usize, stage: Stage) -> EngineSettings {
-    let mut s = EngineSettings::new(
-        stage,
-        OptimizerSpec::Sgd(SgdSpec {
-            lr: 0.2,
-            momentum: 0.9,
-            dampening: 0.0,
-            weight_decay: 0.01,
-            nesterov: false,
-        }),
-    );
-    s.gradient_accumulation_steps = micro_batches;
-    s.gradient_clipping = 0.5;
-    s
+    pipeline_support::sgd_settings(micro_batches, stage)
 }
 
 /// Per rank: its stage's first layer, its layers' weights (per layer, per parameter), and the

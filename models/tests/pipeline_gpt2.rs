@@ -32,23 +32,7 @@ const STEPS: usize = 5;
 const MICRO: usize = 4;
 
 fn settings(micro_batches: usize, stage: Stage) -> EngineSettings {
-    let mut s = EngineSettings::new(
-        stage,
-        // SGD with momentum, not Adam: the attention's key bias has an exactly-zero gradient
-        // in exact arithmetic, and Adam turns its rounding noise (different in any two
-        // summation orders) into full-size updates of random sign; SGD keeps noise as noise.
-        OptimizerSpec::Sgd(SgdSpec {
-            lr: 0.2,
-            momentum: 0.9,
-            dampening: 0.0,
-            weight_decay: 0.01,
-            nesterov: false,
-        }),
-    );
-    s.gradient_accumulation_steps = micro_batches;
-    // Small enough to clip every step: the clipping must use the whole model's norm.
-    s.gradient_clipping = 0.5;
-    s
+    pipeline_support::sgd_settings(micro_batches, stage)
 }
 
 fn values<M: Module<B>>(m: &M) -> Vec<Vec<f32>> {

@@ -6,6 +6,8 @@
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use zero_burn::params::{describe, write_values};
+use zero_burn::{EngineSettings, Stage};
+use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_models::gpt2::{Gpt2, Gpt2Config};
 
 pub type B = Autodiff<Flex>;
@@ -46,4 +48,26 @@ pub fn micro_batch(step: usize, micro: usize, device: &Device<B>) -> (Tensor<B, 
         .collect();
     let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ROWS, SEQ]), device);
     (t.clone(), t)
+}
+
+/// SGD with momentum (lr 0.2, momentum 0.9, weight decay 0.01), `micro_batches` per step,
+/// clipped at 0.5 (small enough to clip every step: the clipping must use the whole model's
+/// norm). Not Adam: the attention's key bias has an exactly-zero gradient in exact arithmetic,
+/// and Adam turns its rounding noise (different in any two summation orders) into full-size
+/// updates of random sign; SGD keeps noise as noise. Its momentum buffer is state a checkpoint
+/// must carry.
+pub fn sgd_settings(micro_batches: usize, stage: Stage) -> EngineSettings {
+    let mut s = EngineSettings::new(
+        stage,
+        OptimizerSpec::Sgd(SgdSpec {
+            lr: 0.2,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.01,
+            nesterov: false,
+        }),
+    );
+    s.gradient_accumulation_steps = micro_batches;
+    s.gradient_clipping = 0.5;
+    s
 }
