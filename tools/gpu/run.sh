@@ -17,12 +17,16 @@ for t in .gpu/test-*; do
   "$t" --test-threads 1 2>&1 | tail -5
 done
 steps=${STEPS:-10}
-echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1"
-.gpu/throughput --backend cuda --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" --stages 0,1,2,3
-.gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,3
-echo "== PyTorch + transformers: eager, bf16 autocast, fused AdamW"
-python3 tools/gpu/torch_gpt2_throughput.py --models gpt2 --batch 8 --seq 1024 --steps "$steps"
-python3 tools/gpu/torch_gpt2_throughput.py --models gpt2-xl --batch 4 --seq 1024 --steps "$steps"
+echo "== PyTorch + transformers: eager, bf16 autocast, fused AdamW (the baseline)"
+python3 tools/gpu/torch_gpt2_throughput.py --models gpt2 --batch 8 --seq 1024 --steps "$steps" | tee /tmp/torch-small.md
+python3 tools/gpu/torch_gpt2_throughput.py --models gpt2-xl --batch 4 --seq 1024 --steps "$steps" | tee /tmp/torch-xl.md
+# The tokens/s column of the model's row, passed to the Rust bench as its named baseline.
+tps() { awk -F'|' -v m="$2" '$2 ~ " "m" " {gsub(/ /, "", $5); print $5}' "$1"; }
+echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1, beside PyTorch"
+.gpu/throughput --backend cuda --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
+  --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
+.gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,3 \
+  --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
 echo "== ZeRO-Offload (optimizer on the CPU), stage 3, up the ladder"
 for m in gpt2-xl gpt2-10b; do
   .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --dtype bf16

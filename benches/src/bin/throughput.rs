@@ -3,7 +3,11 @@
 //!
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
-//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu]`
+//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]`
+//!
+//! Each row's tokens/s is given as a ratio to the first stage measured for the same model in
+//! this run, and, with `--baseline`, to a named baseline measured beside it (tools/gpu/run.sh
+//! passes PyTorch + transformers' figure on the same GPU).
 //!
 //! One line per model and stage, in markdown. The step is forward + backward + optimizer step,
 //! synchronised with the device before the clock stops; the figure is the median over `--steps`
@@ -37,6 +41,8 @@ struct Options {
     steps: usize,
     peak_tflops: Option<f64>,
     offload_cpu: bool,
+    /// A named baseline's tokens/s measured beside this run (e.g. PyTorch's on the same GPU).
+    baseline: Option<(String, f64)>,
 }
 
 fn options() -> Result<Options, String> {
@@ -50,6 +56,7 @@ fn options() -> Result<Options, String> {
         steps: 3,
         peak_tflops: None,
         offload_cpu: false,
+        baseline: None,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -82,6 +89,13 @@ fn options() -> Result<Options, String> {
                 )
             }
             "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
+            "--baseline" => {
+                let (name, tps) = value
+                    .split_once('=')
+                    .and_then(|(n, v)| Some((n.to_string(), v.parse::<f64>().ok()?)))
+                    .ok_or_else(|| format!("--baseline {value}: expected NAME=TOKENS_PER_S"))?;
+                o.baseline = Some((name, tps));
+            }
             other => return Err(format!("unknown option {other} {value}")),
         }
     }
@@ -179,8 +193,17 @@ fn main() {
         o.steps,
         if o.offload_cpu { "cpu" } else { "none" }
     );
-    println!("| model | params | stage | step | tokens/s | MFU | loss | model states (engine's count) |");
-    println!("|---|---|---|---|---|---|---|---|");
+    let baseline_column = o
+        .baseline
+        .as_ref()
+        .map_or(String::new(), |(name, tps)| format!(" vs {name} ({tps:.0} tokens/s) |"));
+    println!(
+        "| model | params | stage | step | tokens/s | vs first stage |{baseline_column} MFU | loss | model states (engine's count) |"
+    );
+    println!(
+        "|---|---|---|---|---|---|{}---|---|---|",
+        if o.baseline.is_some() { "---|" } else { "" }
+    );
     for name in &o.models {
         let config = match Gpt2Config::preset(name) {
             Ok(c) => Gpt2Config {
@@ -192,6 +215,7 @@ fn main() {
                 std::process::exit(2);
             }
         };
+        let mut first_stage: Option<(u8, f64)> = None;
         for &stage in &o.stages {
             let Some(stage_kind) = Stage::from_number(stage) else {
                 eprintln!("throughput: stage {stage} is not 0-3");
@@ -206,15 +230,21 @@ fn main() {
                     } else {
                         "-".into()
                     };
+                    let (first, first_tps) = *first_stage.get_or_insert((stage, r.tokens_per_s));
+                    let vs_first = format!("{:.2}x stage {first}", r.tokens_per_s / first_tps);
+                    let vs_baseline = o
+                        .baseline
+                        .as_ref()
+                        .map_or(String::new(), |(_, tps)| format!(" {:.2}x |", r.tokens_per_s / tps));
                     println!(
-                        "| {name} | {params} | {stage} | {:.1} ms | {:.0} | {mfu} | {:.3} | {:.2} GB |",
+                        "| {name} | {params} | {stage} | {:.1} ms | {:.0} | {vs_first} |{vs_baseline} {mfu} | {:.3} | {:.2} GB |",
                         r.step_s * 1e3,
                         r.tokens_per_s,
                         r.loss,
                         r.memory.total_current() as f64 / 1e9
                     );
                 }
-                Err(e) => println!("| {name} | {params} | {stage} | failed: {e} | | | | |"),
+                Err(e) => println!("| {name} | {params} | {stage} | failed: {e} | | | | | |"),
             }
         }
     }
