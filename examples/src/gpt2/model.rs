@@ -2,14 +2,11 @@
 
 use super::data::DataSource;
 use super::TrainError;
-use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use std::path::PathBuf;
 use zero_burn::params::{read_values, write_values};
 use zero_core::comm::{FlatBuffer, ProcessGroup};
 use zero_models::{Gpt2, Gpt2Config};
-
-type B = Autodiff<Flex>;
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -66,7 +63,7 @@ pub fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), Tr
 }
 
 /// `model` with world rank 0's weights.
-pub fn same_weights_as_rank_0(
+pub fn same_weights_as_rank_0<B: Backend>(
     model: Gpt2<B>,
     world: &dyn ProcessGroup,
     device: &burn::tensor::Device<B>,

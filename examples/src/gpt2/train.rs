@@ -12,6 +12,7 @@ use super::monitor::Monitors;
 use super::timers::{StepTimers, TimedGroup};
 use super::TrainError;
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -23,10 +24,8 @@ use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::DeepSpeedConfig;
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
-use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
+use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::Gpt2;
-
-type B = Autodiff<Flex>;
 
 /// The shipped corpus: ten plays of Shakespeare (see data/README.md).
 const SHIPPED_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
@@ -76,7 +75,8 @@ pub struct TrainArgs {
     /// Write one JSON line per optimizer step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Compute backend: cpu (Flex). cuda needs a build with the `cuda` feature.
+    /// Compute backend: cpu (Flex) or cuda (a build with the `cuda` feature). On CUDA, rank r
+    /// (threads) or the process of LOCAL_RANK r (launcher) uses GPU r modulo the GPUs visible.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// No progress bar (the summary is still printed).
@@ -120,14 +120,23 @@ pub struct TrainSummary {
     pub parameters: usize,
 }
 
-/// Runs the training; returns the summary of the first rank this process hosts.
+/// Runs the training on the backend `--backend` names; returns the summary of the first rank
+/// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
-    if args.backend != "cpu" {
-        return Err(TrainError::Config(format!(
-            "--backend {}: this build trains on the CPU (Flex) only; build with --features cuda for the GPU",
-            args.backend
-        )));
+    match args.backend.as_str() {
+        "cpu" => train_on::<Autodiff<Flex>>(args),
+        #[cfg(feature = "cuda")]
+        "cuda" => train_on::<Autodiff<burn::backend::Cuda>>(args),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err(TrainError::Config(
+            "--backend cuda: this build has no CUDA backend; build with `--features cuda`".into(),
+        )),
+        other => Err(TrainError::Config(format!("--backend {other}: expected cpu or cuda"))),
     }
+}
+
+/// Runs the training on backend `B`.
+fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
@@ -149,17 +158,28 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     };
     let (stages, tensor) = model_parallel_degrees(&config)?;
     if stages > 1 || tensor > 1 {
-        return train_pipeline(args, config, data, source, stages, tensor);
+        return train_pipeline::<B>(args, config, data, source, stages, tensor);
     }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
-        rank_loop(rank, group, &args, &config, &data, &source)
+        rank_loop::<B>(rank, group, &args, &config, &data, &source)
     })
     .map_err(|e| TrainError::Engine(e.into()))?;
     // Every rank's summary holds the same step records (losses are averaged over the ranks);
     // return the first this process hosts: rank 0's with threads, the process's own rank under
     // a launcher.
     first_summary(results)
+}
+
+/// The device of the rank with world rank `rank`: the GPU (or other device) of index `local`
+/// modulo the devices the backend sees, where `local` is LOCAL_RANK under a launcher and the
+/// rank itself when ranks are threads. One device (the CPU) for Flex.
+fn rank_device<B: AutodiffBackend>(rank: usize) -> B::Device {
+    use burn::tensor::backend::{Backend, Device, DeviceId};
+    let local = DistEnv::detect().map_or(rank, |env| env.local_rank);
+    let type_id = B::Device::default().to_id().type_id;
+    let count = <B as Backend>::device_count(type_id).max(1);
+    B::Device::from_id(DeviceId::new(type_id, (local % count) as u16))
 }
 
 /// Every rank's summary holds the same step records (losses are averaged over the ranks): the
@@ -173,7 +193,7 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
 }
 
 /// One rank's training loop.
-fn rank_loop(
+fn rank_loop<B: AutodiffBackend>(
     rank: usize,
     group: Arc<dyn ProcessGroup>,
     args: &TrainArgs,
@@ -181,7 +201,7 @@ fn rank_loop(
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let device = Default::default();
+    let device = rank_device::<B>(rank);
     let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let world = group.world_size();
@@ -342,7 +362,7 @@ fn finish_run(
 }
 
 /// Token ids `[rows, seq]` as an Int tensor.
-fn token_tensor(rows: &[Vec<u32>], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+fn token_tensor<B: AutodiffBackend>(rows: &[Vec<u32>], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
     let seq = rows.first().map(Vec::len).unwrap_or(0);
     let ids: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
     Tensor::from_data(TensorData::new(ids, [rows.len(), seq]), device)
@@ -358,7 +378,7 @@ fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainErr
 }
 
 /// Held-out loss: each rank scores its share of the validation sequences.
-fn validate(
+fn validate<B: AutodiffBackend>(
     engine: &mut ChainEngine<B, Gpt2<B>>,
     group: &dyn ProcessGroup,
     validation: &[Vec<u32>],
@@ -433,7 +453,7 @@ fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), Tr
 
 /// Training with the ranks laid out data × tensor × pipeline (the data degree is what is left
 /// of the world): as threads, or this process's one rank under a launcher.
-fn train_pipeline(
+fn train_pipeline<B: AutodiffBackend + TpBackend>(
     args: &TrainArgs,
     config: Arc<DeepSpeedConfig>,
     data: Arc<DataSource>,
@@ -454,7 +474,7 @@ fn train_pipeline(
     if launched.is_some() {
         let world_group = TcpGroup::from_env(None).map_err(comm)?;
         let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
-        return pipeline_rank_loop(groups, args, &config, &data, &source);
+        return pipeline_rank_loop::<B>(groups, args, &config, &data, &source);
     }
     let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|s| {
@@ -462,7 +482,7 @@ fn train_pipeline(
             .into_iter()
             .map(|groups| {
                 let (config, data, source) = (&config, &data, &source);
-                s.spawn(move || pipeline_rank_loop(groups, args, config, data, source))
+                s.spawn(move || pipeline_rank_loop::<B>(groups, args, config, data, source))
             })
             .collect();
         handles
@@ -479,14 +499,14 @@ fn train_pipeline(
 
 /// One rank of a pipelined run: its stage of the model's layers, trained on its data index's
 /// share of each global batch.
-fn pipeline_rank_loop(
+fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
     groups: RankGroups,
     args: &TrainArgs,
     config: &DeepSpeedConfig,
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let device = Default::default();
+    let device = rank_device::<B>(groups.world.rank());
     let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let dp = groups.layout.size(Axis::Data);
@@ -529,10 +549,16 @@ fn pipeline_rank_loop(
         let mut settings = settings;
         // Tensor-parallel collectives run inside backward(): fence the stage's tensor ranks.
         settings.backward_fence = Some(groups.tensor.clone());
-        run.steps(PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?)
+        run.steps(
+            PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?,
+            &device,
+        )
     } else {
         let module = PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, stage)?;
-        run.steps(PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?)
+        run.steps(
+            PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?,
+            &device,
+        )
     }
 }
 
@@ -552,13 +578,13 @@ struct PipelineRun<'a> {
 
 impl PipelineRun<'_> {
     /// The training steps: each data index trains on its share of every global batch.
-    fn steps<L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
+    fn steps<B: AutodiffBackend, L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
         &self,
         mut engine: PipelineEngine<B, L>,
+        device: &B::Device,
     ) -> Result<TrainSummary, TrainError> {
         let (args, data, groups) = (self.args, self.data, self.groups);
         let (micro, gas, global) = (self.micro, self.gas, self.global);
-        let device = Default::default();
         let world = groups.layout.world_size();
         let lead = groups.world.rank() == 0;
         let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
@@ -586,13 +612,13 @@ impl PipelineRun<'_> {
             let micro_batches: Vec<_> = mine
                 .chunks(micro)
                 .map(|chunk| {
-                    let tokens = token_tensor(chunk, &device);
+                    let tokens = token_tensor(chunk, device);
                     (tokens.clone(), tokens)
                 })
                 .collect();
             let out = engine.train_batch(&micro_batches)?;
             let valid_loss = if per > 0 && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
-                let tokens = token_tensor(valid_rows, &device);
+                let tokens = token_tensor(valid_rows, device);
                 Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
             } else {
                 None

@@ -27,8 +27,9 @@ use zero_core::comm::ReduceOp;
 
 /// A backend that can run tensor-parallel layers: it knows Megatron's `f` and `g`.
 ///
-/// Implemented for [`Flex`] and for `Autodiff` over any implementor. Another backend needs the
-/// two forward functions only (identity, and [`all_reduce_primitive`]).
+/// Implemented for [`Flex`], for CUDA (with the `cuda` feature) and for `Autodiff` over any
+/// implementor. Another backend needs the two forward functions only (identity, and
+/// [`all_reduce_primitive`]).
 pub trait TpBackend: Backend {
     /// `f`: returns `x`; under autodiff, the gradient is all-reduced over `group`.
     fn tp_copy(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self>;
@@ -48,15 +49,24 @@ pub fn all_reduce_primitive<B: Backend>(x: FloatTensor<B>, group: &TpGroup, what
     B::float_reshape(reduced.into_primitive().tensor(), shape)
 }
 
-impl TpBackend for Flex {
-    fn tp_copy(x: FloatTensor<Self>, _group: &TpGroup) -> FloatTensor<Self> {
-        x
-    }
+/// `TpBackend` for a backend without autodiff: `f` is the identity, `g` the all-reduce.
+macro_rules! forward_only_tp_backend {
+    ($backend:ty) => {
+        impl TpBackend for $backend {
+            fn tp_copy(x: FloatTensor<Self>, _group: &TpGroup) -> FloatTensor<Self> {
+                x
+            }
 
-    fn tp_reduce(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
-        all_reduce_primitive::<Self>(x, group, "g forward")
-    }
+            fn tp_reduce(x: FloatTensor<Self>, group: &TpGroup) -> FloatTensor<Self> {
+                all_reduce_primitive::<Self>(x, group, "g forward")
+            }
+        }
+    };
 }
+
+forward_only_tp_backend!(Flex);
+#[cfg(feature = "cuda")]
+forward_only_tp_backend!(burn::backend::Cuda);
 
 /// Backward of `f`: all-reduce the gradient.
 #[derive(Debug)]
