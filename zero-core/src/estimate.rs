@@ -299,6 +299,8 @@ impl Gpt2Shape {
     }
 
     /// The preset of this name (one of [`GPT2_PRESETS`]): the same shapes as the model zoo's.
+    /// A shaped name `gpt2-<layers>x<hidden>` (e.g. `gpt2-40x4096`) is GPT-2 with that many
+    /// blocks of that hidden size; see [`Gpt2Shape::shaped`].
     pub fn preset(name: &str) -> Option<Self> {
         Some(match name {
             "tiny" => Self::with(128, 2, 4),
@@ -307,8 +309,63 @@ impl Gpt2Shape {
             "gpt2-large" => Self::with(1280, 36, 20),
             "gpt2-xl" => Self::with(1600, 48, 25),
             "gpt2-10b" => Self::with(4096, 50, 32),
-            _ => return None,
+            other => {
+                let (layers, hidden) = other.strip_prefix("gpt2-")?.split_once('x')?;
+                return Self::shaped(layers.parse().ok()?, hidden.parse().ok()?);
+            }
         })
+    }
+
+    /// GPT-2 with `n_layer` blocks of hidden size `n_embd`: heads of 128 (as the 10B model's)
+    /// when `n_embd` is a multiple of 128, else of 64 (as GPT-2's own); `None` when `n_embd` is
+    /// not a multiple of 64 or a count is zero.
+    pub fn shaped(n_layer: u64, n_embd: u64) -> Option<Self> {
+        let head_dim = if n_embd.is_multiple_of(128) { 128 } else { 64 };
+        (n_layer > 0 && n_embd > 0 && n_embd.is_multiple_of(head_dim))
+            .then(|| Self::with(n_embd, n_layer, n_embd / head_dim))
+    }
+
+    /// The shaped name of this model, `gpt2-<layers>x<hidden>`, which [`Gpt2Shape::preset`]
+    /// reads back.
+    pub fn shaped_name(&self) -> String {
+        format!("gpt2-{}x{}", self.n_layer, self.n_embd)
+    }
+
+    /// The deepest GPT-2 of hidden size `n_embd` whose model states, as [`estimate`] counts them
+    /// for `input`'s stage, cluster, offload and dtype, fit `host_bytes` per host and
+    /// `device_bytes` per device; `None` when not even one block fits.
+    pub fn deepest_fitting(n_embd: u64, input: &EstimateInput, host_bytes: u64, device_bytes: u64) -> Option<Self> {
+        let fits = |layers: u64| {
+            let Some(shape) = Self::shaped(layers, n_embd) else {
+                return false;
+            };
+            let e = estimate(&EstimateInput {
+                params: shape.num_params(),
+                largest_gather: Some(shape.largest_gather()),
+                ..input.clone()
+            });
+            e.per_host.total() <= host_bytes && e.per_device.total() <= device_bytes
+        };
+        if !fits(1) {
+            return None;
+        }
+        // Bytes grow with the depth: double to an upper bound, then bisect.
+        let (mut lo, mut hi) = (1, 2);
+        while fits(hi) {
+            (lo, hi) = (hi, hi * 2);
+            if hi > 1 << 20 {
+                return Self::shaped(lo, n_embd);
+            }
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Self::shaped(lo, n_embd)
     }
 
     /// Parameters of one transformer block: two layer norms, attention (qkv and projection),
@@ -460,5 +517,45 @@ mod tests {
         assert_eq!(count("gpt2-xl"), Some(1_557_611_200));
         assert_eq!(count("gpt2-10b"), Some(10_279_047_168));
         assert_eq!(count("gpt3"), None);
+    }
+
+    #[test]
+    fn shaped_names_read_back_and_match_the_presets() {
+        // The 10B preset is the shaped model of its depth and width.
+        assert_eq!(Gpt2Shape::preset("gpt2-50x4096"), Gpt2Shape::preset("gpt2-10b"));
+        let s = Gpt2Shape::preset("gpt2-7x1600").unwrap();
+        assert_eq!((s.n_layer, s.n_embd, s.n_head), (7, 1600, 25));
+        assert_eq!(Gpt2Shape::preset(&s.shaped_name()), Some(s));
+        for bad in ["gpt2-0x4096", "gpt2-4x100", "gpt2-4x", "gpt2-x64", "gpt3-4x64"] {
+            assert_eq!(Gpt2Shape::preset(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn deepest_fitting_is_the_last_depth_under_the_limits() {
+        // Reference: the estimate itself, one depth deeper must break a limit.
+        let mut input = EstimateInput::new(0, 3, 1, Dtype::Bf16);
+        input.offload_optimizer = Some(OffloadTarget::Cpu);
+        let (host, device) = (128u64 << 30, 80u64 << 30);
+        let best = Gpt2Shape::deepest_fitting(4096, &input, host, device).expect("some depth fits");
+        let bytes = |layers: u64| {
+            let shape = Gpt2Shape::shaped(layers, 4096).unwrap();
+            estimate(&EstimateInput {
+                params: shape.num_params(),
+                largest_gather: Some(shape.largest_gather()),
+                ..input.clone()
+            })
+        };
+        let at = bytes(best.n_layer);
+        assert!(at.per_host.total() <= host && at.per_device.total() <= device);
+        let deeper = bytes(best.n_layer + 1);
+        assert!(deeper.per_host.total() > host || deeper.per_device.total() > device);
+        // 16 bytes of host state per parameter under 128 GiB: about 8.6B parameters.
+        assert!(
+            (8_000_000_000..8_600_000_000).contains(&best.num_params()),
+            "{}",
+            best.num_params()
+        );
+        assert_eq!(Gpt2Shape::deepest_fitting(4096, &input, 1 << 30, device), None);
     }
 }

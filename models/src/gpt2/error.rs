@@ -32,7 +32,10 @@ pub enum Gpt2ConfigError {
     #[error("GPT-2 config: tie_word_embeddings = false is not supported (the LM head is wte)")]
     UntiedHead,
     /// A preset name that is not known.
-    #[error("unknown GPT-2 preset `{0}` (known: {known})", known = super::presets::PRESET_NAMES.join(", "))]
+    #[error(
+        "unknown GPT-2 preset `{0}` (known: {known}, or gpt2-<layers>x<hidden> with hidden a multiple of 64)",
+        known = super::presets::PRESET_NAMES.join(", ")
+    )]
     UnknownPreset(String),
 }
 

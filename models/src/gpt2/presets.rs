@@ -41,7 +41,9 @@ impl Gpt2Config {
         Self::new(GPT2_VOCAB_SIZE, 1024, 4096, 50, 32)
     }
 
-    /// The preset of the given name (one of [`PRESET_NAMES`]).
+    /// The preset of the given name: one of [`PRESET_NAMES`], or a shape `gpt2-<layers>x<hidden>`
+    /// (e.g. `gpt2-40x4096`, what `zero estimate --fit-host-memory` prints), with heads of 128
+    /// when the hidden size is a multiple of 128, else of 64.
     pub fn preset(name: &str) -> Result<Self, Gpt2ConfigError> {
         match name {
             "tiny" => Ok(Self::tiny()),
@@ -50,7 +52,16 @@ impl Gpt2Config {
             "gpt2-large" => Ok(Self::gpt2_large()),
             "gpt2-xl" => Ok(Self::gpt2_xl()),
             "gpt2-10b" => Ok(Self::gpt2_10b()),
-            other => Err(Gpt2ConfigError::UnknownPreset(other.to_string())),
+            other => match zero_core::estimate::Gpt2Shape::preset(other) {
+                Some(shape) => Ok(Self::new(
+                    shape.vocab as usize,
+                    shape.n_positions as usize,
+                    shape.n_embd as usize,
+                    shape.n_layer as usize,
+                    shape.n_head as usize,
+                )),
+                None => Err(Gpt2ConfigError::UnknownPreset(other.to_string())),
+            },
         }
     }
 
@@ -95,5 +106,19 @@ mod tests {
             Gpt2Config::preset("gpt3"),
             Err(Gpt2ConfigError::UnknownPreset(_))
         ));
+    }
+
+    #[test]
+    fn shaped_names_build_the_shape_the_estimate_counts() {
+        // Reference: the estimate's own parameter formula, and the 10B preset's published shape.
+        let c = Gpt2Config::preset("gpt2-3x256").unwrap();
+        assert_eq!((c.n_layer, c.n_embd, c.n_head), (3, 256, 2));
+        let shape = zero_core::estimate::Gpt2Shape::preset("gpt2-3x256").unwrap();
+        assert_eq!(c.num_params(), shape.num_params());
+        assert_eq!(
+            Gpt2Config::preset("gpt2-50x4096").unwrap().num_params(),
+            Gpt2Config::gpt2_10b().num_params()
+        );
+        assert!(Gpt2Config::preset("gpt2-3x100").is_err());
     }
 }

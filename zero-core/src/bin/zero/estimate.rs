@@ -10,11 +10,22 @@ use zero_core::estimate::{
 #[derive(clap::Args)]
 pub struct Args {
     /// Trainable parameters (e.g. 1500000000, 1.5e9).
-    #[arg(long, conflicts_with = "preset", required_unless_present = "preset")]
+    #[arg(long, conflicts_with_all = ["preset", "fit_host_memory"], required_unless_present_any = ["preset", "fit_host_memory"])]
     pub params: Option<String>,
-    /// A GPT-2 preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b.
-    #[arg(long)]
+    /// A GPT-2 preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape
+    /// gpt2-<layers>x<hidden> (e.g. gpt2-40x4096).
+    #[arg(long, conflicts_with = "fit_host_memory")]
     pub preset: Option<String>,
+    /// Instead of a model: find the deepest GPT-2 of hidden size --hidden whose model states fit
+    /// this much memory per host (e.g. 128GiB, 120e9), and print its estimate.
+    #[arg(long, value_name = "BYTES")]
+    pub fit_host_memory: Option<String>,
+    /// With --fit-host-memory: the memory per device it must also fit (default: no limit).
+    #[arg(long, value_name = "BYTES", requires = "fit_host_memory")]
+    pub fit_device_memory: Option<String>,
+    /// With --fit-host-memory: the hidden size of the GPT-2 searched.
+    #[arg(long, default_value_t = 4096, requires = "fit_host_memory")]
+    pub hidden: u64,
     /// ZeRO stage, 0-3.
     #[arg(long)]
     pub stage: u8,
@@ -71,6 +82,38 @@ fn parse_count(text: &str) -> Result<u64, String> {
     }
 }
 
+/// A byte size: a count, with an optional unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB,
+/// GiB, TiB powers of 1024).
+fn parse_bytes(flag: &str, text: &str) -> Result<u64, String> {
+    let clean = text.trim().replace(['_', ','], "");
+    let split = clean
+        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        .unwrap_or(clean.len());
+    let (number, unit) = clean.split_at(split);
+    let scale: f64 = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "--{flag} {text}: unknown unit (expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    match number.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && (v * scale) < 1e19 => Ok((v * scale) as u64),
+        _ => Err(format!(
+            "--{flag} {text}: expected a positive size such as 128GiB or 120e9"
+        )),
+    }
+}
+
 fn report(args: &Args) -> Result<String, String> {
     if args.stage > 3 {
         return Err(format!("--stage {}: expected 0, 1, 2 or 3", args.stage));
@@ -87,31 +130,68 @@ fn report(args: &Args) -> Result<String, String> {
             args.stage
         ));
     }
-    let (params, largest, what) = match (&args.params, &args.preset) {
-        (Some(p), _) => (parse_count(p)?, None, format!("{} parameters", parse_count(p)?)),
-        (None, Some(name)) => {
-            let shape = Gpt2Shape::preset(name)
-                .ok_or_else(|| format!("--preset {name}: unknown (known: {})", GPT2_PRESETS.join(", ")))?;
-            let what = format!(
-                "{name}: {} parameters ({} layers, hidden {}), largest gather unit {} parameters",
-                shape.num_params(),
-                shape.n_layer,
-                shape.n_embd,
-                shape.largest_gather()
-            );
-            (shape.num_params(), Some(shape.largest_gather()), what)
-        }
-        (None, None) => return Err("give --params N or --preset NAME".into()),
-    };
-    let input = EstimateInput {
-        params,
-        largest_gather: largest,
+    let mut input = EstimateInput {
+        params: 0,
+        largest_gather: None,
         stage: args.stage,
         gpus_per_node: args.gpus_per_node,
         nodes: args.nodes,
         offload_optimizer: target("offload-optimizer", args.offload_optimizer.as_deref())?,
         offload_param,
         dtype,
+    };
+    let describe = |name: &str, shape: &Gpt2Shape| {
+        format!(
+            "{name}: {} parameters ({} layers, hidden {}), largest gather unit {} parameters",
+            shape.num_params(),
+            shape.n_layer,
+            shape.n_embd,
+            shape.largest_gather()
+        )
+    };
+    let shape = match (&args.params, &args.preset, &args.fit_host_memory) {
+        (Some(p), _, _) => {
+            input.params = parse_count(p)?;
+            None
+        }
+        (None, Some(name), _) => Some((
+            name.clone(),
+            Gpt2Shape::preset(name).ok_or_else(|| {
+                format!(
+                    "--preset {name}: unknown (known: {}, or gpt2-<layers>x<hidden> with hidden a multiple of 64)",
+                    GPT2_PRESETS.join(", ")
+                )
+            })?,
+        )),
+        (None, None, Some(host)) => {
+            let host = parse_bytes("fit-host-memory", host)?;
+            let device = match &args.fit_device_memory {
+                Some(d) => parse_bytes("fit-device-memory", d)?,
+                None => u64::MAX,
+            };
+            let shape = Gpt2Shape::deepest_fitting(args.hidden, &input, host, device).ok_or_else(|| {
+                format!(
+                    "no GPT-2 of hidden {} fits {} per host{} at this stage and offload",
+                    args.hidden,
+                    human_bytes(host),
+                    if device == u64::MAX {
+                        String::new()
+                    } else {
+                        format!(" and {} per device", human_bytes(device))
+                    }
+                )
+            })?;
+            Some((format!("deepest fitting: {}", shape.shaped_name()), shape))
+        }
+        (None, None, None) => return Err("give --params N, --preset NAME or --fit-host-memory BYTES".into()),
+    };
+    let what = match &shape {
+        Some((name, shape)) => {
+            input.params = shape.num_params();
+            input.largest_gather = Some(shape.largest_gather());
+            describe(name, shape)
+        }
+        None => format!("{} parameters", input.params),
     };
     let e = estimate(&input);
     let mut out = format!(
