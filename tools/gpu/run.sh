@@ -17,6 +17,33 @@ for t in .gpu/test-*; do
   "$t" --test-threads 1 2>&1 | tail -5
 done
 steps=${STEPS:-10}
+echo "== training on Autodiff<Cuda>: every ZeRO stage, bf16 and fp16, GPT-2 124M on the shipped corpus"
+# The loss must fall in every cell; 2 ranks as threads on the one GPU (threads backend) at the end.
+cfgdir=$(mktemp -d)
+for dtype in bf16 fp16; do
+  for stage in 0 1 2 3; do
+    python3 - "$stage" "$dtype" > "$cfgdir/s$stage-$dtype.json" <<'PY'
+import json, sys
+stage, dtype = int(sys.argv[1]), sys.argv[2]
+print(json.dumps({
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0, "steps_per_print": 10,
+    "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 6e-4, "warmup_num_steps": 5}},
+    "zero_optimization": {"stage": stage, "overlap_comm": True},
+    dtype: {"enabled": True},
+}))
+PY
+    echo "-- stage $stage, $dtype"
+    .gpu/gpt2 train --backend cuda --config "$cfgdir/s$stage-$dtype.json" --preset gpt2 --nproc 1 \
+      --steps 30 --seq-len 256 --quiet 2>&1 | tail -3
+  done
+done
+echo "-- stage 3, bf16, 2 ranks as threads on one GPU"
+sed 's/"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2/"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1/' \
+  "$cfgdir/s3-bf16.json" > "$cfgdir/s3-bf16-2.json"
+.gpu/gpt2 train --backend cuda --config "$cfgdir/s3-bf16-2.json" --preset gpt2 --nproc 2 --steps 30 --seq-len 256 \
+  --quiet 2>&1 | tail -3
 echo "== PyTorch + transformers: eager, bf16 autocast, fused AdamW (the baseline)"
 python3 tools/gpu/torch_gpt2_throughput.py --models gpt2 --batch 8 --seq 1024 --steps "$steps" | tee /tmp/torch-small.md
 python3 tools/gpu/torch_gpt2_throughput.py --models gpt2-xl --batch 4 --seq 1024 --steps "$steps" | tee /tmp/torch-xl.md
@@ -27,8 +54,16 @@ echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1, beside PyTorch"
   --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
 .gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,3 \
   --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
-echo "== ZeRO-Offload (optimizer on the CPU), stage 3, up the ladder"
-for m in gpt2-xl gpt2-10b; do
-  .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --dtype bf16
-  .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 --offload-optimizer cpu
+echo "== ZeRO-Offload (optimizer on the CPU), stage 3: the deepest GPT-2 (hidden 4096) the host allows"
+# The estimate's model states must fit 90 % of the host's memory (the rest: the process, the
+# activations' host side, the OS) and the GPU's memory less 16 GiB for activations.
+host=$(awk '/MemTotal/ {printf "%d", $2 * 1024 * 0.9}' /proc/meminfo)
+gpu=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%d", ($1 - 16384) * 1048576}')
+.gpu/zero estimate --stage 3 --offload-optimizer cpu --dtype bf16 --fit-host-memory "$host" --fit-device-memory "$gpu" \
+  | tee /tmp/fit.txt
+largest=$(awk '/deepest fitting:/ {sub(":", "", $3); print $3}' /tmp/fit.txt)
+for m in gpt2-xl "$largest"; do
+  .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --dtype bf16 | head -1
+  /usr/bin/time -v .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 \
+    --offload-optimizer cpu 2>&1 | grep -E "^\||Maximum resident|error|Error"
 done
