@@ -152,7 +152,7 @@ fn run_pipeline_over(
     data: usize,
     stages: usize,
     method: PartitionMethod,
-    stage: Stage,
+    settings: EngineSettings,
     transport: Transport,
 ) -> Vec<StageRun> {
     let ranks = rank_groups(ParallelLayout::with_pipeline(data, 1, stages).unwrap(), transport);
@@ -160,6 +160,7 @@ fn run_pipeline_over(
         let handles: Vec<_> = ranks
             .into_iter()
             .map(|make| {
+                let settings = settings.clone();
                 s.spawn(move || {
                     let groups: RankGroups = make();
                     let device = Default::default();
@@ -167,8 +168,7 @@ fn run_pipeline_over(
                     let module =
                         PipelineModule::from_layers::<B>(layers, stages, method, groups.coords.pipeline).unwrap();
                     let first = module.range.start;
-                    let mut engine =
-                        PipelineEngine::<B, Gpt2Layer<B>>::new(settings(MICRO, stage), module, &groups).unwrap();
+                    let mut engine = PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups).unwrap();
                     let d = groups.coords.data;
                     let mut losses = Vec::new();
                     let mut norms = Vec::new();
@@ -207,6 +207,11 @@ fn check(data: usize, stages: usize, method: PartitionMethod, stage: Stage) {
 }
 
 fn check_over(data: usize, stages: usize, method: PartitionMethod, stage: Stage, transport: Transport) {
+    check_with(data, stages, method, settings(MICRO, stage), transport);
+}
+
+fn check_with(data: usize, stages: usize, method: PartitionMethod, settings: EngineSettings, transport: Transport) {
+    let stage = settings.stage;
     // Stage 2 averages each micro-batch's gradients over the data ranks before accumulating;
     // its reference reduces the same way (over 5 steps of SGD at lr 0.2 the two summation
     // orders drift apart by more than the tolerances).
@@ -215,8 +220,9 @@ fn check_over(data: usize, stages: usize, method: PartitionMethod, stage: Stage,
     } else {
         reference(data * MICRO)
     };
-    let runs = run_pipeline_over(data, stages, method, stage, transport);
-    let label = format!("PP {stages} × DP {data} ({method:?}, {stage:?}, {transport:?})");
+    let checkpointing = settings.activation_checkpointing.clone();
+    let runs = run_pipeline_over(data, stages, method, settings, transport);
+    let label = format!("PP {stages} × DP {data} ({method:?}, {stage:?}, {transport:?}, {checkpointing:?})");
     let mut seen = vec![false; want_layers.len()];
     for (first, layers, losses, norms) in &runs {
         for (s, (got, want)) in losses.iter().zip(&want_losses).enumerate() {
@@ -258,6 +264,24 @@ fn two_stages_times_two_data_ranks_under_zero_1_match_one_process() {
 #[test]
 fn two_stages_times_two_data_ranks_under_zero_2_match_a_data_parallel_run() {
     check(2, 2, PartitionMethod::Uniform, Stage::Zero2);
+}
+
+/// Activation checkpointing inside the stages: the middle layers rerun in backward from kept
+/// segment inputs. The same reference as without it: recomputation changes when values are
+/// computed, not what they are.
+#[test]
+fn activation_checkpointing_in_the_stages_matches_one_process() {
+    use zero_burn::ActivationCheckpointing;
+    for (stages, data, number, cpu) in [(2, 1, None, false), (2, 2, Some(1), true), (1, 1, Some(2), false)] {
+        let mut s = settings(MICRO, if data > 1 { Stage::Zero1 } else { Stage::Zero0 });
+        s.activation_checkpointing = Some(ActivationCheckpointing {
+            number_checkpoints: number,
+            cpu_checkpointing: cpu,
+            synchronize_checkpoint_boundary: data > 1,
+            ..Default::default()
+        });
+        check_with(data, stages, PartitionMethod::Uniform, s, Transport::Threads);
+    }
 }
 
 /// Stage 3 is refused, saying why.

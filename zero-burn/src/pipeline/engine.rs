@@ -5,6 +5,7 @@
 use super::channel::Channel;
 use super::layer::{PipeHidden, PipeLayer};
 use super::module::PipelineModule;
+use super::recompute::Checkpoints;
 use super::schedule::{one_f_one_b, PipeOp};
 use crate::chain::Hidden;
 use crate::core::{EngineCore, StepReport};
@@ -53,6 +54,17 @@ struct InFlight<B: AutodiffBackend, L: PipeLayer<B>> {
     /// The stage's input leaf (none on the first stage).
     input: Option<L::Hidden>,
     output: Output<B, L::Hidden>,
+    /// Under activation checkpointing, the middle layers' kept segment inputs: the output's
+    /// graph then starts after them.
+    checkpoints: Option<Checkpoints<L::Hidden>>,
+}
+
+/// What a micro-batch's backward starts from.
+enum Seed<B: AutodiffBackend, H> {
+    /// The last stage: the loss, scaled for backward.
+    Loss(Tensor<B, 1>),
+    /// The other stages: the output sent on, and its gradient received back.
+    Output(H, H),
 }
 
 enum Output<B: AutodiffBackend, H> {
@@ -383,8 +395,15 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         };
         let start = clock.elapsed();
         let end = if self.last { n - 1 } else { n };
-        for layer in layers.iter().take(end).skip(usize::from(self.first)) {
-            h = layer.forward(h);
+        let middle = usize::from(self.first).min(end)..end;
+        let checkpoints = self.checkpointed_forward(&layers, middle.clone(), &h)?;
+        match &checkpoints {
+            Some(kept) => h = kept.exit(),
+            None => {
+                for layer in &layers[middle] {
+                    h = layer.forward(h);
+                }
+            }
         }
         let output = if self.last {
             let loss = layers[n - 1].loss(h, batch);
@@ -405,6 +424,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 layers,
                 input,
                 output: Output::Hidden(h),
+                checkpoints,
             });
         };
         self.timeline.push(OpSpan {
@@ -412,16 +432,24 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             start,
             end: clock.elapsed(),
         });
-        Ok(InFlight { layers, input, output })
+        Ok(InFlight {
+            layers,
+            input,
+            output,
+            checkpoints,
+        })
     }
 
     fn backward_micro(&mut self, flight: InFlight<B, L>, op: PipeOp, clock: Instant) -> Result<(), ZeroError> {
-        let (mut grads, start) = match flight.output {
-            Output::Loss(loss, value) => {
-                let start = clock.elapsed();
-                self.fence()?;
-                (self.core.backward_loss(loss, value).backward(), start)
-            }
+        let InFlight {
+            layers,
+            input,
+            output,
+            checkpoints,
+        } = flight;
+        // What the backward starts from: the (scaled) loss, or the output and its gradient.
+        let (seed, start) = match output {
+            Output::Loss(loss, value) => (Seed::Loss(self.core.backward_loss(loss, value)), clock.elapsed()),
             Output::Hidden(y) => {
                 let channel = self
                     .recv_next
@@ -430,27 +458,49 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 let (shape, values) = channel.recv()?;
                 let start = clock.elapsed();
                 let dy = L::Hidden::from_values(values, shape, self.dtype(), &self.device);
-                self.fence()?;
-                (y.dot(dy).backward(), start)
+                (Seed::Output(y, dy), start)
             }
         };
-        for (layer, params) in flight.layers.iter().zip(&self.params_of) {
-            let mut failure = None;
-            take_grads::<B, L>(layer, &mut grads, |i, g| {
-                if failure.is_none() {
-                    if let Err(e) = self.core.absorb(params[i], g) {
-                        failure = Some(e);
-                    }
+        let dx = match checkpoints {
+            None => {
+                self.fence()?;
+                let mut grads = match seed {
+                    Seed::Loss(loss) => loss.backward(),
+                    Seed::Output(y, dy) => y.dot(dy).backward(),
+                };
+                for (i, layer) in layers.iter().enumerate() {
+                    self.absorb_layer(i, layer, &mut grads)?;
                 }
-            });
-            if let Some(e) = failure {
-                return Err(e);
+                input.map(|x| x.take_grad(&mut grads).unwrap_or_else(|| x.zeros_like()))
             }
-        }
+            Some(kept) => {
+                // The forward's graph went on from a leaf after the checkpointed layers: only
+                // the loss layer hangs from it (on the last stage); the middle layers' gradients
+                // come from their reruns.
+                let grad_exit = match seed {
+                    Seed::Loss(loss) => {
+                        self.fence()?;
+                        let mut grads = loss.backward();
+                        let n = layers.len();
+                        self.absorb_layer(n - 1, &layers[n - 1], &mut grads)?;
+                        let exit = kept.exit();
+                        exit.take_grad(&mut grads).unwrap_or_else(|| exit.zeros_like())
+                    }
+                    // The output is that leaf: its gradient is the one received.
+                    Seed::Output(_, dy) => dy,
+                };
+                let (entry, grad_entry) = self.checkpointed_backward(&layers, kept, grad_exit)?;
+                if self.first {
+                    self.fence()?;
+                    let mut grads = entry.dot(grad_entry).backward();
+                    self.absorb_layer(0, &layers[0], &mut grads)?;
+                    None
+                } else {
+                    Some(grad_entry)
+                }
+            }
+        };
         self.core.finish_micro_batch()?;
-        let dx = flight
-            .input
-            .map(|x| x.take_grad(&mut grads).unwrap_or_else(|| x.zeros_like()));
         self.timeline.push(OpSpan {
             op,
             start,
@@ -462,6 +512,20 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         Ok(())
     }
 
+    /// Gives the engine the gradients of layer `index` of this stage from `grads`.
+    pub(super) fn absorb_layer(&mut self, index: usize, layer: &L, grads: &mut B::Gradients) -> Result<(), ZeroError> {
+        let params = &self.params_of[index];
+        let mut failure = None;
+        take_grads::<B, L>(layer, grads, |i, g| {
+            if failure.is_none() {
+                if let Err(e) = self.core.absorb(params[i], g) {
+                    failure = Some(e);
+                }
+            }
+        });
+        failure.map_or(Ok(()), Err)
+    }
+
     /// The dtype the layers compute in (activations arrive in it).
     pub(super) fn dtype(&self) -> burn::tensor::DType {
         self.core.settings.precision.dtype.burn()
@@ -471,7 +535,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// `backward()` (see [`EngineSettings::backward_fence`]). With a pipeline the fence must be
     /// the tensor group: ranks of other stages reach their backwards at other times, and a
     /// barrier with them would wait on gradients that wait on the barrier.
-    fn fence(&self) -> Result<(), ZeroError> {
+    pub(super) fn fence(&self) -> Result<(), ZeroError> {
         if let Some(group) = &self.core.settings.backward_fence {
             group.barrier()?;
         }

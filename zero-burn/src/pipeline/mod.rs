@@ -13,7 +13,10 @@
 //!   each micro-batch's gradients as they come); weights tied between the first and last stage
 //!   (GPT-2's `wte`) have their gradients summed before the optimizer; clipping uses the global
 //!   norm over every stage. `save_checkpoint`/`load_checkpoint` write and read one checkpoint of
-//!   the whole model; `eval_batch` runs forwards only (validation).
+//!   the whole model; `eval_batch` runs forwards only (validation). With activation
+//!   checkpointing in the settings (the config's `activation_checkpointing` section), each
+//!   stage's middle layers keep only their segments' inputs between a micro-batch's forward and
+//!   its backward, and rerun in backward.
 
 mod channel;
 mod checkpoint;
@@ -22,6 +25,7 @@ mod eval;
 mod layer;
 mod module;
 mod partition;
+mod recompute;
 mod schedule;
 
 pub use channel::Channel;
