@@ -94,3 +94,31 @@ fn bad_arguments_are_refused_with_a_reason() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn fit_host_memory_names_the_deepest_gpt2_and_its_estimate_fits() {
+    // Reference: the printed model's own estimate (stage 3, optimizer and parameters offloaded,
+    // so per host = 18Ψ bf16) fits 64 GiB, and the model one block deeper does not.
+    let args = ["--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"];
+    let limit: u64 = 64 << 30;
+    let (ok, out, err) = estimate(&[&args[..], &["--fit-host-memory", "64GiB", "--hidden", "2048"]].concat());
+    assert!(ok, "{err}");
+    let name = out
+        .split_whitespace()
+        .find(|w| w.starts_with("gpt2-") && w.ends_with(':'))
+        .unwrap_or_else(|| panic!("no model named in:\n{out}"))
+        .trim_end_matches(':')
+        .to_string();
+    assert!(bytes_on(&out, "per host") <= limit, "{out}");
+    let layers: u64 = name["gpt2-".len()..].split('x').next().unwrap().parse().unwrap();
+    let deeper = format!("gpt2-{}x2048", layers + 1);
+    let (ok, out_deeper, err) = estimate(&[&args[..], &["--preset", &deeper]].concat());
+    assert!(ok, "{err}");
+    assert!(
+        bytes_on(&out_deeper, "per host") > limit,
+        "{deeper} fits too:\n{out_deeper}"
+    );
+    // A unit the parser does not know is refused, naming the flag.
+    let (ok, _, err) = estimate(&[&args[..], &["--fit-host-memory", "64 parsecs"]].concat());
+    assert!(!ok && err.contains("--fit-host-memory"), "{err}");
+}
