@@ -11,16 +11,24 @@
 //! checkpoint per block); the other rows are predictions.
 //!
 //! `cargo run --release -p zero-benches --bin activation_memory -- [--layers 8] [--embd 128]
-//!  [--seq 256] [--batch 4]`
+//!  [--seq 256] [--batch 4] [--pipeline P --micro M]`
+//!
+//! With `--pipeline P` the same GPT-2 is cut into P stages (ranks as threads) and the peak is
+//! that of one whole `train_batch` of M micro-batches on the 1F1B schedule, all stages together,
+//! without checkpointing (the baseline) and with one checkpoint per layer inside the stages.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Barrier;
 use std::time::Instant;
+use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::optim::OptimizerSpec;
+use zero_core::parallel::ParallelLayout;
+use zero_models::gpt2::Gpt2Layer;
 use zero_models::Gpt2Config;
 
 type B = Autodiff<Flex>;
@@ -69,6 +77,10 @@ struct Options {
     embd: usize,
     seq: usize,
     batch: usize,
+    /// Pipeline stages (0: no pipeline).
+    pipeline: usize,
+    /// Micro-batches per pipelined step.
+    micro: usize,
 }
 
 fn options() -> Options {
@@ -77,6 +89,8 @@ fn options() -> Options {
         embd: 128,
         seq: 256,
         batch: 4,
+        pipeline: 0,
+        micro: 4,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -89,6 +103,8 @@ fn options() -> Options {
             "--embd" => o.embd = value,
             "--seq" => o.seq = value,
             "--batch" => o.batch = value,
+            "--pipeline" => o.pipeline = value,
+            "--micro" => o.micro = value,
             other => {
                 eprintln!("unknown option {other}");
                 std::process::exit(2);
@@ -127,6 +143,79 @@ fn measure(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>
     result
 }
 
+/// As [`measure`], for one pipelined step of `o.micro` micro-batches over `o.pipeline` stages:
+/// the peak of all stages together, and the step's seconds.
+fn measure_pipeline(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>) -> (usize, f64) {
+    let ranks = ParallelLayout::with_pipeline(1, 1, o.pipeline)
+        .and_then(|l| l.threads())
+        .expect("pipeline groups");
+    // Every stage, then this thread: warm-up done / measured step may start / measured step done.
+    let barrier = Barrier::new(o.pipeline + 1);
+    std::thread::scope(|s| {
+        for groups in ranks {
+            let (barrier, ac) = (&barrier, ac.clone());
+            s.spawn(move || {
+                let device = Default::default();
+                let mut settings = EngineSettings::new(Stage::Zero0, OptimizerSpec::adamw());
+                settings.gradient_accumulation_steps = o.micro;
+                settings.activation_checkpointing = ac;
+                let layers = config.init::<B>(&device).into_pipeline_layers();
+                let module = PipelineModule::from_layers::<B>(
+                    layers,
+                    o.pipeline,
+                    PartitionMethod::Uniform,
+                    groups.coords.pipeline,
+                )
+                .expect("stage");
+                let mut engine = PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups).expect("engine");
+                let batches: Vec<_> = (0..o.micro)
+                    .map(|m| {
+                        let ids: Vec<i64> = (0..o.batch * o.seq)
+                            .map(|i| ((i * 7919 + m * 31) % config.vocab_size) as i64)
+                            .collect();
+                        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
+                        (t.clone(), t)
+                    })
+                    .collect();
+                engine.train_batch(&batches).expect("warm-up step");
+                barrier.wait();
+                barrier.wait();
+                engine.train_batch(&batches).expect("measured step");
+                barrier.wait();
+            });
+        }
+        barrier.wait();
+        let rest = LIVE.load(Relaxed);
+        PEAK.store(rest, Relaxed);
+        let t = Instant::now();
+        barrier.wait();
+        barrier.wait();
+        (PEAK.load(Relaxed) - rest, t.elapsed().as_secs_f64())
+    })
+}
+
+/// The pipelined table: no checkpointing against one checkpoint per layer.
+fn pipeline_table(config: &Gpt2Config, o: &Options) {
+    println!(
+        "pipeline: {} stages, {} micro-batches per step (1F1B), peak of all stages together",
+        o.pipeline, o.micro
+    );
+    let (off, off_t) = measure_pipeline(config, o, None);
+    let (on, on_t) = measure_pipeline(config, o, Some(ActivationCheckpointing::default()));
+    println!("| checkpoints | peak activation memory | vs none | step time | vs none |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| none (baseline) | {:.1} MB | 1.00x | {off_t:.3} s | 1.00x |",
+        mb(off as f64)
+    );
+    println!(
+        "| one per layer | {:.1} MB | {:.2}x | {on_t:.3} s | {:.2}x |",
+        mb(on as f64),
+        on as f64 / off as f64,
+        on_t / off_t
+    );
+}
+
 fn mb(bytes: f64) -> f64 {
     bytes / 1e6
 }
@@ -135,6 +224,14 @@ fn main() {
     let o = options();
     // A small vocabulary keeps the logits (part of C) from hiding the blocks' share.
     let config = Gpt2Config::new(512, o.seq.max(64), o.embd, o.layers, 4);
+    if o.pipeline > 0 {
+        println!(
+            "GPT-2: {} layers, n_embd {}, vocab 512; batch {} x seq {}",
+            o.layers, o.embd, o.batch, o.seq
+        );
+        pipeline_table(&config, &o);
+        return;
+    }
     let l = o.layers;
     let h = (o.batch * o.seq * o.embd * 4) as f64;
     println!(
