@@ -228,7 +228,10 @@ mod tests {
         // 20 steps of f32 arithmetic (a handful of roundings of 6e-8 each per step, on updates
         // of lr ≈ 0.01-0.03): the f32 run stays within 1e-6 of the f64 one.
         for (i, (a, b)) in got.iter().zip(&p).enumerate() {
-            assert!((*a as f64 - b).abs() < 1e-6, "element {i}: device {a}, f64 reference {b}");
+            assert!(
+                (*a as f64 - b).abs() < 1e-6,
+                "element {i}: device {a}, f64 reference {b}"
+            );
         }
         // And the update is not negligible: the parameters moved by far more than the tolerance.
         let start: Vec<f64> = (0..n).map(|i| ((i as f64) * 0.7).sin()).collect();
@@ -272,7 +275,9 @@ mod tests {
         let mut p: Vec<f64> = (0..n).map(|i| i as f64 * 0.125).collect();
         let mut params = tensor(&p);
         for step in 0..6 {
-            let g: Vec<f64> = (0..n).map(|i| if step < 3 { 1.0 } else { 0.01 } * (i as f64 - 3.5)).collect();
+            let g: Vec<f64> = (0..n)
+                .map(|i| if step < 3 { 1.0 } else { 0.01 } * (i as f64 - 3.5))
+                .collect();
             reference.t = 1_000_000;
             reference.step(&mut p, &g, 0.01);
             params = adam.step(params, tensor(&g), 0.01).expect("step");

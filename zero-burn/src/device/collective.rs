@@ -187,7 +187,8 @@ mod tests {
             Tensor::<F, 1>::from_data(TensorData::new(v, [n]), &Default::default()).cast(dtype)
         };
         let out = on_ranks(world, move |rank, c| {
-            let avg = DeviceCollective::<F>::all_reduce(&c, input(rank, DType::F32), ReduceOp::Avg).expect("all_reduce");
+            let avg =
+                DeviceCollective::<F>::all_reduce(&c, input(rank, DType::F32), ReduceOp::Avg).expect("all_reduce");
             let rs = DeviceCollective::<F>::reduce_scatter(&c, input(rank, DType::BF16), ReduceOp::Sum).expect("rs");
             assert_eq!(rs.dtype(), DType::BF16, "the result keeps the input's dtype");
             let shard = Tensor::<F, 1>::from_data(TensorData::new(vec![rank as f32; 2], [2]), &Default::default());
@@ -201,7 +202,10 @@ mod tests {
         for (rank, (avg, rs, gathered, b, scalars)) in out.into_iter().enumerate() {
             for (i, v) in avg.iter().enumerate() {
                 let want = total * (i + 1) as f64 * 0.25 / world as f64;
-                assert!((*v as f64 - want).abs() < 1e-6, "rank {rank} avg[{i}] = {v}, want {want}");
+                assert!(
+                    (*v as f64 - want).abs() < 1e-6,
+                    "rank {rank} avg[{i}] = {v}, want {want}"
+                );
             }
             for (j, v) in rs.iter().enumerate() {
                 let i = rank * 2 + j;

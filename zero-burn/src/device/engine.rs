@@ -256,7 +256,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
             let state = &mut self.groups[gi];
             state.grad = Some(match state.grad.take() {
                 None => {
-                    self.memory.add_grads(arriving.dims()[0] * self.settings.precision.dtype.size());
+                    self.memory
+                        .add_grads(arriving.dims()[0] * self.settings.precision.dtype.size());
                     arriving.cast(dtype)
                 }
                 // Added in f32 and rounded once, as the host accumulators do.
@@ -276,7 +277,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         // The schedule advances only with applied steps.
         let lr = self.settings.lr_at(self.global_step - self.skipped_steps);
         let loss_scale = self.loss_scale();
-        let outcome = self.boundary_grads().and_then(|grads| self.apply_or_skip(grads, step, lr, loss_scale));
+        let outcome = self
+            .boundary_grads()
+            .and_then(|grads| self.apply_or_skip(grads, step, lr, loss_scale));
         self.micro_steps = 0;
         self.global_step += 1;
         self.loss_non_finite = false;
@@ -342,7 +345,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
 
     /// Checks for overflow, then either applies the step (returning the gradient norm) or
     /// decides to skip it (`None`). Mirrors the host engines' rules.
-    fn apply_or_skip(&mut self, grads: Vec<Flat<B>>, step: u64, lr: f64, loss_scale: f64) -> Result<Option<f64>, ZeroError> {
+    fn apply_or_skip(
+        &mut self,
+        grads: Vec<Flat<B>>,
+        step: u64,
+        lr: f64,
+        loss_scale: f64,
+    ) -> Result<Option<f64>, ZeroError> {
         let world = self.comm.world_size();
         // One host read for the whole step: each group's sum of squares and count of non-finite
         // elements.
@@ -440,7 +449,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         let (places, layout) = (&self.places, &self.layout);
         self.model = Some(write_flat(model, |i, _| {
             let place = places[i];
-            full[place.group].clone().narrow(0, place.offset, layout.params[i].numel())
+            full[place.group]
+                .clone()
+                .narrow(0, place.offset, layout.params[i].numel())
         }));
         Ok(())
     }

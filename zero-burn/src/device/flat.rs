@@ -42,10 +42,7 @@ pub(crate) fn take_flat_grads<B: AutodiffBackend, M: Module<B>>(
             self.out.push(grad);
         }
     }
-    let mut t = Take::<B> {
-        grads,
-        out: Vec::new(),
-    };
+    let mut t = Take::<B> { grads, out: Vec::new() };
     module.visit(&mut t);
     t.out
 }
