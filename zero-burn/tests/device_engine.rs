@@ -30,8 +30,8 @@ use burn::tensor::DType;
 use common::*;
 use std::sync::Arc;
 use zero_burn::{
-    DeviceCollective, DeviceEngine, EngineSettings, HostStaged, OptimizerOffload, ParamOffload, PrecisionSettings,
-    Stage, StepReport, ZeroEngine, ZeroError,
+    DeviceCollective, DeviceEngine, EngineSettings, HostStaged, NonFinitePolicy, OptimizerOffload, ParamOffload,
+    PrecisionSettings, Stage, StepReport, ZeroEngine, ZeroError,
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::OptimizerSpec;
@@ -74,6 +74,11 @@ struct Run {
 
 /// Trains `Net` for `STEPS` steps on `world` ranks with the host or the device engine.
 fn train(kind: Kind, settings: EngineSettings, world: usize) -> Vec<Run> {
+    train_poisoned(kind, settings, world, None)
+}
+
+/// [`train`], with the inputs of rank `poison.1` at step `poison.0` (0-based) all NaN.
+fn train_poisoned(kind: Kind, settings: EngineSettings, world: usize, poison: Option<(usize, usize)>) -> Vec<Run> {
     on_ranks(world, move |rank, group| {
         let device = Default::default();
         let gas = settings.gradient_accumulation_steps;
@@ -92,7 +97,10 @@ fn train(kind: Kind, settings: EngineSettings, world: usize) -> Vec<Run> {
         let mut losses = Vec::new();
         for step in 0..STEPS {
             for micro in 0..gas {
-                let (x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                let (mut x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                if poison == Some((step, rank)) {
+                    x = x.zeros_like().add_scalar(f32::NAN);
+                }
                 let (x, y) = (x.cast(dtype), y.cast(dtype));
                 let (loss, report) = match (&mut host, &mut dev) {
                     (Some(e), _) => {
@@ -157,14 +165,25 @@ fn half_ulps(got: &[Vec<f32>], want: &[Vec<f32>], bits: i32) -> (f64, usize, usi
 
 /// Compares the device engine's run with the host engine's, rank by rank.
 fn compare(label: &str, settings: EngineSettings, world: usize, tolerance: f64) -> f64 {
+    compare_poisoned(label, settings, world, tolerance, None)
+}
+
+/// [`compare`] with a poisoned micro-batch (see [`train_poisoned`]).
+fn compare_poisoned(
+    label: &str,
+    settings: EngineSettings,
+    world: usize,
+    tolerance: f64,
+    poison: Option<(usize, usize)>,
+) -> f64 {
     let half = settings.precision.dtype.is_half();
     let half_bits = match settings.precision.dtype {
         zero_burn::ComputeDtype::Bf16 => 8,
         zero_burn::ComputeDtype::F16 => 11,
         zero_burn::ComputeDtype::F32 => 24,
     };
-    let want = train(Kind::Host, settings.clone(), world);
-    let got = train(Kind::Device, settings, world);
+    let want = train_poisoned(Kind::Host, settings.clone(), world, poison);
+    let got = train_poisoned(Kind::Device, settings, world, poison);
     let mut worst = 0.0f64;
     for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g.reports.len(), STEPS, "{label}: rank {rank} steps");
@@ -188,7 +207,7 @@ fn compare(label: &str, settings: EngineSettings, world: usize, tolerance: f64) 
         }
         // A 16-bit loss is itself rounded: a weight one ulp apart may move it by one ulp of
         // the loss, hence the margin of 4.
-        for (a, b) in g.losses.iter().zip(&w.losses) {
+        for (a, b) in g.losses.iter().zip(&w.losses).filter(|(_, b)| b.is_finite()) {
             let rel = ((a - b) / b).abs() as f64;
             assert!(rel < 4.0 * tolerance, "{label}: loss {a} vs host {b}");
         }
@@ -273,6 +292,87 @@ fn fp16_with_the_dynamic_loss_scaler_matches_the_host_engine() {
     compare("fp16 Zero2 world 2", s, 2, 2f64.powi(-10));
     let applied = host[0].reports.iter().filter(|r| !r.skipped).count();
     println!("fp16: {applied} of {STEPS} steps applied");
+}
+
+#[test]
+fn a_non_finite_micro_batch_is_skipped_or_fails_on_every_rank_as_on_the_host_engine() {
+    // Skip: the NaN batch of rank 1 at step 2 makes step 3 (1-based) a skipped step on both
+    // ranks (asserted against the host engine's reports in `compare`), and training goes on
+    // to the host engine's weights.
+    let mut s = settings(Stage::Zero2, 2, 0.05, PrecisionSettings::bf16());
+    s.precision.non_finite = NonFinitePolicy::Skip;
+    let host = train_poisoned(Kind::Host, s.clone(), 2, Some((2, 1)));
+    assert!(
+        host.iter().all(|r| r.reports[2].skipped),
+        "the host engine skips step 3"
+    );
+    compare_poisoned("bf16 skip", s, 2, 2f64.powi(-7), Some((2, 1)));
+
+    // Error: the step fails on both ranks, naming what each saw.
+    let out = on_ranks(2, |rank, group| {
+        let device = Default::default();
+        let s = settings(Stage::Zero1, 1, 0.0, PrecisionSettings::bf16());
+        let comm: Arc<dyn DeviceCollective<_>> = Arc::new(HostStaged::new(group));
+        let mut engine = DeviceEngine::new(s, Net::<B>::new(&device, 1), comm).expect("engine");
+        let (mut x, y) = batch::<B>(0, rows(rank, 2, 0, 1), &device);
+        if rank == 1 {
+            x = x.zeros_like().add_scalar(f32::NAN);
+        }
+        let loss = engine.forward(|m| m.loss(x.cast(DType::BF16), y.cast(DType::BF16)));
+        engine.backward(loss).expect("backward");
+        let err = engine.step().unwrap_err();
+        (
+            err.to_string(),
+            matches!(err, ZeroError::NonFinite { step: 1, .. }),
+            engine.skipped_steps(),
+        )
+    });
+    for (rank, (text, non_finite, skipped)) in out.into_iter().enumerate() {
+        assert!(non_finite, "rank {rank}: {text}");
+        assert_eq!(skipped, 1, "rank {rank}");
+        if rank == 1 {
+            assert!(text.contains("the loss"), "{text}");
+        }
+    }
+}
+
+#[test]
+fn memory_report_counts_the_same_model_states_as_the_host_engine() {
+    // Reference: the host engine's counts (checked against the ZeRO formulas in memory.rs) for
+    // parameters, fp32 masters and Adam state, and the formulas themselves: 2Ψ bytes of bf16
+    // parameters, 4Ψ of masters and 8Ψ of Adam state at stage 0; at stage 1 on 4 ranks the
+    // masters and the state are a quarter of that plus padding.
+    let count = |kind: Kind, stage: Stage| {
+        on_ranks(4, move |_, group| {
+            let s = settings(stage, 1, 0.0, PrecisionSettings::bf16());
+            let model = Net::<B>::new(&Default::default(), BLOCKS);
+            let m = match kind {
+                Kind::Host => ZeroEngine::new(s, model, group).expect("host").memory(),
+                Kind::Device => {
+                    let comm: Arc<dyn DeviceCollective<_>> = Arc::new(HostStaged::new(group));
+                    DeviceEngine::new(s, model, comm).expect("device").memory()
+                }
+            };
+            (
+                m.parameters.current,
+                m.master_weights.current,
+                m.optimizer_state.current,
+            )
+        })
+        .remove(0)
+    };
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        assert_eq!(count(Kind::Device, stage), count(Kind::Host, stage), "{stage:?}");
+    }
+    let (params, zero0_master, zero0_state) = count(Kind::Device, Stage::Zero0);
+    let (_, zero1_master, zero1_state) = count(Kind::Device, Stage::Zero1);
+    assert_eq!(params, psi(BLOCKS) * 2, "bf16 parameters");
+    assert_eq!(zero0_master, psi(BLOCKS) * 4);
+    assert_eq!(zero0_state, psi(BLOCKS) * 8);
+    // Sharded: a quarter each, plus each group's padding to a multiple of 4 ranks × 16.
+    assert!(zero1_master * 4 >= zero0_master, "{zero1_master} vs {zero0_master}");
+    assert!(zero1_master * 2 < zero0_master, "{zero1_master} vs {zero0_master}");
+    assert_eq!(zero1_state, 2 * zero1_master);
 }
 
 fn new_device(settings: EngineSettings) -> Result<(), ZeroError> {
