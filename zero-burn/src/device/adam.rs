@@ -94,11 +94,11 @@ impl<B: Backend> DeviceAdam<B> {
         self.state().len() * self.len() * 4
     }
 
-    /// One update of the fp32 `params` from the fp32 `grads` with learning rate `lr`; returns
-    /// the new parameters.
-    pub fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
+    /// Fails unless `params` and `grads` are fp32 shards of this optimizer's length: what
+    /// [`DeviceAdam::step`] checks before it changes anything.
+    pub fn check(&self, params: &Tensor<B, 1>, grads: &Tensor<B, 1>) -> Result<(), ZeroError> {
         let n = self.len();
-        for (what, t) in [("params", &params), ("grads", &grads)] {
+        for (what, t) in [("params", params), ("grads", grads)] {
             if t.dims()[0] != n {
                 return Err(ZeroError::Optimizer(format!(
                     "device Adam: {what} hold {} elements, the shard {n}",
@@ -112,6 +112,14 @@ impl<B: Backend> DeviceAdam<B> {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// One update of the fp32 `params` from the fp32 `grads` with learning rate `lr`; returns
+    /// the new parameters. Pass the only handle to `params` to let the backend update it in
+    /// place.
+    pub fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
+        self.check(&params, &grads)?;
         self.step += 1;
         let s = AdamScalars::new(
             lr,
@@ -123,17 +131,21 @@ impl<B: Backend> DeviceAdam<B> {
             self.spec.bias_correction,
             self.step,
         );
+        // The moments are taken out (an empty tensor stands in), so that each is the only
+        // handle to its buffer and the backend may update it in place.
+        let m = take(&mut self.exp_avg);
+        let v = take(&mut self.exp_avg_sq);
         // g += wd·p (Adam's L2 decay; AdamW has l2_decay 0).
         let g = if s.l2_decay != 0.0 {
             params.clone().mul_scalar(s.l2_decay) + grads
         } else {
             grads
         };
-        let m = self.exp_avg.clone().mul_scalar(s.beta1) + g.clone().mul_scalar(s.one_minus_beta1);
-        let v = self.exp_avg_sq.clone().mul_scalar(s.beta2) + g.clone().mul_scalar(s.one_minus_beta2) * g;
+        let m = m.mul_scalar(s.beta1) + g.clone().mul_scalar(s.one_minus_beta1);
+        let v = v.mul_scalar(s.beta2) + g.clone().mul_scalar(s.one_minus_beta2) * g;
         let second = match &mut self.max_exp_avg_sq {
             Some(max) => {
-                *max = max.clone().max_pair(v.clone());
+                *max = take(max).max_pair(v.clone());
                 max.clone()
             }
             None => v.clone(),
@@ -149,6 +161,12 @@ impl<B: Backend> DeviceAdam<B> {
         self.exp_avg_sq = v;
         Ok(updated)
     }
+}
+
+/// `t`'s value, leaving an empty tensor on the same device in its place.
+fn take<B: Backend>(t: &mut Tensor<B, 1>) -> Tensor<B, 1> {
+    let empty = Tensor::zeros([0], (&t.device(), DType::F32));
+    std::mem::replace(t, empty)
 }
 
 #[cfg(test)]

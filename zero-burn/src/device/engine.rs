@@ -353,20 +353,24 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         loss_scale: f64,
     ) -> Result<Option<f64>, ZeroError> {
         let world = self.comm.world_size();
-        // One host read for the whole step: each group's sum of squares and count of non-finite
-        // elements.
-        let mut stats = Vec::with_capacity(2 * grads.len());
+        let policy = self.settings.precision.non_finite;
+        let check = self.scaler.is_some() || policy != NonFinitePolicy::Ignore;
+        // One host read for the whole step: each group's sum of squares and, when overflow is
+        // checked, its count of non-finite elements.
+        let width = if check { 2 } else { 1 };
+        let mut stats = Vec::with_capacity(width * grads.len());
         for g in &grads {
             stats.push((g.clone() * g.clone()).sum());
-            stats.push(g.clone().is_finite().bool_not().float().sum().cast(DType::F32));
+            if check {
+                stats.push(g.clone().is_finite().bool_not().float().sum().cast(DType::F32));
+            }
         }
         let stats: Vec<f32> = if stats.is_empty() {
             Vec::new()
         } else {
             crate::params::tensor_to_vec(Tensor::cat(stats, 0))
         };
-        let policy = self.settings.precision.non_finite;
-        if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
+        if check {
             let local = if self.loss_non_finite {
                 Some("the loss")
             } else if stats.chunks_exact(2).any(|s| s[1] > 0.0) {
@@ -408,7 +412,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         }
         // Sharded groups' partial sums add over ranks; replicated groups are whole everywhere.
         let (mut sharded, mut replicated) = (0.0f64, 0.0f64);
-        for (gi, s) in stats.chunks_exact(2).enumerate() {
+        for (gi, s) in stats.chunks_exact(width).enumerate() {
             match self.layout.groups[gi].placement {
                 Placement::Sharded => sharded += s[0] as f64,
                 Placement::Replicated => replicated += s[0] as f64,
@@ -428,7 +432,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         let coef = (unscale * clip) as f32;
         for (state, grad) in self.groups.iter_mut().zip(grads) {
             let grad = if coef != 1.0 { grad.mul_scalar(coef) } else { grad };
-            state.master = state.optimizer.step(state.master.clone(), grad, lr)?;
+            state.optimizer.check(&state.master, &grad)?;
+            // Taken out, so that the optimizer may update the only handle in place (the check
+            // above is all that could fail).
+            let empty = Tensor::zeros([0], (&self.device, DType::F32));
+            let master = std::mem::replace(&mut state.master, empty);
+            state.master = state.optimizer.step(master, grad, lr)?;
         }
         Ok(Some(grad_norm))
     }
