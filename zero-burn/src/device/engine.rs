@@ -485,7 +485,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         self.global_step
     }
 
-    /// Bytes held by this rank, by kind (all on the model's device).
+    /// Bytes held by this rank, by kind (all on the model's device). Gradients count the
+    /// accumulators while they exist: from a step's first backward to the step.
     pub fn memory(&self) -> MemoryReport {
         self.memory.report()
     }

@@ -7,7 +7,9 @@
 //! gradients stay Burn tensors: flattened on the device, reduced by a [`DeviceCollective`],
 //! accumulated, clipped and fed to [`DeviceAdam`] on fp32 master shards held as device tensors;
 //! the updated shards are gathered and become the model's parameters without leaving the
-//! device. Only scalars (the loss, norms, the overflow flag) are read by the host.
+//! device. The engine itself reads only scalars on the host (the loss, the norm's partial sums,
+//! the overflow flag); whether a collective copies through the host is the collective's
+//! business: [`HostStaged`] does, `NcclDevice` does not.
 //!
 //! - [`DeviceCollective`]: collectives on flat 1-D tensors. [`HostStaged`] runs them through any
 //!   process group (the CPU backend, or several ranks sharing one GPU); `NcclDevice` (feature
