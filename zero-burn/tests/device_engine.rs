@@ -434,3 +434,195 @@ fn rank_0_weights_are_broadcast_at_construction() {
         assert_eq!(v, want);
     }
 }
+
+/// Records every collective the engine calls, then runs it through `HostStaged`.
+#[derive(Debug)]
+struct Counting {
+    inner: HostStaged,
+    log: std::sync::Mutex<Vec<(&'static str, usize)>>,
+}
+
+type Inner = burn::backend::Flex;
+
+impl Counting {
+    fn note(&self, op: &'static str, len: usize) {
+        self.log.lock().expect("log").push((op, len));
+    }
+    fn take(&self) -> Vec<(&'static str, usize)> {
+        std::mem::take(&mut *self.log.lock().expect("log"))
+    }
+}
+
+impl DeviceCollective<Inner> for Counting {
+    fn rank(&self) -> usize {
+        DeviceCollective::<Inner>::rank(&self.inner)
+    }
+    fn world_size(&self) -> usize {
+        DeviceCollective::<Inner>::world_size(&self.inner)
+    }
+    fn all_reduce(
+        &self,
+        t: burn::tensor::Tensor<Inner, 1>,
+        op: zero_core::comm::ReduceOp,
+    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
+        self.note("all_reduce", t.dims()[0]);
+        self.inner.all_reduce(t, op)
+    }
+    fn reduce_scatter(
+        &self,
+        t: burn::tensor::Tensor<Inner, 1>,
+        op: zero_core::comm::ReduceOp,
+    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
+        self.note("reduce_scatter", t.dims()[0]);
+        self.inner.reduce_scatter(t, op)
+    }
+    fn all_gather(&self, t: burn::tensor::Tensor<Inner, 1>) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
+        self.note("all_gather", t.dims()[0]);
+        self.inner.all_gather(t)
+    }
+    fn broadcast(
+        &self,
+        t: burn::tensor::Tensor<Inner, 1>,
+        root: usize,
+    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
+        self.note("broadcast", t.dims()[0]);
+        self.inner.broadcast(t, root)
+    }
+    fn all_reduce_scalars(&self, v: &mut [f32], op: zero_core::comm::ReduceOp) -> Result<(), ZeroError> {
+        self.note("scalars", v.len());
+        DeviceCollective::<Inner>::all_reduce_scalars(&self.inner, v, op)
+    }
+}
+
+#[test]
+fn each_stage_communicates_as_zero_prescribes() {
+    // Reference: the ZeRO paper's schedule, counted per group of the layout. Stage 0
+    // all-reduces whole groups at the boundary; stage 1 reduce-scatters them there and
+    // all-gathers the updated shards; stage 2 reduce-scatters every micro-batch. Sizes: the
+    // padded group for reductions, the shard (padded / world) for gathers.
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        let logs = on_ranks(2, move |rank, group| {
+            let device = Default::default();
+            let counting = Arc::new(Counting {
+                inner: HostStaged::new(group),
+                log: Default::default(),
+            });
+            let comm: Arc<dyn DeviceCollective<Inner>> = counting.clone();
+            let s = settings(stage, 2, 0.05, PrecisionSettings::fp32());
+            let mut engine = DeviceEngine::<B, _>::new(s, Net::<B>::new(&device, BLOCKS), comm).expect("engine");
+            let padded: Vec<usize> = engine.layout().groups.iter().map(|g| g.padded).collect();
+            let construction = counting.take();
+            let mut per_micro = Vec::new();
+            for micro in 0..2 {
+                let (x, y) = batch::<B>(0, rows(rank, 2, micro, 2), &device);
+                let loss = engine.forward(|m| m.loss(x, y));
+                engine.backward(loss).expect("backward");
+                per_micro.push(counting.take());
+            }
+            engine.step().expect("step");
+            (padded, construction, per_micro, counting.take())
+        });
+        let (padded, construction, per_micro, at_step) = &logs[0];
+        let each = |op: &'static str, len: &dyn Fn(usize) -> usize| -> Vec<(&'static str, usize)> {
+            padded.iter().map(|&p| (op, len(p))).collect()
+        };
+        assert_eq!(
+            construction,
+            &each("broadcast", &|p| p),
+            "{stage:?}: rank 0's weights, group by group"
+        );
+        let scatter_now = each("reduce_scatter", &|p| p);
+        let mut want_step = match stage {
+            Stage::Zero0 => each("all_reduce", &|p| p),
+            Stage::Zero1 => scatter_now.clone(),
+            _ => Vec::new(),
+        };
+        want_step.push(("scalars", 1));
+        if stage != Stage::Zero0 {
+            want_step.extend(each("all_gather", &|p| p / 2));
+        }
+        for (micro, log) in per_micro.iter().enumerate() {
+            let want = if stage == Stage::Zero2 {
+                scatter_now.clone()
+            } else {
+                Vec::new()
+            };
+            assert_eq!(log, &want, "{stage:?}: micro-batch {micro}");
+        }
+        assert_eq!(at_step, &want_step, "{stage:?}: the step");
+    }
+}
+
+/// `Net` beside a layer the loss never uses.
+#[derive(burn::module::Module, Debug)]
+struct WithSpare<B: burn::tensor::backend::Backend> {
+    net: Net<B>,
+    spare: burn::nn::Linear<B>,
+}
+
+/// `WithSpare` with deterministic weights: `Net`'s, and a smooth function for the spare layer.
+fn with_spare(device: &burn::backend::flex::FlexDevice) -> WithSpare<B> {
+    let model = WithSpare {
+        net: Net::<B>::new(device, 1),
+        spare: burn::nn::LinearConfig::new(4, 3).init(device),
+    };
+    let mut current = Vec::new();
+    zero_burn::params::read_values::<B, _>(&model, |_, v| current.push(v));
+    let spare = current.len() - 2;
+    zero_burn::params::write_values(model, device, true, |i| {
+        if i < spare {
+            current[i].clone()
+        } else {
+            (0..current[i].len()).map(|k| 0.1 + 0.05 * k as f32).collect()
+        }
+    })
+}
+
+#[test]
+fn a_parameter_without_gradient_is_stepped_with_zeros_as_on_the_host_engine() {
+    // Reference: the host engine, which gives such a parameter a zero gradient; AdamW's decay
+    // still moves it (by lr·wd per step, relative), and so must the device engine's.
+    let run = |kind: Kind| {
+        on_ranks(2, move |rank, group| {
+            let device = Default::default();
+            let model = with_spare(&device);
+            let s = settings(Stage::Zero2, 1, 0.0, PrecisionSettings::fp32());
+            let (x, y) = batch::<B>(0, rows(rank, 2, 0, 1), &device);
+            match kind {
+                Kind::Host => {
+                    let mut e = ZeroEngine::new(s, model, group).expect("host");
+                    for _ in 0..3 {
+                        let loss = e.forward(|m| m.net.loss(x.clone(), y.clone()));
+                        e.backward(loss).expect("backward");
+                        e.step().expect("step");
+                    }
+                    values::<B, _>(e.module())
+                }
+                Kind::Device => {
+                    let comm: Arc<dyn DeviceCollective<_>> = Arc::new(HostStaged::new(group));
+                    let mut e = DeviceEngine::new(s, model, comm).expect("device");
+                    for _ in 0..3 {
+                        let loss = e.forward(|m| m.net.loss(x.clone(), y.clone()));
+                        e.backward(loss).expect("backward");
+                        e.step().expect("step");
+                    }
+                    values::<B, _>(e.module())
+                }
+            }
+        })
+        .remove(0)
+    };
+    let want = run(Kind::Host);
+    let got = run(Kind::Device);
+    let err = max_relative_error(&got, &want);
+    assert!(err < 1e-5, "max relative error {err:e}");
+    // The spare layer's weight (second to last parameter) moved by the decay alone: three
+    // steps of p·(1 - lr·wd), with lr 0.01 and wd 0.01 (f64 reference).
+    let initial = values::<B, _>(&with_spare(&Default::default()));
+    let spare = want.len() - 2;
+    for (k, (&p, &p0)) in got[spare].iter().zip(&initial[spare]).enumerate() {
+        let decayed = p0 as f64 * (1.0 - LR * 0.01f64).powi(3);
+        assert!((p as f64 - decayed).abs() < 1e-7, "spare[{k}] = {p}, decayed {decayed}");
+    }
+    assert_ne!(initial[0], want[0], "the used parameters trained");
+}
