@@ -13,6 +13,9 @@
 //! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
 //!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
+//! - [`DeviceEngine`] (module [`device`]): stages 0-2 with gradients, fp32 masters and Adam state
+//!   kept as tensors on the model's device, reduced by a [`DeviceCollective`] ([`HostStaged`]
+//!   over any process group; `NcclDevice` on Burn's CUDA buffers with the `cuda` feature).
 //!
 //! # Stage-3 helpers
 //!
@@ -48,6 +51,7 @@ mod chain;
 mod chain_engine;
 mod checkpoint;
 mod core;
+pub mod device;
 mod engine;
 mod error;
 mod flat_state;
@@ -68,6 +72,9 @@ pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheck
 pub use chain::{ChainModel, Hidden};
 pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
+#[cfg(feature = "cuda")]
+pub use device::NcclDevice;
+pub use device::{DeviceAdam, DeviceCollective, DeviceEngine, HostStaged};
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;

@@ -3,7 +3,14 @@
 //!
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
-//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]`
+//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]
+//!  [--engine host|device]`
+//!
+//! `--engine host` (the default) trains with `ChainEngine`, whose gradients, fp32 masters and
+//! optimizer step live in host memory; `--engine device` with `DeviceEngine`, which keeps them
+//! as tensors on the model's device (stages 0-2 only: a stage-3 row prints the engine's
+//! refusal). At world size 1 no collective runs, so the comparison is the cost of the host
+//! round trip against the device-resident step.
 //!
 //! Each row's tokens/s is given as a ratio to the first stage measured for the same model in
 //! this run, and, with `--baseline`, to a named baseline measured beside it (tools/gpu/run.sh
@@ -23,12 +30,15 @@
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
+use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
+use zero_burn::{
+    ChainEngine, DeviceCollective, DeviceEngine, EngineSettings, HostStaged, OptimizerOffload, PrecisionSettings, Stage,
+};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::OptimizerSpec;
-use zero_models::Gpt2Config;
+use zero_models::{Gpt2, Gpt2Config};
 
 #[derive(Clone, Debug)]
 struct Options {
@@ -43,6 +53,8 @@ struct Options {
     offload_cpu: bool,
     /// A named baseline's tokens/s measured beside this run (e.g. PyTorch's on the same GPU).
     baseline: Option<(String, f64)>,
+    /// Train with the device-resident engine instead of the host one.
+    device_engine: bool,
 }
 
 fn options() -> Result<Options, String> {
@@ -57,6 +69,7 @@ fn options() -> Result<Options, String> {
         peak_tflops: None,
         offload_cpu: false,
         baseline: None,
+        device_engine: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -89,6 +102,13 @@ fn options() -> Result<Options, String> {
                 )
             }
             "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
+            "--engine" => {
+                o.device_engine = match value.as_str() {
+                    "host" => false,
+                    "device" => true,
+                    other => return Err(format!("--engine {other}: expected host or device")),
+                }
+            }
             "--baseline" => {
                 let (name, tps) = value
                     .split_once('=')
@@ -136,7 +156,12 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
     if o.offload_cpu {
         settings.offload_optimizer = OptimizerOffload::Cpu { threads: 0 };
     }
-    let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
+    let mut engine = if o.device_engine {
+        let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
+        Engine::Device(DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?)
+    } else {
+        Engine::Host(ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?)
+    };
     let mut times = Vec::new();
     let mut loss = f32::NAN;
     for step in 0..2 + o.steps {
@@ -146,9 +171,20 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
         B::sync(&device).map_err(|e| format!("{e:?}"))?;
         let start = Instant::now();
-        let pending = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
-        loss = engine.backward(pending).map_err(|e| e.to_string())?;
-        engine.step().map_err(|e| e.to_string())?;
+        loss = match &mut engine {
+            Engine::Host(engine) => {
+                let pending = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
+                let loss = engine.backward(pending).map_err(|e| e.to_string())?;
+                engine.step().map_err(|e| e.to_string())?;
+                loss
+            }
+            Engine::Device(engine) => {
+                let pending = engine.forward(|m| m.loss(tokens.clone(), tokens));
+                let loss = engine.backward(pending).map_err(|e| e.to_string())?;
+                engine.step().map_err(|e| e.to_string())?;
+                loss
+            }
+        };
         B::sync(&device).map_err(|e| format!("{e:?}"))?;
         if step >= 2 {
             times.push(start.elapsed().as_secs_f64());
@@ -160,8 +196,17 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
         step_s,
         tokens_per_s: (o.batch * o.seq) as f64 / step_s,
         loss,
-        memory: engine.memory(),
+        memory: match &engine {
+            Engine::Host(e) => e.memory(),
+            Engine::Device(e) => e.memory(),
+        },
     })
+}
+
+/// The engine a run trains with (`--engine`).
+enum Engine<B: AutodiffBackend> {
+    Host(ChainEngine<B, Gpt2<B>>),
+    Device(DeviceEngine<B, Gpt2<B>>),
 }
 
 fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
@@ -185,8 +230,9 @@ fn main() {
     };
     let peak = o.peak_tflops.unwrap_or(if o.backend == "cuda" { 989.0 } else { 0.0 });
     println!(
-        "backend {}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
+        "backend {}{}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
         o.backend,
+        if o.device_engine { ", device engine" } else { "" },
         o.dtype,
         o.batch,
         o.seq,

@@ -1,0 +1,91 @@
+//! Moving parameters and gradients between a Burn module and flat device tensors, without
+//! leaving the device.
+//!
+//! Parameters are visited in Burn's order, the order of the partition layout (as in
+//! [`crate::params`], which does the same through host vectors).
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Shape, Tensor};
+
+/// Every float parameter's value, flattened, on its device (the autodiff wrapper removed).
+pub(crate) fn read_flat<B: AutodiffBackend, M: Module<B>>(module: &M) -> Vec<Tensor<B::InnerBackend, 1>> {
+    struct Read<B: AutodiffBackend>(Vec<Tensor<B::InnerBackend, 1>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let inner = param.val().inner();
+            let n = inner.shape().num_elements();
+            self.0.push(inner.reshape([n]));
+        }
+    }
+    let mut r = Read::<B>(Vec::new());
+    module.visit(&mut r);
+    r.0
+}
+
+/// Each float parameter's gradient, flattened, taken out of `grads` (`None`: the parameter
+/// took no part in the loss).
+pub(crate) fn take_flat_grads<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &mut B::Gradients,
+) -> Vec<Option<Tensor<B::InnerBackend, 1>>> {
+    struct Take<'a, B: AutodiffBackend> {
+        grads: &'a mut B::Gradients,
+        out: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = param.val().grad_remove(self.grads).map(|g| {
+                let n = g.shape().num_elements();
+                g.reshape([n])
+            });
+            self.out.push(grad);
+        }
+    }
+    let mut t = Take::<B> { grads, out: Vec::new() };
+    module.visit(&mut t);
+    t.out
+}
+
+/// Replaces every float parameter's value with `source(index, shape)` (a flat tensor of the
+/// parameter's element count), reshaped, as a new autodiff leaf; ids are kept.
+pub(crate) fn write_flat<B: AutodiffBackend, M: Module<B>>(
+    module: M,
+    mut source: impl FnMut(usize, &Shape) -> Tensor<B::InnerBackend, 1>,
+) -> M {
+    struct Write<'a, F> {
+        index: usize,
+        source: &'a mut F,
+    }
+    impl<B: AutodiffBackend, F: FnMut(usize, &Shape) -> Tensor<B::InnerBackend, 1>> ModuleMapper<B> for Write<'_, F> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let shape = param.lazy_shape();
+            let flat = (self.source)(self.index, &shape);
+            self.index += 1;
+            let dims: [usize; D] = shape.dims::<D>();
+            let tensor = Tensor::<B, D>::from_inner(flat.reshape(dims)).require_grad();
+            Param::initialized(param.id, tensor)
+        }
+    }
+    module.map(&mut Write {
+        index: 0,
+        source: &mut source,
+    })
+}
+
+/// The concatenation of `parts` (already in `dtype`) followed by zeros up to `padded` elements.
+pub(crate) fn flatten<B: Backend>(
+    mut parts: Vec<Tensor<B, 1>>,
+    padded: usize,
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let used: usize = parts.iter().map(|p| p.dims()[0]).sum();
+    if padded > used {
+        parts.push(Tensor::zeros([padded - used], (device, dtype)));
+    }
+    if parts.len() == 1 {
+        return parts.remove(0);
+    }
+    Tensor::cat(parts, 0)
+}

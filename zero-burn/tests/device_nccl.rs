@@ -1,0 +1,118 @@
+//! `NcclDevice` on Burn's CUDA tensors, and the device engine on the CUDA backend, at world size
+//! 1 on GPU 0. Skipped, with a note, where no GPU or no NCCL is found (build with `--features
+//! cuda`).
+//!
+//! References: for the collectives, the input values themselves (one rank: a sum, a mean, a
+//! gather and a scatter are the identity), read back from the tensors Burn holds, so a wrong
+//! pointer, offset, length or dtype shows; for the engine, the host `ZeroEngine` on the same
+//! backend and data (the tolerance of device_engine.rs: 1e-5 of the largest weight).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::{DType, Tensor, TensorData};
+use common::{adamw_eps4, batch, max_relative_error, values, Net, GLOBAL_BATCH};
+use std::sync::Arc;
+use std::time::Duration;
+use zero_burn::{DeviceCollective, DeviceEngine, EngineSettings, NcclDevice, Stage, ZeroEngine};
+use zero_core::comm::{NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
+
+type G = Cuda;
+type GA = Autodiff<Cuda>;
+
+/// A one-rank NCCL group on GPU 0, or `None` (with the reason printed) where there is none.
+fn single_rank() -> Option<Arc<NcclGroup>> {
+    match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
+        Ok(Ok(n)) if n > 0 => {}
+        other => {
+            eprintln!("skipped: no CUDA device found ({other:?})");
+            return None;
+        }
+    }
+    let options = TcpOptions {
+        timeout: Duration::from_secs(60),
+        ..TcpOptions::default()
+    };
+    // World size 1 needs no rendezvous peer: the port is never opened.
+    let ctrl = TcpGroup::connect(0, 1, "127.0.0.1", 1, options).expect("a one-rank TCP group");
+    match NcclGroup::over(ctrl, 0, Duration::from_secs(60)) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            eprintln!("skipped: NCCL is unusable here: {e}");
+            None
+        }
+    }
+}
+
+fn read(t: Tensor<G, 1>) -> Vec<f32> {
+    zero_burn::params::tensor_to_vec(t)
+}
+
+#[test]
+fn collectives_on_burn_cuda_tensors_read_the_right_memory() {
+    let Some(group) = single_rank() else { return };
+    let device = CudaDevice::new(0);
+    let nccl = NcclDevice::new(group, &device).expect("NCCL on GPU 0");
+    let values: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin()).collect();
+    let whole = Tensor::<G, 1>::from_data(TensorData::new(values.clone(), [1000]), &device);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let base = whole.clone().cast(dtype);
+        let want = read(base.clone().narrow(0, 123, 512));
+        // A view at an offset into a larger buffer, still held here (so not reduced in place).
+        let view = base.clone().narrow(0, 123, 512);
+        let summed = nccl.all_reduce(view.clone(), ReduceOp::Sum).expect("all_reduce");
+        assert_eq!(summed.dtype(), dtype);
+        assert_eq!(read(summed), want, "{dtype:?} all_reduce of a view");
+        assert_eq!(read(view), want, "{dtype:?}: the input is intact");
+        // A tensor whose last handle is given up (reduced in place).
+        let owned = base.clone().narrow(0, 123, 512).mul_scalar(1.0);
+        assert_eq!(read(nccl.all_reduce(owned, ReduceOp::Avg).expect("avg")), want);
+        let shard = nccl
+            .reduce_scatter(base.clone().narrow(0, 123, 512), ReduceOp::Avg)
+            .expect("reduce_scatter");
+        assert_eq!(read(shard), want, "{dtype:?} reduce_scatter");
+        let gathered = nccl.all_gather(base.clone().narrow(0, 123, 512)).expect("all_gather");
+        assert_eq!(read(gathered), want, "{dtype:?} all_gather");
+    }
+    let mut scalars = [1.5f32, -2.0];
+    DeviceCollective::<G>::all_reduce_scalars(&nccl, &mut scalars, ReduceOp::Max).expect("scalars");
+    assert_eq!(scalars, [1.5, -2.0]);
+}
+
+#[test]
+fn device_engine_on_cuda_matches_the_host_engine() {
+    let Some(group) = single_rank() else { return };
+    let device = CudaDevice::new(0);
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        let mut settings = EngineSettings::new(stage, adamw_eps4(0.01));
+        settings.gradient_accumulation_steps = 2;
+        settings.gradient_clipping = 0.05;
+        settings.reduce_bucket_size = 100;
+        let comm: Arc<dyn DeviceCollective<G>> =
+            Arc::new(NcclDevice::new(group.clone(), &device).expect("NCCL on GPU 0"));
+        let mut dev = DeviceEngine::new(settings.clone(), Net::<GA>::new(&device, 3), comm).expect("device engine");
+        let host_group = ThreadGroup::new_group(1).expect("group").remove(0) as Arc<dyn ProcessGroup>;
+        let mut host = ZeroEngine::new(settings, Net::<GA>::new(&device, 3), host_group).expect("host engine");
+        for step in 0..5 {
+            for micro in 0..2 {
+                let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
+                let (x, y) = batch::<GA>(step, rows, &device);
+                let loss = dev.forward(|m| m.loss(x.clone(), y.clone()));
+                dev.backward(loss).expect("device backward");
+                dev.step().expect("device step");
+                let loss = host.forward(|m| m.loss(x, y));
+                host.backward(loss).expect("host backward");
+                host.step().expect("host step");
+            }
+        }
+        let got = values::<GA, _>(dev.module());
+        let want = values::<GA, _>(host.module());
+        let err = max_relative_error(&got, &want);
+        println!("{stage:?}: max relative error {err:e}");
+        assert!(err < 1e-5, "{stage:?}: max relative error {err:e}");
+        let initial = values::<GA, _>(&Net::<GA>::new(&device, 3));
+        assert!(max_relative_error(&initial, &want) > 1e-2, "the reference trained");
+    }
+}
