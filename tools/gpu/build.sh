@@ -16,7 +16,8 @@ cp target/release/gpt2 .gpu/
 cargo build --release -p zero-core --bin zero
 cp target/release/zero .gpu/
 # Test executables, found from cargo's JSON messages.
-cargo test --release --features cuda -p zero-core --test comm_nccl --no-run --message-format=json \
+cargo test --release --features cuda -p zero-core --test comm_nccl -p zero-burn --test device_nccl --no-run \
+  --message-format=json \
   | python3 -c '
 import json, sys, shutil
 for line in sys.stdin:

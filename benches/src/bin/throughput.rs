@@ -26,6 +26,8 @@
 //!
 //! With `--offload-optimizer cpu` the fp32 masters and Adam state live in host memory (ZeRO-Offload)
 //! and a model that does not fit runs as far as it can: a failure is printed as the row's result.
+//! Stage 3 builds the model block by block into the engine (`Gpt2Config::init_partitioned`), so
+//! the whole model never exists at once.
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
@@ -159,6 +161,14 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
     let mut engine = if o.device_engine {
         let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
         Engine::Device(DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?)
+    } else if stage == Stage::Zero3 {
+        // Built block by block (zero.Init): the largest models fit only if the whole model never
+        // exists at once, on the device or in host memory.
+        Engine::Host(
+            config
+                .init_partitioned::<B>(settings, group, &device)
+                .map_err(|e| e.to_string())?,
+        )
     } else {
         Engine::Host(ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?)
     };

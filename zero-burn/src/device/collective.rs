@@ -53,7 +53,8 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
 ///
 /// This is the CPU path (for Flex "reading to the host" is a copy in memory), and the path for
 /// several ranks on one GPU ([`zero_core::comm::ThreadGroup`]), where NCCL cannot run. On a GPU
-/// with one process per device, `NcclDevice` (feature `cuda`) avoids the copies.
+/// with one process per device, `NcclDevice` (feature `cuda`) avoids the copies. At world size 1
+/// every collective returns its input as it is: nothing leaves the device.
 #[derive(Debug, Clone)]
 pub struct HostStaged {
     group: Arc<dyn ProcessGroup>,
@@ -116,6 +117,9 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
     }
 
     fn all_reduce(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
+        if self.group.world_size() == 1 {
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let mut buffer = to_buffer(tensor, "all_reduce")?;
         self.group.all_reduce(&mut buffer, op)?;
@@ -123,18 +127,27 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
     }
 
     fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
+        if self.group.world_size() == 1 {
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let buffer = to_buffer(tensor, "reduce_scatter")?;
         Ok(from_buffer(self.group.reduce_scatter(buffer, op)?, &device))
     }
 
     fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError> {
+        if self.group.world_size() == 1 {
+            return Ok(shard);
+        }
         let device = shard.device();
         let buffer = to_buffer(shard, "all_gather")?;
         Ok(from_buffer(self.group.all_gather(buffer)?, &device))
     }
 
     fn broadcast(&self, tensor: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, ZeroError> {
+        if self.group.world_size() == 1 {
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let mut buffer = to_buffer(tensor, "broadcast")?;
         self.group.broadcast(&mut buffer, root)?;
