@@ -48,6 +48,7 @@ mod chain;
 mod chain_engine;
 mod checkpoint;
 mod core;
+mod deferred;
 mod engine;
 mod error;
 mod flat_state;
