@@ -363,3 +363,175 @@ fn named(e: ZeroError, part: &str, group: usize, step: u64) -> ZeroError {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flat_state::{GradFlow, StateDtypes};
+    use crate::optimizer_bridge::OptimizerFactory;
+    use crate::settings::{ComputeDtype, OptimizerOffload, ParamOffload};
+    use zero_core::comm::{FlatBuffer, ThreadGroup};
+    use zero_core::optim::OptimizerSpec;
+    use zero_core::partition::{LayoutBuilder, ParamSpec, Placement};
+
+    const SIZES: [usize; 3] = [15, 7, 40];
+
+    /// One rank's state of three parameters, each its own group (and its own part below).
+    fn state(memory: &MemoryTracker) -> FlatState {
+        let specs = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            })
+            .collect();
+        let mut builder = LayoutBuilder::new(specs, 1, 4);
+        for i in 0..SIZES.len() {
+            builder.group(vec![i], Placement::Replicated);
+        }
+        let factory = OptimizerFactory {
+            spec: OptimizerSpec::adamw(),
+        };
+        let dtypes = StateDtypes {
+            accumulate: ComputeDtype::F32,
+            half_shard: Some(ComputeDtype::Bf16),
+            communicate: ComputeDtype::F32,
+        };
+        FlatState::new(
+            builder.finish(),
+            0,
+            |_| GradFlow::AccumulateThenReduce,
+            &factory,
+            |i| (0..SIZES[i]).map(|k| ((i * 31 + k) as f32 * 0.29).sin()).collect(),
+            memory,
+            dtypes,
+            &OptimizerOffload::Cpu { threads: 1 },
+            &ParamOffload::None,
+        )
+        .expect("state")
+    }
+
+    fn grads(state: &FlatState, step: usize) -> Vec<Vec<f32>> {
+        (0..state.groups.len())
+            .map(|g| {
+                let n = state.layout.owned_len(g);
+                (0..n).map(|k| ((g * 7 + k * 3 + step) as f32 * 0.41).cos()).collect()
+            })
+            .collect()
+    }
+
+    /// Lends every group, part `p` holding group `p`, with `grads`.
+    fn update(state: &mut FlatState, grads: Vec<Vec<f32>>, step: u64, memory: Arc<MemoryTracker>) -> StepUpdate {
+        let factory = OptimizerFactory {
+            spec: OptimizerSpec::adamw(),
+        };
+        let parts = grads
+            .into_iter()
+            .enumerate()
+            .map(|(g, grad)| {
+                let stand_in = FlatState::stand_in_optimizer(g, &factory).expect("stand-in");
+                PartUpdate {
+                    part: g,
+                    groups: vec![LentGroup {
+                        index: g,
+                        state: state.lend(g, stand_in),
+                        grad,
+                    }],
+                }
+            })
+            .collect();
+        let comm: Arc<dyn ProcessGroup> = ThreadGroup::new_group(1).expect("group").remove(0);
+        StepUpdate {
+            parts,
+            step,
+            coef: 0.75,
+            lr: 0.01,
+            pool: state.pool(),
+            comm,
+            memory,
+            counted_copy: false,
+        }
+    }
+
+    fn parts() -> Vec<(String, Vec<usize>)> {
+        vec![
+            ("the ends".into(), vec![0]),
+            ("block 0".into(), vec![1]),
+            ("block 1".into(), vec![2]),
+        ]
+    }
+
+    /// Every bit of the masters, the 16-bit shards and the optimizer state.
+    fn snapshot(state: &FlatState) -> Vec<Vec<u32>> {
+        let mut out = Vec::new();
+        for g in &state.groups {
+            out.push(g.master.iter().map(|v| v.to_bits()).collect());
+            let half = g.half.clone().map(FlatBuffer::into_f32).unwrap_or_default();
+            out.push(half.iter().map(|v| v.to_bits()).collect());
+            for (_, buffer) in g.optimizer.inner.state() {
+                out.push(buffer.iter().map(|v| v.to_bits()).collect());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn background_update_is_the_synchronous_apply() {
+        // Reference: FlatState::apply on a twin state, for three steps.
+        let memory = Arc::new(MemoryTracker::default());
+        let comm = ThreadGroup::new_group(1).expect("group").remove(0);
+        let mut reference = state(&memory);
+        let mut deferred_state = state(&memory);
+        let mut deferred = DeferredUpdates::new(parts());
+        for step in 0..3 {
+            let g = grads(&reference, step);
+            reference
+                .apply(g.clone(), 0.75, 0.01, comm.as_ref(), &memory)
+                .expect("apply");
+            let job = update(&mut deferred_state, g, step as u64 + 1, memory.clone());
+            deferred.launch(job).expect("launch");
+            assert!(deferred.any_pending());
+            deferred.wait_for(1, &mut deferred_state).expect("parts 0 and 1");
+            assert!(!deferred.is_pending(0) && !deferred.is_pending(1));
+            deferred.wait_all(&mut deferred_state).expect("every part");
+            assert!(!deferred.any_pending());
+            assert_eq!(snapshot(&deferred_state), snapshot(&reference), "step {step}");
+            for (gi, g) in deferred_state.groups.iter().enumerate() {
+                assert_eq!(
+                    g.grad.len(),
+                    deferred_state.layout.groups[gi].padded,
+                    "accumulator back"
+                );
+            }
+        }
+        assert_ne!(
+            snapshot(&reference),
+            snapshot(&state(&memory)),
+            "the steps moved the state"
+        );
+    }
+
+    #[test]
+    fn an_error_surfaces_at_the_next_wait_naming_the_part() {
+        let memory = Arc::new(MemoryTracker::default());
+        let mut s = state(&memory);
+        let mut deferred = DeferredUpdates::new(parts());
+        let mut g = grads(&s, 0);
+        // A gradient of the wrong length: the optimizer of group 1 refuses it.
+        g[1].pop();
+        let job = update(&mut s, g, 5, memory);
+        deferred.launch(job).expect("launch");
+        deferred.wait_for(0, &mut s).expect("part 0 is fine");
+        let e = deferred.wait_for(1, &mut s).expect_err("part 1 failed").to_string();
+        assert!(
+            e.contains("block 0") && e.contains("group 1") && e.contains("step 5"),
+            "{e}"
+        );
+        // Every group came back, the failed one included, and the error is reported once.
+        deferred.wait_all(&mut s).expect("reported already");
+        for (gi, g) in s.groups.iter().enumerate() {
+            assert_eq!(g.master.len(), s.layout.owned_len(gi), "group {gi} is back");
+        }
+    }
+}
