@@ -21,6 +21,12 @@
 //! part in reverse, so each block's gradients go into the bucketed reductions (stage 2:
 //! reduce-scattered, in the background with `overlap_comm`) while the blocks before it are still
 //! to be differentiated.
+//!
+//! With the optimizer offloaded to the CPU, `step()` may leave the update of the shard running
+//! in the background (`crate::deferred`, [`EngineSettings::overlap_optimizer_step`]): the next
+//! forward waits for each part's update just before the part's gather (stage 3) or the rewrite
+//! of its replica from the gathered masters (stages 0-2, which then happens there rather than
+//! in `step()`), so the later blocks' updates run while the earlier blocks compute.
 
 use crate::activation_checkpointing::{ActivationCheckpointing, Stored};
 use crate::chain::{ChainModel, Hidden};
@@ -406,7 +412,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 
     /// The loss of a batch without backward (evaluation). Under stage 3 the parts are gathered
-    /// one by one and released, as in training.
+    /// one by one and released, as in training; after a step whose update runs in the
+    /// background, stages 1-2 gather the updated parts too. Every rank calls it together.
     pub fn eval_loss(&mut self, batch: M::Batch) -> Result<f32, ZeroError> {
         if self.core.settings.stage != Stage::Zero3 {
             self.ready_part(0)?;
@@ -614,7 +621,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         Ok(())
     }
 
-    /// The whole model with the current weights, on every rank (stage 3 gathers every part).
+    /// The whole model with the current weights, on every rank (stage 3 gathers every part;
+    /// stages 1-2 gather the parts whose update ran in the background since their last use):
+    /// every rank calls it together.
     pub fn module(&mut self) -> Result<M, ZeroError> {
         self.wait_for_update()?;
         if self.core.settings.stage != Stage::Zero3 {

@@ -15,7 +15,10 @@ use common::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_burn::{ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, PrecisionSettings, Stage, StepReport};
+use zero_burn::{
+    ActivationCheckpointing, ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, PrecisionSettings, Stage,
+    StepReport,
+};
 
 const BLOCKS: usize = 3;
 const STEPS: usize = 4;
@@ -51,6 +54,8 @@ struct RankRun {
     /// The weights after every step, read through `module()`.
     weights: Vec<Vec<Vec<u32>>>,
     eval: u32,
+    /// The last block's fp32 masters, gathered right after the last step.
+    gathered: Vec<Vec<u32>>,
     memory: MemoryReport,
 }
 
@@ -71,6 +76,7 @@ fn train(world: usize, settings: EngineSettings, dir: PathBuf) -> Vec<RankRun> {
             reports: Vec::new(),
             weights: Vec::new(),
             eval: 0,
+            gathered: Vec::new(),
             memory: MemoryReport::default(),
         };
         for step in 0..STEPS {
@@ -88,6 +94,16 @@ fn train(world: usize, settings: EngineSettings, dir: PathBuf) -> Vec<RankRun> {
             if step == SAVE_AFTER + 1 {
                 let (x, y) = batch::<B>(1000, rows.clone(), &device);
                 run.eval = e.eval_loss((x.cast(dtype), y.cast(dtype))).expect("eval").to_bits();
+            }
+            if step + 1 == STEPS {
+                // Right after the last step, before anything else waited for its update.
+                let gathered = e.gather_block(BLOCKS - 1, None).expect("gather");
+                let names: Vec<String> = gathered.names().into_iter().map(String::from).collect();
+                for name in &names {
+                    let v = gathered.values(name).expect("values");
+                    run.gathered.push(v.iter().map(|x| x.to_bits()).collect());
+                }
+                gathered.finish().expect("finish");
             }
             if step + 1 < STEPS && step != SAVE_AFTER + 1 {
                 // Most steps go straight on to the next forward, which overlaps the update.
@@ -124,53 +140,102 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// Trains `settings` both ways and asserts that every observation is the same.
+fn compare(label: &str, world: usize, settings: EngineSettings) {
+    let sync_dir = scratch(&format!("sync-{}", label.replace(' ', "-")));
+    let overlap_dir = scratch(&format!("overlap-{}", label.replace(' ', "-")));
+    let mut sync = settings.clone();
+    sync.overlap_optimizer_step = false;
+    let mut overlap = settings;
+    overlap.overlap_optimizer_step = true;
+    let want = train(world, sync, sync_dir.clone());
+    let got = train(world, overlap, overlap_dir.clone());
+    assert!(
+        want.iter().all(|r| !r.overlapped),
+        "{label}: the reference must step synchronously"
+    );
+    assert!(
+        got.iter().all(|r| r.overlapped),
+        "{label}: the update must run in the background"
+    );
+    for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.losses, w.losses, "{label} rank {rank}: losses");
+        assert_eq!(g.reports, w.reports, "{label} rank {rank}: step reports");
+        assert!(g.weights == w.weights, "{label} rank {rank}: weights");
+        assert_eq!(g.eval, w.eval, "{label} rank {rank}: evaluation loss");
+        assert!(g.gathered == w.gathered, "{label} rank {rank}: gathered masters");
+        assert_eq!(g.memory, w.memory, "{label} rank {rank}: memory report");
+    }
+    let (got_files, want_files) = (files(&overlap_dir), files(&sync_dir));
+    assert!(!want_files.is_empty(), "{label}: the checkpoint was written");
+    assert_eq!(
+        got_files.keys().collect::<Vec<_>>(),
+        want_files.keys().collect::<Vec<_>>(),
+        "{label}: checkpoint files"
+    );
+    for (name, bytes) in &want_files {
+        assert!(got_files[name] == *bytes, "{label}: checkpoint file {name} differs");
+    }
+    // The comparison is not that of two idle runs: clipping bit and training moved the weights.
+    let reports = &want[0].reports;
+    assert!(
+        reports.iter().all(|r| r.grad_norm > CLIP),
+        "{label}: every step is clipped"
+    );
+    let untouched = bits(&values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS)));
+    assert!(want[0].weights[0] != untouched, "{label}: training moved the weights");
+    let _ = std::fs::remove_dir_all(&sync_dir);
+    let _ = std::fs::remove_dir_all(&overlap_dir);
+}
+
 #[test]
 fn overlapped_update_is_the_synchronous_update_bit_for_bit() {
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1, 2] {
             for (dtype, precision) in [("fp32", PrecisionSettings::fp32()), ("bf16", PrecisionSettings::bf16())] {
                 let label = format!("stage {} world {world} {dtype}", stage.number());
-                let sync_dir = scratch(&format!("sync-{}-{world}-{dtype}", stage.number()));
-                let overlap_dir = scratch(&format!("overlap-{}-{world}-{dtype}", stage.number()));
-                let want = train(world, settings(stage, precision.clone(), false), sync_dir.clone());
-                let got = train(world, settings(stage, precision.clone(), true), overlap_dir.clone());
-                assert!(
-                    want.iter().all(|r| !r.overlapped),
-                    "{label}: the reference must step synchronously"
-                );
-                assert!(
-                    got.iter().all(|r| r.overlapped),
-                    "{label}: the update must run in the background"
-                );
-                for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(g.losses, w.losses, "{label} rank {rank}: losses");
-                    assert_eq!(g.reports, w.reports, "{label} rank {rank}: step reports");
-                    assert!(g.weights == w.weights, "{label} rank {rank}: weights");
-                    assert_eq!(g.eval, w.eval, "{label} rank {rank}: evaluation loss");
-                    assert_eq!(g.memory, w.memory, "{label} rank {rank}: memory report");
-                }
-                let (got_files, want_files) = (files(&overlap_dir), files(&sync_dir));
-                assert!(!want_files.is_empty(), "{label}: the checkpoint was written");
-                assert_eq!(
-                    got_files.keys().collect::<Vec<_>>(),
-                    want_files.keys().collect::<Vec<_>>(),
-                    "{label}: checkpoint files"
-                );
-                for (name, bytes) in &want_files {
-                    assert!(got_files[name] == *bytes, "{label}: checkpoint file {name} differs");
-                }
-                // The comparison is not that of two idle runs: clipping bit and training moved
-                // the weights.
-                let reports = &want[0].reports;
-                assert!(
-                    reports.iter().all(|r| r.grad_norm > CLIP),
-                    "{label}: every step is clipped"
-                );
-                let untouched = bits(&values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS)));
-                assert!(want[0].weights[0] != untouched, "{label}: training moved the weights");
-                let _ = std::fs::remove_dir_all(&sync_dir);
-                let _ = std::fs::remove_dir_all(&overlap_dir);
+                compare(&label, world, settings(stage, precision, true));
             }
         }
     }
+}
+
+#[test]
+fn overlapped_update_with_activation_checkpointing_is_the_synchronous_update() {
+    // Stages 1-2 run the checkpointed forward, segment by segment; each block still waits.
+    for stage in [Stage::Zero1, Stage::Zero2] {
+        let mut s = settings(stage, PrecisionSettings::bf16(), true);
+        s.activation_checkpointing = Some(ActivationCheckpointing {
+            number_checkpoints: Some(2),
+            ..Default::default()
+        });
+        compare(&format!("stage {} checkpointed", stage.number()), 2, s);
+    }
+}
+
+#[test]
+fn synchronous_where_the_update_is_not_local_work() {
+    // LAMB's trust ratio needs a collective inside the step: it stays in step(). Without
+    // offload there is no CPU pool to run it on.
+    let lamb = zero_core::optim::OptimizerSpec::Lamb(zero_core::optim::LambSpec::default());
+    let cases = [
+        ("lamb", {
+            let mut s = settings(Stage::Zero2, PrecisionSettings::fp32(), true);
+            s.optimizer = lamb;
+            s
+        }),
+        ("no offload", {
+            let mut s = settings(Stage::Zero3, PrecisionSettings::fp32(), true);
+            s.offload_optimizer = OptimizerOffload::None;
+            s
+        }),
+    ];
+    for (label, s) in cases {
+        let e = ChainEngine::new(s, Net::<B>::new(&Default::default(), BLOCKS), single()).expect("engine");
+        assert!(!e.overlaps_optimizer_step(), "{label}");
+    }
+}
+
+fn single() -> Arc<dyn zero_core::comm::ProcessGroup> {
+    zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0)
 }
