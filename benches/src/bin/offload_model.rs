@@ -14,7 +14,11 @@
 //!
 //! `offload_model --preset gpt2-large [--seq 32] [--batch 1] [--world 1] [--steps 2]
 //!  [--dtype fp32|bf16] [--optimizer nvme|cpu] [--param nvme|cpu|none] [--dir PATH]
-//!  [--max-host-gib 20] [--overlap on|off|both] [--rounds 1]`
+//!  [--max-host-gib 20] [--overlap on|off|both] [--rounds 1] [--optimizer-threads 0]`
+//!
+//! `--optimizer-threads` sizes the offloaded optimizer's own thread pool (0: one per core).
+//! With `RAYON_NUM_THREADS=1` for the model's compute and `--optimizer-threads 1`, the two
+//! run on separate cores, as a GPU's forward and the host's Adam would.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -42,6 +46,7 @@ struct Args {
     max_host_gib: f64,
     overlap: String,
     rounds: usize,
+    optimizer_threads: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -58,6 +63,7 @@ fn args() -> Result<Args, String> {
         max_host_gib: 20.0,
         overlap: "on".into(),
         rounds: 1,
+        optimizer_threads: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -80,6 +86,7 @@ fn args() -> Result<Args, String> {
             "--max-host-gib" => a.max_host_gib = value.parse().map_err(|_| format!("{flag} {value}: not a number"))?,
             "--overlap" => a.overlap = value,
             "--rounds" => a.rounds = num()?.max(1),
+            "--optimizer-threads" => a.optimizer_threads = num()?,
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -166,12 +173,14 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--dtype {other}: fp32 or bf16 here").into()),
     };
     let offload_optimizer = match a.optimizer.as_str() {
-        "cpu" => OptimizerOffload::Cpu { threads: 0 },
+        "cpu" => OptimizerOffload::Cpu {
+            threads: a.optimizer_threads,
+        },
         "nvme" => OptimizerOffload::Nvme {
             path: a.dir.join("optimizer"),
             buffer_count: 4,
             chunk_elements: 1 << 22, // the engine's largest chunk (initialize.rs)
-            threads: 0,
+            threads: a.optimizer_threads,
         },
         "none" => OptimizerOffload::None,
         other => return Err(format!("--optimizer {other}").into()),
