@@ -446,6 +446,7 @@ impl EngineCore {
         let Some(deferred) = &mut self.deferred else {
             return Ok(());
         };
+        deferred.ready()?;
         let factory = OptimizerFactory {
             spec: self.settings.optimizer.clone(),
         };

@@ -124,15 +124,21 @@ impl DeferredUpdates {
         self.pending.contains(&part)
     }
 
-    /// Starts the background update of `update.parts` (every earlier update must have been
-    /// collected).
-    pub fn launch(&mut self, update: StepUpdate) -> Result<(), ZeroError> {
+    /// Whether a new update can be launched: the last one is collected and nothing was lost.
+    /// Checked before the groups are lent, since a refused launch would drop them.
+    pub fn ready(&self) -> Result<(), ZeroError> {
         self.check_usable()?;
         if !self.pending.is_empty() {
             return Err(ZeroError::Usage(
                 "an optimizer step started while the last one's update was still running in the background".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Starts the background update of `update.parts` (see [`DeferredUpdates::ready`]).
+    pub fn launch(&mut self, update: StepUpdate) -> Result<(), ZeroError> {
+        self.ready()?;
         if let Some(worker) = self.worker.take() {
             // It sent its last part already; this only reaps the thread.
             let _ = worker.join();
