@@ -96,11 +96,12 @@ pub struct EngineSettings {
     /// On by default: it changes no result, only when the update runs, and ZeRO-Offload's
     /// setting is a GPU whose forward leaves the host's cores free for Adam. With a CPU
     /// backend the two share the cores: on 2 cores, GPT-2 small stepped 5% faster in fp32 and
-    /// 3-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters. It applies only where
-    /// the update is local CPU work: not with NVMe offload (the swap file streams through one
-    /// set of buffers), nor with parameter shards in a file, nor with an optimizer whose step
-    /// needs a collective (LAMB's trust ratio); those, and [`crate::ZeroEngine`], step
-    /// synchronously. Set it to false to get the step's whole cost inside `step()` (timing
+    /// 3-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters.
+    ///
+    /// It applies only where the update is local CPU work: not with NVMe offload (the swap file
+    /// streams through one set of buffers), nor with parameter shards in a file, nor with an
+    /// optimizer whose step needs a collective (LAMB's trust ratio); those, and
+    /// [`crate::ZeroEngine`] and the pipeline engine, step synchronously. Set it to false to get the step's whole cost inside `step()` (timing
     /// the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
     /// `initialize_chain`.
     pub overlap_optimizer_step: bool,
