@@ -239,3 +239,23 @@ fn synchronous_where_the_update_is_not_local_work() {
 fn single() -> Arc<dyn zero_core::comm::ProcessGroup> {
     zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0)
 }
+
+#[test]
+fn initialize_chain_overlaps_cpu_offload_by_default_and_the_option_turns_it_off() {
+    let text = r#"{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}"#;
+    let config = zero_core::config::DeepSpeedConfig::from_str(text, "ds_config.json")
+        .expect("parses")
+        .config;
+    let engine = |overlap: Option<bool>| {
+        let options = zero_burn::InitOptions {
+            overlap_optimizer_step: overlap,
+            ..Default::default()
+        };
+        let model = Net::<B>::new(&Default::default(), BLOCKS);
+        zero_burn::initialize_chain::<B, _>(&config, model, single(), &options).expect("engine")
+    };
+    assert!(engine(None).overlaps_optimizer_step(), "default: on with cpu offload");
+    assert!(engine(Some(true)).overlaps_optimizer_step(), "asked for");
+    assert!(!engine(Some(false)).overlaps_optimizer_step(), "turned off");
+}
