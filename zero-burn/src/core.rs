@@ -465,6 +465,7 @@ impl EngineCore {
                 };
                 lent.push(LentGroup {
                     index: gi,
+                    accumulator_len: self.state.accumulator_len(gi),
                     state: self.state.lend(gi, stand_in),
                     grad,
                 });
@@ -480,6 +481,7 @@ impl EngineCore {
             comm: self.comm.clone(),
             memory: self.memory.clone(),
             counted_copy: self.state.dtypes.accumulate.is_half(),
+            accumulate: self.state.dtypes.accumulate,
         })
     }
 

@@ -18,7 +18,9 @@
 
 use crate::error::ZeroError;
 use crate::flat_state::{step_lent_group, FlatState, GroupState};
+use crate::half_buffer;
 use crate::memory::MemoryTracker;
+use crate::settings::ComputeDtype;
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -34,6 +36,9 @@ pub(crate) struct LentGroup {
     pub state: GroupState,
     /// Its gradient.
     pub grad: Vec<f32>,
+    /// Elements of its next gradient accumulator, zeroed by the background thread once the
+    /// gradient is freed (so that the forward does not spend the time, nor holds both).
+    pub accumulator_len: usize,
 }
 
 /// The groups of one part, updated one after the other.
@@ -63,6 +68,8 @@ pub(crate) struct StepUpdate {
     pub memory: Arc<MemoryTracker>,
     /// Whether the gradients are a copy counted in `memory` (16-bit accumulators).
     pub counted_copy: bool,
+    /// The accumulators' dtype.
+    pub accumulate: ComputeDtype,
 }
 
 /// A part back from the background thread.
@@ -295,6 +302,7 @@ fn run(update: StepUpdate, names: &[String], sender: &mpsc::Sender<PartDone>, un
         comm,
         memory,
         counted_copy,
+        accumulate,
     } = update;
     let mut failed = false;
     let mut receiver_gone = false;
@@ -305,6 +313,7 @@ fn run(update: StepUpdate, names: &[String], sender: &mpsc::Sender<PartDone>, un
             index,
             mut state,
             mut grad,
+            accumulator_len,
         } in groups
         {
             // After a failure the rest is not stepped, as in the synchronous step; once the
@@ -316,6 +325,8 @@ fn run(update: StepUpdate, names: &[String], sender: &mpsc::Sender<PartDone>, un
             if counted_copy {
                 memory.sub_grads(grad.len() * 4);
             }
+            drop(grad);
+            state.grad = half_buffer::zeros(accumulate, accumulator_len);
             back.push((index, state));
         }
         failed |= result.is_err();
@@ -375,7 +386,7 @@ mod tests {
     use super::*;
     use crate::flat_state::{GradFlow, StateDtypes};
     use crate::optimizer_bridge::OptimizerFactory;
-    use crate::settings::{ComputeDtype, OptimizerOffload, ParamOffload};
+    use crate::settings::{OptimizerOffload, ParamOffload};
     use zero_core::comm::{FlatBuffer, ThreadGroup};
     use zero_core::optim::OptimizerSpec;
     use zero_core::partition::{LayoutBuilder, ParamSpec, Placement};
@@ -441,6 +452,7 @@ mod tests {
                     part: g,
                     groups: vec![LentGroup {
                         index: g,
+                        accumulator_len: state.accumulator_len(g),
                         state: state.lend(g, stand_in),
                         grad,
                     }],
@@ -457,6 +469,7 @@ mod tests {
             comm,
             memory,
             counted_copy: false,
+            accumulate: ComputeDtype::F32,
         }
     }
 

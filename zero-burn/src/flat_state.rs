@@ -527,11 +527,22 @@ impl FlatState {
         std::mem::replace(g, stand_in)
     }
 
-    /// Puts a group lent by [`FlatState::lend`] back, with a zeroed accumulator: allocated
-    /// only now, after the update freed the gradient, so that the two are not held at once.
+    /// Puts a group lent by [`FlatState::lend`] back. Its accumulator is the zeroed one the
+    /// update made after freeing the gradient ([`FlatState::accumulator_len`]), or is made here.
     pub fn give_back(&mut self, group: usize, state: GroupState) {
         self.groups[group] = state;
-        self.reset_accumulator(group);
+        if self.groups[group].grad.len() != self.accumulator_len(group) {
+            self.reset_accumulator(group);
+        }
+    }
+
+    /// Elements of group `group`'s gradient accumulator (in `dtypes.accumulate`): the whole
+    /// padded group when it is reduced at the boundary, else the owned slice.
+    pub fn accumulator_len(&self, group: usize) -> usize {
+        match self.groups[group].flow {
+            GradFlow::AccumulateThenReduce => self.layout.groups[group].padded,
+            GradFlow::ReduceThenAccumulate => self.layout.owned_len(group),
+        }
     }
 
     /// Zeroes the accumulators and gives AccumulateThenReduce groups back their whole-group
@@ -544,12 +555,8 @@ impl FlatState {
 
     /// [`FlatState::reset_accumulators`] for one group.
     fn reset_accumulator(&mut self, group: usize) {
-        let g = &mut self.groups[group];
-        let len = match g.flow {
-            GradFlow::AccumulateThenReduce => self.layout.groups[group].padded,
-            GradFlow::ReduceThenAccumulate => self.layout.owned_len(group),
-        };
-        g.grad = half_buffer::zeros(self.dtypes.accumulate, len);
+        let len = self.accumulator_len(group);
+        self.groups[group].grad = half_buffer::zeros(self.dtypes.accumulate, len);
     }
 }
 
