@@ -95,8 +95,8 @@ pub struct EngineSettings {
     ///
     /// On by default: it changes no result, only when the update runs, and ZeRO-Offload's
     /// setting is a GPU whose forward leaves the host's cores free for Adam. With a CPU
-    /// backend the two share the cores: on 2 cores, GPT-2 small stepped 5% faster in fp32 and
-    /// 3-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters.
+    /// backend the two share the cores: on 2 cores, GPT-2 small stepped about 5% faster in fp32
+    /// and 1-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters.
     ///
     /// It applies only where the update is local CPU work: not with NVMe offload (the swap file
     /// streams through one set of buffers), nor with parameter shards in a file, nor with an
