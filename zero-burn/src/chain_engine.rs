@@ -21,6 +21,12 @@
 //! part in reverse, so each block's gradients go into the bucketed reductions (stage 2:
 //! reduce-scattered, in the background with `overlap_comm`) while the blocks before it are still
 //! to be differentiated.
+//!
+//! With the optimizer offloaded to the CPU, `step()` may leave the update of the shard running
+//! in the background (`crate::deferred`, [`EngineSettings::overlap_optimizer_step`]): the next
+//! forward waits for each part's update just before the part's gather (stage 3) or the rewrite
+//! of its replica from the gathered masters (stages 0-2, which then happens there rather than
+//! in `step()`), so the later blocks' updates run while the earlier blocks compute.
 
 use crate::activation_checkpointing::{ActivationCheckpointing, Stored};
 use crate::chain::{ChainModel, Hidden};
@@ -109,6 +115,9 @@ pub struct ChainEngine<B: AutodiffBackend, M: ChainModel<B>> {
     kept_ends: Option<HashMap<usize, FlatBuffer>>,
     /// Stage 3: whether the pending micro-batch keeps the ends between their uses.
     keep_ends: bool,
+    /// Stages 0-2: the parts whose replica still holds the weights from before the last step,
+    /// whose update runs in the background; each is rewritten just before its next use.
+    stale: Vec<bool>,
 }
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
@@ -291,6 +300,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             // Each part is its own graph, cut at the part boundaries, so that backward can run
             // part by part and reduce each block's gradients as soon as they exist. The ends are
             // used twice (embedding, head): each use gets its own leaves over the same values.
+            // Each part waits for its own update of the last step, if it runs in the background.
+            self.ready_part(0)?;
             let embed_ends = fresh_leaves::<B, _>(self.ends.clone());
             let embedded = M::embed(&embed_ends, &batch);
             if let Some(ac) = self.core.settings.activation_checkpointing.clone() {
@@ -298,9 +309,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             }
             let mut h = embedded.clone();
             let mut blocks = Vec::with_capacity(self.blocks.len());
-            for block in &self.blocks {
+            for b in 0..self.blocks.len() {
+                self.ready_part(b + 1)?;
                 let x = h.leaf();
-                let y = M::block_forward(block, x.clone());
+                let y = M::block_forward(&self.blocks[b], x.clone());
                 h = y.clone();
                 blocks.push((x, y));
             }
@@ -376,9 +388,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
                 self.core.comm.barrier()?;
             }
             segments.push((seg.clone(), ac.store(h.clone())?));
-            for block in &self.blocks[seg] {
+            for b in seg {
+                self.ready_part(b + 1)?;
                 // A copy whose parameters record nothing: no graph is built, nothing is kept.
-                h = M::block_forward(&block.clone().no_grad(), h).detached();
+                h = M::block_forward(&self.blocks[b].clone().no_grad(), h).detached();
             }
         }
         let head = fresh_leaves::<B, _>(self.ends.clone());
@@ -399,12 +412,15 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 
     /// The loss of a batch without backward (evaluation). Under stage 3 the parts are gathered
-    /// one by one and released, as in training.
+    /// one by one and released, as in training; after a step whose update runs in the
+    /// background, stages 1-2 gather the updated parts too. Every rank calls it together.
     pub fn eval_loss(&mut self, batch: M::Batch) -> Result<f32, ZeroError> {
         if self.core.settings.stage != Stage::Zero3 {
+            self.ready_part(0)?;
             let mut h = M::embed(&self.ends, &batch).detached();
-            for block in &self.blocks {
-                h = M::block_forward(block, h).detached();
+            for b in 0..self.blocks.len() {
+                self.ready_part(b + 1)?;
+                h = M::block_forward(&self.blocks[b], h).detached();
             }
             return Ok(M::head_loss(&self.ends, h, &batch).into_scalar().elem::<f32>());
         }
@@ -429,6 +445,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Backward of one micro-batch's loss, with the reduction of its gradients. Returns the loss
     /// value.
     pub fn backward(&mut self, loss: ChainLoss<B, M>) -> Result<f32, ZeroError> {
+        // The forward collected every part's update; this only guards the accumulators.
+        self.core.wait_for_updates()?;
         self.fence()?;
         let grads = self.core.backward_loss(loss.loss, loss.value).backward();
         match loss.pending {
@@ -539,6 +557,15 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     }
 
     /// The optimizer step at an accumulation boundary; `None` between boundaries.
+    ///
+    /// With the optimizer offloaded to the CPU and
+    /// [`EngineSettings::overlap_optimizer_step`] on, the step decides everything (reductions,
+    /// norm, clipping, overflow, learning rate: the returned report is final) and leaves the
+    /// update of the fp32 shard running in the background, part by part; the next forward
+    /// waits for each part's update just before it uses the part. Whatever reads the weights
+    /// or the optimizer state waits for the whole update first; [`Self::wait_for_update`]
+    /// does it explicitly. An error of the background update is returned by the next call
+    /// that waits for it, naming the part.
     pub fn step(&mut self) -> Result<Option<StepReport>, ZeroError> {
         if !self.core.at_boundary() {
             return Ok(None);
@@ -547,13 +574,58 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         let report = self.core.update()?;
         // A skipped step moved nothing; stage 3 gathers its new shards at the next use.
         if !report.skipped {
-            self.refresh_replica()?;
+            if self.core.updates_pending() {
+                if self.core.settings.stage != Stage::Zero3 {
+                    self.stale.iter_mut().for_each(|s| *s = true);
+                }
+            } else {
+                self.refresh_replica()?;
+            }
         }
         Ok(Some(report))
     }
 
-    /// The whole model with the current weights, on every rank (stage 3 gathers every part).
+    /// Waits for the last step's update if it runs in the background, and (stages 0-2)
+    /// rewrites the replica's parts that have not been rewritten since. Every rank calls it
+    /// together (the rewrite gathers the shards). A no-op when nothing is pending.
+    pub fn wait_for_update(&mut self) -> Result<(), ZeroError> {
+        self.core.wait_for_updates()?;
+        for part in 0..self.parts.len() {
+            self.ready_part(part)?;
+        }
+        Ok(())
+    }
+
+    /// Whether this engine runs each step's optimizer update in the background, overlapped
+    /// with the next forward ([`EngineSettings::overlap_optimizer_step`] on, the optimizer
+    /// offloaded to the CPU, and an update that is local work: see that setting).
+    pub fn overlaps_optimizer_step(&self) -> bool {
+        self.core.defers_updates()
+    }
+
+    /// Waits for the last step's background update, if any, and puts the state back (no
+    /// collective): before anything reads the masters or the optimizer state.
+    pub(crate) fn settle_state(&mut self) -> Result<(), ZeroError> {
+        self.core.wait_for_updates()
+    }
+
+    /// Makes `part`'s weights current before its use: waits for its background update and
+    /// (stages 0-2) rewrites its replica from the masters. Every rank readies the same parts
+    /// in the same order, so the rewrite's gathers match.
+    fn ready_part(&mut self, part: usize) -> Result<(), ZeroError> {
+        self.core.wait_for_part(part)?;
+        if self.stale.get(part).copied().unwrap_or(false) {
+            self.refresh_part(part)?;
+            self.stale[part] = false;
+        }
+        Ok(())
+    }
+
+    /// The whole model with the current weights, on every rank (stage 3 gathers every part;
+    /// stages 1-2 gather the parts whose update ran in the background since their last use):
+    /// every rank calls it together.
     pub fn module(&mut self) -> Result<M, ZeroError> {
+        self.wait_for_update()?;
         if self.core.settings.stage != Stage::Zero3 {
             return Ok(M::from_parts(self.ends.clone(), self.blocks.clone()));
         }
@@ -570,8 +642,10 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         Ok(M::from_parts(ends, blocks))
     }
 
-    /// Bytes held by this rank, by kind.
+    /// Bytes held by this rank, by kind (after the background update, if one runs, is done
+    /// with what it frees).
     pub fn memory(&self) -> MemoryReport {
+        self.core.wait_idle();
         self.core.memory.report()
     }
 
@@ -652,6 +726,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// The full values of a part's groups (gathered, or taken from a prefetch), then the
     /// prefetch of what comes next on the schedule.
     fn gather_values(&mut self, part: usize) -> Result<HashMap<usize, FlatBuffer>, ZeroError> {
+        self.core.wait_for_part(part)?;
         if self.schedule.front() == Some(&part) {
             self.schedule.pop_front();
         }
@@ -706,6 +781,11 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         for part in ahead {
             let elements = self.parts[part].gathered_elements;
             if planned > 0 && planned + elements > budget {
+                break;
+            }
+            // A part whose update still runs is gathered when it is needed, after the wait;
+            // stopping here keeps every rank's gathers in schedule order whatever the timing.
+            if self.core.part_pending(part) {
                 break;
             }
             planned += elements;
@@ -782,9 +862,23 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         ends: M::Ends,
         blocks: Vec<M::Block>,
         parts: Vec<Part>,
-        core: EngineCore,
+        mut core: EngineCore,
         device: B::Device,
     ) -> Self {
+        let names_and_groups = parts
+            .iter()
+            .enumerate()
+            .map(|(p, part)| {
+                let name = if p == 0 {
+                    "the ends".to_string()
+                } else {
+                    format!("block {}", p - 1)
+                };
+                (name, part.groups.clone())
+            })
+            .collect();
+        core.defer_updates(names_and_groups);
+        let stale = vec![false; parts.len()];
         ChainEngine {
             ends,
             blocks,
@@ -796,6 +890,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             embed_ends: None,
             kept_ends: None,
             keep_ends: false,
+            stale,
         }
     }
 
@@ -812,18 +907,31 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Stages 0-2: writes the owned masters, gathered, into the parts (after a load replaced
     /// them). Stage 3 holds no replica: its masters are gathered at each use.
     pub(crate) fn refresh_replica(&mut self) -> Result<(), ZeroError> {
+        self.settle_state()?;
         if self.core.settings.stage == Stage::Zero3 {
             return Ok(());
         }
+        for part in 0..self.parts.len() {
+            self.refresh_part(part)?;
+            self.stale[part] = false;
+        }
+        Ok(())
+    }
+
+    /// Stages 0-2: writes part `part`'s owned masters, gathered, into its replica. A group
+    /// never spans two parts, so part by part gathers what the whole model's refresh would.
+    fn refresh_part(&mut self, part: usize) -> Result<(), ZeroError> {
         let mut source = self.core.value_source();
-        let parts = &self.parts;
-        let placeholder = skeleton::<B, _>(self.ends.clone());
-        let ends = std::mem::replace(&mut self.ends, placeholder);
-        self.ends = write_data(ends, &self.device, true, |i, _| source.take_data(parts[0].params[i]));
-        for (b, block) in self.blocks.iter_mut().enumerate() {
+        let params = &self.parts[part].params;
+        if part == 0 {
+            let placeholder = skeleton::<B, _>(self.ends.clone());
+            let ends = std::mem::replace(&mut self.ends, placeholder);
+            self.ends = write_data(ends, &self.device, true, |i, _| source.take_data(params[i]));
+        } else {
+            let block = &mut self.blocks[part - 1];
             let placeholder = skeleton::<B, _>(block.clone());
             let old = std::mem::replace(block, placeholder);
-            *block = write_data(old, &self.device, true, |i, _| source.take_data(parts[b + 1].params[i]));
+            *block = write_data(old, &self.device, true, |i, _| source.take_data(params[i]));
         }
         source.finish()
     }

@@ -284,13 +284,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
 
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Saves the engine (see [`ZeroEngine::save_checkpoint`]); under stage 3 the shards are the
-    /// only copy of the weights, and nothing else is written.
+    /// only copy of the weights, and nothing else is written. A step's update still running in
+    /// the background ([`crate::EngineSettings::overlap_optimizer_step`]) is waited for first.
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         dir: impl AsRef<Path>,
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
+        self.settle_state()?;
         self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
@@ -300,6 +302,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         dir: impl AsRef<Path>,
         tag: Option<&str>,
     ) -> Result<serde_json::Value, ZeroError> {
+        self.settle_state()?;
         let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
         self.refresh_replica()?;
         Ok(client)
@@ -307,17 +310,19 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
 
     /// Gathers the parts one group at a time and writes the whole weights in 16 bits from rank
     /// 0: DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, never holding the model.
-    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
+    pub fn save_16bit_model(&mut self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
+        self.settle_state()?;
         self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
     /// Writes the whole weights from rank 0 (see [`ZeroEngine::save_weights`]).
     pub fn save_weights(
-        &self,
+        &mut self,
         path: impl AsRef<Path>,
         dtype: Option<HalfDtype>,
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), ZeroError> {
+        self.settle_state()?;
         self.core_ref().save_weights(path.as_ref(), dtype, names)
     }
 }

@@ -2,6 +2,7 @@
 //! machinery that turns per-parameter gradients into reduced group gradients and updated
 //! weights back into per-parameter values.
 
+use crate::deferred::{DeferredUpdates, LentGroup, PartUpdate, StepUpdate};
 use crate::error::ZeroError;
 use crate::flat_state::{FlatState, GradFlow, StateDtypes};
 use crate::half_buffer;
@@ -93,6 +94,9 @@ pub(crate) struct EngineCore {
     pub overflow_group: Option<Arc<dyn ProcessGroup>>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
+    /// The optimizer update run in the background, part by part (see [`crate::deferred`]);
+    /// `None`: every update runs inside [`EngineCore::update`].
+    deferred: Option<DeferredUpdates>,
 }
 
 impl EngineCore {
@@ -151,6 +155,7 @@ impl EngineCore {
             overflow_group: None,
             assembler,
             in_flight: Vec::new(),
+            deferred: None,
         })
     }
 
@@ -246,9 +251,75 @@ impl EngineCore {
         self.micro_steps >= self.settings.gradient_accumulation_steps
     }
 
+    /// From now on, the update of each step runs in the background, the groups of `parts` (a
+    /// name for errors, the groups) one part after the other, when the settings ask for it and
+    /// the update is local CPU work ([`FlatState::can_defer`]). Returns whether it does. `parts`
+    /// must name every group once.
+    pub fn defer_updates(&mut self, parts: Vec<(String, Vec<usize>)>) -> bool {
+        let mut seen = vec![0usize; self.state.groups.len()];
+        for &g in parts.iter().flat_map(|(_, groups)| groups) {
+            if let Some(n) = seen.get_mut(g) {
+                *n += 1;
+            }
+        }
+        let covered = seen.iter().all(|&n| n == 1);
+        if self.settings.overlap_optimizer_step && self.state.can_defer() && covered {
+            self.deferred = Some(DeferredUpdates::new(parts));
+        }
+        self.deferred.is_some()
+    }
+
+    /// Whether updates run in the background ([`EngineCore::defer_updates`]).
+    pub fn defers_updates(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Whether an update handed to the background is not collected yet.
+    pub fn updates_pending(&self) -> bool {
+        self.deferred.as_ref().is_some_and(DeferredUpdates::any_pending)
+    }
+
+    /// Whether `part`'s update is not collected yet (collecting first those already done).
+    pub fn part_pending(&mut self, part: usize) -> bool {
+        match &mut self.deferred {
+            Some(d) => {
+                d.poll(&mut self.state);
+                d.is_pending(part)
+            }
+            None => false,
+        }
+    }
+
+    /// Waits for `part`'s background update (and those before it) and puts its state back; an
+    /// error of the background update surfaces here, naming its part.
+    pub fn wait_for_part(&mut self, part: usize) -> Result<(), ZeroError> {
+        match &mut self.deferred {
+            Some(d) => d.wait_for(part, &mut self.state),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every background update and puts the state back.
+    pub fn wait_for_updates(&mut self) -> Result<(), ZeroError> {
+        match &mut self.deferred {
+            Some(d) => d.wait_all(&mut self.state),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the background thread is idle, collecting nothing (for `&self` readers of
+    /// what it updates as it goes: the memory counters).
+    pub fn wait_idle(&self) {
+        if let Some(d) = &self.deferred {
+            d.wait_idle();
+        }
+    }
+
     /// The optimizer step on the owned masters (at a boundary): unless a gradient overflowed,
     /// in which case the step is skipped (fp16, or the skip policy) or fails, on every rank.
+    /// With deferred updates ([`EngineCore::defer_updates`]) the update itself is only started.
     pub fn update(&mut self) -> Result<StepReport, ZeroError> {
+        self.wait_for_updates()?;
         self.state.reduce_at_boundary(self.comm.as_ref())?;
         let step = self.global_step + 1;
         // The schedule advances only with applied steps (DeepSpeed does not step its LR
@@ -264,7 +335,10 @@ impl EngineCore {
         };
         self.memory.add_grads(copy_bytes);
         let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
-        self.memory.sub_grads(copy_bytes);
+        if !self.updates_pending() {
+            // A background update frees the copy group by group instead.
+            self.memory.sub_grads(copy_bytes);
+        }
         self.micro_steps = 0;
         self.global_step += 1;
         self.loss_non_finite = false;
@@ -358,8 +432,57 @@ impl EngineCore {
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
-        self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
+        if self.deferred.is_some() {
+            self.start_update(grads, step, coef, lr)?;
+        } else {
+            self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
+        }
         Ok(Some(grad_norm))
+    }
+
+    /// Hands every group, with its gradient, to the background update, part by part; the
+    /// accumulators come back zeroed with the groups.
+    fn start_update(&mut self, grads: Vec<Vec<f32>>, step: u64, coef: f32, lr: f64) -> Result<(), ZeroError> {
+        let Some(deferred) = &mut self.deferred else {
+            return Ok(());
+        };
+        deferred.ready()?;
+        let factory = OptimizerFactory {
+            spec: self.settings.optimizer.clone(),
+        };
+        // Every stand-in first, so that nothing is lent when one cannot be built.
+        let mut stand_ins = Vec::with_capacity(grads.len());
+        for gi in 0..grads.len() {
+            stand_ins.push(Some(FlatState::stand_in_optimizer(gi, &factory)?));
+        }
+        let mut grads: Vec<Option<Vec<f32>>> = grads.into_iter().map(Some).collect();
+        let mut parts = Vec::new();
+        for (part, groups) in deferred.part_groups().iter().enumerate() {
+            let mut lent = Vec::with_capacity(groups.len());
+            for &gi in groups {
+                let (Some(stand_in), Some(grad)) = (stand_ins[gi].take(), grads[gi].take()) else {
+                    continue;
+                };
+                lent.push(LentGroup {
+                    index: gi,
+                    accumulator_len: self.state.accumulator_len(gi),
+                    state: self.state.lend(gi, stand_in),
+                    grad,
+                });
+            }
+            parts.push(PartUpdate { part, groups: lent });
+        }
+        deferred.launch(StepUpdate {
+            parts,
+            step,
+            coef,
+            lr,
+            pool: self.state.pool(),
+            comm: self.comm.clone(),
+            memory: self.memory.clone(),
+            counted_copy: self.state.dtypes.accumulate.is_half(),
+            accumulate: self.state.dtypes.accumulate,
+        })
     }
 
     /// The loss scale of the next backward (1 without fp16 loss scaling).

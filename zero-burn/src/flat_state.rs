@@ -12,6 +12,7 @@ use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
 use crate::settings::{ComputeDtype, OptimizerOffload, ParamOffload};
+use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
 use zero_core::optim::{CpuPool, HalfCopy};
@@ -67,7 +68,8 @@ struct ParamFile {
 /// (NVMe); and the parameter shards' file.
 #[derive(Default)]
 struct OffloadState {
-    pool: Option<CpuPool>,
+    /// Shared with the background update of [`crate::deferred`], which steps on the same pool.
+    pool: Option<Arc<CpuPool>>,
     nvme: Option<NvmeState>,
     params: Option<ParamFile>,
 }
@@ -239,7 +241,9 @@ impl FlatState {
                 } else {
                     t
                 };
-                CpuPool::new(threads).map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
+                CpuPool::new(threads)
+                    .map(Arc::new)
+                    .map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
             })
             .transpose()?;
         let nvme = swap.map(|(file, buffer_count, _)| {
@@ -484,16 +488,75 @@ impl FlatState {
         Ok(())
     }
 
+    /// Whether the update can run away from the calling thread, group by group
+    /// ([`crate::deferred`]): the optimizer is offloaded to the CPU (its own pool), nothing is
+    /// streamed from files (NVMe masters, parameter shards in a file), and no group's optimizer
+    /// needs a collective inside its step (LAMB's cross-rank trust ratio).
+    pub fn can_defer(&self) -> bool {
+        let offload = &self.offload;
+        offload.pool.is_some()
+            && offload.nvme.is_none()
+            && offload.params.is_none()
+            && self.groups.iter().all(|g| !g.optimizer.inner.needs_cross_rank_norms())
+    }
+
+    /// The optimizer's thread pool (CPU offload), shared.
+    pub fn pool(&self) -> Option<Arc<CpuPool>> {
+        self.offload.pool.clone()
+    }
+
+    /// An optimizer of no elements for group `group`, to stand in for the real one while it is
+    /// lent ([`FlatState::lend`]); fails for an optimizer that [`FlatState::can_defer`] refuses.
+    pub fn stand_in_optimizer(group: usize, factory: &OptimizerFactory) -> Result<GroupOptimizer, ZeroError> {
+        factory.build_chunked(group)
+    }
+
+    /// Takes group `group`'s masters, optimizer and parameter shard out for an update elsewhere,
+    /// after the step took its gradient ([`FlatState::take_owned_grads`]). What is left in their
+    /// place holds no values (empty masters, `stand_in`, no accumulator): every reader waits for
+    /// [`FlatState::give_back`] first.
+    pub fn lend(&mut self, group: usize, stand_in: GroupOptimizer) -> GroupState {
+        let g = &mut self.groups[group];
+        let stand_in = GroupState {
+            master: Vec::new(),
+            grad: FlatBuffer::F32(Vec::new()),
+            flow: g.flow,
+            optimizer: stand_in,
+            half: None,
+        };
+        std::mem::replace(g, stand_in)
+    }
+
+    /// Puts a group lent by [`FlatState::lend`] back. Its accumulator is the zeroed one the
+    /// update made after freeing the gradient ([`FlatState::accumulator_len`]), or is made here.
+    pub fn give_back(&mut self, group: usize, state: GroupState) {
+        self.groups[group] = state;
+        if self.groups[group].grad.len() != self.accumulator_len(group) {
+            self.reset_accumulator(group);
+        }
+    }
+
+    /// Elements of group `group`'s gradient accumulator (in `dtypes.accumulate`): the whole
+    /// padded group when it is reduced at the boundary, else the owned slice.
+    pub fn accumulator_len(&self, group: usize) -> usize {
+        match self.groups[group].flow {
+            GradFlow::AccumulateThenReduce => self.layout.groups[group].padded,
+            GradFlow::ReduceThenAccumulate => self.layout.owned_len(group),
+        }
+    }
+
     /// Zeroes the accumulators and gives AccumulateThenReduce groups back their whole-group
     /// length (the boundary reduction shrank them to the owned slice).
     pub fn reset_accumulators(&mut self) {
-        for (gi, g) in self.groups.iter_mut().enumerate() {
-            let len = match g.flow {
-                GradFlow::AccumulateThenReduce => self.layout.groups[gi].padded,
-                GradFlow::ReduceThenAccumulate => self.layout.owned_len(gi),
-            };
-            g.grad = half_buffer::zeros(self.dtypes.accumulate, len);
+        for gi in 0..self.groups.len() {
+            self.reset_accumulator(gi);
         }
+    }
+
+    /// [`FlatState::reset_accumulators`] for one group.
+    fn reset_accumulator(&mut self, group: usize) {
+        let len = self.accumulator_len(group);
+        self.groups[group].grad = half_buffer::zeros(self.dtypes.accumulate, len);
     }
 }
 
@@ -505,19 +568,48 @@ fn step_in_memory(
     comm: &dyn ProcessGroup,
 ) -> Result<(), ZeroError> {
     for (g, grad) in groups.iter_mut().zip(grads) {
-        let out = match &mut g.half {
-            None => HalfCopy::None,
-            Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
-            Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
-            Some(FlatBuffer::F32(_)) => HalfCopy::None,
-        };
-        g.optimizer.step(&mut g.master, grad, lr, comm, out)?;
-        // An fp32 shard kept apart from the masters (parameter offload) is their copy.
-        if let Some(FlatBuffer::F32(h)) = &mut g.half {
-            h.copy_from_slice(&g.master);
-        }
+        step_group_in_memory(g, grad, lr, comm)?;
     }
     Ok(())
+}
+
+/// One optimizer step of one group on in-memory masters and state (also writing the parameter
+/// shard kept apart from the masters, if any).
+fn step_group_in_memory(g: &mut GroupState, grad: &[f32], lr: f64, comm: &dyn ProcessGroup) -> Result<(), ZeroError> {
+    let out = match &mut g.half {
+        None => HalfCopy::None,
+        Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
+        Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
+        Some(FlatBuffer::F32(_)) => HalfCopy::None,
+    };
+    g.optimizer.step(&mut g.master, grad, lr, comm, out)?;
+    // An fp32 shard kept apart from the masters (parameter offload) is their copy.
+    if let Some(FlatBuffer::F32(h)) = &mut g.half {
+        h.copy_from_slice(&g.master);
+    }
+    Ok(())
+}
+
+/// The update of one group lent out of the state ([`FlatState::lend`]), as [`FlatState::apply`]
+/// does it for that group: the gradient times `coef` (unscaling and clipping), then the
+/// optimizer on `pool` when there is one. The same operations in the same order, on another
+/// thread: the result is the synchronous one in every bit.
+pub(crate) fn step_lent_group(
+    g: &mut GroupState,
+    grad: &mut [f32],
+    coef: f32,
+    lr: f64,
+    comm: &dyn ProcessGroup,
+    pool: Option<&CpuPool>,
+) -> Result<(), ZeroError> {
+    if coef != 1.0 {
+        grad.iter_mut().for_each(|v| *v *= coef);
+    }
+    let grad = &*grad;
+    match pool {
+        Some(pool) => pool.install(|| step_group_in_memory(g, grad, lr, comm)),
+        None => step_group_in_memory(g, grad, lr, comm),
+    }
 }
 
 /// One optimizer step of every group (`groups` starting at group `first`) with masters and state

@@ -104,6 +104,8 @@ impl<'a, B: AutodiffBackend, M: ChainModel<B>> GatheredParameters<'a, B, M> {
                 )));
             }
         }
+        // The last step's update may still run in the background: the masters are read below.
+        engine.settle_state()?;
         if !engine.prefetched.is_empty() {
             return Err(ZeroError::Usage(
                 "gather_parameters: called between a forward and its backward; gather between steps".into(),

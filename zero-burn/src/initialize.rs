@@ -36,6 +36,11 @@ pub struct InitOptions {
     /// `"check_grad_overflow": false`, nor under fp32); `Some(NonFinitePolicy::Skip)` skips
     /// such steps on every rank and goes on. fp16 always leaves it to its loss scaler.
     pub non_finite: Option<NonFinitePolicy>,
+    /// Whether a chain engine with the optimizer offloaded to the CPU overlaps the update of
+    /// the shard with the next forward ([`EngineSettings::overlap_optimizer_step`]); `None`
+    /// keeps the default (on). DeepSpeed's config has no key for it: the result is the same
+    /// either way, only the time the update runs differs.
+    pub overlap_optimizer_step: Option<bool>,
 }
 
 /// Resolves `config` for `world_size` ranks.
@@ -226,6 +231,9 @@ fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<Engin
         if settings.precision.dtype != ComputeDtype::F16 {
             settings.precision.non_finite = policy;
         }
+    }
+    if let Some(overlap) = options.overlap_optimizer_step {
+        settings.overlap_optimizer_step = overlap;
     }
     Ok(settings)
 }

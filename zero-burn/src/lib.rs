@@ -51,6 +51,7 @@ mod chain;
 mod chain_engine;
 mod checkpoint;
 mod core;
+mod deferred;
 pub mod device;
 mod engine;
 mod error;

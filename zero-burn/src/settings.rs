@@ -85,6 +85,26 @@ pub struct EngineSettings {
     /// Stage 3: parameters kept gathered for reuse never make more than this many live at once
     /// (`stage3_max_live_parameters`).
     pub max_live_parameters: usize,
+    /// With the optimizer offloaded to the CPU (`offload_optimizer.device = "cpu"`), a
+    /// [`crate::ChainEngine`] runs the update of the fp32 shard on a background thread, part by
+    /// part in the order the next forward uses the parts, and that forward waits for each part's
+    /// update only when it needs that part's weights: the CPU Adam of the later blocks overlaps
+    /// the forward of the earlier ones. Everything that decides the step (reduction, norm,
+    /// clipping, overflow, learning rate, the [`crate::StepReport`]) stays in `step()`, and the
+    /// arithmetic is that of the synchronous step, so the weights are the same in every bit.
+    ///
+    /// On by default: it changes no result, only when the update runs, and ZeRO-Offload's
+    /// setting is a GPU whose forward leaves the host's cores free for Adam. With a CPU
+    /// backend the two share the cores: on 2 cores, GPT-2 small stepped about 5% faster in fp32
+    /// and 1-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters.
+    ///
+    /// It applies only where the update is local CPU work: not with NVMe offload (the swap file
+    /// streams through one set of buffers), nor with parameter shards in a file, nor with an
+    /// optimizer whose step needs a collective (LAMB's trust ratio); those, and
+    /// [`crate::ZeroEngine`] and the pipeline engine, step synchronously. Set it to false to get the step's whole cost inside `step()` (timing
+    /// the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
+    /// `initialize_chain`.
+    pub overlap_optimizer_step: bool,
 }
 
 /// Where the optimizer step runs and where the fp32 masters and optimizer state live
@@ -264,6 +284,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("precision", &self.precision)
             .field("offload_optimizer", &self.offload_optimizer)
             .field("offload_param", &self.offload_param)
+            .field("overlap_optimizer_step", &self.overlap_optimizer_step)
             .finish()
     }
 }
@@ -290,6 +311,7 @@ impl EngineSettings {
             tensor_parallel_group: None,
             max_reuse_distance: 1_000_000_000,
             max_live_parameters: 1_000_000_000,
+            overlap_optimizer_step: true,
         }
     }
 

@@ -6,9 +6,21 @@
 //! host together: the CPU backend's device is host memory) exceed `--max-host-gib`, so that a
 //! ladder of presets stops at the first one the machine cannot hold instead of swapping.
 //!
+//! With `--optimizer cpu`, `--overlap` picks whether the update of the fp32 shard runs inside
+//! `step()` (`off`) or in the background, overlapped with the next forward (`on`, the engine's
+//! default); `both` trains the same model both ways in this process, one engine after the
+//! other, `--rounds` times alternating, and prints the step times side by side with their
+//! ratio. The first two steps of every engine are warm-ups and are not counted: the first
+//! optimizer step touches the optimizer state's pages for the first time, and with the update
+//! overlapped that cost lands in the second step's forward.
+//!
 //! `offload_model --preset gpt2-large [--seq 32] [--batch 1] [--world 1] [--steps 2]
 //!  [--dtype fp32|bf16] [--optimizer nvme|cpu] [--param nvme|cpu|none] [--dir PATH]
-//!  [--max-host-gib 20]`
+//!  [--max-host-gib 20] [--overlap on|off|both] [--rounds 1] [--optimizer-threads 0]`
+//!
+//! `--optimizer-threads` sizes the offloaded optimizer's own thread pool (0: one per core).
+//! With `RAYON_NUM_THREADS=1` for the model's compute and `--optimizer-threads 1`, the two
+//! run on separate cores, as a GPU's forward and the host's Adam would.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -34,6 +46,9 @@ struct Args {
     param: String,
     dir: PathBuf,
     max_host_gib: f64,
+    overlap: String,
+    rounds: usize,
+    optimizer_threads: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -48,6 +63,9 @@ fn args() -> Result<Args, String> {
         param: "nvme".into(),
         dir: std::env::temp_dir().join("zero-offload-model"),
         max_host_gib: 20.0,
+        overlap: "on".into(),
+        rounds: 1,
+        optimizer_threads: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,6 +86,9 @@ fn args() -> Result<Args, String> {
             "--param" => a.param = value,
             "--dir" => a.dir = PathBuf::from(value),
             "--max-host-gib" => a.max_host_gib = value.parse().map_err(|_| format!("{flag} {value}: not a number"))?,
+            "--overlap" => a.overlap = value,
+            "--rounds" => a.rounds = num()?.max(1),
+            "--optimizer-threads" => a.optimizer_threads = num()?,
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -154,12 +175,14 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--dtype {other}: fp32 or bf16 here").into()),
     };
     let offload_optimizer = match a.optimizer.as_str() {
-        "cpu" => OptimizerOffload::Cpu { threads: 0 },
+        "cpu" => OptimizerOffload::Cpu {
+            threads: a.optimizer_threads,
+        },
         "nvme" => OptimizerOffload::Nvme {
             path: a.dir.join("optimizer"),
             buffer_count: 4,
             chunk_elements: 1 << 22, // the engine's largest chunk (initialize.rs)
-            threads: 0,
+            threads: a.optimizer_threads,
         },
         "none" => OptimizerOffload::None,
         other => return Err(format!("--optimizer {other}").into()),
@@ -173,69 +196,43 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "none" => ParamOffload::None,
         other => return Err(format!("--param {other}").into()),
     };
-    let groups = ThreadGroup::new_group(a.world)?;
+    let modes: Vec<bool> = match a.overlap.as_str() {
+        "on" => vec![true],
+        "off" => vec![false],
+        "both" => vec![false, true],
+        other => return Err(format!("--overlap {other}: on, off or both").into()),
+    };
     let started = Instant::now();
-    let handles: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| {
-            let config = config.clone();
-            let (precision, offload_optimizer, offload_param) =
-                (precision.clone(), offload_optimizer.clone(), offload_param.clone());
-            let (steps, seq, batch) = (a.steps, a.seq, a.batch);
-            std::thread::spawn(move || -> Result<_, String> {
-                let device = Default::default();
-                let mut settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
-                settings.precision = precision;
-                settings.offload_optimizer = offload_optimizer;
-                settings.offload_param = offload_param;
-                settings.overlap_comm = true;
-                settings.reduce_bucket_size = config.n_embd * config.n_embd;
-                settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
-                settings.param_persistence_threshold = 10 * config.n_embd;
-                let dtype = settings.precision.dtype;
-                let group: Arc<dyn ProcessGroup> = group;
-                let t = Instant::now();
-                let mut engine =
-                    ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
-                let init = t.elapsed().as_secs_f64();
-                let after_init = proc_status_bytes("VmHWM:");
-                let mut times = Vec::new();
-                for step in 0..steps {
-                    let ids: Vec<i64> = (0..batch * seq)
-                        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
-                        .collect();
-                    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
-                    let t = Instant::now();
-                    let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
-                    let value = engine.backward(loss).map_err(|e| e.to_string())?;
-                    let fb = t.elapsed().as_secs_f64();
-                    let t = Instant::now();
-                    engine.step().map_err(|e| e.to_string())?;
-                    let opt = t.elapsed().as_secs_f64();
-                    if rank == 0 {
-                        println!(
-                            "step {step}: loss {value:.4}, forward+backward {fb:.1} s, optimizer step {opt:.1} s ({:?})",
-                            dtype
-                        );
-                    }
-                    times.push((fb, opt));
-                }
-                Ok((init, after_init, times, engine.memory()))
-            })
-        })
-        .collect();
-    let mut results = Vec::new();
-    for h in handles {
-        results.push(h.join().map_err(|_| "a rank thread panicked")??);
+    let setup = Setup {
+        config,
+        precision,
+        offload_optimizer,
+        offload_param,
+    };
+    // Per mode: every counted step of rank 0 (all rounds), and whether the engine overlapped.
+    let mut counted: Vec<(bool, bool, Vec<StepTimes>)> = modes.iter().map(|&m| (m, false, Vec::new())).collect();
+    let mut last = None;
+    for round in 0..a.rounds {
+        for (mode, (overlap, overlapped, times)) in counted.iter_mut().enumerate() {
+            let rank0 = train(a, &setup, *overlap)?;
+            if rank0.overlapped != *overlap && round == 0 && mode == 0 {
+                println!("note: the engine steps synchronously here (overlap needs --optimizer cpu)");
+            }
+            *overlapped = rank0.overlapped;
+            times.extend(rank0.times.iter().skip(WARMUP_STEPS).copied());
+            last = Some(rank0);
+        }
     }
-    let (init, after_init, times, memory) = &results[0];
+    let Some(rank0) = last else {
+        return Err("no run".into());
+    };
     let hwm = proc_status_bytes("VmHWM:").unwrap_or(0);
-    let m = memory;
+    let m = &rank0.memory;
     println!(
-        "engine built in {init:.1} s (peak RSS then {:.2} GiB); rank 0 after the last step: parameters {} (host {}, \
+        "engine built in {:.1} s (peak RSS then {:.2} GiB); rank 0 after the last step: parameters {} (host {}, \
          nvme {}), gradients {} (peak {}), masters {} (nvme {}), optimizer state {} (nvme {}), gathered peak {}",
-        gib(after_init.unwrap_or(0)),
+        rank0.init,
+        gib(rank0.after_init.unwrap_or(0)),
         human_bytes(m.parameters.current as u64),
         human_bytes(m.locations.parameters.host as u64),
         human_bytes(m.locations.parameters.nvme as u64),
@@ -248,16 +245,184 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         human_bytes(m.gathered.peak as u64),
     );
     // The last step: the first one also warms the page cache and the allocator up.
-    let (fb, opt) = times.last().copied().unwrap_or((f64::NAN, f64::NAN));
+    let last_step = rank0.times.last().copied().unwrap_or_default();
     println!(
-        "RESULT {}: steps ran; last step {:.1} s (forward+backward {fb:.1} s, optimizer {opt:.1} s); peak RSS \
+        "RESULT {}: steps ran; last step {:.1} s (forward+backward {:.1} s, optimizer {:.1} s); peak RSS \
          (VmHWM) {:.2} GiB; estimate {:.2} GiB; wall {:.0} s",
         a.preset,
-        fb + opt,
+        last_step.total(),
+        last_step.forward + last_step.backward,
+        last_step.step,
         gib(hwm),
         gib(host),
         started.elapsed().as_secs_f64()
     );
+    let mut medians = Vec::new();
+    for (overlap, overlapped, times) in &counted {
+        let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
+        let row = StepTimes {
+            forward: med(|t| t.forward),
+            backward: med(|t| t.backward),
+            step: med(|t| t.step),
+        };
+        let total = med(StepTimes::total);
+        // What the overlap changes: the step, and the forward that now waits for its update
+        // (backward runs the same code either way).
+        let moved = med(|t| t.forward + t.step);
+        let note = if *overlap && !*overlapped {
+            " (not in effect)"
+        } else {
+            ""
+        };
+        println!(
+            "OVERLAP {}{note}: median of {} steps: step total {:.3} s (forward {:.3}, backward {:.3}, step() {:.3}); \
+             forward + step() {:.3} s",
+            if *overlap { "on" } else { "off" },
+            times.len(),
+            total,
+            row.forward,
+            row.backward,
+            row.step,
+            moved,
+        );
+        medians.push((total, moved));
+    }
+    if let [(off, off_moved), (on, on_moved)] = medians[..] {
+        println!(
+            "OVERLAP ratio on/off: step total {:.3}, forward + step() {:.3} (baseline: the synchronous step, same \
+             process)",
+            on / off,
+            on_moved / off_moved
+        );
+    }
     let _ = std::fs::remove_dir_all(&a.dir);
     Ok(())
+}
+
+/// Steps of each engine not counted in the `--overlap` comparison (see the file's doc).
+const WARMUP_STEPS: usize = 2;
+
+/// What every engine of a run is built from.
+struct Setup {
+    config: Gpt2Config,
+    precision: PrecisionSettings,
+    offload_optimizer: OptimizerOffload,
+    offload_param: ParamOffload,
+}
+
+/// Seconds of one training step, as rank 0 saw them. With the update overlapped, `step` is only
+/// the part of the step that decides it, and `forward` includes the waits for the update.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepTimes {
+    forward: f64,
+    backward: f64,
+    step: f64,
+}
+
+impl StepTimes {
+    fn total(&self) -> f64 {
+        self.forward + self.backward + self.step
+    }
+}
+
+/// Rank 0's run of one engine.
+struct RankRun {
+    init: f64,
+    after_init: Option<u64>,
+    times: Vec<StepTimes>,
+    memory: zero_burn::MemoryReport,
+    overlapped: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Builds one engine per rank thread and trains `a.steps` steps; returns rank 0's run.
+fn train(a: &Args, setup: &Setup, overlap: bool) -> Result<RankRun, Box<dyn std::error::Error>> {
+    let groups = ThreadGroup::new_group(a.world)?;
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let config = setup.config.clone();
+            let (precision, offload_optimizer, offload_param) = (
+                setup.precision.clone(),
+                setup.offload_optimizer.clone(),
+                setup.offload_param.clone(),
+            );
+            let (steps, seq, batch) = (a.steps, a.seq, a.batch);
+            std::thread::spawn(move || -> Result<_, String> {
+                let device = Default::default();
+                let mut settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+                settings.precision = precision;
+                settings.offload_optimizer = offload_optimizer;
+                settings.offload_param = offload_param;
+                settings.overlap_comm = true;
+                settings.overlap_optimizer_step = overlap;
+                settings.reduce_bucket_size = config.n_embd * config.n_embd;
+                settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
+                settings.param_persistence_threshold = 10 * config.n_embd;
+                let dtype = settings.precision.dtype;
+                let group: Arc<dyn ProcessGroup> = group;
+                let t = Instant::now();
+                let mut engine =
+                    ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
+                let init = t.elapsed().as_secs_f64();
+                let after_init = proc_status_bytes("VmHWM:");
+                let overlapped = engine.overlaps_optimizer_step();
+                let mut times = Vec::new();
+                for step in 0..steps {
+                    let ids: Vec<i64> = (0..batch * seq)
+                        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
+                        .collect();
+                    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+                    let t = Instant::now();
+                    let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
+                    let forward = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    let value = engine.backward(loss).map_err(|e| e.to_string())?;
+                    let backward = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
+                    engine.step().map_err(|e| e.to_string())?;
+                    let opt = t.elapsed().as_secs_f64();
+                    if rank == 0 {
+                        println!(
+                            "step {step} (overlap {}): loss {value:.4}, forward {forward:.2} s, backward {backward:.2} s, \
+                             optimizer step {opt:.2} s ({dtype:?})",
+                            if overlapped { "on" } else { "off" },
+                        );
+                    }
+                    times.push(StepTimes {
+                        forward,
+                        backward,
+                        step: opt,
+                    });
+                }
+                // The last update is waited for inside memory(), outside the timed steps.
+                let memory = engine.memory();
+                Ok(RankRun {
+                    init,
+                    after_init,
+                    times,
+                    memory,
+                    overlapped,
+                })
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for h in handles {
+        results.push(h.join().map_err(|_| "a rank thread panicked")??);
+    }
+    results.into_iter().next().ok_or_else(|| "no rank ran".into())
 }
