@@ -70,6 +70,46 @@ pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Ve
     })
 }
 
+/// What a step does once every rank agreed whether any saw a non-finite loss or gradient
+/// (`overflow`; `local` names what this rank saw): `true` to apply it, `false` to skip it (fp16's
+/// loss scaler backs off, or the skip policy), or the error of the fail policy or of a loss scale
+/// that can fall no further.
+pub(crate) fn decide_step(
+    scaler: &mut Option<LossScaler>,
+    settings: &EngineSettings,
+    overflow: bool,
+    local: Option<&str>,
+    step: u64,
+    loss_scale: f64,
+) -> Result<bool, ZeroError> {
+    if let Some(scaler) = scaler {
+        return match scaler.update(overflow) {
+            Ok(ScaleDecision::Skip) => Ok(false),
+            Ok(ScaleDecision::Apply) => Ok(true),
+            Err(source) => Err(ZeroError::LossScale {
+                step,
+                scale: loss_scale,
+                source,
+            }),
+        };
+    }
+    if !overflow {
+        return Ok(true);
+    }
+    if settings.precision.non_finite == NonFinitePolicy::Skip {
+        return Ok(false);
+    }
+    Err(ZeroError::NonFinite {
+        step,
+        what: local.unwrap_or("a gradient on another rank").to_string(),
+        dtype: match settings.precision.dtype {
+            ComputeDtype::F32 => "fp32",
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F16 => "fp16",
+        },
+    })
+}
+
 /// The shared state and logic of the engines.
 pub(crate) struct EngineCore {
     pub state: FlatState,
@@ -393,31 +433,8 @@ impl EngineCore {
                 group.all_reduce(&mut flag, ReduceOp::Max)?;
                 overflow = flag.into_f32()[0] > 0.0;
             }
-            if let Some(scaler) = &mut self.scaler {
-                match scaler.update(overflow) {
-                    Ok(ScaleDecision::Skip) => return Ok(None),
-                    Ok(ScaleDecision::Apply) => {}
-                    Err(source) => {
-                        return Err(ZeroError::LossScale {
-                            step,
-                            scale: loss_scale,
-                            source,
-                        })
-                    }
-                }
-            } else if overflow {
-                if policy == NonFinitePolicy::Skip {
-                    return Ok(None);
-                }
-                return Err(ZeroError::NonFinite {
-                    step,
-                    what: local.unwrap_or("a gradient on another rank").to_string(),
-                    dtype: match self.settings.precision.dtype {
-                        ComputeDtype::F32 => "fp32",
-                        ComputeDtype::Bf16 => "bf16",
-                        ComputeDtype::F16 => "fp16",
-                    },
-                });
+            if !decide_step(&mut self.scaler, &self.settings, overflow, local, step, loss_scale)? {
+                return Ok(None);
             }
         }
         let scaled_norm = match &self.grad_norm {

@@ -13,7 +13,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, ElementConversion, Tensor};
 use std::sync::Arc;
 use zero_core::comm::ReduceOp;
-use zero_core::loss_scaler::{LossScaler, ScaleDecision};
+use zero_core::loss_scaler::LossScaler;
 use zero_core::partition::{ParamPlace, PartitionLayout, Placement};
 
 /// A flat tensor on the inner (non-autodiff) backend.
@@ -383,31 +383,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
                 self.comm.all_reduce_scalars(&mut flag, ReduceOp::Max)?;
             }
             let overflow = flag[0] > 0.0;
-            if let Some(scaler) = &mut self.scaler {
-                match scaler.update(overflow) {
-                    Ok(ScaleDecision::Skip) => return Ok(None),
-                    Ok(ScaleDecision::Apply) => {}
-                    Err(source) => {
-                        return Err(ZeroError::LossScale {
-                            step,
-                            scale: loss_scale,
-                            source,
-                        })
-                    }
-                }
-            } else if overflow {
-                if policy == NonFinitePolicy::Skip {
-                    return Ok(None);
-                }
-                return Err(ZeroError::NonFinite {
-                    step,
-                    what: local.unwrap_or("a gradient on another rank").to_string(),
-                    dtype: match self.settings.precision.dtype {
-                        ComputeDtype::F32 => "fp32",
-                        ComputeDtype::Bf16 => "bf16",
-                        ComputeDtype::F16 => "fp16",
-                    },
-                });
+            if !crate::core::decide_step(&mut self.scaler, &self.settings, overflow, local, step, loss_scale)? {
+                return Ok(None);
             }
         }
         // Sharded groups' partial sums add over ranks; replicated groups are whole everywhere.
