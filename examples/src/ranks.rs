@@ -30,6 +30,18 @@ pub fn run_ranks<T: Send + 'static>(
     handles
         .into_iter()
         .enumerate()
-        .map(|(rank, h)| h.join().map_err(|_| CommError::Setup(format!("rank {rank} panicked"))))
+        .map(|(rank, h)| {
+            h.join()
+                .map_err(|payload| CommError::Setup(format!("rank {rank} panicked: {}", panic_message(&*payload))))
+        })
         .collect()
+}
+
+/// The message a panic carried, when it is text.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }

@@ -223,7 +223,10 @@ fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Resu
     match backend {
         "cpu" => run::<Autodiff<burn::backend::Flex>>(Default::default(), config, stage, o),
         #[cfg(feature = "cuda")]
-        "cuda" => run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o),
+        "cuda" => {
+            zero_burn::device::cuda_devices().map_err(|why| format!("--backend cuda: {why}"))?;
+            run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o)
+        }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err("this binary was built without the `cuda` feature (cargo ... --features cuda)".into()),
         other => Err(format!("--backend {other}: expected cpu or cuda")),

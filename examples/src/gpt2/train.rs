@@ -124,9 +124,13 @@ pub struct TrainSummary {
 /// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     match args.backend.as_str() {
-        "cpu" => train_on::<Autodiff<Flex>>(args),
+        "cpu" => train_on::<Autodiff<Flex>>(args, 1),
         #[cfg(feature = "cuda")]
-        "cuda" => train_on::<Autodiff<burn::backend::Cuda>>(args),
+        "cuda" => {
+            let gpus = zero_burn::device::cuda_devices()
+                .map_err(|why| TrainError::Config(format!("--backend cuda: {why}")))?;
+            train_on::<Autodiff<burn::backend::Cuda>>(args, gpus)
+        }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(TrainError::Config(
             "--backend cuda: this build has no CUDA backend; build with `--features cuda`".into(),
@@ -135,8 +139,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     }
 }
 
-/// Runs the training on backend `B`.
-fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
+/// Runs the training on backend `B`, whose ranks share `devices` devices.
+fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError> {
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
@@ -158,11 +162,19 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs) -> Result<TrainSum
     };
     let (stages, tensor) = model_parallel_degrees(&config)?;
     if stages > 1 || tensor > 1 {
-        return train_pipeline::<B>(args, config, data, source, stages, tensor);
+        return train_pipeline::<B>(args, config, data, source, stages, tensor, devices);
     }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
-        rank_loop::<B>(rank, group, &args, &config, &data, &source)
+        rank_loop::<B>(
+            rank,
+            rank_device::<B>(rank, devices),
+            group,
+            &args,
+            &config,
+            &data,
+            &source,
+        )
     })
     .map_err(|e| TrainError::Engine(e.into()))?;
     // Every rank's summary holds the same step records (losses are averaged over the ranks);
@@ -171,15 +183,13 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs) -> Result<TrainSum
     first_summary(results)
 }
 
-/// The device of the rank with world rank `rank`: the GPU (or other device) of index `local`
-/// modulo the devices the backend sees, where `local` is LOCAL_RANK under a launcher and the
-/// rank itself when ranks are threads. One device (the CPU) for Flex.
-fn rank_device<B: AutodiffBackend>(rank: usize) -> B::Device {
-    use burn::tensor::backend::{Backend, Device, DeviceId};
+/// The device of the rank with world rank `rank`: the one of index `local` modulo `devices`,
+/// where `local` is LOCAL_RANK under a launcher and the rank itself when ranks are threads.
+fn rank_device<B: AutodiffBackend>(rank: usize, devices: usize) -> B::Device {
+    use burn::tensor::backend::{Device, DeviceId};
     let local = DistEnv::detect().map_or(rank, |env| env.local_rank);
     let type_id = B::Device::default().to_id().type_id;
-    let count = <B as Backend>::device_count(type_id).max(1);
-    B::Device::from_id(DeviceId::new(type_id, (local % count) as u16))
+    B::Device::from_id(DeviceId::new(type_id, (local % devices.max(1)) as u16))
 }
 
 /// Every rank's summary holds the same step records (losses are averaged over the ranks): the
@@ -195,13 +205,13 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
 /// One rank's training loop.
 fn rank_loop<B: AutodiffBackend>(
     rank: usize,
+    device: B::Device,
     group: Arc<dyn ProcessGroup>,
     args: &TrainArgs,
     config: &DeepSpeedConfig,
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let device = rank_device::<B>(rank);
     let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let world = group.world_size();
@@ -460,6 +470,7 @@ fn train_pipeline<B: AutodiffBackend + TpBackend>(
     source: ModelSource,
     stages: usize,
     tensor: usize,
+    devices: usize,
 ) -> Result<TrainSummary, TrainError> {
     let launched = DistEnv::detect().ok();
     let world = launched.as_ref().map_or(args.nproc.max(1), |env| env.world_size);
@@ -474,7 +485,8 @@ fn train_pipeline<B: AutodiffBackend + TpBackend>(
     if launched.is_some() {
         let world_group = TcpGroup::from_env(None).map_err(comm)?;
         let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
-        return pipeline_rank_loop::<B>(groups, args, &config, &data, &source);
+        let device = rank_device::<B>(groups.world.rank(), devices);
+        return pipeline_rank_loop::<B>(groups, device, args, &config, &data, &source);
     }
     let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|s| {
@@ -482,15 +494,20 @@ fn train_pipeline<B: AutodiffBackend + TpBackend>(
             .into_iter()
             .map(|groups| {
                 let (config, data, source) = (&config, &data, &source);
-                s.spawn(move || pipeline_rank_loop::<B>(groups, args, config, data, source))
+                let device = rank_device::<B>(groups.world.rank(), devices);
+                s.spawn(move || pipeline_rank_loop::<B>(groups, device, args, config, data, source))
             })
             .collect();
         handles
             .into_iter()
             .enumerate()
             .map(|(rank, h)| {
-                h.join()
-                    .unwrap_or_else(|_| Err(TrainError::Config(format!("rank {rank} panicked"))))
+                h.join().unwrap_or_else(|payload| {
+                    Err(TrainError::Config(format!(
+                        "rank {rank} panicked: {}",
+                        crate::ranks::panic_message(&*payload)
+                    )))
+                })
             })
             .collect()
     });
@@ -501,12 +518,12 @@ fn train_pipeline<B: AutodiffBackend + TpBackend>(
 /// share of each global batch.
 fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
     groups: RankGroups,
+    device: B::Device,
     args: &TrainArgs,
     config: &DeepSpeedConfig,
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let device = rank_device::<B>(groups.world.rank());
     let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
     check_data(data, &model_config)?;
     let dp = groups.layout.size(Axis::Data);

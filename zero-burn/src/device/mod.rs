@@ -29,3 +29,19 @@ pub use collective::{DeviceCollective, HostStaged};
 pub use engine::DeviceEngine;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclDevice;
+
+/// The GPUs the CUDA driver sees, or why there are none (no driver library, a driver error, or
+/// no device visible), so that a program can refuse `--backend cuda` with a sentence before
+/// Burn's CUDA runtime, which panics on a machine without a GPU, is first touched.
+#[cfg(feature = "cuda")]
+pub fn cuda_devices() -> Result<usize, String> {
+    // SAFETY: only probes whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda) is not installed on this machine".into());
+    }
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err("the CUDA driver sees no GPU (is CUDA_VISIBLE_DEVICES empty?)".into()),
+        Err(e) => Err(format!("the CUDA driver failed to start: {e}")),
+    }
+}
