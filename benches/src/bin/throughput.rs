@@ -164,13 +164,15 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
     } else if stage == Stage::Zero3 {
         // Built block by block (zero.Init): the largest models fit only if the whole model never
         // exists at once, on the device or in host memory.
-        Engine::Host(
+        Engine::Host(Box::new(
             config
                 .init_partitioned::<B>(settings, group, &device)
                 .map_err(|e| e.to_string())?,
-        )
+        ))
     } else {
-        Engine::Host(ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?)
+        Engine::Host(Box::new(
+            ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?,
+        ))
     };
     let mut times = Vec::new();
     let mut loss = f32::NAN;
@@ -215,7 +217,7 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
 
 /// The engine a run trains with (`--engine`).
 enum Engine<B: AutodiffBackend> {
-    Host(ChainEngine<B, Gpt2<B>>),
+    Host(Box<ChainEngine<B, Gpt2<B>>>),
     Device(DeviceEngine<B, Gpt2<B>>),
 }
 
