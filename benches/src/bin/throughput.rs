@@ -160,7 +160,9 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
     }
     let mut engine = if o.device_engine {
         let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
-        Engine::Device(DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?)
+        Engine::Device(Box::new(
+            DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?,
+        ))
     } else if stage == Stage::Zero3 {
         // Built block by block (zero.Init): the largest models fit only if the whole model never
         // exists at once, on the device or in host memory.
@@ -218,7 +220,7 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
 /// The engine a run trains with (`--engine`).
 enum Engine<B: AutodiffBackend> {
     Host(Box<ChainEngine<B, Gpt2<B>>>),
-    Device(DeviceEngine<B, Gpt2<B>>),
+    Device(Box<DeviceEngine<B, Gpt2<B>>>),
 }
 
 fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
