@@ -26,13 +26,6 @@ fn settings(stage: Stage, gas: usize) -> EngineSettings {
     s
 }
 
-fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<usize> {
-    let per_rank = GLOBAL_BATCH / world;
-    let per_micro = per_rank / gas;
-    let start = rank * per_rank + micro * per_micro;
-    start..start + per_micro
-}
-
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zero-burn-ckpt-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -38,25 +38,10 @@ use zero_core::optim::OptimizerSpec;
 
 const STEPS: usize = 5;
 const BLOCKS: usize = 3;
-const LR: f64 = 0.01;
+const LR: f64 = SMALL_BUCKET_LR;
 
 fn settings(stage: Stage, gas: usize, clip: f64, precision: PrecisionSettings) -> EngineSettings {
-    let mut s = EngineSettings::new(stage, adamw_eps4(LR));
-    s.gradient_accumulation_steps = gas;
-    s.gradient_clipping = clip;
-    // Small buckets, so that stages 1-2 reduce several groups per step.
-    s.reduce_bucket_size = 100;
-    s.precision = precision;
-    s
-}
-
-/// This rank's rows of micro-batch `micro` (the global batch split in order across ranks, then
-/// across micro-batches).
-fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<usize> {
-    let per_rank = GLOBAL_BATCH / world;
-    let per_micro = per_rank / gas;
-    let start = rank * per_rank + micro * per_micro;
-    start..start + per_micro
+    small_bucket_settings(stage, gas, clip, precision)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,22 +9,8 @@ use zero_burn::{DeviceCollective, DeviceEngine, EngineSettings, HostStaged, Prec
 
 const BLOCKS: usize = 3;
 
-/// Several groups per stage (buckets of about 100 elements), accumulation and clipping.
 fn settings(stage: Stage, gas: usize, clip: f64, precision: PrecisionSettings) -> EngineSettings {
-    let mut s = EngineSettings::new(stage, adamw_eps4(0.01));
-    s.gradient_accumulation_steps = gas;
-    s.gradient_clipping = clip;
-    s.reduce_bucket_size = 100;
-    s.precision = precision;
-    s
-}
-
-/// This rank's rows of micro-batch `micro`.
-fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<usize> {
-    let per_rank = GLOBAL_BATCH / world;
-    let per_micro = per_rank / gas;
-    let start = rank * per_rank + micro * per_micro;
-    start..start + per_micro
+    small_bucket_settings(stage, gas, clip, precision)
 }
 
 /// Records every collective the engine calls, then runs it through `HostStaged`.

@@ -204,3 +204,31 @@ pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>], tolerance:
         "{label}: relative error {err:e} (tolerance {tolerance:e})"
     );
 }
+
+/// This rank's rows of micro-batch `micro` of the global batch: split in order across the
+/// ranks, then across the `gas` micro-batches.
+pub fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<usize> {
+    let per_rank = GLOBAL_BATCH / world;
+    let per_micro = per_rank / gas;
+    let start = rank * per_rank + micro * per_micro;
+    start..start + per_micro
+}
+
+/// The learning rate of [`small_bucket_settings`].
+pub const SMALL_BUCKET_LR: f64 = 0.01;
+
+/// AdamW (lr [`SMALL_BUCKET_LR`], eps 1e-4) with accumulation, clipping and buckets of about
+/// 100 elements, so that stages 1-2 reduce several groups per step.
+pub fn small_bucket_settings(
+    stage: zero_burn::Stage,
+    gas: usize,
+    clip: f64,
+    precision: zero_burn::PrecisionSettings,
+) -> zero_burn::EngineSettings {
+    let mut s = zero_burn::EngineSettings::new(stage, adamw_eps4(SMALL_BUCKET_LR));
+    s.gradient_accumulation_steps = gas;
+    s.gradient_clipping = clip;
+    s.reduce_bucket_size = 100;
+    s.precision = precision;
+    s
+}
