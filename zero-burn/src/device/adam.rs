@@ -69,6 +69,51 @@ impl<B: Backend> DeviceAdam<B> {
         self.len() == 0
     }
 
+    /// The optimizer's name in checkpoints, as the host optimizer's: `adamw` with decoupled
+    /// weight decay, else `adam`.
+    pub fn name(&self) -> &'static str {
+        if self.spec.decoupled_weight_decay {
+            "adamw"
+        } else {
+            "adam"
+        }
+    }
+
+    /// Replaces the moments and the step count with a checkpoint's: `buffers` by the names of
+    /// [`DeviceAdam::state`], each of this optimizer's length. Nothing changes on an error.
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        buffers: &[(String, Vec<f32>)],
+        device: &B::Device,
+    ) -> Result<(), ZeroError> {
+        let n = self.len();
+        let find = |name: &str| -> Result<Tensor<B, 1>, ZeroError> {
+            let (_, values) = buffers
+                .iter()
+                .find(|(b, _)| b == name)
+                .ok_or_else(|| ZeroError::Optimizer(format!("the checkpoint has no `{name}` buffer")))?;
+            if values.len() != n {
+                return Err(ZeroError::Optimizer(format!(
+                    "the checkpoint's `{name}` has {} elements, the shard {n}",
+                    values.len()
+                )));
+            }
+            Ok(Tensor::from_data(
+                burn::tensor::TensorData::new(values.clone(), [n]),
+                (device, DType::F32),
+            ))
+        };
+        let exp_avg = find("exp_avg")?;
+        let exp_avg_sq = find("exp_avg_sq")?;
+        let max_exp_avg_sq = match self.max_exp_avg_sq {
+            Some(_) => Some(find("max_exp_avg_sq")?),
+            None => None,
+        };
+        (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.step) = (exp_avg, exp_avg_sq, max_exp_avg_sq, step);
+        Ok(())
+    }
+
     /// Steps taken (PyTorch's `state["step"]`).
     pub fn step_count(&self) -> u64 {
         self.step

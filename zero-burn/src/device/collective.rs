@@ -46,6 +46,12 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     /// The element-wise reduction of a few host scalars (norms' partial sums, overflow flags),
     /// in f32, in place.
     fn all_reduce_scalars(&self, values: &mut [f32], op: ReduceOp) -> Result<(), ZeroError>;
+
+    /// The same ranks as a host [`ProcessGroup`], for what moves host data between them
+    /// (checkpoints); `None` (the default) when there is none, and checkpoints are refused.
+    fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
+        None
+    }
 }
 
 /// [`DeviceCollective`] for any backend over a host [`ProcessGroup`]: each tensor is read to the
@@ -159,6 +165,10 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
         self.group.all_reduce(&mut buffer, op)?;
         values.copy_from_slice(&buffer.into_f32());
         Ok(())
+    }
+
+    fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
+        Some(self.group.clone())
     }
 }
 

@@ -419,6 +419,52 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         Ok(Some(grad_norm))
     }
 
+    /// Micro-batches absorbed since the last step, and per step.
+    pub(super) fn micro_batches(&self) -> (usize, usize) {
+        (self.micro_steps, self.settings.gradient_accumulation_steps)
+    }
+
+    /// The collective the engine reduces through.
+    pub(super) fn collective(&self) -> &Arc<dyn DeviceCollective<B::InnerBackend>> {
+        &self.comm
+    }
+
+    /// Every group's fp32 master shard, in group order.
+    pub(super) fn masters(&self) -> impl Iterator<Item = &Flat<B>> {
+        self.groups.iter().map(|g| &g.master)
+    }
+
+    /// Every group's optimizer, in group order.
+    pub(super) fn optimizers(&self) -> impl Iterator<Item = &DeviceAdam<B::InnerBackend>> {
+        self.groups.iter().map(|g| &g.optimizer)
+    }
+
+    /// fp16's loss-scaler state, for a checkpoint.
+    pub(super) fn scaler_state(&self) -> Option<zero_core::loss_scaler::LossScalerState> {
+        self.scaler.as_ref().map(|s| s.state())
+    }
+
+    /// Replaces every group's master shard and optimizer (a loaded checkpoint's), the step count
+    /// and the loss scaler's state, drops any accumulated gradient, and gives the module the
+    /// restored weights.
+    pub(super) fn restore(
+        &mut self,
+        groups: Vec<(Flat<B>, DeviceAdam<B::InnerBackend>)>,
+        global_step: u64,
+        scaler: Option<zero_core::loss_scaler::LossScalerState>,
+    ) -> Result<(), ZeroError> {
+        for (state, (master, optimizer)) in self.groups.iter_mut().zip(groups) {
+            (state.master, state.optimizer, state.grad) = (master, optimizer, None);
+        }
+        self.micro_steps = 0;
+        self.global_step = global_step;
+        self.loss_non_finite = false;
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
+            s.load_state(state);
+        }
+        self.refresh_replica()
+    }
+
     /// Gathers the masters in the compute dtype and makes them the module's parameters.
     fn refresh_replica(&mut self) -> Result<(), ZeroError> {
         let world = self.comm.world_size();

@@ -18,6 +18,7 @@
 //! - [`DeviceEngine`]: the engine, stages 0, 1 and 2, fp32, bf16 and fp16.
 
 mod adam;
+mod checkpoint;
 mod collective;
 mod engine;
 mod flat;

@@ -306,4 +306,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBacke
         values.copy_from_slice(&buffer.into_f32());
         Ok(())
     }
+
+    fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
+        Some(self.group.clone())
+    }
 }
