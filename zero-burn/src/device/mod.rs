@@ -15,7 +15,9 @@
 //!   process group (the CPU backend, or several ranks sharing one GPU); `NcclDevice` (feature
 //!   `cuda`) hands Burn's CUDA buffers to NCCL directly.
 //! - [`DeviceAdam`]: Adam/AdamW with Burn tensor ops, the host kernel's arithmetic.
-//! - [`DeviceEngine`]: the engine, stages 0, 1 and 2, fp32, bf16 and fp16.
+//! - [`DeviceEngine`]: the engine, stages 0, 1 and 2, fp32, bf16 and fp16. Its checkpoints
+//!   (`save_checkpoint`/`load_checkpoint`) are the host engines' format: they load into
+//!   `ZeroEngine` or `ChainEngine` and back, at any world size.
 
 mod adam;
 mod checkpoint;
