@@ -31,6 +31,27 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
 use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
+use zero_core::comm::ProcessGroup;
+
+/// What a rank rebuilt from a loaded checkpoint, once every rank knows that every rank
+/// succeeded (so that all ranks replace their state, or none does); otherwise this rank's
+/// error, or the error naming the rank that failed.
+pub(crate) fn all_ranks_or_none<T>(comm: &dyn ProcessGroup, rebuilt: Result<T, ZeroError>) -> Result<T, ZeroError> {
+    let failed = rebuilt.as_ref().err().map(|e| e.to_string());
+    let agreed = agree(
+        comm,
+        "load",
+        match failed {
+            Some(m) => Err(CheckpointError::Usage(m)),
+            None => Ok(()),
+        },
+    );
+    match (rebuilt, agreed) {
+        (Ok(o), Ok(())) => Ok(o),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(e.into()),
+    }
+}
 
 impl EngineCore {
     fn require_boundary(&self, what: &str) -> Result<(), ZeroError> {
@@ -166,21 +187,7 @@ impl EngineCore {
             }
             Ok(optimizers)
         })();
-        // All ranks replace their state, or none does.
-        let failed = rebuilt.as_ref().err().map(|e| e.to_string());
-        let agreed = agree(
-            self.comm.as_ref(),
-            "load",
-            match failed {
-                Some(m) => Err(CheckpointError::Usage(m)),
-                None => Ok(()),
-            },
-        );
-        let optimizers = match (rebuilt, agreed) {
-            (Ok(o), Ok(())) => o,
-            (Err(e), _) => return Err(e),
-            (Ok(_), Err(e)) => return Err(e.into()),
-        };
+        let optimizers = all_ranks_or_none(self.comm.as_ref(), rebuilt)?;
         for (gi, (loaded, (optimizer, order))) in groups.into_iter().zip(optimizers).enumerate() {
             let state = match order {
                 None => None,

@@ -14,7 +14,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_core::checkpoint::{self, agree, CheckpointError, GroupShard, SaveRequest};
+use zero_core::checkpoint::{self, GroupShard, SaveRequest};
 use zero_core::comm::ProcessGroup;
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
@@ -90,20 +90,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
             }
             Ok(out)
         })();
-        let failed = rebuilt.as_ref().err().map(|e| e.to_string());
-        let agreed = agree(
-            group.as_ref(),
-            "load",
-            match failed {
-                Some(m) => Err(CheckpointError::Usage(m)),
-                None => Ok(()),
-            },
-        );
-        let groups = match (rebuilt, agreed) {
-            (Ok(g), Ok(())) => g,
-            (Err(e), _) => return Err(e),
-            (Ok(_), Err(e)) => return Err(e.into()),
-        };
+        let groups = crate::checkpoint::all_ranks_or_none(group.as_ref(), rebuilt)?;
         self.restore(groups, meta.global_step, meta.loss_scaler)?;
         Ok(meta.client_state)
     }
