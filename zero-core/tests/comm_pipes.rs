@@ -6,18 +6,11 @@
 
 mod comm_support;
 
-use comm_support::{assert_close, held, input, reference};
+use comm_support::{assert_close, free_port, held, input, reference};
 use std::process::Command;
 use std::thread;
 use std::time::Duration;
 use zero_core::comm::{DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, Transport};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
 
 fn options() -> TcpOptions {
     TcpOptions {

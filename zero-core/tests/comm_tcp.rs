@@ -4,15 +4,10 @@
 
 mod comm_support;
 
-use std::process::{Child, Command, Stdio};
+use comm_support::run_ranks;
+use std::process::Command;
 use std::time::{Duration, Instant};
 use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
-}
 
 /// Starts `world` ranks in `mode`; returns each rank's (exit success, stdout + stderr).
 fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)> {
@@ -22,42 +17,7 @@ fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)>
 /// As [`run_world`]; `transport` "tcp" forces TCP between ranks of this host, "auto" lets them
 /// use Unix-domain sockets.
 fn run_world_over(world: usize, mode: &str, timeout_secs: f64, transport: &str) -> Vec<(bool, String)> {
-    let port = free_port().to_string();
-    let exe = std::env::current_exe().expect("test binary");
-    let children: Vec<Child> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
-                .env("ZERO_TEST_MODE", mode)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ZERO_COMM_TIMEOUT_SECS", timeout_secs.to_string())
-                .env("ZERO_COMM_TRANSPORT", transport)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank")
-        })
-        .collect();
-    // A watchdog, so that a hang fails the test instead of stalling it.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    children
-        .into_iter()
-        .map(|mut child| {
-            while child.try_wait().expect("try_wait").is_none() {
-                if Instant::now() > deadline {
-                    let _ = child.kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let out = child.wait_with_output().expect("output");
-            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-            (out.status.success(), text)
-        })
-        .collect()
+    run_ranks(world, mode, timeout_secs, transport, Duration::from_secs(120))
 }
 
 /// One rank's program, selected by ZERO_TEST_MODE; prints `RESULT ...` lines the parent checks.

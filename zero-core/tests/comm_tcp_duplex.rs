@@ -6,8 +6,7 @@
 
 mod comm_support;
 
-use comm_support::{assert_close, held, input, reference};
-use std::process::{Child, Command, Stdio};
+use comm_support::{assert_close, held, input, reference, run_ranks};
 use std::time::{Duration, Instant};
 use zero_core::comm::{DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, Transport};
 
@@ -16,48 +15,9 @@ use zero_core::comm::{DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, Trans
 /// from which sends get their own thread, and the chunks are uneven.
 const LEN: usize = (2 << 20) + 7;
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
-}
-
 /// Starts `world` ranks in `mode` over forced TCP; returns each rank's (success, output).
 fn run_world(world: usize, mode: &str, timeout_secs: f64) -> Vec<(bool, String)> {
-    let port = free_port().to_string();
-    let exe = std::env::current_exe().expect("test binary");
-    let children: Vec<Child> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
-                .env("ZERO_TEST_MODE", mode)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ZERO_COMM_TIMEOUT_SECS", timeout_secs.to_string())
-                .env("ZERO_COMM_TRANSPORT", "tcp")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn rank")
-        })
-        .collect();
-    // A watchdog, so that a hang fails the test instead of stalling it.
-    let deadline = Instant::now() + Duration::from_secs(240);
-    children
-        .into_iter()
-        .map(|mut child| {
-            while child.try_wait().expect("try_wait").is_none() {
-                if Instant::now() > deadline {
-                    let _ = child.kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let out = child.wait_with_output().expect("output");
-            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-            (out.status.success(), text)
-        })
-        .collect()
+    run_ranks(world, mode, timeout_secs, "tcp", Duration::from_secs(240))
 }
 
 /// Every large collective once, checked against the f64 reference; returns how many ran.

@@ -3,6 +3,10 @@
 
 #![allow(dead_code)]
 
+mod world;
+
+#[allow(unused_imports)]
+pub use world::{free_port, run_ranks};
 use zero_core::comm::{DType, FlatBuffer, ProcessGroup, ReduceOp};
 
 /// Buffer lengths that exercise uneven chunking (world sizes 2-4 divide none of 7 and 1001).
