@@ -1,26 +1,18 @@
 //! `gpt2 train --backend`: a backend this build cannot run is refused before anything starts,
 //! with the flag, the value and what would be valid.
 
+mod support;
+
+use support::*;
+
 use std::path::PathBuf;
 use zero_examples::gpt2::{train, TrainArgs};
 
 fn args(backend: &str) -> TrainArgs {
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-tiny-zero3.json");
     TrainArgs {
-        config: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-tiny-zero3.json"),
-        model: None,
-        preset: Some("tiny".into()),
-        data: None,
-        tokens: None,
-        seq_len: 16,
-        steps: 1,
-        nproc: 1,
-        seed: 0,
-        metrics: None,
-        save: None,
-        save_every: None,
-        load: None,
         backend: backend.into(),
-        quiet: true,
+        ..fixture_args(&config, 1, 1)
     }
 }
 

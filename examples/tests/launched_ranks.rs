@@ -2,14 +2,12 @@
 //! RANK, WORLD_SIZE, LOCAL_RANK) gives the same per-step losses as the ranks-as-threads run and
 //! PyTorch (reference: tools/gpt2_train_reference.py's fixture), and only rank 0 writes metrics.
 
+mod support;
+
+use support::fixture;
+
 use std::path::PathBuf;
 use std::process::Command;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 #[test]
 fn four_processes_train_like_pytorch_and_only_rank_0_writes_metrics() {

@@ -5,14 +5,12 @@
 //! CRC32C and protobuf reader, and, where Python's tensorboard package is installed, also read by
 //! its EventAccumulator.
 
-use std::path::{Path, PathBuf};
-use zero_examples::gpt2::{train, StepRecord, TrainArgs, TrainSummary};
+mod support;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use support::*;
+
+use std::path::{Path, PathBuf};
+use zero_examples::gpt2::{train, StepRecord, TrainSummary};
 
 /// Where the summary holds a CSV column's value.
 type Column = fn(&StepRecord) -> f64;
@@ -35,23 +33,7 @@ fn run_with_monitors(out: &Path) -> TrainSummary {
     });
     let config_path = out.join("config.json");
     std::fs::write(&config_path, config.to_string()).expect("config written");
-    let args = TrainArgs {
-        config: config_path,
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
-        preset: None,
-        data: None,
-        tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
-        steps: STEPS,
-        nproc: 2,
-        seed: 0,
-        metrics: None,
-        save: None,
-        save_every: None,
-        load: None,
-        backend: "cpu".into(),
-        quiet: true,
-    };
+    let args = fixture_args(&config_path, STEPS, 2);
     train(&args).expect("training runs")
 }
 

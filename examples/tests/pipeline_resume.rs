@@ -7,14 +7,12 @@
 //! model and data for the validation loss (equal to fp32 rounding: the stages compute the same
 //! forward in another grouping of operations).
 
+mod support;
+
+use support::*;
+
 use std::path::{Path, PathBuf};
 use zero_examples::gpt2::{train, TrainArgs};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 fn config(dir: &Path, stages: usize, nproc: usize, zero_stage: u64) -> PathBuf {
     let data = nproc / stages;
@@ -36,21 +34,9 @@ fn config(dir: &Path, stages: usize, nproc: usize, zero_stage: u64) -> PathBuf {
 
 fn args(config: &Path, nproc: usize, steps: u64, save: Option<&Path>, load: Option<&Path>) -> TrainArgs {
     TrainArgs {
-        config: config.to_path_buf(),
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
-        preset: None,
-        data: None,
-        tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
-        steps,
-        nproc,
-        seed: 0,
-        metrics: None,
         save: save.map(Path::to_path_buf),
-        save_every: None,
         load: load.map(Path::to_path_buf),
-        backend: "cpu".into(),
-        quiet: true,
+        ..fixture_args(config, steps, nproc)
     }
 }
 

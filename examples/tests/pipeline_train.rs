@@ -7,14 +7,12 @@
 //! per-step loss (the full model's) and gradient norm (the global one, over every stage and
 //! tensor rank).
 
-use std::path::PathBuf;
-use zero_examples::gpt2::{train, TrainArgs};
+mod support;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use support::*;
+
+use std::path::PathBuf;
+use zero_examples::gpt2::train;
 
 /// The reference's config with a pipeline: `stages` stages, ZeRO `zero_stage`, and the
 /// accumulation that keeps the global batch at 8 on `nproc` ranks.
@@ -42,23 +40,8 @@ fn run_against_pytorch_with(stages: usize, tensor: usize, nproc: usize, zero_sta
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
     let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
     let dir = tempfile::tempdir().expect("temp dir");
-    let args = TrainArgs {
-        config: pipelined_config(dir.path(), stages, tensor, nproc, zero_stage),
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
-        preset: None,
-        data: None,
-        tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
-        steps: losses.len() as u64,
-        nproc,
-        seed: 0,
-        metrics: None,
-        save: None,
-        save_every: None,
-        load: None,
-        backend: "cpu".into(),
-        quiet: true,
-    };
+    let config = pipelined_config(dir.path(), stages, tensor, nproc, zero_stage);
+    let args = fixture_args(&config, losses.len() as u64, nproc);
     let summary = train(&args).expect("training runs");
     assert_eq!(summary.world_size, nproc);
     assert_eq!(summary.steps.len(), losses.len());

@@ -5,32 +5,18 @@
 //! gradient norm, bit for bit: same data, same weights, same optimizer state, same arithmetic)
 //! and end with the same checkpoint: every shard (fp32 masters and Adam moments) byte for byte.
 
+mod support;
+
+use support::*;
+
 use std::path::{Path, PathBuf};
 use zero_examples::gpt2::{train, TrainArgs};
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
 fn args(config: &Path, steps: u64, save: &Path, load: Option<&Path>) -> TrainArgs {
     TrainArgs {
-        config: config.to_path_buf(),
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
-        preset: None,
-        data: None,
-        tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
-        steps,
-        nproc: 2,
-        seed: 0,
-        metrics: None,
         save: Some(save.to_path_buf()),
-        save_every: None,
         load: load.map(Path::to_path_buf),
-        backend: "cpu".into(),
-        quiet: true,
+        ..fixture_args(config, steps, 2)
     }
 }
 

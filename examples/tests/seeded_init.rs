@@ -5,7 +5,10 @@
 //! Reference: the first of three identical runs; the others' per-step losses and gradient norms
 //! must equal it bit for bit (same seed, same data, same arithmetic).
 
-use std::path::PathBuf;
+mod support;
+
+use support::*;
+
 use zero_examples::gpt2::{train, TrainArgs};
 
 #[test]
@@ -20,21 +23,10 @@ fn preset_runs_with_one_seed_are_identical() {
     let config_path = dir.path().join("config.json");
     std::fs::write(&config_path, config.to_string()).expect("config written");
     let args = TrainArgs {
-        config: config_path,
         model: None,
         preset: Some("tiny".into()),
-        data: None,
-        tokens: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train_tokens.json")),
-        seq_len: 16,
-        steps: 2,
-        nproc: 2,
         seed: 7,
-        metrics: None,
-        save: None,
-        save_every: None,
-        load: None,
-        backend: "cpu".into(),
-        quiet: true,
+        ..fixture_args(&config_path, 2, 2)
     };
     let runs: Vec<Vec<(f64, f64)>> = (0..3)
         .map(|_| {

@@ -4,14 +4,11 @@
 //! (models/tests/fixtures/gpt2-tiny) with torch.optim.AdamW and clip_grad_norm_ on the same global
 //! batch and records each step's loss and gradient norm (examples/tests/fixtures/).
 
-use std::path::PathBuf;
-use zero_examples::gpt2::{train, TrainArgs};
+mod support;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use support::*;
+
+use zero_examples::gpt2::train;
 
 #[test]
 fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
@@ -21,23 +18,7 @@ fn stage_3_on_4_ranks_with_accumulation_follows_pytorch_step_by_step() {
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
     let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
 
-    let args = TrainArgs {
-        config: fixture("train_config.json"),
-        model: Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")),
-        preset: None,
-        data: None,
-        tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
-        steps: losses.len() as u64,
-        nproc: 4,
-        seed: 0,
-        metrics: None,
-        save: None,
-        save_every: None,
-        load: None,
-        backend: "cpu".into(),
-        quiet: true,
-    };
+    let args = fixture_args(&fixture("train_config.json"), losses.len() as u64, 4);
     let summary = train(&args).expect("training runs");
     assert_eq!(summary.world_size, 4);
     assert_eq!(summary.steps.len(), losses.len());

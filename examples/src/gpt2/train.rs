@@ -19,13 +19,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, InitOptions, MemoryReport};
+use zero_burn::{ChainEngine, EngineSettings, InitOptions, MemoryReport};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
-use zero_core::config::DeepSpeedConfig;
+use zero_core::config::{DeepSpeedConfig, ResolvedConfig};
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
 use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
-use zero_models::Gpt2;
+use zero_models::{Gpt2, Gpt2Config};
 
 /// The shipped corpus: ten plays of Shakespeare (see data/README.md).
 const SHIPPED_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
@@ -202,6 +202,47 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
     first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
 
+/// What a rank starts from: its model (seeded), the config resolved for the data-parallel
+/// degree, the engine settings, and the micro-batch size, accumulation steps and global batch.
+struct RankStart<B: AutodiffBackend> {
+    model: Gpt2<B>,
+    model_config: Gpt2Config,
+    resolved: ResolvedConfig,
+    settings: EngineSettings,
+    micro: usize,
+    gas: usize,
+    global: usize,
+}
+
+/// Builds the model on `device`, checks the data against it, and resolves the config for
+/// `data_ranks` data-parallel ranks.
+fn rank_start<B: AutodiffBackend>(
+    device: &B::Device,
+    args: &TrainArgs,
+    config: &DeepSpeedConfig,
+    data: &DataSource,
+    source: &ModelSource,
+    data_ranks: usize,
+) -> Result<RankStart<B>, TrainError> {
+    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(device, args.seed)?;
+    check_data(data, &model_config)?;
+    let options = InitOptions {
+        hidden_size: Some(model_config.n_embd),
+        ..Default::default()
+    };
+    let resolved = zero_burn::resolve(config, data_ranks, &options)?;
+    let settings = zero_burn::engine_settings(&resolved)?;
+    Ok(RankStart {
+        micro: resolved.micro_batch_size as usize,
+        gas: resolved.gradient_accumulation_steps as usize,
+        global: resolved.train_batch_size as usize,
+        model,
+        model_config,
+        resolved,
+        settings,
+    })
+}
+
 /// One rank's training loop.
 fn rank_loop<B: AutodiffBackend>(
     rank: usize,
@@ -212,20 +253,16 @@ fn rank_loop<B: AutodiffBackend>(
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
-    check_data(data, &model_config)?;
     let world = group.world_size();
-    let options = InitOptions {
-        hidden_size: Some(model_config.n_embd),
-        ..Default::default()
-    };
-    let resolved = zero_burn::resolve(config, world, &options)?;
-    let settings = zero_burn::engine_settings(&resolved)?;
-    let (micro, gas, global) = (
-        resolved.micro_batch_size as usize,
-        resolved.gradient_accumulation_steps as usize,
-        resolved.train_batch_size as usize,
-    );
+    let RankStart {
+        model,
+        model_config,
+        resolved,
+        settings,
+        micro,
+        gas,
+        global,
+    } = rank_start::<B>(&device, args, config, data, source, world)?;
     let parameters = model_config.num_params() as usize;
     let lead = rank == 0;
     // wall_clock_breakdown: the engine's collectives pass through a timing wrapper (rank 0 only
@@ -524,20 +561,15 @@ fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
-    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(&device, args.seed)?;
-    check_data(data, &model_config)?;
-    let dp = groups.layout.size(Axis::Data);
-    let options = InitOptions {
-        hidden_size: Some(model_config.n_embd),
-        ..Default::default()
-    };
-    let resolved = zero_burn::resolve(config, dp, &options)?;
-    let settings = zero_burn::engine_settings(&resolved)?;
-    let (micro, gas, global) = (
-        resolved.micro_batch_size as usize,
-        resolved.gradient_accumulation_steps as usize,
-        resolved.train_batch_size as usize,
-    );
+    let RankStart {
+        model,
+        model_config,
+        resolved,
+        settings,
+        micro,
+        gas,
+        global,
+    } = rank_start::<B>(&device, args, config, data, source, groups.layout.size(Axis::Data))?;
     let method = match resolved.pipeline.partition.as_str() {
         // DeepSpeed's default; the layers here are balanced by parameters.
         "best" => PartitionMethod::Parameters,
