@@ -18,3 +18,4 @@ pub mod offload;
 pub mod optim;
 pub mod parallel;
 pub mod partition;
+pub mod plot;

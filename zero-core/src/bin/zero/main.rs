@@ -1,5 +1,5 @@
 //! `zero`: the command-line tool of zero-burn (configuration check, launcher, estimates,
-//! checkpoint consolidation). Each subcommand lives in its own file; errors become one clear
+//! checkpoint consolidation, loss plots). Each subcommand lives in its own file; errors become one clear
 //! message and a non-zero exit status.
 
 use clap::{Parser, Subcommand};
@@ -8,6 +8,7 @@ use std::process::ExitCode;
 mod check_config;
 mod estimate;
 mod launch;
+mod plot;
 mod to_fp32;
 
 #[derive(Parser)]
@@ -28,6 +29,8 @@ enum Command {
     /// Write a checkpoint's fp32 weights, whole, as safetensors (streaming, any world size).
     #[command(name = "to-fp32")]
     ToFp32(to_fp32::Args),
+    /// Draw a run's loss curve from its metrics file as a PNG; overlay other runs with --compare.
+    Plot(plot::Args),
 }
 
 fn main() -> ExitCode {
@@ -36,5 +39,6 @@ fn main() -> ExitCode {
         Command::Estimate(args) => estimate::run(args),
         Command::Launch(args) => launch::run(args),
         Command::ToFp32(args) => to_fp32::run(args),
+        Command::Plot(args) => plot::run(args),
     }
 }

@@ -1,0 +1,41 @@
+//! `zero plot`: draws a run's loss curve from its metrics file, and overlays other runs on the
+//! same axes (stage 0 against stage 3, fp32 against bf16).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use zero_core::plot::{draw, Run};
+
+/// Arguments of `zero plot`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The metrics file a run wrote (`gpt2 train --metrics FILE`: one JSON line per step).
+    pub metrics: PathBuf,
+    /// Other runs' metrics files, drawn on the same axes; repeatable.
+    #[arg(long = "compare", value_name = "OTHER")]
+    pub compare: Vec<PathBuf>,
+    /// The PNG to write (default: the metrics file with the extension `.png`).
+    #[arg(long, short)]
+    pub out: Option<PathBuf>,
+}
+
+/// Runs the subcommand: the PNG's path on stdout, or the error on stderr with exit status 2.
+pub fn run(args: Args) -> ExitCode {
+    let out = args.out.clone().unwrap_or_else(|| args.metrics.with_extension("png"));
+    let drawn = std::iter::once(&args.metrics)
+        .chain(&args.compare)
+        .map(|path| Run::read(path))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|runs| draw(&runs, &out));
+    match drawn {
+        Ok(()) => {
+            // A closed stdout (`| head`) is not an error of the plot, which is written.
+            let _ = writeln!(std::io::stdout(), "wrote {}", out.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

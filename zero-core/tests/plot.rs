@@ -1,0 +1,179 @@
+//! The loss plot is a chart a person can read: text (title, tick numbers, axis labels, legend)
+//! and axes are drawn, not only the curves. The reference is the image itself, decoded: the
+//! bare-lines plot the trainer drew before had no pixel outside the curves' colours.
+
+use std::path::Path;
+use zero_core::plot::{draw, Run, RunInfo, PLOT_SIZE};
+
+/// A decoded RGB image.
+struct Image {
+    width: usize,
+    height: usize,
+    rgb: Vec<u8>,
+}
+
+impl Image {
+    fn read(path: &Path) -> Image {
+        let decoder = png::Decoder::new(std::fs::File::open(path).expect("the PNG exists"));
+        let mut reader = decoder.read_info().expect("a PNG header");
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf).expect("a PNG frame");
+        assert_eq!(info.color_type, png::ColorType::Rgb, "plotters writes RGB");
+        buf.truncate(info.buffer_size());
+        Image {
+            width: info.width as usize,
+            height: info.height as usize,
+            rgb: buf,
+        }
+    }
+
+    fn pixel(&self, x: usize, y: usize) -> [u8; 3] {
+        let i = 3 * (y * self.width + x);
+        [self.rgb[i], self.rgb[i + 1], self.rgb[i + 2]]
+    }
+
+    /// Dark grey to black: text, axes, ticks, the legend's frame (the curves are coloured).
+    fn is_ink(&self, x: usize, y: usize) -> bool {
+        let [r, g, b] = self.pixel(x, y);
+        r < 110 && g < 110 && b < 110 && r.abs_diff(g) < 30 && g.abs_diff(b) < 30
+    }
+
+    fn ink_in(&self, xs: std::ops::Range<usize>, ys: std::ops::Range<usize>) -> usize {
+        ys.flat_map(|y| xs.clone().map(move |x| (x, y)))
+            .filter(|&(x, y)| self.is_ink(x, y))
+            .count()
+    }
+
+    /// The longest run of ink on row `y`.
+    fn longest_ink_row(&self, y: usize) -> usize {
+        let (mut best, mut run) = (0, 0);
+        for x in 0..self.width {
+            run = if self.is_ink(x, y) { run + 1 } else { 0 };
+            best = best.max(run);
+        }
+        best
+    }
+
+    /// The longest run of ink on column `x`.
+    fn longest_ink_column(&self, x: usize) -> usize {
+        let (mut best, mut run) = (0, 0);
+        for y in 0..self.height {
+            run = if self.is_ink(x, y) { run + 1 } else { 0 };
+            best = best.max(run);
+        }
+        best
+    }
+
+    fn has_colour(&self, want: [u8; 3]) -> bool {
+        self.rgb.chunks(3).any(|p| p == want)
+    }
+}
+
+fn write_metrics(path: &Path, info: Option<&RunInfo>, loss_at: impl Fn(u64) -> f64, skipped: &[u64]) {
+    let mut text = String::new();
+    if let Some(info) = info {
+        text.push_str(&info.header_line());
+        text.push('\n');
+    }
+    for step in 1..=60u64 {
+        let valid = (step % 10 == 0).then(|| loss_at(step) + 0.3);
+        let line = serde_json::json!({
+            "step": step,
+            "loss": loss_at(step),
+            "lr": 1e-3,
+            "skipped": skipped.contains(&step),
+            "valid_loss": valid,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+fn tiny(stage: u8, precision: &str) -> RunInfo {
+    RunInfo {
+        model: "GPT-2 tiny".into(),
+        parameters: 6_960_000,
+        stage,
+        world_size: 2,
+        precision: precision.into(),
+    }
+}
+
+#[test]
+fn a_run_is_drawn_with_title_axes_ticks_and_legend() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("run.jsonl");
+    write_metrics(
+        &metrics,
+        Some(&tiny(3, "fp16")),
+        |s| 10.8 - 4.0 * (s as f64 / 60.0),
+        &[2, 3],
+    );
+    let run = Run::read(&metrics).unwrap();
+    assert_eq!(run.info, Some(tiny(3, "fp16")));
+    assert_eq!(run.steps.len(), 60);
+    assert_eq!(run.steps.iter().filter(|s| s.skipped).count(), 2);
+    assert_eq!(run.steps.iter().filter(|s| s.valid_loss.is_some()).count(), 6);
+
+    let png = dir.path().join("run.png");
+    draw(&[run], &png).unwrap();
+    let image = Image::read(&png);
+    assert_eq!((image.width as u32, image.height as u32), PLOT_SIZE);
+    let (w, h) = (image.width, image.height);
+
+    // The title: text in the band above the chart, centred.
+    assert!(image.ink_in(w / 4..3 * w / 4, 0..40) > 300, "no title drawn");
+    // The x axis: a long horizontal line of ink near the bottom, and tick numbers and the
+    // "optimizer step" label below it.
+    let axis_row = (h / 2..h).max_by_key(|&y| image.longest_ink_row(y)).unwrap();
+    assert!(image.longest_ink_row(axis_row) > w / 2, "no x axis");
+    assert!(image.ink_in(60..w, axis_row + 3..h) > 400, "no x tick numbers or label");
+    // The y axis: a long vertical line near the left, numbers and "loss" to its left.
+    let axis_column = (0..w / 2).max_by_key(|&x| image.longest_ink_column(x)).unwrap();
+    assert!(image.longest_ink_column(axis_column) > h / 2, "no y axis");
+    assert!(
+        image.ink_in(0..axis_column.saturating_sub(3), 40..axis_row) > 400,
+        "no y tick numbers or label"
+    );
+    // The legend: framed in the upper right, with the train and held-out entries in the run's
+    // colour; the skipped steps are marked.
+    assert!(image.ink_in(w / 2..w, 40..h / 3) > 300, "no legend text");
+    assert!(image.has_colour([31, 119, 180]), "the training curve is missing");
+}
+
+#[test]
+fn runs_are_overlaid_and_files_without_a_header_are_named_by_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("stage0.jsonl");
+    let b = dir.path().join("stage3.jsonl");
+    let c = dir.path().join("no-header.jsonl");
+    write_metrics(&a, Some(&tiny(0, "fp32")), |s| 10.0 - s as f64 / 20.0, &[]);
+    write_metrics(&b, Some(&tiny(3, "bf16")), |s| 10.0 - s as f64 / 19.0, &[]);
+    write_metrics(&c, None, |s| 9.0 - s as f64 / 30.0, &[]);
+    let runs: Vec<Run> = [&a, &b, &c].iter().map(|p| Run::read(p).unwrap()).collect();
+    assert_eq!(runs[2].info, None);
+    let png = dir.path().join("compare.png");
+    draw(&runs, &png).unwrap();
+    let image = Image::read(&png);
+    for colour in [[31, 119, 180], [214, 39, 40], [44, 160, 44]] {
+        assert!(image.has_colour(colour), "run drawn in {colour:?} is missing");
+    }
+}
+
+#[test]
+fn bad_metrics_files_are_errors_that_name_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.jsonl");
+    std::fs::write(&path, "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo").unwrap();
+    let err = Run::read(&path).unwrap_err().to_string();
+    assert!(err.contains("bad.jsonl, line 2"), "{err}");
+
+    // A run whose every loss is NaN (written as null) has nothing to draw: say so, draw nothing.
+    std::fs::write(&path, "{\"step\": 1, \"loss\": null}\n").unwrap();
+    let run = Run::read(&path).unwrap();
+    let png = dir.path().join("nan.png");
+    let err = draw(&[run], &png).unwrap_err().to_string();
+    assert!(err.contains("no optimizer step with a finite loss"), "{err}");
+    assert!(!png.exists());
+}
