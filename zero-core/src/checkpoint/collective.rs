@@ -1,39 +1,94 @@
 //! The two small collectives that save and load need: every rank learns whether any rank
-//! failed (so that all fail together instead of some waiting on the others), and rank 0 learns
-//! every rank's file record.
+//! failed, and with what error (so that all fail together, instead of some waiting on the
+//! others, and whichever rank's error is printed names every failed rank's file and problem),
+//! and rank 0 learns every rank's file record.
 
-use super::error::CheckpointError;
+use super::error::{CheckpointError, RankFailure};
 use crate::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 
-/// Every rank passes its own outcome; every rank gets back its own error, or
-/// [`CheckpointError::PeerFailed`] naming the first failed rank when only others failed.
+/// Longest error message a rank sends to the others: far more than any real one, and a bound
+/// on what the gather moves.
+const MAX_MESSAGE_BYTES: usize = 8 << 10;
+
+/// Every rank passes its own outcome; when any rank failed, every rank fails, and every rank
+/// learns every failed rank's message:
+/// - a rank that succeeded gets [`CheckpointError::PeerFailed`] with the others' messages;
+/// - a rank that failed gets its own error, or, when other ranks failed with other messages,
+///   [`CheckpointError::AlsoFailed`] holding its own error and theirs.
 pub fn agree<T>(
     comm: &dyn ProcessGroup,
     action: &'static str,
     outcome: Result<T, CheckpointError>,
 ) -> Result<T, CheckpointError> {
-    if comm.world_size() == 1 {
+    let world = comm.world_size();
+    if world == 1 {
         return outcome;
     }
+    let rank = comm.rank();
     // One flag per rank (small integers are exact in f32): the maximum over ranks of
-    // `world - rank` for the failed ones names the lowest failed rank.
-    let world = comm.world_size();
-    let flag = if outcome.is_err() {
-        (world - comm.rank()) as f32
-    } else {
-        0.0
-    };
-    let mut buf = FlatBuffer::F32(vec![flag]);
-    comm.all_reduce(&mut buf, ReduceOp::Max)?;
-    let worst = buf.into_f32().first().copied().unwrap_or(0.0) as usize;
-    match outcome {
-        Err(e) => Err(e),
-        Ok(_) if worst > 0 => Err(CheckpointError::PeerFailed {
-            rank: world - worst,
-            action,
-        }),
-        Ok(v) => Ok(v),
+    // `world - rank` for the failed ones names the lowest failed rank. Only when some rank
+    // failed do the messages travel, so a success costs one scalar all-reduce.
+    let mut buf = FlatBuffer::F32(vec![if outcome.is_err() { (world - rank) as f32 } else { 0.0 }]);
+    if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Max) {
+        // This rank's own error says more than the collective's.
+        return Err(outcome.err().unwrap_or(e.into()));
     }
+    let worst = buf.into_f32().first().copied().unwrap_or(0.0) as usize;
+    if worst == 0 {
+        return outcome;
+    }
+    let own = outcome.as_ref().err().map(|e| bounded(e.to_string()));
+    let failures: Vec<RankFailure> = match all_gather_bytes(comm, own.as_deref().unwrap_or("").as_bytes()) {
+        Ok(all) => all
+            .into_iter()
+            .enumerate()
+            .filter(|(_, m)| !m.is_empty())
+            .map(|(r, m)| RankFailure {
+                rank: r,
+                message: String::from_utf8_lossy(&m).into_owned(),
+            })
+            .collect(),
+        Err(e) => vec![RankFailure {
+            rank: world - worst,
+            message: format!("(its error could not be collected: {e})"),
+        }],
+    };
+    match outcome {
+        Ok(_) => Err(CheckpointError::PeerFailed { action, failures }),
+        Err(e) => {
+            // Another rank's identical message (the same missing file, seen by both) is said once.
+            let others: Vec<RankFailure> = failures
+                .into_iter()
+                .filter(|f| f.rank != rank && Some(&f.message) != own.as_ref())
+                .collect();
+            if others.is_empty() {
+                Err(e)
+            } else {
+                Err(CheckpointError::AlsoFailed {
+                    own: Box::new(e),
+                    action,
+                    others,
+                })
+            }
+        }
+    }
+}
+
+/// `message`, cut (at a character boundary) to [`MAX_MESSAGE_BYTES`]; a failed rank's message
+/// is never empty, since an empty one means success in the gather.
+fn bounded(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_BYTES {
+        let mut end = MAX_MESSAGE_BYTES;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("...");
+    }
+    if message.is_empty() {
+        message.push_str("(no message)");
+    }
+    message
 }
 
 /// Every rank's `bytes`, in rank order, on every rank. Bytes travel one per f32 element (exact),

@@ -80,17 +80,57 @@ pub enum CheckpointError {
     /// The caller asked for something the checkpoint cannot give or hold.
     #[error("checkpoint: {0}")]
     Usage(String),
-    /// Another rank failed while this one succeeded; its error is in its own report.
-    #[error("rank {rank} failed to {action} the checkpoint (see that rank's error); nothing was changed on this rank")]
+    /// Other ranks failed while this one succeeded: their own errors, gathered from them.
+    #[error("{}; nothing was changed on this rank", peers_failed(*.action, .failures))]
     PeerFailed {
-        /// The first rank that failed.
-        rank: usize,
         /// `save` or `load`.
         action: &'static str,
+        /// Every rank that failed, in rank order, with its own error message.
+        failures: Vec<RankFailure>,
     },
+    /// This rank failed, and other ranks failed too with other errors (each message once).
+    #[error("{own}; {}", peers_failed(*.action, .others))]
+    AlsoFailed {
+        /// This rank's own error.
+        own: Box<CheckpointError>,
+        /// `save` or `load`.
+        action: &'static str,
+        /// The other ranks that failed with another message, in rank order.
+        others: Vec<RankFailure>,
+    },
+    /// A value to be saved has no exact JSON form, so the metadata would not read back.
+    #[error("checkpoint: cannot save `{field}` = {value}: JSON has no NaN or infinity, so the checkpoint would not read back")]
+    NotFinite {
+        /// The metadata field, dotted (`lr_next`, `loss_scaler.cur_scale`).
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A checkpoint just written does not read back; nothing was published, so the previous
+    /// checkpoint and `latest` are as they were.
+    #[error("the checkpoint just written does not read back, so it was not published (`latest` and earlier tags are unchanged): {0}")]
+    ReadBack(Box<CheckpointError>),
     /// A collective failed during save or load.
     #[error(transparent)]
     Comm(#[from] crate::comm::CommError),
+}
+
+/// One failed rank's error, as every rank learns it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankFailure {
+    /// The rank (in the group the save or load ran over).
+    pub rank: usize,
+    /// Its error message.
+    pub message: String,
+}
+
+/// "rank 1 failed to load the checkpoint: MSG", one clause per failed rank.
+fn peers_failed(action: &str, failures: &[RankFailure]) -> String {
+    failures
+        .iter()
+        .map(|f| format!("rank {} failed to {action} the checkpoint: {}", f.rank, f.message))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 impl CheckpointError {

@@ -138,20 +138,25 @@ impl CheckpointMeta {
             .collect()
     }
 
-    fn content_crc(&self) -> u32 {
+    /// CRC-32 of the metadata serialised with `meta_crc32` None: what `meta_crc32` records.
+    pub(crate) fn content_crc(&self) -> u32 {
         let mut unsealed = self.clone();
         unsealed.meta_crc32 = None;
-        // Serialising a struct of plain values is deterministic, so a reader recomputes the
-        // same bytes from what it parsed.
+        // A reader recomputes the same bytes from what it parsed: serialising a struct of plain
+        // values is deterministic, every float is finite ([`check_finite`]) and, with serde_json's
+        // `float_roundtrip`, parses back to the very value that was written.
         let bytes = serde_json::to_vec(&unsealed).unwrap_or_default();
         crc32fast::hash(&bytes)
     }
 
-    /// The metadata file's bytes, with its own checksum filled in.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// The metadata file's bytes, with its own checksum filled in; refuses a value that would
+    /// not read back (a NaN or infinite float, which JSON cannot hold).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, CheckpointError> {
+        check_finite(self.lr_next, self.loss_scaler.as_ref())?;
         let mut sealed = self.clone();
         sealed.meta_crc32 = Some(self.content_crc());
-        serde_json::to_vec_pretty(&sealed).unwrap_or_default()
+        serde_json::to_vec_pretty(&sealed)
+            .map_err(|e| CheckpointError::Usage(format!("cannot serialise the checkpoint metadata: {e}")))
     }
 
     /// Parses and verifies a metadata file's bytes (`path` is for the error messages).
@@ -181,8 +186,12 @@ impl CheckpointMeta {
         Ok(meta)
     }
 
-    /// Internal consistency: one file per rank, a layout for the recorded world size whose
-    /// groups cover every parameter once, parameter records that agree with it.
+    /// Internal consistency: one file per rank, and a layout for the recorded world size that
+    /// is exactly what the layout rule makes of the recorded shapes (each group's parameters
+    /// back to back from offset 0, its size their sum, padded to the smallest multiple of
+    /// `world × alignment`), with parameter records that agree with it. So a shape edited in
+    /// the file (and the checksum re-sealed) is found here, by every reader, unless every size
+    /// that follows from it was edited too, in which case the shard headers no longer match.
     fn validate(&self) -> Result<(), String> {
         if self.world_size == 0 || self.layout.world_size != self.world_size {
             return Err(format!(
@@ -197,6 +206,17 @@ impl CheckpointMeta {
                 self.world_size
             ));
         }
+        let numels = self
+            .layout
+            .params
+            .iter()
+            .map(|p| {
+                p.shape
+                    .iter()
+                    .try_fold(1usize, |n, &d| n.checked_mul(d))
+                    .ok_or_else(|| format!("parameter `{}` has shape {:?}, too large to address", p.name, p.shape))
+            })
+            .collect::<Result<Vec<usize>, String>>()?;
         let mut seen = vec![0u32; self.layout.params.len()];
         for (gi, g) in self.layout.groups.iter().enumerate() {
             if g.params.len() != g.offsets.len() {
@@ -206,24 +226,40 @@ impl CheckpointMeta {
                     g.offsets.len()
                 ));
             }
-            let mut end = 0;
+            let mut end = 0usize;
             for (&p, &offset) in g.params.iter().zip(&g.offsets) {
-                let spec = self
+                let (spec, numel) = self
                     .layout
                     .params
                     .get(p)
+                    .zip(numels.get(p))
                     .ok_or_else(|| format!("group {gi} names parameter {p}"))?;
+                if offset != end {
+                    return Err(format!(
+                        "group {gi}: parameter `{}` at offset {offset}, but the parameters before it end at {end} \
+                         (the recorded shapes disagree with the layout)",
+                        spec.name
+                    ));
+                }
                 seen[p] += 1;
-                end = end.max(offset + spec.numel());
+                end = end
+                    .checked_add(*numel)
+                    .ok_or_else(|| format!("group {gi}: sizes too large to address"))?;
             }
-            let unit = match g.placement {
-                Placement::Sharded => self.world_size * self.layout.alignment.max(1),
-                Placement::Replicated => 1,
+            let padded = match g.placement {
+                Placement::Sharded => self
+                    .world_size
+                    .checked_mul(self.layout.alignment.max(1))
+                    .and_then(|unit| end.div_ceil(unit).max(1).checked_mul(unit)),
+                Placement::Replicated => Some(end),
             };
-            if end > g.numel || g.numel > g.padded || g.padded % unit != 0 {
+            if g.numel != end || Some(g.padded) != padded {
                 return Err(format!(
-                    "group {gi}: sizes (numel {}, padded {}) do not hold its parameters",
-                    g.numel, g.padded
+                    "group {gi}: numel {} and padded {}, but its parameters' shapes make {end} elements, \
+                     padded {} (the recorded shapes disagree with the layout)",
+                    g.numel,
+                    g.padded,
+                    padded.map_or("beyond addressable".to_string(), |p| p.to_string())
                 ));
             }
         }
@@ -269,6 +305,19 @@ impl CheckpointMeta {
             )));
         }
         Ok(())
+    }
+}
+
+/// Refuses the floats of the metadata that JSON cannot hold (NaN, infinities): written, they
+/// would become `null` and the checkpoint would not read back. Named by their dotted field.
+pub(crate) fn check_finite(lr_next: Option<f64>, loss_scaler: Option<&LossScalerState>) -> Result<(), CheckpointError> {
+    let fields = [
+        ("lr_next", lr_next),
+        ("loss_scaler.cur_scale", loss_scaler.map(|s| s.cur_scale)),
+    ];
+    match fields.into_iter().find(|(_, v)| v.is_some_and(|v| !v.is_finite())) {
+        Some((field, Some(value))) => Err(CheckpointError::NotFinite { field, value }),
+        _ => Ok(()),
     }
 }
 

@@ -29,7 +29,7 @@ mod writer;
 
 pub use collective::agree;
 pub use consolidate::{parse_size, to_fp32, ConsolidateReport, GroupExport, INDEX_FILE, SINGLE_FILE};
-pub use error::CheckpointError;
+pub use error::{CheckpointError, RankFailure};
 pub use format::{CheckpointMeta, FileRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule};

@@ -3,20 +3,27 @@
 //!
 //! Order of events, each file written atomically (temporary name, fsync, rename):
 //!
-//! 1. rank 0 clears `DIR/TAG.partial`; barrier;
+//! 1. every rank checks that the run's scalars can be recorded (finite floats); rank 0 clears
+//!    `DIR/TAG.partial`; barrier;
 //! 2. every rank writes `DIR/TAG.partial/rank_XXXXX.safetensors` and reports its checksums;
-//! 3. rank 0 writes `zero_meta.json` there, then renames `TAG.partial` to `TAG` (an older `TAG`
-//!    is first moved to `TAG.replaced`, removed after);
-//! 4. rank 0 rewrites `latest`; barrier.
+//! 3. rank 0 writes `zero_meta.json` there; barrier;
+//! 4. every rank reads it back as a loader would (parse, checksum, consistency) and checks its
+//!    own shard against it (the file record it computed while writing, the length on disk, the
+//!    header and its tensors); rank 0 also checks that the metadata parsed is the metadata it
+//!    wrote; barrier. A checkpoint that would not load fails here, naming the file, and is never
+//!    published;
+//! 5. rank 0 renames `TAG.partial` to `TAG` (an older `TAG` is first moved to `TAG.replaced`,
+//!    removed after) and rewrites `latest`; barrier.
 //!
 //! A process killed anywhere in this sequence leaves the previous checkpoint and `latest` as
-//! they were (or, killed between the two renames of step 3, the old `TAG` as `TAG.replaced`,
+//! they were (or, killed between the two renames of step 5, the old `TAG` as `TAG.replaced`,
 //! which the loader accepts). A shared filesystem is assumed, as for any multi-rank checkpoint.
 
 use super::atomic;
 use super::collective::{agree, all_gather_bytes};
 use super::error::CheckpointError;
 use super::format::{self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE};
+use super::load::{resolve_tag, Checkpoint};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
 use crate::loss_scaler::LossScalerState;
@@ -69,7 +76,14 @@ pub fn save(
     format::check_tag(dir, tag)?;
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
-    let prepared = if rank == 0 { prepare_staging(&staging) } else { Ok(()) };
+    // Refused before anything is written: a value the metadata cannot hold exactly.
+    let prepared = format::check_finite(request.lr_next, request.loss_scaler.as_ref()).and_then(|()| {
+        if rank == 0 {
+            prepare_staging(&staging)
+        } else {
+            Ok(())
+        }
+    });
     agree(comm, "save", prepared)?;
 
     let written = write_shard(&staging, rank, request);
@@ -77,11 +91,18 @@ pub fn save(
     let record_bytes = serde_json::to_vec(&record).unwrap_or_default();
     let records = all_gather_bytes(comm, &record_bytes)?;
 
-    let published = if rank == 0 {
-        publish(dir, tag, &staging, request, comm.world_size(), &records)
+    let meta = if rank == 0 {
+        write_meta(tag, &staging, request, comm.world_size(), &records).map(Some)
     } else {
-        Ok(())
+        Ok(None)
     };
+    let meta = agree(comm, "save", meta)?;
+
+    let verified =
+        read_back(&staging, rank, &record, meta.as_ref()).map_err(|e| CheckpointError::ReadBack(Box::new(e)));
+    agree(comm, "save", verified)?;
+
+    let published = if rank == 0 { publish(dir, tag, &staging) } else { Ok(()) };
     agree(comm, "save", published)?;
     Ok(dir.join(tag))
 }
@@ -139,15 +160,14 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
     stream.finish()
 }
 
-/// Rank 0: metadata, the rename of the staging directory, `latest`.
-fn publish(
-    dir: &Path,
+/// Rank 0: writes the metadata into the staging directory; returns what it wrote.
+fn write_meta(
     tag: &str,
     staging: &Path,
     req: &SaveRequest<'_>,
     world: usize,
     records: &[Vec<u8>],
-) -> Result<(), CheckpointError> {
+) -> Result<CheckpointMeta, CheckpointError> {
     let files = records
         .iter()
         .enumerate()
@@ -171,7 +191,7 @@ fn publish(
             "group {g}'s optimizer state buffers differ from group 0's"
         )));
     }
-    let meta = CheckpointMeta {
+    let mut meta = CheckpointMeta {
         format_version: FORMAT_VERSION,
         tag: tag.to_string(),
         stage: req.stage,
@@ -191,9 +211,52 @@ fn publish(
         files,
         meta_crc32: None,
     };
-    atomic::write_file(&staging.join(META_FILE), &meta.to_bytes())?;
+    let bytes = meta.to_bytes()?;
+    atomic::write_file(&staging.join(META_FILE), &bytes)?;
     atomic::sync_dir(staging)?;
+    // What the read-back compares with: the sealed form, as written.
+    meta.meta_crc32 = Some(meta.content_crc());
+    Ok(meta)
+}
 
+/// Every rank, before anything is published: the staging directory read as a loader reads it.
+/// The metadata must parse and verify (and, on rank 0, equal `written`, what was meant to be
+/// recorded); this rank's shard must be the file it wrote (`record`, computed on the way out)
+/// and hold the tensors the metadata's layout implies.
+fn read_back(
+    staging: &Path,
+    rank: usize,
+    record: &FileRecord,
+    written: Option<&CheckpointMeta>,
+) -> Result<(), CheckpointError> {
+    let path = staging.join(META_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, "open", e))?;
+    let meta = CheckpointMeta::from_bytes(&path, &bytes)?;
+    if let Some(written) = written {
+        if &meta != written {
+            return Err(CheckpointError::Metadata {
+                path,
+                detail: "reads back other than it was written".into(),
+            });
+        }
+    }
+    let checkpoint = Checkpoint {
+        tag_dir: staging.to_path_buf(),
+        meta,
+    };
+    let shard = staging.join(format::shard_file_name(rank));
+    if checkpoint.meta.files.get(rank) != Some(record) {
+        return Err(CheckpointError::ShardMismatch {
+            path: shard,
+            detail: "the metadata records another length or other checksums than were written".into(),
+        });
+    }
+    // Length, header (its chunk's checksum verified on disk) and tensor list, as a load opens it.
+    checkpoint.open_shard(rank).map(drop)
+}
+
+/// Rank 0: the rename of the staging directory, then `latest`, read back.
+fn publish(dir: &Path, tag: &str, staging: &Path) -> Result<(), CheckpointError> {
     let target = dir.join(tag);
     let replaced = dir.join(format!("{tag}.replaced"));
     if target.exists() {
@@ -207,5 +270,13 @@ fn publish(
     if replaced.exists() {
         std::fs::remove_dir_all(&replaced).map_err(|e| CheckpointError::io(&replaced, "remove", e))?;
     }
-    atomic::write_file(&dir.join(LATEST_FILE), tag.as_bytes())
+    let latest = dir.join(LATEST_FILE);
+    atomic::write_file(&latest, tag.as_bytes())?;
+    match resolve_tag(dir, None)? {
+        t if t == tag => Ok(()),
+        other => Err(CheckpointError::Tag {
+            path: latest,
+            detail: format!("names `{other}` right after it was written with `{tag}`"),
+        }),
+    }
 }
