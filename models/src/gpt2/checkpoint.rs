@@ -11,6 +11,7 @@ use safetensors::SafeTensors;
 
 use super::config::Gpt2Config;
 use super::error::CheckpointError;
+use super::hf_writer::{write_hf_dir, Shard};
 use super::model::Gpt2;
 use super::names::HF_PREFIX;
 
@@ -125,89 +126,24 @@ impl<B: Backend> Gpt2<B> {
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
         self.check_matches(config, &dir.join(CONFIG_FILE))?;
-        fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        let config_path = dir.join(CONFIG_FILE);
-        let json = config.to_json_string().map_err(|source| CheckpointError::Config {
-            path: config_path.clone(),
-            source,
-        })?;
-        write(&config_path, json.as_bytes())?;
-
-        let tensors = self
-            .hf_tensors()
-            .into_iter()
-            .map(|(name, data)| {
-                let values = data.to_vec::<f32>().map_err(|error| CheckpointError::TensorData {
-                    key: name.clone(),
-                    reason: format!("{error:?}"),
-                })?;
-                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                Ok((format!("{HF_PREFIX}{name}"), data.shape.to_vec(), bytes))
-            })
-            .collect::<Result<Vec<_>, CheckpointError>>()?;
-
-        let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+        let tensors = self.hf_tensors();
+        // Group by size first (a tensor larger than the limit gets a shard of its own), so the
+        // writer knows the shard count its file names carry.
+        let mut shards: Vec<Shard> = vec![Vec::new()];
         let mut shard_bytes = 0usize;
-        for (index, (_, _, bytes)) in tensors.iter().enumerate() {
+        for (name, data) in tensors {
+            let bytes = data.num_elements() * std::mem::size_of::<f32>();
             let current = shards.len() - 1;
-            if !shards[current].is_empty() && shard_bytes + bytes.len() > max_shard_bytes {
+            if !shards[current].is_empty() && shard_bytes + bytes > max_shard_bytes {
                 shards.push(Vec::new());
                 shard_bytes = 0;
             }
             let current = shards.len() - 1;
-            shards[current].push(index);
-            shard_bytes += bytes.len();
+            shards[current].push((name, data));
+            shard_bytes += bytes;
         }
-
-        let metadata = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
         let count = shards.len();
-        let mut weight_map = BTreeMap::new();
-        for (number, members) in shards.iter().enumerate() {
-            let file_name = if count == 1 {
-                WEIGHTS_FILE.to_string()
-            } else {
-                format!("model-{:05}-of-{count:05}.safetensors", number + 1)
-            };
-            let path = dir.join(&file_name);
-            let mut views = Vec::with_capacity(members.len());
-            for &index in members {
-                let (name, shape, bytes) = &tensors[index];
-                let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|source| {
-                    CheckpointError::Safetensors {
-                        path: path.clone(),
-                        source,
-                    }
-                })?;
-                views.push((name.as_str(), view));
-                weight_map.insert(name.clone(), file_name.clone());
-            }
-            safetensors::serialize_to_file(views, metadata.clone(), &path)
-                .map_err(|source| CheckpointError::Safetensors { path, source })?;
-        }
-
-        let index_path = dir.join(INDEX_FILE);
-        if count > 1 {
-            let total_size: usize = tensors.iter().map(|(_, _, bytes)| bytes.len()).sum();
-            let index = serde_json::json!({
-                "metadata": { "total_size": total_size },
-                "weight_map": weight_map,
-            });
-            let text = serde_json::to_string_pretty(&index).map_err(|source| CheckpointError::Json {
-                path: index_path.clone(),
-                source,
-            })?;
-            write(&index_path, text.as_bytes())?;
-        } else if index_path.exists() {
-            // A stale index would make readers look for shards that are not there any more.
-            fs::remove_file(&index_path).map_err(|source| CheckpointError::Io {
-                path: index_path,
-                source,
-            })?;
-        }
-        Ok(())
+        write_hf_dir(dir, config, count, shards.into_iter().map(Ok))
     }
 }
 
@@ -549,13 +485,6 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
 
 fn read_to_string(path: &Path) -> Result<String, CheckpointError> {
     fs::read_to_string(path).map_err(|source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-fn write(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    fs::write(path, bytes).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     })

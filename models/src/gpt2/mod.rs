@@ -7,6 +7,7 @@ mod chain;
 mod checkpoint;
 mod config;
 mod error;
+mod hf_writer;
 mod init;
 mod mlp;
 mod model;

@@ -89,15 +89,9 @@ impl<B: Backend> Gpt2<B> {
         out.push(("wte.weight".to_string(), self.wte.weight.val().into_data()));
         out.push(("wpe.weight".to_string(), self.wpe.weight.val().into_data()));
         for (layer, block) in self.blocks.iter().enumerate() {
-            let prefix = format!("h.{layer}.");
-            push_layer_norm(&mut out, &format!("{prefix}ln_1"), &block.ln_1);
-            push_linear(&mut out, &format!("{prefix}attn.c_attn"), &block.attn.c_attn);
-            push_linear(&mut out, &format!("{prefix}attn.c_proj"), &block.attn.c_proj);
-            push_layer_norm(&mut out, &format!("{prefix}ln_2"), &block.ln_2);
-            push_linear(&mut out, &format!("{prefix}mlp.c_fc"), &block.mlp.c_fc);
-            push_linear(&mut out, &format!("{prefix}mlp.c_proj"), &block.mlp.c_proj);
+            out.extend(block_hf_tensors(block, layer));
         }
-        push_layer_norm(&mut out, "ln_f", &self.ln_f);
+        layer_norm_hf_tensors(&mut out, "ln_f", &self.ln_f);
         out
     }
 
@@ -149,7 +143,20 @@ fn push_linear<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, line
     }
 }
 
-fn push_layer_norm<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, norm: &LayerNorm<B>) {
+/// Block `layer`'s parameters by HuggingFace name (without prefix), in visitor order.
+pub(crate) fn block_hf_tensors<B: Backend>(block: &Gpt2Block<B>, layer: usize) -> Vec<(String, TensorData)> {
+    let prefix = format!("h.{layer}.");
+    let mut out = Vec::with_capacity(BLOCK_PARAMS.len());
+    layer_norm_hf_tensors(&mut out, &format!("{prefix}ln_1"), &block.ln_1);
+    push_linear(&mut out, &format!("{prefix}attn.c_attn"), &block.attn.c_attn);
+    push_linear(&mut out, &format!("{prefix}attn.c_proj"), &block.attn.c_proj);
+    layer_norm_hf_tensors(&mut out, &format!("{prefix}ln_2"), &block.ln_2);
+    push_linear(&mut out, &format!("{prefix}mlp.c_fc"), &block.mlp.c_fc);
+    push_linear(&mut out, &format!("{prefix}mlp.c_proj"), &block.mlp.c_proj);
+    out
+}
+
+pub(crate) fn layer_norm_hf_tensors<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, norm: &LayerNorm<B>) {
     out.push((format!("{name}.weight"), norm.gamma.val().into_data()));
     if let Some(beta) = &norm.beta {
         out.push((format!("{name}.bias"), beta.val().into_data()));
