@@ -22,7 +22,7 @@ use zero_core::config::{
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrScheduleSpec;
-use zero_core::optim::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
+use zero_core::optim::OptimizerSpec;
 
 /// What the config may leave to be known at initialize.
 #[derive(Clone, Debug, Default)]
@@ -246,46 +246,12 @@ pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec,
                 .into(),
         ));
     };
-    Ok(match config {
-        OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => OptimizerSpec::Adam(AdamSpec {
-            lr: p.lr,
-            betas: (p.betas[0], p.betas[1]),
-            eps: p.eps,
-            weight_decay: p.weight_decay,
-            // The parser already applied DeepSpeed's rule: "Adam" is AdamW unless adam_w_mode is false.
-            decoupled_weight_decay: p.adam_w_mode,
-            bias_correction: p.bias_correction,
-            amsgrad: p.amsgrad,
-        }),
-        OptimizerConfig::Sgd(p) => OptimizerSpec::Sgd(SgdSpec {
-            lr: p.lr,
-            momentum: p.momentum,
-            dampening: p.dampening,
-            weight_decay: p.weight_decay,
-            nesterov: p.nesterov,
-        }),
-        OptimizerConfig::Lamb(p) => OptimizerSpec::Lamb(LambSpec {
-            lr: p.lr,
-            betas: (p.betas[0], p.betas[1]),
-            eps: p.eps,
-            weight_decay: p.weight_decay,
-            bias_correction: p.bias_correction,
-            max_coeff: p.max_coeff,
-            min_coeff: p.min_coeff,
-            // A DeepSpeed config means DeepSpeed's FusedLamb update (raw moments in the ratio).
-            variant: LambVariant::DeepSpeed,
-        }),
-        OptimizerConfig::Lion(p) => OptimizerSpec::Lion(LionSpec {
-            lr: p.lr,
-            betas: (p.betas[0], p.betas[1]),
-            weight_decay: p.weight_decay,
-        }),
-        other => {
-            return Err(ZeroError::Config(format!(
-                "optimizer.type \"{}\" has no shard optimizer here; choose Adam, AdamW, SGD, Lamb or Lion",
-                other.name()
-            )))
-        }
+    // The config's parser already checked the settings against the optimizer's own rules.
+    config.shard_spec().ok_or_else(|| {
+        ZeroError::Config(format!(
+            "optimizer.type \"{}\" has no shard optimizer here; choose Adam, AdamW, SGD, Lamb or Lion",
+            config.name()
+        ))
     })
 }
 

@@ -87,3 +87,204 @@ fn errors_exit_2_and_warnings_go_to_stderr() {
         "{err}"
     );
 }
+
+/// Runs `zero check-config FILE ARGS` with stdout on `stdout` (stderr captured).
+fn check_to(file: &std::path::Path, args: &[&str], stdout: std::process::Stdio) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zero"))
+        .arg("check-config")
+        .arg(file)
+        .args(args)
+        .stdout(stdout)
+        .output()
+        .unwrap()
+}
+
+/// A stdout whose reader is already gone, as under `| head -1` once head has its line.
+fn closed_pipe() -> std::process::Stdio {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills both descriptors on success, and each is owned exactly once below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    std::process::Stdio::from(write)
+}
+
+fn write_config(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "zero-check-config-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(name);
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
+#[test]
+fn a_closed_or_full_stdout_ends_the_tool_without_a_panic() {
+    let file = write_config(
+        "ds_config.json",
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}}"#,
+    );
+    let out = check_to(&file, &["--world-size", "1"], closed_pipe());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "a closed pipe ends quietly: {err}");
+    assert!(err.trim().is_empty(), "{err}");
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = check_to(&file, &["--world-size", "1"], full.into());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("cannot write the output"), "{err}");
+}
+
+#[test]
+fn a_file_larger_than_any_config_is_refused_without_reading_it_whole() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["check-config", "/dev/zero"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("/dev/zero") && err.contains("8 MiB"), "{err}");
+    // A regular file one byte past the limit, all whitespace (valid JSON padding), too.
+    let big = write_config("big.json", &" ".repeat((8 << 20) + 1));
+    let (code, _, err) = check_path(&big, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("big.json") && err.contains("8388608 bytes"), "{err}");
+}
+
+fn check_path(file: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out = check_to(file, args, std::process::Stdio::piped());
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+#[test]
+fn optimizer_values_the_trainer_refuses_are_refused_naming_file_key_and_range() {
+    for (params, key, range) in [
+        (r#"{"lr": -1}"#, "optimizer.params.lr", ">= 0"),
+        (r#"{"eps": -1e-8}"#, "optimizer.params.eps", ">= 0"),
+        (r#"{"betas": [1.5, 0.95]}"#, "optimizer.params.betas", "[0, 1)"),
+        (r#"{"betas": [0.9, 1.0]}"#, "optimizer.params.betas", "[0, 1)"),
+        (r#"{"weight_decay": -0.5}"#, "optimizer.params.weight_decay", ">= 0"),
+    ] {
+        for kind in ["AdamW", "Lamb"] {
+            let cfg = format!(r#"{{"train_batch_size": 8, "optimizer": {{"type": "{kind}", "params": {params}}}}}"#);
+            let (code, v, err) = check(&cfg, &["--world-size", "1"]);
+            assert_eq!(code, 2, "{kind} {params}: {v}");
+            assert!(
+                err.contains("ds_config.json") && err.contains(&format!("`{key}`")) && err.contains(range),
+                "{kind} {params}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_null_stage_warns_which_default_it_took() {
+    let (code, v, err) = check(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": null}}"#,
+        &["--world-size", "1"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["zero_optimization"]["stage"], 0);
+    let warning = err
+        .lines()
+        .find(|l| l.contains("zero_optimization.stage"))
+        .unwrap_or_else(|| panic!("no warning for the null stage: {err}"));
+    assert!(
+        warning.starts_with("warning:") && warning.contains("null") && warning.contains("default (0)"),
+        "{warning}"
+    );
+}
+
+#[test]
+fn json_errors_are_not_reported_as_placeholders() {
+    // A string where a number goes: a type error naming the key.
+    let (code, _, err) = check(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "INF"}}}"#,
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert!(!err.contains("placeholder"), "{err}");
+    assert!(
+        err.contains("`optimizer.params.lr`") && err.contains("a number"),
+        "{err}"
+    );
+    // Text after the JSON: the JSON error, with its line and column.
+    let (code, _, err) = check("{\"train_batch_size\": 8}\n\ngarbage here\n", &[]);
+    assert_eq!(code, 2);
+    assert!(!err.contains("placeholder"), "{err}");
+    assert!(
+        err.contains("ds_config.json:3:1") && err.contains("trailing characters"),
+        "{err}"
+    );
+    // A file that is not JSON at all: one JSON error, not a placeholder per word.
+    let text = "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models\n".repeat(50);
+    let (code, _, err) = check(&text, &[]);
+    assert_eq!(code, 2);
+    assert!(!err.contains("placeholder"), "{err}");
+    assert!(err.contains("ds_config.json:1:1: not valid JSON"), "{err}");
+    // A bare word in capitals where a value goes is still a template placeholder.
+    let (_, _, err) = check("{\"train_batch_size\": GB_SIZE}", &[]);
+    assert!(err.contains("placeholder `GB_SIZE`"), "{err}");
+}
+
+#[test]
+fn an_nvme_path_naming_a_file_is_refused_naming_the_key() {
+    let regular = write_config("not_a_dir", "");
+    for section in ["offload_optimizer", "offload_param"] {
+        let cfg = format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3,
+                "{section}": {{"device": "nvme", "nvme_path": "{}"}}}}}}"#,
+            regular.display()
+        );
+        let (code, _, err) = check(&cfg, &["--world-size", "1"]);
+        assert_eq!(code, 2, "{section}: {err}");
+        assert!(
+            err.contains(&format!("`zero_optimization.{section}.nvme_path`")) && err.contains("directory"),
+            "{err}"
+        );
+        // A directory, or a path the run will create, is fine.
+        let absent = regular.with_file_name("swap").join("later");
+        for ok in [regular.parent().unwrap(), absent.as_path()] {
+            let cfg = cfg.replace(&regular.display().to_string(), &ok.display().to_string());
+            let (code, _, err) = check(&cfg, &["--world-size", "1"]);
+            assert_eq!(code, 0, "{}: {err}", ok.display());
+        }
+    }
+}
+
+#[test]
+fn set_fills_only_values_written_auto() {
+    let cfg = r#"{"train_batch_size": 8, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": 1e-8}}}"#;
+    let (code, v, err) = check(cfg, &["--world-size", "1", "--set", "optimizer.params.lr=3e-4"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["optimizer"]["params"]["lr"], 3e-4);
+    // A key written with a value: the --set would change nothing.
+    let (code, _, err) = check(cfg, &["--world-size", "1", "--set", "optimizer.params.eps=1e-6"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--set") && err.contains("`optimizer.params.eps`") && err.contains("writes it as 1e-8"),
+        "{err}"
+    );
+    // A key the file does not write (here misspelt).
+    let (code, _, err) = check(cfg, &["--world-size", "1", "--set", "gradient_cliping=0.5"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("`gradient_cliping`") && err.contains("does not write it"),
+        "{err}"
+    );
+    // A value --set supplies is checked like one written in the file.
+    let (code, _, err) = check(cfg, &["--world-size", "1", "--set", "optimizer.params.lr=-1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("`optimizer.params.lr`") && err.contains(">= 0"), "{err}");
+}

@@ -77,6 +77,11 @@ impl Overrides {
         self.0.get(key)
     }
 
+    /// The dotted keys a value was supplied for, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+
     /// Whether no value was supplied.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()

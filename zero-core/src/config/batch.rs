@@ -38,7 +38,10 @@ pub(crate) fn read_batch(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Batch
     let mut one = |name: &'static str| -> Result<Option<Auto<u64>>, ConfigError> {
         match top.lookup(&[name], cx)? {
             None => Ok(None),
-            Some((_, Value::String(s))) if s == "auto" => Ok(Some(Auto::Auto)),
+            Some((_, Value::String(s))) if s == "auto" => {
+                cx.written_auto.insert(name.to_string());
+                Ok(Some(Auto::Auto))
+            }
             Some((_, v)) => {
                 let n: u64 = cx.convert(name, v)?;
                 if n == 0 {
@@ -124,13 +127,12 @@ pub(crate) fn resolve_batch(
     }
     let sizes = match (train, micro, gas) {
         (Some(t), Some(m), Some(g)) => {
-            if t != m * g * world {
+            let product = product(&[(MICRO, m), (GAS, g), ("world size", world)], &err)?;
+            if t != product {
                 return Err(err(format!(
-                    "{TRAIN} = {t} but {MICRO} ({m}) × {GAS} ({g}) × world size ({world}) = {}; \
-                     set {TRAIN} to {}, or change {MICRO} or {GAS} so that the product is {t}, \
-                     or drop one of the three to have it derived",
-                    m * g * world,
-                    m * g * world
+                    "{TRAIN} = {t} but {MICRO} ({m}) × {GAS} ({g}) × world size ({world}) = {product}; \
+                     set {TRAIN} to {product}, or change {MICRO} or {GAS} so that the product is {t}, \
+                     or drop one of the three to have it derived"
                 )));
             }
             (t, m, g)
@@ -140,7 +142,7 @@ pub(crate) fn resolve_batch(
             m,
             divide(
                 t,
-                m * world,
+                product(&[(MICRO, m), ("world size", world)], &err)?,
                 TRAIN,
                 &format!("{MICRO} ({m}) × world size ({world})"),
                 GAS,
@@ -151,7 +153,7 @@ pub(crate) fn resolve_batch(
             t,
             divide(
                 t,
-                g * world,
+                product(&[(GAS, g), ("world size", world)], &err)?,
                 TRAIN,
                 &format!("{GAS} ({g}) × world size ({world})"),
                 MICRO,
@@ -159,13 +161,13 @@ pub(crate) fn resolve_batch(
             )?,
             g,
         ),
-        (None, Some(m), Some(g)) => (m * g * world, m, g),
+        (None, Some(m), Some(g)) => (product(&[(MICRO, m), (GAS, g), ("world size", world)], &err)?, m, g),
         (Some(t), None, None) => (
             t,
             divide(t, world, TRAIN, &format!("the world size ({world})"), MICRO, &err)?,
             1,
         ),
-        (None, Some(m), None) => (m * world, m, 1),
+        (None, Some(m), None) => (product(&[(MICRO, m), ("world size", world)], &err)?, m, 1),
         (None, None, _) => unreachable!("checked above"),
     };
     Ok((
@@ -176,6 +178,21 @@ pub(crate) fn resolve_batch(
         },
         Vec::new(),
     ))
+}
+
+/// The product of batch values, or an error naming them when it does not fit 64 bits.
+fn product(factors: &[(&str, u64)], err: &dyn Fn(String) -> ConfigError) -> Result<u64, ConfigError> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, &(_, v)| acc.checked_mul(v))
+        .ok_or_else(|| {
+            let named: Vec<String> = factors.iter().map(|(name, v)| format!("{name} ({v})")).collect();
+            err(format!(
+                "{} does not fit a 64-bit count; lower {}",
+                named.join(" × "),
+                factors[0].0
+            ))
+        })
 }
 
 /// `numerator / denominator` when exact and > 0, else an error saying what to change.
@@ -210,11 +227,11 @@ fn without_world(
     err: &dyn Fn(String) -> ConfigError,
 ) -> Result<(BatchSizes, Vec<Deferred>), ConfigError> {
     if let (Some(t), Some(m), Some(g)) = (train, micro, gas) {
-        if t % (m * g) != 0 {
+        let per_rank = product(&[(MICRO, m), (GAS, g)], err)?;
+        if t % per_rank != 0 {
             return Err(err(format!(
-                "{TRAIN} = {t} is not a multiple of {MICRO} ({m}) × {GAS} ({g}) = {}, so no world \
-                 size fits; change one of the three",
-                m * g
+                "{TRAIN} = {t} is not a multiple of {MICRO} ({m}) × {GAS} ({g}) = {per_rank}, so no \
+                 world size fits; change one of the three"
             )));
         }
         let sizes = BatchSizes {
@@ -224,7 +241,7 @@ fn without_world(
         };
         let implied = Deferred {
             key: "world_size".into(),
-            resolved_by: format!("the batch triad implies a world size of {}", t / (m * g)),
+            resolved_by: format!("the batch triad implies a world size of {}", t / per_rank),
         };
         return Ok((sizes, vec![implied]));
     }
@@ -288,6 +305,17 @@ mod tests {
         ] {
             assert!(e.contains(part), "{part} missing in: {e}");
         }
+    }
+
+    #[test]
+    fn products_that_overflow_are_errors_naming_the_keys() {
+        let huge = Some(1u64 << 40);
+        for (t, m, g) in [(None, huge, huge), (Some(8), huge, huge), (Some(8), huge, None)] {
+            let e = run(t, m, g, 1 << 30).unwrap_err();
+            assert!(e.contains(MICRO) && e.contains("64-bit"), "{e}");
+        }
+        let e = resolve_batch(&spec(Some(8), huge, huge), None, &Overrides::new(), "f", true).unwrap_err();
+        assert!(e.to_string().contains(GAS), "{e}");
     }
 
     #[test]

@@ -16,6 +16,17 @@ pub enum ConfigError {
         /// Why.
         source: std::io::Error,
     },
+    /// The file is larger than any config (see [`super::MAX_CONFIG_BYTES`]).
+    #[error(
+        "{path}: larger than {limit} bytes ({} MiB), the most read from a config file; \
+         is this the config?", limit >> 20
+    )]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit, in bytes.
+        limit: u64,
+    },
     /// A template whose placeholders were never substituted (`${zero_stage}`, `CONFIG_FP16_ENABLED`).
     #[error(
         "{source_name}:{line}: unsubstituted template placeholder `{placeholder}`{more}; \
@@ -99,6 +110,20 @@ pub enum ConfigError {
         source_name: String,
         /// The values involved and which one to change.
         message: String,
+    },
+    /// A value supplied for a key that the file does not write "auto" (so it would fill nothing).
+    #[error(
+        "{source_name}: a value is supplied for `{key}`, but {}; a supplied value only fills a \
+         value written \"auto\" (edit the file to change it)",
+        match .written { Some(v) => format!("the file writes it as {v}"), None => "the file does not write it".to_string() }
+    )]
+    NotAuto {
+        /// File or source name.
+        source_name: String,
+        /// The dotted key.
+        key: String,
+        /// The value the file writes there, as JSON; `None` when it writes none.
+        written: Option<String>,
     },
     /// A value left as "auto" that nothing could resolve.
     #[error("{source_name}: `{key}` is \"auto\" and cannot be resolved here: {hint}")]

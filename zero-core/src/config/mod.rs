@@ -9,8 +9,9 @@
 //! Choices where DeepSpeed's behaviour is not the friendliest:
 //! - Text: DeepSpeed reads configs with hjson, so comments (`//`, `#`, `/* */`) and trailing
 //!   commas are accepted, with a warning (other readers of the file, such as HuggingFace's
-//!   Trainer, use strict JSON). Unquoted words are not: they are unsubstituted template
-//!   placeholders (`"stage": ZERO_STAGE`), reported by name and line.
+//!   Trainer, use strict JSON). Unquoted words are not: in capitals where a value goes they are
+//!   unsubstituted template placeholders (`"stage": ZERO_STAGE`), reported by name and line;
+//!   anywhere else, a JSON error with its line and column.
 //! - Unknown keys: an error inside `zero_optimization` (and its offload sections) and in an
 //!   optimizer's or scheduler's `params`, as in DeepSpeed; a warning elsewhere.
 //! - "auto": the batch triad is derived; `reduce_bucket_size`, `stage3_prefetch_bucket_size`
@@ -67,7 +68,49 @@ pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroCo
 
 use reader::Cx;
 use serde_json::Value;
+use std::collections::BTreeSet;
+use std::io::Read;
 use std::path::Path;
+
+/// The most bytes read from a config file: far more than any real config (DeepSpeed's largest
+/// are a few KiB), and little enough that a wrong path (`/dev/zero`, a dataset) fails at once
+/// instead of filling memory.
+pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
+
+/// Reads a config file's text: at most [`MAX_CONFIG_BYTES`], UTF-8. Every tool reads configs
+/// through this one function, so that each refuses the same inputs with the same message.
+pub fn read_config_text(path: &Path) -> Result<String, ConfigError> {
+    let io = |source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    // One byte past the limit tells a file of exactly the limit from a larger one (a device
+    // such as /dev/zero reports no length, so the length cannot be asked first).
+    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(ConfigError::TooLarge {
+            path: path.to_path_buf(),
+            limit: MAX_CONFIG_BYTES,
+        });
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        // The prefix is valid UTF-8 by construction.
+        let prefix = std::str::from_utf8(valid).unwrap_or_default();
+        let line_start = prefix.rfind('\n').map_or(0, |at| at + 1);
+        ConfigError::Syntax {
+            source_name: path.display().to_string(),
+            line: prefix.matches('\n').count() + 1,
+            column: prefix[line_start..].chars().count() + 1,
+            message: format!(
+                "not UTF-8 text (byte 0x{:02x}); a config is JSON, which is UTF-8",
+                e.as_bytes()[valid.len()]
+            ),
+        }
+    })
+}
 
 /// A parsed DeepSpeed configuration: checked, not yet resolved against a world size or a model.
 #[derive(Debug, Clone)]
@@ -77,6 +120,7 @@ pub struct DeepSpeedConfig {
     batch: BatchSpec,
     zero_stage: ZeroStage,
     auto_keys: Vec<Deferred>,
+    written_auto: BTreeSet<String>,
 }
 
 /// The result of parsing: the config and what is worth telling the user about it.
@@ -89,13 +133,10 @@ pub struct Parsed {
 }
 
 impl DeepSpeedConfig {
-    /// Reads and checks a config file.
+    /// Reads and checks a config file (read with [`read_config_text`]).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Parsed, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_config_text(path)?;
         Self::from_str(&text, &path.display().to_string())
     }
 
@@ -127,6 +168,7 @@ impl DeepSpeedConfig {
                 batch,
                 zero_stage: draft.zero.stage,
                 auto_keys,
+                written_auto: cx.written_auto,
             },
             warnings: cx.warnings,
         })
@@ -170,7 +212,23 @@ impl DeepSpeedConfig {
         let mut cx = Cx::new(&self.source_name, overrides);
         cx.defer = defer;
         if let Some(h) = hidden {
-            cx.derived.extend(resolved::derived_from_hidden(h));
+            match resolved::derived_from_hidden(h) {
+                Some(derived) => cx.derived.extend(derived),
+                None => {
+                    // Only a key that would take the derived value makes the size an error.
+                    if let Some(key) = resolved::FROM_HIDDEN.iter().find(|k| self.written_auto.contains(**k)) {
+                        return Err(ConfigError::InvalidValue {
+                            source_name: self.source_name.clone(),
+                            key: key.to_string(),
+                            value: "\"auto\"".into(),
+                            valid: format!(
+                                "it follows from the model's hidden size, and {h} is too large for it \
+                                 (its square must fit 64 bits)"
+                            ),
+                        });
+                    }
+                }
+            }
         }
         let (config, _) = resolved::build(&self.raw, &mut cx, world)?;
         Ok((config, cx.deferred))
@@ -194,6 +252,29 @@ impl DeepSpeedConfig {
     /// The ZeRO stage (known at parse time: it cannot be "auto").
     pub fn zero_stage(&self) -> ZeroStage {
         self.zero_stage
+    }
+
+    /// Checks that every key of `overrides` names a value the file writes "auto", for callers
+    /// whose overrides come from a user who means each one (`zero check-config --set`): a value
+    /// for a key the file writes otherwise, or does not write at all, would be silently
+    /// ignored. (A training script that supplies the same values for every config, as
+    /// HuggingFace's Trainer does, skips this check.)
+    pub fn check_overrides(&self, overrides: &Overrides) -> Result<(), ConfigError> {
+        for key in overrides.keys() {
+            if self.written_auto.contains(key) {
+                continue;
+            }
+            let written = key
+                .split('.')
+                .try_fold(&self.raw, |v, part| v.get(part))
+                .map(Value::to_string);
+            return Err(ConfigError::NotAuto {
+                source_name: self.source_name.clone(),
+                key: key.to_string(),
+                written,
+            });
+        }
+        Ok(())
     }
 
     /// Keys written "auto" that need the model, the world size or the caller to resolve, with

@@ -7,6 +7,7 @@
 
 use super::error::ConfigError;
 use super::reader::{nearest, Cx, Section, UnknownKeys};
+use crate::optim::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimError, OptimizerSpec, SgdSpec};
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
@@ -58,6 +59,79 @@ impl OptimizerConfig {
             Self::Adagrad(p) => p.lr,
             Self::Other { params, .. } => return params.get("lr").and_then(Value::as_f64),
         })
+    }
+}
+
+impl OptimizerConfig {
+    /// The settings of this crate's shard optimizer for this section (Adam, AdamW, SGD, Lamb,
+    /// Lion); `None` for the optimizers DeepSpeed knows that this crate does not implement.
+    /// Parsing has already checked them ([`OptimizerSpec::validate`]).
+    pub fn shard_spec(&self) -> Option<OptimizerSpec> {
+        Some(match self {
+            Self::Adam(p) | Self::AdamW(p) => OptimizerSpec::Adam(AdamSpec {
+                lr: p.lr,
+                betas: (p.betas[0], p.betas[1]),
+                eps: p.eps,
+                weight_decay: p.weight_decay,
+                // The parser already applied DeepSpeed's rule: "Adam" is AdamW unless
+                // adam_w_mode is false.
+                decoupled_weight_decay: p.adam_w_mode,
+                bias_correction: p.bias_correction,
+                amsgrad: p.amsgrad,
+            }),
+            Self::Sgd(p) => OptimizerSpec::Sgd(SgdSpec {
+                lr: p.lr,
+                momentum: p.momentum,
+                dampening: p.dampening,
+                weight_decay: p.weight_decay,
+                nesterov: p.nesterov,
+            }),
+            Self::Lamb(p) => OptimizerSpec::Lamb(LambSpec {
+                lr: p.lr,
+                betas: (p.betas[0], p.betas[1]),
+                eps: p.eps,
+                weight_decay: p.weight_decay,
+                bias_correction: p.bias_correction,
+                max_coeff: p.max_coeff,
+                min_coeff: p.min_coeff,
+                // A DeepSpeed config means DeepSpeed's FusedLamb update (raw moments in the ratio).
+                variant: LambVariant::DeepSpeed,
+            }),
+            Self::Lion(p) => OptimizerSpec::Lion(LionSpec {
+                lr: p.lr,
+                betas: (p.betas[0], p.betas[1]),
+                weight_decay: p.weight_decay,
+            }),
+            Self::Adagrad(_) | Self::Other { .. } => return None,
+        })
+    }
+}
+
+/// Checks the settings the shard optimizer will run with, by the optimizer's own rules, so that
+/// a config the trainer would refuse is refused when it is read, naming the key.
+fn validate(config: &OptimizerConfig, cx: &Cx<'_>) -> Result<(), ConfigError> {
+    let Some(spec) = config.shard_spec() else {
+        return Ok(());
+    };
+    match spec.validate() {
+        Ok(()) => Ok(()),
+        Err(OptimError::InvalidSetting { name, value, reason }) => {
+            // `betas[0]` is an element of the key `betas`: show the pair as written.
+            let (key, shown) = match name.split_once('[') {
+                Some((key, _)) => {
+                    let pair = match &spec {
+                        OptimizerSpec::Adam(s) => s.betas,
+                        OptimizerSpec::Lamb(s) => s.betas,
+                        OptimizerSpec::Lion(s) => s.betas,
+                        OptimizerSpec::Sgd(_) => (value, value),
+                    };
+                    (key, Value::from(vec![pair.0, pair.1]))
+                }
+                None => (name, Value::from(value)),
+            };
+            Err(cx.invalid(&format!("optimizer.params.{key}"), &shown, format!("{name} {reason}")))
+        }
+        Err(other) => Err(cx.invalid("optimizer.params", &Value::Null, other.to_string())),
     }
 }
 
@@ -290,6 +364,7 @@ pub(crate) fn read_optimizer(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<O
     };
     // DeepSpeed passes params to the optimizer's constructor, which rejects unknown ones.
     p.finish(cx, UnknownKeys::Error)?;
+    validate(&config, cx)?;
     Ok(Some(config))
 }
 
@@ -363,6 +438,7 @@ fn untyped_params(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Map<String, 
     for (k, v) in params.into_iter().flatten() {
         let key = format!("optimizer.params.{k}");
         let value = if v.as_str() == Some("auto") {
+            cx.written_auto.insert(key.clone());
             cx.resolve_auto(&key, &key, Value::Null)?
         } else {
             v.clone()

@@ -10,7 +10,7 @@ use super::error::{ConfigError, ConfigWarning};
 use super::text::{line_of, looks_like_placeholder, placeholder_error};
 use serde::Serialize;
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A value left as "auto" that resolution could not fill in, and what would.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -34,11 +34,6 @@ pub(crate) enum UnknownKeys {
 /// its arguments) or derived from the model; any other "auto" means DeepSpeed's default,
 /// because DeepSpeed's own config models drop "auto" values before validation.
 fn fill_hint(key: &str) -> Option<String> {
-    const MODEL: &[&str] = &[
-        "zero_optimization.reduce_bucket_size",
-        "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.stage3_param_persistence_threshold",
-    ];
     const CALLER: &[&str] = &[
         "gradient_clipping",
         "fp16.enabled",
@@ -47,7 +42,7 @@ fn fill_hint(key: &str) -> Option<String> {
         "amp.enabled",
         "amp.opt_level",
     ];
-    if MODEL.contains(&key) {
+    if super::resolved::FROM_HIDDEN.contains(&key) {
         Some("derived from the model's hidden size at initialize (ResolveContext::hidden_size)".into())
     } else if CALLER.contains(&key) || key.starts_with("optimizer.params.") || key.starts_with("scheduler.params.") {
         Some(format!(
@@ -72,6 +67,9 @@ pub(crate) struct Cx<'a> {
     pub warn: bool,
     pub warnings: Vec<ConfigWarning>,
     pub deferred: Vec<Deferred>,
+    /// Dotted keys written "auto" (as written and in their current spelling): the keys a
+    /// caller's override can fill.
+    pub written_auto: BTreeSet<String>,
 }
 
 impl<'a> Cx<'a> {
@@ -85,6 +83,7 @@ impl<'a> Cx<'a> {
             warn: false,
             warnings: Vec::new(),
             deferred: Vec::new(),
+            written_auto: BTreeSet::new(),
         }
     }
 
@@ -114,11 +113,28 @@ impl<'a> Cx<'a> {
         default: T,
     ) -> Result<T, ConfigError> {
         match s.lookup(names, self)? {
-            None => Ok(default),
+            None => {
+                // null where the key has no "none" value (an Option's null is its None): the
+                // default is taken, and the user told which, as a null may be a template's
+                // leftover rather than a choice.
+                if T::from_value(&Value::Null).is_none() {
+                    if let Some(written) = s.written_null(names) {
+                        let shown = serde_json::to_string(&default.to_json()).unwrap_or_default();
+                        self.warning(
+                            s.key(written),
+                            format!("null, read as DeepSpeed's default ({shown}); write the value, or remove the key"),
+                        );
+                    }
+                }
+                Ok(default)
+            }
             Some((written, v)) => {
                 let key = s.key(written);
                 if v.as_str() == Some("auto") {
-                    self.resolve_auto(&key, &s.key(names[0]), default)
+                    let canonical = s.key(names[0]);
+                    self.written_auto.insert(key.clone());
+                    self.written_auto.insert(canonical.clone());
+                    self.resolve_auto(&key, &canonical, default)
                 } else {
                     self.convert(&key, v)
                 }
@@ -129,7 +145,7 @@ impl<'a> Cx<'a> {
     /// Converts `v` to `T`, naming `key` (and any placeholder) on failure.
     pub fn convert<T: Scalar>(&self, key: &str, v: &Value) -> Result<T, ConfigError> {
         if let Value::String(s) = v {
-            if looks_like_placeholder(s, !T::IS_STRING) {
+            if looks_like_placeholder(s) {
                 let quoted = format!("\"{s}\"");
                 let line = self.text.and_then(|t| line_of(t, &quoted)).unwrap_or(0);
                 return Err(placeholder_error(self.source, &(s.clone(), line), &[]));
@@ -255,6 +271,12 @@ impl<'v> Section<'v> {
         Ok(found)
     }
 
+    /// The spelling among `names` written as null, if one is (and none is written with a value).
+    pub fn written_null(&self, names: &[&'static str]) -> Option<&'static str> {
+        let map = self.map?;
+        names.iter().copied().find(|n| map.get(*n).is_some_and(Value::is_null))
+    }
+
     /// A sub-section (an object) under `name`.
     pub fn child(&mut self, name: &'static str, cx: &Cx<'_>) -> Result<Section<'v>, ConfigError> {
         let path = self.key(name);
@@ -318,8 +340,6 @@ pub(crate) fn nearest(key: &str, known: &[&str]) -> Option<String> {
 pub(crate) trait Scalar: Sized {
     /// What the key accepts, for errors.
     const EXPECTED: &'static str;
-    /// Whether this is a string type (where only unmistakable placeholders are flagged).
-    const IS_STRING: bool = false;
     fn from_value(v: &Value) -> Option<Self>;
     fn to_json(&self) -> Value;
 }
@@ -401,7 +421,6 @@ impl Scalar for f64 {
 
 impl Scalar for String {
     const EXPECTED: &'static str = "a string";
-    const IS_STRING: bool = true;
     fn from_value(v: &Value) -> Option<Self> {
         v.as_str().map(str::to_string)
     }
@@ -450,7 +469,6 @@ impl Scalar for Value {
 
 impl<T: Scalar> Scalar for Option<T> {
     const EXPECTED: &'static str = T::EXPECTED;
-    const IS_STRING: bool = T::IS_STRING;
     fn from_value(v: &Value) -> Option<Self> {
         if v.is_null() {
             Some(None)
@@ -513,14 +531,43 @@ mod tests {
 
     #[test]
     fn string_placeholders_are_reported_as_placeholders() {
-        let e = read::<u64>(json!("BATCH_SIZE")).unwrap_err();
+        let e = read::<u64>(json!("${BATCH_SIZE}")).unwrap_err();
         assert!(
-            matches!(e, ConfigError::Placeholder { ref placeholder, .. } if placeholder == "BATCH_SIZE"),
+            matches!(e, ConfigError::Placeholder { ref placeholder, .. } if placeholder == "${BATCH_SIZE}"),
             "{e}"
         );
         let e = read::<String>(json!("${opt}")).unwrap_err();
         assert!(matches!(e, ConfigError::Placeholder { .. }), "{e}");
         assert_eq!(read::<String>(json!("WARN")).unwrap(), "WARN");
+    }
+
+    #[test]
+    fn a_quoted_word_where_a_number_goes_is_a_type_error_naming_the_key() {
+        for word in ["INF", "BATCH_SIZE", "inf"] {
+            let e = read::<f64>(json!(word)).unwrap_err();
+            match &e {
+                ConfigError::InvalidType { key, found, .. } => {
+                    assert_eq!(key, "sec.k");
+                    assert!(found.contains(word), "{e}");
+                }
+                other => panic!("{word}: expected a type error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn null_where_a_value_is_needed_warns_with_the_default() {
+        let o = Overrides::new();
+        let mut cx = Cx::new("t.json", &o);
+        cx.warn = true;
+        let doc = json!({ "stage": null, "seed": null });
+        let mut s = Section::new(Some(&doc), "zero_optimization", &cx).unwrap();
+        assert_eq!(cx.get(&mut s, &["stage"], 0u64).unwrap(), 0);
+        // An optional key's null is its "none": nothing to warn about.
+        assert_eq!(cx.get::<Option<u64>>(&mut s, &["seed"], None).unwrap(), None);
+        assert_eq!(cx.warnings.len(), 1, "{:?}", cx.warnings);
+        assert_eq!(cx.warnings[0].key, "zero_optimization.stage");
+        assert!(cx.warnings[0].message.contains("default (0)"), "{}", cx.warnings[0]);
     }
 
     #[test]

@@ -232,21 +232,27 @@ pub(crate) fn build(
     Ok((config, batch_spec))
 }
 
-/// Values for the "auto" keys that follow from the model's hidden size (HuggingFace's rules).
-pub(crate) fn derived_from_hidden(hidden: usize) -> Vec<(String, Value)> {
+/// The keys whose "auto" follows from the model's hidden size, in [`derived_from_hidden`]'s order.
+pub(crate) const FROM_HIDDEN: [&str; 3] = [
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+];
+
+/// Values for the "auto" keys that follow from the model's hidden size (HuggingFace's rules);
+/// `None` for a size too large for them to fit 64 bits (no model has it).
+pub(crate) fn derived_from_hidden(hidden: usize) -> Option<Vec<(String, Value)>> {
     let h = hidden as u64;
-    vec![
-        ("zero_optimization.reduce_bucket_size".into(), Value::from(h * h)),
-        // 0.9·h², exactly, in integers.
-        (
-            "zero_optimization.stage3_prefetch_bucket_size".into(),
-            Value::from(9 * h * h / 10),
-        ),
-        (
-            "zero_optimization.stage3_param_persistence_threshold".into(),
-            Value::from(10 * h),
-        ),
-    ]
+    let square = h.checked_mul(h)?;
+    // 0.9·h², exactly, in integers.
+    let values = [square, square.checked_mul(9)? / 10, h.checked_mul(10)?];
+    Some(
+        FROM_HIDDEN
+            .iter()
+            .zip(values)
+            .map(|(k, v)| (k.to_string(), Value::from(v)))
+            .collect(),
+    )
 }
 
 /// A resolution that may have left values for later (used by `zero check-config`).

@@ -255,6 +255,7 @@ pub(crate) fn read_scheduler(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<O
             for (k, v) in raw.into_iter().flatten() {
                 let key = format!("scheduler.params.{k}");
                 let value = if v.as_str() == Some("auto") {
+                    cx.written_auto.insert(key.clone());
                     cx.resolve_auto(&key, &key, Value::Null)?
                 } else {
                     v.clone()

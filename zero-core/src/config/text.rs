@@ -7,7 +7,10 @@
 //! accept the rest of hjson (unquoted strings, missing commas): hjson reads an unsubstituted
 //! template placeholder such as `CONFIG_FP16_ENABLED` as the string "CONFIG_FP16_ENABLED" and the
 //! error surfaces much later; here it is an error that names the placeholder and its line.
-//! Duplicate keys are an error, as in DeepSpeed.
+//! Only text with a placeholder's shape is one: `${...}` or `{{...}}` anywhere, and `$X`, `%X%`,
+//! `<X>` or a bare word in capitals where a value goes. Any other text that is not JSON (a
+//! lower-case bare word, text after the JSON, a file that is not JSON at all) is the JSON
+//! parser's error, with its line and column. Duplicate keys are an error, as in DeepSpeed.
 
 use super::error::{ConfigError, ConfigWarning};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -89,10 +92,10 @@ pub(crate) fn placeholder_error(source_name: &str, first: &(String, usize), rest
     }
 }
 
-/// Whether a string value is a template placeholder (`${x}`, `{{x}}`, `$X`, `%X%`, `<X>`).
-/// `all_caps` also counts a bare upper-case identifier (`CONFIG_BATCH_SIZE`), which is only a
-/// placeholder where a number or a boolean was expected.
-pub(crate) fn looks_like_placeholder(s: &str, all_caps: bool) -> bool {
+/// Whether a quoted string is a template placeholder (`"${x}"`, `"{{x}}"`, `"$X"`, `"%X%"`,
+/// `"<X>"`). A quoted word in capitals (`"INF"`, `"BATCH_SIZE"`) is not: it is a string where
+/// the key may want a number, and the type error that names the key says so better.
+pub(crate) fn looks_like_placeholder(s: &str) -> bool {
     let s = s.trim();
     let ident = |t: &str| {
         !t.is_empty()
@@ -114,11 +117,7 @@ pub(crate) fn looks_like_placeholder(s: &str, all_caps: bool) -> bool {
     if let Some(inner) = s.strip_prefix('<').and_then(|r| r.strip_suffix('>')) {
         return ident(inner);
     }
-    all_caps
-        && s.len() > 1
-        && s.starts_with(|c: char| c.is_ascii_uppercase())
-        && s.chars()
-            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+    false
 }
 
 /// 1-based line of the first occurrence of `needle` in `text`.
@@ -159,13 +158,27 @@ fn scan(text: &str) -> Scan {
     let mut line_start = 0usize;
     let mut i = 0usize;
     let n = chars.len();
+    // Where a value may start: after `:` in an object, after `[` or `,` in an array. Only there
+    // is a bare word a placeholder; anywhere else (a non-JSON file, text after the JSON) it is
+    // left for the JSON parser to report with its line and column.
+    let mut open: Vec<char> = Vec::new();
+    let mut prev: Option<char> = None;
     while i < n {
         let c = chars[i];
+        let in_value_position = match (open.last(), prev) {
+            (Some(_), Some(':')) => true,
+            (Some('['), Some('[') | Some(',')) => true,
+            _ => false,
+        };
         match c {
             '\n' => {
                 out.clean.push(c);
                 line += 1;
                 line_start = i + 1;
+                i += 1;
+            }
+            c if c.is_whitespace() => {
+                out.clean.push(c);
                 i += 1;
             }
             '"' => {
@@ -186,6 +199,7 @@ fn scan(text: &str) -> Scan {
                         line_start = i;
                     }
                 }
+                prev = Some('"');
             }
             '/' if chars.get(i + 1) == Some(&'/') => {
                 out.first_comment.get_or_insert(line);
@@ -219,12 +233,10 @@ fn scan(text: &str) -> Scan {
                 out.clean.push(' ');
                 i += 1;
             }
-            '$' | '%' | '<' => {
-                let end = placeholder_end(&chars, i);
-                let token: String = chars[i..end].iter().collect();
-                out.placeholders.push((token.trim().to_string(), line));
-                out.clean.push_str("null");
-                i = end.max(i + 1);
+            // `${...}` and `{{...}}` are template syntax wherever they stand (JSON has neither).
+            '$' if chars.get(i + 1) == Some(&'{') => {
+                i = placeholder(&chars, i, placeholder_end(&chars, i), line, &mut out);
+                prev = Some('a');
             }
             '{' if next_significant(&chars, i + 1) == Some('{') => {
                 let end = double_brace_end(&chars, i);
@@ -233,6 +245,11 @@ fn scan(text: &str) -> Scan {
                 out.placeholders.push((token, line));
                 out.clean.push_str("null");
                 i = end;
+                prev = Some('a');
+            }
+            '$' | '%' | '<' if in_value_position && placeholder_end(&chars, i) > i + 1 => {
+                i = placeholder(&chars, i, placeholder_end(&chars, i), line, &mut out);
+                prev = Some('a');
             }
             c if c.is_ascii_digit() || c == '-' => {
                 // A number, exponent included (`5e8`, `-1.5E-3`); the JSON parser judges it.
@@ -240,6 +257,7 @@ fn scan(text: &str) -> Scan {
                     out.clean.push(chars[i]);
                     i += 1;
                 }
+                prev = Some('0');
             }
             c if c.is_alphabetic() || c == '_' => {
                 let mut end = i;
@@ -249,7 +267,7 @@ fn scan(text: &str) -> Scan {
                 let word: String = chars[i..end].iter().collect();
                 match word.as_str() {
                     "true" | "false" | "null" => out.clean.push_str(&word),
-                    "True" | "False" | "None" | "NaN" | "Infinity" => {
+                    "True" | "False" | "None" | "NaN" | "Infinity" if in_value_position => {
                         let fix = match word.as_str() {
                             "True" => "JSON writes booleans as true",
                             "False" => "JSON writes booleans as false",
@@ -263,20 +281,50 @@ fn scan(text: &str) -> Scan {
                         ));
                         out.clean.push_str("null");
                     }
-                    _ => {
+                    _ if in_value_position && placeholder_shaped(&word) => {
                         out.placeholders.push((word, line));
                         out.clean.push_str("null");
                     }
+                    // Not a placeholder: the JSON parser reports it with its line and column.
+                    _ => out.clean.push_str(&word),
                 }
                 i = end;
+                prev = Some('a');
             }
             _ => {
+                match c {
+                    '{' | '[' => open.push(c),
+                    '}' | ']' => {
+                        open.pop();
+                    }
+                    _ => {}
+                }
                 out.clean.push(c);
+                prev = Some(c);
                 i += 1;
             }
         }
     }
     out
+}
+
+/// Records the placeholder `chars[i..end]` and stands `null` in for it; returns `end`.
+fn placeholder(chars: &[char], i: usize, end: usize, line: usize, out: &mut Scan) -> usize {
+    let token: String = chars[i..end].iter().collect();
+    out.placeholders.push((token.trim().to_string(), line));
+    out.clean.push_str("null");
+    end.max(i + 1)
+}
+
+/// Whether a bare word has a placeholder's shape: an identifier written mostly in capitals
+/// (`CONFIG_FP16_ENABLED`, `CL_1st_MAX`, `E`), as templates name their variables. A lower-case
+/// word (`cpu`, `yes`) is a JSON error, not a placeholder.
+fn placeholder_shaped(word: &str) -> bool {
+    let upper = word.chars().filter(char::is_ascii_uppercase).count();
+    let lower = word.chars().filter(char::is_ascii_lowercase).count();
+    word.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !word.starts_with(|c: char| c.is_ascii_digit())
+        && upper > lower
 }
 
 /// Blanks a comment running to the end of the line; returns the index of the newline.
@@ -523,12 +571,53 @@ mod tests {
 
     #[test]
     fn placeholder_strings() {
-        assert!(looks_like_placeholder("${x}", false));
-        assert!(looks_like_placeholder("{{ x }}", false));
-        assert!(looks_like_placeholder("$BS", false));
-        assert!(!looks_like_placeholder("WARN", false));
-        assert!(looks_like_placeholder("CONFIG_MBSIZE", true));
-        assert!(!looks_like_placeholder("auto", true));
-        assert!(!looks_like_placeholder("cpu", true));
+        assert!(looks_like_placeholder("${x}"));
+        assert!(looks_like_placeholder("{{ x }}"));
+        assert!(looks_like_placeholder("$BS"));
+        assert!(!looks_like_placeholder("WARN"));
+        assert!(!looks_like_placeholder("INF"));
+        assert!(!looks_like_placeholder("CONFIG_MBSIZE"));
+        assert!(!looks_like_placeholder("auto"));
+        assert!(!looks_like_placeholder("cpu"));
+    }
+
+    fn syntax_error(text: &str) -> (usize, usize, String) {
+        match parse_relaxed(text, "f.json") {
+            Err(ConfigError::Syntax {
+                line, column, message, ..
+            }) => (line, column, message),
+            other => panic!("{text:?}: expected a JSON error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn words_outside_a_value_position_are_json_errors_not_placeholders() {
+        // Trailing garbage after the JSON.
+        let (line, column, message) = syntax_error("{\"a\": 1}\ngarbage\n");
+        assert_eq!((line, column), (2, 1), "{message}");
+        assert!(message.contains("trailing characters"), "{message}");
+        // A text file that is not JSON at all: one error at its start, not a word count.
+        let (line, column, _) = syntax_error("ZeRO is a Memory Optimizer\nfor Deep Learning TRAINING\n");
+        assert_eq!((line, column), (1, 1));
+        // A lower-case bare word where a value goes is a JSON error too.
+        let (line, _, _) = syntax_error("{\n\"device\": cpu}");
+        assert_eq!(line, 2);
+        // A Python literal outside a value position is not singled out.
+        let (line, column, _) = syntax_error("True");
+        assert_eq!((line, column), (1, 1));
+    }
+
+    #[test]
+    fn capitals_in_a_value_position_stay_placeholders() {
+        for (text, name) in [
+            ("[1, MB_SIZE]", "MB_SIZE"),
+            ("{\"a\": [CL_1st_MAX]}", "CL_1st_MAX"),
+            ("{\"a\": QuantW_FORWARD}", "QuantW_FORWARD"),
+        ] {
+            match parse_relaxed(text, "f.json") {
+                Err(ConfigError::Placeholder { placeholder, .. }) => assert_eq!(placeholder, name, "{text}"),
+                other => panic!("{text}: expected a placeholder error, got {other:?}"),
+            }
+        }
     }
 }

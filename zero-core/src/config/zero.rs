@@ -394,6 +394,20 @@ fn nvme_path(
             valid: "device \"nvme\" needs a directory on the NVMe device in nvme_path".into(),
         });
     }
+    // The swap files go inside the path. One that does not exist yet is created by the run; one
+    // that exists must be a directory, or the run would fail only when it first swaps.
+    if let (Some(OffloadDevice::Nvme), Some(p)) = (device, &path) {
+        if std::fs::metadata(p).is_ok_and(|m| !m.is_dir()) {
+            return Err(ConfigError::InvalidValue {
+                source_name: cx.source.to_string(),
+                key: s.key("nvme_path"),
+                value: Value::String(p.clone()).to_string(),
+                valid: "it names a file, and the swap files need a directory (an existing one, or a path \
+                        the run can create)"
+                    .into(),
+            });
+        }
+    }
     Ok(path)
 }
 

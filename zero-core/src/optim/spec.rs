@@ -29,6 +29,18 @@ impl OptimizerSpec {
         OptimizerSpec::Adam(AdamSpec::adamw())
     }
 
+    /// Checks every setting against its valid range: the one check of optimizer settings, made
+    /// when a config is parsed (naming the config key) and when a shard optimizer is built from
+    /// settings written in code.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        match self {
+            OptimizerSpec::Adam(s) => s.validate(),
+            OptimizerSpec::Sgd(s) => s.validate(),
+            OptimizerSpec::Lamb(s) => s.validate(),
+            OptimizerSpec::Lion(s) => s.validate(),
+        }
+    }
+
     /// The base learning rate (what a schedule scales, and the rate when there is none).
     pub fn lr(&self) -> f64 {
         match self {

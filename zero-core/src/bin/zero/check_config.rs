@@ -2,6 +2,7 @@
 //! error. Values that only the run can settle (the model's hidden size, the world size, values
 //! supplied by the training script) are printed as "auto (resolved at initialize: ...)".
 
+use crate::{print_error, print_note, print_output};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,7 +19,8 @@ pub struct Args {
     /// The model's hidden size, to resolve "auto" bucket sizes.
     #[arg(long)]
     pub hidden_size: Option<usize>,
-    /// A value for a key written "auto", as KEY=JSON (e.g. optimizer.params.lr=3e-4); repeatable.
+    /// A value for a key the file writes "auto", as KEY=JSON (e.g. optimizer.params.lr=3e-4);
+    /// repeatable. A key the file writes otherwise, or not at all, is an error.
     #[arg(long = "set", value_name = "KEY=JSON")]
     pub set: Vec<String>,
 }
@@ -26,14 +28,8 @@ pub struct Args {
 /// Runs the subcommand: the resolved config on stdout, warnings on stderr, exit 2 on error.
 pub fn run(args: Args) -> ExitCode {
     match check(&args) {
-        Ok(json) => {
-            println!("{json}");
-            ExitCode::SUCCESS
-        }
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
+        Ok(json) => print_output(&json),
+        Err(message) => print_error(message),
     }
 }
 
@@ -49,8 +45,13 @@ fn check(args: &Args) -> Result<String, String> {
     }
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
     for warning in &parsed.warnings {
-        eprintln!("warning: {warning}");
+        print_note(format_args!("warning: {warning}"));
     }
+    // A --set that fills nothing is a mistake the user should hear of, not a silent no-op.
+    parsed
+        .config
+        .check_overrides(&overrides)
+        .map_err(|e| format!("--set: {e}"))?;
     let partial = parsed
         .config
         .resolve_partial(args.world_size, args.hidden_size, &overrides)
@@ -58,7 +59,10 @@ fn check(args: &Args) -> Result<String, String> {
     let mut json = serde_json::to_value(&partial.config).map_err(|e| e.to_string())?;
     for deferred in &partial.deferred {
         if deferred.key == "world_size" {
-            eprintln!("note: {}; pass --world-size to check it", deferred.resolved_by);
+            print_note(format_args!(
+                "note: {}; pass --world-size to check it",
+                deferred.resolved_by
+            ));
             continue;
         }
         let marker = Value::String(format!("auto: resolved at initialize from {}", deferred.resolved_by));
@@ -68,10 +72,10 @@ fn check(args: &Args) -> Result<String, String> {
                     *slot = marker;
                 }
             }
-            None => eprintln!(
+            None => print_note(format_args!(
                 "note: `{}` is resolved at initialize from {}",
                 deferred.key, deferred.resolved_by
-            ),
+            )),
         }
     }
     serde_json::to_string_pretty(&json).map_err(|e| e.to_string())

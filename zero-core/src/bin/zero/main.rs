@@ -3,6 +3,8 @@
 //! message and a non-zero exit status.
 
 use clap::{Parser, Subcommand};
+use std::fmt::Display;
+use std::io::{ErrorKind, Write};
 use std::process::ExitCode;
 
 mod check_config;
@@ -41,4 +43,33 @@ fn main() -> ExitCode {
         Command::ToFp32(args) => to_fp32::run(args),
         Command::Plot(args) => plot::run(args),
     }
+}
+
+/// Writes a subcommand's output (and a newline) to stdout and says how the tool ends. Every
+/// subcommand's output goes through here: `println!` panics on a closed stdout.
+/// - The reader went away (`zero ... | head -1`): it has what it wanted; end quietly with
+///   success, as Unix tools do.
+/// - Any other failure (`>/dev/full`): one line on stderr, exit status 1.
+pub(crate) fn print_output(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            print_note(format_args!("error: cannot write the output: {e}"));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Writes one line to stderr (a warning, a note). A stderr that cannot be written is ignored:
+/// there is nowhere left to say so, and the exit status still tells.
+pub(crate) fn print_note(line: impl Display) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Reports a subcommand's error: `error: MESSAGE` on stderr, exit status 2.
+pub(crate) fn print_error(message: impl Display) -> ExitCode {
+    print_note(format_args!("error: {message}"));
+    ExitCode::from(2)
 }
