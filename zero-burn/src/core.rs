@@ -70,20 +70,68 @@ pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Ve
     })
 }
 
+/// What a rank found infinite or NaN in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NonFiniteSeen {
+    /// A micro-batch loss.
+    Loss,
+    /// Its shard of the averaged gradient.
+    Gradient,
+}
+
+/// A rank that saw a non-finite value in a step, and what it saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Overflow {
+    /// The rank (in the group that agrees on the step).
+    pub rank: usize,
+    /// What it saw.
+    pub seen: NonFiniteSeen,
+}
+
+impl Overflow {
+    /// The one value this rank contributes to the step's overflow all-reduce (`ReduceOp::Max`):
+    /// 0 when it saw nothing, else a code that puts lower ranks above higher ones and, on one
+    /// rank, a loss above a gradient. The maximum over the ranks thus names the lowest rank that
+    /// saw one and what it saw, for the price of the one scalar the ranks exchange anyway to
+    /// agree on the step. Exact in f32 up to 2^23 ranks.
+    pub(crate) fn code(mine: Option<Overflow>, world: usize) -> f32 {
+        mine.map_or(0.0, |o| {
+            (2 * world.saturating_sub(o.rank) + usize::from(o.seen == NonFiniteSeen::Loss)) as f32
+        })
+    }
+
+    /// The reduced code back: `None` when no rank saw a non-finite value.
+    pub(crate) fn decode(code: f32, world: usize) -> Option<Overflow> {
+        if code.is_nan() || code < 1.0 {
+            return None;
+        }
+        let code = code as usize;
+        Some(Overflow {
+            rank: world.saturating_sub(code / 2),
+            seen: if code % 2 == 1 {
+                NonFiniteSeen::Loss
+            } else {
+                NonFiniteSeen::Gradient
+            },
+        })
+    }
+}
+
 /// What a step does once every rank agreed whether any saw a non-finite loss or gradient
-/// (`overflow`; `local` names what this rank saw): `true` to apply it, `false` to skip it (fp16's
-/// loss scaler backs off, or the skip policy), or the error of the fail policy or of a loss scale
-/// that can fall no further.
+/// (`agreed`, the lowest such rank; `mine`, what this rank saw): `true` to apply it, `false` to
+/// skip it (fp16's loss scaler backs off, or the skip policy), or the error of the fail policy
+/// (naming what this rank saw, or else the rank that saw it) or of a loss scale that can fall no
+/// further.
 pub(crate) fn decide_step(
     scaler: &mut Option<LossScaler>,
     settings: &EngineSettings,
-    overflow: bool,
-    local: Option<&str>,
+    agreed: Option<Overflow>,
+    mine: Option<Overflow>,
     step: u64,
     loss_scale: f64,
 ) -> Result<bool, ZeroError> {
     if let Some(scaler) = scaler {
-        return match scaler.update(overflow) {
+        return match scaler.update(agreed.is_some()) {
             Ok(ScaleDecision::Skip) => Ok(false),
             Ok(ScaleDecision::Apply) => Ok(true),
             Err(source) => Err(ZeroError::LossScale {
@@ -93,15 +141,20 @@ pub(crate) fn decide_step(
             }),
         };
     }
-    if !overflow {
+    let Some(seen) = mine.or(agreed) else {
         return Ok(true);
-    }
+    };
     if settings.precision.non_finite == NonFinitePolicy::Skip {
         return Ok(false);
     }
     Err(ZeroError::NonFinite {
         step,
-        what: local.unwrap_or("a gradient on another rank").to_string(),
+        what: match seen.seen {
+            NonFiniteSeen::Loss => "the loss",
+            NonFiniteSeen::Gradient => "the averaged gradient",
+        }
+        .to_string(),
+        rank: seen.rank,
         dtype: match settings.precision.dtype {
             ComputeDtype::F32 => "fp32",
             ComputeDtype::Bf16 => "bf16",
@@ -418,22 +471,26 @@ impl EngineCore {
     ) -> Result<Option<f64>, ZeroError> {
         let policy = self.settings.precision.non_finite;
         if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
-            // What this rank saw; the flag is shared so that every rank takes the same path.
-            let local = if self.loss_non_finite {
-                Some("the loss")
+            // What this rank saw; the code is shared so that every rank takes the same path.
+            let group = self.overflow_group.as_ref().unwrap_or(&self.comm);
+            let seen = if self.loss_non_finite {
+                Some(NonFiniteSeen::Loss)
             } else if grads.iter().any(|g| has_overflow(g)) {
-                Some("the averaged gradient")
+                Some(NonFiniteSeen::Gradient)
             } else {
                 None
             };
-            let mut overflow = local.is_some();
-            let group = self.overflow_group.as_ref().unwrap_or(&self.comm);
+            let mine = seen.map(|seen| Overflow {
+                rank: group.rank(),
+                seen,
+            });
+            let mut agreed = mine;
             if group.world_size() > 1 {
-                let mut flag = FlatBuffer::F32(vec![if overflow { 1.0 } else { 0.0 }]);
-                group.all_reduce(&mut flag, ReduceOp::Max)?;
-                overflow = flag.into_f32()[0] > 0.0;
+                let mut code = FlatBuffer::F32(vec![Overflow::code(mine, group.world_size())]);
+                group.all_reduce(&mut code, ReduceOp::Max)?;
+                agreed = Overflow::decode(code.into_f32()[0], group.world_size());
             }
-            if !decide_step(&mut self.scaler, &self.settings, overflow, local, step, loss_scale)? {
+            if !decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }
         }
@@ -646,5 +703,48 @@ impl Assembler {
 
     fn is_empty(&self) -> bool {
         self.pending.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_largest_overflow_code_names_the_lowest_rank_and_a_loss_before_a_gradient() {
+        let world = 4;
+        let seen = |rank, seen| Some(Overflow { rank, seen });
+        let codes = [
+            Overflow::code(None, world),
+            Overflow::code(seen(3, NonFiniteSeen::Loss), world),
+            Overflow::code(seen(1, NonFiniteSeen::Gradient), world),
+            Overflow::code(seen(2, NonFiniteSeen::Loss), world),
+        ];
+        let max = codes.iter().copied().fold(0.0f32, f32::max);
+        assert_eq!(Overflow::decode(max, world), seen(1, NonFiniteSeen::Gradient));
+        let with_loss = max.max(Overflow::code(seen(1, NonFiniteSeen::Loss), world));
+        assert_eq!(Overflow::decode(with_loss, world), seen(1, NonFiniteSeen::Loss));
+        assert_eq!(Overflow::decode(Overflow::code(None, world), world), None);
+        // Rank 0 of the largest world the f32 code holds exactly.
+        let big = 1 << 22;
+        let code = Overflow::code(seen(0, NonFiniteSeen::Loss), big);
+        assert_eq!(Overflow::decode(code, big), seen(0, NonFiniteSeen::Loss));
+    }
+
+    #[test]
+    fn fp32_fails_a_non_finite_step_by_default_naming_the_rank_that_saw_it() {
+        let settings = EngineSettings::new(Stage::Zero1, zero_core::optim::OptimizerSpec::adamw());
+        assert_eq!(settings.precision.non_finite, NonFinitePolicy::Error);
+        let agreed = Some(Overflow {
+            rank: 2,
+            seen: NonFiniteSeen::Loss,
+        });
+        let err = decide_step(&mut None, &settings, agreed, None, 1, 1.0).expect_err("fails");
+        let text = err.to_string();
+        assert!(
+            text.contains("step 1") && text.contains("the loss") && text.contains("rank 2") && text.contains("fp32"),
+            "{text}"
+        );
+        assert!(decide_step(&mut None, &settings, None, None, 1, 1.0).expect("no overflow"));
     }
 }

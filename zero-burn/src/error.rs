@@ -29,16 +29,19 @@ pub enum ZeroError {
     Checkpoint(#[from] zero_core::checkpoint::CheckpointError),
     /// A loss or gradient was infinite or NaN in bf16 or fp32 training (on some rank).
     #[error(
-        "step {step}: {what} is infinite or NaN on at least one rank ({dtype} training); the step was not \
-         applied. Lower the learning rate or clip gradients, or skip such steps instead of failing \
-         (PrecisionSettings::non_finite = NonFinitePolicy::Skip, InitOptions::non_finite)"
+        "step {step}: {what} is infinite or NaN on rank {rank} ({dtype} training); the step was not \
+         applied. From the first step, the weights or the data hold NaN or Inf; later, training diverged \
+         (lower the learning rate or clip gradients). To skip such steps instead of failing: \
+         PrecisionSettings::non_finite = NonFinitePolicy::Skip (InitOptions::non_finite)"
     )]
     NonFinite {
         /// The optimizer step (1-based, as [`crate::StepReport::step`]).
         step: u64,
-        /// What this rank saw: "the loss", "the averaged gradient", or "a gradient on another
-        /// rank".
+        /// What was seen: "the loss" or "the averaged gradient" (this rank's shard of it); what
+        /// this rank saw when it saw one, else what the lowest rank that saw one saw.
         what: String,
+        /// The rank that saw it: this rank when it saw one, else the lowest that did.
+        rank: usize,
         /// The compute dtype.
         dtype: &'static str,
     },

@@ -31,10 +31,10 @@ pub struct InitOptions {
     pub hidden_size: Option<usize>,
     /// Values for keys written "auto" that only the caller can give (optimizer lr, ...).
     pub overrides: Overrides,
-    /// What a step does with an infinite or NaN loss or gradient under bf16 (or fp32): `None`
-    /// keeps the default, an error naming the step under bf16 (nothing checked with
-    /// `"check_grad_overflow": false`, nor under fp32); `Some(NonFinitePolicy::Skip)` skips
-    /// such steps on every rank and goes on. fp16 always leaves it to its loss scaler.
+    /// What a step does with an infinite or NaN loss or gradient under fp32 or bf16: `None`
+    /// keeps the default, an error naming the step and the rank (nothing checked under bf16
+    /// with `"check_grad_overflow": false`); `Some(NonFinitePolicy::Skip)` skips such steps on
+    /// every rank and goes on. fp16 always leaves it to its loss scaler.
     pub non_finite: Option<NonFinitePolicy>,
     /// Whether a chain engine with the optimizer offloaded to the CPU overlaps the update of
     /// the shard with the next forward ([`EngineSettings::overlap_optimizer_step`]); `None`

@@ -40,7 +40,7 @@
 //!
 //! fp16 scales the loss with DeepSpeed's dynamic loss scaler (`zero_core::loss_scaler`); a step
 //! whose gradients overflow on any rank is skipped on every rank ([`StepReport::skipped`]).
-//! bf16 has no scaler: a non-finite loss or gradient fails the step with
+//! bf16 and fp32 have no scaler: a non-finite loss or gradient fails the step with
 //! [`ZeroError::NonFinite`], or skips it with [`NonFinitePolicy::Skip`]
 //! (`InitOptions::non_finite`, or `settings.precision.non_finite`).
 //!

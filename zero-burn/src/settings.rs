@@ -203,14 +203,15 @@ impl ComputeDtype {
 /// it to the loss scaler, which always skips).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum NonFinitePolicy {
-    /// The step fails with [`crate::ZeroError::NonFinite`] naming it, on every rank. The
-    /// default for bf16: without a loss scale an overflow means training has diverged.
+    /// The step fails with [`crate::ZeroError::NonFinite`] naming it and the rank, on every
+    /// rank. The default for fp32 and bf16: without a loss scale a non-finite loss or gradient
+    /// means training has diverged (or the weights were broken from the start), and every later
+    /// step would only carry NaN on. Costs one scalar all-reduce per step.
     Error,
     /// The step is skipped on every rank, counted in [`crate::StepReport::skipped`], and
     /// training goes on (the LR schedule does not advance).
     Skip,
-    /// No check: non-finite values reach the weights. The default for fp32 (as before mixed
-    /// precision existed) and for bf16 with `"check_grad_overflow": false`.
+    /// No check: non-finite values reach the weights. bf16 with `"check_grad_overflow": false`.
     Ignore,
 }
 
@@ -234,12 +235,12 @@ impl Default for PrecisionSettings {
 }
 
 impl PrecisionSettings {
-    /// fp32 everywhere (no check for non-finite values).
+    /// fp32 everywhere; a non-finite loss or gradient is an error.
     pub fn fp32() -> Self {
         PrecisionSettings {
             dtype: ComputeDtype::F32,
             loss_scaler: None,
-            non_finite: NonFinitePolicy::Ignore,
+            non_finite: NonFinitePolicy::Error,
             communication_dtype: None,
         }
     }

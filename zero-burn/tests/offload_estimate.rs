@@ -52,6 +52,7 @@ fn estimate_matches_the_engines_accounting() {
                 world as u64,
                 Dtype::Bf16,
             ))
+            .unwrap()
             .per_device;
             close(
                 &format!("{label} parameters"),
@@ -80,7 +81,7 @@ fn estimate_matches_the_engines_accounting() {
         let r = report(stage, 2, OptimizerOffload::Cpu { threads: 1 });
         let mut input = EstimateInput::new(psi(BLOCKS) as u64, stage.number(), 2, Dtype::Bf16);
         input.offload_optimizer = Some(OffloadTarget::Cpu);
-        let e = estimate(&input);
+        let e = estimate(&input).unwrap();
         let host = r.locations.master_weights.host + r.locations.optimizer_state.host;
         // Per host = both devices' shards; the engine reports one rank's.
         close(

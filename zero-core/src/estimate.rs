@@ -14,15 +14,72 @@
 //! Offloading parameters (stage 3) moves
 //! the parameter shard too. The largest gather unit (stage 3's live gather) stays on the device.
 //!
+//! Every count is checked: an input so large that a byte count would pass 2^64 (16 EiB, more
+//! than any cluster holds) is an [`EstimateError`] naming the input, never a wrapped number.
+//!
 //! ```
 //! use zero_core::estimate::{estimate, Dtype, EstimateInput};
 //!
-//! let e = estimate(&EstimateInput::new(1_000_000_000, 2, 8, Dtype::Bf16));
+//! let e = estimate(&EstimateInput::new(1_000_000_000, 2, 8, Dtype::Bf16))?;
 //! // Stage 2 on 8 devices: 2Ψ + 14Ψ/N.
 //! assert_eq!(e.per_device.total(), 2_000_000_000 + 14_000_000_000 / 8);
+//! # Ok::<(), zero_core::estimate::EstimateError>(())
 //! ```
 
 use serde::Serialize;
+
+/// Why an estimate cannot be given.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EstimateError {
+    /// A count passes 2^64: the input is larger than any cluster.
+    #[error(
+        "{detail} does not fit a 64-bit count (more than 16 EiB); {input} = {value} is larger than any cluster holds"
+    )]
+    Overflow {
+        /// The input to blame, by its field name in [`EstimateInput`] (`params`, `gpus_per_node`,
+        /// `nodes`, `largest_gather`).
+        input: &'static str,
+        /// Its value.
+        value: u64,
+        /// What was being computed.
+        detail: String,
+    },
+}
+
+/// `a × b`, or an overflow error blaming `input`.
+fn mul(a: u64, b: u64, input: &'static str, value: u64, detail: impl FnOnce() -> String) -> Result<u64, EstimateError> {
+    a.checked_mul(b).ok_or_else(|| EstimateError::Overflow {
+        input,
+        value,
+        detail: detail(),
+    })
+}
+
+/// Why no GPT-2 depth can be given for memory limits ([`Gpt2Shape::deepest_fitting`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FitError {
+    /// Not even one block fits.
+    #[error("the smallest (1 layer) needs {} per host and {} per device", human_bytes(*.host_bytes), human_bytes(*.device_bytes))]
+    NothingFits {
+        /// Host bytes of the one-block model.
+        host_bytes: u64,
+        /// Device bytes of the one-block model.
+        device_bytes: u64,
+    },
+    /// The limits do not bound the depth: nothing that grows with it is held where a limit
+    /// applies (host memory at stage 3 without offload holds no model state).
+    #[error(
+        "the limits do not bound the depth: at this stage and offload no model state grows in host memory \
+         with the depth, and the device memory has no limit"
+    )]
+    Unbounded,
+    /// The hidden size gives no GPT-2 (not a multiple of 64, or zero).
+    #[error("hidden size {0} gives no GPT-2 (it must be a positive multiple of 64)")]
+    BadHidden(u64),
+    /// The estimate of the one-block model overflows.
+    #[error(transparent)]
+    Estimate(#[from] EstimateError),
+}
 
 /// The dtype the model trains in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -111,8 +168,11 @@ impl EstimateInput {
     }
 
     /// N: data-parallel devices in all.
-    pub fn world(&self) -> u64 {
-        (self.gpus_per_node * self.nodes).max(1)
+    pub fn world(&self) -> Result<u64, EstimateError> {
+        let world = mul(self.gpus_per_node, self.nodes, "nodes", self.nodes, || {
+            format!("{} devices per node × {} nodes", self.gpus_per_node, self.nodes)
+        })?;
+        Ok(world.max(1))
     }
 }
 
@@ -130,18 +190,46 @@ pub struct StateBytes {
 }
 
 impl StateBytes {
-    /// Sum of every kind.
+    /// Sum of every kind. An [`Estimate`]'s sums always fit ([`estimate`] checks them); one
+    /// built by hand that does not saturates at `u64::MAX`.
     pub fn total(&self) -> u64 {
-        self.parameters + self.gradients + self.optimizer_state + self.gathered
+        self.checked_total().unwrap_or(u64::MAX)
     }
 
-    fn scaled(self, k: u64) -> StateBytes {
-        StateBytes {
-            parameters: self.parameters * k,
-            gradients: self.gradients * k,
-            optimizer_state: self.optimizer_state * k,
-            gathered: self.gathered * k,
-        }
+    fn checked_total(&self) -> Option<u64> {
+        self.parameters
+            .checked_add(self.gradients)?
+            .checked_add(self.optimizer_state)?
+            .checked_add(self.gathered)
+    }
+
+    /// Every kind times `g` (the devices of a node), with the sum checked. An overflow blames
+    /// the larger of the two inputs it comes from: `g` or `params`.
+    fn scaled(self, g: u64, params: u64, where_: &str) -> Result<StateBytes, EstimateError> {
+        let overflow = || {
+            let (input, value) = if g >= params {
+                ("gpus_per_node", g)
+            } else {
+                ("params", params)
+            };
+            EstimateError::Overflow {
+                input,
+                value,
+                detail: format!(
+                    "{where_}: {g} device(s) × {} bytes of model states each ({params} parameters)",
+                    self.total()
+                ),
+            }
+        };
+        let one = |v: u64| v.checked_mul(g).ok_or_else(overflow);
+        let scaled = StateBytes {
+            parameters: one(self.parameters)?,
+            gradients: one(self.gradients)?,
+            optimizer_state: one(self.optimizer_state)?,
+            gathered: one(self.gathered)?,
+        };
+        scaled.checked_total().ok_or_else(overflow)?;
+        Ok(scaled)
     }
 }
 
@@ -159,14 +247,17 @@ pub struct Estimate {
 }
 
 /// Integer `bytes_per_param × params / n`, rounded up (a shard is never smaller).
-fn share(bytes_per_param: u64, params: u64, n: u64) -> u64 {
-    (bytes_per_param * params).div_ceil(n)
+fn share(bytes_per_param: u64, params: u64, n: u64) -> Result<u64, EstimateError> {
+    let bytes = mul(bytes_per_param, params, "params", params, || {
+        format!("{bytes_per_param} bytes per parameter × {params} parameters")
+    })?;
+    Ok(bytes.div_ceil(n))
 }
 
 /// Computes the estimate for `input` (see the module documentation for the formulas).
-pub fn estimate(input: &EstimateInput) -> Estimate {
+pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
     let psi = input.params;
-    let n = input.world();
+    let n = input.world()?;
     let p = input.dtype.param_bytes();
     let k = input.dtype.optimizer_bytes();
     let stage = input.stage.min(3);
@@ -181,15 +272,17 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
         }
     };
 
+    let gathered = match (stage, input.largest_gather) {
+        (3, Some(b)) => mul(p, b, "largest_gather", b, || {
+            format!("{p} bytes per parameter × {b} gathered parameters")
+        })?,
+        _ => 0,
+    };
     let mut device = StateBytes {
-        parameters: share(p, psi, n_param),
-        gradients: share(p, psi, n_grad),
-        optimizer_state: share(k, psi, n_opt),
-        gathered: if stage == 3 {
-            input.largest_gather.map_or(0, |b| p * b)
-        } else {
-            0
-        },
+        parameters: share(p, psi, n_param)?,
+        gradients: share(p, psi, n_grad)?,
+        optimizer_state: share(k, psi, n_opt)?,
+        gathered,
     };
     let mut device_terms = vec![
         format!("params {p}Ψ{}", frac(n_param)),
@@ -215,13 +308,13 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
         // fp32 masters travel with the offloaded moments (the device's parameters are no
         // longer the masters the step updates): 12 bytes whatever the dtype.
         let k_off = if input.dtype == Dtype::Fp32 { 12 } else { k };
-        place.optimizer_state = share(k_off, psi, n_opt);
+        place.optimizer_state = share(k_off, psi, n_opt)?;
         terms.push(format!("optimizer {k_off}Ψ{}", frac(n_opt)));
         device.optimizer_state = 0;
         device_terms.retain(|t| !t.starts_with("optimizer"));
         // The host step reads an fp32 gradient shard; it lives in host memory even when the
         // optimizer state is on NVMe (it is consumed as it streams).
-        host.gradients = share(4, psi, n_opt);
+        host.gradients = share(4, psi, n_opt)?;
         host_terms.push(format!("fp32 grad shard 4Ψ{}", frac(n_opt)));
         if stage >= 2 {
             device.gradients = 0;
@@ -247,12 +340,12 @@ pub fn estimate(input: &EstimateInput) -> Estimate {
     if !nvme_terms.is_empty() {
         formula.push(format!("per node on NVMe: G × ({})", nvme_terms.join(" + ")));
     }
-    Estimate {
-        per_device: device,
-        per_host: host.scaled(g),
-        per_node_nvme: nvme.scaled(g),
+    Ok(Estimate {
+        per_device: device.scaled(1, psi, "per device")?,
+        per_host: host.scaled(g, psi, "per host")?,
+        per_node_nvme: nvme.scaled(g, psi, "per node on NVMe")?,
         formula,
-    }
+    })
 }
 
 fn join_terms(terms: &[String]) -> String {
@@ -294,7 +387,7 @@ impl Gpt2Shape {
             n_embd,
             n_layer,
             n_head,
-            n_inner: 4 * n_embd,
+            n_inner: n_embd.saturating_mul(4),
         }
     }
 
@@ -318,11 +411,40 @@ impl Gpt2Shape {
 
     /// GPT-2 with `n_layer` blocks of hidden size `n_embd`: heads of 128 (as the 10B model's)
     /// when `n_embd` is a multiple of 128, else of 64 (as GPT-2's own); `None` when `n_embd` is
-    /// not a multiple of 64 or a count is zero.
+    /// not a multiple of 64, a count is zero, or the parameter count passes 2^64.
     pub fn shaped(n_layer: u64, n_embd: u64) -> Option<Self> {
         let head_dim = if n_embd.is_multiple_of(128) { 128 } else { 64 };
-        (n_layer > 0 && n_embd > 0 && n_embd.is_multiple_of(head_dim))
-            .then(|| Self::with(n_embd, n_layer, n_embd / head_dim))
+        if n_layer == 0 || n_embd == 0 || !n_embd.is_multiple_of(head_dim) {
+            return None;
+        }
+        n_embd.checked_mul(4)?;
+        let shape = Self::with(n_embd, n_layer, n_embd / head_dim);
+        // Counted once, checked, so that the counting methods below cannot overflow.
+        shape.checked_counts().map(|_| shape)
+    }
+
+    /// (block, ends, total) parameters, or `None` when one passes 2^64.
+    fn checked_counts(&self) -> Option<(u64, u64, u64)> {
+        let d = self.n_embd;
+        let inner = self.n_inner;
+        let layer_norms = d.checked_mul(4)?;
+        let attention = d
+            .checked_mul(3)?
+            .checked_mul(d)?
+            .checked_add(d.checked_mul(3)?)?
+            .checked_add(d.checked_mul(d)?.checked_add(d)?)?;
+        let mlp = d
+            .checked_mul(inner)?
+            .checked_add(inner)?
+            .checked_add(inner.checked_mul(d)?.checked_add(d)?)?;
+        let block = layer_norms.checked_add(attention)?.checked_add(mlp)?;
+        let ends = self
+            .vocab
+            .checked_add(self.n_positions)?
+            .checked_mul(d)?
+            .checked_add(d.checked_mul(2)?)?;
+        let total = self.n_layer.checked_mul(block)?.checked_add(ends)?;
+        Some((block, ends, total))
     }
 
     /// The shaped name of this model, `gpt2-<layers>x<hidden>`, which [`Gpt2Shape::preset`]
@@ -333,29 +455,46 @@ impl Gpt2Shape {
 
     /// The deepest GPT-2 of hidden size `n_embd` whose model states, as [`estimate`] counts them
     /// for `input`'s stage, cluster, offload and dtype, fit `host_bytes` per host and
-    /// `device_bytes` per device; `None` when not even one block fits.
-    pub fn deepest_fitting(n_embd: u64, input: &EstimateInput, host_bytes: u64, device_bytes: u64) -> Option<Self> {
-        let fits = |layers: u64| {
-            let Some(shape) = Self::shaped(layers, n_embd) else {
-                return false;
-            };
-            let e = estimate(&EstimateInput {
+    /// `device_bytes` per device. An error when not even one block fits (saying what one block
+    /// needs), or when the limits do not bound the depth (no model state that grows with it is
+    /// held where a limit applies), rather than a depth no limit chose.
+    pub fn deepest_fitting(
+        n_embd: u64,
+        input: &EstimateInput,
+        host_bytes: u64,
+        device_bytes: u64,
+    ) -> Result<Self, FitError> {
+        let at = |layers: u64| -> Option<Result<Estimate, EstimateError>> {
+            let shape = Self::shaped(layers, n_embd)?;
+            Some(estimate(&EstimateInput {
                 params: shape.num_params(),
                 largest_gather: Some(shape.largest_gather()),
                 ..input.clone()
-            });
-            e.per_host.total() <= host_bytes && e.per_device.total() <= device_bytes
+            }))
         };
-        if !fits(1) {
-            return None;
+        let within = |e: &Estimate| e.per_host.total() <= host_bytes && e.per_device.total() <= device_bytes;
+        // A depth whose counts pass 2^64 fits no limit.
+        let fits = |layers: u64| matches!(at(layers), Some(Ok(e)) if within(&e));
+        let one = at(1).ok_or(FitError::BadHidden(n_embd))??;
+        if !within(&one) {
+            return Err(FitError::NothingFits {
+                host_bytes: one.per_host.total(),
+                device_bytes: one.per_device.total(),
+            });
         }
-        // Bytes grow with the depth: double to an upper bound, then bisect.
-        let (mut lo, mut hi) = (1, 2);
+        // Bytes grow with the depth only where a block adds to them; if a second block adds
+        // nothing anywhere a limit applies, every depth "fits" and no answer is meaningful.
+        let two = at(2).ok_or(FitError::BadHidden(n_embd))??;
+        let host_grows = two.per_host.total() > one.per_host.total();
+        let device_grows = device_bytes < u64::MAX && two.per_device.total() > one.per_device.total();
+        if !host_grows && !device_grows {
+            return Err(FitError::Unbounded);
+        }
+        // Double to an upper bound, then bisect.
+        let (mut lo, mut hi) = (1u64, 2u64);
         while fits(hi) {
-            (lo, hi) = (hi, hi * 2);
-            if hi > 1 << 20 {
-                return Self::shaped(lo, n_embd);
-            }
+            lo = hi;
+            hi = hi.checked_mul(2).ok_or(FitError::Unbounded)?;
         }
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
@@ -365,29 +504,25 @@ impl Gpt2Shape {
                 hi = mid;
             }
         }
-        Self::shaped(lo, n_embd)
+        Self::shaped(lo, n_embd).ok_or(FitError::BadHidden(n_embd))
     }
 
     /// Parameters of one transformer block: two layer norms, attention (qkv and projection),
-    /// the MLP, each with biases.
+    /// the MLP, each with biases. (For a shape built by hand whose counts pass 2^64, which
+    /// [`Gpt2Shape::shaped`] refuses, the counts saturate at `u64::MAX`.)
     pub fn block_params(&self) -> u64 {
-        let d = self.n_embd;
-        let inner = self.n_inner;
-        let layer_norms = 2 * (2 * d);
-        let attention = (d * 3 * d + 3 * d) + (d * d + d);
-        let mlp = (d * inner + inner) + (inner * d + d);
-        layer_norms + attention + mlp
+        self.checked_counts().map_or(u64::MAX, |(block, _, _)| block)
     }
 
     /// Parameters outside the blocks: token and position embeddings, the final layer norm (the
     /// LM head is tied to the token embedding).
     pub fn ends_params(&self) -> u64 {
-        (self.vocab + self.n_positions) * self.n_embd + 2 * self.n_embd
+        self.checked_counts().map_or(u64::MAX, |(_, ends, _)| ends)
     }
 
     /// Trainable parameters.
     pub fn num_params(&self) -> u64 {
-        self.ends_params() + self.n_layer * self.block_params()
+        self.checked_counts().map_or(u64::MAX, |(_, _, total)| total)
     }
 
     /// The most parameters stage 3 holds gathered at once. The chain engine gathers the ends
@@ -396,8 +531,8 @@ impl Gpt2Shape {
     /// while the blocks run: the ends plus the largest block. Beyond those limits each part is
     /// released after use: the larger of a block and the ends.
     pub fn largest_gather(&self) -> u64 {
-        let blocks = self.n_layer * self.block_params();
-        let kept = self.ends_params() + self.block_params();
+        let blocks = self.n_layer.saturating_mul(self.block_params());
+        let kept = self.ends_params().saturating_add(self.block_params());
         if blocks <= DEFAULT_REUSE_LIMIT && kept <= DEFAULT_REUSE_LIMIT {
             kept
         } else {
@@ -433,6 +568,7 @@ mod tests {
         let psi = 7_500_000_000;
         let gb = |s: u8| {
             estimate(&EstimateInput::new(psi, s, 64, Dtype::Fp16))
+                .unwrap()
                 .per_device
                 .total() as f64
                 / 1e9
@@ -445,7 +581,7 @@ mod tests {
 
     #[test]
     fn fp32_is_4_4_8() {
-        let e = estimate(&EstimateInput::new(1000, 0, 1, Dtype::Fp32));
+        let e = estimate(&EstimateInput::new(1000, 0, 1, Dtype::Fp32)).unwrap();
         assert_eq!(
             e.per_device,
             StateBytes {
@@ -461,7 +597,7 @@ mod tests {
     fn offload_moves_the_optimizer_and_grad_shard_to_the_host() {
         let mut input = EstimateInput::new(800, 2, 4, Dtype::Bf16);
         input.offload_optimizer = Some(OffloadTarget::Cpu);
-        let e = estimate(&input);
+        let e = estimate(&input).unwrap();
         assert_eq!(
             e.per_device,
             StateBytes {
@@ -481,7 +617,7 @@ mod tests {
         input.offload_optimizer = Some(OffloadTarget::Nvme);
         input.stage = 3;
         input.offload_param = Some(OffloadTarget::Nvme);
-        let e = estimate(&input);
+        let e = estimate(&input).unwrap();
         assert_eq!(e.per_device.total(), 0);
         assert_eq!(e.per_node_nvme.optimizer_state, 9600);
         assert_eq!(e.per_node_nvme.parameters, 1600);
@@ -497,12 +633,12 @@ mod tests {
         let mut input = EstimateInput::new(psi, 3, 1, Dtype::Fp32);
         input.offload_optimizer = Some(OffloadTarget::Nvme);
         input.offload_param = Some(OffloadTarget::Nvme);
-        let e = estimate(&input);
+        let e = estimate(&input).unwrap();
         assert_eq!(e.per_node_nvme.optimizer_state, 18_691_334_400);
         assert_eq!(e.per_node_nvme.parameters, 6_230_444_800);
         assert_eq!(e.per_device.total(), 0);
         // Without offload the fp32 parameters are the masters: 8 bytes of moments.
-        let plain = estimate(&EstimateInput::new(psi, 3, 1, Dtype::Fp32));
+        let plain = estimate(&EstimateInput::new(psi, 3, 1, Dtype::Fp32)).unwrap();
         assert_eq!(plain.per_device.optimizer_state, 8 * psi);
     }
 
@@ -545,6 +681,7 @@ mod tests {
                 largest_gather: Some(shape.largest_gather()),
                 ..input.clone()
             })
+            .unwrap()
         };
         let at = bytes(best.n_layer);
         assert!(at.per_host.total() <= host && at.per_device.total() <= device);
@@ -556,6 +693,60 @@ mod tests {
             "{}",
             best.num_params()
         );
-        assert_eq!(Gpt2Shape::deepest_fitting(4096, &input, 1 << 30, device), None);
+        assert!(matches!(
+            Gpt2Shape::deepest_fitting(4096, &input, 1 << 30, device),
+            Err(FitError::NothingFits { host_bytes, .. }) if host_bytes == bytes(1).per_host.total()
+        ));
+    }
+
+    #[test]
+    fn a_limit_that_bounds_nothing_is_an_error_not_the_search_cap() {
+        // Stage 3 without offload holds no model state in host memory: any host limit "fits"
+        // every depth, so no depth may be claimed.
+        let input = EstimateInput::new(0, 3, 1, Dtype::Bf16);
+        assert_eq!(
+            Gpt2Shape::deepest_fitting(4096, &input, 1024, u64::MAX),
+            Err(FitError::Unbounded)
+        );
+        // A device limit bounds it.
+        let shape = Gpt2Shape::deepest_fitting(4096, &input, 1024, 80 << 30).unwrap();
+        assert!(shape.n_layer >= 1 && shape.num_params() < 80 << 30, "{shape:?}");
+        assert_eq!(
+            Gpt2Shape::deepest_fitting(100, &input, 1024, 1 << 30),
+            Err(FitError::BadHidden(100))
+        );
+    }
+
+    #[test]
+    fn counts_past_2_pow_64_are_errors_naming_the_input() {
+        // 16 bytes × 2^60 parameters wrapped to 0 before.
+        let e = estimate(&EstimateInput::new(1 << 60, 0, 1, Dtype::Bf16)).unwrap_err();
+        assert!(
+            matches!(e, EstimateError::Overflow { input: "params", value, .. } if value == 1 << 60),
+            "{e}"
+        );
+        let mut input = EstimateInput::new(1 << 40, 3, 1 << 63, Dtype::Bf16);
+        input.offload_optimizer = Some(OffloadTarget::Cpu);
+        let e = estimate(&input).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EstimateError::Overflow {
+                    input: "gpus_per_node",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        input.nodes = 3;
+        let e = estimate(&input).unwrap_err();
+        assert!(matches!(e, EstimateError::Overflow { input: "nodes", .. }), "{e}");
+        // Sums are checked too: each part fits, their total does not.
+        let e = estimate(&EstimateInput::new(u64::MAX / 14, 0, 1, Dtype::Bf16)).unwrap_err();
+        assert!(matches!(e, EstimateError::Overflow { .. }), "{e}");
+        // A GPT-2 shape whose count passes 2^64 does not exist.
+        assert_eq!(Gpt2Shape::shaped(1, 1 << 40), None);
+        assert_eq!(Gpt2Shape::shaped(u64::MAX, 4096), None);
+        assert_eq!(Gpt2Shape::preset("gpt2-1x18446744073709551552"), None);
     }
 }

@@ -122,3 +122,119 @@ fn fit_host_memory_names_the_deepest_gpt2_and_its_estimate_fits() {
     let (ok, _, err) = estimate(&[&args[..], &["--fit-host-memory", "64 parsecs"]].concat());
     assert!(!ok && err.contains("--fit-host-memory"), "{err}");
 }
+
+#[test]
+fn counts_past_2_pow_64_are_errors_naming_the_input_not_wrapped_numbers() {
+    // 16 bytes × 2^60 parameters is 2^64: it printed `per device: 0 B`.
+    for (args, flag) in [
+        (
+            vec!["--params", "1152921504606846976", "--stage", "0"],
+            "--params 1152921504606846976",
+        ),
+        (
+            vec!["--params", "18446744073709551615", "--stage", "3"],
+            "--params 18446744073709551615",
+        ),
+        (
+            vec![
+                "--params",
+                "1e9",
+                "--stage",
+                "3",
+                "--gpus-per-node",
+                "9223372036854775808",
+                "--nodes",
+                "2",
+            ],
+            "--nodes 2",
+        ),
+        (
+            vec![
+                "--params",
+                "1e9",
+                "--stage",
+                "1",
+                "--offload-optimizer",
+                "cpu",
+                "--gpus-per-node",
+                "9223372036854775808",
+            ],
+            "--gpus-per-node 9223372036854775808",
+        ),
+    ] {
+        let (ok, out, err) = estimate(&args);
+        assert!(!ok, "{args:?} printed:\n{out}");
+        assert!(err.contains(flag) && err.contains("64-bit"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // A shaped preset whose parameter count passes 2^64 is not a GPT-2.
+    let (ok, _, err) = estimate(&["--preset", "gpt2-1x18446744073709551552", "--stage", "3"]);
+    assert!(!ok && err.contains("--preset gpt2-1x18446744073709551552"), "{err}");
+    let (ok, _, err) = estimate(&["--stage", "3", "--fit-host-memory", "1e30"]);
+    assert!(!ok && err.contains("--fit-host-memory 1e30"), "{err}");
+}
+
+#[test]
+fn a_host_limit_nothing_fits_or_that_bounds_nothing_is_said() {
+    // Stage 3 without offload holds no model state in host memory: it claimed a GPT-2 of
+    // 2·10^14 parameters (its search cap) fits 1 KiB.
+    let (ok, out, err) = estimate(&["--stage", "3", "--fit-host-memory", "1KiB"]);
+    assert!(!ok, "claimed a fit:\n{out}");
+    assert!(
+        err.contains("--fit-host-memory") && err.contains("does not limit") && err.contains("--fit-device-memory"),
+        "{err}"
+    );
+    // With the optimizer offloaded one block needs GiBs of host memory.
+    let (ok, out, err) = estimate(&[
+        "--stage",
+        "3",
+        "--fit-host-memory",
+        "1KiB",
+        "--offload-optimizer",
+        "cpu",
+    ]);
+    assert!(!ok, "claimed a fit:\n{out}");
+    assert!(
+        err.contains("no GPT-2 of hidden 4096 fits in 1.00 KiB of host memory")
+            && err.contains("the smallest (1 layer) needs"),
+        "{err}"
+    );
+    // A device limit bounds stage 3 without offload.
+    let (ok, out, err) = estimate(&[
+        "--stage",
+        "3",
+        "--fit-host-memory",
+        "1KiB",
+        "--fit-device-memory",
+        "80GiB",
+    ]);
+    assert!(ok, "{err}");
+    assert!(bytes_on(&out, "per device") <= 80 << 30, "{out}");
+}
+
+#[test]
+fn a_closed_stdout_ends_the_estimate_quietly() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills both descriptors on success, and each is owned exactly once below.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["estimate", "--preset", "gpt2", "--stage", "2"])
+        .stdout(std::process::Stdio::from(write))
+        .output()
+        .expect("run zero");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.trim().is_empty(), "{err}");
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["estimate", "--preset", "gpt2", "--stage", "2"])
+        .stdout(std::process::Stdio::from(full))
+        .output()
+        .expect("run zero");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

@@ -138,7 +138,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     input.largest_gather = Some(shape.largest_gather());
     input.offload_optimizer = target(&a.optimizer)?;
     input.offload_param = target(&a.param)?;
-    let predicted = estimate(&input);
+    let predicted = estimate(&input)?;
     // Per process: every rank thread's device and host bytes (both are this machine's memory).
     let host = (predicted.per_device.total() + predicted.per_host.total()) * a.world as u64;
     println!(

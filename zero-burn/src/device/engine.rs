@@ -4,7 +4,7 @@
 use super::adam::DeviceAdam;
 use super::collective::DeviceCollective;
 use super::flat::{flatten, read_flat, take_flat_grads, write_flat};
-use crate::core::StepReport;
+use crate::core::{NonFiniteSeen, Overflow, StepReport};
 use crate::error::ZeroError;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, OptimizerOffload, ParamOffload, Stage};
@@ -371,19 +371,24 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
             crate::params::tensor_to_vec(Tensor::cat(stats, 0))
         };
         if check {
-            let local = if self.loss_non_finite {
-                Some("the loss")
+            let seen = if self.loss_non_finite {
+                Some(NonFiniteSeen::Loss)
             } else if stats.chunks_exact(2).any(|s| s[1] > 0.0) {
-                Some("the averaged gradient")
+                Some(NonFiniteSeen::Gradient)
             } else {
                 None
             };
-            let mut flag = [if local.is_some() { 1.0f32 } else { 0.0 }];
+            let mine = seen.map(|seen| Overflow {
+                rank: self.comm.rank(),
+                seen,
+            });
+            let mut agreed = mine;
             if world > 1 {
-                self.comm.all_reduce_scalars(&mut flag, ReduceOp::Max)?;
+                let mut code = [Overflow::code(mine, world)];
+                self.comm.all_reduce_scalars(&mut code, ReduceOp::Max)?;
+                agreed = Overflow::decode(code[0], world);
             }
-            let overflow = flag[0] > 0.0;
-            if !crate::core::decide_step(&mut self.scaler, &self.settings, overflow, local, step, loss_scale)? {
+            if !crate::core::decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }
         }

@@ -1,9 +1,11 @@
 //! `zero estimate`: bytes of model states per device, per host and on NVMe for a parameter
 //! count or a GPT-2 preset, a ZeRO stage, a cluster shape and offload choices.
 
+use crate::{print_error, print_output};
 use std::process::ExitCode;
 use zero_core::estimate::{
-    estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget, StateBytes, GPT2_PRESETS,
+    estimate, human_bytes, Dtype, EstimateError, EstimateInput, FitError, Gpt2Shape, OffloadTarget, StateBytes,
+    GPT2_PRESETS,
 };
 
 /// Arguments of `zero estimate`.
@@ -49,14 +51,22 @@ pub struct Args {
 /// Runs the subcommand: the estimate on stdout, or the error on stderr with exit status 2.
 pub fn run(args: Args) -> ExitCode {
     match report(&args) {
-        Ok(text) => {
-            println!("{text}");
-            ExitCode::SUCCESS
-        }
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
+        Ok(text) => print_output(&text),
+        Err(message) => print_error(message),
+    }
+}
+
+/// The flag (and its value) an overflowing input came from, for the error.
+fn blame(args: &Args, e: &EstimateError) -> String {
+    let EstimateError::Overflow { input, .. } = e;
+    match *input {
+        "gpus_per_node" => format!("--gpus-per-node {}", args.gpus_per_node),
+        "nodes" => format!("--nodes {}", args.nodes),
+        _ => match (&args.params, &args.preset) {
+            (Some(p), _) => format!("--params {p}"),
+            (None, Some(name)) => format!("--preset {name}"),
+            (None, None) => format!("--hidden {}", args.hidden),
+        },
     }
 }
 
@@ -71,8 +81,10 @@ fn target(flag: &str, value: Option<&str>) -> Result<Option<OffloadTarget>, Stri
 
 fn parse_count(text: &str) -> Result<u64, String> {
     let clean = text.replace(['_', ','], "");
-    if let Ok(n) = clean.parse::<u64>() {
-        return Ok(n);
+    match clean.parse::<u64>() {
+        Ok(0) => return Err(format!("--params {text}: expected a positive count")),
+        Ok(n) => return Ok(n),
+        Err(_) => {}
     }
     match clean.parse::<f64>() {
         Ok(v) if (1.0..1e18).contains(&v) => Ok(v.round() as u64),
@@ -106,8 +118,12 @@ fn parse_bytes(flag: &str, text: &str) -> Result<u64, String> {
             ))
         }
     };
+    // Below 2^64 (1.8e19) the cast is exact enough; at or above it, it would saturate.
     match number.trim().parse::<f64>() {
-        Ok(v) if v > 0.0 && (v * scale) < 1e19 => Ok((v * scale) as u64),
+        Ok(v) if v > 0.0 && (v * scale) < 1.8e19 => Ok((v * scale) as u64),
+        Ok(v) if v > 0.0 && (v * scale).is_finite() => Err(format!(
+            "--{flag} {text}: more than 2^64 bytes (16 EiB), more than any machine holds"
+        )),
         _ => Err(format!(
             "--{flag} {text}: expected a positive size such as 128GiB or 120e9"
         )),
@@ -158,7 +174,8 @@ fn report(args: &Args) -> Result<String, String> {
             name.clone(),
             Gpt2Shape::preset(name).ok_or_else(|| {
                 format!(
-                    "--preset {name}: unknown (known: {}, or gpt2-<layers>x<hidden> with hidden a multiple of 64)",
+                    "--preset {name}: unknown (known: {}, or gpt2-<layers>x<hidden> with hidden a multiple of 64 \
+                     and fewer than 2^64 parameters)",
                     GPT2_PRESETS.join(", ")
                 )
             })?,
@@ -169,17 +186,29 @@ fn report(args: &Args) -> Result<String, String> {
                 Some(d) => parse_bytes("fit-device-memory", d)?,
                 None => u64::MAX,
             };
-            let shape = Gpt2Shape::deepest_fitting(args.hidden, &input, host, device).ok_or_else(|| {
-                format!(
-                    "no GPT-2 of hidden {} fits {} per host{} at this stage and offload",
-                    args.hidden,
+            let limits = format!(
+                "{} of host memory{}",
+                human_bytes(host),
+                if device == u64::MAX {
+                    String::new()
+                } else {
+                    format!(" and {} per device", human_bytes(device))
+                }
+            );
+            let shape = Gpt2Shape::deepest_fitting(args.hidden, &input, host, device).map_err(|e| match e {
+                FitError::NothingFits { .. } => format!(
+                    "no GPT-2 of hidden {} fits in {limits} at stage {}; {e}",
+                    args.hidden, args.stage
+                ),
+                FitError::Unbounded => format!(
+                    "--fit-host-memory {}: at stage {} with this offload the model states hold nothing in host \
+                     memory that grows with the depth, so host memory does not limit it (every depth would \
+                     \"fit\"); offload the optimizer state (--offload-optimizer cpu) or give --fit-device-memory",
                     human_bytes(host),
-                    if device == u64::MAX {
-                        String::new()
-                    } else {
-                        format!(" and {} per device", human_bytes(device))
-                    }
-                )
+                    args.stage
+                ),
+                FitError::BadHidden(_) => format!("--hidden {}: {e}", args.hidden),
+                FitError::Estimate(e) => format!("{}: {e}", blame(args, &e)),
             })?;
             Some((format!("deepest fitting: {}", shape.shaped_name()), shape))
         }
@@ -193,14 +222,11 @@ fn report(args: &Args) -> Result<String, String> {
         }
         None => format!("{} parameters", input.params),
     };
-    let e = estimate(&input);
+    let e = estimate(&input).map_err(|e| format!("{}: {e}", blame(args, &e)))?;
+    let world = input.world().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
     let mut out = format!(
-        "{what}\nstage {}, {:?}, {} node(s) × {} device(s) (N = {})\n",
-        args.stage,
-        dtype,
-        args.nodes,
-        args.gpus_per_node,
-        input.world()
+        "{what}\nstage {}, {:?}, {} node(s) × {} device(s) (N = {world})\n",
+        args.stage, dtype, args.nodes, args.gpus_per_node,
     );
     let mut section = |title: &str, b: &StateBytes| {
         if b.total() == 0 && title != "per device" {
