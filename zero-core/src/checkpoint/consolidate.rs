@@ -37,7 +37,8 @@ pub struct ConsolidateReport {
     pub largest_tensor_bytes: u64,
 }
 
-/// The exported parameters, in layout order, with their new names; checks that no two share one.
+/// The exported parameters, in layout order, with their new names; checks that no two share one
+/// and that the renaming leaves at least one (an empty weights file is never what was meant).
 fn exported_params(
     layout: &PartitionLayout,
     names: &dyn Fn(&str) -> Option<String>,
@@ -53,6 +54,13 @@ fn exported_params(
             }
             out.push((i, new));
         }
+    }
+    if out.is_empty() {
+        return Err(CheckpointError::Usage(format!(
+            "the renaming rules leave none of the {} parameters to export (a `!PREFIX` rule drops every name \
+             starting with PREFIX; `!` alone drops them all)",
+            layout.params.len()
+        )));
     }
     Ok(out)
 }
@@ -90,7 +98,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// Writes the checkpoint's fp32 weights, whole, into `out_dir`: `model.safetensors`, or, when
 /// they exceed `max_shard_bytes`, `model-0000i-of-0000n.safetensors` files and
 /// `model.safetensors.index.json`. `names` renames or drops parameters (see
-/// [`super::NameMap`]). Every chunk read is verified against the checkpoint's checksums.
+/// [`super::NameMap`]; dropping every one is an error). Nothing is written until every shard
+/// file has been opened and checked against the metadata's layout as a load checks it, and
+/// every chunk read is verified against the checkpoint's checksums.
 pub fn to_fp32(
     checkpoint: &Checkpoint,
     out_dir: &Path,
@@ -99,6 +109,13 @@ pub fn to_fp32(
 ) -> Result<ConsolidateReport, CheckpointError> {
     let layout = &checkpoint.meta.layout;
     let params = exported_params(layout, names)?;
+    // Every shard file is opened, and its length, header and tensors checked against the
+    // metadata's layout (the check a load makes), before anything is written: a checkpoint
+    // the trainer would refuse is refused here too, and leaves no partial output behind.
+    let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
+    for rank in 0..checkpoint.meta.world_size {
+        readers.insert(rank, checkpoint.open_shard(rank)?);
+    }
     std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
 
     // Shards: consecutive tensors up to the size limit (a larger tensor gets a file of its own).
@@ -126,7 +143,6 @@ pub fn to_fp32(
     };
 
     let old_places = layout.places();
-    let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
     let mut report = ConsolidateReport {
         files: Vec::new(),
         index: None,
@@ -153,10 +169,9 @@ pub fn to_fp32(
             values.clear();
             values.resize(n, 0.0);
             for piece in param_sources(layout, &old_places, *p, 0..n, 0) {
-                let reader = match readers.entry(piece.file_rank) {
-                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::btree_map::Entry::Vacant(e) => e.insert(checkpoint.open_shard(piece.file_rank)?),
-                };
+                let reader = readers.get_mut(&piece.file_rank).ok_or_else(|| {
+                    CheckpointError::Usage(format!("no shard file of rank {} in the checkpoint", piece.file_rank))
+                })?;
                 reader.read_f32(
                     &super::format::master_tensor(piece.group),
                     piece.src,

@@ -280,3 +280,92 @@ fn publish(dir: &Path, tag: &str, staging: &Path) -> Result<(), CheckpointError>
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::ThreadGroup;
+    use crate::partition::{LayoutBuilder, ParamSpec, Placement};
+
+    /// A one-rank checkpoint under a fresh `DIR/t`; returns (DIR, the metadata as written).
+    fn saved(name: &str) -> (PathBuf, CheckpointMeta) {
+        let dir = std::env::temp_dir().join(format!("zero-readback-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let specs = vec![ParamSpec {
+            name: "w".into(),
+            shape: vec![3, 5],
+        }];
+        let mut b = LayoutBuilder::new(specs, 1, 4);
+        b.group(vec![0], Placement::Sharded);
+        let layout = b.finish();
+        let master: Vec<f32> = (0..layout.owned_len(0)).map(|i| i as f32 / 3.0).collect();
+        let request = SaveRequest {
+            layout: &layout,
+            groups: vec![GroupShard {
+                master: &master,
+                state: vec![("exp_avg", &master)],
+            }],
+            stage: 3,
+            global_step: 5,
+            optimizer_name: "adamw".into(),
+            optimizer_step: 5,
+            lr_next: Some(1.7943120135055317e-3),
+            loss_scaler: None,
+            rng: None,
+            client_state: serde_json::json!({ "batch": 5 }),
+        };
+        let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
+        save(comm.as_ref(), &dir, "t", &request).expect("save");
+        let meta = Checkpoint::open(&dir, None).expect("open").meta;
+        (dir, meta)
+    }
+
+    fn check(dir: &Path, record: &FileRecord, written: &CheckpointMeta) -> String {
+        read_back(&dir.join("t"), 0, record, Some(written))
+            .expect_err("must be found")
+            .to_string()
+    }
+
+    #[test]
+    fn read_back_accepts_what_was_written_and_names_what_was_not() {
+        let (dir, meta) = saved("cases");
+        let record = meta.files[0].clone();
+        read_back(&dir.join("t"), 0, &record, Some(&meta)).expect("an intact checkpoint reads back");
+
+        // The metadata verifies but says something else than was meant (an inexact float).
+        let mut other = meta.clone();
+        other.lr_next = other.lr_next.map(|v| f64::from_bits(v.to_bits() + 1));
+        let e = check(&dir, &record, &other);
+        assert!(e.contains(META_FILE) && e.contains("other than it was written"), "{e}");
+
+        // The rank's own record of its shard is not the one the metadata holds.
+        let mut wrong = record.clone();
+        wrong.crc32 ^= 1;
+        let e = check(&dir, &wrong, &meta);
+        assert!(
+            e.contains("rank_00000.safetensors") && e.contains("other checksums"),
+            "{e}"
+        );
+
+        // The shard's header on disk is not what was written.
+        let shard = dir.join("t/rank_00000.safetensors");
+        let good = std::fs::read(&shard).unwrap();
+        let mut bad = good.clone();
+        bad[12] ^= 0x20;
+        std::fs::write(&shard, &bad).unwrap();
+        let e = check(&dir, &record, &meta);
+        assert!(
+            e.contains("rank_00000.safetensors") && e.contains("checksum mismatch"),
+            "{e}"
+        );
+        std::fs::write(&shard, &good).unwrap();
+
+        // The metadata on disk does not verify.
+        let path = dir.join("t").join(META_FILE);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replacen("\"global_step\": 5", "\"global_step\": 6", 1)).unwrap();
+        let e = check(&dir, &record, &meta);
+        assert!(e.contains(META_FILE) && e.contains("checksum mismatch"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
