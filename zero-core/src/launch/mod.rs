@@ -4,6 +4,8 @@
 //! Every rank gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE,
 //! which [`crate::comm::DistEnv::detect`] reads. When a rank fails, the others are stopped
 //! (SIGTERM, then SIGKILL after a grace period) and the launch reports which rank failed and how.
+//! A rank that exits with status 0 while the others still run, and they do not finish soon
+//! after, ended early: the others would wait for it, so they are stopped too, naming it.
 
 mod hostfile;
 mod supervise;
@@ -62,7 +64,15 @@ pub struct LaunchOptions {
     pub command: Vec<String>,
     /// Time between SIGTERM and SIGKILL when the ranks are stopped.
     pub grace: Duration,
+    /// How long the other ranks may go on after one exited with status 0 before that one
+    /// counts as ended early and the job is stopped; `None`: [`DEFAULT_EXIT_GRACE`].
+    pub exit_grace: Option<Duration>,
 }
+
+/// How long the other ranks may run on once one rank exited with status 0, by default: far
+/// longer than ranks that finished the same job take to exit after one another, far shorter
+/// than the communication timeout (300 s) its peers would otherwise wait for it.
+pub const DEFAULT_EXIT_GRACE: Duration = Duration::from_secs(30);
 
 /// A resolved launch: which global ranks this node starts, and their environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +91,9 @@ pub struct LaunchPlan {
     pub command: Vec<String>,
     /// Time between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// How long the other ranks may run on once one exited with status 0 (see
+    /// [`supervise`]).
+    pub exit_grace: Duration,
 }
 
 impl LaunchPlan {
@@ -159,6 +172,7 @@ impl LaunchPlan {
             master_port,
             command: opts.command.clone(),
             grace: opts.grace,
+            exit_grace: opts.exit_grace.unwrap_or(DEFAULT_EXIT_GRACE),
         })
     }
 

@@ -1,4 +1,5 @@
-//! Starting the ranks and watching them: the first rank to fail stops all the others.
+//! Starting the ranks and watching them: the first rank to fail, or to end while the others
+//! still wait for it, stops all the others.
 
 use super::{LaunchError, LaunchPlan};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -44,7 +45,7 @@ impl std::fmt::Display for Termination {
 }
 
 /// How the launch ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     /// Every rank exited with status 0.
     Success,
@@ -56,6 +57,21 @@ pub enum Outcome {
         local_rank: usize,
         /// How it ended.
         how: Termination,
+        /// The global rank that had exited with status 0 while the others still ran, before
+        /// this one failed (often the cause: its peers lost it mid-collective).
+        after_early_exit: Option<usize>,
+    },
+    /// This rank exited with status 0 while other ranks still ran, and they had not all
+    /// finished [`LaunchPlan::exit_grace`] later: it ended early (before the rendezvous, or
+    /// mid-job), and the others, which would wait for it until their communication timeout,
+    /// were stopped.
+    EndedEarly {
+        /// Global rank.
+        rank: usize,
+        /// Rank on this node.
+        local_rank: usize,
+        /// Global ranks still running when the job was stopped.
+        still_running: Vec<usize>,
     },
     /// The launcher itself got this signal (SIGINT, SIGTERM) and stopped the ranks.
     Interrupted(i32),
@@ -102,21 +118,53 @@ fn reap(children: &mut [Child], done: &mut [bool]) -> bool {
     done.iter().all(|&d| d)
 }
 
+/// Makes the kernel kill this rank when the launcher dies, whatever kills it (SIGKILL
+/// included, which the launcher cannot catch to stop its ranks itself). Runs in the child
+/// between fork and exec, so it makes only async-signal-safe calls.
+fn die_with_launcher(launcher: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid are async-signal-safe and touch no memory of
+    // ours.
+    #[cfg(target_os = "linux")]
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // The launcher may have died between the fork and the prctl: then no signal will come.
+        if libc::getppid() != launcher {
+            libc::_exit(1);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = launcher;
+    Ok(())
+}
+
 /// Starts this node's ranks and waits for them; the first failure stops the others.
+///
+/// A rank that exits with status 0 while others still run is not a failure at once: ranks
+/// finish a job at slightly different times (rank 0 may write files after the last
+/// collective). But when the others have not all finished [`LaunchPlan::exit_grace`] later, it
+/// ended early, and they are waiting for a peer that will never answer (before the rendezvous,
+/// until their communication timeout): the job is stopped with [`Outcome::EndedEarly`].
+///
+/// SIGINT and SIGTERM to the launcher stop the ranks (SIGTERM, then SIGKILL after the grace);
+/// on Linux, a launcher killed outright takes its ranks with it (`PR_SET_PDEATHSIG`).
 pub fn supervise(plan: &LaunchPlan) -> Result<Outcome, LaunchError> {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    let launcher = std::process::id() as libc::pid_t;
     let mut children: Vec<Child> = Vec::with_capacity(plan.local_world_size);
     for local in 0..plan.local_world_size {
-        let spawned = Command::new(&plan.command[0])
-            .args(&plan.command[1..])
-            .envs(plan.env(local))
-            .process_group(0)
-            .spawn();
-        match spawned {
+        let mut command = Command::new(&plan.command[0]);
+        command.args(&plan.command[1..]).envs(plan.env(local)).process_group(0);
+        // SAFETY: the closure makes only async-signal-safe calls (see die_with_launcher).
+        unsafe {
+            command.pre_exec(move || die_with_launcher(launcher));
+        }
+        match command.spawn() {
             Ok(child) => children.push(child),
             Err(e) => {
                 let mut done = vec![false; children.len()];
@@ -129,6 +177,8 @@ pub fn supervise(plan: &LaunchPlan) -> Result<Outcome, LaunchError> {
         }
     }
     let mut done = vec![false; children.len()];
+    // The first rank that exited with status 0 while others still ran, and when.
+    let mut first_exit: Option<(usize, Instant)> = None;
     loop {
         let sig = INTERRUPTED.load(Ordering::SeqCst);
         if sig != 0 {
@@ -136,14 +186,17 @@ pub fn supervise(plan: &LaunchPlan) -> Result<Outcome, LaunchError> {
             return Ok(Outcome::Interrupted(sig));
         }
         let mut failed = None;
+        let mut exited_ok = None;
         for (local, (c, d)) in children.iter_mut().zip(done.iter_mut()).enumerate() {
             if *d {
                 continue;
             }
             if let Ok(Some(status)) = c.try_wait() {
                 *d = true;
-                if !status.success() && failed.is_none() {
-                    failed = Some((local, Termination::of(status)));
+                if !status.success() {
+                    failed.get_or_insert((local, Termination::of(status)));
+                } else {
+                    exited_ok.get_or_insert(local);
                 }
             }
         }
@@ -153,10 +206,30 @@ pub fn supervise(plan: &LaunchPlan) -> Result<Outcome, LaunchError> {
                 rank: plan.first_rank + local,
                 local_rank: local,
                 how,
+                after_early_exit: first_exit.map(|(l, _)| plan.first_rank + l),
             });
         }
         if done.iter().all(|&d| d) {
             return Ok(Outcome::Success);
+        }
+        if let Some(local) = exited_ok {
+            first_exit.get_or_insert((local, Instant::now()));
+        }
+        if let Some((local, at)) = first_exit {
+            if at.elapsed() >= plan.exit_grace {
+                let still_running = done
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &d)| !d)
+                    .map(|(l, _)| plan.first_rank + l)
+                    .collect();
+                stop_all(&mut children, &mut done, plan.grace);
+                return Ok(Outcome::EndedEarly {
+                    rank: plan.first_rank + local,
+                    local_rank: local,
+                    still_running,
+                });
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -10,7 +10,9 @@ use zero_core::launch::{supervise, LaunchOptions, LaunchPlan, Outcome};
 #[command(
     after_help = "Each rank gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and \
                   LOCAL_WORLD_SIZE. If a rank fails, the others are stopped and `zero launch` \
-                  exits with the failed rank's status."
+                  exits with the failed rank's status; so they are when a rank exits with status 0 \
+                  and the others do not finish within --exit-grace-secs (exit status 1). Stopping \
+                  `zero launch` (SIGINT, SIGTERM, or on Linux any signal) stops its ranks."
 )]
 pub struct Args {
     /// Ranks to start on this node (default with --hostfile: this host's slots).
@@ -32,8 +34,13 @@ pub struct Args {
     #[arg(long, conflicts_with = "nnodes")]
     hostfile: Option<PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping the ranks.
-    #[arg(long, default_value_t = 5.0)]
-    grace_secs: f64,
+    #[arg(long, default_value = "5", value_parser = seconds)]
+    grace_secs: Duration,
+    /// Seconds the other ranks may run on once one rank exited with status 0; past that, the
+    /// rank counts as ended early (its peers would wait for it) and the job is stopped
+    /// [default: 30].
+    #[arg(long, value_parser = seconds)]
+    exit_grace_secs: Option<Duration>,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -49,7 +56,8 @@ pub fn run(args: Args) -> ExitCode {
         master_port: args.master_port,
         hostfile: args.hostfile,
         command: args.command,
-        grace: Duration::from_secs_f64(args.grace_secs.max(0.0)),
+        grace: args.grace_secs,
+        exit_grace: args.exit_grace_secs,
     };
     let plan = match LaunchPlan::resolve(&opts) {
         Ok(plan) => plan,
@@ -60,11 +68,35 @@ pub fn run(args: Args) -> ExitCode {
     };
     match supervise(&plan) {
         Ok(Outcome::Success) => ExitCode::SUCCESS,
-        Ok(Outcome::RankFailed { rank, local_rank, how }) => {
+        Ok(Outcome::RankFailed {
+            rank,
+            local_rank,
+            how,
+            after_early_exit,
+        }) => {
+            let cause = after_early_exit
+                .map(|r| format!(" (after rank {r} had exited with status 0 while the others still ran)"))
+                .unwrap_or_default();
             eprintln!(
-                "zero launch: rank {rank} (local rank {local_rank}) failed with {how}; the other ranks were stopped"
+                "zero launch: rank {rank} (local rank {local_rank}) failed with {how}{cause}; the other ranks were stopped"
             );
             ExitCode::from(how.exit_code())
+        }
+        Ok(Outcome::EndedEarly {
+            rank,
+            local_rank,
+            still_running,
+        }) => {
+            let others: Vec<String> = still_running.iter().map(usize::to_string).collect();
+            eprintln!(
+                "zero launch: rank {rank} (local rank {local_rank}) ended early: it exited with status 0 while \
+                 rank(s) {} still ran and had not finished {} s later (they would wait for it until their \
+                 communication timeout); the other ranks were stopped. If ranks of this program finish that far \
+                 apart on purpose, raise --exit-grace-secs",
+                others.join(", "),
+                plan.exit_grace.as_secs_f64(),
+            );
+            ExitCode::from(1)
         }
         Ok(Outcome::Interrupted(sig)) => {
             eprintln!("zero launch: interrupted by signal {sig}; the ranks were stopped");
@@ -75,4 +107,13 @@ pub fn run(args: Args) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// A number of seconds (fractional, ≥ 0, finite) as a duration.
+fn seconds(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
+    Duration::try_from_secs_f64(secs)
+        .map_err(|_| format!("{text}: expected a number of seconds, finite, ≥ 0 and below 2^64"))
 }
