@@ -23,14 +23,30 @@ enum Command {
 
 fn main() -> ExitCode {
     let outcome = match Cli::parse().command {
-        Command::Train(args) => train(&args).map(|_| ()),
-        Command::Score(args) => score(&args).map(|loss| println!("loss {loss}")),
-        Command::Generate(args) => generate(&args).map(|text| println!("{text}")),
+        Command::Train(args) => train(&args).map(|_| None),
+        Command::Score(args) => score(&args).map(|loss| Some(format!("loss {loss}"))),
+        Command::Generate(args) => generate(&args).map(Some),
     };
     match outcome {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(result)) => print_result(&result),
         Err(e) => {
             eprintln!("gpt2: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes the result line to stdout (`println!` panics when it cannot). A reader that went away
+/// (`gpt2 score ... | head -0`) had what it wanted: success; any other failure (a full disk)
+/// is one line on stderr and exit status 1.
+fn print_result(result: &str) -> ExitCode {
+    use std::io::{ErrorKind, Write};
+    match writeln!(std::io::stdout().lock(), "{result}") {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpt2: cannot write the result to stdout: {e}");
             ExitCode::FAILURE
         }
     }

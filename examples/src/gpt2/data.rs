@@ -44,22 +44,51 @@ impl DataSource {
         Ok(DataSource::Fixed(batch))
     }
 
-    /// Tokenizes `text` with GPT-2's BPE and keeps the last 5 % for validation.
-    pub fn from_text(text: &str, seq_len: usize) -> Result<Self, TrainError> {
+    /// Tokenizes `text` (`what` names it in errors) with GPT-2's BPE and keeps the last 5 % for
+    /// validation, for sequences of `seq_len` tokens: at least 2 (each token predicts the next),
+    /// at most `n_positions` (the model's) and what the text can hold
+    /// ([`DataSource::longest_text_sequence`]). Each refusal names `--seq-len` and its range.
+    pub fn from_text(text: &str, what: &str, seq_len: usize, n_positions: usize) -> Result<Self, TrainError> {
+        if seq_len < 2 {
+            return Err(TrainError::Config(format!(
+                "--seq-len {seq_len}: expected 2..={n_positions}, as a sequence needs at least 2 tokens (each \
+                 predicts the next)"
+            )));
+        }
+        if seq_len > n_positions {
+            return Err(TrainError::Config(format!(
+                "--seq-len {seq_len}: expected 2..={n_positions}, as the model's n_positions is {n_positions}"
+            )));
+        }
         let tokenizer = Gpt2Tokenizer::new().map_err(|e| TrainError::Data(e.to_string()))?;
         let tokens = tokenizer.encode(text);
-        let split = tokens.len() - tokens.len() / 20;
-        if split < 4 * (seq_len + 1) || tokens.len() - split < seq_len + 1 {
+        let longest = Self::longest_text_sequence(tokens.len());
+        if longest < 2 {
             return Err(TrainError::Data(format!(
-                "the text has {} tokens, too few for sequences of {seq_len}",
+                "{what} has {} tokens, too few to cut into training and held-out sequences",
                 tokens.len()
             )));
         }
+        if seq_len > longest {
+            return Err(TrainError::Config(format!(
+                "--seq-len {seq_len}: expected 2..={longest}, as {what} has {} tokens, enough for sequences of \
+                 at most {longest} (the 95 % trained on must hold 4 of them, the 5 % held out 1)",
+                tokens.len()
+            )));
+        }
+        let split = tokens.len() - tokens.len() / 20;
         Ok(DataSource::Text {
             valid: tokens[split..].to_vec(),
             train: tokens[..split].to_vec(),
             seq_len,
         })
+    }
+
+    /// The longest sequence a text of `tokens` tokens gives: the 95 % trained on must hold 4
+    /// windows of `seq_len + 1` tokens, the 5 % held out one.
+    pub fn longest_text_sequence(tokens: usize) -> usize {
+        let split = tokens - tokens / 20;
+        (split / 4).min(tokens - split).saturating_sub(1)
     }
 
     /// Tokens per sequence.
@@ -138,6 +167,33 @@ mod tests {
         assert_ne!(a, data.global_batch(4, 4, 42).expect("batch"));
         assert!(a.iter().all(|s| s.len() == 8 && s.windows(2).all(|w| w[1] == w[0] + 1)));
         assert_eq!(data.validation(3).len(), 3);
+    }
+
+    #[test]
+    fn a_text_takes_sequences_from_2_to_what_it_and_the_model_hold() {
+        let text = "the quick brown fox jumps over the lazy dog. ".repeat(40);
+        let tokens = Gpt2Tokenizer::new().expect("tokenizer").encode(&text).len();
+        let longest = DataSource::longest_text_sequence(tokens);
+        assert!(DataSource::from_text(&text, "t", 2, 1024).is_ok());
+        assert!(DataSource::from_text(&text, "t", longest, 1024).is_ok());
+        for (seq_len, n_positions, range) in [
+            (0, 1024, "2..=1024".to_string()),
+            (1, 1024, "2..=1024".to_string()),
+            (100, 64, "2..=64".to_string()),
+            (longest + 1, 1024, format!("2..={longest}")),
+        ] {
+            let err = DataSource::from_text(&text, "t", seq_len, n_positions)
+                .expect_err("out of range")
+                .to_string();
+            assert!(
+                err.contains(&format!("--seq-len {seq_len}")) && err.contains(&range),
+                "{err}"
+            );
+        }
+        let err = DataSource::from_text("tiny", "t", 2, 1024)
+            .expect_err("too short")
+            .to_string();
+        assert!(err.contains("too few"), "{err}");
     }
 
     #[test]

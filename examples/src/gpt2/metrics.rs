@@ -56,7 +56,7 @@ impl Progress {
     pub fn println(&self, line: &str) {
         match (&self.bar, self.lead) {
             (Some(bar), _) => bar.println(line),
-            (None, true) => println!("{line}"),
+            (None, true) => say(line),
             (None, false) => {}
         }
     }
@@ -73,8 +73,8 @@ impl Progress {
             return;
         }
         let tokens_per_s = s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
-        println!("{}", self.header);
-        println!(
+        say(&self.header);
+        say(format_args!(
             "{} steps in {:.1} s: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
             s.steps.len(),
             s.seconds,
@@ -84,9 +84,9 @@ impl Progress {
                 .map(|v| format!(" (held-out {v:.4})"))
                 .unwrap_or_default(),
             tokens_per_s
-        );
+        ));
         if let Some(m) = last.memory.first() {
-            println!(
+            say(format_args!(
                 "rank 0 holds {:.1} MB: parameters {:.1}, gradients {:.1}, master weights {:.1}, optimizer state {:.1}, gathered peak {:.1}",
                 m.total_current() as f64 / 1e6,
                 m.parameters.current as f64 / 1e6,
@@ -94,9 +94,16 @@ impl Progress {
                 m.master_weights.current as f64 / 1e6,
                 m.optimizer_state.current as f64 / 1e6,
                 m.gathered.peak as f64 / 1e6
-            );
+            ));
         }
     }
+}
+
+/// Prints one line on stdout. A stdout that cannot be written (a reader that went away, as in
+/// `gpt2 train | head -1`) is ignored: the run's work (checkpoints, metrics) is done or goes
+/// on, and only what it would have shown is lost; `println!` would panic instead.
+pub fn say(line: impl std::fmt::Display) {
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
 }
 
 /// One JSON line per step.
@@ -108,7 +115,8 @@ pub struct MetricsWriter {
 impl MetricsWriter {
     /// Creates (truncates) the file.
     pub fn create(path: &Path) -> Result<Self, TrainError> {
-        let file = std::fs::File::create(path).map_err(|source| io(path, source))?;
+        let file = std::fs::File::create(path)
+            .map_err(|e| TrainError::Config(format!("--metrics {}: cannot create the file: {e}", path.display())))?;
         Ok(MetricsWriter {
             file: std::io::BufWriter::new(file),
             path: path.to_path_buf(),

@@ -29,6 +29,20 @@ impl ModelSource {
         self.build(device)
     }
 
+    /// The model's shape, without its weights: the preset's, or the directory's config.json,
+    /// so that the arguments can be checked against it before any work.
+    pub fn config(&self) -> Result<Gpt2Config, TrainError> {
+        match self {
+            ModelSource::Preset(name) => Gpt2Config::preset(name).map_err(|e| TrainError::Model(e.to_string())),
+            ModelSource::Pretrained(dir) => {
+                let path = dir.join("config.json");
+                let json = std::fs::read_to_string(&path)
+                    .map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))?;
+                Gpt2Config::from_json_str(&json).map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))
+            }
+        }
+    }
+
     /// Builds the model on `device`.
     pub fn build<B: Backend>(&self, device: &B::Device) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
         match self {
@@ -54,7 +68,7 @@ pub fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), Tr
     }
     if data.seq_len() > model_config.n_positions {
         return Err(TrainError::Data(format!(
-            "sequences of {} tokens exceed the model's n_positions {}",
+            "the token file's sequences of {} tokens exceed the model's n_positions {}",
             data.seq_len(),
             model_config.n_positions
         )));

@@ -15,7 +15,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
@@ -139,30 +139,52 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     }
 }
 
-/// Runs the training on backend `B`, whose ranks share `devices` devices.
+/// Runs the training on backend `B`, whose ranks share `devices` devices. Every argument is
+/// checked against the config, the model's shape and the data before any rank starts.
 fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError> {
+    check_counts(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
     }
-    let config = Arc::new(parsed.config);
-    let data = Arc::new(match (&args.tokens, &args.data) {
-        (Some(path), _) => DataSource::from_tokens_file(path)?,
-        (None, Some(path)) => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
-            DataSource::from_text(&text, args.seq_len)?
-        }
-        (None, None) => DataSource::from_text(SHIPPED_CORPUS, args.seq_len)?,
-    });
+    let config = parsed.config;
     let source = match (&args.model, &args.preset) {
         (Some(dir), _) => ModelSource::Pretrained(dir.clone()),
         (None, Some(name)) => ModelSource::Preset(name.clone()),
         (None, None) => ModelSource::Preset("tiny".into()),
     };
+    let model_config = source.config()?;
+    let n_positions = model_config.n_positions;
+    let data = match (&args.tokens, &args.data) {
+        (Some(path), _) => DataSource::from_tokens_file(path)?,
+        (None, Some(path)) => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+            DataSource::from_text(&text, &path.display().to_string(), args.seq_len, n_positions)?
+        }
+        (None, None) => DataSource::from_text(SHIPPED_CORPUS, "the shipped corpus", args.seq_len, n_positions)?,
+    };
+    check_data(&data, &model_config)?;
+    if let Some(dir) = &args.save {
+        check_writable("--save", dir)?;
+    }
+    // The world: the launcher's, or the rank threads'; resolved once for every rank, so that a
+    // batch size the ranks cannot share is refused before any starts.
+    let world = DistEnv::detect().map_or(args.nproc, |env| env.world_size);
     let (stages, tensor) = model_parallel_degrees(&config)?;
+    if !world.is_multiple_of(stages * tensor) {
+        return Err(TrainError::Config(format!(
+            "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
+        )));
+    }
+    let options = InitOptions {
+        hidden_size: Some(model_config.n_embd),
+        ..Default::default()
+    };
+    let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    let data = Arc::new(data);
     if stages > 1 || tensor > 1 {
-        return train_pipeline::<B>(args, config, data, source, stages, tensor, devices);
+        return train_pipeline::<B>(args, resolved, data, source, (world, stages, tensor), devices);
     }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
@@ -171,7 +193,7 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) ->
             rank_device::<B>(rank, devices),
             group,
             &args,
-            &config,
+            &resolved,
             &data,
             &source,
         )
@@ -181,6 +203,45 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) ->
     // return the first this process hosts: rank 0's with threads, the process's own rank under
     // a launcher.
     first_summary(results)
+}
+
+/// Refuses counts that cannot mean anything, before any work; each error names the flag and
+/// what it takes. (`--seq-len` is checked against the model and the text when the text is
+/// read.)
+fn check_counts(args: &TrainArgs) -> Result<(), TrainError> {
+    if args.steps == 0 {
+        return Err(TrainError::Config(
+            "--steps 0: nothing to train; --steps is the total number of optimizer steps, at least 1".into(),
+        ));
+    }
+    if args.nproc == 0 {
+        return Err(TrainError::Config("--nproc 0: at least 1 rank is needed".into()));
+    }
+    match (args.save_every, &args.save) {
+        (Some(0), _) => Err(TrainError::Config(
+            "--save-every 0: expected at least 1 step (leave it out to save only at the end)".into(),
+        )),
+        (Some(k), None) => Err(TrainError::Config(format!(
+            "--save-every {k} without --save: give the directory to save into"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Fails unless `dir` (the value of `flag`) is a directory this process can write into:
+/// created when missing, then a probe file created and removed. A run must not learn that it
+/// cannot save only when its work is done.
+fn check_writable(flag: &str, dir: &Path) -> Result<(), TrainError> {
+    let refuse = |why: String| TrainError::Config(format!("{flag} {}: {why}", dir.display()));
+    if dir.exists() && !dir.is_dir() {
+        return Err(refuse("not a directory".into()));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| refuse(format!("cannot create the directory: {e}")))?;
+    // One probe per process: ranks launched as processes may share the directory.
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| refuse(format!("cannot write into the directory: {e}")))?;
+    std::fs::remove_file(&probe)
+        .map_err(|e| refuse(format!("cannot remove a file written there ({}): {e}", probe.display())))
 }
 
 /// The device of the rank with world rank `rank`: the one of index `local` modulo `devices`,
@@ -202,43 +263,33 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
     first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
 
-/// What a rank starts from: its model (seeded), the config resolved for the data-parallel
-/// degree, the engine settings, and the micro-batch size, accumulation steps and global batch.
+/// What a rank starts from: its model (seeded), the engine settings, and the micro-batch size,
+/// accumulation steps and global batch.
 struct RankStart<B: AutodiffBackend> {
     model: Gpt2<B>,
     model_config: Gpt2Config,
-    resolved: ResolvedConfig,
     settings: EngineSettings,
     micro: usize,
     gas: usize,
     global: usize,
 }
 
-/// Builds the model on `device`, checks the data against it, and resolves the config for
-/// `data_ranks` data-parallel ranks.
+/// Builds the model on `device` and the engine settings of the config resolved for the
+/// data-parallel ranks.
 fn rank_start<B: AutodiffBackend>(
     device: &B::Device,
     args: &TrainArgs,
-    config: &DeepSpeedConfig,
-    data: &DataSource,
+    resolved: &ResolvedConfig,
     source: &ModelSource,
-    data_ranks: usize,
 ) -> Result<RankStart<B>, TrainError> {
     let (model, model_config): (Gpt2<B>, _) = source.build_seeded(device, args.seed)?;
-    check_data(data, &model_config)?;
-    let options = InitOptions {
-        hidden_size: Some(model_config.n_embd),
-        ..Default::default()
-    };
-    let resolved = zero_burn::resolve(config, data_ranks, &options)?;
-    let settings = zero_burn::engine_settings(&resolved)?;
+    let settings = zero_burn::engine_settings(resolved)?;
     Ok(RankStart {
         micro: resolved.micro_batch_size as usize,
         gas: resolved.gradient_accumulation_steps as usize,
         global: resolved.train_batch_size as usize,
         model,
         model_config,
-        resolved,
         settings,
     })
 }
@@ -249,7 +300,7 @@ fn rank_loop<B: AutodiffBackend>(
     device: B::Device,
     group: Arc<dyn ProcessGroup>,
     args: &TrainArgs,
-    config: &DeepSpeedConfig,
+    resolved: &ResolvedConfig,
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
@@ -257,12 +308,11 @@ fn rank_loop<B: AutodiffBackend>(
     let RankStart {
         model,
         model_config,
-        resolved,
         settings,
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, config, data, source, world)?;
+    } = rank_start::<B>(&device, args, resolved, source)?;
     let parameters = model_config.num_params() as usize;
     let lead = rank == 0;
     // wall_clock_breakdown: the engine's collectives pass through a timing wrapper (rank 0 only
@@ -278,6 +328,9 @@ fn rank_loop<B: AutodiffBackend>(
         Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
         None => 0,
     };
+    if let Some(done) = nothing_to_train(args, first_step, lead, world, parameters) {
+        return Ok(done);
+    }
 
     let mut progress = Progress::new(
         lead,
@@ -373,6 +426,34 @@ fn resume_step(dir: &std::path::Path, client: &serde_json::Value, global_step: u
         )));
     }
     Ok(step)
+}
+
+/// When a resumed run's checkpoint is already at (or past) `--steps`, the total: says so (rank
+/// 0) and gives the empty summary, instead of a silent exit.
+fn nothing_to_train(
+    args: &TrainArgs,
+    first_step: u64,
+    lead: bool,
+    world: usize,
+    parameters: usize,
+) -> Option<TrainSummary> {
+    let (Some(dir), true) = (&args.load, first_step >= args.steps) else {
+        return None;
+    };
+    if lead {
+        super::metrics::say(format_args!(
+            "nothing to train: the checkpoint in {} is at step {first_step}, --steps is {} (the total, not the \
+             steps to add)",
+            dir.display(),
+            args.steps
+        ));
+    }
+    Some(TrainSummary {
+        steps: Vec::new(),
+        seconds: 0.0,
+        world_size: world,
+        parameters,
+    })
 }
 
 /// Where and with what client state to save after `step` (0-based), when `--save` (with
@@ -502,20 +583,13 @@ fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), Tr
 /// of the world): as threads, or this process's one rank under a launcher.
 fn train_pipeline<B: AutodiffBackend + TpBackend>(
     args: &TrainArgs,
-    config: Arc<DeepSpeedConfig>,
+    resolved: Arc<ResolvedConfig>,
     data: Arc<DataSource>,
     source: ModelSource,
-    stages: usize,
-    tensor: usize,
+    (world, stages, tensor): (usize, usize, usize),
     devices: usize,
 ) -> Result<TrainSummary, TrainError> {
     let launched = DistEnv::detect().ok();
-    let world = launched.as_ref().map_or(args.nproc.max(1), |env| env.world_size);
-    if !world.is_multiple_of(stages * tensor) {
-        return Err(TrainError::Config(format!(
-            "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
-        )));
-    }
     let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
         .map_err(|e| TrainError::Config(e.to_string()))?;
     let comm = |e: zero_core::comm::CommError| TrainError::Engine(e.into());
@@ -523,16 +597,16 @@ fn train_pipeline<B: AutodiffBackend + TpBackend>(
         let world_group = TcpGroup::from_env(None).map_err(comm)?;
         let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
         let device = rank_device::<B>(groups.world.rank(), devices);
-        return pipeline_rank_loop::<B>(groups, device, args, &config, &data, &source);
+        return pipeline_rank_loop::<B>(groups, device, args, &resolved, &data, &source);
     }
     let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .into_iter()
             .map(|groups| {
-                let (config, data, source) = (&config, &data, &source);
+                let (resolved, data, source) = (&resolved, &data, &source);
                 let device = rank_device::<B>(groups.world.rank(), devices);
-                s.spawn(move || pipeline_rank_loop::<B>(groups, device, args, config, data, source))
+                s.spawn(move || pipeline_rank_loop::<B>(groups, device, args, resolved, data, source))
             })
             .collect();
         handles
@@ -557,19 +631,18 @@ fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
     groups: RankGroups,
     device: B::Device,
     args: &TrainArgs,
-    config: &DeepSpeedConfig,
+    resolved: &ResolvedConfig,
     data: &DataSource,
     source: &ModelSource,
 ) -> Result<TrainSummary, TrainError> {
     let RankStart {
         model,
         model_config,
-        resolved,
         settings,
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, config, data, source, groups.layout.size(Axis::Data))?;
+    } = rank_start::<B>(&device, args, resolved, source)?;
     let method = match resolved.pipeline.partition.as_str() {
         // DeepSpeed's default; the layers here are balanced by parameters.
         "best" => PartitionMethod::Parameters,
@@ -636,16 +709,19 @@ impl PipelineRun<'_> {
         let (micro, gas, global) = (self.micro, self.gas, self.global);
         let world = groups.layout.world_size();
         let lead = groups.world.rank() == 0;
+        let first_step = match &args.load {
+            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+            None => 0,
+        };
+        if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
+            return Ok(done);
+        }
         let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
         let mut metrics = match (&args.metrics, lead) {
             (Some(path), true) => Some(MetricsWriter::create(path)?),
             _ => None,
         };
         let d = groups.coords.data;
-        let first_step = match &args.load {
-            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
-            None => 0,
-        };
         // Validation as without a pipeline: each data index evaluates its share of the held-out
         // rows as one micro-batch, forward only through the stages.
         let dp = groups.layout.size(Axis::Data);

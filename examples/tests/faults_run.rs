@@ -1,0 +1,196 @@
+//! Faults of a `gpt2 train` run, as a user meets them through the binary: what cannot work is
+//! refused before the first step (an unwritable `--save`, a count that means nothing), in one
+//! sentence naming the flag, never with a panic; a resumed run with nothing left says so; a
+//! model whose loss is not finite fails at the first step, naming it, in fp32 and bf16.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use support::{fixture, fixture_model, fixture_model_with_value};
+
+/// `gpt2 train` on the tiny fixture model and (unless `extra` gives `--data`) token batch,
+/// quietly, with `extra` arguments (the fixture config's batch sizes ask for `--nproc 4`).
+fn train(extra: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_gpt2"));
+    command.args(["train", "--quiet"]);
+    if !extra.contains(&"--data") {
+        command.arg("--tokens").arg(fixture("train_tokens.json"));
+    }
+    command
+        .arg("--config")
+        .arg(fixture("train_config.json"))
+        .arg("--model")
+        .arg(fixture_model())
+        .args(extra)
+        .env("ZERO_COMM_TIMEOUT_SECS", "30")
+        .output()
+        .expect("run gpt2")
+}
+
+/// What the user saw on stderr.
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts a refusal: exit status 1 (not a panic's 101, not success) and one line on stderr,
+/// from the program, holding every one of `want`.
+fn assert_refused(out: &Output, want: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "{want:?}: {out:?}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].starts_with("gpt2: "), "{err}");
+    for w in want {
+        assert!(err.contains(w), "{w:?} missing from: {err}");
+    }
+}
+
+#[test]
+fn an_unwritable_save_target_is_refused_before_step_1() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").expect("write");
+    let mut targets = vec![file.clone(), file.join("below")];
+    // A read-only directory stops writes only where permissions apply (not for root).
+    let read_only = dir.path().join("read-only");
+    std::fs::create_dir(&read_only).expect("mkdir");
+    set_mode(&read_only, 0o555);
+    if std::fs::write(read_only.join("try"), "").is_err() {
+        targets.push(read_only.clone());
+    }
+    for target in &targets {
+        let metrics = dir.path().join("metrics.jsonl");
+        let out = train(&[
+            "--nproc",
+            "4",
+            "--steps",
+            "3",
+            "--metrics",
+            &metrics.to_string_lossy(),
+            "--save",
+            &target.to_string_lossy(),
+        ]);
+        assert_refused(&out, &["--save", &target.to_string_lossy()]);
+        // Refused before the work: no step ran, so no step was recorded.
+        assert!(!metrics.exists(), "{}: steps ran before the refusal", target.display());
+    }
+    set_mode(&read_only, 0o755);
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+#[test]
+fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A short text: the fixture model's n_positions (32) and the text's length both bound
+    // --seq-len.
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "To be, or not to be, that is the question. ".repeat(8)).expect("write");
+    let text = text.to_string_lossy().into_owned();
+    let save = dir.path().join("ckpt").to_string_lossy().into_owned();
+    // Each case gives --steps 1 (but the one about --steps), so that a flag let through costs
+    // one step, not the default hundred.
+    let cases: [(&[&str], &[&str]); 8] = [
+        (
+            &["--steps", "1", "--data", &text, "--seq-len", "0"],
+            &["--seq-len 0", "2..=32"],
+        ),
+        (
+            &["--steps", "1", "--data", &text, "--seq-len", "1"],
+            &["--seq-len 1", "2..=32"],
+        ),
+        (
+            &["--steps", "1", "--data", &text, "--seq-len", "100000"],
+            &["--seq-len 100000", "2..=32", "n_positions"],
+        ),
+        (
+            &["--steps", "1", "--data", &text, "--seq-len", "30"],
+            &["--seq-len 30", "2..=", "tokens"],
+        ),
+        (&["--steps", "0"], &["--steps 0", "nothing to train"]),
+        (&["--steps", "1", "--nproc", "0"], &["--nproc 0"]),
+        (
+            &["--steps", "1", "--save", &save, "--save-every", "0"],
+            &["--save-every 0"],
+        ),
+        (&["--steps", "1", "--save-every", "2"], &["--save-every 2", "--save"]),
+    ];
+    for (args, want) in cases {
+        assert_refused(&train(args), want);
+    }
+}
+
+#[test]
+fn a_resumed_run_already_at_its_steps_says_there_is_nothing_to_train() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ckpt = dir.path().join("ckpt").to_string_lossy().into_owned();
+    let out = train(&["--nproc", "4", "--steps", "2", "--save", &ckpt]);
+    assert!(out.status.success(), "{out:?}");
+    for steps in ["2", "1"] {
+        let out = train(&["--nproc", "4", "--steps", steps, "--load", &ckpt]);
+        assert!(out.status.success(), "{out:?}");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            said.contains("nothing to train")
+                && said.contains("at step 2")
+                && said.contains(&format!("--steps is {steps}")),
+            "{said}"
+        );
+    }
+}
+
+#[test]
+fn a_non_finite_loss_fails_the_first_step_naming_it_in_fp32_and_bf16() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_config.json")).expect("config")).expect("json");
+    let mut bf16 = config.clone();
+    bf16["bf16"] = serde_json::json!({ "enabled": true });
+    let bf16_config = dir.path().join("bf16.json");
+    std::fs::write(&bf16_config, bf16.to_string()).expect("write");
+    for (dtype, config, value) in [
+        ("fp32", fixture("train_config.json"), f32::NAN),
+        ("bf16", bf16_config, f32::INFINITY),
+    ] {
+        let model = fixture_model_with_value(&dir.path().join(dtype), "h.0.attn.c_attn.weight", value);
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args(["train", "--quiet", "--nproc", "4", "--steps", "3"])
+            .arg("--config")
+            .arg(&config)
+            .arg("--tokens")
+            .arg(fixture("train_tokens.json"))
+            .arg("--model")
+            .arg(&model)
+            .output()
+            .expect("run gpt2");
+        assert_eq!(out.status.code(), Some(1), "{dtype}: {out:?}");
+        let err = stderr(&out);
+        for want in ["step 1", "the loss", "infinite or NaN", "rank 0", dtype] {
+            assert!(err.contains(want), "{dtype}: {want:?} missing from: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_closed_stdout_does_not_fail_a_finished_run() {
+    // The reader goes away before the summary is printed (`gpt2 train | head -0`).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["train", "--quiet", "--nproc", "4", "--steps", "1"])
+        .arg("--config")
+        .arg(fixture("train_config.json"))
+        .arg("--tokens")
+        .arg(fixture("train_tokens.json"))
+        .arg("--model")
+        .arg(fixture_model())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpt2");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
