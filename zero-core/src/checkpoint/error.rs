@@ -81,7 +81,7 @@ pub enum CheckpointError {
     #[error("checkpoint: {0}")]
     Usage(String),
     /// Other ranks failed while this one succeeded: their own errors, gathered from them.
-    #[error("{}; nothing was changed on this rank", peers_failed(*.action, .failures))]
+    #[error("{}; nothing was changed on this rank", peers_failed(.action, .failures))]
     PeerFailed {
         /// `save` or `load`.
         action: &'static str,
@@ -89,7 +89,7 @@ pub enum CheckpointError {
         failures: Vec<RankFailure>,
     },
     /// This rank failed, and other ranks failed too with other errors (each message once).
-    #[error("{own}; {}", peers_failed(*.action, .others))]
+    #[error("{own}; {}", peers_failed(.action, .others))]
     AlsoFailed {
         /// This rank's own error.
         own: Box<CheckpointError>,
