@@ -417,6 +417,7 @@ impl Gpt2Shape {
         if n_layer == 0 || n_embd == 0 || !n_embd.is_multiple_of(head_dim) {
             return None;
         }
+        // The MLP's inner size, 4·n_embd, must fit too.
         n_embd.checked_mul(4)?;
         let shape = Self::with(n_embd, n_layer, n_embd / head_dim);
         // Counted once, checked, so that the counting methods below cannot overflow.

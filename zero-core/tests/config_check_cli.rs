@@ -143,12 +143,28 @@ fn a_closed_or_full_stdout_ends_the_tool_without_a_panic() {
 
 #[test]
 fn a_file_larger_than_any_config_is_refused_without_reading_it_whole() {
-    let out = Command::new(env!("CARGO_BIN_EXE_zero"))
+    // Without the cap the tool reads until memory runs out: stop it long before that.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zero"))
         .args(["check-config", "/dev/zero"])
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(10) {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("check-config /dev/zero still reading after 10 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
     assert!(err.contains("/dev/zero") && err.contains("8 MiB"), "{err}");
     // A regular file one byte past the limit, all whitespace (valid JSON padding), too.
     let big = write_config("big.json", &" ".repeat((8 << 20) + 1));

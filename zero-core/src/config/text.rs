@@ -65,7 +65,9 @@ pub(crate) fn parse_relaxed(text: &str, source_name: &str) -> Result<(Value, Vec
         .map_err(|e| ConfigError::Syntax {
             source_name: source_name.to_string(),
             line: e.line(),
-            column: e.column(),
+            // serde_json reports column 0 for an error at the very end of a line (a file cut
+            // after a newline); columns are 1-based.
+            column: e.column().max(1),
             message: strip_position(&e.to_string()),
         })?;
     Ok((value, warnings))
@@ -165,11 +167,10 @@ fn scan(text: &str) -> Scan {
     let mut prev: Option<char> = None;
     while i < n {
         let c = chars[i];
-        let in_value_position = match (open.last(), prev) {
-            (Some(_), Some(':')) => true,
-            (Some('['), Some('[') | Some(',')) => true,
-            _ => false,
-        };
+        let in_value_position = matches!(
+            (open.last(), prev),
+            (Some(_), Some(':')) | (Some('['), Some('[') | Some(','))
+        );
         match c {
             '\n' => {
                 out.clean.push(c);
@@ -567,6 +568,9 @@ mod tests {
             ConfigError::Syntax { line, .. } => assert_eq!(line, 3),
             other => panic!("{other:?}"),
         }
+        // A file cut after a newline: the position is the start of the last line, not column 0.
+        let (line, column, _) = syntax_error("{\n\"a\": 1,\n");
+        assert_eq!((line, column), (3, 1));
     }
 
     #[test]
