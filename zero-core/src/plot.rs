@@ -12,9 +12,12 @@
 
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
+
+/// The longest metrics line read (a step line is a few hundred bytes).
+const MAX_LINE: usize = 1 << 20;
 
 /// The plot's width and height in pixels.
 pub const PLOT_SIZE: (u32, u32) = (1000, 600);
@@ -146,23 +149,38 @@ impl Run {
             source,
         };
         let file = std::fs::File::open(path).map_err(io)?;
+        let mut reader = std::io::BufReader::new(file);
         let mut run = Run {
             path: path.to_path_buf(),
             info: None,
             steps: Vec::new(),
         };
-        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-            let line = line.map_err(io)?;
+        let mut bytes = Vec::new();
+        for number in 1.. {
+            let bad = |detail: String| PlotError::Parse {
+                path: path.to_path_buf(),
+                line: number,
+                detail,
+            };
+            bytes.clear();
+            // A step line is a few hundred bytes; reading at most MAX_LINE keeps a file that is
+            // no metrics file at all (a device, a binary) from growing memory without bound.
+            let read = (&mut reader)
+                .take(MAX_LINE as u64 + 1)
+                .read_until(b'\n', &mut bytes)
+                .map_err(io)?;
+            if read == 0 {
+                break;
+            }
+            if bytes.len() > MAX_LINE {
+                return Err(bad(format!("longer than {} KiB: not a metrics line", MAX_LINE / 1024)));
+            }
+            let line = std::str::from_utf8(&bytes).map_err(|e| bad(format!("not UTF-8 text: {e}")))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |detail: String| PlotError::Parse {
-                path: path.to_path_buf(),
-                line: i + 1,
-                detail,
-            };
             let value: serde_json::Value =
-                serde_json::from_str(&line).map_err(|e| bad(format!("not a JSON line: {e}")))?;
+                serde_json::from_str(line).map_err(|e| bad(format!("not a JSON line: {e}")))?;
             if let Some(header) = value.get("run") {
                 let info = serde_json::from_value(header.clone())
                     .map_err(|e| bad(format!("the run header is not readable: {e}")))?;

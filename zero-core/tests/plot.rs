@@ -169,6 +169,14 @@ fn bad_metrics_files_are_errors_that_name_the_line() {
     let err = Run::read(&path).unwrap_err().to_string();
     assert!(err.contains("bad.jsonl, line 2"), "{err}");
 
+    // A file that is no metrics file (no line ends) is refused after one capped line, not read
+    // into memory whole.
+    #[cfg(unix)]
+    {
+        let err = Run::read(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(err.contains("/dev/zero, line 1: longer than"), "{err}");
+    }
+
     // A run whose every loss is NaN (written as null) has nothing to draw: say so, draw nothing.
     std::fs::write(&path, "{\"step\": 1, \"loss\": null}\n").unwrap();
     let run = Run::read(&path).unwrap();

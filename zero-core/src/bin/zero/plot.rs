@@ -1,7 +1,6 @@
 //! `zero plot`: draws a run's loss curve from its metrics file, and overlays other runs on the
 //! same axes (stage 0 against stage 3, fp32 against bf16).
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use zero_core::plot::{draw, Run};
@@ -28,14 +27,7 @@ pub fn run(args: Args) -> ExitCode {
         .collect::<Result<Vec<_>, _>>()
         .and_then(|runs| draw(&runs, &out));
     match drawn {
-        Ok(()) => {
-            // A closed stdout (`| head`) is not an error of the plot, which is written.
-            let _ = writeln!(std::io::stdout(), "wrote {}", out.display());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
-        }
+        Ok(()) => crate::print_output(&format!("wrote {}", out.display())),
+        Err(e) => crate::print_error(e),
     }
 }
