@@ -4,6 +4,7 @@
 //! and rank 0 learns every rank's file record.
 
 use super::error::{CheckpointError, RankFailure};
+pub(crate) use crate::comm::all_gather_bytes;
 use crate::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 
 /// Longest error message a rank sends to the others: far more than any real one, and a bound
@@ -89,30 +90,4 @@ fn bounded(mut message: String) -> String {
         message.push_str("(no message)");
     }
     message
-}
-
-/// Every rank's `bytes`, in rank order, on every rank. Bytes travel one per f32 element (exact),
-/// which is wasteful but only ever used for records of a few hundred bytes.
-pub(crate) fn all_gather_bytes(comm: &dyn ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CheckpointError> {
-    if comm.world_size() == 1 {
-        return Ok(vec![bytes.to_vec()]);
-    }
-    // Lengths first, as two 16-bit halves each (exact in f32), so buffers can be padded alike.
-    let len = bytes.len() as u32;
-    let lens = comm
-        .all_gather(FlatBuffer::F32(vec![(len >> 16) as f32, (len & 0xffff) as f32]))?
-        .into_f32();
-    let lens: Vec<usize> = lens
-        .chunks(2)
-        .map(|c| ((c[0] as usize) << 16) | c[1] as usize)
-        .collect();
-    let max = lens.iter().copied().max().unwrap_or(0);
-    let mut mine: Vec<f32> = bytes.iter().map(|&b| b as f32).collect();
-    mine.resize(max, 0.0);
-    let all = comm.all_gather(FlatBuffer::F32(mine))?.into_f32();
-    Ok(lens
-        .iter()
-        .enumerate()
-        .map(|(r, &n)| all[r * max..r * max + n].iter().map(|&v| v as u8).collect())
-        .collect())
 }

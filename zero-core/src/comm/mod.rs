@@ -19,6 +19,7 @@
 //! original cause.
 
 mod buffer;
+mod bytes;
 pub mod env;
 mod error;
 #[cfg(feature = "cuda")]
@@ -31,6 +32,7 @@ mod work;
 mod worker;
 
 pub use buffer::{BufferMut, BufferRef, DType, FlatBuffer};
+pub use bytes::all_gather_bytes;
 pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
 #[cfg(feature = "cuda")]
