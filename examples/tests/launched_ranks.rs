@@ -63,14 +63,12 @@ fn four_processes_train_like_pytorch_and_only_rank_0_writes_metrics() {
         );
     }
     let text = std::fs::read_to_string(dir.path().join("metrics-0.jsonl")).expect("rank 0's metrics");
-    let got: Vec<f64> = text
+    let mut lines = text
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).expect("json line")["loss"]
-                .as_f64()
-                .expect("loss")
-        })
-        .collect();
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json line"));
+    let header = lines.next().expect("the header line");
+    assert_eq!(header["run"]["world_size"], 4, "{header}");
+    let got: Vec<f64> = lines.map(|l| l["loss"].as_f64().expect("loss")).collect();
     assert_eq!(got.len(), losses.len());
     for (step, (g, w)) in got.iter().zip(&losses).enumerate() {
         let err = (g - w).abs() / w.abs();

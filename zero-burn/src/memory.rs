@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Current and peak bytes of one kind.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Bytes {
     /// Held now.
     pub current: usize,
@@ -16,7 +16,7 @@ pub struct Bytes {
 }
 
 /// The per-rank memory report.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryReport {
     /// Model parameters as the model sees them: the full replica (stages 0-2) or the rank's
     /// parameter shards (stage 3).
@@ -36,7 +36,7 @@ pub struct MemoryReport {
 }
 
 /// Current bytes of one kind by location.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Locations {
     /// Beside the model, on the backend's device (the CPU for the CPU backend).
     pub device: usize,
@@ -47,7 +47,7 @@ pub struct Locations {
 }
 
 /// Current bytes of every kind by location.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LocationSplit {
     /// Model parameters (and the parameter shard; with stage 3 `offload_param`, on the host
     /// or in files).

@@ -6,6 +6,7 @@ use super::TrainError;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use zero_core::plot::{draw, Run, RunInfo};
 
 /// The progress bar (rank 0 only).
 pub struct Progress {
@@ -113,12 +114,15 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// Creates (truncates) the file.
-    pub fn create(path: &Path) -> Result<Self, TrainError> {
+    /// Creates (truncates) the file and writes its header line, what `zero plot` titles the
+    /// curve with.
+    pub fn create(path: &Path, run: &RunInfo) -> Result<Self, TrainError> {
         let file = std::fs::File::create(path)
             .map_err(|e| TrainError::Config(format!("--metrics {}: cannot create the file: {e}", path.display())))?;
+        let mut file = std::io::BufWriter::new(file);
+        writeln!(file, "{}", run.header_line()).map_err(|source| io(path, source))?;
         Ok(MetricsWriter {
-            file: std::io::BufWriter::new(file),
+            file,
             path: path.to_path_buf(),
         })
     }
@@ -144,34 +148,9 @@ fn io(path: &Path, source: std::io::Error) -> TrainError {
     }
 }
 
-/// Draws the training loss (blue) and held-out loss (red) per step into `METRICS.png` beside
-/// the metrics file.
-pub fn write_loss_curve(metrics: &Path, s: &TrainSummary) -> Result<(), TrainError> {
-    use plotters::prelude::*;
+/// Draws the metrics file's loss curve into `METRICS.png` beside it, as `zero plot` does.
+pub fn write_loss_curve(metrics: &Path) -> Result<(), TrainError> {
     let out = metrics.with_extension("png");
-    let draw = || -> Result<(), Box<dyn std::error::Error>> {
-        let root = BitMapBackend::new(&out, (800, 480)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let losses: Vec<(f64, f64)> = s.steps.iter().map(|r| (r.step as f64, r.loss)).collect();
-        let valid: Vec<(f64, f64)> = s
-            .steps
-            .iter()
-            .filter_map(|r| r.valid_loss.map(|v| (r.step as f64, v)))
-            .collect();
-        let all = losses.iter().chain(&valid).map(|p| p.1).filter(|v| v.is_finite());
-        let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
-        if lo > hi {
-            return Ok(());
-        }
-        let steps = s.steps.len().max(2) as f64;
-        let pad = ((hi - lo) * 0.05).max(1e-3);
-        let mut chart = ChartBuilder::on(&root)
-            .margin(20)
-            .build_cartesian_2d(1.0..steps, (lo - pad)..(hi + pad))?;
-        chart.draw_series(LineSeries::new(losses, &BLUE))?;
-        chart.draw_series(LineSeries::new(valid, &RED))?;
-        root.present()?;
-        Ok(())
-    };
-    draw().map_err(|e| io(&out, std::io::Error::other(e.to_string())))
+    let drawn = Run::read(metrics).and_then(|run| draw(&[run], &out));
+    drawn.map_err(|e| io(&out, std::io::Error::other(e.to_string())))
 }

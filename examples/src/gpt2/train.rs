@@ -21,8 +21,9 @@ use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::{ChainEngine, EngineSettings, InitOptions, MemoryReport};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
-use zero_core::config::{DeepSpeedConfig, ResolvedConfig};
+use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
+use zero_core::plot::RunInfo;
 use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
 use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
@@ -341,7 +342,10 @@ fn rank_loop<B: AutodiffBackend>(
         resolved.zero.stage as u8,
     );
     let mut metrics = match (&args.metrics, lead) {
-        (Some(path), true) => Some(MetricsWriter::create(path)?),
+        (Some(path), true) => Some(MetricsWriter::create(
+            path,
+            &run_info(args, resolved, parameters, world),
+        )?),
         _ => None,
     };
     let seq = data.seq_len();
@@ -484,7 +488,7 @@ fn finish_run(
     progress.finish(&summary);
     if let (Some(m), Some(path)) = (metrics, &args.metrics) {
         m.finish()?;
-        super::metrics::write_loss_curve(path, &summary)?;
+        super::metrics::write_loss_curve(path)?;
     }
     Ok(summary)
 }
@@ -520,41 +524,48 @@ fn validate<B: AutodiffBackend>(
     mean_over_ranks(group, loss as f64)
 }
 
-/// Every rank's memory report, on every rank (KiB in f32: exact up to 16 GiB per kind).
+/// What the metrics file's header says about the run (the loss plot's title and legend).
+fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, world: usize) -> RunInfo {
+    let model = match (&args.model, &args.preset) {
+        (Some(dir), _) => format!(
+            "GPT-2 from {}",
+            dir.file_name()
+                .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+        ),
+        (None, preset) => format!("GPT-2 {}", preset.as_deref().unwrap_or("tiny")),
+    };
+    let precision = match resolved.precision {
+        Precision::Fp32 => "fp32",
+        Precision::Fp16(_) => "fp16",
+        Precision::Bf16(_) => "bf16",
+    };
+    RunInfo {
+        model,
+        parameters: parameters as u64,
+        stage: resolved.zero.stage as u8,
+        world_size: world,
+        precision: precision.into(),
+    }
+}
+
+/// Every rank's memory report, whole (bytes by kind and by location), on every rank.
 fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<Vec<MemoryReport>, TrainError> {
-    use zero_burn::Bytes;
-    let kinds = [
-        mine.parameters,
-        mine.gradients,
-        mine.master_weights,
-        mine.optimizer_state,
-        mine.gathered,
-    ];
-    let local: Vec<f32> = kinds
-        .iter()
-        .flat_map(|b| [(b.current / 1024) as f32, (b.peak / 1024) as f32])
-        .collect();
-    let all = group
-        .all_gather(FlatBuffer::F32(local))
+    // A report of plain counts always serialises; one that arrives unreadable is a peer's fault.
+    let unreadable = |rank: usize, e: serde_json::Error| {
+        TrainError::Engine(zero_burn::ZeroError::Comm(
+            zero_core::comm::CommError::InvalidArgument {
+                op: "memory report".into(),
+                message: format!("rank {rank}'s report arrived unreadable: {e}"),
+            },
+        ))
+    };
+    let record = serde_json::to_vec(&mine).map_err(|e| unreadable(group.rank(), e))?;
+    zero_core::comm::all_gather_bytes(group, &record)
         .map_err(|e| TrainError::Engine(e.into()))?
-        .into_f32();
-    Ok(all
-        .chunks(10)
-        .map(|c| {
-            let b = |i: usize| Bytes {
-                current: c[2 * i] as usize * 1024,
-                peak: c[2 * i + 1] as usize * 1024,
-            };
-            MemoryReport {
-                parameters: b(0),
-                gradients: b(1),
-                master_weights: b(2),
-                optimizer_state: b(3),
-                gathered: b(4),
-                ..Default::default()
-            }
-        })
-        .collect())
+        .iter()
+        .enumerate()
+        .map(|(rank, bytes)| serde_json::from_slice(bytes).map_err(|e| unreadable(rank, e)))
+        .collect()
 }
 
 /// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel degree
@@ -662,6 +673,12 @@ fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
         global,
         zero_stage: resolved.zero.stage as u8,
         parameters: model_config.num_params() as usize,
+        run: run_info(
+            args,
+            resolved,
+            model_config.num_params() as usize,
+            groups.world.world_size(),
+        ),
         every: resolved.steps_per_print.max(1),
     };
     if groups.layout.size(Axis::Tensor) > 1 {
@@ -694,6 +711,8 @@ struct PipelineRun<'a> {
     global: usize,
     zero_stage: u8,
     parameters: usize,
+    /// The metrics file's header.
+    run: RunInfo,
     /// steps_per_print: how often the validation loss is computed.
     every: u64,
 }
@@ -718,7 +737,7 @@ impl PipelineRun<'_> {
         }
         let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
         let mut metrics = match (&args.metrics, lead) {
-            (Some(path), true) => Some(MetricsWriter::create(path)?),
+            (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
             _ => None,
         };
         let d = groups.coords.data;

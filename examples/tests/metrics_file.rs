@@ -1,0 +1,129 @@
+//! What `--metrics` leaves behind, read as a user reads it: a header naming the run, one line
+//! per step whose memory report says where each kind of state lives (device, host, NVMe), and
+//! a PNG loss curve with text, beside the file. References: the engine's own memory report
+//! (`ChainEngine::memory`) and the sizes the optimizer state must have (Adam: two fp32 moments
+//! per owned parameter).
+
+mod support;
+
+use serde_json::Value;
+use std::path::Path;
+use support::fixture_args;
+use zero_examples::gpt2::train;
+
+fn config(dir: &Path, extra_zero: &str) -> std::path::PathBuf {
+    let path = dir.join("ds.json");
+    let text = format!(
+        r#"{{
+  "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+  "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-3 }} }},
+  "zero_optimization": {{ "stage": 3, "stage3_param_persistence_threshold": 0 {extra_zero} }}
+}}"#
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn read_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+const KINDS: [&str; 5] = [
+    "parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_state",
+    "gathered",
+];
+
+fn at(v: &Value, kind: &str, place: &str) -> u64 {
+    v["locations"][kind][place].as_u64().unwrap()
+}
+
+#[test]
+fn the_metrics_file_names_the_run_and_says_where_every_byte_lives() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("run.jsonl");
+    let mut args = fixture_args(&config(dir.path(), ""), 2, 2);
+    args.metrics = Some(metrics.clone());
+    train(&args).unwrap();
+
+    let lines = read_lines(&metrics);
+    let header = &lines[0]["run"];
+    assert_eq!(header["stage"], 3, "{header}");
+    assert_eq!(header["world_size"], 2, "{header}");
+    assert_eq!(header["precision"], "fp32", "{header}");
+    assert!(header["parameters"].as_u64().unwrap() > 0, "{header}");
+    assert_eq!(lines.len(), 3, "a header and one line per step");
+    for step in &lines[1..] {
+        let memory = step["memory"].as_array().unwrap();
+        assert_eq!(memory.len(), 2, "one report per rank");
+        for report in memory {
+            // Without offload everything is beside the model, exactly the kinds' current bytes.
+            for kind in KINDS {
+                let current = report[kind]["current"].as_u64().unwrap();
+                assert_eq!(at(report, kind, "device"), current, "{kind}: {report}");
+                assert_eq!(
+                    at(report, kind, "host") + at(report, kind, "nvme"),
+                    0,
+                    "{kind}: {report}"
+                );
+            }
+            assert!(at(report, "optimizer_state", "device") > 0, "{report}");
+        }
+    }
+
+    // The loss curve beside the file has its title and axes: ink in the title band.
+    let png = metrics.with_extension("png");
+    let decoder = png::Decoder::new(std::fs::File::open(&png).unwrap());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let width = info.width as usize;
+    let title_ink = buf[..3 * width * 40]
+        .chunks(3)
+        .filter(|p| p.iter().all(|&c| c < 110))
+        .count();
+    assert!(
+        title_ink > 300,
+        "the PNG has no title ({title_ink} dark pixels in its top band)"
+    );
+}
+
+#[test]
+fn with_nvme_offload_the_report_separates_host_buffers_from_the_swap_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let swap = dir.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let extra = format!(
+        r#", "offload_optimizer": {{ "device": "nvme", "nvme_path": "{}", "buffer_count": 3 }}"#,
+        swap.display()
+    );
+    let metrics = dir.path().join("run.jsonl");
+    let mut args = fixture_args(&config(dir.path(), &extra), 1, 2);
+    args.metrics = Some(metrics.clone());
+    train(&args).unwrap();
+
+    let lines = read_lines(&metrics);
+    let parameters = lines[0]["run"]["parameters"].as_u64().unwrap();
+    for report in lines[1]["memory"].as_array().unwrap() {
+        // On disk: the owned fp32 masters and Adam's two moments of each rank's half, padded
+        // (nothing is kept whole: the persistence threshold is 0).
+        let master_on_disk = at(report, "master_weights", "nvme");
+        let state_on_disk = at(report, "optimizer_state", "nvme");
+        assert!(master_on_disk >= parameters / 2 * 4, "{report}");
+        assert!(master_on_disk < parameters / 2 * 4 + 4096 * 4, "{report}");
+        assert_eq!(state_on_disk, 2 * master_on_disk, "Adam's two moments: {report}");
+        // In memory: only the host buffers the state streams through, none of it on the device.
+        assert_eq!(at(report, "optimizer_state", "device"), 0, "{report}");
+        assert_eq!(
+            at(report, "optimizer_state", "host"),
+            report["optimizer_state"]["current"].as_u64().unwrap(),
+            "{report}"
+        );
+    }
+}
