@@ -88,7 +88,7 @@ impl Progress {
         ));
         if let Some(m) = last.memory.first() {
             say(format_args!(
-                "rank 0 holds {:.1} MB: parameters {:.1}, gradients {:.1}, master weights {:.1}, optimizer state {:.1}, gathered peak {:.1}",
+                "rank 0 holds {:.1} MB in memory: parameters {:.1}, gradients {:.1}, master weights {:.1}, optimizer state {:.1}, gathered peak {:.1}",
                 m.total_current() as f64 / 1e6,
                 m.parameters.current as f64 / 1e6,
                 m.gradients.current as f64 / 1e6,
@@ -96,6 +96,31 @@ impl Progress {
                 m.optimizer_state.current as f64 / 1e6,
                 m.gathered.peak as f64 / 1e6
             ));
+            let l = &m.locations;
+            let kinds = [
+                l.parameters,
+                l.gradients,
+                l.master_weights,
+                l.optimizer_state,
+                l.gathered,
+            ];
+            let host: usize = kinds.iter().map(|k| k.host).sum();
+            let nvme: usize = kinds.iter().map(|k| k.nvme).sum();
+            if host + nvme > 0 {
+                // Offload: say which of it is host memory, and what sits in the swap files
+                // (on disk, not counted above).
+                say(format_args!(
+                    "  of which in host memory {:.1} MB (optimizer state {:.1}, master weights {:.1}, parameters {:.1}); on NVMe {:.1} MB (optimizer state {:.1}, master weights {:.1}, parameters {:.1})",
+                    host as f64 / 1e6,
+                    l.optimizer_state.host as f64 / 1e6,
+                    l.master_weights.host as f64 / 1e6,
+                    l.parameters.host as f64 / 1e6,
+                    nvme as f64 / 1e6,
+                    l.optimizer_state.nvme as f64 / 1e6,
+                    l.master_weights.nvme as f64 / 1e6,
+                    l.parameters.nvme as f64 / 1e6,
+                ));
+            }
         }
     }
 }
