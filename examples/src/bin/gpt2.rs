@@ -1,8 +1,9 @@
-//! `gpt2`: train GPT-2 with ZeRO from a DeepSpeed config; score and sample checkpoints.
+//! `gpt2`: train GPT-2 with ZeRO from a DeepSpeed config; score and sample checkpoints; write a
+//! randomly initialised starting checkpoint.
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-use zero_examples::gpt2::{generate, score, train, GenerateArgs, ScoreArgs, TrainArgs};
+use zero_examples::gpt2::{generate, init, score, train, GenerateArgs, InitArgs, ScoreArgs, TrainArgs};
 
 #[derive(Parser)]
 #[command(name = "gpt2", about = "GPT-2 with ZeRO on Burn")]
@@ -19,6 +20,9 @@ enum Command {
     Score(ScoreArgs),
     /// Continue a prompt greedily.
     Generate(GenerateArgs),
+    /// Write a randomly initialised HuggingFace GPT-2 directory of a preset, block by block
+    /// (the starting checkpoint for sizes without public weights).
+    Init(InitArgs),
 }
 
 fn main() -> ExitCode {
@@ -26,6 +30,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&args).map(|_| None),
         Command::Score(args) => score(&args).map(|loss| Some(format!("loss {loss}"))),
         Command::Generate(args) => generate(&args).map(Some),
+        Command::Init(args) => init(&args).map(Some),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,

@@ -1,8 +1,9 @@
-//! The GPT-2 trainer: `gpt2 train | score | generate`.
+//! The GPT-2 trainer: `gpt2 train | score | generate | init`.
 
 mod data;
 mod error;
 mod generate;
+mod init;
 mod metrics;
 mod model;
 mod monitor;
@@ -14,6 +15,7 @@ mod train;
 pub use data::{DataSource, TokenBatch};
 pub use error::TrainError;
 pub use generate::{generate, GenerateArgs};
+pub use init::{init, InitArgs};
 pub use monitor::{CsvMonitor, Monitors};
 pub use score::{score, ScoreArgs};
 pub use tensorboard::EventWriter;

@@ -1,0 +1,65 @@
+//! `gpt2 init`: the starting checkpoint of a preset, written block by block, is a directory the
+//! trainer's own loader and `gpt2 score` read. Reference: a random GPT-2 scores about ln(vocab)
+//! on any text (its next-token distribution is near uniform).
+
+use std::process::Command;
+
+fn gpt2() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpt2"))
+}
+
+#[test]
+fn init_writes_a_directory_that_scores_like_a_random_gpt2() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tiny");
+    let made = gpt2()
+        .args(["init", "--preset", "tiny", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let said = String::from_utf8_lossy(&made.stdout);
+    assert!(said.contains("in 3 shards"), "{said}");
+
+    let tokens = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train_tokens.json");
+    let scored = gpt2()
+        .args(["score", "--model"])
+        .arg(&out)
+        .arg("--tokens")
+        .arg(&tokens)
+        .output()
+        .unwrap();
+    assert!(scored.status.success(), "{}", String::from_utf8_lossy(&scored.stderr));
+    let text = String::from_utf8_lossy(&scored.stdout);
+    let loss: f64 = text
+        .lines()
+        .last()
+        .and_then(|l| l.strip_prefix("loss "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no loss line in {text}"));
+    let uniform = (50257f64).ln();
+    assert!(
+        (loss - uniform).abs() < 0.1,
+        "loss {loss}, a random GPT-2 gives about {uniform}"
+    );
+}
+
+#[test]
+fn init_refuses_an_output_that_is_a_file_and_an_unknown_preset() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    for (preset, out, says) in [
+        ("tiny", file.clone(), "not a directory"),
+        ("gpt2-huge", dir.path().join("new"), "unknown GPT-2 preset"),
+    ] {
+        let made = gpt2()
+            .args(["init", "--preset", preset, "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&made.stderr);
+        assert_eq!(made.status.code(), Some(1), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
+}
