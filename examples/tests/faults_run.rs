@@ -194,3 +194,34 @@ fn a_closed_stdout_does_not_fail_a_finished_run() {
     let out = child.wait_with_output().expect("wait");
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
+
+#[test]
+fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The fixture model has a vocabulary of 512 and n_positions 32.
+    let cases = [
+        ("vocab.json", vec![vec![600u32; 16]; 2], "vocabulary of 512"),
+        ("long.json", vec![vec![1u32; 40]; 2], "n_positions 32"),
+    ];
+    for (name, tokens, want) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, serde_json::to_string(&tokens).expect("json")).expect("write");
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .arg("score")
+            .arg("--model")
+            .arg(fixture_model())
+            .arg("--tokens")
+            .arg(&path)
+            .output()
+            .expect("run gpt2");
+        assert_refused(&out, &[want]);
+    }
+    // GPT-2's tokenizer gives "hello" an id far past 512.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["generate", "--prompt", "hello"])
+        .arg("--model")
+        .arg(fixture_model())
+        .output()
+        .expect("run gpt2");
+    assert_refused(&out, &["vocabulary of 512"]);
+}

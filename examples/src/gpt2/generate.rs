@@ -30,6 +30,14 @@ pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
     if ids.is_empty() {
         return Err(TrainError::Data("the prompt is empty".into()));
     }
+    // GPT-2's tokenizer can give ids a smaller vocabulary does not have: they would index out
+    // of the embedding table.
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+        return Err(TrainError::Data(format!(
+            "the prompt's GPT-2 token {id} is outside the model's vocabulary of {}",
+            config.vocab_size
+        )));
+    }
     for _ in 0..args.max_new_tokens {
         let window = &ids[ids.len().saturating_sub(config.n_positions)..];
         let input: Vec<i64> = window.iter().map(|&t| t as i64).collect();

@@ -1,6 +1,7 @@
 //! `gpt2 score`: the mean next-token loss of a checkpoint on a token batch.
 
 use super::data::DataSource;
+use super::model::check_data;
 use super::TrainError;
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -21,9 +22,13 @@ pub struct ScoreArgs {
 /// The loss of the whole batch (labels = inputs), as HuggingFace computes it.
 pub fn score(args: &ScoreArgs) -> Result<f64, TrainError> {
     let device = Default::default();
-    let (model, _) =
+    let (model, config) =
         Gpt2::<Flex>::load_pretrained(&args.model, &device).map_err(|e| TrainError::Model(e.to_string()))?;
-    let DataSource::Fixed(batch) = DataSource::from_tokens_file(&args.tokens)? else {
+    let data = DataSource::from_tokens_file(&args.tokens)?;
+    // Ids past the vocabulary or sequences past n_positions would index out of the model's
+    // tables.
+    check_data(&data, &config)?;
+    let DataSource::Fixed(batch) = data else {
         unreachable!("a tokens file is a fixed batch")
     };
     let seq = batch[0].len();
