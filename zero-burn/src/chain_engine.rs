@@ -285,11 +285,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
             ));
         }
         if stage == Stage::Zero3 && dtype == ComputeDtype::F32 {
-            // The fp32 masters are the parameters themselves: count them once, as parameters.
-            // (Under bf16/fp16 the parameters are the 16-bit shards, counted by the state.)
-            let owned = core.state.master_bytes_without_shard();
-            core.memory.sub_master(owned);
-            core.memory.add_parameters(owned);
+            core.count_masters_as_parameters();
         }
         Ok(Self::from_state(ends, blocks, parts, core, device))
     }

@@ -193,6 +193,15 @@ pub(crate) struct EngineCore {
 }
 
 impl EngineCore {
+    /// Stage 3 in fp32: the masters in memory are the parameters themselves (no separate shard
+    /// is kept), so count them once, as parameters. Under bf16/fp16 the parameters are the
+    /// 16-bit shards the state counts; with NVMe offload the masters are in the swap file.
+    pub(crate) fn count_masters_as_parameters(&self) {
+        let owned = self.state.master_bytes_without_shard();
+        self.memory.sub_master(owned);
+        self.memory.add_parameters(owned);
+    }
+
     pub fn new(
         layout: PartitionLayout,
         comm: Arc<dyn ProcessGroup>,

@@ -178,10 +178,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         };
         let core = EngineCore::new(layout.clone(), comm, settings, flows, full_values, memory)?;
         if dtype == ComputeDtype::F32 {
-            // As in `ChainEngine::new`: the fp32 masters are the parameters themselves.
-            let bytes = core.state.layout.owned_numel() * 4;
-            core.memory.sub_master(bytes);
-            core.memory.add_parameters(bytes);
+            core.count_masters_as_parameters();
         }
         Ok(ChainEngine::from_state(ends, blocks, parts, core, device))
     }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, InitOptions, MemoryReport};
+use zero_burn::{ChainEngine, EngineSettings, InitOptions, MemoryReport, Stage};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
@@ -264,10 +264,10 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
     first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
 
-/// What a rank starts from: its model (seeded), the engine settings, and the micro-batch size,
-/// accumulation steps and global batch.
+/// What a rank starts from: its model (seeded; `None` where the engine reads it partitioned),
+/// the engine settings, and the micro-batch size, accumulation steps and global batch.
 struct RankStart<B: AutodiffBackend> {
-    model: Gpt2<B>,
+    model: Option<Gpt2<B>>,
     model_config: Gpt2Config,
     settings: EngineSettings,
     micro: usize,
@@ -282,9 +282,19 @@ fn rank_start<B: AutodiffBackend>(
     args: &TrainArgs,
     resolved: &ResolvedConfig,
     source: &ModelSource,
+    pipelined: bool,
 ) -> Result<RankStart<B>, TrainError> {
-    let (model, model_config): (Gpt2<B>, _) = source.build_seeded(device, args.seed)?;
     let settings = zero_burn::engine_settings(resolved)?;
+    // Stage 3 from a HuggingFace directory: every rank reads only what it keeps, so no rank
+    // ever holds the model whole (DeepSpeed's zero.Init for pretrained weights). A preset is
+    // drawn whole on every rank from one shared generator, then cut by the engine.
+    let partitioned = matches!(source, ModelSource::Pretrained(_)) && settings.stage == Stage::Zero3 && !pipelined;
+    let (model, model_config) = if partitioned {
+        (None, source.config()?)
+    } else {
+        let (model, config) = source.build_seeded::<B>(device, args.seed)?;
+        (Some(model), config)
+    };
     Ok(RankStart {
         micro: resolved.micro_batch_size as usize,
         gas: resolved.gradient_accumulation_steps as usize,
@@ -313,7 +323,7 @@ fn rank_loop<B: AutodiffBackend>(
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, resolved, source)?;
+    } = rank_start::<B>(&device, args, resolved, source, false)?;
     let parameters = model_config.num_params() as usize;
     let lead = rank == 0;
     // wall_clock_breakdown: the engine's collectives pass through a timing wrapper (rank 0 only
@@ -324,7 +334,17 @@ fn rank_loop<B: AutodiffBackend>(
     } else {
         (group.clone(), None)
     };
-    let mut engine = ChainEngine::new(settings, model, engine_group)?;
+    let mut engine = match (source, model) {
+        (_, Some(model)) => ChainEngine::new(settings, model, engine_group)?,
+        (ModelSource::Pretrained(dir), None) => {
+            Gpt2::load_pretrained_partitioned(dir, settings, engine_group, &device)
+                .map_err(|e| TrainError::Model(e.to_string()))?
+                .0
+        }
+        (ModelSource::Preset(_), None) => {
+            return Err(TrainError::Model("a preset is built whole, never partitioned".into()))
+        }
+    };
     let first_step = match &args.load {
         Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
         None => 0,
@@ -653,7 +673,8 @@ fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, resolved, source)?;
+    } = rank_start::<B>(&device, args, resolved, source, true)?;
+    let model = model.ok_or_else(|| TrainError::Model("a pipelined run builds its model whole".into()))?;
     let method = match resolved.pipeline.partition.as_str() {
         // DeepSpeed's default; the layers here are balanced by parameters.
         "best" => PartitionMethod::Parameters,
