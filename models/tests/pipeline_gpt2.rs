@@ -232,8 +232,14 @@ fn check_with(data: usize, stages: usize, method: PartitionMethod, settings: Eng
             );
         }
         for (s, (got, want)) in norms.iter().zip(&want_norms).enumerate() {
+            // Step 0 sees identical weights, so its norms differ only by summation order. Each
+            // step then amplifies that rounding (every step clips, and the cut of the layers
+            // changes which sums are formed where): measured at PP 2 × DP 2 cut by parameters,
+            // 5e-8, 2e-7, 9e-7, 7e-6, 2e-4 over the five steps. A real fault (a micro-batch
+            // missed, a shard counted twice) is off by far more already at step 0.
+            let tolerance = 1e-6 * 8f64.powi(s as i32);
             assert!(
-                (got - want).abs() <= 1e-4 * want.abs(),
+                (got - want).abs() <= tolerance * want.abs(),
                 "{label}: step {s} gradient norm {got} vs reference {want}"
             );
         }
