@@ -125,5 +125,43 @@ fn with_nvme_offload_the_report_separates_host_buffers_from_the_swap_file() {
             report["optimizer_state"]["current"].as_u64().unwrap(),
             "{report}"
         );
+
+        // `zero estimate` predicts the same split (per host of 2 devices, so halved).
+        let estimate = fixture_estimate(2, 3);
+        let within = |what: &str, engine: u64, predicted: u64| {
+            let off = (engine as f64 - predicted as f64).abs() / predicted as f64;
+            assert!(
+                off < 0.05,
+                "{what}: the run holds {engine} bytes, zero estimate says {predicted}"
+            );
+        };
+        within(
+            "host streaming buffers",
+            at(report, "optimizer_state", "host"),
+            estimate.per_host.optimizer_state / 2,
+        );
+        within(
+            "on NVMe",
+            master_on_disk + state_on_disk,
+            estimate.per_node_nvme.optimizer_state / 2,
+        );
     }
+}
+
+/// `zero estimate` for the tiny fixture GPT-2 (models/tests/fixtures/gpt2-tiny/config.json) at
+/// stage 3, fp32, optimizer on NVMe with `buffer_count` buffers, on `devices` devices.
+fn fixture_estimate(devices: u64, buffer_count: u64) -> zero_core::estimate::Estimate {
+    use zero_core::estimate::{estimate, Dtype, EstimateInput, Gpt2Shape, OffloadTarget};
+    let shape = Gpt2Shape {
+        vocab: 512,
+        n_positions: 32,
+        n_embd: 64,
+        n_layer: 2,
+        n_head: 4,
+        n_inner: 256,
+    };
+    let mut base = EstimateInput::new(0, 3, devices, Dtype::Fp32);
+    base.offload_optimizer = Some(OffloadTarget::Nvme);
+    base.nvme_streaming.buffer_count = buffer_count;
+    estimate(&shape.input(&base)).unwrap()
 }

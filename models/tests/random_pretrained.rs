@@ -3,7 +3,6 @@
 //! itself checked against transformers' files) and GPT-2's initialization statistics.
 
 use burn::backend::Flex;
-use burn::prelude::*;
 use zero_models::gpt2::{Gpt2, Gpt2Config};
 
 type B = Flex;

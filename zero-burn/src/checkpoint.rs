@@ -122,6 +122,7 @@ impl EngineCore {
             loss_scaler: self.scaler.as_ref().map(|s| s.state()),
             rng: None,
             client_state: client_state.clone(),
+            model: self.settings.model.clone(),
         };
         Ok(checkpoint::save(self.comm.as_ref(), dir, &tag, &request)?)
     }

@@ -248,6 +248,9 @@ impl FlatState {
             .transpose()?;
         let nvme = swap.map(|(file, buffer_count, _)| {
             // The host buffers are allocated once, here, and counted as host optimizer memory.
+            // A group streams through at most as many buffers as it has chunks: more would
+            // never be filled (a small model's one-chunk groups need one).
+            let buffer_count = buffer_count.min(regions.iter().map(|r| r.chunks()).max().unwrap_or(1).max(1));
             let buffers: Vec<Vec<f32>> = (0..buffer_count).map(|_| vec![0.0f32; widest_chunk]).collect();
             // The scratch optimizer of the group being stepped: its state buffers for one chunk.
             let scratch = widest_chunk / widest_width.max(1) * widest_width.saturating_sub(1) * 4;

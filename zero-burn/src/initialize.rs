@@ -41,6 +41,8 @@ pub struct InitOptions {
     /// keeps the default (on). DeepSpeed's config has no key for it: the result is the same
     /// either way, only the time the update runs differs.
     pub overlap_optimizer_step: Option<bool>,
+    /// The model, recorded in the engine's checkpoints ([`EngineSettings::model`]).
+    pub model: Option<zero_core::checkpoint::ModelRecord>,
 }
 
 /// Resolves `config` for `world_size` ranks.
@@ -102,11 +104,6 @@ pub fn activation_checkpointing(config: &ResolvedConfig) -> Option<ActivationChe
     })
 }
 
-/// Host buffers for NVMe offload hold at most this many elements per state buffer and chunk,
-/// whatever `sub_group_size` says: DeepSpeed's default sub-group (1e9 elements) would make each
-/// of the `buffer_count` buffers 12 GB.
-pub const MAX_NVME_CHUNK_ELEMENTS: usize = 1 << 22;
-
 /// The optimizer's placement from `zero_optimization.offload_optimizer` (and `sub_group_size`,
 /// the elements of one chunk streamed from NVMe). Partial offload is refused, not ignored.
 pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroError> {
@@ -131,7 +128,7 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
             OptimizerOffload::Nvme {
                 path: path.into(),
                 buffer_count,
-                chunk_elements: sub_group.clamp(1, MAX_NVME_CHUNK_ELEMENTS),
+                chunk_elements: sub_group.clamp(1, zero_core::offload::MAX_CHUNK_ELEMENTS),
                 threads: 0,
             }
         }
@@ -235,6 +232,7 @@ fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<Engin
     if let Some(overlap) = options.overlap_optimizer_step {
         settings.overlap_optimizer_step = overlap;
     }
+    settings.model = options.model.clone();
     Ok(settings)
 }
 

@@ -105,6 +105,11 @@ pub struct EngineSettings {
     /// the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
     /// `initialize_chain`.
     pub overlap_optimizer_step: bool,
+    /// The model, recorded in every checkpoint the engine saves so that `zero to-fp32` exports
+    /// it under the names its users load, with its configuration beside (a model zoo gives it:
+    /// `Gpt2Config::model_record`). `None`: the checkpoint records no model and exports keep
+    /// the engine's names.
+    pub model: Option<zero_core::checkpoint::ModelRecord>,
 }
 
 /// Where the optimizer step runs and where the fp32 masters and optimizer state live
@@ -286,6 +291,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("offload_optimizer", &self.offload_optimizer)
             .field("offload_param", &self.offload_param)
             .field("overlap_optimizer_step", &self.overlap_optimizer_step)
+            .field("model", &self.model.as_ref().map(|m| &m.naming))
             .finish()
     }
 }
@@ -313,6 +319,7 @@ impl EngineSettings {
             max_reuse_distance: 1_000_000_000,
             max_live_parameters: 1_000_000_000,
             overlap_optimizer_step: true,
+            model: None,
         }
     }
 

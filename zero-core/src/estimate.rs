@@ -138,6 +138,10 @@ pub struct EstimateInput {
     /// Parameters of the largest unit stage 3 gathers at once (a block, or the embeddings);
     /// `None` when unknown.
     pub largest_gather: Option<u64>,
+    /// Parameters of the largest group stage 3 partitions as one flat buffer (a block's, or
+    /// the embeddings'), which sizes the NVMe streaming buffers; `None` when unknown (then the
+    /// whole model, an upper bound, as at stages 1-2).
+    pub largest_group: Option<u64>,
     /// ZeRO stage, 0-3.
     pub stage: u8,
     /// Devices per node.
@@ -150,6 +154,50 @@ pub struct EstimateInput {
     pub offload_param: Option<OffloadTarget>,
     /// Training dtype.
     pub dtype: Dtype,
+    /// How NVMe-offloaded optimizer state streams through host memory.
+    pub nvme_streaming: NvmeStreaming,
+}
+
+/// The host buffers an NVMe-offloaded optimizer step streams its state through: up to
+/// `buffer_count` buffers of one chunk of every state buffer (masters and moments), and the
+/// optimizer's scratch state for one chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct NvmeStreaming {
+    /// `offload_optimizer.buffer_count` (DeepSpeed's default 4).
+    pub buffer_count: u64,
+    /// Elements of one chunk: `zero_optimization.sub_group_size` (default 1e9), at most
+    /// [`crate::offload::MAX_CHUNK_ELEMENTS`].
+    pub chunk_elements: u64,
+}
+
+impl Default for NvmeStreaming {
+    fn default() -> Self {
+        NvmeStreaming {
+            buffer_count: 4,
+            chunk_elements: crate::offload::MAX_CHUNK_ELEMENTS as u64,
+        }
+    }
+}
+
+impl NvmeStreaming {
+    /// The buffers a group of `group` elements fills (no more than its chunks) and the
+    /// elements of one chunk.
+    pub fn buffers_and_chunk(&self, group: u64) -> (u64, u64) {
+        let chunk = self.chunk_elements.max(1).min(group.max(1));
+        (self.buffer_count.max(1).min(group.max(1).div_ceil(chunk)), chunk)
+    }
+
+    /// Host bytes per rank for a largest owned group of `group` elements and `width` fp32
+    /// buffers per element (masters and moments): the buffers plus the scratch state of one
+    /// chunk, as the engine allocates them.
+    pub fn host_bytes(&self, group: u64, width: u64) -> Option<u64> {
+        let (buffers, chunk) = self.buffers_and_chunk(group);
+        buffers
+            .checked_mul(width)?
+            .checked_add(width.saturating_sub(1))?
+            .checked_mul(chunk)?
+            .checked_mul(4)
+    }
 }
 
 impl EstimateInput {
@@ -158,12 +206,14 @@ impl EstimateInput {
         EstimateInput {
             params,
             largest_gather: None,
+            largest_group: None,
             stage,
             gpus_per_node: devices,
             nodes: 1,
             offload_optimizer: None,
             offload_param: None,
             dtype,
+            nvme_streaming: NvmeStreaming::default(),
         }
     }
 
@@ -312,6 +362,28 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
         terms.push(format!("optimizer {k_off}Ψ{}", frac(n_opt)));
         device.optimizer_state = 0;
         device_terms.retain(|t| !t.starts_with("optimizer"));
+        if target == OffloadTarget::Nvme {
+            // On NVMe, the state passes through host buffers of a chunk of every state buffer,
+            // sized by the largest group a rank owns: at stage 3 a block's or the embeddings'
+            // shard, otherwise, at most, the rank's whole shard.
+            let width = k_off / 4;
+            let unit = input.largest_group.filter(|_| stage == 3).unwrap_or(psi).min(psi);
+            let group = unit.div_ceil(n_opt);
+            host.optimizer_state =
+                input
+                    .nvme_streaming
+                    .host_bytes(group, width)
+                    .ok_or_else(|| EstimateError::Overflow {
+                        input: "params",
+                        value: psi,
+                        detail: format!("the NVMe streaming buffers for groups of {group} elements"),
+                    })?;
+            let (buffers, chunk) = input.nvme_streaming.buffers_and_chunk(group);
+            host_terms.push(format!(
+                "NVMe streaming buffers (b·{width} + {}) × 4·C (b = {buffers}, C = {chunk})",
+                width - 1
+            ));
+        }
         // The host step reads an fp32 gradient shard; it lives in host memory even when the
         // optimizer state is on NVMe (it is consumed as it streams).
         host.gradients = share(4, psi, n_opt)?;
@@ -467,11 +539,7 @@ impl Gpt2Shape {
     ) -> Result<Self, FitError> {
         let at = |layers: u64| -> Option<Result<Estimate, EstimateError>> {
             let shape = Self::shaped(layers, n_embd)?;
-            Some(estimate(&EstimateInput {
-                params: shape.num_params(),
-                largest_gather: Some(shape.largest_gather()),
-                ..input.clone()
-            }))
+            Some(estimate(&shape.input(input)))
         };
         let within = |e: &Estimate| e.per_host.total() <= host_bytes && e.per_device.total() <= device_bytes;
         // A depth whose counts pass 2^64 fits no limit.
@@ -524,6 +592,17 @@ impl Gpt2Shape {
     /// Trainable parameters.
     pub fn num_params(&self) -> u64 {
         self.checked_counts().map_or(u64::MAX, |(_, _, total)| total)
+    }
+
+    /// `base` (stage, cluster, offload, dtype) for this model: its parameters, largest gather
+    /// unit and largest partitioned group.
+    pub fn input(&self, base: &EstimateInput) -> EstimateInput {
+        EstimateInput {
+            params: self.num_params(),
+            largest_gather: Some(self.largest_gather()),
+            largest_group: Some(self.block_params().max(self.ends_params())),
+            ..base.clone()
+        }
     }
 
     /// The most parameters stage 3 holds gathered at once. The chain engine gathers the ends
@@ -677,12 +756,7 @@ mod tests {
         let best = Gpt2Shape::deepest_fitting(4096, &input, host, device).expect("some depth fits");
         let bytes = |layers: u64| {
             let shape = Gpt2Shape::shaped(layers, 4096).unwrap();
-            estimate(&EstimateInput {
-                params: shape.num_params(),
-                largest_gather: Some(shape.largest_gather()),
-                ..input.clone()
-            })
-            .unwrap()
+            estimate(&shape.input(&input)).unwrap()
         };
         let at = bytes(best.n_layer);
         assert!(at.per_host.total() <= host && at.per_device.total() <= device);

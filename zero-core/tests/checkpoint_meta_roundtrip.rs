@@ -106,6 +106,7 @@ fn meta(world: usize, lr_next: Option<f64>, scale: f64, rng: Value, client: Valu
         }),
         rng: Some(rng),
         client_state: client,
+        model: None,
         files: (0..world)
             .map(|r| FileRecord {
                 name: format!("rank_{r:05}.safetensors"),
@@ -253,6 +254,7 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                 }),
                 rng: None,
                 client_state: json!({}),
+                model: None,
             };
             checkpoint::save(comm.as_ref(), &d, "t", &request)
                 .err()

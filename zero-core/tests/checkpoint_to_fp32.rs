@@ -206,3 +206,76 @@ fn load_large_checkpoint_at_another_world_size() {
         bytes as f64 / 1e6 / secs
     );
 }
+
+/// A checkpoint that records its model exports under that model's names with its config.json
+/// beside, without being told; `--names internal` exports the engine's names and no config.
+#[test]
+fn a_recorded_model_exports_under_its_names_with_its_config() {
+    use zero_core::checkpoint::ModelRecord;
+    let dir = scratch("fp32-recorded");
+    let config = serde_json::json!({ "model_type": "gpt2", "n_embd": 8, "n_layer": 6 });
+    let record = ModelRecord {
+        naming: "gpt2-hf".into(),
+        config: config.clone(),
+    };
+    save_model(&dir, "t", 2, 3, 3, specs("ends."), Some(record));
+    let convert = |out: &Path, extra: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args(["to-fp32", dir.to_str().unwrap(), out.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let l = layout(specs("ends."), 2, 3);
+
+    let hf = dir.join("hf");
+    let summary = convert(&hf, &[]);
+    assert!(
+        summary.contains("config.json"),
+        "the summary lists the config: {summary}"
+    );
+    let got = read_all(&hf);
+    for (p, spec) in l.params.iter().enumerate() {
+        let name = spec.name.replace("ends.", "transformer.");
+        assert_eq!(got[&name].1, full(&l, p, 3), "{name}");
+    }
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written, config);
+
+    let internal = dir.join("internal");
+    convert(&internal, &["--names", "internal"]);
+    let got = read_all(&internal);
+    assert!(got.contains_key("ends.layer0.weight"), "{:?}", got.keys());
+    assert!(
+        !internal.join("config.json").exists(),
+        "no config for the engine's own names"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A checkpoint written before checkpoints recorded their model (a committed fixture: 2 ranks,
+/// stage 3, step 4, saved by `save_reference` with no prefix) still verifies, and exports whole
+/// under the engine's names with no config.
+#[test]
+fn a_checkpoint_from_before_model_records_loads_and_exports_as_before() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint_before_model_record");
+    let c = Checkpoint::open(&fixture, None).expect("the old checkpoint opens");
+    c.verify().expect("and verifies");
+    assert!(c.meta.model.is_none());
+    let out = scratch("fp32-before-record");
+    let status = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["to-fp32", fixture.to_str().unwrap(), out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let got = read_all(&out);
+    let l = layout(specs(""), 2, 3);
+    assert_eq!(got.len(), l.params.len());
+    for (p, spec) in l.params.iter().enumerate() {
+        assert_eq!(got[&spec.name].1, full(&l, p, 4), "{}", spec.name);
+    }
+    assert!(!out.join("config.json").exists());
+    std::fs::remove_dir_all(&out).ok();
+}

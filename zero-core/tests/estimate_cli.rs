@@ -65,8 +65,16 @@ fn offload_moves_bytes_to_the_host_and_nvme() {
     ]);
     assert!(ok, "{err}");
     assert_eq!(bytes_on(&out, "per device"), 0, "{out}");
-    // One host serves 4 devices: their fp16 parameter shards and fp32 gradient shards.
-    assert_eq!(bytes_on(&out, "per host"), 4 * (2 * psi / 8 + 4 * psi / 8), "{out}");
+    // One host serves 4 devices: their fp16 parameter shards and fp32 gradient shards, and the
+    // host buffers the NVMe state streams through: 4 buffers (the default buffer_count) of a
+    // 4 Mi-element chunk of masters, momentum and variance, plus the step's scratch momentum
+    // and variance for one chunk.
+    let streaming = (4 * 3 + 2) * 4 * (1 << 22);
+    assert_eq!(
+        bytes_on(&out, "per host"),
+        4 * (2 * psi / 8 + 4 * psi / 8 + streaming),
+        "{out}"
+    );
     assert_eq!(bytes_on(&out, "per node on NVMe"), 4 * (12 * psi / 8), "{out}");
     // fp32 without offload at stage 0: 4 + 4 + 8.
     let (ok, out, _) = estimate(&["--params", "1000", "--stage", "0", "--dtype", "fp32"]);

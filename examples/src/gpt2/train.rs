@@ -284,7 +284,7 @@ fn rank_start<B: AutodiffBackend>(
     source: &ModelSource,
     pipelined: bool,
 ) -> Result<RankStart<B>, TrainError> {
-    let settings = zero_burn::engine_settings(resolved)?;
+    let mut settings = zero_burn::engine_settings(resolved)?;
     // Stage 3 from a HuggingFace directory: every rank reads only what it keeps, so no rank
     // ever holds the model whole (DeepSpeed's zero.Init for pretrained weights). A preset is
     // drawn whole on every rank from one shared generator, then cut by the engine.
@@ -295,6 +295,15 @@ fn rank_start<B: AutodiffBackend>(
         let (model, config) = source.build_seeded::<B>(device, args.seed)?;
         (Some(model), config)
     };
+    if !pipelined {
+        // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace
+        // directory (the pipeline's layers are named otherwise and export as they are).
+        settings.model = Some(
+            model_config
+                .model_record()
+                .map_err(|e| TrainError::Config(e.to_string()))?,
+        );
+    }
     Ok(RankStart {
         micro: resolved.micro_batch_size as usize,
         gas: resolved.gradient_accumulation_steps as usize,

@@ -131,6 +131,11 @@ impl Gpt2Config {
     /// Serializes to HuggingFace's `config.json` layout, adding the `model_type` and
     /// `architectures` fields transformers needs to pick the class when they are missing.
     pub fn to_json_string(&self) -> Result<String, Gpt2ConfigError> {
+        serde_json::to_string_pretty(&self.to_json_value()?).map_err(Gpt2ConfigError::Json)
+    }
+
+    /// [`Self::to_json_string`]'s document as a JSON value.
+    pub fn to_json_value(&self) -> Result<serde_json::Value, Gpt2ConfigError> {
         let mut value = serde_json::to_value(self).map_err(Gpt2ConfigError::Json)?;
         if let Some(map) = value.as_object_mut() {
             map.entry("model_type")
@@ -138,7 +143,17 @@ impl Gpt2Config {
             map.entry("architectures")
                 .or_insert_with(|| serde_json::json!(["GPT2LMHeadModel"]));
         }
-        serde_json::to_string_pretty(&value).map_err(Gpt2ConfigError::Json)
+        Ok(value)
+    }
+
+    /// What a checkpoint of this model records ([`zero_burn::EngineSettings::model`]) so that
+    /// `zero to-fp32` exports it as a HuggingFace directory: HuggingFace's names for the
+    /// parameters of [`super::Gpt2`] under the chain engine, and this `config.json`.
+    pub fn model_record(&self) -> Result<zero_core::checkpoint::ModelRecord, Gpt2ConfigError> {
+        Ok(zero_core::checkpoint::ModelRecord {
+            naming: zero_core::checkpoint::GPT2_HF_NAMING.to_string(),
+            config: self.to_json_value()?,
+        })
     }
 
     /// Checks the sizes are consistent and every option is one this implementation computes

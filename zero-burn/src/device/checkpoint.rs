@@ -51,6 +51,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
             loss_scaler: self.scaler_state(),
             rng: None,
             client_state: client_state.clone(),
+            model: self.settings().model.clone(),
         };
         Ok(checkpoint::save(group.as_ref(), dir.as_ref(), &tag, &request)?)
     }

@@ -147,6 +147,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 loss_scaler: self.core.scaler.as_ref().map(|s| s.state()),
                 rng: None,
                 client_state: client_state.clone(),
+                model: self.core.settings.model.clone(),
             };
             checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request).map(|_| ())
         } else {

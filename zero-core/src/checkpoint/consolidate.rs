@@ -7,8 +7,9 @@
 //! never the model.
 
 use super::error::CheckpointError;
-use super::format::FileRecord;
+use super::format::{CheckpointMeta, FileRecord};
 use super::load::Checkpoint;
+use super::names::{NameMap, INTERNAL_NAMING};
 use super::reader::ShardReader;
 use super::reshard::param_sources;
 use super::writer::{HalfDtype, SafetensorsStream, TensorEntry};
@@ -21,6 +22,55 @@ use std::path::{Path, PathBuf};
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// Name of the index of a sharded export (HuggingFace's convention).
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Name of the model's configuration beside the exported weights (HuggingFace's convention).
+pub const CONFIG_FILE: &str = "config.json";
+
+/// How an export names its tensors, and the model configuration that goes with those names.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExportNaming {
+    /// The naming's rules.
+    pub names: NameMap,
+    /// The model's configuration, to write as [`CONFIG_FILE`] beside the weights: the recorded
+    /// one, when the export uses the naming it was recorded for.
+    pub config: Option<serde_json::Value>,
+}
+
+impl ExportNaming {
+    /// The naming of an export of the checkpoint described by `meta`: `requested` (a name of
+    /// [`super::names::NAMINGS`]) when given, else the naming the checkpoint records
+    /// ([`super::ModelRecord`]), else the engine's own names. The recorded configuration comes
+    /// along only with the naming it belongs to, so `internal` (or another naming) exports
+    /// bare weights.
+    pub fn resolve(meta: &CheckpointMeta, requested: Option<&str>) -> Result<Self, CheckpointError> {
+        let recorded = meta.model.as_ref();
+        let naming = requested
+            .or(recorded.map(|m| m.naming.as_str()))
+            .unwrap_or(INTERNAL_NAMING);
+        let names = NameMap::named(naming).map_err(|e| {
+            CheckpointError::Usage(match requested {
+                Some(_) => e,
+                None => format!(
+                    "the checkpoint `{}` records the naming of its model, but: {e}; choose one with --names",
+                    meta.tag
+                ),
+            })
+        })?;
+        let config = recorded
+            .filter(|m| m.naming == naming && naming != INTERNAL_NAMING)
+            .map(|m| m.config.clone());
+        Ok(ExportNaming { names, config })
+    }
+}
+
+/// Writes `config` as `out_dir`/[`CONFIG_FILE`] (atomically); returns its path.
+pub fn write_model_config(out_dir: &Path, config: &serde_json::Value) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
+    let path = out_dir.join(CONFIG_FILE);
+    let text = serde_json::to_vec_pretty(config)
+        .map_err(|e| CheckpointError::Usage(format!("cannot serialise the model configuration: {e}")))?;
+    super::atomic::write_file(&path, &text)?;
+    Ok(path)
+}
 
 /// What [`to_fp32`] wrote.
 #[derive(Clone, Debug)]

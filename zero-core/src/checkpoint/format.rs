@@ -86,6 +86,20 @@ pub struct OptimizerRecord {
     pub state_names: Vec<String>,
 }
 
+/// The model a checkpoint holds, as a model zoo records it when it saves: how its parameter
+/// names become the names its users load, and its configuration in that form. With it,
+/// `zero to-fp32` writes a directory the model's own tools read (for GPT-2, a HuggingFace
+/// directory) without being told which model it is.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ModelRecord {
+    /// A naming [`super::NameMap::named`] knows (the value `zero to-fp32 --names` takes), e.g.
+    /// `gpt2-hf`.
+    pub naming: String,
+    /// The model's configuration file in that naming's format (for `gpt2-hf`, HuggingFace's
+    /// `config.json`), written beside the exported weights.
+    pub config: serde_json::Value,
+}
+
 /// Everything about a checkpoint except the tensors.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointMeta {
@@ -114,6 +128,11 @@ pub struct CheckpointMeta {
     pub rng: Option<serde_json::Value>,
     /// What the training loop passed to save (its data position, ...), returned by load.
     pub client_state: serde_json::Value,
+    /// The model, when the code that saved knew it. Left out of the file when `None`, so that
+    /// the metadata of a checkpoint saved without it (every one before the field existed)
+    /// re-serialises to the bytes its checksum was computed over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelRecord>,
     /// The shard files, by rank.
     pub files: Vec<FileRecord>,
     /// CRC-32 of this metadata serialised with this field `None`.

@@ -28,11 +28,14 @@ mod save;
 mod writer;
 
 pub use collective::agree;
-pub use consolidate::{parse_size, to_fp32, ConsolidateReport, GroupExport, INDEX_FILE, SINGLE_FILE};
+pub use consolidate::{
+    parse_size, to_fp32, write_model_config, ConsolidateReport, ExportNaming, GroupExport, CONFIG_FILE, INDEX_FILE,
+    SINGLE_FILE,
+};
 pub use error::{CheckpointError, RankFailure};
-pub use format::{CheckpointMeta, FileRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};
+pub use format::{CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
-pub use names::{NameMap, NameRule};
+pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
 pub use save::{save, GroupShard, SaveRequest};
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

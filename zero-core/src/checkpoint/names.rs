@@ -28,6 +28,14 @@ pub enum NameRule {
     Drop(String),
 }
 
+/// The namings [`NameMap::named`] knows: what `zero to-fp32 --names` accepts and what a
+/// checkpoint's [`super::ModelRecord::naming`] may say.
+pub const NAMINGS: [&str; 2] = [INTERNAL_NAMING, GPT2_HF_NAMING];
+/// The engine's own module paths, unchanged.
+pub const INTERNAL_NAMING: &str = "internal";
+/// HuggingFace `GPT2LMHeadModel` keys ([`NameMap::gpt2_huggingface`]).
+pub const GPT2_HF_NAMING: &str = "gpt2-hf";
+
 /// Ordered renaming rules (empty: names unchanged).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NameMap {
@@ -69,6 +77,16 @@ impl NameMap {
                 rule("*.gamma=.weight"),
                 rule("*.beta=.bias"),
             ],
+        }
+    }
+
+    /// The rules of a naming of [`NAMINGS`], by its name; an error naming the known ones
+    /// otherwise.
+    pub fn named(naming: &str) -> Result<Self, String> {
+        match naming {
+            INTERNAL_NAMING => Ok(NameMap::default()),
+            GPT2_HF_NAMING => Ok(NameMap::gpt2_huggingface()),
+            other => Err(format!("unknown naming `{other}` (known: {})", NAMINGS.join(", "))),
         }
     }
 
@@ -116,6 +134,14 @@ mod tests {
             Some("transformer.h.0.ln_1.weight")
         );
         assert_eq!(m.apply("ends.ln_f.beta").as_deref(), Some("transformer.ln_f.bias"));
+    }
+
+    #[test]
+    fn namings_by_name() {
+        assert_eq!(NameMap::named("gpt2-hf"), Ok(NameMap::gpt2_huggingface()));
+        assert_eq!(NameMap::named("internal"), Ok(NameMap::default()));
+        let e = NameMap::named("llama-hf").unwrap_err();
+        assert!(e.contains("llama-hf") && e.contains("internal, gpt2-hf"), "{e}");
     }
 
     #[test]

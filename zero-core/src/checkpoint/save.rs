@@ -22,7 +22,9 @@
 use super::atomic;
 use super::collective::{agree, all_gather_bytes};
 use super::error::CheckpointError;
-use super::format::{self, CheckpointMeta, FileRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE};
+use super::format::{
+    self, CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
+};
 use super::load::{resolve_tag, Checkpoint};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
@@ -63,6 +65,8 @@ pub struct SaveRequest<'a> {
     pub rng: Option<serde_json::Value>,
     /// The training loop's own state.
     pub client_state: serde_json::Value,
+    /// The model, for tools that export the checkpoint (`None`: names stay the engine's).
+    pub model: Option<ModelRecord>,
 }
 
 /// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
@@ -208,6 +212,7 @@ fn write_meta(
         loss_scaler: req.loss_scaler,
         rng: req.rng.clone(),
         client_state: req.client_state.clone(),
+        model: req.model.clone(),
         files,
         meta_crc32: None,
     };
@@ -313,6 +318,7 @@ mod tests {
             loss_scaler: None,
             rng: None,
             client_state: serde_json::json!({ "batch": 5 }),
+            model: None,
         };
         let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
         save(comm.as_ref(), &dir, "t", &request).expect("save");

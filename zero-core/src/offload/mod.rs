@@ -20,3 +20,9 @@ pub use error::OffloadError;
 pub use region::SwapRegion;
 pub use stream::{stream_chunks, StreamStats};
 pub use swap_file::SwapFile;
+
+/// The most elements of one chunk a stream moves at once (`sub_group_size` is capped here): 4 Mi
+/// elements, 16 MiB per state buffer, large enough for sequential disk I/O, small enough that a
+/// few buffers stay a small share of host memory (DeepSpeed's default sub-group, 1e9 elements,
+/// would make each of the `buffer_count` buffers 12 GB).
+pub const MAX_CHUNK_ELEMENTS: usize = 1 << 22;

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_core::checkpoint::{self, GroupShard, SaveRequest};
+use zero_core::checkpoint::{self, GroupShard, ModelRecord, SaveRequest};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
 
@@ -95,6 +95,19 @@ pub fn save_reference(dir: &Path, tag: &str, world: usize, stage: u8, step: u64,
 
 /// Saves the reference state of parameters `params` (see [`save_reference`]).
 pub fn save_specs(dir: &Path, tag: &str, world: usize, stage: u8, step: u64, params: Vec<ParamSpec>) {
+    save_model(dir, tag, world, stage, step, params, None);
+}
+
+/// [`save_specs`] with the model recorded as `model`.
+pub fn save_model(
+    dir: &Path,
+    tag: &str,
+    world: usize,
+    stage: u8,
+    step: u64,
+    params: Vec<ParamSpec>,
+    model: Option<ModelRecord>,
+) {
     let dir = dir.to_path_buf();
     let tag = tag.to_string();
     on_ranks(world, move |rank, comm| {
@@ -119,6 +132,7 @@ pub fn save_specs(dir: &Path, tag: &str, world: usize, stage: u8, step: u64, par
             loss_scaler: None,
             rng: None,
             client_state: serde_json::json!({ "data_position": step * 24 }),
+            model: model.clone(),
         };
         checkpoint::save(comm.as_ref(), &dir, &tag, &request).expect("save");
     });

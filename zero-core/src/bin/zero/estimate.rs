@@ -4,8 +4,8 @@
 use crate::{print_error, print_output};
 use std::process::ExitCode;
 use zero_core::estimate::{
-    estimate, human_bytes, Dtype, EstimateError, EstimateInput, FitError, Gpt2Shape, OffloadTarget, StateBytes,
-    GPT2_PRESETS,
+    estimate, human_bytes, Dtype, EstimateError, EstimateInput, FitError, Gpt2Shape, NvmeStreaming, OffloadTarget,
+    StateBytes, GPT2_PRESETS,
 };
 
 /// Arguments of `zero estimate`.
@@ -46,6 +46,13 @@ pub struct Args {
     /// Training dtype: bf16, fp16 or fp32.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// With --offload-optimizer nvme: host buffers the state streams through
+    /// (`offload_optimizer.buffer_count`).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub buffer_count: u64,
+    /// With --offload-optimizer nvme: elements per streamed chunk (`sub_group_size`; at most 4Mi).
+    #[arg(long, default_value_t = 1_000_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sub_group_size: u64,
 }
 
 /// Runs the subcommand: the estimate on stdout, or the error on stderr with exit status 2.
@@ -149,12 +156,17 @@ fn report(args: &Args) -> Result<String, String> {
     let mut input = EstimateInput {
         params: 0,
         largest_gather: None,
+        largest_group: None,
         stage: args.stage,
         gpus_per_node: args.gpus_per_node,
         nodes: args.nodes,
         offload_optimizer: target("offload-optimizer", args.offload_optimizer.as_deref())?,
         offload_param,
         dtype,
+        nvme_streaming: NvmeStreaming {
+            buffer_count: args.buffer_count,
+            chunk_elements: args.sub_group_size.min(zero_core::offload::MAX_CHUNK_ELEMENTS as u64),
+        },
     };
     let describe = |name: &str, shape: &Gpt2Shape| {
         format!(
@@ -216,8 +228,7 @@ fn report(args: &Args) -> Result<String, String> {
     };
     let what = match &shape {
         Some((name, shape)) => {
-            input.params = shape.num_params();
-            input.largest_gather = Some(shape.largest_gather());
+            input = shape.input(&input);
             describe(name, shape)
         }
         None => format!("{} parameters", input.params),

@@ -1,10 +1,11 @@
 //! `zero to-fp32`: a checkpoint's fp32 master weights, whole, as safetensors files that any tool
 //! reads, with no engine and no GPU. Streams one tensor at a time; verifies every byte it reads
-//! against the checkpoint's checksums.
+//! against the checkpoint's checksums. A checkpoint that records its model (the zoo's GPT-2
+//! does) becomes that model's own directory format: its names, and its `config.json` beside.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use zero_core::checkpoint::{parse_size, to_fp32, Checkpoint, NameMap};
+use zero_core::checkpoint::{parse_size, to_fp32, write_model_config, Checkpoint, ExportNaming, NameMap};
 
 /// Arguments of `zero to-fp32`.
 #[derive(clap::Args)]
@@ -24,8 +25,11 @@ pub struct Args {
     /// strips one), *SUFFIX=NEW (replace a suffix), !PREFIX (leave out); repeatable.
     #[arg(long = "rename", value_name = "RULE")]
     pub rename: Vec<String>,
-    /// Apply a model's standard renaming before --rename rules: `gpt2-hf` gives HuggingFace
-    /// GPT2LMHeadModel keys (`transformer.h.3.attn.c_attn.weight`).
+    /// The naming to apply before --rename rules: `gpt2-hf` gives HuggingFace GPT2LMHeadModel
+    /// keys (`transformer.h.3.attn.c_attn.weight`), `internal` the engine's own names. Default:
+    /// the naming the checkpoint records, with the model's config.json written beside the
+    /// weights (the zoo's GPT-2 records `gpt2-hf`: OUT is then a HuggingFace directory);
+    /// `internal` for a checkpoint that records none.
     #[arg(long, value_name = "NAME")]
     pub names: Option<String>,
     /// Also read every shard file whole and check every checksum first (a conversion already
@@ -49,15 +53,15 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn convert(args: &Args) -> Result<String, String> {
-    let mut map = match args.names.as_deref() {
-        None => NameMap::default(),
-        Some("gpt2-hf") => NameMap::gpt2_huggingface(),
-        Some(other) => return Err(format!("--names {other}: unknown naming (known: gpt2-hf)")),
-    };
-    for rule in &args.rename {
-        map.rules
-            .push(NameMap::parse_rule(rule).map_err(|e| format!("--rename {e}"))?);
+    // Refused before the checkpoint is opened: a naming no checkpoint could make known.
+    if let Some(naming) = args.names.as_deref() {
+        NameMap::named(naming).map_err(|e| format!("--names {e}"))?;
     }
+    let renames = args
+        .rename
+        .iter()
+        .map(|rule| NameMap::parse_rule(rule).map_err(|e| format!("--rename {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
     let max = args
         .max_shard_size
         .as_deref()
@@ -68,7 +72,15 @@ fn convert(args: &Args) -> Result<String, String> {
     if args.verify {
         checkpoint.verify().map_err(|e| e.to_string())?;
     }
+    let naming = ExportNaming::resolve(&checkpoint.meta, args.names.as_deref()).map_err(|e| e.to_string())?;
+    let mut map = naming.names;
+    map.rules.extend(renames);
     let report = to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)).map_err(|e| e.to_string())?;
+    let config = naming
+        .config
+        .map(|config| write_model_config(&args.out, &config))
+        .transpose()
+        .map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
     let mut summary = format!(
         "checkpoint {} (step {}, saved by {} ranks at stage {}): {} tensors, {} bytes of fp32 weights",
@@ -77,8 +89,8 @@ fn convert(args: &Args) -> Result<String, String> {
     for f in &report.files {
         summary.push_str(&format!("\n  {}", f.display()));
     }
-    if let Some(index) = &report.index {
-        summary.push_str(&format!("\n  {}", index.display()));
+    for extra in report.index.iter().chain(&config) {
+        summary.push_str(&format!("\n  {}", extra.display()));
     }
     Ok(summary)
 }
