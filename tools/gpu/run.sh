@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, on the GPU machine, from the binaries tools/gpu/build.sh staged in .gpu/:
 # the CUDA/NCCL tests, then GPT-2 124M and 1.5B tokens/s and MFU for each ZeRO stage at world
-# size 1 beside PyTorch + transformers on the same GPU, then ZeRO-Offload up the GPT-2 ladder.
+# size 1 beside PyTorch + transformers on the same GPU, then ZeRO-Offload up the GPT-2 ladder, then
+# the fine-tune path (init, train --model, to-fp32, score) at the deepest size the machine holds.
 # Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,3 +76,26 @@ for m in gpt2-xl "$largest"; do
   /usr/bin/time -v .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 \
     --offload-optimizer cpu 2>&1 | grep -E "^\||Maximum resident|error|Error"
 done
+echo "== the fine-tune path: gpt2 init, gpt2 train --model (ZeRO-3, optimizer and parameters on the CPU), to-fp32, score"
+# The trainer as a user runs it, with examples/configs/gpt2-10b-zero3-offload.json, at the deepest
+# size that fits this GPU and host (above). Peak host memory from time -v, peak device memory
+# sampled by nvidia-smi every 200 ms. The checkpoint (about 14 bytes per parameter) and its export
+# are written at gpt2-xl, which the disk holds beside the larger model's starting directory.
+ft=/tmp/finetune && rm -rf "$ft" && mkdir -p "$ft"
+finetune() { # model, steps, extra trainer args...
+  local m=$1 steps=$2; shift 2
+  .gpu/gpt2 init --preset "$m" --out "$ft/$m-init"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$ft/$m-gpu.txt" &
+  local smi=$!
+  /usr/bin/time -v .gpu/gpt2 train --backend cuda --quiet --model "$ft/$m-init" \
+    --config examples/configs/gpt2-10b-zero3-offload.json --nproc 1 --steps "$steps" --seq-len 1024 \
+    --metrics "$ft/$m.jsonl" "$@" 2>&1 | grep -E "steps in|holds|of which|Maximum resident|rror"
+  kill "$smi"
+  echo "$m peak device memory: $(sort -n "$ft/$m-gpu.txt" | tail -1) MiB"
+  if [ -n "${OUT:-}" ]; then cp "$ft/$m.jsonl" "$OUT/finetune-$m.jsonl"; fi
+}
+finetune "$largest" 4
+rm -rf "$ft/$largest-init"
+finetune gpt2-xl 4 --save "$ft/ckpt"
+.gpu/zero to-fp32 "$ft/ckpt" "$ft/export"
+.gpu/gpt2 score --model "$ft/export" --tokens examples/tests/fixtures/train_tokens.json

@@ -98,28 +98,29 @@ impl Progress {
             ));
             let l = &m.locations;
             let kinds = [
-                l.parameters,
-                l.gradients,
-                l.master_weights,
-                l.optimizer_state,
-                l.gathered,
+                ("parameters", l.parameters),
+                ("gradients", l.gradients),
+                ("master weights", l.master_weights),
+                ("optimizer state", l.optimizer_state),
+                ("gathered", l.gathered),
             ];
-            let host: usize = kinds.iter().map(|k| k.host).sum();
-            let nvme: usize = kinds.iter().map(|k| k.nvme).sum();
-            if host + nvme > 0 {
-                // Offload: say which of it is host memory, and what sits in the swap files
-                // (on disk, not counted above).
-                say(format_args!(
-                    "  of which in host memory {:.1} MB (optimizer state {:.1}, master weights {:.1}, parameters {:.1}); on NVMe {:.1} MB (optimizer state {:.1}, master weights {:.1}, parameters {:.1})",
-                    host as f64 / 1e6,
-                    l.optimizer_state.host as f64 / 1e6,
-                    l.master_weights.host as f64 / 1e6,
-                    l.parameters.host as f64 / 1e6,
-                    nvme as f64 / 1e6,
-                    l.optimizer_state.nvme as f64 / 1e6,
-                    l.master_weights.nvme as f64 / 1e6,
-                    l.parameters.nvme as f64 / 1e6,
-                ));
+            // Offload: say which of it is host memory, and what sits in the swap files (on
+            // disk, not counted above); a place or kind that holds nothing is left out.
+            let place = |name: &str, bytes: &dyn Fn(&zero_burn::Locations) -> usize| {
+                let total: usize = kinds.iter().map(|(_, k)| bytes(k)).sum();
+                let parts: Vec<String> = kinds
+                    .iter()
+                    .filter(|(_, k)| bytes(k) > 0)
+                    .map(|(kind, k)| format!("{kind} {:.1}", bytes(k) as f64 / 1e6))
+                    .collect();
+                (total > 0).then(|| format!("{name} {:.1} MB ({})", total as f64 / 1e6, parts.join(", ")))
+            };
+            let places: Vec<String> = [place("in host memory", &|k| k.host), place("on NVMe", &|k| k.nvme)]
+                .into_iter()
+                .flatten()
+                .collect();
+            if !places.is_empty() {
+                say(format_args!("  of which {}", places.join("; ")));
             }
         }
     }
