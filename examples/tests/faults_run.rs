@@ -94,7 +94,7 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
     let save = dir.path().join("ckpt").to_string_lossy().into_owned();
     // Each case gives --steps 1 (but the one about --steps), so that a flag let through costs
     // one step, not the default hundred.
-    let cases: [(&[&str], &[&str]); 8] = [
+    let cases: [(&[&str], &[&str]); 9] = [
         (
             &["--steps", "1", "--data", &text, "--seq-len", "0"],
             &["--seq-len 0", "2..=32"],
@@ -113,6 +113,10 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
         ),
         (&["--steps", "0"], &["--steps 0", "nothing to train"]),
         (&["--steps", "1", "--nproc", "0"], &["--nproc 0"]),
+        (
+            &["--steps", "1", "--nproc", "1000000"],
+            &["--nproc 1000000", "zero launch"],
+        ),
         (
             &["--steps", "1", "--save", &save, "--save-every", "0"],
             &["--save-every 0"],

@@ -206,6 +206,9 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) ->
     first_summary(results)
 }
 
+/// The most ranks `--nproc` starts as threads of this process.
+const MAX_THREAD_RANKS: usize = 1024;
+
 /// Refuses counts that cannot mean anything, before any work; each error names the flag and
 /// what it takes. (`--seq-len` is checked against the model and the text when the text is
 /// read.)
@@ -217,6 +220,13 @@ fn check_counts(args: &TrainArgs) -> Result<(), TrainError> {
     }
     if args.nproc == 0 {
         return Err(TrainError::Config("--nproc 0: at least 1 rank is needed".into()));
+    }
+    if args.nproc > MAX_THREAD_RANKS && DistEnv::detect().is_err() {
+        return Err(TrainError::Config(format!(
+            "--nproc {}: at most {MAX_THREAD_RANKS} ranks run as threads of one process (each builds its \
+             model); start more with zero launch, one process per rank",
+            args.nproc
+        )));
     }
     match (args.save_every, &args.save) {
         (Some(0), _) => Err(TrainError::Config(
