@@ -67,6 +67,7 @@ mod partitioned_init;
 pub mod pipeline;
 pub mod sequential;
 mod settings;
+pub mod sharded;
 mod tiled_linear;
 
 pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheckpointing};
