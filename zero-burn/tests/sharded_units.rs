@@ -6,17 +6,44 @@
 
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
 use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use std::sync::Arc;
 use zero_burn::params::{read_values, write_values};
-use zero_burn::sharded::{ShardedUnit, UnitComm};
+use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
 use zero_burn::HostStaged;
 use zero_core::comm::ThreadGroup;
 
-/// A sharded linear unit.
-type Unit<I, C> = ShardedUnit<I, C, Linear<Autodiff<I, C>>>;
+/// The model with every linear layer a `ZeroModule`.
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    units: Vec<ZeroModule<B, Linear<B>>>,
+}
+
+impl<B: ShardBackend> Net<B> {
+    fn new(comm: UnitComm<B::Collective>, device: &B::Device) -> Self {
+        let units = units::<B>(device)
+            .into_iter()
+            .map(|u| ZeroModule::new(u, comm.clone()).unwrap())
+            .collect();
+        Net { units }
+    }
+
+    /// `loss`'s model, each unit gathered for its one forward.
+    fn loss(&self, x: Tensor<B, 2>, target: Tensor<B, 2>) -> Tensor<B, 1> {
+        let u1 = self.units[0].unshard(&x).unwrap();
+        let h1 = relu(u1.forward(x));
+        let u2 = self.units[1].unshard(&h1).unwrap();
+        let h2 = relu(u2.forward(h1.clone()));
+        let s = h2 + h1;
+        let u3 = self.units[2].unshard(&s).unwrap();
+        (u3.forward(s) - target).powf_scalar(2.0).mean()
+    }
+}
 
 const ROWS: usize = 8;
 const SIZES: [(usize, usize); 3] = [(4, 6), (6, 6), (6, 3)];
@@ -78,44 +105,37 @@ fn reference() -> Vec<Vec<f32>> {
 
 /// Per rank, per unit, the shard's gradient from `world` ranks each on its rows.
 fn sharded<C: CheckpointStrategy>(world: usize) -> Vec<Vec<Vec<f32>>> {
-    type I = Flex;
+    on_ranks(world, |rank, comm| {
+        let device = Default::default();
+        let net = Net::<Autodiff<Flex, C>>::new(comm, &device);
+        let per = ROWS / world;
+        let x = rows::<Autodiff<Flex, C>>(rank * per..(rank + 1) * per, 4, 0, &device).require_grad();
+        let target = rows::<Autodiff<Flex, C>>(rank * per..(rank + 1) * per, 3, 5, &device);
+        let grads = net.loss(x, target).backward();
+        net.units
+            .iter()
+            .map(|u| {
+                u.shard()
+                    .grad(&grads)
+                    .expect("a shard gradient")
+                    .into_data()
+                    .to_vec::<f32>()
+                    .unwrap()
+            })
+            .collect()
+    })
+}
+
+/// `body(rank, comm)` on `world` rank threads; the results in rank order.
+fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, UnitComm<Flex>) -> T + Sync) -> Vec<T> {
     let groups = ThreadGroup::new_group(world).unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
             .map(|(rank, group)| {
-                s.spawn(move || {
-                    let device = Default::default();
-                    let comm: UnitComm<I> = Arc::new(HostStaged::new(group));
-                    let sharded: Vec<Unit<I, C>> = units::<Autodiff<I, C>>(&device)
-                        .into_iter()
-                        .map(|u| ShardedUnit::new(u, comm.clone()).unwrap())
-                        .collect();
-                    let per = ROWS / world;
-                    let x = rows::<Autodiff<I, C>>(rank * per..(rank + 1) * per, 4, 0, &device).require_grad();
-                    let target = rows::<Autodiff<I, C>>(rank * per..(rank + 1) * per, 3, 5, &device);
-                    // The model written with its units gathered one forward at a time.
-                    let u1 = sharded[0].unshard(&x).unwrap();
-                    let h1 = relu(u1.forward(x));
-                    let u2 = sharded[1].unshard(&h1).unwrap();
-                    let h2 = relu(u2.forward(h1.clone()));
-                    let s = h2 + h1;
-                    let u3 = sharded[2].unshard(&s).unwrap();
-                    let y = u3.forward(s);
-                    let grads = (y - target).powf_scalar(2.0).mean().backward();
-                    sharded
-                        .iter()
-                        .map(|u| {
-                            u.shard()
-                                .grad(&grads)
-                                .expect("a shard gradient")
-                                .into_data()
-                                .to_vec::<f32>()
-                                .unwrap()
-                        })
-                        .collect::<Vec<_>>()
-                })
+                let body = &body;
+                s.spawn(move || body(rank, Arc::new(HostStaged::new(group)) as UnitComm<Flex>))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -158,20 +178,79 @@ fn shard_gradients_equal_plain_autodiff_under_balanced_checkpointing() {
     check::<BalancedCheckpointing>("balanced checkpointing");
 }
 
+/// The ordinary Burn loop at stage 3: every parameter is in a `ZeroModule`, so Burn's own AdamW
+/// (element-wise) steps each rank's shards with the averaged gradient. Reference: the same
+/// model, unsharded, trained by Burn's AdamW on one process over the whole batch; after 5 steps
+/// the shards, put together, equal its parameters. The `valid()` copy (inner backend, plain
+/// gathers) computes the reference's loss.
 #[test]
-fn a_module_reads_back_from_its_shards() {
-    // World 1: the gathered module holds the module's own values, in its own layout.
-    type B = Autodiff<Flex>;
+fn burns_adamw_trains_zero_modules_like_one_process() {
+    const STEPS: usize = 5;
+    let adamw = || AdamWConfig::new().with_weight_decay(0.01);
     let device = Default::default();
-    let comm: UnitComm<Flex> = Arc::new(HostStaged::new(ThreadGroup::new_group(1).unwrap().remove(0)));
-    let u = units::<B>(&device).remove(0);
-    let mut want = Vec::new();
-    read_values::<B, _>(&u, |_, v| want.extend(v));
-    let sharded = ShardedUnit::new(u, comm).unwrap();
-    let x = Tensor::<B, 2>::zeros([1, 4], &device).require_grad();
-    let mut got = Vec::new();
-    read_values::<B, _>(&sharded.unshard(&x).unwrap(), |_, v| got.extend(v));
-    assert_eq!(got, want);
+    type B = Autodiff<Flex>;
+    let mut plain = units::<B>(&device);
+    let mut optim = adamw().init();
+    for _ in 0..STEPS {
+        let grads = loss(&plain, rows(0..ROWS, 4, 0, &device), rows(0..ROWS, 3, 5, &device)).backward();
+        let params = GradientsParams::from_grads(grads, &plain);
+        plain = optim.step(1e-2, plain, params);
+    }
+    let want_loss = loss(
+        &plain.valid(),
+        rows(0..ROWS, 4, 0, &device),
+        rows(0..ROWS, 3, 5, &device),
+    )
+    .into_scalar();
+    let want: Vec<Vec<f32>> = plain
+        .iter()
+        .map(|u| {
+            let mut v = Vec::new();
+            read_values::<B, _>(u, |_, p| v.extend(p));
+            v
+        })
+        .collect();
+
+    for world in [1, 2, 4] {
+        let runs = on_ranks(world, |rank, comm| {
+            let device = Default::default();
+            let mut net = Net::<B>::new(comm, &device);
+            let mut optim = adamw().init();
+            let per = ROWS / world;
+            for _ in 0..STEPS {
+                let x = rows::<B>(rank * per..(rank + 1) * per, 4, 0, &device);
+                let target = rows::<B>(rank * per..(rank + 1) * per, 3, 5, &device);
+                let grads = GradientsParams::from_grads(net.loss(x, target).backward(), &net);
+                net = optim.step(1e-2, net, grads);
+            }
+            let valid = net.valid();
+            let loss = valid
+                .loss(rows(0..ROWS, 4, 0, &device), rows(0..ROWS, 3, 5, &device))
+                .into_scalar();
+            let shards: Vec<Vec<f32>> = net
+                .units
+                .iter()
+                .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
+                .collect();
+            (shards, loss)
+        });
+        for (u, whole) in want.iter().enumerate() {
+            let got: Vec<f32> = runs
+                .iter()
+                .flat_map(|(shards, _)| shards[u].clone())
+                .take(whole.len())
+                .collect();
+            let scale = whole.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got.iter().zip(whole).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+            assert!(err < 1e-6, "world {world}, unit {u}: off by {err:e}");
+        }
+        for (rank, (_, loss)) in runs.iter().enumerate() {
+            assert!(
+                (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+                "world {world}, rank {rank}: the valid() copy's loss {loss} against {want_loss}"
+            );
+        }
+    }
 }
 
 mod memory {
@@ -237,10 +316,10 @@ mod memory {
                         barrier.wait();
                     };
                     mark("start");
-                    let units: Vec<Unit<Flex, C>> = (0..units)
+                    let units: Vec<ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>> = (0..units)
                         .map(|_| {
                             let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
-                            ShardedUnit::new(linear, comm.clone()).unwrap()
+                            ZeroModule::new(linear, comm.clone()).unwrap()
                         })
                         .collect();
                     mark("sharded");

@@ -1,10 +1,12 @@
-//! ZeRO stage 3 inside Burn's autodiff graph: a unit's parameters live as each rank's shard of
-//! one flat vector, gathered by a differentiable op whose backward reduce-scatters the gradient.
-//! This is the mechanism `ZeroModule` is to be built on; it is exercised by tests here and is not
-//! yet wired to an optimizer or to the config.
+//! ZeRO stage 3 inside Burn's autodiff graph: a module's parameters live as each rank's shard of
+//! one flat vector ([`ZeroModule`], itself a Burn module), gathered for a forward by a
+//! differentiable op whose backward reduce-scatters the gradient ([`gather`]). Not yet wired to
+//! `ZeroOptimizer` or the config: a model whose parameters all sit in `ZeroModule`s trains with
+//! Burn's own element-wise optimizers (each rank steps its shards); parameters outside them are
+//! not reduced.
 
 mod gather;
-mod unit;
+mod module;
 
 pub use gather::{gather, UnitComm};
-pub use unit::ShardedUnit;
+pub use module::{ShardBackend, ShardComm, UnitLayout, ZeroModule};
