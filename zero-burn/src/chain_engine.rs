@@ -125,6 +125,7 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// part is turned into a skeleton as soon as its shards are taken, so the full model is never
     /// held twice.
     pub fn new(settings: EngineSettings, model: M, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
+        crate::sharded::refuse_zero_modules::<B, M>(&model, "ChainEngine")?;
         let (ends, blocks) = model.into_parts();
         if blocks.is_empty() && settings.stage == Stage::Zero3 {
             return Err(ZeroError::Model(

@@ -45,6 +45,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
     /// Wraps `model`. Rank 0's parameter values are broadcast, so every rank starts from the same
     /// weights whatever each built.
     pub fn new(settings: EngineSettings, model: M, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
+        crate::sharded::refuse_zero_modules::<B, M>(&model, "ZeroEngine")?;
         if settings.stage == Stage::Zero3 {
             return Err(ZeroError::Config(
                 "zero_optimization.stage 3 needs to know the model's blocks: implement zero_burn::ChainModel for the \

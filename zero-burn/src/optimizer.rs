@@ -135,6 +135,7 @@ impl ZeroOptimizer {
         module: &M,
     ) -> Result<(), ZeroError> {
         if guard.is_none() {
+            crate::sharded::refuse_zero_modules::<B, M>(module, "ZeroOptimizer")?;
             let layout = replicated_layout::<B, M>(module, &self.settings, self.comm.world_size());
             let mut values = vec![Vec::new(); layout.params.len()];
             let dtype = self.settings.precision.dtype;

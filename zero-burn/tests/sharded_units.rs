@@ -372,3 +372,33 @@ mod memory {
         assert!(few < 3 * UNIT_BYTES * WORLD, "balanced, 2 units: {few} bytes kept");
     }
 }
+
+/// Until the engines step shards, `ZeroOptimizer`, `ZeroEngine` and `DeviceEngine` refuse a model
+/// holding `ZeroModule`s instead of averaging different ranks' shards as if they were replicas.
+#[test]
+fn the_engines_refuse_zero_modules_they_cannot_step_yet() {
+    use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
+    use zero_core::optim::OptimizerSpec;
+    type B = Autodiff<Flex>;
+    let group = ThreadGroup::new_group(1).unwrap().remove(0);
+    let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
+    let device = Default::default();
+    let net = Net::<B>::new(comm.clone(), &device);
+    assert!(zero_burn::sharded::contains_zero_module::<B, _>(&net));
+    assert!(!zero_burn::sharded::contains_zero_module::<B, _>(&units::<B>(&device)));
+    let grads = GradientsParams::from_grads(
+        net.loss(rows(0..ROWS, 4, 0, &device), rows(0..ROWS, 3, 5, &device))
+            .backward(),
+        &net,
+    );
+    let settings = EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw());
+    let engine = zero_burn::ZeroEngine::<B, Net<B>>::new(settings.clone(), net.clone(), group.clone());
+    assert!(engine.is_err_and(|e| e.to_string().contains("ZeroEngine does not step ZeroModule")));
+    let engine = zero_burn::DeviceEngine::<B, Net<B>>::new(settings.clone(), net.clone(), comm.clone());
+    assert!(engine.is_err_and(|e| e.to_string().contains("DeviceEngine does not step ZeroModule")));
+    let mut optim = ZeroOptimizer::new(settings, group).unwrap();
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| optim.step(1e-3, net, grads)))
+        .expect_err("a model of ZeroModules is refused");
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("ZeroModule"), "{message}");
+}

@@ -116,6 +116,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> DeviceEngine<B, M> {
         comm: Arc<dyn DeviceCollective<B::InnerBackend>>,
     ) -> Result<Self, ZeroError> {
         check_settings(&settings)?;
+        crate::sharded::refuse_zero_modules::<B, M>(&model, "DeviceEngine")?;
         let device = model
             .devices()
             .into_iter()

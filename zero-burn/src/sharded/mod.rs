@@ -9,4 +9,5 @@ mod gather;
 mod module;
 
 pub use gather::{gather, UnitComm};
-pub use module::{ShardBackend, ShardComm, UnitLayout, ZeroModule};
+pub(crate) use module::refuse_zero_modules;
+pub use module::{contains_zero_module, ShardBackend, ShardComm, UnitLayout, ZeroModule};

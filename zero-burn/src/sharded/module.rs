@@ -226,3 +226,30 @@ impl<B: Backend> ModuleMapper<B> for Filled<B> {
         }
     }
 }
+
+/// Whether `module` holds a [`ZeroModule`] anywhere inside it.
+pub fn contains_zero_module<B: Backend, M: Module<B>>(module: &M) -> bool {
+    struct Find(bool);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Find {
+        fn enter_module(&mut self, _name: &str, container_type: &str) {
+            // The container type Burn's derive names: `Struct:` and the type's name.
+            self.0 |= container_type == "Struct:ZeroModule";
+        }
+    }
+    let mut find = Find(false);
+    module.visit(&mut find);
+    find.0
+}
+
+/// The error of an engine that cannot run a model holding [`ZeroModule`]s: their shards differ
+/// by rank and their gradients arrive reduced, so an engine that reduces them as replicas would
+/// average different ranks' shards together. `Ok` for a model without them.
+pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: &str) -> Result<(), ZeroError> {
+    if contains_zero_module::<B, M>(module) {
+        return Err(ZeroError::Config(format!(
+            "{engine} does not step ZeroModule shards yet; a model whose parameters all sit in ZeroModules \
+             trains with Burn's own optimizers (each rank steps its shards)"
+        )));
+    }
+    Ok(())
+}
