@@ -291,6 +291,9 @@ mod memory {
     #[global_allocator]
     static ALLOCATOR: Counting = Counting;
 
+    /// A sharded linear layer under checkpointing strategy `C`.
+    type LinearUnit<C> = ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>;
+
     const WIDTH: usize = 256;
     /// One unit gathered on one rank.
     const UNIT_BYTES: usize = WIDTH * WIDTH * 4;
@@ -316,7 +319,7 @@ mod memory {
                         barrier.wait();
                     };
                     mark("start");
-                    let units: Vec<ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>> = (0..units)
+                    let units: Vec<LinearUnit<C>> = (0..units)
                         .map(|_| {
                             let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
                             ZeroModule::new(linear, comm.clone()).unwrap()
