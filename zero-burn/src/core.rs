@@ -311,6 +311,26 @@ impl EngineCore {
         Ok(())
     }
 
+    /// Adds the gradient of a group this rank owns a shard of and that arrives already reduced
+    /// over the ranks (a `ZeroModule`'s shard: its backward reduce-scattered it): the owned slice,
+    /// added as it is. The group must accumulate owned slices (`ReduceThenAccumulate`).
+    pub fn absorb_owned(&mut self, group: usize, owned: &[f32]) -> Result<(), ZeroError> {
+        let len = self.state.layout.owned_len(group);
+        if owned.len() != len || self.state.groups[group].flow != GradFlow::ReduceThenAccumulate {
+            let name = self.state.layout.groups[group]
+                .params
+                .first()
+                .map_or("?", |&p| self.state.layout.params[p].name.as_str());
+            return Err(ZeroError::Model(format!(
+                "the shard `{name}` has a gradient of {} elements where this rank owns {len}: the ZeroModule was \
+                 sharded for another number of ranks",
+                owned.len()
+            )));
+        }
+        self.state.add_owned(group, owned);
+        Ok(())
+    }
+
     /// Waits for every reduction in flight and accumulates the results.
     pub fn drain(&mut self) -> Result<(), ZeroError> {
         self.drain_to(0)

@@ -6,6 +6,11 @@
 //! reduce-scatter at stages 1 and 2), the rank's fp32 shard is updated, and the new weights are
 //! gathered back into the module. The learning rate is the one Burn's loop passes; gradient
 //! accumulation is the loop's (Burn's `GradientsAccumulator`): every `step` is a boundary.
+//!
+//! A model may hold [`crate::sharded::ZeroModule`]s: each unit is then one sharded group whose
+//! gradient arrives already reduced (the unit's backward reduce-scattered it) and whose owned
+//! slice is the rank's shard; the step updates the shard's masters and writes the shard back,
+//! never the whole unit. The other parameters go the stage's way.
 
 use crate::core::{EngineCore, StepReport};
 use crate::engine::{broadcast_values, replicated_layout};
@@ -15,12 +20,14 @@ use crate::half_buffer;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
+use crate::sharded::{unit_numel, UNIT_ALIGNMENT};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use std::sync::{Arc, Mutex};
-use zero_core::comm::ProcessGroup;
+use zero_core::comm::{FlatBuffer, ProcessGroup};
+use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
 
 /// ZeRO stages 0-2 as a `burn::optim::Optimizer`.
 ///
@@ -122,10 +129,7 @@ impl ZeroOptimizer {
         self.ensure_core::<B, M>(&mut guard, &module)?;
         let core = guard.as_mut().unwrap_or_else(|| unreachable!("just built"));
         let client = core.load_checkpoint(dir.as_ref(), tag)?;
-        let mut source = core.value_source();
-        let module = write_data(module, &device, true, |i, _| source.take_data(i));
-        source.finish()?;
-        Ok((module, client))
+        Ok((write_back::<B, M>(core, module, &device)?, client))
     }
 
     /// Builds the flat state from `module` if this is its first use.
@@ -135,16 +139,58 @@ impl ZeroOptimizer {
         module: &M,
     ) -> Result<(), ZeroError> {
         if guard.is_none() {
-            crate::sharded::refuse_zero_modules::<B, M>(module, "ZeroOptimizer")?;
-            let layout = replicated_layout::<B, M>(module, &self.settings, self.comm.world_size());
+            let world = self.comm.world_size();
+            let described = describe::<B, M>(module);
+            let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
+            let layout = if units.iter().any(Option::is_some) {
+                layout_with_units(described, &units, &self.settings, world)
+            } else {
+                replicated_layout::<B, M>(module, &self.settings, world)
+            };
+            let places = layout.places();
             let mut values = vec![Vec::new(); layout.params.len()];
+            crate::params::read_values::<B, M>(module, |i, v| values[i] = v);
+            // A unit's whole flat parameters, from every rank's shard (each in turn, at the
+            // first step only).
+            let mut unit_groups = Vec::new();
+            for (i, numel) in units.iter().enumerate() {
+                let Some(numel) = *numel else { continue };
+                let group = places[i].group;
+                if values[i].len() != layout.owned_len(group) {
+                    return Err(ZeroError::Model(format!(
+                        "the ZeroModule shard `{}` holds {} elements where {world} ranks own {} each: it was sharded \
+                         for another number of ranks",
+                        layout.params[i].name,
+                        values[i].len(),
+                        layout.owned_len(group)
+                    )));
+                }
+                let shard = FlatBuffer::F32(std::mem::take(&mut values[i]));
+                let mut whole = if world > 1 {
+                    self.comm.all_gather(shard)?.into_f32()
+                } else {
+                    shard.into_f32()
+                };
+                whole.truncate(numel);
+                values[i] = whole;
+                unit_groups.push(group);
+            }
             let dtype = self.settings.precision.dtype;
-            crate::params::read_values::<B, M>(module, |i, mut v| {
-                half_buffer::round_to(dtype, &mut v);
-                values[i] = v
-            });
+            for v in &mut values {
+                half_buffer::round_to(dtype, v);
+            }
             let memory = Arc::new(MemoryTracker::default());
-            memory.add_parameters(layout.numel() * dtype.size());
+            // What the module holds: replicated parameters whole, each unit's shard.
+            let held: usize = (0..layout.groups.len())
+                .map(|g| {
+                    if unit_groups.contains(&g) {
+                        layout.owned_len(g)
+                    } else {
+                        layout.groups[g].numel
+                    }
+                })
+                .sum();
+            memory.add_parameters(held * dtype.size());
             let flow = if self.settings.stage == Stage::Zero2 {
                 GradFlow::ReduceThenAccumulate
             } else {
@@ -152,11 +198,21 @@ impl ZeroOptimizer {
             };
             let mut settings = self.settings.clone();
             settings.gradient_accumulation_steps = 1;
+            if !unit_groups.is_empty() {
+                settings.alignment = UNIT_ALIGNMENT;
+            }
             *guard = Some(EngineCore::new(
                 layout,
                 self.comm.clone(),
                 settings,
-                |_| flow,
+                // A unit's gradient arrives reduced (its backward reduce-scattered it).
+                |g| {
+                    if unit_groups.contains(&g) {
+                        GradFlow::ReduceThenAccumulate
+                    } else {
+                        flow
+                    }
+                },
                 |i| std::mem::take(&mut values[i]),
                 memory,
             )?);
@@ -178,15 +234,88 @@ impl ZeroOptimizer {
         let fixed = lr;
         core.settings.lr_schedule = Some(Arc::new(move |_| fixed));
         for (i, (id, _)) in describe::<B, M>(&module).into_iter().enumerate() {
-            core.absorb(i, take(id))?;
+            if unit_numel(id).is_some() {
+                // A ZeroModule's shard: its gradient is this rank's slice, already averaged.
+                if let Some(grad) = take(id) {
+                    core.absorb_owned(core.places[i].group, &grad)?;
+                }
+            } else {
+                core.absorb(i, take(id))?;
+            }
         }
         core.finish_micro_batch()?;
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-        let mut source = core.value_source();
-        let module = write_data(module, &device, true, |i, _| source.take_data(i));
-        source.finish()?;
-        Ok(module)
+        write_back::<B, M>(core, module, &device)
+    }
+}
+
+/// The layout of a model holding `ZeroModule`s: each unit's flat parameters one sharded group
+/// (one parameter of the unit's elements, cut as the unit cut its shards), the other parameters
+/// grouped as [`replicated_layout`] groups them.
+fn layout_with_units(
+    described: Vec<(burn::module::ParamId, zero_core::partition::ParamSpec)>,
+    units: &[Option<usize>],
+    settings: &EngineSettings,
+    world: usize,
+) -> PartitionLayout {
+    let specs: Vec<ParamSpec> = described
+        .into_iter()
+        .zip(units)
+        .map(|((_, spec), unit)| match unit {
+            Some(numel) => ParamSpec {
+                name: spec.name,
+                shape: vec![*numel],
+            },
+            None => spec,
+        })
+        .collect();
+    let replicated: Vec<usize> = (0..specs.len()).filter(|&i| units[i].is_none()).collect();
+    let placement = if settings.stage == Stage::Zero0 {
+        Placement::Replicated
+    } else {
+        Placement::Sharded
+    };
+    let mut builder = LayoutBuilder::new(specs, world, UNIT_ALIGNMENT);
+    builder.buckets(&replicated, settings.reduce_bucket_size.max(1), placement);
+    for (i, unit) in units.iter().enumerate() {
+        if unit.is_some() {
+            builder.group(vec![i], Placement::Sharded);
+        }
+    }
+    builder.finish()
+}
+
+/// `module` with the state's values: replicated parameters whole (gathered where sharded), each
+/// `ZeroModule` shard this rank's slice of its unit.
+fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
+    core: &EngineCore,
+    module: M,
+    device: &B::Device,
+) -> Result<M, ZeroError> {
+    let unit_groups: Vec<Option<usize>> = describe::<B, M>(&module)
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| unit_numel(*id).map(|_| core.places[i].group))
+        .collect();
+    let mut source = core.value_source();
+    let mut error = None;
+    let dtype = core.settings.precision.dtype;
+    let module = write_data(module, device, true, |i, _| match unit_groups[i] {
+        Some(group) => {
+            let shard = core.shard_buffer(group).unwrap_or_else(|e| {
+                error.get_or_insert(e);
+                half_buffer::zeros(dtype, core.state.layout.owned_len(group))
+            });
+            let len = core.state.layout.owned_len(group);
+            half_buffer::slice_data(&shard, 0..len, vec![len])
+        }
+        None => source.take_data(i),
+    });
+    source.finish()?;
+    match error {
+        Some(e) => Err(e),
+        None => Ok(module),
     }
 }
 

@@ -107,6 +107,31 @@ impl std::fmt::Debug for ShardComm {
     }
 }
 
+/// Elements a unit's flat vector is padded to a multiple of, per rank: its shards are cut as the
+/// optimizer's layout cuts a sharded group of that alignment, so that a rank's shard is the slice
+/// the optimizer owns.
+pub const UNIT_ALIGNMENT: usize = 16;
+
+/// The elements of every unit's flat parameters (padding excluded), by the id of its shard
+/// parameter: what an optimizer needs to lay the shard out and that the shard's own shape (this
+/// rank's slice) does not say. Ids are unique in the process; entries are a few bytes.
+fn units() -> &'static std::sync::Mutex<std::collections::HashMap<burn::module::ParamId, usize>> {
+    static UNITS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<burn::module::ParamId, usize>>> =
+        std::sync::OnceLock::new();
+    UNITS.get_or_init(Default::default)
+}
+
+/// The elements of the unit whose shard parameter is `id` (padding excluded); `None` for a
+/// parameter that is not a [`ZeroModule`]'s shard.
+pub fn unit_numel(id: burn::module::ParamId) -> Option<usize> {
+    units().lock().unwrap_or_else(|e| e.into_inner()).get(&id).copied()
+}
+
+/// This rank's shard length for a unit of `numel` elements over `world` ranks.
+pub fn shard_len(numel: usize, world: usize) -> usize {
+    numel.div_ceil(world * UNIT_ALIGNMENT).max(1) * UNIT_ALIGNMENT
+}
+
 /// Where each float parameter of the unit sits in its flat vector.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnitLayout {
@@ -159,15 +184,21 @@ where
             .next()
             .ok_or_else(|| ZeroError::Config("a ZeroModule needs a module with parameters".into()))?;
         let world = comm.world_size();
-        let shard_len = values.len().div_ceil(world);
+        let numel = values.len();
+        let shard_len = shard_len(numel, world);
         values.resize(shard_len * world, 0.0);
         let rank = comm.rank();
         let mine = values[rank * shard_len..(rank + 1) * shard_len].to_vec();
         drop(values);
         let shard = Tensor::<B, 1>::from_data(TensorData::new(mine, [shard_len]), &device);
         let skeleton = module.map(&mut Emptied);
+        let shard = Param::from_tensor(shard);
+        units()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(shard.id, numel);
         Ok(ZeroModule {
-            shard: Param::from_tensor(shard),
+            shard,
             skeleton,
             layout: Arc::new(UnitLayout { shapes, shard_len }),
             comm: ShardComm::new(comm),
@@ -247,8 +278,8 @@ pub fn contains_zero_module<B: Backend, M: Module<B>>(module: &M) -> bool {
 pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: &str) -> Result<(), ZeroError> {
     if contains_zero_module::<B, M>(module) {
         return Err(ZeroError::Config(format!(
-            "{engine} does not step ZeroModule shards yet; a model whose parameters all sit in ZeroModules \
-             trains with Burn's own optimizers (each rank steps its shards)"
+            "{engine} does not step ZeroModule shards; train a model holding ZeroModules in a Burn loop with \
+             zero_burn::ZeroOptimizer"
         )));
     }
     Ok(())
