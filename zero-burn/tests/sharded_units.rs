@@ -588,3 +588,94 @@ fn a_zero_module_checkpoint_resumes_at_another_world_size() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Clipping by the global norm spans the units' shards and the replicated parameters: a model of
+/// `ZeroModule`s at worlds 2 and 4, clipped at 0.05 (below every step's norm), ends where
+/// `ZeroOptimizer` on the unsharded model on one process ends (the reference: its clipping is
+/// the engines', checked against torch's `clip_grad_norm_` by the engine tests).
+#[test]
+fn clipping_covers_zero_module_shards_and_replicated_parameters() {
+    use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
+    use zero_core::optim::OptimizerSpec;
+    type B = Autodiff<Flex>;
+    const STEPS: usize = 4;
+    let settings = || {
+        let mut s = EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw());
+        s.gradient_clipping = 0.05;
+        s
+    };
+    let device = Default::default();
+    let mut plain = PlainGained {
+        units: units::<B>(&device),
+        gain: gain(&device),
+    };
+    let mut optim = ZeroOptimizer::new(settings(), ThreadGroup::new_group(1).unwrap().remove(0)).unwrap();
+    let mut norms = Vec::new();
+    for _ in 0..STEPS {
+        let y = forward(&plain.units, rows(0..ROWS, 4, 0, &device)) * plain.gain.val().unsqueeze();
+        let grads = (y - rows(0..ROWS, 3, 5, &device)).powf_scalar(2.0).mean().backward();
+        let params = GradientsParams::from_grads(grads, &plain);
+        plain = optim.step(1e-2, plain, params);
+        norms.push(optim.last_step().unwrap().grad_norm);
+    }
+    assert!(norms.iter().all(|&n| n > 0.05), "every step clips: {norms:?}");
+    let mut want: Vec<Vec<f32>> = plain
+        .units
+        .iter()
+        .map(|u| {
+            let mut v = Vec::new();
+            read_values::<B, _>(u, |_, p| v.extend(p));
+            v
+        })
+        .collect();
+    want.push(plain.gain.val().into_data().to_vec::<f32>().unwrap());
+
+    for world in [2, 4] {
+        let runs = on_ranks(world, |rank, comm| {
+            let device = Default::default();
+            let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+            let mut model = Gained {
+                net: Net::<B>::new(comm, &device),
+                gain: gain(&device),
+            };
+            let mut optim = ZeroOptimizer::new(settings(), group).unwrap();
+            let per = ROWS / world;
+            let mut norms = Vec::new();
+            for _ in 0..STEPS {
+                let x = rows::<B>(rank * per..(rank + 1) * per, 4, 0, &device);
+                let target = rows::<B>(rank * per..(rank + 1) * per, 3, 5, &device);
+                let y = model.net.forward(x) * model.gain.val().unsqueeze();
+                let grads = (y - target).powf_scalar(2.0).mean().backward();
+                let grads = GradientsParams::from_grads(grads, &model);
+                model = optim.step(1e-2, model, grads);
+                norms.push(optim.last_step().unwrap().grad_norm);
+            }
+            let mut out: Vec<Vec<f32>> = model
+                .net
+                .units
+                .iter()
+                .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
+                .collect();
+            out.push(model.gain.val().into_data().to_vec::<f32>().unwrap());
+            (out, norms)
+        });
+        for (rank, (_, got_norms)) in runs.iter().enumerate() {
+            for (s, (g, w)) in got_norms.iter().zip(&norms).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w,
+                    "world {world}, rank {rank}, step {s}: norm {g} against {w}"
+                );
+            }
+        }
+        for (u, w) in want.iter().enumerate() {
+            let g: Vec<f32> = if u == 3 {
+                runs[0].0[3].clone()
+            } else {
+                runs.iter().flat_map(|(r, _)| r[u].clone()).take(w.len()).collect()
+            };
+            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+            assert!(err < 1e-5, "world {world}, part {u}: off by {err:e}");
+        }
+    }
+}
