@@ -3,12 +3,13 @@
 //! and writes `config.json` beside them, and the zoo's HuggingFace loader reads it back.
 //! Reference: the same checkpoint exported under the engine's own names, tensor by tensor.
 
+mod support;
+
 use burn::backend::Flex;
 use burn::tensor::Device;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 use zero_core::checkpoint::{to_fp32, write_model_config, Checkpoint, ExportNaming, NameMap};
 use zero_models::gpt2::Gpt2;
 
@@ -36,27 +37,7 @@ fn read_all(dir: &Path) -> HashMap<String, Vec<f32>> {
 fn a_trained_checkpoint_exports_as_a_huggingface_directory_by_default() {
     let dir = tempfile::tempdir().unwrap();
     let save = dir.path().join("ckpt");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-tiny-zero3.json");
-    let run = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args([
-            "train",
-            "--quiet",
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "16",
-            "--nproc",
-            "2",
-            "--steps",
-            "2",
-        ])
-        .arg("--config")
-        .arg(&config)
-        .arg("--save")
-        .arg(&save)
-        .env("ZERO_COMM_TIMEOUT_SECS", "30")
-        .output()
-        .unwrap();
+    let run = support::train_shipped(2, &["--save", save.to_str().unwrap()]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
 
     let checkpoint = Checkpoint::open(&save, None).unwrap();

@@ -5,37 +5,11 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use support::train_shipped as train;
+
+use std::path::Path;
+use std::process::Output;
 use zero_core::checkpoint::{self, Checkpoint};
-
-/// The shipped example config (ZeRO-3, AdamW, WarmupDecayLR).
-fn shipped_config() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-tiny-zero3.json")
-}
-
-/// `gpt2 train` of the tiny preset under the shipped config on 2 rank threads, with short
-/// sequences (the step time, not the schedule, depends on them), quietly, plus `extra`.
-fn train(steps: u64, extra: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args([
-            "train",
-            "--quiet",
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "16",
-            "--nproc",
-            "2",
-        ])
-        .arg("--config")
-        .arg(shipped_config())
-        .args(["--steps", &steps.to_string()])
-        .args(extra)
-        .env("ZERO_COMM_TIMEOUT_SECS", "30")
-        .output()
-        .expect("run gpt2")
-}
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()

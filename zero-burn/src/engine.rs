@@ -23,7 +23,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup};
-use zero_core::partition::{LayoutBuilder, PartitionLayout, Placement};
+use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
 
 /// ZeRO stages 0-2 around any Burn module.
 ///
@@ -187,14 +187,31 @@ pub(crate) fn replicated_layout<B: AutodiffBackend, M: AutodiffModule<B>>(
     world: usize,
 ) -> PartitionLayout {
     let specs: Vec<_> = describe::<B, M>(model).into_iter().map(|(_, s)| s).collect();
-    let all: Vec<usize> = (0..specs.len()).collect();
+    let units = vec![false; specs.len()];
+    stage_layout(specs, &units, settings.alignment, settings, world)
+}
+
+/// `specs` (in visit order) in buckets of about `reduce_bucket_size`, replicated at stage 0 and
+/// sharded at stages 1-2, except the parameters marked in `units`: each of those is a sharded
+/// group of its own (a `ZeroModule`'s flat parameters).
+pub(crate) fn stage_layout(
+    specs: Vec<ParamSpec>,
+    units: &[bool],
+    alignment: usize,
+    settings: &EngineSettings,
+    world: usize,
+) -> PartitionLayout {
+    let bucketed: Vec<usize> = (0..specs.len()).filter(|&i| !units[i]).collect();
     let placement = if settings.stage == Stage::Zero0 {
         Placement::Replicated
     } else {
         Placement::Sharded
     };
-    let mut builder = LayoutBuilder::new(specs, world, settings.alignment);
-    builder.buckets(&all, settings.reduce_bucket_size.max(1), placement);
+    let mut builder = LayoutBuilder::new(specs, world, alignment);
+    builder.buckets(&bucketed, settings.reduce_bucket_size.max(1), placement);
+    for (i, _) in units.iter().enumerate().filter(|(_, &unit)| unit) {
+        builder.group(vec![i], Placement::Sharded);
+    }
     builder.finish()
 }
 

@@ -13,7 +13,7 @@
 //! never the whole unit. The other parameters go the stage's way.
 
 use crate::core::{EngineCore, StepReport};
-use crate::engine::{broadcast_values, replicated_layout};
+use crate::engine::{broadcast_values, replicated_layout, stage_layout};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
@@ -21,13 +21,14 @@ use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, write_data};
 use crate::settings::{ComputeDtype, EngineSettings, Stage};
 use crate::sharded::{unit_numel, UNIT_ALIGNMENT};
+use burn::module::ParamId;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::{FlatBuffer, ProcessGroup};
-use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement};
+use zero_core::partition::{ParamSpec, PartitionLayout};
 
 /// ZeRO stages 0-2 as a `burn::optim::Optimizer`.
 ///
@@ -129,7 +130,9 @@ impl ZeroOptimizer {
         self.ensure_core::<B, M>(&mut guard, &module)?;
         let core = guard.as_mut().unwrap_or_else(|| unreachable!("just built"));
         let client = core.load_checkpoint(dir.as_ref(), tag)?;
-        Ok((write_back::<B, M>(core, module, &device)?, client))
+        let ids: Vec<_> = describe::<B, M>(&module).into_iter().map(|(id, _)| id).collect();
+        let units = unit_groups(core, &ids);
+        Ok((write_back::<B, M>(core, module, &device, &units)?, client))
     }
 
     /// Builds the flat state from `module` if this is its first use.
@@ -142,11 +145,7 @@ impl ZeroOptimizer {
             let world = self.comm.world_size();
             let described = describe::<B, M>(module);
             let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
-            let layout = if units.iter().any(Option::is_some) {
-                layout_with_units(described, &units, &self.settings, world)
-            } else {
-                replicated_layout::<B, M>(module, &self.settings, world)
-            };
+            let layout = optimizer_layout(described, &units, &self.settings, world);
             let places = layout.places();
             let mut values = vec![Vec::new(); layout.params.len()];
             crate::params::read_values::<B, M>(module, |i, v| values[i] = v);
@@ -198,9 +197,6 @@ impl ZeroOptimizer {
             };
             let mut settings = self.settings.clone();
             settings.gradient_accumulation_steps = 1;
-            if !unit_groups.is_empty() {
-                settings.alignment = UNIT_ALIGNMENT;
-            }
             *guard = Some(EngineCore::new(
                 layout,
                 self.comm.clone(),
@@ -233,28 +229,30 @@ impl ZeroOptimizer {
         // Burn's loop owns the schedule: use its learning rate for this step.
         let fixed = lr;
         core.settings.lr_schedule = Some(Arc::new(move |_| fixed));
-        for (i, (id, _)) in describe::<B, M>(&module).into_iter().enumerate() {
-            if unit_numel(id).is_some() {
+        let ids: Vec<_> = describe::<B, M>(&module).into_iter().map(|(id, _)| id).collect();
+        let units = unit_groups(core, &ids);
+        for (i, (id, unit)) in ids.into_iter().zip(&units).enumerate() {
+            match unit {
                 // A ZeroModule's shard: its gradient is this rank's slice, already averaged.
-                if let Some(grad) = take(id) {
-                    core.absorb_owned(core.places[i].group, &grad)?;
+                Some(group) => {
+                    if let Some(grad) = take(id) {
+                        core.absorb_owned(*group, &grad)?;
+                    }
                 }
-            } else {
-                core.absorb(i, take(id))?;
+                None => core.absorb(i, take(id))?,
             }
         }
         core.finish_micro_batch()?;
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-        write_back::<B, M>(core, module, &device)
+        write_back::<B, M>(core, module, &device, &units)
     }
 }
 
-/// The layout of a model holding `ZeroModule`s: each unit's flat parameters one sharded group
-/// (one parameter of the unit's elements, cut as the unit cut its shards), the other parameters
-/// grouped as [`replicated_layout`] groups them.
-fn layout_with_units(
-    described: Vec<(burn::module::ParamId, zero_core::partition::ParamSpec)>,
+/// The optimizer's layout: [`stage_layout`] with each `ZeroModule`'s flat parameters (`units`:
+/// the unit's elements, by parameter) one sharded group, cut as the unit cut its shards.
+fn optimizer_layout(
+    described: Vec<(ParamId, ParamSpec)>,
     units: &[Option<usize>],
     settings: &EngineSettings,
     world: usize,
@@ -270,44 +268,42 @@ fn layout_with_units(
             None => spec,
         })
         .collect();
-    let replicated: Vec<usize> = (0..specs.len()).filter(|&i| units[i].is_none()).collect();
-    let placement = if settings.stage == Stage::Zero0 {
-        Placement::Replicated
+    let marked: Vec<bool> = units.iter().map(Option::is_some).collect();
+    let alignment = if marked.contains(&true) {
+        UNIT_ALIGNMENT
     } else {
-        Placement::Sharded
+        settings.alignment
     };
-    let mut builder = LayoutBuilder::new(specs, world, UNIT_ALIGNMENT);
-    builder.buckets(&replicated, settings.reduce_bucket_size.max(1), placement);
-    for (i, unit) in units.iter().enumerate() {
-        if unit.is_some() {
-            builder.group(vec![i], Placement::Sharded);
-        }
-    }
-    builder.finish()
+    stage_layout(specs, &marked, alignment, settings, world)
+}
+
+/// By parameter (`ids`, in visit order), the group of a `ZeroModule` shard; `None` for the
+/// other parameters.
+fn unit_groups(core: &EngineCore, ids: &[ParamId]) -> Vec<Option<usize>> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, id)| unit_numel(*id).map(|_| core.places[i].group))
+        .collect()
 }
 
 /// `module` with the state's values: replicated parameters whole (gathered where sharded), each
-/// `ZeroModule` shard this rank's slice of its unit.
+/// `ZeroModule` shard (`units`, from [`unit_groups`]) this rank's slice of its unit.
 fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     core: &EngineCore,
     module: M,
     device: &B::Device,
+    units: &[Option<usize>],
 ) -> Result<M, ZeroError> {
-    let unit_groups: Vec<Option<usize>> = describe::<B, M>(&module)
-        .iter()
-        .enumerate()
-        .map(|(i, (id, _))| unit_numel(*id).map(|_| core.places[i].group))
-        .collect();
     let mut source = core.value_source();
     let mut error = None;
     let dtype = core.settings.precision.dtype;
-    let module = write_data(module, device, true, |i, _| match unit_groups[i] {
+    let module = write_data(module, device, true, |i, _| match units[i] {
         Some(group) => {
+            let len = core.state.layout.owned_len(group);
             let shard = core.shard_buffer(group).unwrap_or_else(|e| {
                 error.get_or_insert(e);
-                half_buffer::zeros(dtype, core.state.layout.owned_len(group))
+                half_buffer::zeros(dtype, len)
             });
-            let len = core.state.layout.owned_len(group);
             half_buffer::slice_data(&shard, 0..len, vec![len])
         }
         None => source.take_data(i),

@@ -149,6 +149,21 @@ fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, UnitComm<Flex>) -> T + S
     })
 }
 
+/// The largest magnitude in `v`.
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+/// max |got - want|.
+fn max_diff(got: &[f32], want: &[f32]) -> f32 {
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
+}
+
+/// max |got - want| / max |want|.
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    max_diff(got, want) / max_abs(want)
+}
+
 fn check<C: CheckpointStrategy>(label: &str) {
     let want = reference();
     for world in [1, 2, 4] {
@@ -157,15 +172,9 @@ fn check<C: CheckpointStrategy>(label: &str) {
             let per = zero_burn::sharded::shard_len(whole.len(), world);
             let mut padded = whole.clone();
             padded.resize(per * world, 0.0);
-            let scale = whole.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (rank, shards) in got.iter().enumerate() {
                 let expect = &padded[rank * per..(rank + 1) * per];
-                let err = shards[u]
-                    .iter()
-                    .zip(expect)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max)
-                    / scale;
+                let err = max_diff(&shards[u], expect) / max_abs(whole);
                 assert!(
                     err < 1e-6,
                     "{label}, world {world}, unit {u}, rank {rank}: off by {err:e}"
@@ -247,8 +256,7 @@ fn burns_adamw_trains_zero_modules_like_one_process() {
                 .flat_map(|(shards, _)| shards[u].clone())
                 .take(whole.len())
                 .collect();
-            let scale = whole.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = got.iter().zip(whole).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+            let err = relative_error(&got, whole);
             assert!(err < 1e-6, "world {world}, unit {u}: off by {err:e}");
         }
         for (rank, (_, loss)) in runs.iter().enumerate() {
@@ -257,129 +265,6 @@ fn burns_adamw_trains_zero_modules_like_one_process() {
                 "world {world}, rank {rank}: the valid() copy's loss {loss} against {want_loss}"
             );
         }
-    }
-}
-
-mod memory {
-    //! What a forward keeps: with balanced checkpointing, the gathered weights are freed after
-    //! forward (a recipe to gather again is kept instead), so what forward keeps does not grow
-    //! with the number of units beyond their activations; without checkpointing every gathered
-    //! unit stays until backward. Live heap bytes (every thread) counted by a global allocator,
-    //! at world 2, for 2 and 16 units of 256 × 256 (256 KiB each in f32, gathered on each rank).
-    use super::*;
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Barrier;
-
-    struct Counting;
-    static CURRENT: AtomicUsize = AtomicUsize::new(0);
-
-    unsafe impl GlobalAlloc for Counting {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            let p = unsafe { System.alloc(layout) };
-            if !p.is_null() {
-                CURRENT.fetch_add(layout.size(), Ordering::Relaxed);
-            }
-            p
-        }
-        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-            let p = unsafe { System.alloc_zeroed(layout) };
-            if !p.is_null() {
-                CURRENT.fetch_add(layout.size(), Ordering::Relaxed);
-            }
-            p
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            unsafe { System.dealloc(ptr, layout) };
-            CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-    }
-
-    #[global_allocator]
-    static ALLOCATOR: Counting = Counting;
-
-    /// A sharded linear layer under checkpointing strategy `C`.
-    type LinearUnit<C> = ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>;
-
-    const WIDTH: usize = 256;
-    /// One unit gathered on one rank.
-    const UNIT_BYTES: usize = WIDTH * WIDTH * 4;
-    const WORLD: usize = 2;
-
-    /// Over both ranks: bytes alive after forward above those alive before it, and bytes the
-    /// sharded units hold.
-    fn retained<C: CheckpointStrategy>(units: usize) -> (usize, usize) {
-        let groups = ThreadGroup::new_group(WORLD).unwrap();
-        let barrier = Barrier::new(WORLD);
-        let marks = std::sync::Mutex::new(Vec::new());
-        std::thread::scope(|s| {
-            for (rank, group) in groups.into_iter().enumerate() {
-                let (barrier, marks) = (&barrier, &marks);
-                s.spawn(move || {
-                    let device = Default::default();
-                    let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
-                    let mark = |what: &'static str| {
-                        barrier.wait();
-                        if rank == 0 {
-                            marks.lock().unwrap().push((what, CURRENT.load(Ordering::Relaxed)));
-                        }
-                        barrier.wait();
-                    };
-                    mark("start");
-                    let units: Vec<LinearUnit<C>> = (0..units)
-                        .map(|_| {
-                            let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
-                            ZeroModule::new(linear, comm.clone()).unwrap()
-                        })
-                        .collect();
-                    mark("sharded");
-                    let mut h = Tensor::<Autodiff<Flex, C>, 2>::ones([2, WIDTH], &device).require_grad();
-                    for unit in &units {
-                        let module = unit.unshard(&h).unwrap();
-                        h = relu(module.forward(h));
-                    }
-                    let loss = h.sum();
-                    mark("forward");
-                    let _ = loss.backward();
-                });
-            }
-        });
-        let marks = marks.into_inner().unwrap();
-        let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1;
-        (at("forward") - at("sharded"), at("sharded") - at("start"))
-    }
-
-    #[test]
-    fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
-        let (few, few_sharded) = retained::<BalancedCheckpointing>(2);
-        let (many, many_sharded) = retained::<BalancedCheckpointing>(16);
-        let (few_plain, _) = retained::<NoCheckpointing>(2);
-        let (many_plain, _) = retained::<NoCheckpointing>(16);
-        let gathered = 14 * UNIT_BYTES * WORLD;
-        eprintln!(
-            "kept after forward, 2 and 16 units: balanced {few} and {many} bytes, none {few_plain} and {many_plain}; \
-             the 14 more units gathered: {gathered}; sharded units hold {few_sharded} and {many_sharded}"
-        );
-        // Sharded, a unit holds its shard on each rank (half of it at world 2), not its module's
-        // values.
-        let per_unit_sharded = (many_sharded - few_sharded) / 14;
-        assert!(
-            per_unit_sharded < UNIT_BYTES * 11 / 10,
-            "a sharded unit holds {per_unit_sharded} bytes over both ranks"
-        );
-        // Without checkpointing every gathered unit stays alive until backward...
-        assert!(
-            many_plain - few_plain >= gathered * 9 / 10,
-            "without checkpointing: {many_plain} - {few_plain}"
-        );
-        // ...with it, 14 more units keep only their activations (2 rows, a few KiB each).
-        assert!(
-            many - few < gathered / 10,
-            "balanced: {many} - {few} bytes for 14 more units"
-        );
-        // And what forward keeps at all stays below a few units (the collectives' buffers, the
-        // graph's bookkeeping).
-        assert!(few < 3 * UNIT_BYTES * WORLD, "balanced, 2 units: {few} bytes kept");
     }
 }
 
@@ -417,8 +302,98 @@ struct PlainGained<B: Backend> {
     gain: burn::module::Param<Tensor<B, 1>>,
 }
 
-fn gain<B: Backend>(device: &B::Device) -> burn::module::Param<Tensor<B, 1>> {
+type AB = Autodiff<Flex>;
+
+fn gain(device: &burn::tensor::Device<AB>) -> burn::module::Param<Tensor<AB, 1>> {
     burn::module::Param::from_tensor(Tensor::from_data(TensorData::new(vec![1.0f32, 0.8, 1.2], [3]), device))
+}
+
+/// The squared error of `y` scaled by `gain` against the target rows `rows`, batch `salt`.
+fn gained_loss(
+    y: Tensor<AB, 2>,
+    gain: &burn::module::Param<Tensor<AB, 1>>,
+    rows_: std::ops::Range<usize>,
+    salt: usize,
+) -> Tensor<AB, 1> {
+    let device = y.device();
+    ((y * gain.val().unsqueeze()) - rows::<AB>(rows_, 3, 5 + salt, &device))
+        .powf_scalar(2.0)
+        .mean()
+}
+
+impl Gained<AB> {
+    fn new(comm: UnitComm<Flex>, device: &burn::tensor::Device<AB>) -> Self {
+        Gained {
+            net: Net::new(comm, device),
+            gain: gain(device),
+        }
+    }
+
+    /// One step of `optim` on rank `rank`'s rows (of `world`) of batch `salt`.
+    fn step<O: Optimizer<Self, AB>>(self, optim: &mut O, rank: usize, world: usize, salt: usize) -> Self {
+        let per = ROWS / world;
+        let mine = rank * per..(rank + 1) * per;
+        let x = rows::<AB>(mine.clone(), 4, salt, &self.gain.device());
+        let loss = gained_loss(self.net.forward(x), &self.gain, mine, salt);
+        let grads = GradientsParams::from_grads(loss.backward(), &self);
+        optim.step(1e-2, self, grads)
+    }
+
+    /// Each unit's shard, then the gain.
+    fn parts(&self) -> Vec<Vec<f32>> {
+        let mut parts: Vec<Vec<f32>> = self
+            .net
+            .units
+            .iter()
+            .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
+            .collect();
+        parts.push(self.gain.val().into_data().to_vec::<f32>().unwrap());
+        parts
+    }
+}
+
+impl PlainGained<AB> {
+    fn new(device: &burn::tensor::Device<AB>) -> Self {
+        PlainGained {
+            units: units::<AB>(device),
+            gain: gain(device),
+        }
+    }
+
+    /// One step of `optim` on the whole batch `salt`.
+    fn step<O: Optimizer<Self, AB>>(self, optim: &mut O, salt: usize) -> Self {
+        let x = rows::<AB>(0..ROWS, 4, salt, &self.gain.device());
+        let loss = gained_loss(forward(&self.units, x), &self.gain, 0..ROWS, salt);
+        let grads = GradientsParams::from_grads(loss.backward(), &self);
+        optim.step(1e-2, self, grads)
+    }
+
+    /// Each unit's parameters, flat, then the gain.
+    fn parts(&self) -> Vec<Vec<f32>> {
+        let mut parts: Vec<Vec<f32>> = self
+            .units
+            .iter()
+            .map(|u| {
+                let mut v = Vec::new();
+                read_values::<AB, _>(u, |_, p| v.extend(p));
+                v
+            })
+            .collect();
+        parts.push(self.gain.val().into_data().to_vec::<f32>().unwrap());
+        parts
+    }
+}
+
+/// The ranks' `Gained::parts` put together as `PlainGained::parts` (`want`) holds them: each
+/// unit's shards in rank order, cut to the unit's length; the gain, rank 0's.
+fn put_together(runs: &[Vec<Vec<f32>>], want: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let gain = want.len() - 1;
+    (0..want.len())
+        .map(|u| match u == gain {
+            true => runs[0][gain].clone(),
+            false => runs.iter().flat_map(|r| r[u].clone()).take(want[u].len()).collect(),
+        })
+        .collect()
 }
 
 /// `ZeroOptimizer` in the ordinary Burn loop over a model of `ZeroModule`s (stage 3 for the
@@ -429,44 +404,25 @@ fn gain<B: Backend>(device: &B::Device) -> burn::module::Param<Tensor<B, 1>> {
 fn zero_optimizer_steps_zero_module_shards_like_burns_adamw_on_one_process() {
     use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
     use zero_core::optim::{AdamSpec, OptimizerSpec};
-    type B = Autodiff<Flex>;
     const STEPS: usize = 5;
     const EPS: f64 = 1e-4;
     let device = Default::default();
-    let mut plain = PlainGained {
-        units: units::<B>(&device),
-        gain: gain(&device),
-    };
+    let mut plain = PlainGained::new(&device);
     let mut optim = AdamWConfig::new()
         .with_epsilon(EPS as f32)
         .with_weight_decay(0.01)
         .init();
     for _ in 0..STEPS {
-        let y = forward(&plain.units, rows(0..ROWS, 4, 0, &device)) * plain.gain.val().unsqueeze();
-        let grads = (y - rows(0..ROWS, 3, 5, &device)).powf_scalar(2.0).mean().backward();
-        let params = GradientsParams::from_grads(grads, &plain);
-        plain = optim.step(1e-2, plain, params);
+        plain = plain.step(&mut optim, 0);
     }
-    let want_units: Vec<Vec<f32>> = plain
-        .units
-        .iter()
-        .map(|u| {
-            let mut v = Vec::new();
-            read_values::<B, _>(u, |_, p| v.extend(p));
-            v
-        })
-        .collect();
-    let want_gain = plain.gain.val().into_data().to_vec::<f32>().unwrap();
+    let want = plain.parts();
 
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         for world in [1, 2, 4] {
             let runs = on_ranks(world, |rank, comm| {
                 let device = Default::default();
                 let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-                let mut model = Gained {
-                    net: Net::<B>::new(comm, &device),
-                    gain: gain(&device),
-                };
+                let mut model = Gained::new(comm, &device);
                 let spec = OptimizerSpec::Adam(AdamSpec {
                     eps: EPS,
                     weight_decay: 0.01,
@@ -475,39 +431,24 @@ fn zero_optimizer_steps_zero_module_shards_like_burns_adamw_on_one_process() {
                 let mut settings = EngineSettings::new(stage, spec);
                 settings.reduce_bucket_size = 2;
                 let mut optim = ZeroOptimizer::new(settings, group).unwrap();
-                let per = ROWS / world;
                 for _ in 0..STEPS {
-                    let x = rows::<B>(rank * per..(rank + 1) * per, 4, 0, &device);
-                    let target = rows::<B>(rank * per..(rank + 1) * per, 3, 5, &device);
-                    let y = model.net.forward(x) * model.gain.val().unsqueeze();
-                    let grads = (y - target).powf_scalar(2.0).mean().backward();
-                    let grads = GradientsParams::from_grads(grads, &model);
-                    model = optim.step(1e-2, model, grads);
+                    model = model.step(&mut optim, rank, world, 0);
                 }
-                let shards: Vec<Vec<f32>> = model
-                    .net
-                    .units
-                    .iter()
-                    .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
-                    .collect();
-                (shards, model.gain.val().into_data().to_vec::<f32>().unwrap())
+                model.parts()
             });
-            let close = |got: &[f32], want: &[f32], what: &str| {
-                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
-                assert!(err < 1e-6, "{stage:?}, world {world}, {what}: off by {err:e}");
-            };
-            for (u, whole) in want_units.iter().enumerate() {
-                let got: Vec<f32> = runs
-                    .iter()
-                    .flat_map(|(shards, _)| shards[u].clone())
-                    .take(whole.len())
-                    .collect();
-                assert_eq!(got.len(), whole.len());
-                close(&got, whole, &format!("unit {u}"));
+            let got = put_together(&runs, &want);
+            for (u, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.len(), w.len());
+                let err = relative_error(g, w);
+                assert!(err < 1e-6, "{stage:?}, world {world}, part {u}: off by {err:e}");
             }
-            for (rank, (_, gain)) in runs.iter().enumerate() {
-                close(gain, &want_gain, &format!("the replicated gain on rank {rank}"));
+            let gain = want.len() - 1;
+            for (rank, parts) in runs.iter().enumerate() {
+                let err = relative_error(&parts[gain], &want[gain]);
+                assert!(
+                    err < 1e-6,
+                    "{stage:?}, world {world}, the replicated gain on rank {rank}: off by {err:e}"
+                );
             }
         }
     }
@@ -520,7 +461,6 @@ fn zero_optimizer_steps_zero_module_shards_like_burns_adamw_on_one_process() {
 fn a_zero_module_checkpoint_resumes_at_another_world_size() {
     use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
     use zero_core::optim::{AdamSpec, OptimizerSpec};
-    type B = Autodiff<Flex>;
     let dir = std::env::temp_dir().join(format!("zero-module-ckpt-{}", std::process::id()));
     let settings = || {
         let spec = OptimizerSpec::Adam(AdamSpec {
@@ -529,62 +469,34 @@ fn a_zero_module_checkpoint_resumes_at_another_world_size() {
         });
         EngineSettings::new(Stage::Zero1, spec)
     };
-    // Trains steps `from..to` at `world`, loading from `load` first and saving to `save` after.
+    // Trains steps `from..to` at `world`, loading from `dir` first and saving to it after.
     let run = |world: usize, from: usize, to: usize, load: bool, save: bool| {
         on_ranks(world, |rank, comm| {
             let device = Default::default();
             let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-            let mut model = Gained {
-                net: Net::<B>::new(comm, &device),
-                gain: gain(&device),
-            };
+            let mut model = Gained::new(comm, &device);
             let mut optim = ZeroOptimizer::new(settings(), group).unwrap();
             if load {
                 model = optim.load_checkpoint(&dir, None, model).expect("loads").0;
             }
-            let per = ROWS / world;
             for step in from..to {
-                let x = rows::<B>(rank * per..(rank + 1) * per, 4, step, &device);
-                let target = rows::<B>(rank * per..(rank + 1) * per, 3, 5 + step, &device);
-                let y = model.net.forward(x) * model.gain.val().unsqueeze();
-                let grads = (y - target).powf_scalar(2.0).mean().backward();
-                let grads = GradientsParams::from_grads(grads, &model);
-                model = optim.step(1e-2, model, grads);
+                model = model.step(&mut optim, rank, world, step);
             }
             if save {
                 optim
                     .save_checkpoint(&dir, None, &serde_json::json!({}))
                     .expect("saves");
             }
-            let mut units: Vec<Vec<f32>> = model
-                .net
-                .units
-                .iter()
-                .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
-                .collect();
-            units.push(model.gain.val().into_data().to_vec::<f32>().unwrap());
-            units
+            model.parts()
         })
     };
-    // Per unit, the ranks' shards put together (the gain: rank 0's copy).
-    let whole = |runs: Vec<Vec<Vec<f32>>>| -> Vec<Vec<f32>> {
-        (0..4)
-            .map(|u| {
-                if u == 3 {
-                    runs[0][3].clone()
-                } else {
-                    runs.iter().flat_map(|r| r[u].clone()).collect::<Vec<f32>>()
-                }
-            })
-            .collect()
-    };
-    let want = whole(run(4, 0, 5, false, false));
+    let shape = PlainGained::new(&Default::default()).parts();
+    let want = put_together(&run(4, 0, 5, false, false), &shape);
     run(2, 0, 2, false, true);
-    let got = whole(run(4, 2, 5, true, false));
+    let got = put_together(&run(4, 2, 5, true, false), &shape);
     for (u, (g, w)) in got.iter().zip(&want).enumerate() {
-        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
-        assert!(err < 1e-5, "unit {u}: the resumed run is off by {err:e}");
+        let err = relative_error(g, w);
+        assert!(err < 1e-5, "part {u}: the resumed run is off by {err:e}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -597,7 +509,6 @@ fn a_zero_module_checkpoint_resumes_at_another_world_size() {
 fn clipping_covers_zero_module_shards_and_replicated_parameters() {
     use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
     use zero_core::optim::OptimizerSpec;
-    type B = Autodiff<Flex>;
     const STEPS: usize = 4;
     let settings = || {
         let mut s = EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw());
@@ -605,59 +516,28 @@ fn clipping_covers_zero_module_shards_and_replicated_parameters() {
         s
     };
     let device = Default::default();
-    let mut plain = PlainGained {
-        units: units::<B>(&device),
-        gain: gain(&device),
-    };
+    let mut plain = PlainGained::new(&device);
     let mut optim = ZeroOptimizer::new(settings(), ThreadGroup::new_group(1).unwrap().remove(0)).unwrap();
     let mut norms = Vec::new();
     for _ in 0..STEPS {
-        let y = forward(&plain.units, rows(0..ROWS, 4, 0, &device)) * plain.gain.val().unsqueeze();
-        let grads = (y - rows(0..ROWS, 3, 5, &device)).powf_scalar(2.0).mean().backward();
-        let params = GradientsParams::from_grads(grads, &plain);
-        plain = optim.step(1e-2, plain, params);
+        plain = plain.step(&mut optim, 0);
         norms.push(optim.last_step().unwrap().grad_norm);
     }
     assert!(norms.iter().all(|&n| n > 0.05), "every step clips: {norms:?}");
-    let mut want: Vec<Vec<f32>> = plain
-        .units
-        .iter()
-        .map(|u| {
-            let mut v = Vec::new();
-            read_values::<B, _>(u, |_, p| v.extend(p));
-            v
-        })
-        .collect();
-    want.push(plain.gain.val().into_data().to_vec::<f32>().unwrap());
+    let want = plain.parts();
 
     for world in [2, 4] {
         let runs = on_ranks(world, |rank, comm| {
             let device = Default::default();
             let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-            let mut model = Gained {
-                net: Net::<B>::new(comm, &device),
-                gain: gain(&device),
-            };
+            let mut model = Gained::new(comm, &device);
             let mut optim = ZeroOptimizer::new(settings(), group).unwrap();
-            let per = ROWS / world;
             let mut norms = Vec::new();
             for _ in 0..STEPS {
-                let x = rows::<B>(rank * per..(rank + 1) * per, 4, 0, &device);
-                let target = rows::<B>(rank * per..(rank + 1) * per, 3, 5, &device);
-                let y = model.net.forward(x) * model.gain.val().unsqueeze();
-                let grads = (y - target).powf_scalar(2.0).mean().backward();
-                let grads = GradientsParams::from_grads(grads, &model);
-                model = optim.step(1e-2, model, grads);
+                model = model.step(&mut optim, rank, world, 0);
                 norms.push(optim.last_step().unwrap().grad_norm);
             }
-            let mut out: Vec<Vec<f32>> = model
-                .net
-                .units
-                .iter()
-                .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
-                .collect();
-            out.push(model.gain.val().into_data().to_vec::<f32>().unwrap());
-            (out, norms)
+            (model.parts(), norms)
         });
         for (rank, (_, got_norms)) in runs.iter().enumerate() {
             for (s, (g, w)) in got_norms.iter().zip(&norms).enumerate() {
@@ -667,14 +547,9 @@ fn clipping_covers_zero_module_shards_and_replicated_parameters() {
                 );
             }
         }
-        for (u, w) in want.iter().enumerate() {
-            let g: Vec<f32> = if u == 3 {
-                runs[0].0[3].clone()
-            } else {
-                runs.iter().flat_map(|(r, _)| r[u].clone()).take(w.len()).collect()
-            };
-            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+        let parts: Vec<_> = runs.into_iter().map(|(parts, _)| parts).collect();
+        for (u, (g, w)) in put_together(&parts, &want).iter().zip(&want).enumerate() {
+            let err = relative_error(g, w);
             assert!(err < 1e-5, "world {world}, part {u}: off by {err:e}");
         }
     }

@@ -3,32 +3,12 @@
 //! ranks that finish a little apart still succeed, and stopping or killing the launcher stops
 //! its ranks.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod launch_support;
+
+use launch_support::{alive, scratch_dir, zero};
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
-
-fn zero() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_zero"))
-}
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zero-launch-faults-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-/// True while `pid` is a live (not zombie) process.
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .map(|s| !s.trim_start().starts_with('Z'))
-            .unwrap_or(false),
-        Err(_) => false,
-    }
-}
 
 /// The pids the ranks wrote into `dir` (`pid.<rank>`), waiting up to 10 s for all `n`.
 fn rank_pids(dir: &Path, n: usize) -> Vec<i32> {
@@ -60,7 +40,7 @@ fn all_gone_within(pids: &[i32], limit: Duration) -> bool {
 
 #[test]
 fn a_rank_that_exits_0_while_the_others_wait_is_named_within_seconds() {
-    let dir = scratch_dir("early");
+    let dir = scratch_dir("faults-early");
     // Rank 1 ends at once with status 0; rank 0 would wait for it for ten minutes.
     let script = format!(
         "echo $$ > {d}/pid.$RANK; if [ \"$RANK\" = 1 ]; then exit 0; fi; exec sleep 600",
@@ -140,7 +120,7 @@ fn sleeping_launch(dir: &Path) -> (Child, Vec<i32>) {
 #[test]
 fn stopping_the_launcher_stops_its_ranks() {
     for (name, signal) in [("term", libc::SIGTERM), ("int", libc::SIGINT)] {
-        let dir = scratch_dir(name);
+        let dir = scratch_dir(&format!("faults-{name}"));
         let (mut launcher, pids) = sleeping_launch(&dir);
         // SAFETY: kill(2) on the launcher's pid, which this test started and has not reaped.
         unsafe { libc::kill(launcher.id() as libc::pid_t, signal) };
@@ -156,7 +136,7 @@ fn stopping_the_launcher_stops_its_ranks() {
 
 #[test]
 fn killing_the_launcher_outright_kills_its_ranks() {
-    let dir = scratch_dir("kill");
+    let dir = scratch_dir("faults-kill");
     let (mut launcher, pids) = sleeping_launch(&dir);
     launcher.kill().expect("SIGKILL the launcher");
     launcher.wait().expect("wait");

@@ -1,32 +1,10 @@
 //! `zero launch` end to end: the environment each rank gets, and a failing rank stopping the
 //! others.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod launch_support;
+
+use launch_support::{alive, scratch_dir, zero};
 use std::time::{Duration, Instant};
-
-fn zero() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_zero"))
-}
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zero-launch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-/// True while `pid` is a live (not zombie) process.
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .map(|s| !s.trim_start().starts_with('Z'))
-            .unwrap_or(false),
-        Err(_) => false,
-    }
-}
 
 #[test]
 fn every_rank_gets_the_torchrun_environment() {

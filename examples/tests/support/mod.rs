@@ -62,3 +62,31 @@ pub fn fixture_args(config: &Path, steps: u64, nproc: usize) -> TrainArgs {
         quiet: true,
     }
 }
+
+/// The shipped example config (ZeRO-3, AdamW, WarmupDecayLR).
+pub fn shipped_config() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-tiny-zero3.json")
+}
+
+/// `gpt2 train` of the tiny preset under the shipped config on 2 rank threads, with short
+/// sequences (the step time, not the schedule, depends on them), quietly, plus `extra`.
+pub fn train_shipped(steps: u64, extra: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args([
+            "train",
+            "--quiet",
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "16",
+            "--nproc",
+            "2",
+        ])
+        .arg("--config")
+        .arg(shipped_config())
+        .args(["--steps", &steps.to_string()])
+        .args(extra)
+        .env("ZERO_COMM_TIMEOUT_SECS", "30")
+        .output()
+        .expect("run gpt2")
+}

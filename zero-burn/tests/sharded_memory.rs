@@ -1,0 +1,129 @@
+//! What a forward keeps: with balanced checkpointing, the gathered weights are freed after
+//! forward (a recipe to gather again is kept instead), so what forward keeps does not grow
+//! with the number of units beyond their activations; without checkpointing every gathered
+//! unit stays until backward. Live heap bytes (every thread) counted by a global allocator,
+//! at world 2, for 2 and 16 units of 256 × 256 (256 KiB each in f32, gathered on each rank).
+
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::{Autodiff, Flex};
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::Tensor;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::Barrier;
+use zero_burn::sharded::{UnitComm, ZeroModule};
+use zero_burn::HostStaged;
+use zero_core::comm::ThreadGroup;
+
+struct Counting;
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            CURRENT.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            CURRENT.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A sharded linear layer under checkpointing strategy `C`.
+type LinearUnit<C> = ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>;
+
+const WIDTH: usize = 256;
+/// One unit gathered on one rank.
+const UNIT_BYTES: usize = WIDTH * WIDTH * 4;
+const WORLD: usize = 2;
+
+/// Over both ranks: bytes alive after forward above those alive before it, and bytes the
+/// sharded units hold.
+fn retained<C: CheckpointStrategy>(units: usize) -> (usize, usize) {
+    let groups = ThreadGroup::new_group(WORLD).unwrap();
+    let barrier = Barrier::new(WORLD);
+    let marks = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for (rank, group) in groups.into_iter().enumerate() {
+            let (barrier, marks) = (&barrier, &marks);
+            s.spawn(move || {
+                let device = Default::default();
+                let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
+                let mark = |what: &'static str| {
+                    barrier.wait();
+                    if rank == 0 {
+                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::Relaxed)));
+                    }
+                    barrier.wait();
+                };
+                mark("start");
+                let units: Vec<LinearUnit<C>> = (0..units)
+                    .map(|_| {
+                        let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
+                        ZeroModule::new(linear, comm.clone()).unwrap()
+                    })
+                    .collect();
+                mark("sharded");
+                let mut h = Tensor::<Autodiff<Flex, C>, 2>::ones([2, WIDTH], &device).require_grad();
+                for unit in &units {
+                    let module = unit.unshard(&h).unwrap();
+                    h = relu(module.forward(h));
+                }
+                let loss = h.sum();
+                mark("forward");
+                let _ = loss.backward();
+            });
+        }
+    });
+    let marks = marks.into_inner().unwrap();
+    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1;
+    (at("forward") - at("sharded"), at("sharded") - at("start"))
+}
+
+#[test]
+fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
+    let (few, few_sharded) = retained::<BalancedCheckpointing>(2);
+    let (many, many_sharded) = retained::<BalancedCheckpointing>(16);
+    let (few_plain, _) = retained::<NoCheckpointing>(2);
+    let (many_plain, _) = retained::<NoCheckpointing>(16);
+    let gathered = 14 * UNIT_BYTES * WORLD;
+    eprintln!(
+        "kept after forward, 2 and 16 units: balanced {few} and {many} bytes, none {few_plain} and {many_plain}; \
+         the 14 more units gathered: {gathered}; sharded units hold {few_sharded} and {many_sharded}"
+    );
+    // Sharded, a unit holds its shard on each rank (half of it at world 2), not its module's
+    // values.
+    let per_unit_sharded = (many_sharded - few_sharded) / 14;
+    assert!(
+        per_unit_sharded < UNIT_BYTES * 11 / 10,
+        "a sharded unit holds {per_unit_sharded} bytes over both ranks"
+    );
+    // Without checkpointing every gathered unit stays alive until backward...
+    assert!(
+        many_plain - few_plain >= gathered * 9 / 10,
+        "without checkpointing: {many_plain} - {few_plain}"
+    );
+    // ...with it, 14 more units keep only their activations (2 rows, a few KiB each).
+    assert!(
+        many - few < gathered / 10,
+        "balanced: {many} - {few} bytes for 14 more units"
+    );
+    // And what forward keeps at all stays below a few units (the collectives' buffers, the
+    // graph's bookkeeping).
+    assert!(few < 3 * UNIT_BYTES * WORLD, "balanced, 2 units: {few} bytes kept");
+}
