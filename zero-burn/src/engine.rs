@@ -60,7 +60,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
             .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))?;
         let layout = replicated_layout(&model, &settings, comm.world_size());
         let dtype = settings.precision.dtype;
-        let mut values = broadcast_values(&model, &layout, comm.as_ref())?;
+        let mut values = broadcast_values(&model, &layout, comm.as_ref(), &vec![false; layout.groups.len()])?;
         // The model is cast to the compute dtype first and the masters are made from it, as
         // DeepSpeed does: the model always sees exactly its masters rounded.
         values.iter_mut().for_each(|v| half_buffer::round_to(dtype, v));
@@ -215,18 +215,20 @@ pub(crate) fn stage_layout(
     builder.finish()
 }
 
-/// Rank 0's values of every parameter, on every rank (one broadcast per group).
+/// Rank 0's values of every parameter, on every rank (one broadcast per group), except the
+/// groups marked in `own` (by group), which keep this rank's values.
 pub(crate) fn broadcast_values<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     layout: &PartitionLayout,
     comm: &dyn ProcessGroup,
+    own: &[bool],
 ) -> Result<Vec<Vec<f32>>, ZeroError> {
     let mut values = vec![Vec::new(); layout.params.len()];
     read_values::<B, M>(model, |i, v| values[i] = v);
     if comm.world_size() == 1 {
         return Ok(values);
     }
-    for g in &layout.groups {
+    for (g, _) in layout.groups.iter().zip(own).filter(|(_, &own)| !own) {
         let mut flat = Vec::with_capacity(g.numel);
         for &p in &g.params {
             flat.extend_from_slice(&values[p]);

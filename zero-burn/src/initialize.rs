@@ -1,4 +1,5 @@
-//! From a DeepSpeed config to a running engine: `initialize` and `initialize_chain`.
+//! From a DeepSpeed config to ZeRO: `initialize` (a Burn model and its `ZeroOptimizer`) and
+//! `initialize_chain` (an engine for a chain model).
 //!
 //! The config is parsed and validated once, at the edge (`zero_core::config`); here it is
 //! resolved for the process group's world size and turned into [`EngineSettings`], plain values
@@ -6,11 +7,13 @@
 
 use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
-use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
+use crate::device::HostStaged;
+use crate::optimizer::ZeroOptimizer;
+use crate::sharded::{contains_zero_module, shard_units, ShardBackend, UnitComm};
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -278,32 +281,87 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
     }))
 }
 
-/// An engine for any Burn module (ZeRO stages 0-2) from a DeepSpeed config.
+/// ZeRO for a model written for Burn, from a DeepSpeed config: the model (its `ZeroModule`s cut
+/// over the ranks at stage 3) and the [`ZeroOptimizer`] that trains it in Burn's own loop.
+///
+/// Every rank starts from rank 0's weights (one broadcast, as DeepSpeed does at initialize). At
+/// stage 3 each [`ZeroModule`](crate::sharded::ZeroModule) of at least
+/// `stage3_param_persistence_threshold` elements keeps only this rank's shard and gathers the
+/// rest for its forward; smaller units, and parameters outside any unit, stay whole. At stages
+/// 0-2 every unit stays whole. Collectives of the units run through the group's host path
+/// ([`HostStaged`]); [`initialize_on`] takes a device collective (NCCL on CUDA).
 ///
 /// ```ignore
 /// let config = DeepSpeedConfig::from_file("ds_config.json")?.config;
-/// let mut engine = zero_burn::initialize(&config, model, group)?;
-/// let loss = engine.forward(|m| m.loss(&batch));
-/// engine.backward(loss)?;
-/// engine.step()?;
+/// let (mut model, mut optim) = zero_burn::initialize(&config, model, group)?;
+/// let mut lr = optim.lr_scheduler();
+/// for batch in batches {
+///     let loss = model.forward(batch);
+///     let grads = GradientsParams::from_grads(loss.backward(), &model);
+///     model = optim.step(lr.step(), model, grads);
+/// }
 /// ```
-pub fn initialize<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn initialize<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
     config: &DeepSpeedConfig,
     model: M,
     group: Arc<dyn ProcessGroup>,
-) -> Result<ZeroEngine<B, M>, ZeroError> {
+) -> Result<(M, ZeroOptimizer), ZeroError> {
     initialize_with(config, model, group, &InitOptions::default())
 }
 
 /// [`initialize`] with the hidden size and "auto" overrides.
-pub fn initialize_with<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn initialize_with<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
     config: &DeepSpeedConfig,
     model: M,
     group: Arc<dyn ProcessGroup>,
     options: &InitOptions,
-) -> Result<ZeroEngine<B, M>, ZeroError> {
+) -> Result<(M, ZeroOptimizer), ZeroError> {
+    let collective: UnitComm<B::Collective> = Arc::new(HostStaged::new(group.clone()));
+    initialize_on(config, model, group, collective, options)
+}
+
+/// [`initialize_with`] with the collective the units gather and reduce-scatter through (on
+/// CUDA, `NcclDevice` on Burn's own buffers); `group` carries the optimizer's scalars and
+/// reductions.
+pub fn initialize_on<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
+    config: &DeepSpeedConfig,
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    collective: UnitComm<B::Collective>,
+    options: &InitOptions,
+) -> Result<(M, ZeroOptimizer), ZeroError> {
     let resolved = resolve(config, group.world_size(), options)?;
-    ZeroEngine::new(settings_with(&resolved, options)?, model, group)
+    let settings = settings_with(&resolved, options)?;
+    let stage3 = settings.stage == Stage::Zero3;
+    if stage3 && !contains_zero_module::<B, M>(&model) {
+        return Err(ZeroError::Config(
+            "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: wrap \
+             its blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
+                .into(),
+        ));
+    }
+    let threshold = settings.param_persistence_threshold;
+    let optimizer = ZeroOptimizer::new(settings, group)?;
+    let mut model = optimizer.synchronize(model)?;
+    if stage3 {
+        if !B::frees_gathered() {
+            warn_keeps_gathered();
+        }
+        model = shard_units(model, collective, threshold)?;
+    }
+    Ok((model, optimizer))
+}
+
+/// Once per process: stage 3 on an autodiff backend without a checkpointing strategy.
+fn warn_keeps_gathered() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "warning: zero_optimization.stage 3 on an autodiff backend without checkpointing keeps every \
+             gathered unit alive from its forward to its backward (stage 2's memory, the same gradients); \
+             use Autodiff<B, BalancedCheckpointing> to gather them again in backward instead"
+        );
+    });
 }
 
 /// An engine for a [`ChainModel`] (every stage) from a DeepSpeed config.

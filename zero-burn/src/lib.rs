@@ -81,11 +81,11 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;
 pub use initialize::{
-    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_with, lr_schedule,
+    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_with, lr_schedule,
     optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
-pub use optimizer::ZeroOptimizer;
+pub use optimizer::{ZeroLr, ZeroOptimizer};
 pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use sequential::{Layer, Sequential};

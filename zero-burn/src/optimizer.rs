@@ -13,13 +13,13 @@
 //! never the whole unit. The other parameters go the stage's way.
 
 use crate::core::{EngineCore, StepReport};
-use crate::engine::{broadcast_values, replicated_layout, stage_layout};
+use crate::engine::{broadcast_values, stage_layout};
 use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::{describe, write_data};
-use crate::settings::{ComputeDtype, EngineSettings, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, LrFn, ParamOffload, Stage};
 use crate::sharded::{unit_numel, UNIT_ALIGNMENT};
 use burn::module::ParamId;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -53,10 +53,10 @@ impl ZeroOptimizer {
     /// the first step, from the module passed to it. Every rank must start from the same weights:
     /// build the model from one seed, or call [`ZeroOptimizer::synchronize`] first.
     pub fn new(settings: EngineSettings, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
-        if settings.stage == Stage::Zero3 {
+        if settings.offload_param != ParamOffload::None {
             return Err(ZeroError::Config(
-                "ZeroOptimizer supports stages 0-2; stage 3 partitions the parameters themselves and needs \
-                 zero_burn::ChainEngine with a ChainModel"
+                "zero_optimization.offload_param: ZeroOptimizer keeps parameters on the model's device; remove \
+                 offload_param (offload_optimizer is available)"
                     .into(),
             ));
         }
@@ -75,15 +75,38 @@ impl ZeroOptimizer {
         })
     }
 
-    /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16).
+    /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16). A
+    /// sharded `ZeroModule` keeps its own shard (the ranks' shards are different parts of one
+    /// unit, cut from one model).
     pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
-        let layout = replicated_layout::<B, M>(&module, &self.settings, self.comm.world_size());
-        let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref())?;
+        let world = self.comm.world_size();
+        let described = describe::<B, M>(&module);
+        let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
+        let layout = optimizer_layout(described, &units, &self.settings, world);
+        let places = layout.places();
+        let mut own = vec![false; layout.groups.len()];
+        for (i, unit) in units.iter().enumerate() {
+            own[places[i].group] |= unit.is_some();
+        }
+        let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref(), &own)?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
         Ok(write_data(module, &device, true, |i, shape| {
             half_buffer::f32_to_data(values[i].clone(), shape, dtype)
         }))
+    }
+
+    /// The config's learning-rate schedule (its optimizer's constant rate when it has no
+    /// `scheduler`) as a Burn `LrScheduler`, positioned at this optimizer's next step (after a
+    /// [`ZeroOptimizer::load_checkpoint`], where the checkpoint left off).
+    pub fn lr_scheduler(&self) -> ZeroLr {
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        let step = core.as_ref().map_or(0, |c| c.global_step - c.skipped_steps);
+        let settings = self.settings.clone();
+        ZeroLr {
+            schedule: Arc::new(move |step| settings.lr_at(step)),
+            step,
+        }
     }
 
     /// What the last step did (its gradient norm, learning rate).
@@ -190,7 +213,7 @@ impl ZeroOptimizer {
                 })
                 .sum();
             memory.add_parameters(held * dtype.size());
-            let flow = if self.settings.stage == Stage::Zero2 {
+            let flow = if matches!(self.settings.stage, Stage::Zero2 | Stage::Zero3) {
                 GradFlow::ReduceThenAccumulate
             } else {
                 GradFlow::AccumulateThenReduce
@@ -246,6 +269,33 @@ impl ZeroOptimizer {
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         write_back::<B, M>(core, module, &device, &units)
+    }
+}
+
+/// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`
+/// ([`ZeroOptimizer::lr_scheduler`]): `step()` gives the rate of the next optimizer step.
+#[derive(Clone)]
+pub struct ZeroLr {
+    schedule: LrFn,
+    step: u64,
+}
+
+impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
+    type Record<B: burn::tensor::backend::Backend> = u64;
+
+    fn step(&mut self) -> f64 {
+        let lr = (self.schedule)(self.step);
+        self.step += 1;
+        lr
+    }
+
+    fn to_record<B: burn::tensor::backend::Backend>(&self) -> u64 {
+        self.step
+    }
+
+    fn load_record<B: burn::tensor::backend::Backend>(mut self, step: u64) -> Self {
+        self.step = step;
+        self
     }
 }
 

@@ -75,7 +75,7 @@ fn retained<C: CheckpointStrategy>(units: usize) -> (usize, usize) {
                 let units: Vec<LinearUnit<C>> = (0..units)
                     .map(|_| {
                         let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
-                        ZeroModule::new(linear, comm.clone()).unwrap()
+                        zero_burn::sharded::shard_units(ZeroModule::new(linear), comm.clone(), 0).unwrap()
                     })
                     .collect();
                 mark("sharded");

@@ -25,12 +25,16 @@ struct Net<B: Backend> {
 }
 
 impl<B: ShardBackend> Net<B> {
+    /// The units whole, as a model written for Burn builds them.
+    fn whole(device: &B::Device) -> Self {
+        Net {
+            units: units::<B>(device).into_iter().map(ZeroModule::new).collect(),
+        }
+    }
+
+    /// Every unit cut over `comm`'s ranks.
     fn new(comm: UnitComm<B::Collective>, device: &B::Device) -> Self {
-        let units = units::<B>(device)
-            .into_iter()
-            .map(|u| ZeroModule::new(u, comm.clone()).unwrap())
-            .collect();
-        Net { units }
+        zero_burn::sharded::shard_units(Self::whole(device), comm, 0).unwrap()
     }
 
     /// `loss`'s model, each unit gathered for its one forward.

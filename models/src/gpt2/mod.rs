@@ -15,6 +15,7 @@ mod names;
 mod partitioned;
 mod pipeline;
 mod presets;
+mod sharded;
 
 pub use attention::Gpt2Attention;
 pub use block::Gpt2Block;
@@ -27,3 +28,4 @@ pub use names::HF_PREFIX;
 pub use partitioned::{Gpt2Engine, PartitionedLoadError};
 pub use pipeline::{Gpt2Embed, Gpt2Head, Gpt2Layer, Gpt2LayerSpec, TIED_WTE};
 pub use presets::{GPT2_VOCAB_SIZE, PRESET_NAMES};
+pub use sharded::ShardedGpt2;

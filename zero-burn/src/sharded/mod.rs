@@ -12,5 +12,5 @@ mod module;
 pub use gather::{gather, UnitComm};
 pub(crate) use module::refuse_zero_modules;
 pub use module::{
-    contains_zero_module, shard_len, unit_numel, ShardBackend, ShardComm, UnitLayout, ZeroModule, UNIT_ALIGNMENT,
+    contains_zero_module, shard_len, shard_units, unit_numel, ShardBackend, ShardComm, UnitLayout, ZeroModule, UNIT_ALIGNMENT,
 };

@@ -1,5 +1,5 @@
-//! `ZeroModule`: a Burn module whose float parameters live as this rank's shard of one flat
-//! vector (ZeRO stage 3), itself a Burn `Module` that can be a field of any model. Its whole
+//! `ZeroModule`: a Burn module whose float parameters live as one flat vector, cut into one shard
+//! per rank at stage 3 ([`shard_units`]), itself a Burn `Module` that can be a field of any model. Its whole
 //! module is reached for one forward through [`ZeroModule::unshard`]; under autodiff the gather
 //! is the differentiable op of [`gather`](super::gather), so `loss.backward()` leaves the
 //! shard's gradient (averaged over the ranks) where Burn's optimizers and `GradientsParams` look
@@ -8,9 +8,9 @@
 use super::gather::{gather, UnitComm};
 use crate::error::ZeroError;
 use crate::params::read_values;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Shape, Tensor, TensorData};
 use std::any::Any;
@@ -30,10 +30,21 @@ pub trait ShardBackend: Backend {
         after: Option<&Tensor<Self, D>>,
         comm: &ShardComm,
     ) -> Result<Tensor<Self, 1>, ZeroError>;
+
+    /// Whether a gathered unit's whole parameters are freed after its forward and gathered
+    /// again for backward (autodiff with a checkpointing strategy); otherwise they stay alive
+    /// until backward, as at stage 2.
+    fn frees_gathered() -> bool {
+        false
+    }
 }
 
-impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy> ShardBackend for Autodiff<I, C> {
+impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBackend for Autodiff<I, C> {
     type Collective = I;
+
+    fn frees_gathered() -> bool {
+        std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>()
+    }
 
     fn gather_shard<const D: usize>(
         shard: Tensor<Self, 1>,
@@ -112,32 +123,18 @@ impl std::fmt::Debug for ShardComm {
 /// the optimizer owns.
 pub const UNIT_ALIGNMENT: usize = 16;
 
-/// The elements of every unit's flat parameters (padding excluded), by the id of its shard
-/// parameter: what an optimizer needs to lay the shard out and that the shard's own shape (this
-/// rank's slice) does not say. Ids are unique in the process; entries are a few bytes.
-fn units() -> &'static std::sync::Mutex<std::collections::HashMap<burn::module::ParamId, usize>> {
-    static UNITS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<burn::module::ParamId, usize>>> =
-        std::sync::OnceLock::new();
-    UNITS.get_or_init(Default::default)
-}
-
-/// The elements of the unit whose shard parameter is `id` (padding excluded); `None` for a
-/// parameter that is not a [`ZeroModule`]'s shard.
-pub fn unit_numel(id: burn::module::ParamId) -> Option<usize> {
-    units().lock().unwrap_or_else(|e| e.into_inner()).get(&id).copied()
-}
-
 /// This rank's shard length for a unit of `numel` elements over `world` ranks.
 pub fn shard_len(numel: usize, world: usize) -> usize {
     numel.div_ceil(world * UNIT_ALIGNMENT).max(1) * UNIT_ALIGNMENT
 }
 
-/// Where each float parameter of the unit sits in its flat vector.
+/// Where each float parameter of a unit sits in its flat vector.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnitLayout {
     /// Shapes of the float parameters, in visit order.
     pub shapes: Vec<Vec<usize>>,
-    /// Elements of each rank's shard (the flat vector zero-padded to a multiple of the ranks).
+    /// Elements of each rank's shard once sharded (the flat vector zero-padded to a multiple of
+    /// the ranks); the whole flat vector's length before.
     pub shard_len: usize,
 }
 
@@ -148,19 +145,57 @@ impl UnitLayout {
     }
 }
 
-/// A module `M` of backend `B` held as this rank's shard of its flat parameters (visit order,
-/// zero-padded to a multiple of the ranks, cut in equal contiguous shards). The module itself is
-/// kept as a skeleton: its structure and parameter ids, with empty tensors.
+/// The ranks a unit is sharded over, once it is.
+#[derive(Debug)]
+struct Sharding {
+    comm: ShardComm,
+    world: usize,
+}
+
+/// What every copy of one unit shares (a training model, its `valid()` copy, clones).
+#[derive(Debug)]
+struct Unit {
+    shapes: Vec<Vec<usize>>,
+    numel: usize,
+    sharding: std::sync::OnceLock<Sharding>,
+}
+
+/// Every unit by the id of its flat parameter: how [`shard_units`] and the optimizer find a
+/// unit from a parameter. Weak: a unit (and its ranks) lives as long as a module holds it.
+fn units() -> &'static std::sync::Mutex<std::collections::HashMap<ParamId, std::sync::Weak<Unit>>> {
+    static UNITS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<ParamId, std::sync::Weak<Unit>>>> =
+        std::sync::OnceLock::new();
+    UNITS.get_or_init(Default::default)
+}
+
+fn unit(id: ParamId) -> Option<Arc<Unit>> {
+    units().lock().unwrap_or_else(|e| e.into_inner()).get(&id).and_then(std::sync::Weak::upgrade)
+}
+
+/// The elements of the unit whose flat parameter is `id` (padding excluded) when that unit is
+/// sharded, so that the parameter holds this rank's shard; `None` for any other parameter
+/// (a unit kept whole is an ordinary replicated parameter of its flat length).
+pub fn unit_numel(id: ParamId) -> Option<usize> {
+    unit(id).filter(|u| u.sharding.get().is_some()).map(|u| u.numel)
+}
+
+/// A module `M` of backend `B` held as one flat vector of its float parameters (visit order):
+/// whole until [`shard_units`] (or [`crate::initialize`] at stage 3) cuts it, then this rank's
+/// shard of it (zero-padded to a multiple of the ranks, cut in equal contiguous shards). The
+/// module itself is kept as a skeleton: its structure and parameter ids, with empty tensors.
+///
+/// A model written for Burn gets ZeRO stage 3 by wrapping fields: `block: Block<B>` becomes
+/// `block: ZeroModule<B, Block<B>>`, built with `ZeroModule::new(config.init(device))`, and its
+/// forward `self.block.unshard(&x)?.forward(x)`.
 #[derive(Module, Debug)]
 pub struct ZeroModule<B: Backend, M> {
-    /// This rank's shard: the only parameter that holds values (and gets a gradient).
-    shard: Param<Tensor<B, 1>>,
     /// `M` with every float parameter an empty tensor.
     skeleton: M,
+    /// The unit's flat parameters, or this rank's shard of them once sharded: the only
+    /// parameter that holds values (and gets a gradient).
+    shard: Param<Tensor<B, 1>>,
     #[module(skip)]
-    layout: Arc<UnitLayout>,
-    #[module(skip)]
-    comm: ShardComm,
+    unit: Arc<Unit>,
 }
 
 impl<B, M> ZeroModule<B, M>
@@ -168,61 +203,81 @@ where
     B: ShardBackend,
     M: Module<B>,
 {
-    /// Shards `module` (the same on every rank: one seed, or loaded) over `comm`. This rank keeps
-    /// its slice of the flat parameters as a parameter that records gradients; the module's own
-    /// values are dropped.
-    pub fn new(module: M, comm: UnitComm<B::Collective>) -> Result<Self, ZeroError> {
+    /// `module` as one unit, whole: it trains as an ordinary replicated parameter until
+    /// [`shard_units`] cuts it over the ranks.
+    pub fn new(module: M) -> Self {
         let mut values = Vec::new();
         read_values::<B, _>(&module, |_, v| values.extend(v));
         let shapes: Vec<Vec<usize>> = crate::params::describe::<B, _>(&module)
             .into_iter()
             .map(|(_, spec)| spec.shape)
             .collect();
-        let device = module
-            .devices()
-            .into_iter()
-            .next()
-            .ok_or_else(|| ZeroError::Config("a ZeroModule needs a module with parameters".into()))?;
-        let world = comm.world_size();
+        let device = module.devices().into_iter().next().unwrap_or_default();
         let numel = values.len();
-        let shard_len = shard_len(numel, world);
-        values.resize(shard_len * world, 0.0);
-        let rank = comm.rank();
-        let mine = values[rank * shard_len..(rank + 1) * shard_len].to_vec();
-        drop(values);
-        let shard = Tensor::<B, 1>::from_data(TensorData::new(mine, [shard_len]), &device);
+        let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [numel]), &device);
         let skeleton = module.map(&mut Emptied);
-        let shard = Param::from_tensor(shard);
+        let shard = Param::from_tensor(flat);
+        let unit = Arc::new(Unit {
+            shapes,
+            numel,
+            sharding: std::sync::OnceLock::new(),
+        });
         units()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(shard.id, numel);
-        Ok(ZeroModule {
-            shard,
-            skeleton,
-            layout: Arc::new(UnitLayout { shapes, shard_len }),
-            comm: ShardComm::new(comm),
-        })
+            .insert(shard.id, Arc::downgrade(&unit));
+        ZeroModule { skeleton, shard, unit }
     }
 
-    /// This rank's shard.
+    /// The unit's flat parameters, or this rank's shard of them once sharded.
     pub fn shard(&self) -> &Param<Tensor<B, 1>> {
         &self.shard
     }
 
-    /// Where the unit's parameters sit in its flat vector.
-    pub fn layout(&self) -> &UnitLayout {
-        &self.layout
+    /// Whether the unit is cut over the ranks (stage 3) rather than held whole.
+    pub fn is_sharded(&self) -> bool {
+        self.sharding().is_some()
     }
 
-    /// The module with its whole parameters, gathered from every rank's shard, for one forward
-    /// that starts from `input` (under autodiff, the input orders the gradient's reduce-scatter
-    /// right after the unit's backward).
+    /// Where the unit's parameters sit in its flat vector.
+    pub fn layout(&self) -> UnitLayout {
+        UnitLayout {
+            shapes: self.unit.shapes.clone(),
+            shard_len: match self.sharding() {
+                Some(s) => shard_len(self.unit.numel, s.world),
+                None => self.unit.numel,
+            },
+        }
+    }
+
+    /// The ranks this copy is cut over: `None` while it holds the whole vector (also for a copy
+    /// taken before the unit was sharded).
+    fn sharding(&self) -> Option<&Sharding> {
+        let sharding = self.unit.sharding.get()?;
+        (self.shard.lazy_shape().num_elements() == shard_len(self.unit.numel, sharding.world)).then_some(sharding)
+    }
+
+    /// The module with its whole parameters, for one forward that starts from `input`. A sharded
+    /// unit gathers every rank's shard (under autodiff, the input orders the gradient's
+    /// reduce-scatter right after the unit's backward).
     pub fn unshard<const D: usize>(&self, input: &Tensor<B, D>) -> Result<M, ZeroError> {
-        let whole = B::gather_shard(self.shard.val(), Some(input), &self.comm)?;
+        self.whole(Some(input))
+    }
+
+    /// [`ZeroModule::unshard`] for a unit whose forward starts from no float tensor (token ids,
+    /// the model's first unit): its gradient is reduce-scattered when the backward reaches it.
+    pub fn gathered(&self) -> Result<M, ZeroError> {
+        self.whole::<1>(None)
+    }
+
+    fn whole<const D: usize>(&self, input: Option<&Tensor<B, D>>) -> Result<M, ZeroError> {
+        let whole = match self.sharding() {
+            Some(s) => B::gather_shard(self.shard.val(), input, &s.comm)?,
+            None => self.shard.val(),
+        };
         let mut offset = 0;
         let parts: VecDeque<_> = self
-            .layout
+            .unit
             .shapes
             .iter()
             .map(|shape| {
@@ -232,6 +287,70 @@ where
             })
             .collect();
         Ok(self.skeleton.clone().map(&mut Filled(parts)))
+    }
+}
+
+/// `model` with every [`ZeroModule`] of at least `min_numel` elements cut over the ranks of
+/// `comm`: each rank keeps its shard of the unit's flat vector (the model must be the same on
+/// every rank: one seed, or loaded). Smaller units stay whole, as replicated parameters
+/// (DeepSpeed's `stage3_param_persistence_threshold`). A unit already sharded is an error.
+pub fn shard_units<B: ShardBackend, M: Module<B>>(
+    model: M,
+    comm: UnitComm<B::Collective>,
+    min_numel: usize,
+) -> Result<M, ZeroError> {
+    struct Cut<B: ShardBackend> {
+        comm: UnitComm<B::Collective>,
+        min_numel: usize,
+        error: Option<ZeroError>,
+    }
+    impl<B: ShardBackend> ModuleMapper<B> for Cut<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.min_numel) else {
+                return param;
+            };
+            let world = self.comm.world_size();
+            let sharding = Sharding {
+                comm: ShardComm::new(self.comm.clone()),
+                world,
+            };
+            if unit.sharding.set(sharding).is_err() {
+                self.error.get_or_insert(ZeroError::Usage(
+                    "a ZeroModule was sharded twice: shard a model once (zero_burn::initialize does)".into(),
+                ));
+                return param;
+            }
+            let len = shard_len(unit.numel, world);
+            let id = param.id;
+            // Cut on the host, once: ops on the tracked whole vector would leave autodiff
+            // nodes (and, under checkpointing, their inputs) alive.
+            let device = param.lazy_device();
+            let whole = match param.val().into_data().convert::<f32>().into_vec::<f32>() {
+                Ok(v) => v,
+                Err(e) => {
+                    self.error.get_or_insert(ZeroError::Model(format!("reading a ZeroModule's parameters: {e:?}")));
+                    return param;
+                }
+            };
+            let start = (self.comm.rank() * len).min(unit.numel);
+            let end = ((self.comm.rank() + 1) * len).min(unit.numel);
+            let mut mine = whole[start..end].to_vec();
+            drop(whole);
+            mine.resize(len, 0.0);
+            let mine = Tensor::<B, 1>::from_data(TensorData::new(mine, [len]), &device);
+            let shard = Tensor::<B, D>::from_primitive(mine.into_primitive());
+            Param::initialized(id, shard.require_grad())
+        }
+    }
+    let mut cut = Cut::<B> {
+        comm,
+        min_numel,
+        error: None,
+    };
+    let model = model.map(&mut cut);
+    match cut.error {
+        Some(e) => Err(e),
+        None => Ok(model),
     }
 }
 
