@@ -1,0 +1,270 @@
+//! GPT-2 trained in Burn's own loop with `zero_burn::initialize`: the zoo's `ShardedGpt2`
+//! (embeddings, tied to the LM head, and every block a `ZeroModule`), `ZeroOptimizer`, Burn's
+//! `GradientsAccumulator`, ranks as threads under `Autodiff<Flex, BalancedCheckpointing>`.
+//!
+//! References:
+//! - PyTorch: tools/gpt2_train_reference.py's trajectory (examples/tests/fixtures/
+//!   train_reference.json: torch.optim.AdamW and clip_grad_norm_ on the tiny HuggingFace
+//!   checkpoint and the fixture batch), each step's loss to 1e-5 and gradient norm to 1e-4.
+//! - One process: the plain `Gpt2` trained by Burn's own AdamW over the whole batch, the
+//!   gradients clipped by their global norm in the test (torch's rule), every unit's parameters
+//!   after 5 steps to 1e-6 of the largest.
+
+mod support;
+
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::prelude::*;
+use std::sync::Arc;
+use support::*;
+use zero_core::comm::{ProcessGroup, ThreadGroup};
+use zero_core::config::DeepSpeedConfig;
+use zero_models::gpt2::{Gpt2, ShardedGpt2};
+
+type B = Autodiff<Flex, BalancedCheckpointing>;
+type Batch = Vec<Vec<u32>>;
+
+/// The tiny HuggingFace GPT-2 fixture.
+fn fixture_gpt2() -> Gpt2<B> {
+    Gpt2::<B>::load_pretrained(fixture_model(), &Default::default())
+        .expect("the fixture loads")
+        .0
+}
+
+fn tokens(rows: &[Vec<u32>]) -> Tensor<B, 2, Int> {
+    let (n, seq) = (rows.len(), rows[0].len());
+    let flat: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
+    Tensor::from_data(TensorData::new(flat, [n, seq]), &Default::default())
+}
+
+/// `body(rank, group)` on `world` rank threads; the results in rank order.
+fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
+    let groups = ThreadGroup::new_group(world).expect("thread group");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let body = &body;
+                s.spawn(move || body(rank, group))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// Each unit's flat vector (whole, or this rank's shard) in the model's order, then `ln_f`'s
+/// parameters.
+fn parts(model: &ShardedGpt2<B>) -> Vec<Vec<f32>> {
+    let values = |p: &Param<Tensor<B, 1>>| p.val().into_data().to_vec::<f32>().expect("f32");
+    let mut parts = vec![values(model.embed.shard())];
+    parts.extend(model.blocks.iter().map(|b| values(b.shard())));
+    let mut ln_f = Vec::new();
+    zero_burn::params::read_values::<B, _>(&model.ln_f, |_, v| ln_f.extend(v));
+    parts.push(ln_f);
+    parts
+}
+
+/// What one rank saw: each step's loss (mean over its micro-batches) and gradient norm, and
+/// its parts at the end.
+struct RankRun {
+    losses: Vec<f64>,
+    norms: Vec<f64>,
+    parts: Vec<Vec<f32>>,
+}
+
+/// `steps` steps of the fixture's `ShardedGpt2` on `world` ranks from the config `config`,
+/// each step the whole `batch`: rank r takes its `micro * gas` rows, `gas` micro-batches of
+/// `micro`, the loss divided by `gas` before backward, the gradients summed by Burn's
+/// accumulator.
+fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batch, steps: usize) -> Vec<RankRun> {
+    let config = DeepSpeedConfig::from_str(config, "ds_config.json")
+        .expect("valid config")
+        .config;
+    on_ranks(world, |rank, group| {
+        let (mut model, mut optim) =
+            zero_burn::initialize(&config, fixture_gpt2().into_sharded(), group).expect("initialize");
+        let mut lr = optim.lr_scheduler();
+        let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let mut accumulator = GradientsAccumulator::new();
+            let mut loss_sum = 0.0;
+            for chunk in mine.chunks(micro) {
+                let t = tokens(chunk);
+                let loss = model.loss(t.clone(), t).expect("forward");
+                loss_sum += loss.clone().into_scalar() as f64;
+                let grads = GradientsParams::from_grads(loss.div_scalar(gas as f32).backward(), &model);
+                accumulator.accumulate(&model, grads);
+            }
+            model = optim.step(
+                burn::optim::lr_scheduler::LrScheduler::step(&mut lr),
+                model,
+                accumulator.grads(),
+            );
+            losses.push(loss_sum / gas as f64);
+            norms.push(optim.last_step().expect("a step").grad_norm);
+        }
+        RankRun {
+            losses,
+            norms,
+            parts: parts(&model),
+        }
+    })
+}
+
+/// The ranks' parts put together: each unit's shards in rank order cut to the unit's length
+/// (`lens`); replicated parts (a unit kept whole, `ln_f`) from rank 0, after checking that every
+/// rank holds the same.
+fn put_together(runs: &[RankRun], lens: &[usize]) -> Vec<Vec<f32>> {
+    lens.iter()
+        .enumerate()
+        .map(|(u, &len)| {
+            if runs[0].parts[u].len() == len {
+                for (rank, run) in runs.iter().enumerate() {
+                    assert_eq!(run.parts[u], runs[0].parts[u], "replicated part {u} differs on rank {rank}");
+                }
+                runs[0].parts[u].clone()
+            } else {
+                runs.iter().flat_map(|r| r.parts[u].clone()).take(len).collect()
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn stage_3_through_initialize_follows_pytorch_step_by_step() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
+            .expect("json");
+    let want_losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
+    let want_norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
+    let batch: Batch =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_tokens.json")).expect("tokens")).expect("json");
+    let config = std::fs::read_to_string(fixture("train_config.json")).expect("config");
+    // The fixture's config: 8 sequences, micro-batch 1, accumulation 2, clipping at 1, stage 3.
+    let runs = train_zero(&config, 4, 1, 2, &batch, want_losses.len());
+    let whole = parts(&fixture_gpt2().into_sharded());
+    for (u, part) in whole.iter().enumerate().take(whole.len() - 1) {
+        assert!(runs[0].parts[u].len() < part.len(), "unit {u} is sharded over the 4 ranks");
+    }
+    for step in 0..want_losses.len() {
+        let loss = runs.iter().map(|r| r.losses[step]).sum::<f64>() / runs.len() as f64;
+        let err = (loss - want_losses[step]).abs() / want_losses[step];
+        assert!(err < 1e-5, "step {step}: loss {loss} against PyTorch's {} ({err:e})", want_losses[step]);
+        for (rank, run) in runs.iter().enumerate() {
+            let norm = run.norms[step];
+            let err = (norm - want_norms[step]).abs() / want_norms[step];
+            assert!(
+                err < 1e-4,
+                "step {step}, rank {rank}: gradient norm {norm} against PyTorch's {} ({err:e})",
+                want_norms[step]
+            );
+        }
+    }
+}
+
+/// 24 sequences of 16 tokens (24 splits over 1-4 ranks times accumulation 1 or 2).
+fn matrix_batch() -> Batch {
+    (0..24)
+        .map(|r| (0..16).map(|c| ((r * 37 + c * 11 + r * c) % 509) as u32).collect())
+        .collect()
+}
+
+const EPS: f32 = 1e-4;
+const LR: f64 = 1e-3;
+const STEPS: usize = 5;
+
+/// The reference: the plain fixture model on one process, Burn's AdamW over the whole batch,
+/// the gradients scaled by torch's `clip_grad_norm_` rule at `clip` (0: none). Its parts as
+/// [`parts`] reads them.
+fn one_process(batch: &Batch, clip: f64) -> Vec<Vec<f32>> {
+    let mut model = fixture_gpt2();
+    let mut optim = AdamWConfig::new().with_epsilon(EPS).with_weight_decay(0.01).init();
+    for _ in 0..STEPS {
+        let t = tokens(batch);
+        let mut grads = GradientsParams::from_grads(model.loss(t.clone(), t).backward(), &model);
+        if clip > 0.0 {
+            clip_by_global_norm(&model, &mut grads, clip);
+        }
+        model = optim.step(LR, model, grads);
+    }
+    parts(&model.into_sharded())
+}
+
+/// torch's `clip_grad_norm_`: every gradient times `clip / (norm + 1e-6)` when that is below 1.
+fn clip_by_global_norm(model: &Gpt2<B>, grads: &mut GradientsParams, clip: f64) {
+    struct Norm<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor<B> for Norm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.0.get::<Flex, D>(param.id) {
+                let v = g.into_data().to_vec::<f32>().expect("f32");
+                self.1 += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            }
+        }
+    }
+    struct Scale<'a>(&'a mut GradientsParams, f32);
+    impl ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.0.remove::<Flex, D>(param.id) {
+                self.0.register(param.id, g.mul_scalar(self.1));
+            }
+        }
+    }
+    let mut norm = Norm(grads, 0.0);
+    model.visit(&mut norm);
+    let coef = clip / (norm.1.sqrt() + 1e-6);
+    if coef < 1.0 {
+        model.visit(&mut Scale(grads, coef as f32));
+    }
+}
+
+/// max |got - want| / max |want|.
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
+}
+
+fn matrix_config(stage: u8, world: usize, gas: usize, clip: f64) -> String {
+    format!(
+        r#"{{"train_batch_size": 24, "train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {gas},
+        "gradient_clipping": {clip},
+        "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "eps": {EPS}, "weight_decay": 0.01}}}},
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0}}}}"#,
+        micro = 24 / (world * gas)
+    )
+}
+
+/// Stages 0-3 × worlds 1-4 × accumulation 1 and 2 × clipping at 0.5 (every step clips) or none:
+/// every unit equal to one process's Burn AdamW after 5 steps.
+#[test]
+fn every_stage_world_accumulation_and_clipping_equals_one_process() {
+    let batch = matrix_batch();
+    for clip in [0.0, 0.5] {
+        let want = one_process(&batch, clip);
+        let lens: Vec<usize> = want.iter().map(Vec::len).collect();
+        for stage in 0..=3u8 {
+            for world in 1..=4 {
+                for gas in [1, 2] {
+                    let micro = 24 / (world * gas);
+                    let config = matrix_config(stage, world, gas, clip);
+                    let runs = train_zero(&config, world, micro, gas, &batch, STEPS);
+                    if clip > 0.0 {
+                        assert!(runs[0].norms.iter().all(|&n| n > clip), "every step clips: {:?}", runs[0].norms);
+                    }
+                    let sharded = runs[0].parts[0].len() < lens[0];
+                    assert_eq!(sharded, stage == 3 && world > 1, "stage {stage}, world {world}: units sharded");
+                    for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&want).enumerate() {
+                        let err = relative_error(got, want);
+                        assert!(
+                            err < 1e-6,
+                            "stage {stage}, world {world}, accumulation {gas}, clip {clip}: unit {u} off by {err:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
