@@ -1,18 +1,24 @@
-//! Step time and per-rank memory of ZeRO stages 0-3 on GPT-2, ranks as threads.
+//! Step time and per-rank memory of ZeRO stages 0-3 on GPT-2, ranks as threads, on both paths:
+//! `ChainEngine` (the zoo's `Gpt2` as a chain) and `ZeroModule` (the zoo's `ShardedGpt2` from
+//! `zero_burn::initialize`, trained in Burn's loop with `ZeroOptimizer`; stage 3 under
+//! `Autodiff<Flex, BalancedCheckpointing>`, stages 0-2 under `Autodiff<Flex>` as the chain).
 //!
 //! For each model and world size, every stage trains the same batches; the step time is the
-//! median over the timed steps, printed as a ratio to stage 0 at the same world size (the named
-//! baseline, measured in the same run). Memory is the engine's own per-rank accounting of model
+//! median over the timed steps, printed as a ratio to the same path's stage 0 at the same world
+//! size, and the module path's also as a ratio to the chain's at the same stage (the named
+//! baselines, measured in the same run). Memory is the engine's own per-rank accounting of model
 //! states, beside the ZeRO paper's formula for fp32 Adam (params 4Ψ, grads 4Ψ, Adam 8Ψ, each
 //! divided by N where the stage shards it).
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N]`
+//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module]`
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
 //! micro-batch (the default keeps them gathered between uses).
 
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,6 +36,7 @@ struct Options {
     seq: usize,
     micro: usize,
     max_reuse_distance: usize,
+    paths: Vec<String>,
 }
 
 fn options() -> Options {
@@ -40,6 +47,7 @@ fn options() -> Options {
         seq: 64,
         micro: 1,
         max_reuse_distance: 1_000_000_000,
+        paths: vec!["chain".into(), "module".into()],
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -51,6 +59,7 @@ fn options() -> Options {
             "--seq" => o.seq = value.parse().unwrap_or(o.seq),
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
             "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
+            "--paths" => o.paths = value.split(',').map(String::from).collect(),
             other => {
                 eprintln!("unknown option {other}");
                 std::process::exit(2);
@@ -58,6 +67,79 @@ fn options() -> Options {
         }
     }
     o
+}
+
+/// Rank `rank`'s tokens of step `step`: the same on both paths.
+fn tokens<Bk: burn::tensor::backend::Backend>(
+    config: &Gpt2Config,
+    rank: usize,
+    step: usize,
+    micro: usize,
+    seq: usize,
+) -> Tensor<Bk, 2, Int> {
+    let ids: Vec<i64> = (0..micro * seq)
+        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [micro, seq]), &Default::default())
+}
+
+/// The middle of `times`.
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// [`run`] on the `ZeroModule` path: `ShardedGpt2` from `initialize` with the chain's settings
+/// written as a DeepSpeed config, in Burn's own loop.
+fn run_module<C: CheckpointStrategy + 'static>(
+    config: &Gpt2Config,
+    stage: Stage,
+    world: usize,
+    o: &Options,
+) -> (f64, MemoryReport) {
+    type M<C> = zero_models::gpt2::ShardedGpt2<Autodiff<Flex, C>>;
+    let ds = format!(
+        r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": {}, "gradient_clipping": 0.0,
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
+        "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}, "stage3_param_persistence_threshold": {}}}}}"#,
+        o.micro * world,
+        o.micro,
+        stage.number(),
+        config.n_embd * config.n_embd,
+        10 * config.n_embd
+    );
+    let ds = zero_core::config::DeepSpeedConfig::from_str(&ds, "stages.json")
+        .expect("config")
+        .config;
+    let groups = ThreadGroup::new_group(world).expect("group");
+    let handles: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let (config, ds) = (config.clone(), ds.clone());
+            let (steps, seq, micro) = (o.steps, o.seq, o.micro);
+            std::thread::spawn(move || {
+                let device = Default::default();
+                let model: M<C> = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
+                let (mut model, mut optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
+                let mut times = Vec::new();
+                for step in 0..=steps {
+                    let tokens = tokens(&config, rank, step, micro, seq);
+                    let t = Instant::now();
+                    let loss = model.loss(tokens.clone(), tokens).expect("forward");
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    model = optim.step(1e-3, model, grads);
+                    if step > 0 {
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                (median(times), optim.memory())
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
+    let time = results.iter().map(|r| r.0).fold(0.0, f64::max);
+    (time, results[0].1)
 }
 
 /// Median seconds per step (after one warm-up step) and rank 0's memory report.
@@ -81,10 +163,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
                 let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
                 let mut times = Vec::new();
                 for step in 0..=steps {
-                    let ids: Vec<i64> = (0..micro * seq)
-                        .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
-                        .collect();
-                    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [micro, seq]), &device);
+                    let tokens = tokens::<B>(&config, rank, step, micro, seq);
                     let t = Instant::now();
                     let loss = engine.forward((tokens.clone(), tokens)).expect("forward");
                     engine.backward(loss).expect("backward");
@@ -93,8 +172,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
                         times.push(t.elapsed().as_secs_f64());
                     }
                 }
-                times.sort_by(f64::total_cmp);
-                (times[times.len() / 2], engine.memory())
+                (median(times), engine.memory())
             })
         })
         .collect();
@@ -115,8 +193,10 @@ fn formula(stage: Stage, psi: f64, n: f64) -> f64 {
 
 fn main() {
     let o = options();
-    println!("| model | world | stage | step (s) | vs stage 0 | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| model | world | stage | path | step (s) | vs stage 0 | vs chain | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for name in &o.models {
         let config = Gpt2Config::preset(name).unwrap_or_else(|e| {
             eprintln!("{e}");
@@ -124,23 +204,42 @@ fn main() {
         });
         let psi = config.num_params() as f64;
         for &world in &o.worlds {
-            let mut baseline = None;
+            let mut baselines: std::collections::HashMap<&str, f64> = Default::default();
             for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-                let (time, m) = run(&config, stage, world, &o);
-                let base = *baseline.get_or_insert(time);
-                // Model states as the formula counts them (fp32: the master of stage 0 is the
-                // parameters; stages 1-2 keep a separate fp32 shard, shown in the total).
-                let states = m.parameters.current + m.gradients.current + m.optimizer_state.current;
-                println!(
-                    "| {name} ({:.1}M) | {world} | {} | {time:.3} | {:.2} | {:.1} (+{:.1} master) | {:.1} | {:.1} |",
-                    psi / 1e6,
-                    stage.number(),
-                    time / base,
-                    states as f64 / 1e6,
-                    m.master_weights.current as f64 / 1e6,
-                    formula(stage, psi, world as f64) / 1e6,
-                    m.gathered.peak as f64 / 1e6
-                );
+                let mut chain = None;
+                for path in &o.paths {
+                    let (time, m) = match (path.as_str(), stage) {
+                        ("chain", _) => run(&config, stage, world, &o),
+                        ("module", Stage::Zero3) => run_module::<BalancedCheckpointing>(&config, stage, world, &o),
+                        ("module", _) => run_module::<NoCheckpointing>(&config, stage, world, &o),
+                        (other, _) => {
+                            eprintln!("unknown path {other}: chain or module");
+                            std::process::exit(2)
+                        }
+                    };
+                    let base = *baselines.entry(path.as_str()).or_insert(time);
+                    let vs_chain = match (path.as_str(), chain) {
+                        ("chain", _) => {
+                            chain = Some(time);
+                            "1.00".to_string()
+                        }
+                        (_, Some(c)) => format!("{:.2}", time / c),
+                        (_, None) => "-".to_string(),
+                    };
+                    // Model states as the formula counts them (fp32: the master of stage 0 is
+                    // the parameters; stages 1-2 keep a separate fp32 shard, shown in the total).
+                    let states = m.parameters.current + m.gradients.current + m.optimizer_state.current;
+                    println!(
+                        "| {name} ({:.1}M) | {world} | {} | {path} | {time:.3} | {:.2} | {vs_chain} | {:.1} (+{:.1} master) | {:.1} | {:.1} |",
+                        psi / 1e6,
+                        stage.number(),
+                        time / base,
+                        states as f64 / 1e6,
+                        m.master_weights.current as f64 / 1e6,
+                        formula(stage, psi, world as f64) / 1e6,
+                        m.gathered.peak as f64 / 1e6
+                    );
+                }
             }
         }
     }

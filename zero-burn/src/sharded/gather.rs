@@ -1,8 +1,14 @@
-//! The per-unit hook of ZeRO stage 3 inside Burn's own autodiff graph: `gather(shard)` is a
-//! differentiable op whose forward all-gathers the rank's flat shard into the unit's whole flat
+//! The per-unit hook of ZeRO stage 3 inside Burn's own autodiff graph: `gather_parts(shard)` is
+//! a differentiable op whose forward all-gathers the rank's flat shard into the unit's whole flat
 //! parameters, and whose backward reduce-scatters the whole gradient into the shard's gradient
 //! (the mean over the ranks: data-parallel averaging). No nested `backward()` runs, so nothing
 //! waits on burn-autodiff 0.21's graph locks.
+//!
+//! The whole vector is handed out as the unit's parameters, one op per part. Burn's own slice
+//! would give each part a gradient of the whole vector's size (zeros with the part written in,
+//! then summed: a unit of k parameters moves k whole vectors in backward); a part here leaves
+//! its gradient with the gather, which puts the parts together once. A unit held whole (stages
+//! 0-2) goes through the same ops without the collectives.
 //!
 //! The op is memory-bound with a retro-forward that gathers again: under
 //! `Autodiff<B, BalancedCheckpointing>` the ops that consume the gathered weights keep a recipe
@@ -27,8 +33,8 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
-use std::sync::Arc;
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
+use std::sync::{Arc, Mutex};
 use zero_core::comm::ReduceOp;
 
 /// The ranks a unit is sharded over.
@@ -38,10 +44,19 @@ fn tensor<I: Backend>(primitive: FloatTensor<I>) -> Tensor<I, 1> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-/// What the backward step keeps: the group only (no tensor).
+/// The gradients of one gather's parts, by part, left by each part's backward for the gather's
+/// backward to put together (a part no loss reached stays `None`: zeros).
+type PartGrads<I> = Arc<Mutex<Vec<Option<FloatTensor<I>>>>>;
+
+/// What the gather's backward keeps: the group (none for a unit held whole), the parts' lengths
+/// and where their gradients arrive. No tensor.
 #[derive(Clone, Debug)]
 struct GatherState<I: Backend> {
-    comm: UnitComm<I>,
+    comm: Option<UnitComm<I>>,
+    sizes: Vec<usize>,
+    /// Elements of the gathered vector (the parts and the padding).
+    len: usize,
+    grads: PartGrads<I>,
 }
 
 /// The backward step, with 1 parent (the shard) or 2 (the shard and `after`).
@@ -52,17 +67,39 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
     type State = GatherState<I>;
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let whole = tensor::<I>(grads.consume::<I>(&ops.node));
-        // A backward step cannot return an error: a failed collective (a dead peer, a timeout,
-        // both named by the group) ends the rank's backward with that error as the panic.
-        let shard = match ops.state.comm.reduce_scatter(whole, ReduceOp::Avg) {
-            Ok(shard) => shard,
-            Err(e) => panic!("ZeRO stage 3: reduce-scatter of a unit's gradient failed: {e}"),
+        // The parts registered a one-element token here; their gradients are in the state.
+        let _ = grads.consume::<I>(&ops.node);
+        let state = ops.state;
+        let Some(node) = &ops.parents[0] else { return };
+        let mut parts = state.grads.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(device) = parts.iter().flatten().next().map(I::float_device) else {
+            return;
+        };
+        let dtype = parts.iter().flatten().next().map(|g| g.dtype()).unwrap_or(burn::tensor::DType::F32);
+        let zeros = |n: usize| I::float_zeros([n].into(), &device, dtype.into());
+        let mut pieces: Vec<FloatTensor<I>> = parts
+            .iter_mut()
+            .zip(&state.sizes)
+            .map(|(g, &n)| g.take().unwrap_or_else(|| zeros(n)))
+            .collect();
+        drop(parts);
+        let used: usize = state.sizes.iter().sum();
+        if state.len > used {
+            pieces.push(zeros(state.len - used));
+        }
+        let whole = tensor::<I>(I::float_cat(pieces, 0));
+        let shard = match &state.comm {
+            // A backward step cannot return an error: a failed collective (a dead peer, a
+            // timeout, both named by the group) ends the rank's backward with that error as the
+            // panic.
+            Some(comm) => match comm.reduce_scatter(whole, ReduceOp::Avg) {
+                Ok(shard) => shard,
+                Err(e) => panic!("ZeRO stage 3: reduce-scatter of a unit's gradient failed: {e}"),
+            },
+            None => whole,
         };
         // parents[1], `after`, gets no gradient from this op.
-        if let Some(node) = &ops.parents[0] {
-            grads.register::<I>(node.id, shard.into_primitive().tensor());
-        }
+        grads.register::<I>(node.id, shard.into_primitive().tensor());
     }
 }
 
@@ -72,7 +109,7 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
 struct RetroGather<I: Backend> {
     shard: NodeId,
     after: Option<NodeId>,
-    comm: UnitComm<I>,
+    comm: Option<UnitComm<I>>,
 }
 
 impl<I: Backend> RetroForward for RetroGather<I> {
@@ -83,23 +120,82 @@ impl<I: Backend> RetroForward for RetroGather<I> {
         if let Some(after) = self.after {
             let _ = states.get_state::<FloatTensor<I>>(&after);
         }
-        let whole = match self.comm.all_gather(tensor::<I>(shard)) {
-            Ok(whole) => whole,
-            Err(e) => panic!("ZeRO stage 3: all-gather of a unit's parameters in backward failed: {e}"),
+        let whole = match &self.comm {
+            Some(comm) => match comm.all_gather(tensor::<I>(shard)) {
+                Ok(whole) => whole.into_primitive().tensor(),
+                Err(e) => panic!("ZeRO stage 3: all-gather of a unit's parameters in backward failed: {e}"),
+            },
+            None => shard,
         };
-        states.save(out, whole.into_primitive().tensor());
+        states.save(out, whole);
     }
 }
 
-/// Every rank's `shard` concatenated in rank order (the unit's whole flat parameters, padding
-/// included), as a differentiable op: the gradient reaching the result is averaged over the
-/// ranks and cut to this rank's shard. `after` (optional) orders the reduce-scatter right after
-/// the backward of what it feeds (see the module docs).
-pub fn gather<I, C, const D: usize>(
+/// One part of a gathered vector: its backward leaves the part's gradient for the gather's
+/// backward instead of a zero-filled gradient of the whole vector per part.
+#[derive(Debug)]
+struct PartBackward;
+
+#[derive(Clone, Debug)]
+struct PartState<I: Backend> {
+    index: usize,
+    grads: PartGrads<I>,
+}
+
+impl<I: Backend> Backward<I, 1> for PartBackward {
+    type State = PartState<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<I>(&ops.node);
+        let device = I::float_device(&grad);
+        let dtype = grad.dtype();
+        let mut parts = ops.state.grads.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = &mut parts[ops.state.index];
+        *slot = Some(match slot.take() {
+            Some(old) => I::float_add(old, grad),
+            None => grad,
+        });
+        drop(parts);
+        // A one-element token, so that the gather's backward finds its node's gradient.
+        if let Some(node) = &ops.parents[0] {
+            grads.register::<I>(node.id, I::float_zeros([1].into(), &device, dtype.into()));
+        }
+    }
+}
+
+/// `len` elements of `whole` from `start`.
+fn cut<I: Backend>(whole: FloatTensor<I>, start: usize, len: usize) -> FloatTensor<I> {
+    tensor::<I>(whole).narrow(0, start, len).into_primitive().tensor()
+}
+
+/// The recipe of a part: cut it from the gathered vector again.
+#[derive(Debug)]
+struct RetroPart<I> {
+    whole: NodeId,
+    start: usize,
+    len: usize,
+    _backend: std::marker::PhantomData<I>,
+}
+
+impl<I: Backend> RetroForward for RetroPart<I> {
+    fn forward(&self, states: &mut BackwardStates, out: NodeId) {
+        let whole: FloatTensor<I> = states.get_state(&self.whole);
+        states.save(out, cut::<I>(whole, self.start, self.len));
+    }
+}
+
+/// The unit's parameters from this rank's `shard` as flat parts of lengths `sizes` (in order),
+/// as differentiable ops: with `comm`, every rank's shard is gathered (the unit's whole flat
+/// parameters, padding after the parts) and the gradient reaching the parts is put together,
+/// averaged over the ranks and cut to this rank's shard; without, `shard` is the whole vector
+/// and its gradient is the parts' put together. `after` (optional) orders that backward right
+/// after the backward of what it feeds (see the module docs).
+pub fn gather_parts<I, C, const D: usize>(
     shard: Tensor<Autodiff<I, C>, 1>,
     after: Option<&Tensor<Autodiff<I, C>, D>>,
-    comm: &UnitComm<I>,
-) -> Result<Tensor<Autodiff<I, C>, 1>, ZeroError>
+    comm: Option<&UnitComm<I>>,
+    sizes: &[usize],
+) -> Result<Vec<Tensor<Autodiff<I, C>, 1>>, ZeroError>
 where
     I: Backend,
     C: CheckpointStrategy,
@@ -110,15 +206,27 @@ where
     let after = after
         .map(|t| t.clone().into_primitive().tensor())
         .filter(|t| !t.node.requirement.is_none());
-    let whole = comm.all_gather(tensor::<I>(shard.primitive.clone()))?;
-    let whole = whole.into_primitive().tensor();
-    let state = GatherState { comm: comm.clone() };
+    let whole = match comm {
+        Some(comm) => comm
+            .all_gather(tensor::<I>(shard.primitive.clone()))?
+            .into_primitive()
+            .tensor(),
+        None => shard.primitive.clone(),
+    };
+    let len = whole.shape().num_elements();
+    let part_grads: PartGrads<I> = Arc::new(Mutex::new(vec![None; sizes.len()]));
+    let state = GatherState {
+        comm: comm.cloned(),
+        sizes: sizes.to_vec(),
+        len,
+        grads: part_grads.clone(),
+    };
     let retro = RetroGather::<I> {
         shard: shard.node.id,
         after: after.as_ref().map(|t| t.node.id),
-        comm: comm.clone(),
+        comm: comm.cloned(),
     };
-    let out = match &after {
+    let whole = match &after {
         None => {
             let prep = <GatherBackward as Backward<I, 1>>::prepare::<C>(GatherBackward, [shard.node.clone()]);
             match prep.memory_bound().retro_forward(retro).parents([&shard]).stateful() {
@@ -142,5 +250,35 @@ where
             }
         }
     };
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    let mut start = 0;
+    let parts = sizes
+        .iter()
+        .enumerate()
+        .map(|(index, &n)| {
+            let value = cut::<I>(whole.primitive.clone(), start, n);
+            let retro = RetroPart::<I> {
+                whole: whole.node.id,
+                start,
+                len: n,
+                _backend: std::marker::PhantomData,
+            };
+            start += n;
+            let state = PartState {
+                index,
+                grads: part_grads.clone(),
+            };
+            let part = match PartBackward
+                .prepare::<C>([whole.node.clone()])
+                .memory_bound()
+                .retro_forward(retro)
+                .parents([&whole])
+                .stateful()
+            {
+                OpsKind::Tracked(p) => p.finish(state, value),
+                OpsKind::UnTracked(p) => p.finish(value),
+            };
+            Tensor::from_primitive(TensorPrimitive::Float(part))
+        })
+        .collect();
+    Ok(parts)
 }

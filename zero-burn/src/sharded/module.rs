@@ -5,7 +5,7 @@
 //! shard's gradient (averaged over the ranks) where Burn's optimizers and `GradientsParams` look
 //! for it.
 
-use super::gather::{gather, UnitComm};
+use super::gather::{gather_parts, UnitComm};
 use crate::error::ZeroError;
 use crate::params::read_values;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
@@ -24,12 +24,15 @@ pub trait ShardBackend: Backend {
     /// The backend whose tensors the collectives move (the innermost one).
     type Collective: Backend;
 
-    /// Every rank's `shard` in rank order; `after` is the tensor the unit's forward starts from.
-    fn gather_shard<const D: usize>(
+    /// The unit's parameters as flat parts of lengths `sizes`, from this rank's `shard`:
+    /// every rank's shard in rank order with `comm`, `shard` itself (the whole vector) without;
+    /// `after` is the tensor the unit's forward starts from.
+    fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
-        comm: &ShardComm,
-    ) -> Result<Tensor<Self, 1>, ZeroError>;
+        comm: Option<&ShardComm>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError>;
 
     /// Whether a gathered unit's whole parameters are freed after its forward and gathered
     /// again for backward (autodiff with a checkpointing strategy); otherwise they stay alive
@@ -46,29 +49,47 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
         std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>()
     }
 
-    fn gather_shard<const D: usize>(
+    fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
-        comm: &ShardComm,
-    ) -> Result<Tensor<Self, 1>, ZeroError> {
-        gather(shard, after, comm.get::<I>()?)
+        comm: Option<&ShardComm>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        let comm = comm.map(ShardComm::get::<I>).transpose()?;
+        gather_parts(shard, after, comm, sizes)
     }
 }
 
-/// A plain all-gather, for backends without autodiff.
-fn gather_plain<B: Backend>(shard: Tensor<B, 1>, comm: &ShardComm) -> Result<Tensor<B, 1>, ZeroError> {
-    comm.get::<B>()?.all_gather(shard)
+/// A plain all-gather (with `comm`), cut into parts, for backends without autodiff.
+fn plain_parts<B: Backend>(
+    shard: Tensor<B, 1>,
+    comm: Option<&ShardComm>,
+    sizes: &[usize],
+) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
+    let whole = match comm {
+        Some(comm) => comm.get::<B>()?.all_gather(shard)?,
+        None => shard,
+    };
+    let mut start = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            start += n;
+            whole.clone().narrow(0, start - n, n)
+        })
+        .collect())
 }
 
 impl ShardBackend for Flex {
     type Collective = Flex;
 
-    fn gather_shard<const D: usize>(
+    fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
-        comm: &ShardComm,
-    ) -> Result<Tensor<Self, 1>, ZeroError> {
-        gather_plain(shard, comm)
+        comm: Option<&ShardComm>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        plain_parts(shard, comm, sizes)
     }
 }
 
@@ -81,12 +102,13 @@ where
 {
     type Collective = Self;
 
-    fn gather_shard<const D: usize>(
+    fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
-        comm: &ShardComm,
-    ) -> Result<Tensor<Self, 1>, ZeroError> {
-        gather_plain(shard, comm)
+        comm: Option<&ShardComm>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        plain_parts(shard, comm, sizes)
     }
 }
 
@@ -271,20 +293,13 @@ where
     }
 
     fn whole<const D: usize>(&self, input: Option<&Tensor<B, D>>) -> Result<M, ZeroError> {
-        let whole = match self.sharding() {
-            Some(s) => B::gather_shard(self.shard.val(), input, &s.comm)?,
-            None => self.shard.val(),
-        };
-        let mut offset = 0;
-        let parts: VecDeque<_> = self
-            .unit
-            .shapes
-            .iter()
-            .map(|shape| {
-                let n = shape.iter().product::<usize>();
-                offset += n;
-                (whole.clone().narrow(0, offset - n, n), Shape::from(shape.clone()))
-            })
+        let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
+        let comm = self.sharding().map(|s| &s.comm);
+        let parts = B::gather_parts(self.shard.val(), input, comm, &sizes)?;
+        let parts: VecDeque<_> = parts
+            .into_iter()
+            .zip(&self.unit.shapes)
+            .map(|(part, shape)| (part, Shape::from(shape.clone())))
             .collect();
         Ok(self.skeleton.clone().map(&mut Filled(parts)))
     }
