@@ -1,5 +1,5 @@
-//! The SimpleModel example (`simple` binary, a `Sequential` of Linear 784→128, ReLU,
-//! Linear 128→10) trains under every ZeRO stage.
+//! The SimpleModel example (`simple` binary: a Burn model of Linear 784→128, ReLU, Linear
+//! 128→10, each layer a `ZeroModule`, trained in Burn's loop) trains under every ZeRO stage.
 //!
 //! Reference: chance. With 10 balanced classes an untrained classifier's cross-entropy is
 //! ln 10 ≈ 2.30; the example's data are separable, so after its 100 steps both ranks' last

@@ -4,34 +4,64 @@
 //!
 //! `cargo run -p zero-examples --bin simple -- 3`
 //!
-//! The model is a `Sequential`: each layer is a block the engine can gather on its own, which is
-//! what stage 3 needs. Everything between the markers is what a user writes.
+//! The model is written for Burn; ZeRO is its two layers wrapped in `ZeroModule` (each then
+//! reached with `unshard` for its forward) and `zero_burn::initialize` giving the model and the
+//! optimizer for Burn's own loop. At stage 3 `fc1` lives as each rank's half; `fc2` (1290
+//! parameters, under the config's default `stage3_param_persistence_threshold`) stays whole.
+//! Everything between the markers is what a user writes.
 
 use zero_examples::ranks::run_ranks;
 
 // ---- user code ----
-use burn::backend::{Autodiff, Flex};
+use burn::backend::{autodiff::checkpoint::strategy::BalancedCheckpointing, Autodiff, Flex};
+use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
+use burn::optim::{lr_scheduler::LrScheduler, GradientsParams, Optimizer};
 use burn::{
     prelude::*,
+    tensor::activation::relu,
     tensor::Distribution::{Normal, Uniform},
 };
-use zero_burn::sequential::{CrossEntropy, Layer, Sequential};
+use zero_burn::{sharded::ZeroModule, ZeroError};
 use zero_core::{comm::SharedGroup, config::DeepSpeedConfig};
-type B = Autodiff<Flex>;
+
+/// Stage 3 frees each gathered layer after its forward under Burn's balanced checkpointing.
+type Train = Autodiff<Flex, BalancedCheckpointing>;
+
+#[derive(Module, Debug)]
+struct SimpleModel<B: Backend> {
+    fc1: ZeroModule<B, Linear<B>>,
+    fc2: ZeroModule<B, Linear<B>>,
+}
+
+impl SimpleModel<Train> {
+    fn new(device: &Device<Train>) -> Self {
+        SimpleModel {
+            fc1: ZeroModule::new(LinearConfig::new(784, 128).init(device)),
+            fc2: ZeroModule::new(LinearConfig::new(128, 10).init(device)),
+        }
+    }
+
+    fn forward(&self, x: Tensor<Train, 2>) -> Result<Tensor<Train, 2>, ZeroError> {
+        let h = relu(self.fc1.unshard(&x)?.forward(x));
+        Ok(self.fc2.unshard(&h)?.forward(h))
+    }
+}
 
 fn train(config: &DeepSpeedConfig, rank: usize, group: SharedGroup) -> f32 {
     let device = Default::default();
-    let (fc1, fc2) = (Layer::linear(784, 128, &device), Layer::linear(128, 10, &device));
-    let model: Sequential<B, _, CrossEntropy> = Sequential::new(vec![fc1, Layer::relu(), fc2]);
-    let mut engine = zero_burn::initialize_chain(config, model, group, &Default::default()).expect("engine");
+    let (mut model, mut optim) = zero_burn::initialize(config, SimpleModel::new(&device), group).expect("initialize");
+    let mut lr = optim.lr_scheduler();
+    let cross_entropy = CrossEntropyLossConfig::new().init(&device);
     let mut loss = f32::NAN;
     for step in 1..=100 {
         // Synthetic data: an input of class y is noise with its y-th element lifted by 5.
-        let y = Tensor::<B, 1, Int>::random([16], Uniform(0.0, 10.0), &device);
-        let x = Tensor::<B, 2>::random([16, 784], Normal(0.0, 1.0), &device) + y.clone().one_hot(784).float() * 5;
-        let pending = engine.forward((x, y)).expect("forward");
-        loss = engine.backward(pending).expect("backward");
-        engine.step().expect("step");
+        let y = Tensor::<Train, 1, Int>::random([16], Uniform(0.0, 10.0), &device);
+        let x = Tensor::<Train, 2>::random([16, 784], Normal(0.0, 1.0), &device) + y.clone().one_hot(784).float() * 5;
+        let logits = model.forward(x).expect("forward");
+        let batch_loss = cross_entropy.forward(logits, y);
+        loss = batch_loss.clone().into_scalar();
+        let grads = GradientsParams::from_grads(batch_loss.backward(), &model);
+        model = optim.step(lr.step(), model, grads);
         if rank == 0 && step % 20 == 0 {
             println!("step {step}: loss {loss:.4}");
         }
