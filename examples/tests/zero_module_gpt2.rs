@@ -58,7 +58,7 @@ fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup>) -
 /// Each unit's flat vector (whole, or this rank's shard) in the model's order, then `ln_f`'s
 /// parameters.
 fn parts(model: &ShardedGpt2<B>) -> Vec<Vec<f32>> {
-    let values = |p: &Param<Tensor<B, 1>>| p.val().into_data().to_vec::<f32>().expect("f32");
+    let values = |p: &Param<Tensor<B, 1>>| p.val().into_data().convert::<f32>().to_vec::<f32>().expect("f32");
     let mut parts = vec![values(model.embed.shard())];
     parts.extend(model.blocks.iter().map(|b| values(b.shard())));
     let mut ln_f = Vec::new();
@@ -72,13 +72,15 @@ fn parts(model: &ShardedGpt2<B>) -> Vec<Vec<f32>> {
 struct RankRun {
     losses: Vec<f64>,
     norms: Vec<f64>,
+    /// Whether each step was skipped (fp16 overflow).
+    skipped: Vec<bool>,
     parts: Vec<Vec<f32>>,
 }
 
 /// `steps` steps of the fixture's `ShardedGpt2` on `world` ranks from the config `config`,
 /// each step the whole `batch`: rank r takes its `micro * gas` rows, `gas` micro-batches of
-/// `micro`, the loss divided by `gas` before backward, the gradients summed by Burn's
-/// accumulator.
+/// `micro`, the loss divided by `gas` (and scaled by the optimizer: fp16) before backward, the
+/// gradients summed by Burn's accumulator.
 fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batch, steps: usize) -> Vec<RankRun> {
     let config = DeepSpeedConfig::from_str(config, "ds_config.json")
         .expect("valid config")
@@ -88,7 +90,7 @@ fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batc
             zero_burn::initialize(&config, fixture_gpt2().into_sharded(), group).expect("initialize");
         let mut lr = optim.lr_scheduler();
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
-        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        let (mut losses, mut norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..steps {
             let mut accumulator = GradientsAccumulator::new();
             let mut loss_sum = 0.0;
@@ -96,7 +98,8 @@ fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batc
                 let t = tokens(chunk);
                 let loss = model.loss(t.clone(), t).expect("forward");
                 loss_sum += loss.clone().into_scalar() as f64;
-                let grads = GradientsParams::from_grads(loss.div_scalar(gas as f32).backward(), &model);
+                let scaled = optim.scale_loss(loss.div_scalar(gas as f32));
+                let grads = GradientsParams::from_grads(scaled.backward(), &model);
                 accumulator.accumulate(&model, grads);
             }
             model = optim.step(
@@ -105,11 +108,14 @@ fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batc
                 accumulator.grads(),
             );
             losses.push(loss_sum / gas as f64);
-            norms.push(optim.last_step().expect("a step").grad_norm);
+            let report = optim.last_step().expect("a step");
+            norms.push(report.grad_norm);
+            skipped.push(report.skipped);
         }
         RankRun {
             losses,
             norms,
+            skipped,
             parts: parts(&model),
         }
     })
@@ -124,7 +130,10 @@ fn put_together(runs: &[RankRun], lens: &[usize]) -> Vec<Vec<f32>> {
         .map(|(u, &len)| {
             if runs[0].parts[u].len() == len {
                 for (rank, run) in runs.iter().enumerate() {
-                    assert_eq!(run.parts[u], runs[0].parts[u], "replicated part {u} differs on rank {rank}");
+                    assert_eq!(
+                        run.parts[u], runs[0].parts[u],
+                        "replicated part {u} differs on rank {rank}"
+                    );
                 }
                 runs[0].parts[u].clone()
             } else {
@@ -148,12 +157,19 @@ fn stage_3_through_initialize_follows_pytorch_step_by_step() {
     let runs = train_zero(&config, 4, 1, 2, &batch, want_losses.len());
     let whole = parts(&fixture_gpt2().into_sharded());
     for (u, part) in whole.iter().enumerate().take(whole.len() - 1) {
-        assert!(runs[0].parts[u].len() < part.len(), "unit {u} is sharded over the 4 ranks");
+        assert!(
+            runs[0].parts[u].len() < part.len(),
+            "unit {u} is sharded over the 4 ranks"
+        );
     }
     for step in 0..want_losses.len() {
         let loss = runs.iter().map(|r| r.losses[step]).sum::<f64>() / runs.len() as f64;
         let err = (loss - want_losses[step]).abs() / want_losses[step];
-        assert!(err < 1e-5, "step {step}: loss {loss} against PyTorch's {} ({err:e})", want_losses[step]);
+        assert!(
+            err < 1e-5,
+            "step {step}: loss {loss} against PyTorch's {} ({err:e})",
+            want_losses[step]
+        );
         for (rank, run) in runs.iter().enumerate() {
             let norm = run.norms[step];
             let err = (norm - want_norms[step]).abs() / want_norms[step];
@@ -252,10 +268,18 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
                     let config = matrix_config(stage, world, gas, clip);
                     let runs = train_zero(&config, world, micro, gas, &batch, STEPS);
                     if clip > 0.0 {
-                        assert!(runs[0].norms.iter().all(|&n| n > clip), "every step clips: {:?}", runs[0].norms);
+                        assert!(
+                            runs[0].norms.iter().all(|&n| n > clip),
+                            "every step clips: {:?}",
+                            runs[0].norms
+                        );
                     }
                     let sharded = runs[0].parts[0].len() < lens[0];
-                    assert_eq!(sharded, stage == 3 && world > 1, "stage {stage}, world {world}: units sharded");
+                    assert_eq!(
+                        sharded,
+                        stage == 3 && world > 1,
+                        "stage {stage}, world {world}: units sharded"
+                    );
                     for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&want).enumerate() {
                         let err = relative_error(got, want);
                         assert!(
@@ -293,7 +317,74 @@ fn fifty_steps_on_4_ranks_keep_one_collective_order() {
         let want = one[0].losses[step];
         let got = four.iter().map(|r| r.losses[step]).sum::<f64>() / 4.0;
         let err = (got - want).abs() / want;
-        assert!(err < 1e-3, "step {step}: loss {got} on 4 ranks against {want} on 1 ({err:e})");
+        assert!(
+            err < 1e-3,
+            "step {step}: loss {got} on 4 ranks against {want} on 1 ({err:e})"
+        );
     }
     assert!(one[0].losses[STEPS - 1] < 0.5 * one[0].losses[0], "the run trained");
+}
+
+/// bf16 and fp16 (fp32 masters; fp16 with DeepSpeed's dynamic loss scale from 2^16, whose
+/// first steps overflow and are skipped on every rank) follow the fp32 loss curve at stage 3 on
+/// 2 ranks. Reference: the same run in fp32; each 16-bit step is compared with the fp32 step
+/// taken after as many applied updates (the batch is the same every step), to 2% of the initial
+/// loss, as the engines' precision test does.
+#[test]
+fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
+    const STEPS: usize = 12;
+    let batch: Batch =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_tokens.json")).expect("tokens")).expect("json");
+    let config = |precision: &str| {
+        format!(
+            r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}}, {precision}
+            "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0}}}}"#
+        )
+    };
+    let mean = |runs: &[RankRun]| -> Vec<f64> {
+        (0..STEPS)
+            .map(|s| runs.iter().map(|r| r.losses[s]).sum::<f64>() / runs.len() as f64)
+            .collect()
+    };
+    let fp32_runs = train_zero(&config(""), 2, 4, 1, &batch, STEPS);
+    assert!(fp32_runs[0].skipped.iter().all(|s| !s), "fp32 skips nothing");
+    let fp32 = mean(&fp32_runs);
+    assert!(fp32[STEPS - 1] < 0.9 * fp32[0], "fp32 trains: {fp32:?}");
+    for (name, precision) in [
+        ("bf16", r#""bf16": {"enabled": true},"#),
+        ("fp16", r#""fp16": {"enabled": true},"#),
+    ] {
+        let runs = train_zero(&config(precision), 2, 4, 1, &batch, STEPS);
+        for run in &runs[1..] {
+            assert_eq!(run.skipped, runs[0].skipped, "{name}: every rank skips the same steps");
+        }
+        let curve = mean(&runs);
+        let mut applied = 0;
+        let mut worst = 0f64;
+        for (step, loss) in curve.iter().enumerate() {
+            worst = worst.max((loss - fp32[applied]).abs());
+            if !runs[0].skipped[step] {
+                applied += 1;
+            }
+        }
+        let skipped = STEPS - applied;
+        if name == "fp16" {
+            assert!(skipped > 0, "fp16 from 2^16 overflows at first");
+        } else {
+            assert_eq!(skipped, 0, "bf16 has no loss scale to overflow");
+        }
+        assert!(skipped < STEPS / 2, "{name}: {skipped} of {STEPS} steps skipped");
+        assert!(
+            worst < 0.02 * fp32[0],
+            "{name}: loss curve {curve:?} strays from fp32 {fp32:?} by {worst}"
+        );
+        assert!(curve[STEPS - 1] < 0.95 * curve[0], "{name} trains: {curve:?}");
+        let whole = parts(&fixture_gpt2().into_sharded())[1].len();
+        assert!(runs[0].parts[1].len() < whole, "{name}: the blocks are sharded");
+        println!(
+            "{name}: {skipped} steps skipped, worst deviation {:.3}% of the initial loss",
+            100.0 * worst / fp32[0]
+        );
+    }
 }

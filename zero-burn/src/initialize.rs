@@ -7,12 +7,12 @@
 
 use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
+use crate::device::HostStaged;
 use crate::error::ZeroError;
+use crate::optimizer::ZeroOptimizer;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
-use crate::device::HostStaged;
-use crate::optimizer::ZeroOptimizer;
 use crate::sharded::{contains_zero_module, shard_units, ShardBackend, UnitComm};
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;

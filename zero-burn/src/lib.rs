@@ -1,7 +1,12 @@
 //! zero-burn: ZeRO (the Zero Redundancy Optimizer) for Burn.
 //!
-//! Wrap a Burn module in an engine and train it data-parallel with optimizer state (stage 1),
-//! gradients (stage 2) and parameters (stage 3) partitioned across ranks. The engine owns what
+//! A model written for Burn gets ZeRO by wrapping fields in [`sharded::ZeroModule`] and calling
+//! [`initialize`], which returns the model (its units cut over the ranks at stage 3) and a
+//! [`ZeroOptimizer`] for Burn's own loop.
+//!
+//! The engines own the loop instead: wrap a Burn module in one and train it data-parallel with
+//! optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) partitioned across
+//! ranks. The engine owns what
 //! happens between `backward` and the new weights: gradient averaging and accumulation, bucketed
 //! reductions, clipping by the global norm, the optimizer on each rank's fp32 shard, and the
 //! gathers that give the model its weights back.
@@ -12,7 +17,8 @@
 //!   [`Sequential`].
 //! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
 //!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
-//! - [`ZeroOptimizer`]: a `burn::optim::Optimizer`, for code written against Burn's optimizers.
+//! - [`ZeroOptimizer`]: a `burn::optim::Optimizer` (stages 0-3, stage 3 through `ZeroModule`s),
+//!   for code written against Burn's optimizers.
 //! - [`DeviceEngine`] (module [`device`]): stages 0-2 with gradients, fp32 masters and Adam state
 //!   kept as tensors on the model's device, reduced by a [`DeviceCollective`] ([`HostStaged`]
 //!   over any process group; `NcclDevice` on Burn's CUDA buffers with the `cuda` feature).
@@ -81,8 +87,8 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;
 pub use initialize::{
-    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_with, lr_schedule,
-    optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
+    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_with,
+    lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer};

@@ -28,9 +28,12 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::{FlatBuffer, ProcessGroup};
+use zero_core::loss_scaler::LossScaler;
 use zero_core::partition::{ParamSpec, PartitionLayout};
 
-/// ZeRO stages 0-2 as a `burn::optim::Optimizer`.
+/// ZeRO as a `burn::optim::Optimizer`: stages 0-2 for any model; stage 3 for the units of a
+/// model holding [`crate::sharded::ZeroModule`]s cut by [`crate::initialize`] (other parameters
+/// as at stage 2).
 ///
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
 /// peer) panics with the error's message, on every surviving rank; use [`crate::ZeroEngine`] for
@@ -49,21 +52,15 @@ pub struct ZeroOptimizer {
 }
 
 impl ZeroOptimizer {
-    /// A ZeRO optimizer over `comm` (stage 0, 1 or 2 from `settings`). The flat state is built at
-    /// the first step, from the module passed to it. Every rank must start from the same weights:
-    /// build the model from one seed, or call [`ZeroOptimizer::synchronize`] first.
+    /// A ZeRO optimizer over `comm` (the stage from `settings`; [`crate::initialize`] builds it
+    /// from a config). The flat state is built at the first step, from the module passed to it.
+    /// Every rank must start from the same weights: build the model from one seed, or call
+    /// [`ZeroOptimizer::synchronize`] first (`initialize` does).
     pub fn new(settings: EngineSettings, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
         if settings.offload_param != ParamOffload::None {
             return Err(ZeroError::Config(
                 "zero_optimization.offload_param: ZeroOptimizer keeps parameters on the model's device; remove \
                  offload_param (offload_optimizer is available)"
-                    .into(),
-            ));
-        }
-        if settings.precision.dtype == ComputeDtype::F16 {
-            return Err(ZeroError::Config(
-                "fp16.enabled: fp16 needs its loss scaled before backward, which Burn's loop runs outside the \
-                 optimizer; use zero_burn::ZeroEngine or ChainEngine for fp16, or bf16 (no loss scale) here"
                     .into(),
             ));
         }
@@ -97,15 +94,36 @@ impl ZeroOptimizer {
     }
 
     /// The config's learning-rate schedule (its optimizer's constant rate when it has no
-    /// `scheduler`) as a Burn `LrScheduler`, positioned at this optimizer's next step (after a
-    /// [`ZeroOptimizer::load_checkpoint`], where the checkpoint left off).
+    /// `scheduler`) as a Burn `LrScheduler`. Its position is this optimizer's count of applied
+    /// steps, so it holds still over a skipped fp16 step (as DeepSpeed's scheduler does) and
+    /// resumes where a loaded checkpoint left off.
     pub fn lr_scheduler(&self) -> ZeroLr {
-        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
-        let step = core.as_ref().map_or(0, |c| c.global_step - c.skipped_steps);
         let settings = self.settings.clone();
         ZeroLr {
             schedule: Arc::new(move |step| settings.lr_at(step)),
-            step,
+            core: self.core.clone(),
+        }
+    }
+
+    /// The loss to call `backward()` on: under fp16, `loss` in fp32 times the dynamic loss scale
+    /// (the step unscales the gradients, and a step whose gradients overflowed on any rank is
+    /// skipped on every rank, the scale backed off); `loss` itself under bf16 and fp32.
+    pub fn scale_loss<B: burn::tensor::backend::Backend>(&self, loss: Tensor<B, 1>) -> Tensor<B, 1> {
+        if self.settings.precision.dtype != ComputeDtype::F16 {
+            return loss;
+        }
+        loss.cast(burn::tensor::DType::F32).mul_scalar(self.loss_scale())
+    }
+
+    /// The loss scale of the next backward: fp16's dynamic scale, 1 otherwise.
+    pub fn loss_scale(&self) -> f64 {
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        match (core.as_ref(), &self.settings.precision.loss_scaler) {
+            (Some(core), _) => core.current_loss_scale(),
+            (None, Some(config)) if self.settings.precision.dtype == ComputeDtype::F16 => {
+                LossScaler::new(config.clone()).map_or(1.0, |s| s.scale())
+            }
+            (None, _) => 1.0,
         }
     }
 
@@ -273,28 +291,35 @@ impl ZeroOptimizer {
 }
 
 /// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`
-/// ([`ZeroOptimizer::lr_scheduler`]): `step()` gives the rate of the next optimizer step.
+/// ([`ZeroOptimizer::lr_scheduler`]): `step()` gives the rate of the optimizer's next applied
+/// step. Its record is that position, for reading; loading one changes nothing (the position is
+/// the optimizer's, restored with its checkpoint).
 #[derive(Clone)]
 pub struct ZeroLr {
     schedule: LrFn,
-    step: u64,
+    core: Arc<Mutex<Option<EngineCore>>>,
+}
+
+impl ZeroLr {
+    /// Applied optimizer steps so far.
+    fn position(&self) -> u64 {
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        core.as_ref().map_or(0, |c| c.global_step - c.skipped_steps)
+    }
 }
 
 impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
     type Record<B: burn::tensor::backend::Backend> = u64;
 
     fn step(&mut self) -> f64 {
-        let lr = (self.schedule)(self.step);
-        self.step += 1;
-        lr
+        (self.schedule)(self.position())
     }
 
     fn to_record<B: burn::tensor::backend::Backend>(&self) -> u64 {
-        self.step
+        self.position()
     }
 
-    fn load_record<B: burn::tensor::backend::Backend>(mut self, step: u64) -> Self {
-        self.step = step;
+    fn load_record<B: burn::tensor::backend::Backend>(self, _position: u64) -> Self {
         self
     }
 }

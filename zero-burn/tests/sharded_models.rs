@@ -105,7 +105,8 @@ fn check<C: Case>(case: &C, name: &str) {
     .config;
     for world in [2, 4] {
         let runs = on_ranks(world, |rank, group| {
-            let (mut model, mut optim) = zero_burn::initialize(&config, case.wrap(case.plain()), group).expect("initialize");
+            let (mut model, mut optim) =
+                zero_burn::initialize(&config, case.wrap(case.plain()), group).expect("initialize");
             let per = ROWS / world;
             for _ in 0..STEPS {
                 let loss = case.zero_loss(&model, rank * per..(rank + 1) * per);
@@ -305,7 +306,11 @@ impl Case for Seq2Seq {
     }
 
     fn zero_parts(&self, model: &Seq2SeqZero<AB>) -> Vec<Vec<f32>> {
-        vec![flat(model.encoder.shard()), flat(model.decoder.shard()), flat(&model.src_in)]
+        vec![
+            flat(model.encoder.shard()),
+            flat(model.decoder.shard()),
+            flat(&model.src_in),
+        ]
     }
 }
 

@@ -75,7 +75,12 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
         let Some(device) = parts.iter().flatten().next().map(I::float_device) else {
             return;
         };
-        let dtype = parts.iter().flatten().next().map(|g| g.dtype()).unwrap_or(burn::tensor::DType::F32);
+        let dtype = parts
+            .iter()
+            .flatten()
+            .next()
+            .map(|g| g.dtype())
+            .unwrap_or(burn::tensor::DType::F32);
         let zeros = |n: usize| I::float_zeros([n].into(), &device, dtype.into());
         let mut pieces: Vec<FloatTensor<I>> = parts
             .iter_mut()

@@ -191,7 +191,11 @@ fn units() -> &'static std::sync::Mutex<std::collections::HashMap<ParamId, std::
 }
 
 fn unit(id: ParamId) -> Option<Arc<Unit>> {
-    units().lock().unwrap_or_else(|e| e.into_inner()).get(&id).and_then(std::sync::Weak::upgrade)
+    units()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&id)
+        .and_then(std::sync::Weak::upgrade)
 }
 
 /// The elements of the unit whose flat parameter is `id` (padding excluded) when that unit is
@@ -340,10 +344,13 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
             // Cut on the host, once: ops on the tracked whole vector would leave autodiff
             // nodes (and, under checkpointing, their inputs) alive.
             let device = param.lazy_device();
-            let whole = match param.val().into_data().convert::<f32>().into_vec::<f32>() {
+            let data = param.val().into_data();
+            let dtype = data.dtype;
+            let whole = match data.convert::<f32>().into_vec::<f32>() {
                 Ok(v) => v,
                 Err(e) => {
-                    self.error.get_or_insert(ZeroError::Model(format!("reading a ZeroModule's parameters: {e:?}")));
+                    self.error
+                        .get_or_insert(ZeroError::Model(format!("reading a ZeroModule's parameters: {e:?}")));
                     return param;
                 }
             };
@@ -352,7 +359,8 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
             let mut mine = whole[start..end].to_vec();
             drop(whole);
             mine.resize(len, 0.0);
-            let mine = Tensor::<B, 1>::from_data(TensorData::new(mine, [len]), &device);
+            // In the dtype the unit was given (16-bit after `initialize` under bf16 or fp16).
+            let mine = Tensor::<B, 1>::from_data(TensorData::new(mine, [len]).convert_dtype(dtype), (&device, dtype));
             let shard = Tensor::<B, D>::from_primitive(mine.into_primitive());
             Param::initialized(id, shard.require_grad())
         }
