@@ -60,6 +60,11 @@ echo "-- the device-resident engine (gradients, masters and Adam on the GPU), st
   --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
 .gpu/throughput --backend cuda --engine device --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" \
   --stages 0,1,2 --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
+echo "-- ZeroModule + ZeroOptimizer in Burn's loop (initialize), stages 0-3"
+.gpu/throughput --backend cuda --engine module --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" \
+  --stages 0,1,2,3 --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
+.gpu/throughput --backend cuda --engine module --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" \
+  --stages 0,1,2,3 --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
 echo "== ZeRO-Offload (optimizer on the CPU), stage 3: the deepest GPT-2 (hidden 4096) the host allows"
 # The estimate's model states must fit 90 % of the host's memory (the rest: the process, the
 # activations' host side, the OS) and the GPU's memory less 16 GiB for activations. The engine

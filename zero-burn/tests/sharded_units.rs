@@ -558,3 +558,29 @@ fn clipping_covers_zero_module_shards_and_replicated_parameters() {
         }
     }
 }
+
+/// `ZeroOptimizer::synchronize` broadcasts rank 0's replicated parameters and leaves each rank's
+/// shards its own: after it, rank 1 still holds its half of every unit (not rank 0's), and the
+/// gain, different on each rank before, is rank 0's everywhere.
+#[test]
+fn synchronize_keeps_each_ranks_shards() {
+    use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
+    use zero_core::optim::OptimizerSpec;
+    let runs = on_ranks(2, |rank, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let mut model = Gained::new(comm, &device);
+        model.gain =
+            burn::module::Param::from_tensor(Tensor::from_data(TensorData::new(vec![rank as f32; 3], [3]), &device));
+        let before = model.parts();
+        let optim = ZeroOptimizer::new(EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw()), group).unwrap();
+        let after = optim.synchronize(model).expect("synchronize").parts();
+        (before, after)
+    });
+    for (rank, (before, after)) in runs.iter().enumerate() {
+        let units = before.len() - 1;
+        assert_eq!(after[..units], before[..units], "rank {rank}: its shards are its own");
+        assert_eq!(after[units], vec![0.0; 3], "rank {rank}: the gain is rank 0's");
+    }
+    assert_ne!(runs[0].0[0], runs[1].0[0], "the ranks hold different halves");
+}

@@ -4,12 +4,14 @@
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
 //!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]
-//!  [--engine host|device]`
+//!  [--engine host|device|module]`
 //!
 //! `--engine host` (the default) trains with `ChainEngine`, whose gradients, fp32 masters and
 //! optimizer step live in host memory; `--engine device` with `DeviceEngine`, which keeps them
 //! as tensors on the model's device (stages 0-2 only: a stage-3 row prints the engine's
-//! refusal). At world size 1 no collective runs, so the comparison is the cost of the host
+//! refusal); `--engine module` the zoo's `ShardedGpt2` (embeddings and blocks as `ZeroModule`s)
+//! from `zero_burn::initialize` in Burn's own loop with `ZeroOptimizer` (stage 3 under
+//! `Autodiff<B, BalancedCheckpointing>`). At world size 1 no collective runs, so the comparison is the cost of the host
 //! round trip against the device-resident step.
 //!
 //! Each row's tokens/s is given as a ratio to the first stage measured for the same model in
@@ -29,17 +31,24 @@
 //! Stage 3 builds the model block by block into the engine (`Gpt2Config::init_partitioned`), so
 //! the whole model never exists at once.
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::Instant;
+use zero_burn::sharded::ShardBackend;
+use zero_burn::ZeroOptimizer;
 use zero_burn::{
     ChainEngine, DeviceCollective, DeviceEngine, EngineSettings, HostStaged, OptimizerOffload, PrecisionSettings, Stage,
 };
 use zero_core::comm::{SharedGroup, ThreadGroup};
+use zero_core::config::DeepSpeedConfig;
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::OptimizerSpec;
+use zero_models::gpt2::ShardedGpt2;
 use zero_models::{Gpt2, Gpt2Config};
 
 #[derive(Clone, Debug)]
@@ -55,8 +64,8 @@ struct Options {
     offload_cpu: bool,
     /// A named baseline's tokens/s measured beside this run (e.g. PyTorch's on the same GPU).
     baseline: Option<(String, f64)>,
-    /// Train with the device-resident engine instead of the host one.
-    device_engine: bool,
+    /// What trains: `host`, `device` or `module` (`--engine`).
+    engine: String,
 }
 
 fn options() -> Result<Options, String> {
@@ -71,7 +80,7 @@ fn options() -> Result<Options, String> {
         peak_tflops: None,
         offload_cpu: false,
         baseline: None,
-        device_engine: false,
+        engine: "host".into(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -105,10 +114,9 @@ fn options() -> Result<Options, String> {
             }
             "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
             "--engine" => {
-                o.device_engine = match value.as_str() {
-                    "host" => false,
-                    "device" => true,
-                    other => return Err(format!("--engine {other}: expected host or device")),
+                o.engine = match value.as_str() {
+                    "host" | "device" | "module" => value.clone(),
+                    other => return Err(format!("--engine {other}: expected host, device or module")),
                 }
             }
             "--baseline" => {
@@ -147,7 +155,12 @@ struct Row {
 }
 
 /// Median step of `o.steps` timed steps after 2 warm-up steps, on one rank.
-fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
+fn run<B: AutodiffBackend + ShardBackend>(
+    device: B::Device,
+    config: &Gpt2Config,
+    stage: Stage,
+    o: &Options,
+) -> Result<Row, String> {
     let group = ThreadGroup::new_group(1).map_err(|e| e.to_string())?.remove(0) as SharedGroup;
     let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
     settings.precision = precision(&o.dtype)?;
@@ -158,7 +171,15 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
     if o.offload_cpu {
         settings.offload_optimizer = OptimizerOffload::Cpu { threads: 0 };
     }
-    let mut engine = if o.device_engine {
+    let mut engine = if o.engine == "module" {
+        let (model, optim) = zero_burn::initialize(
+            &module_config(config, stage, o)?,
+            config.init::<B>(&device).into_sharded(),
+            group,
+        )
+        .map_err(|e| e.to_string())?;
+        Engine::Module(Box::new((model, optim)))
+    } else if o.engine == "device" {
         let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
         Engine::Device(Box::new(
             DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?,
@@ -198,6 +219,14 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
                 engine.step().map_err(|e| e.to_string())?;
                 loss
             }
+            Engine::Module(state) => {
+                let (model, optim) = &mut **state;
+                let loss = model.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
+                let value = loss.clone().into_scalar().elem::<f32>();
+                let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &*model);
+                *model = optim.step(1e-4, model.clone(), grads);
+                value
+            }
         };
         B::sync(&device).map_err(|e| format!("{e:?}"))?;
         if step >= 2 {
@@ -213,23 +242,60 @@ fn run<B: AutodiffBackend>(device: B::Device, config: &Gpt2Config, stage: Stage,
         memory: match &engine {
             Engine::Host(e) => e.memory(),
             Engine::Device(e) => e.memory(),
+            Engine::Module(state) => state.1.memory(),
         },
     })
 }
 
 /// The engine a run trains with (`--engine`).
-enum Engine<B: AutodiffBackend> {
+enum Engine<B: AutodiffBackend + ShardBackend> {
     Host(Box<ChainEngine<B, Gpt2<B>>>),
     Device(Box<DeviceEngine<B, Gpt2<B>>>),
+    Module(Box<(ShardedGpt2<B>, ZeroOptimizer)>),
+}
+
+/// The DeepSpeed config of `--engine module`: the host engine's settings, written as a config.
+fn module_config(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<DeepSpeedConfig, String> {
+    let precision = match o.dtype.as_str() {
+        "fp32" => "",
+        "bf16" => r#""bf16": {"enabled": true},"#,
+        "fp16" => r#""fp16": {"enabled": true},"#,
+        other => return Err(format!("--dtype {other}: expected bf16, fp16 or fp32")),
+    };
+    let offload = if o.offload_cpu {
+        r#", "offload_optimizer": {"device": "cpu"}"#
+    } else {
+        ""
+    };
+    let text = format!(
+        r#"{{"train_batch_size": {batch}, "gradient_clipping": 0.0, {precision}
+        "optimizer": {{"type": "AdamW", "params": {{"lr": 0.0001}}}},
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": {bucket},
+            "stage3_param_persistence_threshold": {threshold}{offload}}}}}"#,
+        batch = o.batch,
+        stage = stage.number(),
+        bucket = 5 * config.n_embd * config.n_embd,
+        threshold = 10 * config.n_embd,
+    );
+    DeepSpeedConfig::from_str(&text, "throughput.json")
+        .map(|p| p.config)
+        .map_err(|e| e.to_string())
 }
 
 fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
     match backend {
+        "cpu" if o.engine == "module" && stage == Stage::Zero3 => {
+            run::<Autodiff<burn::backend::Flex, BalancedCheckpointing>>(Default::default(), config, stage, o)
+        }
         "cpu" => run::<Autodiff<burn::backend::Flex>>(Default::default(), config, stage, o),
         #[cfg(feature = "cuda")]
         "cuda" => {
             zero_burn::device::cuda_devices().map_err(|why| format!("--backend cuda: {why}"))?;
-            run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o)
+            if o.engine == "module" && stage == Stage::Zero3 {
+                run::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>>(Default::default(), config, stage, o)
+            } else {
+                run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o)
+            }
         }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err("this binary was built without the `cuda` feature (cargo ... --features cuda)".into()),
@@ -249,7 +315,11 @@ fn main() {
     println!(
         "backend {}{}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
         o.backend,
-        if o.device_engine { ", device engine" } else { "" },
+        match o.engine.as_str() {
+            "device" => ", device engine",
+            "module" => ", ZeroModule + ZeroOptimizer",
+            _ => "",
+        },
         o.dtype,
         o.batch,
         o.seq,
