@@ -11,7 +11,8 @@
 //! divided by N where the stage shards it).
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module]`
+//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module]
+//!  [--stages 0,1,2,3]` (the first stage listed is the "vs stage 0" baseline)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
 //! micro-batch (the default keeps them gathered between uses).
@@ -37,6 +38,7 @@ struct Options {
     micro: usize,
     max_reuse_distance: usize,
     paths: Vec<String>,
+    stages: Vec<Stage>,
 }
 
 fn options() -> Options {
@@ -48,6 +50,7 @@ fn options() -> Options {
         micro: 1,
         max_reuse_distance: 1_000_000_000,
         paths: vec!["chain".into(), "module".into()],
+        stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -60,6 +63,12 @@ fn options() -> Options {
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
             "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
             "--paths" => o.paths = value.split(',').map(String::from).collect(),
+            "--stages" => {
+                o.stages = value
+                    .split(',')
+                    .filter_map(|v| v.parse().ok().and_then(Stage::from_number))
+                    .collect()
+            }
             other => {
                 eprintln!("unknown option {other}");
                 std::process::exit(2);
@@ -194,7 +203,7 @@ fn formula(stage: Stage, psi: f64, n: f64) -> f64 {
 fn main() {
     let o = options();
     println!(
-        "| model | world | stage | path | step (s) | vs stage 0 | vs chain | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |"
+        "| model | world | stage | path | step (s) | vs first stage | vs chain | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for name in &o.models {
@@ -205,7 +214,7 @@ fn main() {
         let psi = config.num_params() as f64;
         for &world in &o.worlds {
             let mut baselines: std::collections::HashMap<&str, f64> = Default::default();
-            for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for &stage in &o.stages {
                 let mut chain = None;
                 for path in &o.paths {
                     let (time, m) = match (path.as_str(), stage) {
