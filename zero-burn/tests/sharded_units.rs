@@ -584,3 +584,21 @@ fn synchronize_keeps_each_ranks_shards() {
     }
     assert_ne!(runs[0].0[0], runs[1].0[0], "the ranks hold different halves");
 }
+
+/// A model is cut once: cutting it again (or a clone of it) is an error that says so, not a
+/// shard of a shard.
+#[test]
+fn sharding_a_model_twice_is_an_error() {
+    let errors = on_ranks(2, |_, comm| {
+        let net = Net::<Autodiff<Flex>>::new(comm.clone(), &Default::default());
+        zero_burn::sharded::shard_units(net, comm, 0)
+            .err()
+            .map(|e| e.to_string())
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        let e = e
+            .as_deref()
+            .unwrap_or_else(|| panic!("rank {rank}: a second cut must fail"));
+        assert!(e.contains("sharded twice"), "rank {rank}: {e}");
+    }
+}

@@ -248,10 +248,13 @@ where
             numel,
             sharding: std::sync::OnceLock::new(),
         });
-        units()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(shard.id, Arc::downgrade(&unit));
+        let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
+        // Units whose models are gone leave dead entries: drop them as the registry doubles.
+        if registry.len() >= 64 && registry.len().is_power_of_two() {
+            registry.retain(|_, unit| unit.strong_count() > 0);
+        }
+        registry.insert(shard.id, Arc::downgrade(&unit));
+        drop(registry);
         ZeroModule { skeleton, shard, unit }
     }
 
@@ -335,7 +338,9 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(
-                    "a ZeroModule was sharded twice: shard a model once (zero_burn::initialize does)".into(),
+                    "a ZeroModule was sharded twice: shard a model once (zero_burn::initialize does), and keep a \
+                     unit used in two places in one field (use it twice, as ShardedGpt2 does its embedding)"
+                        .into(),
                 ));
                 return param;
             }
