@@ -77,9 +77,7 @@ impl ZeroOptimizer {
     /// unit, cut from one model).
     pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
         let world = self.comm.world_size();
-        let described = describe::<B, M>(&module);
-        let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
-        let layout = optimizer_layout(described, &units, &self.settings, world);
+        let (layout, units) = optimizer_layout::<B, M>(&module, &self.settings, world);
         let places = layout.places();
         let mut own = vec![false; layout.groups.len()];
         for (i, unit) in units.iter().enumerate() {
@@ -184,9 +182,7 @@ impl ZeroOptimizer {
     ) -> Result<(), ZeroError> {
         if guard.is_none() {
             let world = self.comm.world_size();
-            let described = describe::<B, M>(module);
-            let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
-            let layout = optimizer_layout(described, &units, &self.settings, world);
+            let (layout, units) = optimizer_layout::<B, M>(module, &self.settings, world);
             let places = layout.places();
             let mut values = vec![Vec::new(); layout.params.len()];
             crate::params::read_values::<B, M>(module, |i, v| values[i] = v);
@@ -324,17 +320,19 @@ impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
     }
 }
 
-/// The optimizer's layout: [`stage_layout`] with each `ZeroModule`'s flat parameters (`units`:
-/// the unit's elements, by parameter) one sharded group, cut as the unit cut its shards.
-fn optimizer_layout(
-    described: Vec<(ParamId, ParamSpec)>,
-    units: &[Option<usize>],
+/// The optimizer's layout of `module`: [`stage_layout`] with each sharded `ZeroModule`'s flat
+/// parameters one sharded group, cut as the unit cut its shards; and by parameter, the unit's
+/// elements (`None` for the other parameters).
+fn optimizer_layout<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
     settings: &EngineSettings,
     world: usize,
-) -> PartitionLayout {
+) -> (PartitionLayout, Vec<Option<usize>>) {
+    let described = describe::<B, M>(module);
+    let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
     let specs: Vec<ParamSpec> = described
         .into_iter()
-        .zip(units)
+        .zip(&units)
         .map(|((_, spec), unit)| match unit {
             Some(numel) => ParamSpec {
                 name: spec.name,
@@ -349,7 +347,7 @@ fn optimizer_layout(
     } else {
         settings.alignment
     };
-    stage_layout(specs, &marked, alignment, settings, world)
+    (stage_layout(specs, &marked, alignment, settings, world), units)
 }
 
 /// By parameter (`ids`, in visit order), the group of a `ZeroModule` shard; `None` for the

@@ -5,6 +5,8 @@
 //! after 5 steps every unit and replicated parameter of every rank equals it to 1e-6 of the
 //! largest. Worlds 2 and 4, ranks as threads, under `Autodiff<Flex, BalancedCheckpointing>`.
 
+mod common;
+
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
@@ -13,10 +15,8 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::relu;
 use burn::tensor::{Tensor, TensorData};
-use std::sync::Arc;
 use zero_burn::params::{read_values, write_data};
 use zero_burn::sharded::ZeroModule;
-use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_core::config::DeepSpeedConfig;
 
 type AB = Autodiff<Flex, BalancedCheckpointing>;
@@ -69,22 +69,6 @@ trait Case: Sync {
     fn zero_parts(&self, model: &Self::Zero) -> Vec<Vec<f32>>;
 }
 
-/// `body(rank, group)` on `world` rank threads; the results in rank order.
-fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
-    let groups = ThreadGroup::new_group(world).expect("thread group");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, group)| {
-                let body = &body;
-                s.spawn(move || body(rank, group))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    })
-}
-
 fn check<C: Case>(case: &C, name: &str) {
     let mut plain = case.plain();
     let mut optim = AdamWConfig::new().with_epsilon(EPS).with_weight_decay(0.01).init();
@@ -104,7 +88,7 @@ fn check<C: Case>(case: &C, name: &str) {
     .expect("valid config")
     .config;
     for world in [2, 4] {
-        let runs = on_ranks(world, |rank, group| {
+        let runs = common::on_ranks(world, |rank, group| {
             let (mut model, mut optim) =
                 zero_burn::initialize(&config, case.wrap(case.plain()), group).expect("initialize");
             let per = ROWS / world;

@@ -98,6 +98,39 @@ fn median(mut times: Vec<f64>) -> f64 {
     times[times.len() / 2]
 }
 
+/// `body(rank, group, timed)` on `world` rank threads, where `timed(step, one_step)` times one
+/// step (the first is a warm-up); the slowest rank's median step and rank 0's memory report.
+fn on_ranks<F>(world: usize, body: F) -> (f64, MemoryReport)
+where
+    F: Fn(usize, Arc<dyn ProcessGroup>, &mut dyn FnMut(usize, &mut dyn FnMut())) -> MemoryReport + Sync,
+{
+    let groups = ThreadGroup::new_group(world).expect("group");
+    let results: Vec<(f64, MemoryReport)> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let body = &body;
+                s.spawn(move || {
+                    let mut times = Vec::new();
+                    let memory = body(rank, group, &mut |step, one_step| {
+                        let t = Instant::now();
+                        one_step();
+                        if step > 0 {
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                    });
+                    (median(times), memory)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    // The step is as slow as the slowest rank.
+    let time = results.iter().map(|r| r.0).fold(0.0, f64::max);
+    (time, results[0].1)
+}
+
 /// [`run`] on the `ZeroModule` path: `ShardedGpt2` from `initialize` with the chain's settings
 /// written as a DeepSpeed config, in Burn's own loop.
 fn run_module<C: CheckpointStrategy + 'static>(
@@ -106,7 +139,6 @@ fn run_module<C: CheckpointStrategy + 'static>(
     world: usize,
     o: &Options,
 ) -> (f64, MemoryReport) {
-    type M<C> = zero_models::gpt2::ShardedGpt2<Autodiff<Flex, C>>;
     let ds = format!(
         r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": {}, "gradient_clipping": 0.0,
         "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
@@ -120,75 +152,46 @@ fn run_module<C: CheckpointStrategy + 'static>(
     let ds = zero_core::config::DeepSpeedConfig::from_str(&ds, "stages.json")
         .expect("config")
         .config;
-    let groups = ThreadGroup::new_group(world).expect("group");
-    let handles: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| {
-            let (config, ds) = (config.clone(), ds.clone());
-            let (steps, seq, micro) = (o.steps, o.seq, o.micro);
-            std::thread::spawn(move || {
-                let device = Default::default();
-                let model: M<C> = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
-                let (mut model, mut optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
-                let mut times = Vec::new();
-                for step in 0..=steps {
-                    let tokens = tokens(&config, rank, step, micro, seq);
-                    let t = Instant::now();
-                    let loss = model.loss(tokens.clone(), tokens).expect("forward");
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
-                    model = optim.step(1e-3, model, grads);
-                    if step > 0 {
-                        times.push(t.elapsed().as_secs_f64());
-                    }
-                }
-                (median(times), optim.memory())
-            })
-        })
-        .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
-    let time = results.iter().map(|r| r.0).fold(0.0, f64::max);
-    (time, results[0].1)
+    on_ranks(world, |rank, group, timed| {
+        let device = Default::default();
+        let model = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
+        let (model, mut optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
+        let mut model = Some(model);
+        for step in 0..=o.steps {
+            let tokens = tokens(config, rank, step, o.micro, o.seq);
+            timed(step, &mut || {
+                let m = model.take().expect("the model");
+                let loss = m.loss(tokens.clone(), tokens.clone()).expect("forward");
+                let grads = GradientsParams::from_grads(loss.backward(), &m);
+                model = Some(optim.step(1e-3, m, grads));
+            });
+        }
+        optim.memory()
+    })
 }
 
-/// Median seconds per step (after one warm-up step) and rank 0's memory report.
+/// Median seconds per step (after one warm-up step) of the slowest rank, and rank 0's memory
+/// report.
 fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, MemoryReport) {
-    let groups = ThreadGroup::new_group(world).expect("group");
-    let handles: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| {
-            let config = config.clone();
-            let (steps, seq, micro, reuse) = (o.steps, o.seq, o.micro, o.max_reuse_distance);
-            std::thread::spawn(move || {
-                let device = Default::default();
-                let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
-                settings.overlap_comm = true;
-                settings.reduce_bucket_size = config.n_embd * config.n_embd;
-                settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
-                settings.param_persistence_threshold = 10 * config.n_embd;
-                settings.max_reuse_distance = reuse;
-                let group: Arc<dyn ProcessGroup> = group;
-                let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
-                let mut times = Vec::new();
-                for step in 0..=steps {
-                    let tokens = tokens::<B>(&config, rank, step, micro, seq);
-                    let t = Instant::now();
-                    let loss = engine.forward((tokens.clone(), tokens)).expect("forward");
-                    engine.backward(loss).expect("backward");
-                    engine.step().expect("step");
-                    if step > 0 {
-                        times.push(t.elapsed().as_secs_f64());
-                    }
-                }
-                (median(times), engine.memory())
-            })
-        })
-        .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank")).collect();
-    // The step is as slow as the slowest rank.
-    let time = results.iter().map(|r| r.0).fold(0.0, f64::max);
-    (time, results[0].1)
+    on_ranks(world, |rank, group, timed| {
+        let device = Default::default();
+        let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
+        settings.overlap_comm = true;
+        settings.reduce_bucket_size = config.n_embd * config.n_embd;
+        settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
+        settings.param_persistence_threshold = 10 * config.n_embd;
+        settings.max_reuse_distance = o.max_reuse_distance;
+        let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
+        for step in 0..=o.steps {
+            let tokens = tokens::<B>(config, rank, step, o.micro, o.seq);
+            timed(step, &mut || {
+                let loss = engine.forward((tokens.clone(), tokens.clone())).expect("forward");
+                engine.backward(loss).expect("backward");
+                engine.step().expect("step");
+            });
+        }
+        engine.memory()
+    })
 }
 
 fn formula(stage: Stage, psi: f64, n: f64) -> f64 {

@@ -178,7 +178,10 @@ fn run<B: AutodiffBackend + ShardBackend>(
             group,
         )
         .map_err(|e| e.to_string())?;
-        Engine::Module(Box::new((model, optim)))
+        Engine::Module(Box::new(ModuleRun {
+            model: Some(model),
+            optim,
+        }))
     } else if o.engine == "device" {
         let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
         Engine::Device(Box::new(
@@ -219,12 +222,13 @@ fn run<B: AutodiffBackend + ShardBackend>(
                 engine.step().map_err(|e| e.to_string())?;
                 loss
             }
-            Engine::Module(state) => {
-                let (model, optim) = &mut **state;
+            Engine::Module(run) => {
+                // Taken out for the step, so that the old parameters are not held beside the new.
+                let model = run.model.take().ok_or("a failed step left no model")?;
                 let loss = model.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
                 let value = loss.clone().into_scalar().elem::<f32>();
-                let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &*model);
-                *model = optim.step(1e-4, model.clone(), grads);
+                let grads = GradientsParams::from_grads(run.optim.scale_loss(loss).backward(), &model);
+                run.model = Some(run.optim.step(1e-4, model, grads));
                 value
             }
         };
@@ -242,7 +246,7 @@ fn run<B: AutodiffBackend + ShardBackend>(
         memory: match &engine {
             Engine::Host(e) => e.memory(),
             Engine::Device(e) => e.memory(),
-            Engine::Module(state) => state.1.memory(),
+            Engine::Module(run) => run.optim.memory(),
         },
     })
 }
@@ -251,7 +255,13 @@ fn run<B: AutodiffBackend + ShardBackend>(
 enum Engine<B: AutodiffBackend + ShardBackend> {
     Host(Box<ChainEngine<B, Gpt2<B>>>),
     Device(Box<DeviceEngine<B, Gpt2<B>>>),
-    Module(Box<(ShardedGpt2<B>, ZeroOptimizer)>),
+    Module(Box<ModuleRun<B>>),
+}
+
+/// `--engine module`: the model (out of its slot during a step) and its optimizer.
+struct ModuleRun<B: AutodiffBackend + ShardBackend> {
+    model: Option<ShardedGpt2<B>>,
+    optim: ZeroOptimizer,
 }
 
 /// The DeepSpeed config of `--engine module`: the host engine's settings, written as a config.

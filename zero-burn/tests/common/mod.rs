@@ -123,24 +123,22 @@ pub fn batch<B: Backend>(
 }
 
 /// Runs `f(rank, group)` on `world` threads; returns the results in rank order.
-pub fn on_ranks<T: Send + 'static>(
-    world: usize,
-    f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static,
-) -> Vec<T> {
+pub fn on_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
     let groups = ThreadGroup::new_group(world).expect("thread group");
-    let f = Arc::new(f);
-    let handles: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, g)| {
-            let f = f.clone();
-            std::thread::spawn(move || f(rank, g as Arc<dyn ProcessGroup>))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect()
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                let f = &f;
+                s.spawn(move || f(rank, g as Arc<dyn ProcessGroup>))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
 }
 
 /// Every parameter's values, flattened, in visit order.
