@@ -82,12 +82,36 @@ struct RankRun {
 /// `micro`, the loss divided by `gas` (and scaled by the optimizer: fp16) before backward, the
 /// gradients summed by Burn's accumulator.
 fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batch, steps: usize) -> Vec<RankRun> {
+    train_zero_between(config, world, micro, gas, batch, steps, Checkpoints::default())
+}
+
+/// Where a run starts from and saves to (`ZeroOptimizer`'s sharded checkpoints).
+#[derive(Clone, Copy, Default)]
+struct Checkpoints<'a> {
+    load: Option<&'a std::path::Path>,
+    save: Option<&'a std::path::Path>,
+}
+
+/// [`train_zero`] resumed from `checkpoints.load` (the steps are then those after it) and
+/// saved to `checkpoints.save` at the end.
+fn train_zero_between(
+    config: &str,
+    world: usize,
+    micro: usize,
+    gas: usize,
+    batch: &Batch,
+    steps: usize,
+    checkpoints: Checkpoints,
+) -> Vec<RankRun> {
     let config = DeepSpeedConfig::from_str(config, "ds_config.json")
         .expect("valid config")
         .config;
     on_ranks(world, |rank, group| {
         let (mut model, mut optim) =
             zero_burn::initialize(&config, fixture_gpt2().into_sharded(), group).expect("initialize");
+        if let Some(dir) = checkpoints.load {
+            model = optim.load_checkpoint(dir, None, model).expect("load").0;
+        }
         let mut lr = optim.lr_scheduler();
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
         let (mut losses, mut norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
@@ -111,6 +135,9 @@ fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batc
             let report = optim.last_step().expect("a step");
             norms.push(report.grad_norm);
             skipped.push(report.skipped);
+        }
+        if let Some(dir) = checkpoints.save {
+            optim.save_checkpoint(dir, None, &serde_json::json!({})).expect("save");
         }
         RankRun {
             losses,
@@ -387,4 +414,70 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
             100.0 * worst / fp32[0]
         );
     }
+}
+
+/// A checkpoint of `ShardedGpt2` saved at stage 3 on 2 ranks is the model's: it resumes at
+/// stage 3 on 4 ranks, stage 1 on 1 and stage 0 on 3, each then following the uninterrupted
+/// stage-3 run on 2 ranks (the reference) to 1e-5 of the largest weight; and `zero to-fp32`
+/// with its GPT-2 naming gives HuggingFace's tensors, which the zoo's HuggingFace loader reads
+/// back as the trained weights exactly.
+#[test]
+fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_names() {
+    use zero_core::checkpoint::{to_fp32, Checkpoint, NameMap};
+    let batch = matrix_batch();
+    let lens: Vec<usize> = parts(&fixture_gpt2().into_sharded()).iter().map(Vec::len).collect();
+    let config = |stage, world| matrix_config(stage, world, 1, 0.5);
+    let uninterrupted = put_together(&train_zero(&config(3, 2), 2, 12, 1, &batch, 4), &lens);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let saved = dir.path().join("ckpt");
+    let save = Checkpoints {
+        load: None,
+        save: Some(&saved),
+    };
+    let first = put_together(&train_zero_between(&config(3, 2), 2, 12, 1, &batch, 2, save), &lens);
+    let load = Checkpoints {
+        load: Some(&saved),
+        save: None,
+    };
+    for (stage, world) in [(3u8, 4usize), (1, 1), (0, 3)] {
+        let runs = train_zero_between(&config(stage, world), world, 24 / world, 1, &batch, 2, load);
+        for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&uninterrupted).enumerate() {
+            let err = relative_error(got, want);
+            assert!(
+                err < 1e-5,
+                "resumed at stage {stage} on {world} ranks: unit {u} off by {err:e}"
+            );
+        }
+    }
+
+    // The checkpoint names every weight as the unwrapped model does.
+    let checkpoint = Checkpoint::open(&saved, None).expect("open");
+    let hf = NameMap::gpt2_huggingface();
+    let names: Vec<String> = checkpoint
+        .meta
+        .layout
+        .params
+        .iter()
+        .map(|p| hf.apply(&p.name).expect("kept"))
+        .collect();
+    let (_, model_config) = Gpt2::<B>::load_pretrained(fixture_model(), &Default::default()).expect("fixture");
+    let want: Vec<String> = model_config
+        .param_shapes()
+        .into_iter()
+        .map(|(name, _)| format!("transformer.{name}"))
+        .collect();
+    assert_eq!(names, want);
+
+    let out = dir.path().join("hf");
+    to_fp32(&checkpoint, &out, None, &|n| hf.apply(n)).expect("to-fp32");
+    std::fs::copy(fixture_model().join("config.json"), out.join("config.json")).expect("config");
+    let exported = Gpt2::<B>::load_pretrained(&out, &Default::default())
+        .expect("a HuggingFace directory")
+        .0;
+    assert_eq!(
+        parts(&exported.into_sharded()),
+        first,
+        "the exported weights are the trained ones"
+    );
 }

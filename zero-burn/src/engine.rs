@@ -60,7 +60,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
             .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))?;
         let layout = replicated_layout(&model, &settings, comm.world_size());
         let dtype = settings.precision.dtype;
-        let mut values = broadcast_values(&model, &layout, comm.as_ref(), &vec![false; layout.groups.len()])?;
+        let mut values = vec![Vec::new(); layout.params.len()];
+        read_values::<B, M>(&model, |i, v| values[i] = v);
+        let mut values = broadcast_values(values, &layout, comm.as_ref(), &vec![false; layout.groups.len()])?;
         // The model is cast to the compute dtype first and the masters are made from it, as
         // DeepSpeed does: the model always sees exactly its masters rounded.
         values.iter_mut().for_each(|v| half_buffer::round_to(dtype, v));
@@ -187,21 +189,22 @@ pub(crate) fn replicated_layout<B: AutodiffBackend, M: AutodiffModule<B>>(
     world: usize,
 ) -> PartitionLayout {
     let specs: Vec<_> = describe::<B, M>(model).into_iter().map(|(_, s)| s).collect();
-    let units = vec![false; specs.len()];
-    stage_layout(specs, &units, settings.alignment, settings, world)
+    stage_layout(specs, &[], settings.alignment, settings, world)
 }
 
 /// `specs` (in visit order) in buckets of about `reduce_bucket_size`, replicated at stage 0 and
-/// sharded at stages 1-2, except the parameters marked in `units`: each of those is a sharded
-/// group of its own (a `ZeroModule`'s flat parameters).
+/// sharded at stages 1-2, except the parameters of `units` (disjoint ranges, each a sharded
+/// `ZeroModule`'s parameters): each unit is a sharded group of its own.
 pub(crate) fn stage_layout(
     specs: Vec<ParamSpec>,
-    units: &[bool],
+    units: &[std::ops::Range<usize>],
     alignment: usize,
     settings: &EngineSettings,
     world: usize,
 ) -> PartitionLayout {
-    let bucketed: Vec<usize> = (0..specs.len()).filter(|&i| !units[i]).collect();
+    let bucketed: Vec<usize> = (0..specs.len())
+        .filter(|i| !units.iter().any(|u| u.contains(i)))
+        .collect();
     let placement = if settings.stage == Stage::Zero0 {
         Placement::Replicated
     } else {
@@ -209,22 +212,20 @@ pub(crate) fn stage_layout(
     };
     let mut builder = LayoutBuilder::new(specs, world, alignment);
     builder.buckets(&bucketed, settings.reduce_bucket_size.max(1), placement);
-    for (i, _) in units.iter().enumerate().filter(|(_, &unit)| unit) {
-        builder.group(vec![i], Placement::Sharded);
+    for unit in units {
+        builder.group(unit.clone().collect(), Placement::Sharded);
     }
     builder.finish()
 }
 
 /// Rank 0's values of every parameter, on every rank (one broadcast per group), except the
 /// groups marked in `own` (by group), which keep this rank's values.
-pub(crate) fn broadcast_values<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
+pub(crate) fn broadcast_values(
+    mut values: Vec<Vec<f32>>,
     layout: &PartitionLayout,
     comm: &dyn ProcessGroup,
     own: &[bool],
 ) -> Result<Vec<Vec<f32>>, ZeroError> {
-    let mut values = vec![Vec::new(); layout.params.len()];
-    read_values::<B, M>(model, |i, v| values[i] = v);
     if comm.world_size() == 1 {
         return Ok(values);
     }

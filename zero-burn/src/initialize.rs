@@ -331,7 +331,17 @@ pub fn initialize_on<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
     options: &InitOptions,
 ) -> Result<(M, ZeroOptimizer), ZeroError> {
     let resolved = resolve(config, group.world_size(), options)?;
-    let settings = settings_with(&resolved, options)?;
+    initialize_settings(settings_with(&resolved, options)?, model, group, collective)
+}
+
+/// [`initialize_on`] from settings already made of a config ([`engine_settings`]), for a
+/// caller that resolved the config itself.
+pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
+    settings: EngineSettings,
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    collective: UnitComm<B::Collective>,
+) -> Result<(M, ZeroOptimizer), ZeroError> {
     let stage3 = settings.stage == Stage::Zero3;
     if stage3 && !contains_zero_module::<B, M>(&model) {
         return Err(ZeroError::Config(

@@ -87,8 +87,9 @@ pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;
 pub use initialize::{
-    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_with,
-    lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
+    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_settings,
+    initialize_with, lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve,
+    InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer};

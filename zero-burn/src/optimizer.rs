@@ -18,18 +18,21 @@ use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::{describe, write_data};
+use crate::params::write_data;
 use crate::settings::{ComputeDtype, EngineSettings, LrFn, ParamOffload, Stage};
-use crate::sharded::{unit_numel, UNIT_ALIGNMENT};
+use crate::sharded::{held_params, HeldParam, UNIT_ALIGNMENT};
 use burn::module::ParamId;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+use burn::tensor::TensorData;
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::{FlatBuffer, ProcessGroup};
 use zero_core::loss_scaler::LossScaler;
-use zero_core::partition::{ParamSpec, PartitionLayout};
+use zero_core::partition::PartitionLayout;
 
 /// ZeRO as a `burn::optim::Optimizer`: stages 0-2 for any model; stage 3 for the units of a
 /// model holding [`crate::sharded::ZeroModule`]s cut by [`crate::initialize`] (other parameters
@@ -76,18 +79,22 @@ impl ZeroOptimizer {
     /// sharded `ZeroModule` keeps its own shard (the ranks' shards are different parts of one
     /// unit, cut from one model).
     pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
-        let world = self.comm.world_size();
-        let (layout, units) = optimizer_layout::<B, M>(&module, &self.settings, world);
-        let places = layout.places();
-        let mut own = vec![false; layout.groups.len()];
-        for (i, unit) in units.iter().enumerate() {
-            own[places[i].group] |= unit.is_some();
+        let view = ModuleView::of::<B, M>(&module, &self.settings, self.comm.world_size());
+        let mut own = vec![false; view.layout.groups.len()];
+        for held in &view.held {
+            if let Holding::Shard { group, .. } = held {
+                own[*group] = true;
+            }
         }
-        let values = broadcast_values::<B, M>(&module, &layout, self.comm.as_ref(), &own)?;
+        let (values, mut shards) = view.read::<B, M>(&module);
+        let values = broadcast_values(values, &view.layout, self.comm.as_ref(), &own)?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
-        Ok(write_data(module, &device, true, |i, shape| {
-            half_buffer::f32_to_data(values[i].clone(), shape, dtype)
+        Ok(write_data(module, &device, true, |i, shape| match &view.held[i] {
+            Holding::Param(p) => half_buffer::f32_to_data(values[*p].clone(), shape, dtype),
+            Holding::Whole(params) => half_buffer::f32_to_data(values[params.clone()].concat(), shape, dtype),
+            Holding::Shard { .. } => half_buffer::f32_to_data(shards.remove(&i).unwrap_or_default(), shape, dtype),
+            Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
         }))
     }
 
@@ -123,6 +130,24 @@ impl ZeroOptimizer {
             }
             (None, _) => 1.0,
         }
+    }
+
+    /// [`Optimizer::step`] returning the error of a failed step (a dead or diverging peer, a
+    /// non-finite fp32 step) instead of panicking with it: for a loop that reports errors.
+    pub fn try_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M, ZeroError> {
+        let mut by_id = collect_grads::<B, M>(&module, &mut grads);
+        self.step_with::<B, M>(lr, module, |id| by_id.remove(&id))
+    }
+
+    /// Optimizer steps taken (skipped fp16 steps included), as a loaded checkpoint left them.
+    pub fn global_step(&self) -> u64 {
+        let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        core.as_ref().map_or(0, |c| c.global_step)
     }
 
     /// What the last step did (its gradient norm, learning rate).
@@ -169,9 +194,8 @@ impl ZeroOptimizer {
         self.ensure_core::<B, M>(&mut guard, &module)?;
         let core = guard.as_mut().unwrap_or_else(|| unreachable!("just built"));
         let client = core.load_checkpoint(dir.as_ref(), tag)?;
-        let ids: Vec<_> = describe::<B, M>(&module).into_iter().map(|(id, _)| id).collect();
-        let units = unit_groups(core, &ids);
-        Ok((write_back::<B, M>(core, module, &device, &units)?, client))
+        let view = ModuleView::of::<B, M>(&module, &self.settings, self.comm.world_size());
+        Ok((write_back::<B, M>(core, module, &device, &view.held)?, client))
     }
 
     /// Builds the flat state from `module` if this is its first use.
@@ -182,34 +206,33 @@ impl ZeroOptimizer {
     ) -> Result<(), ZeroError> {
         if guard.is_none() {
             let world = self.comm.world_size();
-            let (layout, units) = optimizer_layout::<B, M>(module, &self.settings, world);
-            let places = layout.places();
-            let mut values = vec![Vec::new(); layout.params.len()];
-            crate::params::read_values::<B, M>(module, |i, v| values[i] = v);
-            // A unit's whole flat parameters, from every rank's shard (each in turn, at the
-            // first step only).
+            let ModuleView { layout, held, .. } = ModuleView::of::<B, M>(module, &self.settings, world);
+            let (mut values, shards) = ModuleView::read_held::<B, M>(&held, &layout, module);
+            // A unit's whole parameters, from every rank's shard (each in turn, at the first
+            // step only).
             let mut unit_groups = Vec::new();
-            for (i, numel) in units.iter().enumerate() {
-                let Some(numel) = *numel else { continue };
-                let group = places[i].group;
-                if values[i].len() != layout.owned_len(group) {
+            for (i, held) in held.iter().enumerate() {
+                let Holding::Shard { params, group } = held else {
+                    continue;
+                };
+                let shard = shards.get(&i).cloned().unwrap_or_default();
+                if shard.len() != layout.owned_len(*group) {
                     return Err(ZeroError::Model(format!(
-                        "the ZeroModule shard `{}` holds {} elements where {world} ranks own {} each: it was sharded \
-                         for another number of ranks",
-                        layout.params[i].name,
-                        values[i].len(),
-                        layout.owned_len(group)
+                        "the ZeroModule shard holding `{}` has {} elements where {world} ranks own {} each: it was \
+                         sharded for another number of ranks",
+                        layout.params[params.start].name,
+                        shard.len(),
+                        layout.owned_len(*group)
                     )));
                 }
-                let shard = FlatBuffer::F32(std::mem::take(&mut values[i]));
-                let mut whole = if world > 1 {
+                let shard = FlatBuffer::F32(shard);
+                let whole = if world > 1 {
                     self.comm.all_gather(shard)?.into_f32()
                 } else {
                     shard.into_f32()
                 };
-                whole.truncate(numel);
-                values[i] = whole;
-                unit_groups.push(group);
+                split_into(&mut values, &layout, params.clone(), &whole);
+                unit_groups.push(*group);
             }
             let dtype = self.settings.precision.dtype;
             for v in &mut values {
@@ -253,7 +276,7 @@ impl ZeroOptimizer {
         Ok(())
     }
 
-    fn try_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+    fn step_with<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         lr: f64,
         module: M,
@@ -266,23 +289,34 @@ impl ZeroOptimizer {
         // Burn's loop owns the schedule: use its learning rate for this step.
         let fixed = lr;
         core.settings.lr_schedule = Some(Arc::new(move |_| fixed));
-        let ids: Vec<_> = describe::<B, M>(&module).into_iter().map(|(id, _)| id).collect();
-        let units = unit_groups(core, &ids);
-        for (i, (id, unit)) in ids.into_iter().zip(&units).enumerate() {
-            match unit {
+        let view = ModuleView::of::<B, M>(&module, &core.settings, self.comm.world_size());
+        for (id, held) in view.ids.iter().zip(&view.held) {
+            match held {
+                Holding::Param(p) => core.absorb(*p, take(*id))?,
+                Holding::Whole(params) => {
+                    let grad = take(*id);
+                    let mut start = 0;
+                    for p in params.clone() {
+                        let numel = view.layout.params[p].numel();
+                        core.absorb(p, grad.as_ref().map(|g| g[start..start + numel].to_vec()))?;
+                        start += numel;
+                    }
+                }
                 // A ZeroModule's shard: its gradient is this rank's slice, already averaged.
-                Some(group) => {
-                    if let Some(grad) = take(id) {
+                Holding::Shard { group, .. } => {
+                    if let Some(grad) = take(*id) {
                         core.absorb_owned(*group, &grad)?;
                     }
                 }
-                None => core.absorb(i, take(id))?,
+                Holding::Nothing => {
+                    take(*id);
+                }
             }
         }
         core.finish_micro_batch()?;
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-        write_back::<B, M>(core, module, &device, &units)
+        write_back::<B, M>(core, module, &device, &view.held)
     }
 }
 
@@ -320,66 +354,137 @@ impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
     }
 }
 
-/// The optimizer's layout of `module`: [`stage_layout`] with each sharded `ZeroModule`'s flat
-/// parameters one sharded group, cut as the unit cut its shards; and by parameter, the unit's
-/// elements (`None` for the other parameters).
-fn optimizer_layout<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    settings: &EngineSettings,
-    world: usize,
-) -> (PartitionLayout, Vec<Option<usize>>) {
-    let described = describe::<B, M>(module);
-    let units: Vec<Option<usize>> = described.iter().map(|(id, _)| unit_numel(*id)).collect();
-    let specs: Vec<ParamSpec> = described
-        .into_iter()
-        .zip(&units)
-        .map(|((_, spec), unit)| match unit {
-            Some(numel) => ParamSpec {
-                name: spec.name,
-                shape: vec![*numel],
-            },
-            None => spec,
-        })
-        .collect();
-    let marked: Vec<bool> = units.iter().map(Option::is_some).collect();
-    let alignment = if marked.contains(&true) {
-        UNIT_ALIGNMENT
-    } else {
-        settings.alignment
-    };
-    (stage_layout(specs, &marked, alignment, settings, world), units)
+/// What one float parameter of the module holds, in the optimizer's layout.
+#[derive(Clone, Debug)]
+enum Holding {
+    /// Layout parameter `.0`.
+    Param(usize),
+    /// A unit kept whole: layout parameters `.0` (contiguous), as one flat vector.
+    Whole(Range<usize>),
+    /// This rank's shard of a unit whose parameters are `params`: the owned slice of `group`.
+    Shard { params: Range<usize>, group: usize },
+    /// Nothing (a unit's skeleton).
+    Nothing,
 }
 
-/// By parameter (`ids`, in visit order), the group of a `ZeroModule` shard; `None` for the
-/// other parameters.
-fn unit_groups(core: &EngineCore, ids: &[ParamId]) -> Vec<Option<usize>> {
-    ids.iter()
-        .enumerate()
-        .map(|(i, id)| unit_numel(*id).map(|_| core.places[i].group))
-        .collect()
+/// The optimizer's view of a module: the layout of its parameters (a `ZeroModule`'s named
+/// one by one, as the unwrapped model's are, so that a checkpoint holds the model's own names
+/// at every stage), and by float parameter of the module (visit order) its id and what it
+/// holds.
+struct ModuleView {
+    layout: PartitionLayout,
+    ids: Vec<ParamId>,
+    held: Vec<Holding>,
 }
 
-/// `module` with the state's values: replicated parameters whole (gathered where sharded), each
-/// `ZeroModule` shard (`units`, from [`unit_groups`]) this rank's slice of its unit.
+impl ModuleView {
+    /// The view of `module` at `settings`' stage over `world` ranks: [`stage_layout`] with each
+    /// sharded unit's parameters one sharded group, cut as the unit cut its shards.
+    fn of<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, settings: &EngineSettings, world: usize) -> Self {
+        let mut specs = Vec::new();
+        let mut ids = Vec::new();
+        let mut held = Vec::new();
+        let mut sharded = Vec::new();
+        for (id, param) in held_params::<B, M>(module) {
+            ids.push(id);
+            held.push(match param {
+                HeldParam::Plain(spec) => {
+                    specs.push(spec);
+                    Holding::Param(specs.len() - 1)
+                }
+                HeldParam::Unit { params, sharded: cut } => {
+                    let range = specs.len()..specs.len() + params.len();
+                    specs.extend(params);
+                    if cut {
+                        sharded.push(range.clone());
+                        Holding::Shard {
+                            params: range,
+                            group: usize::MAX,
+                        }
+                    } else {
+                        Holding::Whole(range)
+                    }
+                }
+                HeldParam::Skeleton => Holding::Nothing,
+            });
+        }
+        let alignment = if sharded.is_empty() {
+            settings.alignment
+        } else {
+            UNIT_ALIGNMENT
+        };
+        let layout = stage_layout(specs, &sharded, alignment, settings, world);
+        let places = layout.places();
+        for h in &mut held {
+            if let Holding::Shard { params, group } = h {
+                *group = places[params.start].group;
+            }
+        }
+        ModuleView { layout, ids, held }
+    }
+
+    /// The values of every layout parameter that `module` holds whole, and by float parameter
+    /// of the module, the shards it holds.
+    fn read<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: &M) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
+        Self::read_held::<B, M>(&self.held, &self.layout, module)
+    }
+
+    fn read_held<B: AutodiffBackend, M: AutodiffModule<B>>(
+        held: &[Holding],
+        layout: &PartitionLayout,
+        module: &M,
+    ) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
+        let mut values = vec![Vec::new(); layout.params.len()];
+        let mut shards = HashMap::new();
+        crate::params::read_values::<B, M>(module, |i, v| match &held[i] {
+            Holding::Param(p) => values[*p] = v,
+            Holding::Whole(params) => split_into(&mut values, layout, params.clone(), &v),
+            Holding::Shard { .. } => {
+                shards.insert(i, v);
+            }
+            Holding::Nothing => {}
+        });
+        (values, shards)
+    }
+}
+
+/// Cuts a unit's flat vector `flat` into its parameters `params` of `layout` (padding beyond
+/// them ignored).
+fn split_into(values: &mut [Vec<f32>], layout: &PartitionLayout, params: Range<usize>, flat: &[f32]) {
+    let mut start = 0;
+    for p in params {
+        let numel = layout.params[p].numel();
+        values[p] = flat[start.min(flat.len())..(start + numel).min(flat.len())].to_vec();
+        start += numel;
+    }
+}
+
+/// `module` with the state's values: replicated parameters whole (gathered where sharded), a
+/// unit kept whole as its flat vector, a unit's shard this rank's slice of it.
 fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     core: &EngineCore,
     module: M,
     device: &B::Device,
-    units: &[Option<usize>],
+    held: &[Holding],
 ) -> Result<M, ZeroError> {
     let mut source = core.value_source();
     let mut error = None;
     let dtype = core.settings.precision.dtype;
-    let module = write_data(module, device, true, |i, _| match units[i] {
-        Some(group) => {
-            let len = core.state.layout.owned_len(group);
-            let shard = core.shard_buffer(group).unwrap_or_else(|e| {
+    let module = write_data(module, device, true, |i, shape| match &held[i] {
+        Holding::Param(p) => source.take_data(*p),
+        Holding::Whole(params) => {
+            let flat: Vec<f32> = params.clone().flat_map(|p| source.take(p)).collect();
+            half_buffer::f32_to_data(flat, shape, dtype)
+        }
+        Holding::Shard { group, .. } => {
+            let len = core.state.layout.owned_len(*group);
+            let shard = core.shard_buffer(*group).unwrap_or_else(|e| {
                 error.get_or_insert(e);
                 half_buffer::zeros(dtype, len)
             });
             half_buffer::slice_data(&shard, 0..len, vec![len])
         }
-        None => source.take_data(i),
+        Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
     });
     source.finish()?;
     match error {
@@ -425,9 +530,8 @@ fn collect_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer {
     type Record = ();
 
-    fn step(&mut self, lr: f64, module: M, mut grads: GradientsParams) -> M {
-        let mut by_id = collect_grads::<B, M>(&module, &mut grads);
-        match self.try_step::<B, M>(lr, module, |id| by_id.remove(&id)) {
+    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        match self.try_step::<B, M>(lr, module, grads) {
             Ok(m) => m,
             Err(e) => panic!("ZeRO optimizer step failed: {e}"),
         }
@@ -446,7 +550,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer
                 }
             }
         }
-        match self.try_step::<B, M>(lr, module, |id| summed.remove(&id)) {
+        match self.step_with::<B, M>(lr, module, |id| summed.remove(&id)) {
             Ok(m) => m,
             Err(e) => panic!("ZeRO optimizer step failed: {e}"),
         }

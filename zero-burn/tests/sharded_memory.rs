@@ -123,7 +123,12 @@ fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
         many - few < gathered / 10,
         "balanced: {many} - {few} bytes for 14 more units"
     );
-    // And what forward keeps at all stays below a few units (the collectives' buffers, the
-    // graph's bookkeeping).
-    assert!(few < 3 * UNIT_BYTES * WORLD, "balanced, 2 units: {few} bytes kept");
+    // And with 2 units, forward keeps both units' gathered weights fewer than without
+    // checkpointing: the rest (the backend's per-thread scratch, the graph's bookkeeping) is
+    // the same either way, and its size depends on the machine's kernels.
+    let two_gathered = 2 * UNIT_BYTES * WORLD;
+    assert!(
+        few_plain - few >= two_gathered * 9 / 10,
+        "2 units: balanced keeps {few} bytes, none {few_plain}; the units gathered are {two_gathered}"
+    );
 }

@@ -65,14 +65,17 @@ impl NameMap {
         })
     }
 
-    /// The rules that turn the GPT-2 chain's names into HuggingFace `GPT2LMHeadModel` keys:
-    /// `ends.` → `transformer.`, `blocks.` → `transformer.h.`, LayerNorm `gamma`/`beta` →
+    /// The rules that turn the GPT-2 zoo's names into HuggingFace `GPT2LMHeadModel` keys:
+    /// the chain's `ends.` and the sharded model's `embed.` → `transformer.`, `ln_f.` →
+    /// `transformer.ln_f.`, `blocks.` → `transformer.h.`, LayerNorm `gamma`/`beta` →
     /// `weight`/`bias`. (The zoo's `Gpt2Config::param_shapes` lists the names this produces.)
     pub fn gpt2_huggingface() -> Self {
         let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
         NameMap {
             rules: vec![
                 rule("ends.=transformer."),
+                rule("embed.=transformer."),
+                rule("ln_f.=transformer.ln_f."),
                 rule("blocks.=transformer.h."),
                 rule("*.gamma=.weight"),
                 rule("*.beta=.bias"),
@@ -134,6 +137,9 @@ mod tests {
             Some("transformer.h.0.ln_1.weight")
         );
         assert_eq!(m.apply("ends.ln_f.beta").as_deref(), Some("transformer.ln_f.bias"));
+        // ShardedGpt2's names.
+        assert_eq!(m.apply("embed.wpe.weight").as_deref(), Some("transformer.wpe.weight"));
+        assert_eq!(m.apply("ln_f.gamma").as_deref(), Some("transformer.ln_f.weight"));
     }
 
     #[test]
