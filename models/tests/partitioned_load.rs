@@ -186,3 +186,46 @@ fn random_init_partitioned_equals_init_then_new() {
     assert_eq!(partitioned[0].1, reference[0].1);
     assert_eq!(partitioned[0].3, reference[0].3);
 }
+
+/// `Gpt2::load_pretrained_sharded` on 2 ranks: every rank's units equal the whole model's
+/// (`load_pretrained`, `into_sharded`, `shard_units`, the reference) cut at the same threshold,
+/// bit for bit, from one file and from several; a unit under the threshold stays whole.
+#[test]
+fn a_sharded_load_cuts_each_unit_as_the_whole_model_cut_does() {
+    use zero_burn::sharded::{shard_units, UnitComm};
+    use zero_burn::HostStaged;
+    let values = |model: &zero_models::gpt2::ShardedGpt2<Flex>| {
+        let mut out = Vec::new();
+        read_values::<Flex, _>(model, |_, v| out.push(v));
+        out
+    };
+    for max_shard_bytes in [usize::MAX, 20_000] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        saved_model(dir.path(), max_shard_bytes);
+        let path = dir.path().to_path_buf();
+        // wpe (16 × 32) + wte (96 × 32) is one unit of 3584; each block holds 12 704.
+        let threshold = 4000;
+        let results = on_ranks(2, move |group| {
+            let device = Default::default();
+            let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
+            let (loaded, _) =
+                Gpt2::<Flex>::load_pretrained_sharded(&path, &device, comm.clone(), threshold).expect("sharded load");
+            let whole = Gpt2::<Flex>::load_pretrained(&path, &device)
+                .expect("load")
+                .0
+                .into_sharded();
+            let cut = shard_units(whole, comm, threshold).expect("cut");
+            let sharded = (loaded.embed.is_sharded(), loaded.blocks.iter().all(|b| b.is_sharded()));
+            (values(&loaded), values(&cut), sharded)
+        });
+        for (rank, (got, want, sharded)) in results.iter().enumerate() {
+            assert_eq!(got, want, "rank {rank}: the units as the whole model's cut");
+            assert_eq!(
+                *sharded,
+                (false, true),
+                "rank {rank}: blocks cut, the embedding under the threshold"
+            );
+        }
+        assert_ne!(results[0].0, results[1].0, "the ranks hold different shards");
+    }
+}

@@ -593,6 +593,12 @@ impl EngineCore {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
+    /// Notes that a micro-batch of this step had a non-finite loss: the step's overflow check
+    /// then names the loss.
+    pub fn note_non_finite_loss(&mut self) {
+        self.loss_non_finite = true;
+    }
+
     /// The tensor to call `backward()` on for one micro-batch's loss: the loss in fp32 (so that
     /// the loss scale cannot overflow a 16-bit loss), times the loss scale, over the
     /// accumulation steps. Also notes a non-finite loss value for the step's overflow check.

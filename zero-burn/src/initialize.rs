@@ -350,6 +350,11 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
                 .into(),
         ));
     }
+    let mut settings = settings;
+    if settings.offload_param == ParamOffload::Cpu && B::host_resident() {
+        // The shards already live in host memory.
+        settings.offload_param = ParamOffload::None;
+    }
     let threshold = settings.param_persistence_threshold;
     let optimizer = ZeroOptimizer::new(settings, group)?;
     let mut model = optimizer.synchronize(model)?;

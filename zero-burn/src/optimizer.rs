@@ -52,6 +52,8 @@ pub struct ZeroOptimizer {
     comm: Arc<dyn ProcessGroup>,
     core: Arc<Mutex<Option<EngineCore>>>,
     last: Arc<Mutex<Option<StepReport>>>,
+    /// A micro-batch since the last step had a non-finite loss ([`ZeroOptimizer::note_loss`]).
+    loss_non_finite: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ZeroOptimizer {
@@ -62,7 +64,8 @@ impl ZeroOptimizer {
     pub fn new(settings: EngineSettings, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
         if settings.offload_param != ParamOffload::None {
             return Err(ZeroError::Config(
-                "zero_optimization.offload_param: ZeroOptimizer keeps parameters on the model's device; remove \
+                "zero_optimization.offload_param: ZeroOptimizer keeps the parameter shards on the model's device \
+                 (on the CPU backend, host memory: offload_param cpu is accepted there by initialize); remove \
                  offload_param (offload_optimizer is available)"
                     .into(),
             ));
@@ -72,6 +75,7 @@ impl ZeroOptimizer {
             comm,
             core: Arc::new(Mutex::new(None)),
             last: Arc::new(Mutex::new(None)),
+            loss_non_finite: Default::default(),
         })
     }
 
@@ -118,6 +122,15 @@ impl ZeroOptimizer {
             return loss;
         }
         loss.cast(burn::tensor::DType::F32).mul_scalar(self.loss_scale())
+    }
+
+    /// Tells the next step one micro-batch's loss value (a loop that reads it anyway, to print
+    /// it): a non-finite step is then reported as the loss's, the first thing that went wrong,
+    /// rather than its gradient's.
+    pub fn note_loss(&self, value: f64) {
+        if !value.is_finite() {
+            self.loss_non_finite.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// The loss scale of the next backward: fp16's dynamic scale, 1 otherwise.
@@ -314,6 +327,9 @@ impl ZeroOptimizer {
             }
         }
         core.finish_micro_batch()?;
+        if self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            core.note_non_finite_loss();
+        }
         let report = core.update()?;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         write_back::<B, M>(core, module, &device, &view.held)

@@ -188,17 +188,32 @@ fn the_engines_refuse_zero_modules_they_cannot_step_yet() {
 /// A model is cut once: cutting it again (or a clone of it) is an error that says so, not a
 /// shard of a shard.
 #[test]
-fn sharding_a_model_twice_is_an_error() {
-    let errors = on_ranks(2, |_, comm| {
+fn a_second_cut_over_the_same_ranks_keeps_the_shards_and_a_unit_in_two_fields_is_an_error() {
+    let results = on_ranks(2, |_, comm| {
         let net = Net::<Autodiff<Flex>>::new(comm.clone(), &Default::default());
-        zero_burn::sharded::shard_units(net, comm, 0)
+        let shards = |net: &Net<Autodiff<Flex>>| -> Vec<Vec<f32>> {
+            net.units
+                .iter()
+                .map(|u| u.shard().val().into_data().to_vec::<f32>().unwrap())
+                .collect()
+        };
+        let before = shards(&net);
+        let again = zero_burn::sharded::shard_units(net, comm.clone(), 0).expect("already cut: kept");
+        // A unit whole in a second field (a copy taken before the cut) and cut in the first.
+        let whole = Net::<Autodiff<Flex>>::whole(&Default::default());
+        let copy = whole.units[0].clone();
+        let mut twice = zero_burn::sharded::shard_units(whole, comm.clone(), 0).expect("first cut");
+        twice.units.push(copy);
+        let error = zero_burn::sharded::shard_units(twice, comm, 0)
             .err()
-            .map(|e| e.to_string())
+            .map(|e| e.to_string());
+        (before == shards(&again), error)
     });
-    for (rank, e) in errors.iter().enumerate() {
-        let e = e
+    for (rank, (kept, error)) in results.iter().enumerate() {
+        assert!(kept, "rank {rank}: a second cut changed the shards");
+        let e = error
             .as_deref()
-            .unwrap_or_else(|| panic!("rank {rank}: a second cut must fail"));
+            .unwrap_or_else(|| panic!("rank {rank}: a unit in two fields must fail"));
         assert!(e.contains("sharded twice"), "rank {rank}: {e}");
     }
 }

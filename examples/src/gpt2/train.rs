@@ -1,6 +1,7 @@
-//! `gpt2 train`: GPT-2 trained by the ZeRO engine from a DeepSpeed config.
+//! `gpt2 train`: GPT-2 trained with ZeRO from a DeepSpeed config.
 //!
-//! Every rank runs [`rank_loop`]; rank 0 alone prints, writes the metrics file and draws. With
+//! Every rank runs [`rank_loop`] (the zoo's `ShardedGpt2`, `zero_burn::initialize_settings`'s
+//! `ZeroOptimizer`, Burn's own loop); rank 0 alone prints, writes the metrics file and draws. With
 //! `pipeline.stages` or `tensor_parallel.autotp_size` above 1 the ranks are laid out data ×
 //! tensor × pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one
 //! stage of the model's layers.
@@ -11,20 +12,26 @@ use super::model::{check_data, same_weights_as_rank_0, ModelSource};
 use super::monitor::Monitors;
 use super::timers::{StepTimers, TimedGroup};
 use super::TrainError;
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn::optim::lr_scheduler::LrScheduler;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, InitOptions, MemoryReport, Stage};
+use zero_burn::sharded::{ShardBackend, UnitComm};
+use zero_burn::{EngineSettings, HostStaged, InitOptions, MemoryReport, Stage};
 use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 use zero_core::plot::RunInfo;
-use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
+use zero_models::gpt2::{Gpt2Batch, Gpt2Layer, ShardedGpt2};
 use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
 
@@ -125,12 +132,12 @@ pub struct TrainSummary {
 /// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     match args.backend.as_str() {
-        "cpu" => train_on::<Autodiff<Flex>>(args, 1),
+        "cpu" => train_on::<Autodiff<Flex, BalancedCheckpointing>, Autodiff<Flex>>(args, 1),
         #[cfg(feature = "cuda")]
         "cuda" => {
             let gpus = zero_burn::device::cuda_devices()
                 .map_err(|why| TrainError::Config(format!("--backend cuda: {why}")))?;
-            train_on::<Autodiff<burn::backend::Cuda>>(args, gpus)
+            train_on::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>, Autodiff<burn::backend::Cuda>>(args, gpus)
         }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(TrainError::Config(
@@ -142,7 +149,14 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
 
 /// Runs the training on backend `B`, whose ranks share `devices` devices. Every argument is
 /// checked against the config, the model's shape and the data before any rank starts.
-fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError> {
+/// Data-parallel ranks train on `B` (stage 3 gathers a unit again in backward under its
+/// checkpointing strategy), pipelined ones on `P`.
+fn train_on<B, P>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError>
+where
+    B: AutodiffBackend + ShardBackend,
+    B::InnerBackend: ShardBackend,
+    P: AutodiffBackend + TpBackend,
+{
     check_counts(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
@@ -185,7 +199,7 @@ fn train_on<B: AutodiffBackend + TpBackend>(args: &TrainArgs, devices: usize) ->
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
     let data = Arc::new(data);
     if stages > 1 || tensor > 1 {
-        return train_pipeline::<B>(args, resolved, data, source, (world, stages, tensor), devices);
+        return train_pipeline::<P>(args, resolved, data, source, (world, stages, tensor), devices);
     }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
@@ -274,7 +288,7 @@ fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<Train
     first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
 }
 
-/// What a rank starts from: its model (seeded; `None` where the engine reads it partitioned),
+/// What a rank starts from: its model (seeded; `None` where it is read partitioned),
 /// the engine settings, and the micro-batch size, accumulation steps and global batch.
 struct RankStart<B: AutodiffBackend> {
     model: Option<Gpt2<B>>,
@@ -297,7 +311,7 @@ fn rank_start<B: AutodiffBackend>(
     let mut settings = zero_burn::engine_settings(resolved)?;
     // Stage 3 from a HuggingFace directory: every rank reads only what it keeps, so no rank
     // ever holds the model whole (DeepSpeed's zero.Init for pretrained weights). A preset is
-    // drawn whole on every rank from one shared generator, then cut by the engine.
+    // drawn whole on every rank from one shared generator, then cut.
     let partitioned = matches!(source, ModelSource::Pretrained(_)) && settings.stage == Stage::Zero3 && !pipelined;
     let (model, model_config) = if partitioned {
         (None, source.config()?)
@@ -324,8 +338,9 @@ fn rank_start<B: AutodiffBackend>(
     })
 }
 
-/// One rank's training loop.
-fn rank_loop<B: AutodiffBackend>(
+/// One rank's training loop: the zoo's `ShardedGpt2` (embeddings and every block a
+/// `ZeroModule`, cut over the ranks at stage 3) in Burn's own loop with `ZeroOptimizer`.
+fn rank_loop<B: AutodiffBackend + ShardBackend>(
     rank: usize,
     device: B::Device,
     group: Arc<dyn ProcessGroup>,
@@ -333,7 +348,10 @@ fn rank_loop<B: AutodiffBackend>(
     resolved: &ResolvedConfig,
     data: &DataSource,
     source: &ModelSource,
-) -> Result<TrainSummary, TrainError> {
+) -> Result<TrainSummary, TrainError>
+where
+    B::InnerBackend: ShardBackend,
+{
     let world = group.world_size();
     let RankStart {
         model,
@@ -345,27 +363,33 @@ fn rank_loop<B: AutodiffBackend>(
     } = rank_start::<B>(&device, args, resolved, source, false)?;
     let parameters = model_config.num_params() as usize;
     let lead = rank == 0;
-    // wall_clock_breakdown: the engine's collectives pass through a timing wrapper (rank 0 only
-    // prints, so only rank 0 pays for it).
+    // wall_clock_breakdown: the collectives pass through a timing wrapper (rank 0 only prints,
+    // so only rank 0 pays for it).
     let (engine_group, comm_clock) = if resolved.wall_clock_breakdown && lead {
         let (timed, clock) = TimedGroup::new(group.clone());
         (timed as Arc<dyn ProcessGroup>, Some(clock))
     } else {
         (group.clone(), None)
     };
-    let mut engine = match (source, model) {
-        (_, Some(model)) => ChainEngine::new(settings, model, engine_group)?,
-        (ModelSource::Pretrained(dir), None) => {
-            Gpt2::load_pretrained_partitioned(dir, settings, engine_group, &device)
+    let units: UnitComm<B::Collective> = Arc::new(HostStaged::new(engine_group.clone()));
+    let model = match (model, source) {
+        (Some(model), _) => model.into_sharded(),
+        (None, ModelSource::Pretrained(dir)) => {
+            Gpt2::load_pretrained_sharded(dir, &device, units.clone(), settings.param_persistence_threshold)
                 .map_err(|e| TrainError::Model(e.to_string()))?
                 .0
         }
-        (ModelSource::Preset(_), None) => {
+        (None, ModelSource::Preset(_)) => {
             return Err(TrainError::Model("a preset is built whole, never partitioned".into()))
         }
     };
+    let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
     let first_step = match &args.load {
-        Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+        Some(dir) => {
+            let (loaded, client) = optim.load_checkpoint(dir, None, model)?;
+            model = loaded;
+            resume_step(dir, &client, optim.global_step())?
+        }
         None => 0,
     };
     if let Some(done) = nothing_to_train(args, first_step, lead, world, parameters) {
@@ -392,6 +416,7 @@ fn rank_loop<B: AutodiffBackend>(
     let every = resolved.steps_per_print.max(1);
     let mut monitors = Monitors::open(&resolved.monitors, lead, global as u64)?;
     let mut timers = (resolved.wall_clock_breakdown && lead).then(|| StepTimers::new(comm_clock));
+    let mut schedule = optim.lr_scheduler();
     let mut last_printed = first_step;
     let started = Instant::now();
     let mut records = Vec::new();
@@ -400,34 +425,36 @@ fn rank_loop<B: AutodiffBackend>(
         let batch = data.global_batch(step, global, args.seed)?;
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
         let mut loss_sum = 0.0f64;
-        let mut report = None;
+        let mut accumulator = GradientsAccumulator::new();
         for chunk in mine.chunks(micro) {
             let tokens = token_tensor(chunk, &device);
-            if let Some(t) = timers.as_mut() {
-                let loss = t.forward(|| engine.forward((tokens.clone(), tokens)))?;
-                loss_sum += t.backward(|| engine.backward(loss))? as f64;
-                report = t.step(|| engine.step())?;
-            } else {
-                let loss = engine.forward((tokens.clone(), tokens))?;
-                loss_sum += engine.backward(loss)? as f64;
-                report = engine.step()?;
-            }
+            let loss = timed(&mut timers, Part::Forward, || model.loss(tokens.clone(), tokens))?;
+            loss_sum += timed(&mut timers, Part::Backward, || {
+                let value = loss.clone().into_scalar().elem::<f64>();
+                optim.note_loss(value);
+                let scaled = optim.scale_loss(loss.div_scalar(gas as f64));
+                let grads = backward(scaled)?;
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                Ok::<f64, TrainError>(value)
+            })?;
         }
+        let lr = schedule.step();
+        model = timed(&mut timers, Part::Step, || {
+            optim.try_step(lr, model, accumulator.grads())
+        })?;
         if let Some(t) = timers.as_mut() {
             t.end_step();
         }
-        let report = report.ok_or_else(|| {
-            TrainError::Config(
-                "the accumulation boundary was not reached: gradient_accumulation_steps and the batch disagree".into(),
-            )
-        })?;
+        let report = optim
+            .last_step()
+            .ok_or_else(|| TrainError::Config("the optimizer reported no step".into()))?;
         let loss = mean_over_ranks(group.as_ref(), loss_sum / gas as f64)?;
         let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-            Some(validate(&mut engine, group.as_ref(), &validation, rank, &device)?)
+            Some(validate(&model, group.as_ref(), &validation, rank, &device)?)
         } else {
             None
         };
-        let memory = memory_of_all_ranks(group.as_ref(), engine.memory())?;
+        let memory = memory_of_all_ranks(group.as_ref(), optim.memory())?;
         let record = StepRecord {
             step: step + 1,
             loss,
@@ -452,10 +479,42 @@ fn rank_loop<B: AutodiffBackend>(
         }
         records.push(record);
         if let Some((dir, client)) = checkpoint_due(args, step) {
-            engine.save_checkpoint(dir, None, &client)?;
+            optim.save_checkpoint(dir, None, &client)?;
         }
     }
     finish_run(args, progress, metrics, records, started, world, parameters)
+}
+
+/// The parts of a step the timers of `wall_clock_breakdown` tell apart.
+#[derive(Clone, Copy)]
+enum Part {
+    Forward,
+    Backward,
+    Step,
+}
+
+/// `f()`, its time added to `part` of the step timers when there are timers.
+fn timed<T>(timers: &mut Option<StepTimers>, part: Part, f: impl FnOnce() -> T) -> T {
+    match (timers.as_mut(), part) {
+        (Some(t), Part::Forward) => t.forward(f),
+        (Some(t), Part::Backward) => t.backward(f),
+        (Some(t), Part::Step) => t.step(f),
+        (None, _) => f(),
+    }
+}
+
+/// The gradients of `loss`. A collective that fails inside backward (a unit's reduce-scatter
+/// or gather: a dead or diverging peer) ends Burn's backward with its error as a panic: it
+/// comes back here as the error it is.
+fn backward<B: AutodiffBackend>(loss: Tensor<B, 1>) -> Result<B::Gradients, TrainError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loss.backward())).map_err(|payload| {
+        TrainError::Engine(zero_burn::ZeroError::Comm(
+            zero_core::comm::CommError::InvalidArgument {
+                op: "backward".into(),
+                message: crate::ranks::panic_message(&*payload).to_string(),
+            },
+        ))
+    })
 }
 
 /// The step to resume after, from a loaded checkpoint's client state; it must be the engine's
@@ -548,19 +607,22 @@ fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainErr
     Ok(buf.into_f32()[0] as f64)
 }
 
-/// Held-out loss: each rank scores its share of the validation sequences.
-fn validate<B: AutodiffBackend>(
-    engine: &mut ChainEngine<B, Gpt2<B>>,
+/// Held-out loss: each rank scores its share of the validation sequences, without autodiff.
+fn validate<B: AutodiffBackend + ShardBackend>(
+    model: &ShardedGpt2<B>,
     group: &dyn ProcessGroup,
     validation: &[Vec<u32>],
     rank: usize,
     device: &burn::tensor::Device<B>,
-) -> Result<f64, TrainError> {
+) -> Result<f64, TrainError>
+where
+    B::InnerBackend: ShardBackend,
+{
     let per = validation.len() / group.world_size();
     let rows = &validation[rank * per..(rank + 1) * per];
-    let tokens = token_tensor(rows, device);
-    let loss = engine.eval_loss((tokens.clone(), tokens))?;
-    mean_over_ranks(group, loss as f64)
+    let tokens = token_tensor::<B>(rows, device).inner();
+    let loss = model.valid().loss(tokens.clone(), tokens)?;
+    mean_over_ranks(group, loss.into_scalar().elem::<f64>())
 }
 
 /// What the metrics file's header says about the run (the loss plot's title and legend).

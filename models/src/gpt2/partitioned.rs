@@ -6,6 +6,8 @@
 //!   the block dropped. A rank holds at most the ends (`wte`, `wpe`, `ln_f`), one block and its
 //!   shards, where [`Gpt2::load_pretrained`] followed by `ChainEngine::new` holds the file, the
 //!   whole model and then the shards.
+//! - [`Gpt2::load_pretrained_sharded`]: the same reading into a `ShardedGpt2` whose units are
+//!   cut over the ranks as they are read, for `zero_burn::initialize`.
 //! - [`Gpt2Config::init_partitioned`]: a random GPT-2 (DeepSpeed's `zero.Init`), equal to
 //!   [`Gpt2Config::init`] followed by `ChainEngine::new`.
 
@@ -16,6 +18,7 @@ use burn::module::Param;
 use burn::nn::{Embedding, LayerNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use zero_burn::sharded::{shard_units, ShardBackend, UnitComm, ZeroModule};
 use zero_burn::{ChainEngine, EngineSettings, InitValues, PartitionedInitError, ZeroError};
 use zero_core::comm::ProcessGroup;
 
@@ -27,6 +30,8 @@ use super::error::CheckpointError;
 use super::init::{layer_norm, normal_embedding};
 use super::mlp::Gpt2Mlp;
 use super::model::Gpt2;
+use super::pipeline::Gpt2Embed;
+use super::sharded::ShardedGpt2;
 
 /// The stage-3 engine of a GPT-2.
 pub type Gpt2Engine<B> = ChainEngine<B, Gpt2<B>>;
@@ -91,6 +96,39 @@ impl<B: AutodiffBackend> Gpt2<B> {
             comm,
         )?;
         Ok((engine, config))
+    }
+}
+
+impl<B: ShardBackend> Gpt2<B> {
+    /// Loads a HuggingFace GPT-2 checkpoint directory as a [`ShardedGpt2`] whose units of at
+    /// least `min_numel` elements are cut over `comm`'s ranks as they are read (DeepSpeed's
+    /// `zero.Init` for pretrained weights): a rank holds at most one unit whole, never the
+    /// model. The same values as [`Gpt2::load_pretrained`], `into_sharded` and
+    /// `zero_burn::sharded::shard_units`; `zero_burn::initialize` keeps the cut.
+    pub fn load_pretrained_sharded(
+        dir: impl AsRef<Path>,
+        device: &B::Device,
+        comm: UnitComm<B::Collective>,
+        min_numel: usize,
+    ) -> Result<(ShardedGpt2<B>, Gpt2Config), PartitionedLoadError> {
+        let (index, config) = TensorIndex::open(dir.as_ref())?;
+        let embed = ZeroModule::new(Gpt2Embed {
+            wte: Embedding {
+                weight: param(&index, "wte.weight", device)?,
+            },
+            wpe: Embedding {
+                weight: param(&index, "wpe.weight", device)?,
+            },
+        });
+        let embed = shard_units(embed, comm.clone(), min_numel)?;
+        let mut blocks = Vec::with_capacity(config.n_layer);
+        for layer in 0..config.n_layer {
+            let block = read_block(&index, &config, layer, device)
+                .map_err(|source| PartitionedLoadError::Block { block: layer, source })?;
+            blocks.push(shard_units(ZeroModule::new(block), comm.clone(), min_numel)?);
+        }
+        let ln_f = norm(&index, "ln_f", &config, device)?;
+        Ok((ShardedGpt2 { embed, blocks, ln_f }, config))
     }
 }
 

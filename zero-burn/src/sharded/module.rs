@@ -41,6 +41,10 @@ pub trait ShardBackend: Backend {
     fn frees_gathered() -> bool {
         false
     }
+
+    /// Whether the backend's tensors live in host memory (the CPU backend): parameter shards
+    /// there are already where `offload_param: cpu` would put them.
+    fn host_resident() -> bool;
 }
 
 impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBackend for Autodiff<I, C> {
@@ -48,6 +52,10 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
 
     fn frees_gathered() -> bool {
         std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>()
+    }
+
+    fn host_resident() -> bool {
+        I::host_resident()
     }
 
     fn gather_parts<const D: usize>(
@@ -84,6 +92,10 @@ fn plain_parts<B: Backend>(
 impl ShardBackend for Flex {
     type Collective = Flex;
 
+    fn host_resident() -> bool {
+        true
+    }
+
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
@@ -102,6 +114,10 @@ where
     BT: burn_cubecl::BoolElement,
 {
     type Collective = Self;
+
+    fn host_resident() -> bool {
+        false
+    }
 
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
@@ -309,7 +325,9 @@ where
 /// `model` with every [`ZeroModule`] of at least `min_numel` elements cut over the ranks of
 /// `comm`: each rank keeps its shard of the unit's flat vector (the model must be the same on
 /// every rank: one seed, or loaded). Smaller units stay whole, as replicated parameters
-/// (DeepSpeed's `stage3_param_persistence_threshold`). A unit already sharded is an error.
+/// (DeepSpeed's `stage3_param_persistence_threshold`). A unit already cut over `comm`'s ranks
+/// is kept; one cut otherwise, or held whole after it was cut (a unit in two fields), is an
+/// error.
 pub fn shard_units<B: ShardBackend, M: Module<B>>(
     model: M,
     comm: UnitComm<B::Collective>,
@@ -326,6 +344,12 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
                 return param;
             };
             let world = self.comm.world_size();
+            // Already this rank's shard (a model built unit by unit, each cut as it was read):
+            // kept as it is.
+            let cut_for = unit.sharding.get().map(|s| s.world);
+            if cut_for == Some(world) && param.lazy_shape().num_elements() == shard_len(unit.numel, world) {
+                return param;
+            }
             let sharding = Sharding {
                 comm: ShardComm::new(self.comm.clone()),
                 world,
