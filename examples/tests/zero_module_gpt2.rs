@@ -75,6 +75,8 @@ struct RankRun {
     /// Whether each step was skipped (fp16 overflow).
     skipped: Vec<bool>,
     parts: Vec<Vec<f32>>,
+    /// The optimizer's memory report after the last step.
+    memory: zero_burn::MemoryReport,
 }
 
 /// `steps` steps of the fixture's `ShardedGpt2` on `world` ranks from the config `config`,
@@ -144,6 +146,7 @@ fn train_zero_between(
             norms,
             skipped,
             parts: parts(&model),
+            memory: optim.memory(),
         }
     })
 }
@@ -480,4 +483,38 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
         first,
         "the exported weights are the trained ones"
     );
+}
+
+/// The memory report of stage 3 on 2 ranks is ZeRO's accounting of what each rank holds
+/// (reference: the model's own shapes): its shard of every unit and `ln_f` whole as parameters,
+/// fp32 masters and AdamW's two moments of what it owns, and one unit gathered whole at a
+/// time (the largest, padded to the ranks) under `BalancedCheckpointing`.
+#[test]
+fn the_stage_3_memory_report_counts_each_ranks_shards_and_the_largest_unit_gathered() {
+    let batch = matrix_batch();
+    let runs = train_zero(&matrix_config(3, 2, 1, 0.0), 2, 12, 1, &batch, 1);
+    let whole = parts(&fixture_gpt2().into_sharded());
+    let (units, ln_f) = whole.split_at(whole.len() - 1);
+    let shards: usize = units.iter().map(|u| zero_burn::sharded::shard_len(u.len(), 2)).sum();
+    let largest = units
+        .iter()
+        .map(|u| 2 * zero_burn::sharded::shard_len(u.len(), 2))
+        .max()
+        .unwrap();
+    for (rank, run) in runs.iter().enumerate() {
+        let m = &run.memory;
+        assert_eq!(m.parameters.current, 4 * (shards + ln_f[0].len()), "rank {rank}: {m:?}");
+        assert_eq!(m.gathered.current, 4 * largest, "rank {rank}: {m:?}");
+        // ln_f's masters are sharded too (stage 3 shards what is not a unit as stage 2 does).
+        assert!(m.master_weights.current >= 4 * shards, "rank {rank}: {m:?}");
+        assert!(
+            m.master_weights.current < 4 * (shards + ln_f[0].len()),
+            "rank {rank}: {m:?}"
+        );
+        assert_eq!(
+            m.optimizer_state.current,
+            2 * m.master_weights.current,
+            "rank {rank}: AdamW's two moments"
+        );
+    }
 }

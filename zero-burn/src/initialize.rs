@@ -357,6 +357,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
     }
     let threshold = settings.param_persistence_threshold;
     let optimizer = ZeroOptimizer::new(settings, group)?;
+    optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
     if stage3 {
         if !B::frees_gathered() {

@@ -54,6 +54,9 @@ pub struct ZeroOptimizer {
     last: Arc<Mutex<Option<StepReport>>>,
     /// A micro-batch since the last step had a non-finite loss ([`ZeroOptimizer::note_loss`]).
     loss_non_finite: Arc<std::sync::atomic::AtomicBool>,
+    /// The model's backend keeps every gathered unit until backward (autodiff without a
+    /// checkpointing strategy), as [`crate::initialize`] found it: for the memory report.
+    keeps_gathered: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ZeroOptimizer {
@@ -76,6 +79,7 @@ impl ZeroOptimizer {
             core: Arc::new(Mutex::new(None)),
             last: Arc::new(Mutex::new(None)),
             loss_non_finite: Default::default(),
+            keeps_gathered: Default::default(),
         })
     }
 
@@ -168,7 +172,16 @@ impl ZeroOptimizer {
         *self.last.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Bytes held by this rank, by kind (zero before the first step).
+    /// Records that the model's backend keeps every gathered unit until backward (autodiff
+    /// without a checkpointing strategy; [`crate::initialize`] tells it), so that the memory
+    /// report counts every unit gathered rather than the largest.
+    pub(crate) fn set_keeps_gathered(&self, keeps: bool) {
+        self.keeps_gathered.store(keeps, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes held by this rank, by kind (zero before the first step). `gathered` is counted
+    /// from the layout: the largest sharded unit whole (every sharded unit when the backend
+    /// keeps them until backward).
     pub fn memory(&self) -> MemoryReport {
         let core = self.core.lock().unwrap_or_else(|e| e.into_inner());
         core.as_ref().map(|c| c.memory.report()).unwrap_or_default()
@@ -263,6 +276,16 @@ impl ZeroOptimizer {
                 })
                 .sum();
             memory.add_parameters(held * dtype.size());
+            // The units' gathers are the autodiff graph's, out of sight: counted from the
+            // layout, as the ZeRO formulas do. Under a checkpointing strategy a unit is freed
+            // after its use (one whole at a time); without, every unit stays until backward.
+            let units = unit_groups.iter().map(|&g| layout.groups[g].padded * dtype.size());
+            let gathered = if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
+                units.sum()
+            } else {
+                units.max().unwrap_or(0)
+            };
+            memory.add_gathered(gathered);
             let flow = if matches!(self.settings.stage, Stage::Zero2 | Stage::Zero3) {
                 GradFlow::ReduceThenAccumulate
             } else {
