@@ -11,8 +11,9 @@
 //!
 //! Checkpoints: `ZeroOptimizer`'s Burn `Record` is empty, so the `Learner`'s file checkpointer
 //! (`with_file_checkpointer`) would save the model and lose the optimizer state; save with
-//! `ZeroOptimizer::save_checkpoint` (sharded, every rank) instead. Stage 3 and fp16 are refused by
-//! `ZeroOptimizer::new` with the reason.
+//! `ZeroOptimizer::save_checkpoint` (sharded, every rank) instead. This model has no
+//! `ZeroModule`, so stage 3 fails its first step saying so; fp16 does too, since the `Learner`
+//! calls `backward()` on a loss that `ZeroOptimizer::scale_loss` has not scaled (bf16 works).
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;

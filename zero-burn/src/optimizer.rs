@@ -57,6 +57,8 @@ pub struct ZeroOptimizer {
     /// The model's backend keeps every gathered unit until backward (autodiff without a
     /// checkpointing strategy), as [`crate::initialize`] found it: for the memory report.
     keeps_gathered: Arc<std::sync::atomic::AtomicBool>,
+    /// [`ZeroOptimizer::scale_loss`] scaled a loss since the last step (fp16).
+    scaled: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ZeroOptimizer {
@@ -80,6 +82,7 @@ impl ZeroOptimizer {
             last: Arc::new(Mutex::new(None)),
             loss_non_finite: Default::default(),
             keeps_gathered: Default::default(),
+            scaled: Default::default(),
         })
     }
 
@@ -125,6 +128,7 @@ impl ZeroOptimizer {
         if self.settings.precision.dtype != ComputeDtype::F16 {
             return loss;
         }
+        self.scaled.store(true, std::sync::atomic::Ordering::Relaxed);
         loss.cast(burn::tensor::DType::F32).mul_scalar(self.loss_scale())
     }
 
@@ -233,6 +237,16 @@ impl ZeroOptimizer {
         if guard.is_none() {
             let world = self.comm.world_size();
             let ModuleView { layout, held, .. } = ModuleView::of::<B, M>(module, &self.settings, world);
+            let units = held
+                .iter()
+                .any(|h| matches!(h, Holding::Whole(_) | Holding::Shard { .. }));
+            if self.settings.stage == Stage::Zero3 && !units {
+                return Err(ZeroError::Config(
+                    "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: \
+                     wrap its blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
+                        .into(),
+                ));
+            }
             let (mut values, shards) = ModuleView::read_held::<B, M>(&held, &layout, module);
             // A unit's whole parameters, from every rank's shard (each in turn, at the first
             // step only).
@@ -319,6 +333,17 @@ impl ZeroOptimizer {
         mut take: impl FnMut(burn::module::ParamId) -> Option<Vec<f32>>,
     ) -> Result<M, ZeroError> {
         let device = first_device::<B, M>(&module)?;
+        // fp16 unscales the gradients by the loss scale: gradients of a loss that was never
+        // scaled would be taken 2^16 times too small, silently.
+        let scaled = self.scaled.swap(false, std::sync::atomic::Ordering::Relaxed);
+        if self.settings.precision.dtype == ComputeDtype::F16 && !scaled {
+            return Err(ZeroError::Usage(
+                "fp16: the step's gradients come from a loss that ZeroOptimizer::scale_loss did not scale; call \
+                 `optim.scale_loss(loss).backward()` (a step divides the gradients by the loss scale), or train \
+                 in bf16, which needs no scale"
+                    .into(),
+            ));
+        }
         let mut guard = self.core.lock().unwrap_or_else(|e| e.into_inner());
         self.ensure_core::<B, M>(&mut guard, &module)?;
         let core = guard.as_mut().unwrap_or_else(|| unreachable!());

@@ -133,3 +133,32 @@ fn zero_optimizer_resumes_from_its_checkpoint_bit_for_bit() {
         }
     }
 }
+
+/// What `ZeroOptimizer` cannot do right is an error that says what to do, before any update:
+/// an fp16 step whose loss `scale_loss` never scaled (its gradients would be taken 2^16 times
+/// too small), and stage 3 over a model without `ZeroModule`s (nothing to partition). After
+/// `scale_loss` the fp16 step goes through.
+#[test]
+fn an_unscaled_fp16_loss_and_stage_3_without_units_are_refused_naming_the_way_out() {
+    let device = Default::default();
+    let step = |optim: &mut ZeroOptimizer, scale: bool| {
+        let model = Net::<B>::new(&device, 2);
+        let (x, y) = batch::<B>(0, 0..GLOBAL_BATCH, &device);
+        let loss = model.loss(x, y);
+        let loss = if scale { optim.scale_loss(loss) } else { loss };
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        optim.try_step(1e-2, model, grads).err().map(|e| e.to_string())
+    };
+    let group = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
+    let mut settings = EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw());
+    settings.precision = zero_burn::PrecisionSettings::fp16(Default::default());
+    let mut fp16 = ZeroOptimizer::new(settings, group.clone()).expect("optimizer");
+    let e = step(&mut fp16, false).expect("an unscaled fp16 loss is refused");
+    assert!(e.contains("fp16") && e.contains("scale_loss"), "{e}");
+    assert_eq!(step(&mut fp16, true), None, "a scaled one steps");
+
+    let settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+    let mut stage3 = ZeroOptimizer::new(settings, group).expect("optimizer");
+    let e = step(&mut stage3, false).expect("stage 3 without units is refused");
+    assert!(e.contains("stage 3") && e.contains("ZeroModule"), "{e}");
+}

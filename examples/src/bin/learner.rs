@@ -21,6 +21,13 @@ fn mse(model: &Regressor<Flex>, range: std::ops::Range<usize>) -> f32 {
 
 fn main() {
     let stage: u8 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2);
+    if stage > 2 {
+        eprintln!(
+            "stage {stage}: this example's model holds no ZeroModule to partition; choose 0, 1 or 2 (the simple \
+             example trains stage 3: cargo run -p zero-examples --bin simple -- 3)"
+        );
+        std::process::exit(2);
+    }
     let text = format!(
         r#"{{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-2, "weight_decay": 0.01}}}}}}"#
