@@ -344,11 +344,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
 ) -> Result<(M, ZeroOptimizer), ZeroError> {
     let stage3 = settings.stage == Stage::Zero3;
     if stage3 && !contains_zero_module::<B, M>(&model) {
-        return Err(ZeroError::Config(
-            "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: wrap \
-             its blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
-                .into(),
-        ));
+        return Err(crate::optimizer::no_units_at_stage_3());
     }
     let mut settings = settings;
     if settings.offload_param == ParamOffload::Cpu && B::host_resident() {

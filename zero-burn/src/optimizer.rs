@@ -236,18 +236,16 @@ impl ZeroOptimizer {
     ) -> Result<(), ZeroError> {
         if guard.is_none() {
             let world = self.comm.world_size();
-            let ModuleView { layout, held, .. } = ModuleView::of::<B, M>(module, &self.settings, world);
-            let units = held
+            let view = ModuleView::of::<B, M>(module, &self.settings, world);
+            let units = view
+                .held
                 .iter()
                 .any(|h| matches!(h, Holding::Whole(_) | Holding::Shard { .. }));
             if self.settings.stage == Stage::Zero3 && !units {
-                return Err(ZeroError::Config(
-                    "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: \
-                     wrap its blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
-                        .into(),
-                ));
+                return Err(no_units_at_stage_3());
             }
-            let (mut values, shards) = ModuleView::read_held::<B, M>(&held, &layout, module);
+            let (mut values, mut shards) = view.read::<B, M>(module);
+            let ModuleView { layout, held, .. } = view;
             // A unit's whole parameters, from every rank's shard (each in turn, at the first
             // step only).
             let mut unit_groups = Vec::new();
@@ -255,7 +253,7 @@ impl ZeroOptimizer {
                 let Holding::Shard { params, group } = held else {
                     continue;
                 };
-                let shard = shards.get(&i).cloned().unwrap_or_default();
+                let shard = shards.remove(&i).unwrap_or_default();
                 if shard.len() != layout.owned_len(*group) {
                     return Err(ZeroError::Model(format!(
                         "the ZeroModule shard holding `{}` has {} elements where {world} ranks own {} each: it was \
@@ -418,6 +416,15 @@ impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
     }
 }
 
+/// Stage 3 over a model without `ZeroModule`s: nothing to partition.
+pub(crate) fn no_units_at_stage_3() -> ZeroError {
+    ZeroError::Config(
+        "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: wrap its \
+         blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
+            .into(),
+    )
+}
+
 /// What one float parameter of the module holds, in the optimizer's layout.
 #[derive(Clone, Debug)]
 enum Holding {
@@ -490,19 +497,11 @@ impl ModuleView {
     /// The values of every layout parameter that `module` holds whole, and by float parameter
     /// of the module, the shards it holds.
     fn read<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: &M) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
-        Self::read_held::<B, M>(&self.held, &self.layout, module)
-    }
-
-    fn read_held<B: AutodiffBackend, M: AutodiffModule<B>>(
-        held: &[Holding],
-        layout: &PartitionLayout,
-        module: &M,
-    ) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
-        let mut values = vec![Vec::new(); layout.params.len()];
+        let mut values = vec![Vec::new(); self.layout.params.len()];
         let mut shards = HashMap::new();
-        crate::params::read_values::<B, M>(module, |i, v| match &held[i] {
+        crate::params::read_values::<B, M>(module, |i, v| match &self.held[i] {
             Holding::Param(p) => values[*p] = v,
-            Holding::Whole(params) => split_into(&mut values, layout, params.clone(), &v),
+            Holding::Whole(params) => split_into(&mut values, &self.layout, params.clone(), &v),
             Holding::Shard { .. } => {
                 shards.insert(i, v);
             }
