@@ -105,6 +105,8 @@ fn train_zero_between(
     steps: usize,
     checkpoints: Checkpoints,
 ) -> Vec<RankRun> {
+    // Without optimizer offload the state lives on the model's device (tensors of its backend).
+    let on_device = !config.contains("offload_optimizer");
     let config = DeepSpeedConfig::from_str(config, "ds_config.json")
         .expect("valid config")
         .config;
@@ -141,6 +143,7 @@ fn train_zero_between(
         if let Some(dir) = checkpoints.save {
             optim.save_checkpoint(dir, None, &serde_json::json!({})).expect("save");
         }
+        assert_eq!(optim.state_on_device(), Some(on_device), "where the optimizer's state lives");
         RankRun {
             losses,
             norms,
@@ -274,17 +277,28 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn matrix_config(stage: u8, world: usize, gas: usize, clip: f64) -> String {
+    matrix_config_offload(stage, world, gas, clip, false)
+}
+
+/// [`matrix_config`], with the optimizer's state in host memory when `offload`.
+fn matrix_config_offload(stage: u8, world: usize, gas: usize, clip: f64, offload: bool) -> String {
+    let offload = if offload {
+        r#", "offload_optimizer": {"device": "cpu"}"#
+    } else {
+        ""
+    };
     format!(
         r#"{{"train_batch_size": 24, "train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {gas},
         "gradient_clipping": {clip},
         "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "eps": {EPS}, "weight_decay": 0.01}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0}}}}"#,
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0{offload}}}}}"#,
         micro = 24 / (world * gas)
     )
 }
 
-/// Stages 0-3 × worlds 1-4 × accumulation 1 and 2 × clipping at 0.5 (every step clips) or none:
-/// every unit equal to one process's Burn AdamW after 5 steps.
+/// Stages 0-3 × worlds 1-4 × accumulation 1 and 2 × clipping at 0.5 (every step clips) or none,
+/// the optimizer's state on the device, and in host memory (`offload_optimizer`) without
+/// accumulation: every unit equal to one process's Burn AdamW after 5 steps.
 #[test]
 fn every_stage_world_accumulation_and_clipping_equals_one_process() {
     let batch = matrix_batch();
@@ -293,9 +307,9 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
         let lens: Vec<usize> = want.iter().map(Vec::len).collect();
         for stage in 0..=3u8 {
             for world in 1..=4 {
-                for gas in [1, 2] {
+                for (gas, offload) in [(1, false), (2, false), (1, true)] {
                     let micro = 24 / (world * gas);
-                    let config = matrix_config(stage, world, gas, clip);
+                    let config = matrix_config_offload(stage, world, gas, clip, offload);
                     let runs = train_zero(&config, world, micro, gas, &batch, STEPS);
                     if clip > 0.0 {
                         assert!(
@@ -314,7 +328,8 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
                         let err = relative_error(got, want);
                         assert!(
                             err < 1e-6,
-                            "stage {stage}, world {world}, accumulation {gas}, clip {clip}: unit {u} off by {err:e}"
+                            "stage {stage}, world {world}, accumulation {gas}, clip {clip}, offload {offload}: unit {u} \
+                             off by {err:e}"
                         );
                     }
                 }

@@ -53,14 +53,9 @@ tps() { awk -F'|' -v m="$2" '$2 ~ " "m" " {gsub(/ /, "", $5); print $5}' "$1"; }
 echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1, beside PyTorch"
 .gpu/throughput --backend cuda --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
   --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
-echo "-- the device-resident engine (gradients, masters and Adam on the GPU), stages 0-2"
-.gpu/throughput --backend cuda --engine device --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" \
-  --stages 0,1,2 --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
 .gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
   --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
-.gpu/throughput --backend cuda --engine device --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" \
-  --stages 0,1,2 --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
-echo "-- ZeroModule + ZeroOptimizer in Burn's loop (initialize), stages 0-3"
+echo "-- ZeroModule + ZeroOptimizer in Burn's loop (initialize; masters and Adam on the GPU), stages 0-3"
 .gpu/throughput --backend cuda --engine module --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" \
   --stages 0,1,2,3 --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
 .gpu/throughput --backend cuda --engine module --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" \

@@ -288,8 +288,9 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
 /// stage 3 each [`ZeroModule`](crate::sharded::ZeroModule) of at least
 /// `stage3_param_persistence_threshold` elements keeps only this rank's shard and gathers the
 /// rest for its forward; smaller units, and parameters outside any unit, stay whole. At stages
-/// 0-2 every unit stays whole. Collectives of the units run through the group's host path
-/// ([`HostStaged`]); [`initialize_on`] takes a device collective (NCCL on CUDA).
+/// 0-2 every unit stays whole. Collectives of the units and of the optimizer's device state run
+/// through the group's host path ([`HostStaged`]); [`initialize_on`] takes a device collective
+/// (NCCL on CUDA).
 ///
 /// ```ignore
 /// let config = DeepSpeedConfig::from_file("ds_config.json")?.config;
@@ -320,9 +321,9 @@ pub fn initialize_with<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
     initialize_on(config, model, group, collective, options)
 }
 
-/// [`initialize_with`] with the collective the units gather and reduce-scatter through (on
-/// CUDA, `NcclDevice` on Burn's own buffers); `group` carries the optimizer's scalars and
-/// reductions.
+/// [`initialize_with`] with the collective the units gather and reduce-scatter through and the
+/// optimizer reduces its device state through (on CUDA, `NcclDevice` on Burn's own buffers);
+/// `group` carries checkpoints and the host state's reductions (with `offload_optimizer`).
 pub fn initialize_on<B: AutodiffBackend + ShardBackend, M: AutodiffModule<B>>(
     config: &DeepSpeedConfig,
     model: M,
@@ -352,7 +353,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     let threshold = settings.param_persistence_threshold;
-    let optimizer = ZeroOptimizer::new(settings, group)?;
+    let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
     if stage3 {

@@ -18,10 +18,10 @@
 //! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
 //!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
 //! - [`ZeroOptimizer`]: a `burn::optim::Optimizer` (stages 0-3, stage 3 through `ZeroModule`s),
-//!   for code written against Burn's optimizers.
-//! - [`DeviceEngine`] (module [`device`]): stages 0-2 with gradients, fp32 masters and Adam state
-//!   kept as tensors on the model's device, reduced by a [`DeviceCollective`] ([`HostStaged`]
-//!   over any process group; `NcclDevice` on Burn's CUDA buffers with the `cuda` feature).
+//!   for code written against Burn's optimizers. Without optimizer offload its fp32 masters and
+//!   Adam state are tensors on the model's device (module [`device`]), reduced by a
+//!   [`DeviceCollective`] ([`HostStaged`] over any process group; `NcclDevice` on Burn's CUDA
+//!   buffers with the `cuda` feature).
 //!
 //! # Stage-3 helpers
 //!
@@ -82,7 +82,7 @@ pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 #[cfg(feature = "cuda")]
 pub use device::NcclDevice;
-pub use device::{DeviceAdam, DeviceCollective, DeviceEngine, HostStaged};
+pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;

@@ -4,15 +4,14 @@
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
 //!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]
-//!  [--engine host|device|module]`
+//!  [--engine host|module]`
 //!
 //! `--engine host` (the default) trains with `ChainEngine`, whose gradients, fp32 masters and
-//! optimizer step live in host memory; `--engine device` with `DeviceEngine`, which keeps them
-//! as tensors on the model's device (stages 0-2 only: a stage-3 row prints the engine's
-//! refusal); `--engine module` the zoo's `ShardedGpt2` (embeddings and blocks as `ZeroModule`s)
-//! from `zero_burn::initialize` in Burn's own loop with `ZeroOptimizer` (stage 3 under
-//! `Autodiff<B, BalancedCheckpointing>`). At world size 1 no collective runs, so the comparison is the cost of the host
-//! round trip against the device-resident step.
+//! optimizer step live in host memory; `--engine module` the zoo's `ShardedGpt2` (embeddings and
+//! blocks as `ZeroModule`s) from `zero_burn::initialize` in Burn's own loop with `ZeroOptimizer`
+//! (stage 3 under `Autodiff<B, BalancedCheckpointing>`), whose masters and Adam state are tensors
+//! on the model's device unless `--offload-optimizer cpu`. At world size 1 no collective runs,
+//! so the comparison is the cost of the host round trip against the device-resident step.
 //!
 //! Each row's tokens/s is given as a ratio to the first stage measured for the same model in
 //! this run, and, with `--baseline`, to a named baseline measured beside it (tools/gpu/run.sh
@@ -37,12 +36,11 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
-use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::sharded::ShardBackend;
 use zero_burn::ZeroOptimizer;
 use zero_burn::{
-    ChainEngine, DeviceCollective, DeviceEngine, EngineSettings, HostStaged, OptimizerOffload, PrecisionSettings, Stage,
+    ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage,
 };
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::config::DeepSpeedConfig;
@@ -115,8 +113,8 @@ fn options() -> Result<Options, String> {
             "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
             "--engine" => {
                 o.engine = match value.as_str() {
-                    "host" | "device" | "module" => value.clone(),
-                    other => return Err(format!("--engine {other}: expected host, device or module")),
+                    "host" | "module" => value.clone(),
+                    other => return Err(format!("--engine {other}: expected host or module")),
                 }
             }
             "--baseline" => {
@@ -182,11 +180,6 @@ fn run<B: AutodiffBackend + ShardBackend>(
             model: Some(model),
             optim,
         }))
-    } else if o.engine == "device" {
-        let comm: Arc<dyn DeviceCollective<B::InnerBackend>> = Arc::new(HostStaged::new(group));
-        Engine::Device(Box::new(
-            DeviceEngine::new(settings, config.init::<B>(&device), comm).map_err(|e| e.to_string())?,
-        ))
     } else if stage == Stage::Zero3 {
         // Built block by block (zero.Init): the largest models fit only if the whole model never
         // exists at once, on the device or in host memory.
@@ -216,12 +209,6 @@ fn run<B: AutodiffBackend + ShardBackend>(
                 engine.step().map_err(|e| e.to_string())?;
                 loss
             }
-            Engine::Device(engine) => {
-                let pending = engine.forward(|m| m.loss(tokens.clone(), tokens));
-                let loss = engine.backward(pending).map_err(|e| e.to_string())?;
-                engine.step().map_err(|e| e.to_string())?;
-                loss
-            }
             Engine::Module(run) => {
                 // Taken out for the step, so that the old parameters are not held beside the new.
                 let model = run.model.take().ok_or("a failed step left no model")?;
@@ -245,7 +232,6 @@ fn run<B: AutodiffBackend + ShardBackend>(
         loss,
         memory: match &engine {
             Engine::Host(e) => e.memory(),
-            Engine::Device(e) => e.memory(),
             Engine::Module(run) => run.optim.memory(),
         },
     })
@@ -254,7 +240,6 @@ fn run<B: AutodiffBackend + ShardBackend>(
 /// The engine a run trains with (`--engine`).
 enum Engine<B: AutodiffBackend + ShardBackend> {
     Host(Box<ChainEngine<B, Gpt2<B>>>),
-    Device(Box<DeviceEngine<B, Gpt2<B>>>),
     Module(Box<ModuleRun<B>>),
 }
 
@@ -326,7 +311,6 @@ fn main() {
         "backend {}{}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
         o.backend,
         match o.engine.as_str() {
-            "device" => ", device engine",
             "module" => ", ZeroModule + ZeroOptimizer",
             _ => "",
         },

@@ -23,45 +23,25 @@ pub(crate) fn read_flat<B: AutodiffBackend, M: Module<B>>(module: &M) -> Vec<Ten
     r.0
 }
 
-/// Each float parameter's gradient, flattened, taken out of `grads` (`None`: the parameter
-/// took no part in the loss).
-pub(crate) fn take_flat_grads<B: AutodiffBackend, M: Module<B>>(
-    module: &M,
-    grads: &mut B::Gradients,
-) -> Vec<Option<Tensor<B::InnerBackend, 1>>> {
-    struct Take<'a, B: AutodiffBackend> {
-        grads: &'a mut B::Gradients,
-        out: Vec<Option<Tensor<B::InnerBackend, 1>>>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let grad = param.val().grad_remove(self.grads).map(|g| {
-                let n = g.shape().num_elements();
-                g.reshape([n])
-            });
-            self.out.push(grad);
-        }
-    }
-    let mut t = Take::<B> { grads, out: Vec::new() };
-    module.visit(&mut t);
-    t.out
-}
-
 /// Replaces every float parameter's value with `source(index, shape)` (a flat tensor of the
-/// parameter's element count), reshaped, as a new autodiff leaf; ids are kept.
+/// parameter's element count), reshaped, as a new autodiff leaf; ids are kept. A parameter for
+/// which `source` gives `None` stays as it is.
 pub(crate) fn write_flat<B: AutodiffBackend, M: Module<B>>(
     module: M,
-    mut source: impl FnMut(usize, &Shape) -> Tensor<B::InnerBackend, 1>,
+    mut source: impl FnMut(usize, &Shape) -> Option<Tensor<B::InnerBackend, 1>>,
 ) -> M {
     struct Write<'a, F> {
         index: usize,
         source: &'a mut F,
     }
-    impl<B: AutodiffBackend, F: FnMut(usize, &Shape) -> Tensor<B::InnerBackend, 1>> ModuleMapper<B> for Write<'_, F> {
+    impl<B: AutodiffBackend, F: FnMut(usize, &Shape) -> Option<Tensor<B::InnerBackend, 1>>> ModuleMapper<B>
+        for Write<'_, F>
+    {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let shape = param.lazy_shape();
             let flat = (self.source)(self.index, &shape);
             self.index += 1;
+            let Some(flat) = flat else { return param };
             let dims: [usize; D] = shape.dims::<D>();
             let tensor = Tensor::<B, D>::from_inner(flat.reshape(dims)).require_grad();
             Param::initialized(param.id, tensor)

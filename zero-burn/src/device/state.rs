@@ -1,0 +1,309 @@
+//! [`crate::ZeroOptimizer`]'s state on the model's device: the fp32 master shard and the Adam
+//! moments of every flat group as tensors of the model's backend, the gradients reduced as
+//! tensors through a [`DeviceCollective`]. The host reads scalars only: each group's sum of
+//! squares and count of non-finite elements, once per step.
+
+use super::adam::DeviceAdam;
+use super::collective::DeviceCollective;
+use crate::core::{NonFiniteSeen, Overflow, StepReport};
+use crate::error::ZeroError;
+use crate::memory::MemoryTracker;
+use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+use std::sync::Arc;
+use zero_core::comm::{ProcessGroup, ReduceOp};
+use zero_core::loss_scaler::LossScaler;
+use zero_core::partition::{PartitionLayout, Placement};
+
+/// Whether the optimizer `settings` name runs on the device (Adam and AdamW do).
+pub(crate) fn runs_on_device(settings: &EngineSettings) -> bool {
+    matches!(settings.optimizer, zero_core::optim::OptimizerSpec::Adam(_))
+}
+
+/// One flat group's share of the state.
+struct GroupState<I: Backend> {
+    /// fp32 master weights of the rank's owned range.
+    master: Tensor<I, 1>,
+    optimizer: DeviceAdam<I>,
+    /// A `ZeroModule`'s sharded unit: its gradient arrives as the owned shard, already averaged
+    /// over the ranks (the unit's backward reduce-scattered it), and the module holds the shard.
+    unit: bool,
+}
+
+/// The optimizer's state with every model state on the device (no `offload_optimizer`).
+pub(crate) struct DeviceState<I: Backend> {
+    comm: Arc<dyn DeviceCollective<I>>,
+    /// The same ranks as a host group: what checkpoints travel over.
+    host: Arc<dyn ProcessGroup>,
+    pub(crate) settings: EngineSettings,
+    pub(crate) layout: PartitionLayout,
+    groups: Vec<GroupState<I>>,
+    device: I::Device,
+    pub(crate) memory: Arc<MemoryTracker>,
+    pub(crate) global_step: u64,
+    pub(crate) skipped_steps: u64,
+    scaler: Option<LossScaler>,
+}
+
+impl<I: Backend> DeviceState<I> {
+    /// The state of `layout`'s groups, group `g` starting from the fp32 masters `master(g)` of
+    /// the rank's owned range; `unit(g)` marks a `ZeroModule`'s sharded unit.
+    pub(crate) fn new(
+        settings: EngineSettings,
+        comm: Arc<dyn DeviceCollective<I>>,
+        host: Arc<dyn ProcessGroup>,
+        layout: PartitionLayout,
+        device: I::Device,
+        unit: impl Fn(usize) -> bool,
+        mut master: impl FnMut(usize) -> Tensor<I, 1>,
+        memory: Arc<MemoryTracker>,
+    ) -> Result<Self, ZeroError> {
+        let scaler = match &settings.precision.loss_scaler {
+            Some(config) if settings.precision.dtype == ComputeDtype::F16 => {
+                Some(LossScaler::new(config.clone()).map_err(|e| ZeroError::Config(format!("fp16: {e}")))?)
+            }
+            _ => None,
+        };
+        let mut groups = Vec::with_capacity(layout.groups.len());
+        for g in 0..layout.groups.len() {
+            let master = master(g);
+            let len = master.dims()[0];
+            if len != layout.owned_len(g) {
+                return Err(ZeroError::Model(format!(
+                    "flat group {g}: {len} master elements where this rank owns {}",
+                    layout.owned_len(g)
+                )));
+            }
+            let optimizer = DeviceAdam::from_spec(&settings.optimizer, len, &device)?;
+            memory.add_master(len * 4);
+            memory.add_optimizer(optimizer.state_bytes());
+            groups.push(GroupState {
+                master,
+                optimizer,
+                unit: unit(g),
+            });
+        }
+        Ok(DeviceState {
+            comm,
+            host,
+            settings,
+            layout,
+            groups,
+            device,
+            memory,
+            global_step: 0,
+            skipped_steps: 0,
+            scaler,
+        })
+    }
+
+    /// The loss scale of the next backward (1 without fp16 loss scaling).
+    pub(crate) fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// One optimizer step at learning rate `lr` from each group's gradient (`None`: no
+    /// parameter of the group took part in the loss): a unit's owned shard, already averaged;
+    /// any other group's whole padded vector, averaged here over the ranks (all-reduced when
+    /// replicated, reduce-scattered to the owned range when sharded). `loss_non_finite`: a
+    /// micro-batch of this step had a non-finite loss.
+    pub(crate) fn step(
+        &mut self,
+        grads: Vec<Option<Tensor<I, 1>>>,
+        lr: f64,
+        loss_non_finite: bool,
+    ) -> Result<StepReport, ZeroError> {
+        let step = self.global_step + 1;
+        let loss_scale = self.loss_scale();
+        let bytes: usize = grads.iter().flatten().map(|g| g.dims()[0] * 4).sum();
+        self.memory.add_grads(bytes);
+        let outcome = self
+            .reduce(grads)
+            .and_then(|grads| self.apply_or_skip(grads, step, lr, loss_scale, loss_non_finite));
+        self.memory.sub_grads(bytes);
+        self.global_step += 1;
+        let grad_norm = match outcome {
+            Ok(Some(norm)) => norm,
+            Ok(None) => {
+                self.skipped_steps += 1;
+                f64::NAN
+            }
+            Err(e) => {
+                self.skipped_steps += 1;
+                return Err(e);
+            }
+        };
+        Ok(StepReport {
+            step,
+            lr,
+            grad_norm,
+            skipped: grad_norm.is_nan(),
+            loss_scale,
+        })
+    }
+
+    /// Every group's data-parallel mean gradient of its owned range, in fp32.
+    fn reduce(&self, grads: Vec<Option<Tensor<I, 1>>>) -> Result<Vec<Tensor<I, 1>>, ZeroError> {
+        let world = self.comm.world_size();
+        let dtype = self.settings.precision.dtype.burn();
+        let comm_dtype = self.settings.precision.comm_dtype().burn();
+        let mut out = Vec::with_capacity(self.groups.len());
+        for (gi, (state, grad)) in self.groups.iter().zip(grads).enumerate() {
+            let g = &self.layout.groups[gi];
+            let expected = if state.unit { self.layout.owned_len(gi) } else { g.padded };
+            let grad = match grad {
+                Some(grad) if grad.dims()[0] != expected => {
+                    return Err(ZeroError::Model(format!(
+                        "flat group {gi}: a gradient of {} elements where the group has {expected}",
+                        grad.dims()[0]
+                    )))
+                }
+                Some(grad) => grad.cast(dtype),
+                None => Tensor::zeros([expected], (&self.device, dtype)),
+            };
+            let reduced = match g.placement {
+                _ if state.unit || world == 1 => grad,
+                Placement::Replicated => self.comm.all_reduce(grad.cast(comm_dtype), ReduceOp::Avg)?,
+                Placement::Sharded => self.comm.reduce_scatter(grad.cast(comm_dtype), ReduceOp::Avg)?,
+            };
+            out.push(reduced.cast(DType::F32));
+        }
+        Ok(out)
+    }
+
+    /// Checks for overflow, then either applies the step (returning the gradient norm) or
+    /// decides to skip it (`None`), by the host engines' rules.
+    fn apply_or_skip(
+        &mut self,
+        grads: Vec<Tensor<I, 1>>,
+        step: u64,
+        lr: f64,
+        loss_scale: f64,
+        loss_non_finite: bool,
+    ) -> Result<Option<f64>, ZeroError> {
+        let world = self.comm.world_size();
+        let policy = self.settings.precision.non_finite;
+        let check = self.scaler.is_some() || policy != NonFinitePolicy::Ignore;
+        // One host read for the whole step: each group's sum of squares and, when overflow is
+        // checked, its count of non-finite elements.
+        let width = if check { 2 } else { 1 };
+        let mut stats = Vec::with_capacity(width * grads.len());
+        for g in &grads {
+            stats.push((g.clone() * g.clone()).sum());
+            if check {
+                stats.push(g.clone().is_finite().bool_not().float().sum().cast(DType::F32));
+            }
+        }
+        let stats: Vec<f32> = if stats.is_empty() {
+            Vec::new()
+        } else {
+            crate::params::tensor_to_vec(Tensor::cat(stats, 0))
+        };
+        if check {
+            let seen = if loss_non_finite {
+                Some(NonFiniteSeen::Loss)
+            } else if stats.chunks_exact(2).any(|s| s[1] > 0.0) {
+                Some(NonFiniteSeen::Gradient)
+            } else {
+                None
+            };
+            let mine = seen.map(|seen| Overflow {
+                rank: self.comm.rank(),
+                seen,
+            });
+            let mut agreed = mine;
+            if world > 1 {
+                let mut code = [Overflow::code(mine, world)];
+                self.comm.all_reduce_scalars(&mut code, ReduceOp::Max)?;
+                agreed = Overflow::decode(code[0], world);
+            }
+            if !crate::core::decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
+                return Ok(None);
+            }
+        }
+        // Sharded groups' partial sums add over ranks; replicated groups are whole everywhere.
+        let (mut sharded, mut replicated) = (0.0f64, 0.0f64);
+        for (gi, s) in stats.chunks_exact(width).enumerate() {
+            match self.layout.groups[gi].placement {
+                Placement::Sharded => sharded += s[0] as f64,
+                Placement::Replicated => replicated += s[0] as f64,
+            }
+        }
+        if world > 1 {
+            let mut total = [sharded as f32];
+            self.comm.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
+            sharded = total[0] as f64;
+        }
+        let unscale = 1.0 / loss_scale;
+        let grad_norm = (sharded + replicated).sqrt() * unscale;
+        let max_norm = self.settings.gradient_clipping;
+        // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
+        let ratio = max_norm / (grad_norm + 1e-6);
+        let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
+        let coef = (unscale * clip) as f32;
+        for (state, grad) in self.groups.iter_mut().zip(grads) {
+            let grad = if coef != 1.0 { grad.mul_scalar(coef) } else { grad };
+            state.optimizer.check(&state.master, &grad)?;
+            // Taken out, so that the optimizer may update the only handle in place (the check
+            // above is all that could fail).
+            let empty = Tensor::zeros([0], (&self.device, DType::F32));
+            let master = std::mem::replace(&mut state.master, empty);
+            state.master = state.optimizer.step(master, grad, lr)?;
+        }
+        Ok(Some(grad_norm))
+    }
+
+    /// Every group's values in the compute dtype, for the module: a unit's owned shard; any
+    /// other group whole (its masters gathered over the ranks when sharded), padding included.
+    pub(crate) fn values(&self) -> Result<Vec<Tensor<I, 1>>, ZeroError> {
+        let world = self.comm.world_size();
+        let dtype = self.settings.precision.dtype.burn();
+        let mut out = Vec::with_capacity(self.groups.len());
+        for (gi, state) in self.groups.iter().enumerate() {
+            let shard = state.master.clone().cast(dtype);
+            out.push(match self.layout.groups[gi].placement {
+                Placement::Sharded if world > 1 && !state.unit => self.comm.all_gather(shard)?,
+                _ => shard,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The host group checkpoints travel over.
+    pub(crate) fn host_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.host
+    }
+
+    /// The device the state is on.
+    pub(crate) fn device(&self) -> &I::Device {
+        &self.device
+    }
+
+    /// Every group's fp32 master shard and optimizer, in group order.
+    pub(crate) fn shards(&self) -> impl Iterator<Item = (&Tensor<I, 1>, &DeviceAdam<I>)> {
+        self.groups.iter().map(|g| (&g.master, &g.optimizer))
+    }
+
+    /// fp16's loss-scaler state, for a checkpoint.
+    pub(crate) fn scaler_state(&self) -> Option<zero_core::loss_scaler::LossScalerState> {
+        self.scaler.as_ref().map(|s| s.state())
+    }
+
+    /// Replaces every group's master shard and optimizer (a loaded checkpoint's), the step count
+    /// and the loss scaler's state.
+    pub(crate) fn restore(
+        &mut self,
+        groups: Vec<(Tensor<I, 1>, DeviceAdam<I>)>,
+        global_step: u64,
+        scaler: Option<zero_core::loss_scaler::LossScalerState>,
+    ) {
+        for (state, (master, optimizer)) in self.groups.iter_mut().zip(groups) {
+            (state.master, state.optimizer) = (master, optimizer);
+        }
+        self.global_step = global_step;
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
+            s.load_state(state);
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The optimizer's state in host memory ([`EngineCore`]): with `offload_optimizer` (the fused
+//! CPU optimizer, or NVMe), or an optimizer without a device implementation.
+
+use super::view::{split_into, FlatGrad, Holding, ModuleView};
+use crate::core::{EngineCore, StepReport};
+use crate::error::ZeroError;
+use crate::flat_state::GradFlow;
+use crate::half_buffer;
+use crate::memory::MemoryTracker;
+use crate::params::{tensor_to_vec, write_data};
+use crate::settings::{EngineSettings, Stage};
+use burn::module::{AutodiffModule, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorData;
+use std::sync::Arc;
+use zero_core::comm::{FlatBuffer, ProcessGroup};
+
+/// The host state of `module` as `view` sees it, its sharded units' shards gathered once to
+/// make their masters.
+pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    view: ModuleView,
+    settings: &EngineSettings,
+    comm: Arc<dyn ProcessGroup>,
+    memory: Arc<MemoryTracker>,
+) -> Result<EngineCore, ZeroError> {
+    let world = comm.world_size();
+    let (mut values, mut shards) = view.read::<B, M>(module);
+    let unit_groups = view.unit_groups();
+    // A unit's whole parameters, from every rank's shard (each in turn, at the first step only).
+    for (i, held) in view.held.iter().enumerate() {
+        let Holding::Shard { params, group } = held else {
+            continue;
+        };
+        let shard = shards.remove(&i).unwrap_or_default();
+        view.check_shard(params, *group, shard.len())?;
+        let shard = FlatBuffer::F32(shard);
+        let whole = if world > 1 {
+            comm.all_gather(shard)?.into_f32()
+        } else {
+            shard.into_f32()
+        };
+        split_into(&mut values, &view.layout, params.clone(), &whole);
+    }
+    let dtype = settings.precision.dtype;
+    for v in &mut values {
+        half_buffer::round_to(dtype, v);
+    }
+    let flow = if matches!(settings.stage, Stage::Zero2 | Stage::Zero3) {
+        GradFlow::ReduceThenAccumulate
+    } else {
+        GradFlow::AccumulateThenReduce
+    };
+    let mut settings = settings.clone();
+    settings.gradient_accumulation_steps = 1;
+    EngineCore::new(
+        view.layout,
+        comm,
+        settings,
+        // A unit's gradient arrives reduced (its backward reduce-scattered it).
+        |g| {
+            if unit_groups.contains(&g) {
+                GradFlow::ReduceThenAccumulate
+            } else {
+                flow
+            }
+        },
+        |i| std::mem::take(&mut values[i]),
+        memory,
+    )
+}
+
+/// One step of the host state: the gradients `take` hands out by parameter id are brought to
+/// the host and absorbed, the update applied, and `module` given the new values.
+pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
+    core: &mut EngineCore,
+    view: &ModuleView,
+    lr: f64,
+    module: M,
+    loss_non_finite: bool,
+    mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
+) -> Result<(M, StepReport), ZeroError> {
+    // Burn's loop owns the schedule: use its learning rate for this step.
+    core.settings.lr_schedule = Some(Arc::new(move |_| lr));
+    for (id, held) in view.ids.iter().zip(&view.held) {
+        let grad = take(*id).map(tensor_to_vec);
+        match held {
+            Holding::Param(p) => core.absorb(*p, grad)?,
+            Holding::Whole(params) => {
+                let mut start = 0;
+                for p in params.clone() {
+                    let numel = view.layout.params[p].numel();
+                    core.absorb(p, grad.as_ref().map(|g| g[start..start + numel].to_vec()))?;
+                    start += numel;
+                }
+            }
+            // A ZeroModule's shard: its gradient is this rank's slice, already averaged.
+            Holding::Shard { group, .. } => {
+                if let Some(grad) = grad {
+                    core.absorb_owned(*group, &grad)?;
+                }
+            }
+            Holding::Nothing => {}
+        }
+    }
+    core.finish_micro_batch()?;
+    if loss_non_finite {
+        core.note_non_finite_loss();
+    }
+    let report = core.update()?;
+    let device = super::view::first_device::<B, M>(&module)?;
+    Ok((write_back::<B, M>(core, module, &device, &view.held)?, report))
+}
+
+/// `module` with the state's values: replicated parameters whole (gathered where sharded), a
+/// unit kept whole as its flat vector, a unit's shard this rank's slice of it.
+pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
+    core: &EngineCore,
+    module: M,
+    device: &B::Device,
+    held: &[Holding],
+) -> Result<M, ZeroError> {
+    let mut source = core.value_source();
+    let mut error = None;
+    let dtype = core.settings.precision.dtype;
+    let module = write_data(module, device, true, |i, shape| match &held[i] {
+        Holding::Param(p) => source.take_data(*p),
+        Holding::Whole(params) => {
+            let flat: Vec<f32> = params.clone().flat_map(|p| source.take(p)).collect();
+            half_buffer::f32_to_data(flat, shape, dtype)
+        }
+        Holding::Shard { group, .. } => {
+            let len = core.state.layout.owned_len(*group);
+            let shard = core.shard_buffer(*group).unwrap_or_else(|e| {
+                error.get_or_insert(e);
+                half_buffer::zeros(dtype, len)
+            });
+            half_buffer::slice_data(&shard, 0..len, vec![len])
+        }
+        Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
+    });
+    source.finish()?;
+    match error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}

@@ -1,0 +1,538 @@
+//! [`ZeroOptimizer`]: ZeRO behind Burn's `Optimizer` trait, for code written against Burn's
+//! optimizers (a custom loop, burn-train's `Learner`).
+//!
+//! Each rank runs its own forward and backward on its replica, as with any Burn optimizer, and
+//! hands the gradients to `step`. There they are averaged over the ranks (all-reduce at stage 0,
+//! reduce-scatter at stages 1 and 2), the rank's fp32 shard is updated, and the new weights are
+//! gathered back into the module. The learning rate is the one Burn's loop passes; gradient
+//! accumulation is the loop's (Burn's `GradientsAccumulator`): every `step` is a boundary.
+//!
+//! A model may hold [`crate::sharded::ZeroModule`]s: each unit is then one sharded group whose
+//! gradient arrives already reduced (the unit's backward reduce-scattered it) and whose owned
+//! slice is the rank's shard; the step updates the shard's masters and writes the shard back,
+//! never the whole unit. The other parameters go the stage's way.
+
+mod device;
+mod host;
+mod view;
+
+use crate::core::{EngineCore, StepReport};
+use crate::device::state::DeviceState;
+use crate::device::{DeviceCollective, HostStaged};
+use crate::engine::broadcast_values;
+use crate::error::ZeroError;
+use crate::half_buffer;
+use crate::memory::{MemoryReport, MemoryTracker};
+use crate::params::write_data;
+use crate::settings::{ComputeDtype, EngineSettings, LrFn, OptimizerOffload, ParamOffload, Stage};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+use burn::tensor::TensorData;
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+use view::{collect_grads, first_device, FlatGrad, Holding, ModuleView};
+use zero_core::comm::ProcessGroup;
+use zero_core::loss_scaler::LossScaler;
+
+/// ZeRO as a `burn::optim::Optimizer`: stages 0-2 for any model; stage 3 for the units of a
+/// model holding [`crate::sharded::ZeroModule`]s cut by [`crate::initialize`] (other parameters
+/// as at stage 2).
+///
+/// The fp32 master shard and the optimizer state live on the model's device (tensors of its
+/// backend; the gradients are reduced there through the [`DeviceCollective`] that
+/// [`crate::initialize_on`] was given), unless the config offloads the optimizer
+/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). Optimizers other than
+/// Adam and AdamW (SGD, LAMB, Lion) run on the host.
+///
+/// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
+/// peer) panics with the error's message, on every surviving rank; [`ZeroOptimizer::try_step`]
+/// returns it instead. Clones share one state: the optimizer is one per rank.
+///
+/// Its Burn record is empty: Burn's own checkpointing of the optimizer (`to_record`) does not
+/// carry the sharded Adam state. Resumable training goes through
+/// [`ZeroOptimizer::save_checkpoint`] / [`ZeroOptimizer::load_checkpoint`] (the sharded format,
+/// loadable at another world size and stage).
+#[derive(Clone)]
+pub struct ZeroOptimizer {
+    settings: EngineSettings,
+    comm: Arc<dyn ProcessGroup>,
+    /// The device collective the state reduces through: an `Arc<dyn DeviceCollective<I>>` for
+    /// the model's inner backend `I` (none: [`HostStaged`] over `comm`).
+    collective: Option<Arc<dyn Any + Send + Sync>>,
+    state: Arc<Mutex<Option<State>>>,
+    last: Arc<Mutex<Option<StepReport>>>,
+    /// A micro-batch since the last step had a non-finite loss ([`ZeroOptimizer::note_loss`]).
+    loss_non_finite: Arc<std::sync::atomic::AtomicBool>,
+    /// The model's backend keeps every gathered unit until backward (autodiff without a
+    /// checkpointing strategy), as [`crate::initialize`] found it: for the memory report.
+    keeps_gathered: Arc<std::sync::atomic::AtomicBool>,
+    /// [`ZeroOptimizer::scale_loss`] scaled a loss since the last step (fp16).
+    scaled: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Where the optimizer's state lives.
+enum State {
+    /// Host memory ([`EngineCore`]).
+    Host(EngineCore),
+    /// The model's device: a [`DeviceState`] of the model's inner backend.
+    Device(Box<dyn AnyDeviceState>),
+}
+
+/// A [`DeviceState`] of any backend, for what does not depend on it.
+trait AnyDeviceState: Send {
+    fn global_step(&self) -> u64;
+    fn skipped_steps(&self) -> u64;
+    fn loss_scale(&self) -> f64;
+    fn memory(&self) -> MemoryReport;
+    fn save_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError>;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl<I: Backend> AnyDeviceState for DeviceState<I> {
+    fn global_step(&self) -> u64 {
+        self.global_step
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    fn loss_scale(&self) -> f64 {
+        DeviceState::loss_scale(self)
+    }
+
+    fn memory(&self) -> MemoryReport {
+        self.memory.report()
+    }
+
+    fn save_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError> {
+        DeviceState::save_checkpoint(self, dir, tag, client_state)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl State {
+    fn global_step(&self) -> u64 {
+        match self {
+            State::Host(core) => core.global_step,
+            State::Device(state) => state.global_step(),
+        }
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        match self {
+            State::Host(core) => core.skipped_steps,
+            State::Device(state) => state.skipped_steps(),
+        }
+    }
+
+    fn device<I: Backend>(&mut self) -> Result<&mut DeviceState<I>, ZeroError> {
+        match self {
+            State::Device(state) => state.as_any_mut().downcast_mut::<DeviceState<I>>().ok_or_else(|| {
+                ZeroError::Usage(
+                    "ZeroOptimizer: the state was built for a model of another backend; one optimizer trains one \
+                     model"
+                        .into(),
+                )
+            }),
+            State::Host(_) => unreachable!("asked for the device state of a host state"),
+        }
+    }
+}
+
+impl ZeroOptimizer {
+    /// A ZeRO optimizer over `comm` (the stage from `settings`; [`crate::initialize`] builds it
+    /// from a config). The state is built at the first step, from the module passed to it.
+    /// Every rank must start from the same weights: build the model from one seed, or call
+    /// [`ZeroOptimizer::synchronize`] first (`initialize` does).
+    pub fn new(settings: EngineSettings, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
+        if settings.offload_param != ParamOffload::None {
+            return Err(ZeroError::Config(
+                "zero_optimization.offload_param: ZeroOptimizer keeps the parameter shards on the model's device \
+                 (on the CPU backend, host memory: offload_param cpu is accepted there by initialize); remove \
+                 offload_param (offload_optimizer is available)"
+                    .into(),
+            ));
+        }
+        Ok(ZeroOptimizer {
+            settings,
+            comm,
+            collective: None,
+            state: Arc::new(Mutex::new(None)),
+            last: Arc::new(Mutex::new(None)),
+            loss_non_finite: Default::default(),
+            keeps_gathered: Default::default(),
+            scaled: Default::default(),
+        })
+    }
+
+    /// The optimizer reducing its device state through `collective` (on CUDA, `NcclDevice`
+    /// over the same ranks as the process group) instead of [`HostStaged`] over the process
+    /// group. `I` must be the model's inner backend (`B::InnerBackend`).
+    pub fn with_collective<I: Backend>(mut self, collective: Arc<dyn DeviceCollective<I>>) -> Self {
+        self.collective = Some(Arc::new(collective));
+        self
+    }
+
+    /// Whether the state lives on the model's device: no optimizer offload, an optimizer with
+    /// a device implementation, and no tensor-parallel group (whose norm counts replicated
+    /// parameters once, which only the host state does).
+    fn on_device(&self) -> bool {
+        self.settings.offload_optimizer == OptimizerOffload::None
+            && crate::device::state::runs_on_device(&self.settings)
+            && self.settings.tensor_parallel_group.is_none()
+    }
+
+    /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16). A
+    /// sharded `ZeroModule` keeps its own shard (the ranks' shards are different parts of one
+    /// unit, cut from one model).
+    pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
+        let view = ModuleView::of::<B, M>(&module, &self.settings, self.comm.world_size());
+        let mut own = vec![false; view.layout.groups.len()];
+        for group in view.unit_groups() {
+            own[group] = true;
+        }
+        let (values, mut shards) = view.read::<B, M>(&module);
+        let values = broadcast_values(values, &view.layout, self.comm.as_ref(), &own)?;
+        let device = first_device::<B, M>(&module)?;
+        let dtype = self.settings.precision.dtype;
+        Ok(write_data(module, &device, true, |i, shape| match &view.held[i] {
+            Holding::Param(p) => half_buffer::f32_to_data(values[*p].clone(), shape, dtype),
+            Holding::Whole(params) => half_buffer::f32_to_data(values[params.clone()].concat(), shape, dtype),
+            Holding::Shard { .. } => half_buffer::f32_to_data(shards.remove(&i).unwrap_or_default(), shape, dtype),
+            Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
+        }))
+    }
+
+    /// The config's learning-rate schedule (its optimizer's constant rate when it has no
+    /// `scheduler`) as a Burn `LrScheduler`. Its position is this optimizer's count of applied
+    /// steps, so it holds still over a skipped fp16 step (as DeepSpeed's scheduler does) and
+    /// resumes where a loaded checkpoint left off.
+    pub fn lr_scheduler(&self) -> ZeroLr {
+        let settings = self.settings.clone();
+        ZeroLr {
+            schedule: Arc::new(move |step| settings.lr_at(step)),
+            state: self.state.clone(),
+        }
+    }
+
+    /// The loss to call `backward()` on: under fp16, `loss` in fp32 times the dynamic loss scale
+    /// (the step unscales the gradients, and a step whose gradients overflowed on any rank is
+    /// skipped on every rank, the scale backed off); `loss` itself under bf16 and fp32.
+    pub fn scale_loss<B: Backend>(&self, loss: Tensor<B, 1>) -> Tensor<B, 1> {
+        if self.settings.precision.dtype != ComputeDtype::F16 {
+            return loss;
+        }
+        self.scaled.store(true, std::sync::atomic::Ordering::Relaxed);
+        loss.cast(burn::tensor::DType::F32).mul_scalar(self.loss_scale())
+    }
+
+    /// Tells the next step one micro-batch's loss value (a loop that reads it anyway, to print
+    /// it): a non-finite step is then reported as the loss's, the first thing that went wrong,
+    /// rather than its gradient's.
+    pub fn note_loss(&self, value: f64) {
+        if !value.is_finite() {
+            self.loss_non_finite.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The loss scale of the next backward: fp16's dynamic scale, 1 otherwise.
+    pub fn loss_scale(&self) -> f64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match (state.as_ref(), &self.settings.precision.loss_scaler) {
+            (Some(State::Host(core)), _) => core.current_loss_scale(),
+            (Some(State::Device(state)), _) => state.loss_scale(),
+            (None, Some(config)) if self.settings.precision.dtype == ComputeDtype::F16 => {
+                LossScaler::new(config.clone()).map_or(1.0, |s| s.scale())
+            }
+            (None, _) => 1.0,
+        }
+    }
+
+    /// [`Optimizer::step`] returning the error of a failed step (a dead or diverging peer, a
+    /// non-finite fp32 step) instead of panicking with it: for a loop that reports errors.
+    pub fn try_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M, ZeroError> {
+        let mut by_id = collect_grads::<B, M>(&module, &mut grads);
+        self.step_with::<B, M>(lr, module, |id| by_id.remove(&id))
+    }
+
+    /// Optimizer steps taken (skipped fp16 steps included), as a loaded checkpoint left them.
+    pub fn global_step(&self) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.as_ref().map_or(0, State::global_step)
+    }
+
+    /// What the last step did (its gradient norm, learning rate).
+    pub fn last_step(&self) -> Option<StepReport> {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the fp32 masters and the optimizer state are on the model's device (built at the
+    /// first step; `None` before it).
+    pub fn state_on_device(&self) -> Option<bool> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.as_ref().map(|s| matches!(s, State::Device(_)))
+    }
+
+    /// Records that the model's backend keeps every gathered unit until backward (autodiff
+    /// without a checkpointing strategy; [`crate::initialize`] tells it), so that the memory
+    /// report counts every unit gathered rather than the largest.
+    pub(crate) fn set_keeps_gathered(&self, keeps: bool) {
+        self.keeps_gathered.store(keeps, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes held by this rank, by kind (zero before the first step). `gathered` is counted
+    /// from the layout: the largest sharded unit whole (every sharded unit when the backend
+    /// keeps them until backward).
+    pub fn memory(&self) -> MemoryReport {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match state.as_ref() {
+            Some(State::Host(core)) => core.memory.report(),
+            Some(State::Device(state)) => state.memory(),
+            None => MemoryReport::default(),
+        }
+    }
+
+    /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
+    /// step count) under `dir/tag` (tag None: `global_step{N}`), in the sharded checkpoint
+    /// format; every rank calls this after a step. The module's weights are the masters
+    /// rounded, so this is the whole training state. Returns the tag directory.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError> {
+        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_ref() {
+            Some(State::Host(core)) => core.save_checkpoint(dir.as_ref(), tag, client_state),
+            Some(State::Device(state)) => state.save_checkpoint(dir.as_ref(), tag, client_state),
+            None => Err(ZeroError::Usage(
+                "ZeroOptimizer::save_checkpoint before the first step: the state is built at the first step".into(),
+            )),
+        }
+    }
+
+    /// Restores the state saved by [`ZeroOptimizer::save_checkpoint`] (or by an engine, at any
+    /// world size and stage) for `module`, and returns the module with the restored weights
+    /// and the client state. Every file is verified before anything changes.
+    pub fn load_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        tag: Option<&str>,
+        module: M,
+    ) -> Result<(M, serde_json::Value), ZeroError> {
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let view = self.ensure_state::<B, M>(&mut guard, &module)?;
+        match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
+            State::Host(core) => {
+                let client = core.load_checkpoint(dir.as_ref(), tag)?;
+                let device = first_device::<B, M>(&module)?;
+                Ok((host::write_back::<B, M>(core, module, &device, &view.held)?, client))
+            }
+            state @ State::Device(_) => {
+                let state = state.device::<B::InnerBackend>()?;
+                let client = state.load_checkpoint(dir.as_ref(), tag)?;
+                Ok((device::write_back::<B, M>(state, module, &view)?, client))
+            }
+        }
+    }
+
+    /// Builds the state from `module` if this is its first use; returns the optimizer's view
+    /// of `module`.
+    fn ensure_state<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        guard: &mut Option<State>,
+        module: &M,
+    ) -> Result<ModuleView, ZeroError> {
+        let world = self.comm.world_size();
+        let view = ModuleView::of::<B, M>(module, &self.settings, world);
+        if guard.is_some() {
+            return Ok(view);
+        }
+        if self.settings.stage == Stage::Zero3 && !view.has_units() {
+            return Err(no_units_at_stage_3());
+        }
+        let memory = Arc::new(MemoryTracker::default());
+        let dtype = self.settings.precision.dtype;
+        let units = view.unit_groups();
+        let layout = &view.layout;
+        // What the module holds: replicated parameters whole, each unit's shard.
+        let held: usize = (0..layout.groups.len())
+            .map(|g| {
+                if units.contains(&g) {
+                    layout.owned_len(g)
+                } else {
+                    layout.groups[g].numel
+                }
+            })
+            .sum();
+        memory.add_parameters(held * dtype.size());
+        // The units' gathers are the autodiff graph's, out of sight: counted from the layout,
+        // as the ZeRO formulas do. Under a checkpointing strategy a unit is freed after its use
+        // (one whole at a time); without, every unit stays until backward.
+        let gathers = units.iter().map(|&g| layout.groups[g].padded * dtype.size());
+        let gathered = if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
+            gathers.sum()
+        } else {
+            gathers.max().unwrap_or(0)
+        };
+        memory.add_gathered(gathered);
+        let built = view.clone();
+        *guard = Some(if self.on_device() {
+            let collective: Arc<dyn DeviceCollective<B::InnerBackend>> = match &self.collective {
+                None => Arc::new(HostStaged::new(self.comm.clone())),
+                Some(c) => c
+                    .downcast_ref::<Arc<dyn DeviceCollective<B::InnerBackend>>>()
+                    .cloned()
+                    .ok_or_else(|| {
+                        ZeroError::Usage(
+                            "ZeroOptimizer::with_collective: the collective is for another backend than the model's \
+                             (it must move tensors of the model's inner backend)"
+                                .into(),
+                        )
+                    })?,
+            };
+            let state = device::build::<B, M>(module, built, &self.settings, collective, self.comm.clone(), memory)?;
+            State::Device(Box::new(state))
+        } else {
+            State::Host(host::build::<B, M>(module, built, &self.settings, self.comm.clone(), memory)?)
+        });
+        Ok(view)
+    }
+
+    fn step_with<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        lr: f64,
+        module: M,
+        take: impl FnMut(burn::module::ParamId) -> Option<FlatGrad<B>>,
+    ) -> Result<M, ZeroError> {
+        // fp16 unscales the gradients by the loss scale: gradients of a loss that was never
+        // scaled would be taken 2^16 times too small, silently.
+        let scaled = self.scaled.swap(false, std::sync::atomic::Ordering::Relaxed);
+        if self.settings.precision.dtype == ComputeDtype::F16 && !scaled {
+            return Err(ZeroError::Usage(
+                "fp16: the step's gradients come from a loss that ZeroOptimizer::scale_loss did not scale; call \
+                 `optim.scale_loss(loss).backward()` (a step divides the gradients by the loss scale), or train \
+                 in bf16, which needs no scale"
+                    .into(),
+            ));
+        }
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let view = self.ensure_state::<B, M>(&mut guard, &module)?;
+        let loss_non_finite = self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed);
+        let (module, report) = match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
+            State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take)?,
+            state @ State::Device(_) => {
+                let state = state.device::<B::InnerBackend>()?;
+                device::step::<B, M>(state, &view, lr, module, loss_non_finite, take)?
+            }
+        };
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+        Ok(module)
+    }
+}
+
+/// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`
+/// ([`ZeroOptimizer::lr_scheduler`]): `step()` gives the rate of the optimizer's next applied
+/// step. Its record is that position, for reading; loading one changes nothing (the position is
+/// the optimizer's, restored with its checkpoint).
+#[derive(Clone)]
+pub struct ZeroLr {
+    schedule: LrFn,
+    state: Arc<Mutex<Option<State>>>,
+}
+
+impl ZeroLr {
+    /// Applied optimizer steps so far.
+    fn position(&self) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.as_ref().map_or(0, |s| s.global_step() - s.skipped_steps())
+    }
+}
+
+impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
+    type Record<B: Backend> = u64;
+
+    fn step(&mut self) -> f64 {
+        (self.schedule)(self.position())
+    }
+
+    fn to_record<B: Backend>(&self) -> u64 {
+        self.position()
+    }
+
+    fn load_record<B: Backend>(self, _position: u64) -> Self {
+        self
+    }
+}
+
+/// Stage 3 over a model without `ZeroModule`s: nothing to partition.
+pub(crate) fn no_units_at_stage_3() -> ZeroError {
+    ZeroError::Config(
+        "zero_optimization.stage 3 partitions the parameters of ZeroModules, and this model holds none: wrap its \
+         blocks in zero_burn::sharded::ZeroModule, or choose stage 2"
+            .into(),
+    )
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer {
+    type Record = ();
+
+    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        match self.try_step::<B, M>(lr, module, grads) {
+            Ok(m) => m,
+            Err(e) => panic!("ZeRO optimizer step failed: {e}"),
+        }
+    }
+
+    fn step_multi(&mut self, lr: f64, module: M, mut grads: MultiGradientsParams) -> M {
+        // Gradients from several devices of this rank: summed per parameter on the module's
+        // device first.
+        let device = first_device::<B, M>(&module).ok();
+        let mut summed: std::collections::HashMap<burn::module::ParamId, FlatGrad<B>> = Default::default();
+        for (g, _) in grads.grads.iter_mut() {
+            for (id, v) in collect_grads::<B, M>(&module, g) {
+                let v = match &device {
+                    Some(d) => v.to_device(d),
+                    None => v,
+                };
+                let v = match summed.remove(&id) {
+                    Some(acc) => acc + v,
+                    None => v,
+                };
+                summed.insert(id, v);
+            }
+        }
+        match self.step_with::<B, M>(lr, module, |id| summed.remove(&id)) {
+            Ok(m) => m,
+            Err(e) => panic!("ZeRO optimizer step failed: {e}"),
+        }
+    }
+
+    fn to_record(&self) -> Self::Record {}
+
+    fn load_record(self, _record: Self::Record) -> Self {
+        self
+    }
+}

@@ -1,0 +1,187 @@
+//! The optimizer's view of a module: which layout parameters each of its float parameters
+//! holds, and the gradients Burn's loop hands over.
+
+use crate::engine::stage_layout;
+use crate::error::ZeroError;
+use crate::settings::EngineSettings;
+use crate::sharded::{held_params, HeldParam, UNIT_ALIGNMENT};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use std::collections::HashMap;
+use std::ops::Range;
+use zero_core::partition::PartitionLayout;
+
+/// A float parameter's gradient, flattened, on the inner backend.
+pub(super) type FlatGrad<B> = Tensor<<B as AutodiffBackend>::InnerBackend, 1>;
+
+/// What one float parameter of the module holds, in the optimizer's layout.
+#[derive(Clone, Debug)]
+pub(super) enum Holding {
+    /// Layout parameter `.0`.
+    Param(usize),
+    /// A unit kept whole: layout parameters `.0` (contiguous), as one flat vector.
+    Whole(Range<usize>),
+    /// This rank's shard of a unit whose parameters are `params`: the owned slice of `group`.
+    Shard { params: Range<usize>, group: usize },
+    /// Nothing (a unit's skeleton).
+    Nothing,
+}
+
+/// The optimizer's view of a module: the layout of its parameters (a `ZeroModule`'s named
+/// one by one, as the unwrapped model's are, so that a checkpoint holds the model's own names
+/// at every stage), and by float parameter of the module (visit order) its id and what it
+/// holds.
+#[derive(Clone)]
+pub(super) struct ModuleView {
+    pub(super) layout: PartitionLayout,
+    pub(super) ids: Vec<ParamId>,
+    pub(super) held: Vec<Holding>,
+}
+
+impl ModuleView {
+    /// The view of `module` at `settings`' stage over `world` ranks: [`stage_layout`] with each
+    /// sharded unit's parameters one sharded group, cut as the unit cut its shards.
+    pub(super) fn of<B: AutodiffBackend, M: AutodiffModule<B>>(
+        module: &M,
+        settings: &EngineSettings,
+        world: usize,
+    ) -> Self {
+        let mut specs = Vec::new();
+        let mut ids = Vec::new();
+        let mut held = Vec::new();
+        let mut sharded = Vec::new();
+        for (id, param) in held_params::<B, M>(module) {
+            ids.push(id);
+            held.push(match param {
+                HeldParam::Plain(spec) => {
+                    specs.push(spec);
+                    Holding::Param(specs.len() - 1)
+                }
+                HeldParam::Unit { params, sharded: cut } => {
+                    let range = specs.len()..specs.len() + params.len();
+                    specs.extend(params);
+                    if cut {
+                        sharded.push(range.clone());
+                        Holding::Shard {
+                            params: range,
+                            group: usize::MAX,
+                        }
+                    } else {
+                        Holding::Whole(range)
+                    }
+                }
+                HeldParam::Skeleton => Holding::Nothing,
+            });
+        }
+        let alignment = if sharded.is_empty() {
+            settings.alignment
+        } else {
+            UNIT_ALIGNMENT
+        };
+        let layout = stage_layout(specs, &sharded, alignment, settings, world);
+        let places = layout.places();
+        for h in &mut held {
+            if let Holding::Shard { params, group } = h {
+                *group = places[params.start].group;
+            }
+        }
+        ModuleView { layout, ids, held }
+    }
+
+    /// The flat groups that are sharded units.
+    pub(super) fn unit_groups(&self) -> Vec<usize> {
+        self.held
+            .iter()
+            .filter_map(|h| match h {
+                Holding::Shard { group, .. } => Some(*group),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether the module holds a `ZeroModule` (sharded or whole).
+    pub(super) fn has_units(&self) -> bool {
+        self.held
+            .iter()
+            .any(|h| matches!(h, Holding::Whole(_) | Holding::Shard { .. }))
+    }
+
+    /// The values of every layout parameter that `module` holds whole, and by float parameter
+    /// of the module, the shards it holds.
+    pub(super) fn read<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        module: &M,
+    ) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
+        let mut values = vec![Vec::new(); self.layout.params.len()];
+        let mut shards = HashMap::new();
+        crate::params::read_values::<B, M>(module, |i, v| match &self.held[i] {
+            Holding::Param(p) => values[*p] = v,
+            Holding::Whole(params) => split_into(&mut values, &self.layout, params.clone(), &v),
+            Holding::Shard { .. } => {
+                shards.insert(i, v);
+            }
+            Holding::Nothing => {}
+        });
+        (values, shards)
+    }
+
+    /// A sharded unit's shard of `len` elements is the owned slice of its group, or the module
+    /// was cut for another number of ranks.
+    pub(super) fn check_shard(&self, params: &Range<usize>, group: usize, len: usize) -> Result<(), ZeroError> {
+        let owned = self.layout.owned_len(group);
+        if len == owned {
+            return Ok(());
+        }
+        Err(ZeroError::Model(format!(
+            "the ZeroModule shard holding `{}` has {len} elements where {} ranks own {owned} each: it was sharded \
+             for another number of ranks",
+            self.layout.params[params.start].name, self.layout.world_size,
+        )))
+    }
+}
+
+/// Cuts a unit's flat vector `flat` into its parameters `params` of `layout` (padding beyond
+/// them ignored).
+pub(super) fn split_into(values: &mut [Vec<f32>], layout: &PartitionLayout, params: Range<usize>, flat: &[f32]) {
+    let mut start = 0;
+    for p in params {
+        let numel = layout.params[p].numel();
+        values[p] = flat[start.min(flat.len())..(start + numel).min(flat.len())].to_vec();
+        start += numel;
+    }
+}
+
+pub(super) fn first_device<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Result<B::Device, ZeroError> {
+    module
+        .devices()
+        .into_iter()
+        .next()
+        .ok_or_else(|| ZeroError::Model("the model has no parameters (no device found)".into()))
+}
+
+/// Takes every float parameter's gradient out of a `GradientsParams`, flattened, by id.
+pub(super) fn collect_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) -> HashMap<ParamId, FlatGrad<B>> {
+    struct Collect<'a, B: AutodiffBackend> {
+        grads: &'a mut GradientsParams,
+        out: HashMap<ParamId, FlatGrad<B>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                let n = g.shape().num_elements();
+                self.out.insert(param.id, g.reshape([n]));
+            }
+        }
+    }
+    let mut c = Collect::<B> {
+        grads,
+        out: Default::default(),
+    };
+    module.visit(&mut c);
+    c.out
+}
