@@ -2,26 +2,24 @@
 //!
 //! A model written for Burn gets ZeRO by wrapping fields in [`sharded::ZeroModule`] and calling
 //! [`initialize`], which returns the model (its units cut over the ranks at stage 3) and a
-//! [`ZeroOptimizer`] for Burn's own loop.
+//! [`ZeroOptimizer`] for Burn's own loop: data-parallel training with optimizer state (stage 1),
+//! gradients (stage 2) and parameters (stage 3) partitioned across ranks.
 //!
-//! The engines own the loop instead: wrap a Burn module in one and train it data-parallel with
-//! optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) partitioned across
-//! ranks. The engine owns what
-//! happens between `backward` and the new weights: gradient averaging and accumulation, bucketed
-//! reductions, clipping by the global norm, the optimizer on each rank's fp32 shard, and the
-//! gathers that give the model its weights back.
+//! - [`ZeroOptimizer`]: a `burn::optim::Optimizer` (stages 0-2 for any Burn module, stage 3
+//!   through `ZeroModule`s). Its `step` owns what happens between `backward` and the new
+//!   weights: gradient averaging, bucketed reductions, clipping by the global norm, the
+//!   optimizer on each rank's fp32 shard, and the gathers that give the model its weights back;
+//!   accumulation is the loop's (Burn's `GradientsAccumulator`). Without optimizer offload its
+//!   fp32 masters and Adam state are tensors on the model's device (module [`device`]), reduced
+//!   by a [`DeviceCollective`] ([`HostStaged`] over any process group; `NcclDevice` on Burn's
+//!   CUDA buffers with the `cuda` feature).
 //!
-//! - [`ZeroEngine`]: stages 0-2 around any Burn module.
+//! The engines own the loop instead (`engine.forward`, `engine.backward`, `engine.step`):
+//!
 //! - [`ChainEngine`]: every stage, for models that say how they chain their blocks
-//!   ([`ChainModel`]); stage 3 needs it. A model that is a list of layers declares it with
-//!   [`Sequential`].
+//!   ([`ChainModel`]). A model that is a list of layers declares it with [`Sequential`].
 //! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
 //!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
-//! - [`ZeroOptimizer`]: a `burn::optim::Optimizer` (stages 0-3, stage 3 through `ZeroModule`s),
-//!   for code written against Burn's optimizers. Without optimizer offload its fp32 masters and
-//!   Adam state are tensors on the model's device (module [`device`]), reduced by a
-//!   [`DeviceCollective`] ([`HostStaged`] over any process group; `NcclDevice` on Burn's CUDA
-//!   buffers with the `cuda` feature).
 //!
 //! # Stage-3 helpers
 //!
@@ -41,8 +39,9 @@
 //! shard ([`PrecisionSettings`]). Stage 3 keeps the 16-bit copy of its shard and gathers that
 //! (half the bytes of fp32); gradients are reduced in `communication_data_type` (default: the
 //! compute dtype). The model follows its parameters' dtype: float inputs must be cast by the
-//! caller to `engine.compute_dtype().burn()`; integer inputs (token ids) need nothing. The loss
-//! may be 16-bit: the engine casts it to fp32 before scaling it for backward.
+//! caller to the compute dtype (`settings.precision.dtype.burn()`); integer inputs (token ids) need
+//! nothing. The loss may be 16-bit: it is cast to fp32 before it is scaled for backward
+//! ([`ZeroOptimizer::scale_loss`] under fp16).
 //!
 //! fp16 scales the loss with DeepSpeed's dynamic loss scaler (`zero_core::loss_scaler`); a step
 //! whose gradients overflow on any rank is skipped on every rank ([`StepReport::skipped`]).
@@ -59,12 +58,17 @@ mod checkpoint;
 mod core;
 mod deferred;
 pub mod device;
-mod engine;
+/// The old home of [`layout`]'s functions, for `optimizer/`'s imports (`crate::engine::...`)
+/// until they name `crate::layout`.
+mod engine {
+    pub(crate) use crate::layout::{broadcast_values, stage_layout};
+}
 mod error;
 mod flat_state;
 mod gathered;
 mod half_buffer;
 mod initialize;
+mod layout;
 mod memory;
 mod optimizer;
 mod optimizer_bridge;
@@ -83,7 +87,6 @@ pub use core::StepReport;
 #[cfg(feature = "cuda")]
 pub use device::NcclDevice;
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
-pub use engine::ZeroEngine;
 pub use error::ZeroError;
 pub use gathered::GatheredParameters;
 pub use initialize::{

@@ -41,24 +41,6 @@ impl<B: Backend> DeviceAdam<B> {
         })
     }
 
-    /// The optimizer `spec` names for the device engine: Adam or AdamW. The others have no
-    /// device implementation yet; the error says which engine runs them.
-    pub fn from_spec(spec: &OptimizerSpec, len: usize, device: &B::Device) -> Result<Self, ZeroError> {
-        match spec {
-            OptimizerSpec::Adam(s) => Self::new(s.clone(), len, device),
-            other => Err(ZeroError::Config(format!(
-                "optimizer.type: the device engine runs Adam and AdamW only, not {}; use ZeroEngine or ChainEngine \
-                 (host optimizer) for it",
-                match other {
-                    OptimizerSpec::Sgd(_) => "SGD",
-                    OptimizerSpec::Lamb(_) => "LAMB",
-                    OptimizerSpec::Lion(_) => "Lion",
-                    OptimizerSpec::Adam(_) => "Adam",
-                }
-            ))),
-        }
-    }
-
     /// Shard length.
     pub fn len(&self) -> usize {
         self.exp_avg.dims()[0]
@@ -352,10 +334,8 @@ mod tests {
     }
 
     #[test]
-    fn refuses_other_optimizers_and_bad_lengths() {
+    fn refuses_bad_lengths() {
         let device = Default::default();
-        let err = DeviceAdam::<F>::from_spec(&OptimizerSpec::Sgd(Default::default()), 4, &device).unwrap_err();
-        assert!(err.to_string().contains("SGD"), "{err}");
         let mut adam = DeviceAdam::<F>::new(AdamSpec::adamw(), 4, &device).expect("adam");
         let err = adam.step(tensor(&[0.0; 4]), tensor(&[0.0; 3]), 0.1).unwrap_err();
         assert!(err.to_string().contains("grads hold 3"), "{err}");

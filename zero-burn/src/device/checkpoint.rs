@@ -1,11 +1,11 @@
 //! Checkpoints of the device state, in the sharded format of the host state.
 //!
 //! The device state lays its parameters out as the host state does, so its checkpoints are the
-//! same files: each rank writes its fp32 master shard and Adam moments (copied to the host for
+//! same files: each rank writes its fp32 master shard and optimizer state (copied to the host for
 //! the write), rank 0 the metadata. A checkpoint saved with either state loads into the other,
 //! at another world size or stage, and `zero to-fp32` consolidates it.
 
-use super::adam::DeviceAdam;
+use super::optim::DeviceOptimizer;
 use super::state::DeviceState;
 use crate::error::ZeroError;
 use crate::params::tensor_to_vec;
@@ -52,7 +52,7 @@ impl<I: Backend> DeviceState<I> {
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
-            optimizer_step: first.map(DeviceAdam::step_count).unwrap_or(0),
+            optimizer_step: first.map(DeviceOptimizer::step_count).unwrap_or(0),
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             loss_scaler: self.scaler_state(),
             rng: None,
@@ -76,7 +76,7 @@ impl<I: Backend> DeviceState<I> {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let n = g.master.len();
-                let mut optimizer = DeviceAdam::from_spec(&self.settings.optimizer, n, &device)?;
+                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &device)?;
                 if optimizer.name() != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
                         "the checkpoint's optimizer is `{}` but this one is `{}`",

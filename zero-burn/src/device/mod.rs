@@ -11,7 +11,8 @@
 //! - [`DeviceCollective`]: collectives on flat 1-D tensors. [`HostStaged`] runs them through any
 //!   process group (the CPU backend, or several ranks sharing one GPU); `NcclDevice` (feature
 //!   `cuda`) hands Burn's CUDA buffers to NCCL directly.
-//! - [`DeviceAdam`]: Adam/AdamW with Burn tensor ops, the host kernel's arithmetic.
+//! - [`DeviceAdam`], SGD and Lion with Burn tensor ops, the host kernels' arithmetic (LAMB, whose
+//!   trust ratio sums each parameter's norms over the ranks, steps on the host).
 //! - The state's checkpoints are the host state's format: either loads the other's, at any
 //!   world size.
 
@@ -21,6 +22,7 @@ mod collective;
 pub(crate) mod flat;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod optim;
 pub(crate) mod state;
 
 pub use adam::DeviceAdam;

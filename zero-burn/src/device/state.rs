@@ -3,7 +3,7 @@
 //! tensors through a [`DeviceCollective`]. The host reads scalars only: each group's sum of
 //! squares and count of non-finite elements, once per step.
 
-use super::adam::DeviceAdam;
+use super::optim::DeviceOptimizer;
 use super::collective::DeviceCollective;
 use crate::core::{NonFiniteSeen, Overflow, StepReport};
 use crate::error::ZeroError;
@@ -16,16 +16,16 @@ use zero_core::comm::{ProcessGroup, ReduceOp};
 use zero_core::loss_scaler::LossScaler;
 use zero_core::partition::{PartitionLayout, Placement};
 
-/// Whether the optimizer `settings` name runs on the device (Adam and AdamW do).
+/// Whether the optimizer `settings` name runs on the device (all but LAMB).
 pub(crate) fn runs_on_device(settings: &EngineSettings) -> bool {
-    matches!(settings.optimizer, zero_core::optim::OptimizerSpec::Adam(_))
+    super::optim::on_device(&settings.optimizer)
 }
 
 /// One flat group's share of the state.
 struct GroupState<I: Backend> {
     /// fp32 master weights of the rank's owned range.
     master: Tensor<I, 1>,
-    optimizer: DeviceAdam<I>,
+    optimizer: DeviceOptimizer<I>,
     /// A `ZeroModule`'s sharded unit: its gradient arrives as the owned shard, already averaged
     /// over the ranks (the unit's backward reduce-scattered it), and the module holds the shard.
     unit: bool,
@@ -75,7 +75,7 @@ impl<I: Backend> DeviceState<I> {
                     layout.owned_len(g)
                 )));
             }
-            let optimizer = DeviceAdam::from_spec(&settings.optimizer, len, &device)?;
+            let optimizer = DeviceOptimizer::from_spec(&settings.optimizer, len, &device)?;
             memory.add_master(len * 4);
             memory.add_optimizer(optimizer.state_bytes());
             groups.push(GroupState {
@@ -281,7 +281,7 @@ impl<I: Backend> DeviceState<I> {
     }
 
     /// Every group's fp32 master shard and optimizer, in group order.
-    pub(crate) fn shards(&self) -> impl Iterator<Item = (&Tensor<I, 1>, &DeviceAdam<I>)> {
+    pub(crate) fn shards(&self) -> impl Iterator<Item = (&Tensor<I, 1>, &DeviceOptimizer<I>)> {
         self.groups.iter().map(|g| (&g.master, &g.optimizer))
     }
 
@@ -294,7 +294,7 @@ impl<I: Backend> DeviceState<I> {
     /// and the loss scaler's state.
     pub(crate) fn restore(
         &mut self,
-        groups: Vec<(Tensor<I, 1>, DeviceAdam<I>)>,
+        groups: Vec<(Tensor<I, 1>, DeviceOptimizer<I>)>,
         global_step: u64,
         scaler: Option<zero_core::loss_scaler::LossScalerState>,
     ) {

@@ -43,8 +43,8 @@ use zero_core::loss_scaler::LossScaler;
 /// The fp32 master shard and the optimizer state live on the model's device (tensors of its
 /// backend; the gradients are reduced there through the [`DeviceCollective`] that
 /// [`crate::initialize_on`] was given), unless the config offloads the optimizer
-/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). Optimizers other than
-/// Adam and AdamW (SGD, LAMB, Lion) run on the host.
+/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). LAMB, whose trust ratio
+/// sums each parameter's norms over the ranks, runs on the host.
 ///
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
 /// peer) panics with the error's message, on every surviving rank; [`ZeroOptimizer::try_step`]
@@ -190,7 +190,7 @@ impl ZeroOptimizer {
     }
 
     /// Whether the state lives on the model's device: no optimizer offload, an optimizer with
-    /// a device implementation, and no tensor-parallel group (whose norm counts replicated
+    /// a device implementation (all but LAMB), and no tensor-parallel group (whose norm counts replicated
     /// parameters once, which only the host state does).
     fn on_device(&self) -> bool {
         self.settings.offload_optimizer == OptimizerOffload::None
