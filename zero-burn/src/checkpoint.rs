@@ -1,5 +1,6 @@
-//! Saving and restoring an engine: `save_checkpoint` / `load_checkpoint` on [`ZeroEngine`] and
-//! [`ChainEngine`], and the consolidated 16-bit save of a running engine.
+//! Saving and restoring the host state ([`EngineCore`]): `save_checkpoint` / `load_checkpoint`
+//! on [`ChainEngine`] and on a [`crate::ZeroOptimizer`] whose state is in host memory, and the
+//! consolidated 16-bit save of a running engine.
 //!
 //! The format, the crash-safe order of writes, the checksums and the re-cutting for another
 //! world size or stage are `zero_core::checkpoint`'s; this file hands it the engine's flat state
@@ -24,10 +25,8 @@
 use crate::chain::ChainModel;
 use crate::chain_engine::ChainEngine;
 use crate::core::EngineCore;
-use crate::engine::ZeroEngine;
 use crate::error::ZeroError;
 use crate::optimizer_bridge::OptimizerFactory;
-use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
 use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
@@ -246,54 +245,13 @@ fn keep_names(name: &str) -> Option<String> {
     Some(name.to_string())
 }
 
-impl<B: AutodiffBackend, M: AutodiffModule<B>> ZeroEngine<B, M> {
+impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
     /// Saves the engine under `dir/tag` (tag None: `global_step{N}`) and points `dir/latest` at
     /// it; every rank calls this, at an accumulation boundary. `client_state` (the data
     /// position, anything) comes back from [`Self::load_checkpoint`]. Returns the tag directory.
-    pub fn save_checkpoint(
-        &self,
-        dir: impl AsRef<Path>,
-        tag: Option<&str>,
-        client_state: &serde_json::Value,
-    ) -> Result<PathBuf, ZeroError> {
-        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
-    }
-
-    /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
-    /// world size and stage; returns the client state. Every file is verified before anything
-    /// changes; on error the engine is as it was.
-    pub fn load_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        tag: Option<&str>,
-    ) -> Result<serde_json::Value, ZeroError> {
-        let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
-        self.refresh_replica()?;
-        Ok(client)
-    }
-
-    /// Writes the whole model's weights as one 16-bit safetensors file from rank 0 (every rank
-    /// calls this), under the parameters' own names.
-    pub fn save_16bit_model(&self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
-        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
-    }
-
-    /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
-    /// f32; `names` renames or drops parameters (e.g. `NameMap::apply`).
-    pub fn save_weights(
-        &self,
-        path: impl AsRef<Path>,
-        dtype: Option<HalfDtype>,
-        names: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<(), ZeroError> {
-        self.core_ref().save_weights(path.as_ref(), dtype, names)
-    }
-}
-
-impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
-    /// Saves the engine (see [`ZeroEngine::save_checkpoint`]); under stage 3 the shards are the
-    /// only copy of the weights, and nothing else is written. A step's update still running in
-    /// the background ([`crate::EngineSettings::overlap_optimizer_step`]) is waited for first.
+    /// Under stage 3 the shards are the only copy of the weights, and nothing else is written.
+    /// A step's update still running in the background
+    /// ([`crate::EngineSettings::overlap_optimizer_step`]) is waited for first.
     pub fn save_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
@@ -304,7 +262,9 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
     }
 
-    /// Restores the engine (see [`ZeroEngine::load_checkpoint`]).
+    /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
+    /// world size and stage (by an engine or a [`crate::ZeroOptimizer`]); returns the client
+    /// state. Every file is verified before anything changes; on error the engine is as it was.
     pub fn load_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
@@ -323,7 +283,8 @@ impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
         self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
     }
 
-    /// Writes the whole weights from rank 0 (see [`ZeroEngine::save_weights`]).
+    /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
+    /// f32; `names` renames or drops parameters (e.g. `NameMap::apply`).
     pub fn save_weights(
         &mut self,
         path: impl AsRef<Path>,

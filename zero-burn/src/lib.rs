@@ -58,11 +58,6 @@ mod checkpoint;
 mod core;
 mod deferred;
 pub mod device;
-/// The old home of [`layout`]'s functions, for `optimizer/`'s imports (`crate::engine::...`)
-/// until they name `crate::layout`.
-mod engine {
-    pub(crate) use crate::layout::{broadcast_values, stage_layout};
-}
 mod error;
 mod flat_state;
 mod gathered;

@@ -101,8 +101,8 @@ pub struct EngineSettings {
     /// It applies only where the update is local CPU work: not with NVMe offload (the swap file
     /// streams through one set of buffers), nor with parameter shards in a file, nor with an
     /// optimizer whose step needs a collective (LAMB's trust ratio); those, and
-    /// [`crate::ZeroEngine`] and the pipeline engine, step synchronously. Set it to false to get the step's whole cost inside `step()` (timing
-    /// the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
+    /// [`crate::ZeroOptimizer`] and the pipeline engine, step synchronously. Set it to false to
+    /// get the step's whole cost inside `step()` (timing the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
     /// `initialize_chain`.
     pub overlap_optimizer_step: bool,
     /// The model, recorded in every checkpoint the engine saves so that `zero to-fp32` exports

@@ -1,5 +1,6 @@
-//! Engine checkpoints: exact resume at every stage, resharding to any world size and stage, an
-//! engine left untouched by a damaged checkpoint, and the consolidated exports.
+//! Checkpoints of `ChainEngine` and of `ZeroOptimizer` (in Burn's loop): exact resume at every
+//! stage, resharding to any world size and stage (and between the two), an engine or optimizer
+//! left untouched by a damaged checkpoint, and the consolidated exports.
 //!
 //! References: for exact resume, the same run without the stop (losses and parameters must be
 //! bit-identical); for resharding, the run at the new world size and stage from the start
@@ -7,10 +8,13 @@
 
 mod common;
 
+use burn::optim::lr_scheduler::LrScheduler;
+use burn::optim::GradientsParams;
+use burn::tensor::ElementConversion;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroEngine};
+use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroOptimizer};
 use zero_core::checkpoint::{to_fp32, Checkpoint, HalfDtype, NameMap};
 
 const BLOCKS: usize = 3;
@@ -55,24 +59,60 @@ fn train_chain(
     losses
 }
 
-fn train_generic(
-    e: &mut ZeroEngine<B, Net<B>>,
+/// Trains steps `steps` of `model` with `optim` in Burn's loop, at the rates of the optimizer's
+/// own schedule (`lr_scheduler`, whose position a loaded checkpoint restores); returns the model
+/// and this rank's losses.
+fn train_optimizer(
+    optim: &mut ZeroOptimizer,
+    mut model: Net<B>,
     rank: usize,
     world: usize,
-    gas: usize,
     steps: std::ops::Range<usize>,
-) -> Vec<f32> {
+) -> (Net<B>, Vec<f32>) {
     let device = Default::default();
+    let mut lr = optim.lr_scheduler();
     let mut losses = Vec::new();
     for step in steps {
-        for micro in 0..gas {
-            let (x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
-            let loss = e.forward(|m| m.loss(x, y));
-            losses.push(e.backward(loss).expect("backward"));
-            e.step().expect("step");
-        }
+        let (x, y) = batch::<B>(step, rows(rank, world, 0, 1), &device);
+        let loss = model.loss(x, y);
+        losses.push(loss.clone().into_scalar().elem::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.try_step(lr.step(), model, grads).expect("step");
     }
-    losses
+    (model, losses)
+}
+
+/// Parameters of rank 0 after `ZeroOptimizer` at `(world, stage)` trained steps `steps` from a
+/// fresh model, loading `load` first when given (its client state must name `steps.start`) and
+/// saving to `save` at the end; every rank must hold the same parameters.
+fn optimizer_run(
+    stage: Stage,
+    world: usize,
+    steps: std::ops::Range<usize>,
+    load: Option<PathBuf>,
+    save: Option<PathBuf>,
+) -> Vec<Vec<f32>> {
+    let results = on_ranks(world, move |rank, group| {
+        let mut optim = ZeroOptimizer::new(settings(stage, 1), group).expect("optimizer");
+        let mut model = Net::<B>::new(&Default::default(), BLOCKS);
+        if let Some(dir) = &load {
+            let (loaded, client) = optim.load_checkpoint(dir, None, model).expect("load");
+            assert_eq!(client["next_step"], steps.start, "client state");
+            assert_eq!(optim.global_step(), steps.start as u64);
+            model = loaded;
+        }
+        let (model, _) = train_optimizer(&mut optim, model, rank, world, steps.clone());
+        if let Some(dir) = &save {
+            optim
+                .save_checkpoint(dir, None, &serde_json::json!({ "next_step": steps.end }))
+                .expect("save");
+        }
+        values::<B, _>(&model)
+    });
+    for r in &results[1..] {
+        assert_eq!(r, &results[0], "every rank holds the same weights");
+    }
+    results.into_iter().next().unwrap_or_default()
 }
 
 /// (losses of every rank, parameters of rank 0) of a chain run: `0..stop` steps, then (when
@@ -147,26 +187,31 @@ fn chain_engine_resumes_exactly_at_every_stage() {
 }
 
 #[test]
-fn generic_engine_resumes_exactly_stages_0_to_2() {
+fn zero_optimizer_resumes_exactly_stages_0_to_2() {
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         let world = 2;
-        let dir = scratch(&format!("generic-{stage:?}"));
+        let dir = scratch(&format!("optimizer-{stage:?}"));
         let run = move |resume: bool| {
             let dir = dir.clone();
             on_ranks(world, move |rank, group| {
-                let mk = |g| {
-                    ZeroEngine::new(settings(stage, 1), Net::<B>::new(&Default::default(), BLOCKS), g).expect("engine")
-                };
-                let mut e = mk(group.clone());
-                let mut losses = train_generic(&mut e, rank, world, 1, 0..2);
+                let mk = |g| ZeroOptimizer::new(settings(stage, 1), g).expect("optimizer");
+                let mut optim = mk(group.clone());
+                let model = Net::<B>::new(&Default::default(), BLOCKS);
+                let (mut model, mut losses) = train_optimizer(&mut optim, model, rank, world, 0..2);
                 if resume {
-                    e.save_checkpoint(&dir, Some("mid"), &serde_json::Value::Null)
+                    optim
+                        .save_checkpoint(&dir, Some("mid"), &serde_json::Value::Null)
                         .expect("save");
-                    e = mk(group);
-                    e.load_checkpoint(&dir, Some("mid")).expect("load");
+                    // A fresh optimizer and the model's initial weights: everything the rest of
+                    // the run needs comes from the checkpoint.
+                    optim = mk(group);
+                    let fresh = Net::<B>::new(&Default::default(), BLOCKS);
+                    model = optim.load_checkpoint(&dir, Some("mid"), fresh).expect("load").0;
+                    assert_eq!(optim.global_step(), 2);
                 }
-                losses.extend(train_generic(&mut e, rank, world, 1, 2..4));
-                (losses, values::<B, _>(e.module()))
+                let (model, more) = train_optimizer(&mut optim, model, rank, world, 2..4);
+                losses.extend(more);
+                (losses, values::<B, _>(&model))
             })
         };
         assert_eq!(
@@ -174,6 +219,58 @@ fn generic_engine_resumes_exactly_stages_0_to_2() {
             run(false),
             "{stage:?}: the resumed run must equal the uninterrupted one bit for bit"
         );
+    }
+}
+
+/// `ZeroOptimizer` continues from a checkpoint saved at another world size and stage, by itself
+/// or by `ChainEngine` at stage 3, where its own run at the new world size and stage from the
+/// start ends.
+#[test]
+fn zero_optimizer_reshards_between_world_sizes_and_stages() {
+    let stages = [Stage::Zero0, Stage::Zero1, Stage::Zero2];
+    let mut reference = std::collections::BTreeMap::new();
+    for m in 1..=4 {
+        for t in stages {
+            reference.insert((m, t), optimizer_run(t, m, 0..4, None, None));
+        }
+    }
+    let initial = values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS));
+    for (n, s, by_chain) in [
+        (1, Stage::Zero0, false),
+        (2, Stage::Zero2, false),
+        (3, Stage::Zero1, false),
+        (2, Stage::Zero3, true),
+    ] {
+        let dir = scratch(&format!("optimizer-reshard-{n}-{s:?}-{by_chain}"));
+        if by_chain {
+            let d = dir.clone();
+            on_ranks(n, move |rank, group| {
+                let mut e = ChainEngine::new(settings(s, 1), Net::<B>::new(&Default::default(), BLOCKS), group)
+                    .expect("engine");
+                train_chain(&mut e, rank, n, 1, 0..2);
+                e.save_checkpoint(&d, None, &serde_json::json!({ "next_step": 2 }))
+                    .expect("save");
+            });
+        } else {
+            optimizer_run(s, n, 0..2, None, Some(dir.clone()));
+        }
+        for m in 1..=4 {
+            for t in stages {
+                let got = optimizer_run(t, m, 2..4, Some(dir.clone()), None);
+                let want = &reference[&(m, t)];
+                let err = max_relative_error(&got, want);
+                let saver = if by_chain { "ChainEngine" } else { "ZeroOptimizer" };
+                assert!(
+                    err < 1e-6,
+                    "saved by {saver} at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}"
+                );
+                assert!(
+                    max_relative_error(&initial, want) > 1e-3,
+                    "the reference must have trained"
+                );
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
 
@@ -229,19 +326,9 @@ fn reshards_between_any_world_sizes_and_stages() {
 }
 
 #[test]
-fn generic_engine_checkpoint_loads_into_stage_3() {
-    let dir = scratch("generic-to-chain");
-    let d = dir.clone();
-    on_ranks(2, move |rank, group| {
-        let mut e = ZeroEngine::new(
-            settings(Stage::Zero2, 1),
-            Net::<B>::new(&Default::default(), BLOCKS),
-            group,
-        )
-        .expect("engine");
-        train_generic(&mut e, rank, 2, 1, 0..2);
-        e.save_checkpoint(&d, None, &serde_json::Value::Null).expect("save");
-    });
+fn zero_optimizer_checkpoint_loads_into_stage_3() {
+    let dir = scratch("optimizer-to-chain");
+    optimizer_run(Stage::Zero2, 2, 0..2, None, Some(dir.clone()));
     let d = dir.clone();
     let got = on_ranks(3, move |rank, group| {
         let mut e = ChainEngine::new(
@@ -251,7 +338,7 @@ fn generic_engine_checkpoint_loads_into_stage_3() {
         )
         .expect("engine");
         e.load_checkpoint(&d, None)
-            .expect("a ZeroEngine checkpoint loads into a ChainEngine");
+            .expect("a ZeroOptimizer checkpoint loads into a ChainEngine");
         train_chain(&mut e, rank, 3, 1, 2..4);
         values::<B, _>(&e.module().expect("module"))
     });
@@ -307,6 +394,54 @@ fn damaged_checkpoint_leaves_the_engine_as_it_was() {
     for (_, unchanged, step) in &results {
         assert!(*unchanged, "the engine's weights changed on a failed load");
         assert_eq!(*step, 2);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A `ZeroOptimizer` whose load fails on a damaged shard keeps its state: its step count, and
+/// the run that goes on from it is bit for bit the run that never tried the load.
+#[test]
+fn damaged_checkpoint_leaves_the_optimizer_as_it_was() {
+    let dir = scratch("optimizer-damaged");
+    let d = dir.clone();
+    let results = on_ranks(2, move |rank, group| {
+        let mk = || ZeroOptimizer::new(settings(Stage::Zero2, 1), group.clone()).expect("optimizer");
+        let model = || Net::<B>::new(&Default::default(), BLOCKS);
+        let mut straight = mk();
+        let (want, _) = train_optimizer(&mut straight, model(), rank, 2, 0..3);
+
+        let mut optim = mk();
+        let (trained, _) = train_optimizer(&mut optim, model(), rank, 2, 0..1);
+        optim
+            .save_checkpoint(&d, Some("one"), &serde_json::Value::Null)
+            .expect("save");
+        let (trained, _) = train_optimizer(&mut optim, trained, rank, 2, 1..2);
+        if rank == 0 {
+            damage(&d.join("one/rank_00001.safetensors"));
+        }
+        // Both ranks wait until the damage is done.
+        group.barrier().expect("barrier");
+        let err = optim
+            .load_checkpoint(&d, Some("one"), trained.clone())
+            .expect_err("a damaged checkpoint must not load")
+            .to_string();
+        let step = optim.global_step();
+        let (got, _) = train_optimizer(&mut optim, trained, rank, 2, 2..3);
+        (err, values::<B, _>(&got) == values::<B, _>(&want), step)
+    });
+    let texts: Vec<&String> = results.iter().map(|r| &r.0).collect();
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("rank_00001.safetensors") && t.contains("checksum")),
+        "{texts:?}"
+    );
+    for (rank, (_, unchanged, step)) in results.iter().enumerate() {
+        assert_eq!(*step, 2, "rank {rank}: the step count changed on a failed load");
+        assert!(
+            *unchanged,
+            "rank {rank}: the run after a failed load is not the run without it"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -7,7 +7,7 @@ use burn::nn::LinearConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use common::*;
-use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroEngine, ZeroError, ZeroOptimizer};
+use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroError, ZeroOptimizer};
 use zero_core::config::DeepSpeedConfig;
 use zero_core::optim::OptimizerSpec;
 
@@ -17,21 +17,37 @@ fn config(text: &str) -> DeepSpeedConfig {
         .config
 }
 
+/// Stage 3 over a model with nothing to partition: a plain Burn module (no `ZeroModule`) under
+/// `ZeroOptimizer`, from a config through `initialize` and from settings at the first step, and
+/// a chain with no blocks under `ChainEngine`.
 #[test]
-fn stage_3_on_a_module_without_blocks_says_what_to_do() {
-    let err = on_ranks(1, |_, group| {
+fn stage_3_with_nothing_to_partition_says_what_to_do() {
+    let cfg = config(
+        r#"{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 3}}"#,
+    );
+    let err = on_ranks(1, move |_, group| {
         let device = Default::default();
-        ZeroEngine::new(
-            EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()),
-            Net::<B>::new(&device, 2),
-            group,
-        )
-        .err()
-        .map(|e| e.to_string())
+        zero_burn::initialize::<B, _>(&cfg, Net::<B>::new(&device, 2), group)
+            .err()
+            .map(|e| e.to_string())
     })
     .remove(0)
-    .expect("stage 3 must be refused");
-    assert!(err.contains("ChainModel") && err.contains("stage"), "{err}");
+    .expect("stage 3 over a model without ZeroModules must be refused by initialize");
+    assert!(err.contains("stage 3") && err.contains("ZeroModule"), "{err}");
+
+    let err = on_ranks(1, |_, group| {
+        let device = Default::default();
+        let mut optim =
+            ZeroOptimizer::new(EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw()), group).expect("optimizer");
+        let model = Net::<B>::new(&device, 2);
+        let (x, y) = batch::<B>(0, 0..4, &device);
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        optim.try_step(1e-3, model, grads).err().map(|e| e.to_string())
+    })
+    .remove(0)
+    .expect("stage 3 over a model without ZeroModules must be refused at the first step");
+    assert!(err.contains("stage 3") && err.contains("ZeroModule"), "{err}");
 
     let err = on_ranks(1, |_, group| {
         let device = Default::default();

@@ -1,22 +1,24 @@
-//! `NcclDevice` on Burn's CUDA tensors, and the device engine on the CUDA backend, at world size
-//! 1 on GPU 0. Skipped, with a note, where no GPU or no NCCL is found (build with `--features
-//! cuda`).
+//! `NcclDevice` on Burn's CUDA tensors, and `ZeroOptimizer`'s device state reducing through it
+//! on the CUDA backend, at world size 1 on GPU 0. Skipped, with a note, where no GPU or no NCCL
+//! is found (build with `--features cuda`).
 //!
 //! References: for the collectives, the input values themselves (one rank: a sum, a mean, a
 //! gather and a scatter are the identity), read back from the tensors Burn holds, so a wrong
-//! pointer, offset, length or dtype shows; for the engine, the host `ZeroEngine` on the same
-//! backend and data (the tolerance of device_engine.rs: 1e-5 of the largest weight).
+//! pointer, offset, length or dtype shows; for the optimizer, its host state (`offload_optimizer`
+//! cpu) on the same backend, data and Burn loop (the tolerance of optimizer_device_state.rs: 1e-5
+//! of the largest weight).
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor, TensorData};
 use common::{adamw_eps4, batch, max_relative_error, values, Net, GLOBAL_BATCH};
 use std::sync::Arc;
 use std::time::Duration;
-use zero_burn::{DeviceCollective, DeviceEngine, EngineSettings, NcclDevice, Stage, ZeroEngine};
+use zero_burn::{DeviceCollective, EngineSettings, NcclDevice, OptimizerOffload, Stage, ZeroOptimizer};
 use zero_core::comm::{NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
 
 type G = Cuda;
@@ -82,33 +84,42 @@ fn collectives_on_burn_cuda_tensors_read_the_right_memory() {
 }
 
 #[test]
-fn device_engine_on_cuda_matches_the_host_engine() {
+fn device_state_on_cuda_through_nccl_matches_the_host_state() {
     let Some(group) = single_rank() else { return };
     let device = CudaDevice::new(0);
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         let mut settings = EngineSettings::new(stage, adamw_eps4(0.01));
-        settings.gradient_accumulation_steps = 2;
         settings.gradient_clipping = 0.05;
         settings.reduce_bucket_size = 100;
-        let comm: Arc<dyn DeviceCollective<G>> =
+        let nccl: Arc<dyn DeviceCollective<G>> =
             Arc::new(NcclDevice::new(group.clone(), &device).expect("NCCL on GPU 0"));
-        let mut dev = DeviceEngine::new(settings.clone(), Net::<GA>::new(&device, 3), comm).expect("device engine");
+        let mut dev = ZeroOptimizer::new(settings.clone(), group.clone() as Arc<dyn ProcessGroup>)
+            .expect("device optimizer")
+            .with_collective(nccl);
+        let mut host_settings = settings;
+        host_settings.offload_optimizer = OptimizerOffload::Cpu { threads: 1 };
         let host_group = ThreadGroup::new_group(1).expect("group").remove(0) as Arc<dyn ProcessGroup>;
-        let mut host = ZeroEngine::new(settings, Net::<GA>::new(&device, 3), host_group).expect("host engine");
-        for step in 0..5 {
-            for micro in 0..2 {
-                let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
-                let (x, y) = batch::<GA>(step, rows, &device);
-                let loss = dev.forward(|m| m.loss(x.clone(), y.clone()));
-                dev.backward(loss).expect("device backward");
-                dev.step().expect("device step");
-                let loss = host.forward(|m| m.loss(x, y));
-                host.backward(loss).expect("host backward");
-                host.step().expect("host step");
+        let mut host = ZeroOptimizer::new(host_settings, host_group).expect("host optimizer");
+        // Five steps of two micro-batches, each loss averaged over them, summed by Burn's
+        // accumulator.
+        let train = |optim: &mut ZeroOptimizer| {
+            let mut model = Net::<GA>::new(&device, 3);
+            for step in 0..5 {
+                let mut accumulator = GradientsAccumulator::new();
+                for micro in 0..2 {
+                    let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
+                    let (x, y) = batch::<GA>(step, rows, &device);
+                    let grads = model.loss(x, y).div_scalar(2.0).backward();
+                    accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                }
+                model = optim.try_step(0.01, model, accumulator.grads()).expect("step");
             }
-        }
-        let got = values::<GA, _>(dev.module());
-        let want = values::<GA, _>(host.module());
+            values::<GA, _>(&model)
+        };
+        let got = train(&mut dev);
+        let want = train(&mut host);
+        assert_eq!(dev.state_on_device(), Some(true), "{stage:?}: the device state ran");
+        assert_eq!(host.state_on_device(), Some(false), "{stage:?}: the host state ran");
         let err = max_relative_error(&got, &want);
         println!("{stage:?}: max relative error {err:e}");
         assert!(err < 1e-5, "{stage:?}: max relative error {err:e}");

@@ -1,32 +1,51 @@
-//! The collectives the device engine calls at each stage, counted per micro-batch and per step
-//! through a recording `DeviceCollective`.
+//! The collectives `ZeroOptimizer`'s device state calls at each stage, counted per micro-batch
+//! and per step through a recording `DeviceCollective` handed over with `with_collective`.
+//!
+//! Reference: the ZeRO paper's schedule, counted per flat group of ZeRO's bucketed layout at the
+//! same settings (built here with zero-core's `LayoutBuilder`: buckets of about
+//! `reduce_bucket_size` elements in visit order). Stage 0 all-reduces
+//! whole groups; stages 1 and 2 reduce-scatter them and all-gather the updated shards. Burn's
+//! `GradientsAccumulator` sums the micro-batches' gradients before the optimizer sees them, so
+//! no micro-batch communicates and stages 1 and 2 communicate alike, once per step. Then two
+//! scalar all-reduces: the agreement on a non-finite loss or gradient (unless the policy is
+//! `Ignore` without a loss scaler), and the sum of the sharded groups' squares for the norm
+//! (none on a step fp16's loss scaler skips).
+//! Sizes: the padded group for reductions, the shard (padded / world) for gathers; dtypes: the
+//! communication dtype for reductions, the compute dtype for gathers. At world size 1 nothing is
+//! called.
 
 mod common;
 
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{DType, Tensor};
 use common::*;
-use std::sync::Arc;
-use zero_burn::{DeviceCollective, DeviceEngine, EngineSettings, HostStaged, PrecisionSettings, Stage, ZeroError};
+use std::sync::{Arc, Mutex};
+use zero_burn::{
+    ComputeDtype, DeviceCollective, EngineSettings, HostStaged, NonFinitePolicy, PrecisionSettings, Stage, ZeroError,
+    ZeroOptimizer,
+};
+use zero_core::comm::ReduceOp;
 
 const BLOCKS: usize = 3;
-
-fn settings(stage: Stage, gas: usize, clip: f64, precision: PrecisionSettings) -> EngineSettings {
-    small_bucket_settings(stage, gas, clip, precision)
-}
-
-/// Records every collective the engine calls, then runs it through `HostStaged`.
-#[derive(Debug)]
-struct Counting {
-    inner: HostStaged,
-    log: std::sync::Mutex<Vec<(&'static str, usize)>>,
-}
+const GAS: usize = 2;
 
 type Inner = burn::backend::Flex;
 
+/// One collective call: its name, its length, its dtype.
+type Call = (&'static str, usize, DType);
+
+/// Records every collective the state calls, then runs it through `HostStaged`.
+#[derive(Debug)]
+struct Counting {
+    inner: HostStaged,
+    log: Mutex<Vec<Call>>,
+}
+
 impl Counting {
-    fn note(&self, op: &'static str, len: usize) {
-        self.log.lock().expect("log").push((op, len));
+    fn note(&self, op: &'static str, t: &Tensor<Inner, 1>) {
+        self.log.lock().expect("log").push((op, t.dims()[0], t.dtype()));
     }
-    fn take(&self) -> Vec<(&'static str, usize)> {
+    fn take(&self) -> Vec<Call> {
         std::mem::take(&mut *self.log.lock().expect("log"))
     }
 }
@@ -38,97 +57,187 @@ impl DeviceCollective<Inner> for Counting {
     fn world_size(&self) -> usize {
         DeviceCollective::<Inner>::world_size(&self.inner)
     }
-    fn all_reduce(
-        &self,
-        t: burn::tensor::Tensor<Inner, 1>,
-        op: zero_core::comm::ReduceOp,
-    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
-        self.note("all_reduce", t.dims()[0]);
+    fn all_reduce(&self, t: Tensor<Inner, 1>, op: ReduceOp) -> Result<Tensor<Inner, 1>, ZeroError> {
+        self.note("all_reduce", &t);
         self.inner.all_reduce(t, op)
     }
-    fn reduce_scatter(
-        &self,
-        t: burn::tensor::Tensor<Inner, 1>,
-        op: zero_core::comm::ReduceOp,
-    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
-        self.note("reduce_scatter", t.dims()[0]);
+    fn reduce_scatter(&self, t: Tensor<Inner, 1>, op: ReduceOp) -> Result<Tensor<Inner, 1>, ZeroError> {
+        self.note("reduce_scatter", &t);
         self.inner.reduce_scatter(t, op)
     }
-    fn all_gather(&self, t: burn::tensor::Tensor<Inner, 1>) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
-        self.note("all_gather", t.dims()[0]);
+    fn all_gather(&self, t: Tensor<Inner, 1>) -> Result<Tensor<Inner, 1>, ZeroError> {
+        self.note("all_gather", &t);
         self.inner.all_gather(t)
     }
-    fn broadcast(
-        &self,
-        t: burn::tensor::Tensor<Inner, 1>,
-        root: usize,
-    ) -> Result<burn::tensor::Tensor<Inner, 1>, ZeroError> {
-        self.note("broadcast", t.dims()[0]);
+    fn broadcast(&self, t: Tensor<Inner, 1>, root: usize) -> Result<Tensor<Inner, 1>, ZeroError> {
+        self.note("broadcast", &t);
         self.inner.broadcast(t, root)
     }
-    fn all_reduce_scalars(&self, v: &mut [f32], op: zero_core::comm::ReduceOp) -> Result<(), ZeroError> {
-        self.note("scalars", v.len());
+    fn all_reduce_scalars(&self, v: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
+        self.log.lock().expect("log").push(("scalars", v.len(), DType::F32));
         DeviceCollective::<Inner>::all_reduce_scalars(&self.inner, v, op)
     }
 }
 
+/// The padded length of each flat group as ZeRO buckets `Net`'s parameters at `settings` over
+/// `world` ranks: in visit order, in buckets of about `reduce_bucket_size` elements, replicated
+/// at stage 0 and sharded (padded to a multiple of `world` × `alignment`) at stages 1-2.
+fn padded_groups(settings: &EngineSettings, world: usize) -> Vec<usize> {
+    use zero_core::partition::{LayoutBuilder, Placement};
+    let specs: Vec<_> = zero_burn::params::describe::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS))
+        .into_iter()
+        .map(|(_, spec)| spec)
+        .collect();
+    let all: Vec<usize> = (0..specs.len()).collect();
+    let placement = match settings.stage {
+        Stage::Zero0 => Placement::Replicated,
+        _ => Placement::Sharded,
+    };
+    let mut builder = LayoutBuilder::new(specs, world, settings.alignment);
+    builder.buckets(&all, settings.reduce_bucket_size, placement);
+    let layout = builder.finish();
+    let numel: usize = layout.groups.iter().map(|g| g.numel).sum();
+    assert_eq!(numel, psi(BLOCKS), "every parameter in one group");
+    layout.groups.iter().map(|g| g.padded).collect()
+}
+
+/// What rank 0's recording collective saw over two steps of `settings` on `world` ranks: the
+/// padded size of each group ([`padded_groups`]), then each micro-batch's calls (two per
+/// step) and each step's.
+struct Seen {
+    padded: Vec<usize>,
+    micro: Vec<Vec<Call>>,
+    steps: Vec<Vec<Call>>,
+    skipped: Vec<bool>,
+}
+
+fn record(settings: EngineSettings, world: usize) -> Seen {
+    on_ranks(world, |rank, group| {
+        let device = Default::default();
+        let padded = padded_groups(&settings, world);
+        let counting = Arc::new(Counting {
+            inner: HostStaged::new(group.clone()),
+            log: Default::default(),
+        });
+        let collective: Arc<dyn DeviceCollective<Inner>> = counting.clone();
+        let mut optim = ZeroOptimizer::new(settings.clone(), group)
+            .expect("optimizer")
+            .with_collective(collective);
+        let dtype = settings.precision.dtype.burn();
+        let mut model = optim
+            .synchronize::<B, _>(Net::<B>::new(&device, BLOCKS))
+            .expect("synchronize");
+        let (mut micro_logs, mut steps, mut skipped) = (vec![counting.take()], Vec::new(), Vec::new());
+        for step in 0..2 {
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..GAS {
+                let (x, y) = batch::<B>(step, rows(rank, world, micro, GAS), &device);
+                let loss = model.loss(x.cast(dtype), y.cast(dtype));
+                let grads = optim.scale_loss(loss).div_scalar(GAS as f64).backward();
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                micro_logs.push(counting.take());
+            }
+            model = optim.try_step(0.01, model, accumulator.grads()).expect("step");
+            steps.push(counting.take());
+            skipped.push(optim.last_step().expect("a report").skipped);
+        }
+        assert_eq!(optim.state_on_device(), Some(true), "the device state ran");
+        Seen {
+            padded,
+            micro: micro_logs,
+            steps,
+            skipped,
+        }
+    })
+    .swap_remove(0)
+}
+
+/// The calls ZeRO prescribes for one step (see the header); `check`: the non-finite agreement.
+fn prescribed(
+    stage: Stage,
+    padded: &[usize],
+    world: usize,
+    precision: &PrecisionSettings,
+    check: bool,
+    skipped: bool,
+) -> Vec<Call> {
+    let comm = precision.comm_dtype().burn();
+    let compute = precision.dtype.burn();
+    let reduce = if stage == Stage::Zero0 {
+        "all_reduce"
+    } else {
+        "reduce_scatter"
+    };
+    let mut want: Vec<Call> = padded.iter().map(|&p| (reduce, p, comm)).collect();
+    if check {
+        want.push(("scalars", 1, DType::F32));
+    }
+    // A skipped step (fp16 overflow) computes no norm.
+    if !skipped {
+        want.push(("scalars", 1, DType::F32));
+    }
+    if stage != Stage::Zero0 {
+        want.extend(padded.iter().map(|&p| ("all_gather", p / world, compute)));
+    }
+    want
+}
+
 #[test]
 fn each_stage_communicates_as_zero_prescribes() {
-    // Reference: the ZeRO paper's schedule, counted per group of the layout. Stage 0
-    // all-reduces whole groups at the boundary; stage 1 reduce-scatters them there and
-    // all-gathers the updated shards; stage 2 reduce-scatters every micro-batch. Sizes: the
-    // padded group for reductions, the shard (padded / world) for gathers.
-    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
-        let logs = on_ranks(2, move |rank, group| {
-            let device = Default::default();
-            let counting = Arc::new(Counting {
-                inner: HostStaged::new(group),
-                log: Default::default(),
-            });
-            let comm: Arc<dyn DeviceCollective<Inner>> = counting.clone();
-            let s = settings(stage, 2, 0.05, PrecisionSettings::fp32());
-            let mut engine = DeviceEngine::<B, _>::new(s, Net::<B>::new(&device, BLOCKS), comm).expect("engine");
-            let padded: Vec<usize> = engine.layout().groups.iter().map(|g| g.padded).collect();
-            let construction = counting.take();
-            let mut per_micro = Vec::new();
-            for micro in 0..2 {
-                let (x, y) = batch::<B>(0, rows(rank, 2, micro, 2), &device);
-                let loss = engine.forward(|m| m.loss(x, y));
-                engine.backward(loss).expect("backward");
-                per_micro.push(counting.take());
+    let mut bf16_fp32_comm = PrecisionSettings::bf16();
+    bf16_fp32_comm.communication_dtype = Some(ComputeDtype::F32);
+    let mut unchecked = PrecisionSettings::fp32();
+    unchecked.non_finite = NonFinitePolicy::Ignore;
+    // An initial loss scale of 2^19 overflows the first two steps' fp16 gradients (asserted).
+    let overflowing = PrecisionSettings::fp16(zero_core::loss_scaler::LossScalerConfig {
+        initial_scale_power: 19,
+        hysteresis: 1,
+        ..Default::default()
+    });
+    // (precision, the non-finite agreement is called, the two steps are skipped)
+    let cases = [
+        (PrecisionSettings::fp32(), true, false),
+        (PrecisionSettings::bf16(), true, false),
+        (bf16_fp32_comm, true, false),
+        (PrecisionSettings::fp16(Default::default()), true, false),
+        (overflowing, true, true),
+        (unchecked, false, false),
+    ];
+    for (precision, check, skipped) in cases {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+            let label = format!("{stage:?}, {precision:?}");
+            let seen = record(small_bucket_settings(stage, GAS, 0.05, precision.clone()), 2);
+            assert!(seen.padded.len() > 2, "{label}: several groups: {:?}", seen.padded);
+            for (i, log) in seen.micro.iter().enumerate() {
+                assert_eq!(
+                    log,
+                    &Vec::new(),
+                    "{label}: synchronize and micro-batch {i} call nothing"
+                );
             }
-            engine.step().expect("step");
-            (padded, construction, per_micro, counting.take())
-        });
-        let (padded, construction, per_micro, at_step) = &logs[0];
-        let each = |op: &'static str, len: &dyn Fn(usize) -> usize| -> Vec<(&'static str, usize)> {
-            padded.iter().map(|&p| (op, len(p))).collect()
-        };
-        assert_eq!(
-            construction,
-            &each("broadcast", &|p| p),
-            "{stage:?}: rank 0's weights, group by group"
-        );
-        let scatter_now = each("reduce_scatter", &|p| p);
-        let mut want_step = match stage {
-            Stage::Zero0 => each("all_reduce", &|p| p),
-            Stage::Zero1 => scatter_now.clone(),
-            _ => Vec::new(),
-        };
-        // One scalar to agree on a non-finite loss or gradient (fp32 fails such a step), one
-        // for the gradient norm.
-        want_step.extend([("scalars", 1), ("scalars", 1)]);
-        if stage != Stage::Zero0 {
-            want_step.extend(each("all_gather", &|p| p / 2));
+            assert_eq!(seen.skipped, [skipped; 2], "{label}: skipped steps");
+            let want = prescribed(stage, &seen.padded, 2, &precision, check, skipped);
+            for (step, log) in seen.steps.iter().enumerate() {
+                assert_eq!(log, &want, "{label}: step {}", step + 1);
+            }
         }
-        for (micro, log) in per_micro.iter().enumerate() {
-            let want = if stage == Stage::Zero2 {
-                scatter_now.clone()
-            } else {
-                Vec::new()
-            };
-            assert_eq!(log, &want, "{stage:?}: micro-batch {micro}");
+    }
+    println!(
+        "groups: {:?}",
+        record(
+            small_bucket_settings(Stage::Zero1, GAS, 0.05, PrecisionSettings::fp32()),
+            2
+        )
+        .padded
+    );
+}
+
+#[test]
+fn one_rank_calls_no_collective() {
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        let seen = record(small_bucket_settings(stage, GAS, 0.05, PrecisionSettings::fp32()), 1);
+        for log in seen.micro.iter().chain(&seen.steps) {
+            assert_eq!(log, &Vec::new(), "{stage:?}");
         }
-        assert_eq!(at_step, &want_step, "{stage:?}: the step");
     }
 }

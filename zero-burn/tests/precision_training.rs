@@ -313,12 +313,12 @@ fn the_config_sections_set_the_precision() {
 #[test]
 fn zero_optimizer_in_a_burn_loop_trains_in_bf16_and_fp16_like_the_engine() {
     use burn::optim::{GradientsParams, Optimizer};
-    use zero_burn::{ZeroEngine, ZeroOptimizer};
-    // Reference: ZeroEngine, same stage, world size, data and 16-bit settings. Both reduce the
-    // same 16-bit gradients with the same kernels and step the same fp32 masters; the engine's
-    // fp32 loss seed of 1 becomes the same 16-bit seed, and under fp16 both scale the fp32 loss
-    // by the same dynamic scale (`ZeroOptimizer::scale_loss` in the Burn loop) and skip the same
-    // overflowing steps, so the weights must agree bit for bit.
+    use zero_burn::ZeroOptimizer;
+    // Reference: `ChainEngine` (`train`), same stage, world size, data and 16-bit settings. Both
+    // reduce the same 16-bit gradients with the same kernels and step the same fp32 masters; the
+    // engine's fp32 loss seed of 1 becomes the same 16-bit seed, and under fp16 both scale the
+    // fp32 loss by the same dynamic scale (`ZeroOptimizer::scale_loss` in the Burn loop) and skip
+    // the same overflowing steps, so the weights must agree bit for bit after every step.
     const STEPS: usize = 4;
     for (stage, precision) in [
         (Stage::Zero1, PrecisionSettings::bf16()),
@@ -327,11 +327,12 @@ fn zero_optimizer_in_a_burn_loop_trains_in_bf16_and_fp16_like_the_engine() {
         (Stage::Zero2, fp16()),
     ] {
         let half = precision.dtype.burn();
-        let runs = common::on_ranks(2, move |rank, group| {
+        let by_engine = train(settings(stage, 1, precision.clone()), 2, STEPS, vec![], plain);
+        let by_optimizer = common::on_ranks(2, move |rank, group| {
             let device = Default::default();
             let s = settings(stage, 1, precision.clone());
             let dtype = s.precision.dtype.burn();
-            let optim = ZeroOptimizer::new(s.clone(), group.clone()).expect("optimizer");
+            let optim = ZeroOptimizer::new(s, group).expect("optimizer");
             let mut model = optim
                 .synchronize::<B, _>(Net::<B>::new(&device, 3))
                 .expect("synchronize");
@@ -341,32 +342,32 @@ fn zero_optimizer_in_a_burn_loop_trains_in_bf16_and_fp16_like_the_engine() {
                 "synchronize casts the model"
             );
             let mut optim = optim;
+            let mut values = Vec::new();
             for step in 0..STEPS {
                 let (x, y) = common::batch::<B>(step, rows(rank, 2, 0, 1), &device);
                 let loss = optim.scale_loss(model.loss(x.cast(dtype), y.cast(dtype)));
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(LR, model, grads);
+                values.push(common::values::<B, _>(&model));
             }
             assert_eq!(
                 model.ends.head.weight.val().dtype(),
                 half,
                 "the step writes 16-bit parameters"
             );
-            let by_optimizer = common::values::<B, _>(&model);
-
-            let mut engine = ZeroEngine::new(s, Net::<B>::new(&device, 3), group).expect("engine");
-            for step in 0..STEPS {
-                let (x, y) = common::batch::<B>(step, rows(rank, 2, 0, 1), &device);
-                let loss = engine.forward(|m| m.loss(x.cast(dtype), y.cast(dtype)));
-                engine.backward(loss).expect("backward");
-                engine.step().expect("step");
-            }
-            (by_optimizer, common::values::<B, _>(engine.module()))
+            values
         });
-        for (by_optimizer, by_engine) in runs {
-            assert_eq!(
-                by_optimizer, by_engine,
-                "{stage:?}, {half:?}: ZeroOptimizer and ZeroEngine differ"
+        for (rank, (by_optimizer, by_engine)) in by_optimizer.iter().zip(&by_engine).enumerate() {
+            assert_eq!(by_engine.steps.len(), STEPS, "{:?}", by_engine.steps);
+            for (step, (got, want)) in by_optimizer.iter().zip(&by_engine.values).enumerate() {
+                assert!(
+                    got == want,
+                    "{stage:?}, {half:?}, rank {rank}: ZeroOptimizer and ChainEngine differ after step {step}"
+                );
+            }
+            assert!(
+                by_optimizer[0] != by_optimizer[STEPS - 1],
+                "{stage:?}, {half:?}: training must move the weights"
             );
         }
     }

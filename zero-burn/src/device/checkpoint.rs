@@ -26,10 +26,10 @@ impl<I: Backend> DeviceState<I> {
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
-        let (masters, states): (Vec<Vec<f32>>, Vec<Vec<(&'static str, Vec<f32>)>>) = self
+        let (masters, states): (Vec<_>, Vec<_>) = self
             .shards()
             .map(|(master, optimizer)| {
-                let state = optimizer
+                let state: Vec<(&str, Vec<f32>)> = optimizer
                     .state()
                     .into_iter()
                     .map(|(name, t)| (name, tensor_to_vec(t.clone())))

@@ -115,7 +115,12 @@ impl<B: Backend> DeviceOptimizer<B> {
 
     /// One update of the fp32 `params` from the fp32 `grads` at learning rate `lr`; returns the
     /// new parameters.
-    pub(crate) fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
+    pub(crate) fn step(
+        &mut self,
+        params: Tensor<B, 1>,
+        grads: Tensor<B, 1>,
+        lr: f64,
+    ) -> Result<Tensor<B, 1>, ZeroError> {
         self.check(&params, &grads)?;
         Ok(match self {
             DeviceOptimizer::Adam(a) => a.step(params, grads, lr)?,
@@ -147,7 +152,10 @@ impl<B: Backend> DeviceOptimizer<B> {
                     values.len()
                 )));
             }
-            Ok(Tensor::from_data(TensorData::new(values.clone(), [n]), (device, DType::F32)))
+            Ok(Tensor::from_data(
+                TensorData::new(values.clone(), [n]),
+                (device, DType::F32),
+            ))
         };
         match self {
             DeviceOptimizer::Adam(_) => unreachable!("handled above"),
@@ -236,7 +244,10 @@ mod tests {
     type F = Flex;
 
     fn tensor(v: &[f32]) -> Tensor<F, 1> {
-        Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), (&Default::default(), DType::F32))
+        Tensor::from_data(
+            TensorData::new(v.to_vec(), [v.len()]),
+            (&Default::default(), DType::F32),
+        )
     }
 
     fn values(t: Tensor<F, 1>) -> Vec<f32> {
@@ -261,7 +272,11 @@ mod tests {
         let got = values(params);
         let scale = host_params.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for (i, (g, w)) in got.iter().zip(&host_params).enumerate() {
-            assert!((g - w).abs() <= 1e-6 * scale, "{}: element {i}: {g} against {w}", device.name());
+            assert!(
+                (g - w).abs() <= 1e-6 * scale,
+                "{}: element {i}: {g} against {w}",
+                device.name()
+            );
         }
         assert_eq!(device.name(), host.name());
         assert_eq!(device.step_count(), host.step_count());

@@ -3,8 +3,8 @@
 //! tensors through a [`DeviceCollective`]. The host reads scalars only: each group's sum of
 //! squares and count of non-finite elements, once per step.
 
-use super::optim::DeviceOptimizer;
 use super::collective::DeviceCollective;
+use super::optim::DeviceOptimizer;
 use crate::core::{NonFiniteSeen, Overflow, StepReport};
 use crate::error::ZeroError;
 use crate::memory::MemoryTracker;
@@ -47,16 +47,16 @@ pub(crate) struct DeviceState<I: Backend> {
 }
 
 impl<I: Backend> DeviceState<I> {
-    /// The state of `layout`'s groups, group `g` starting from the fp32 masters `master(g)` of
-    /// the rank's owned range; `unit(g)` marks a `ZeroModule`'s sharded unit.
+    /// The state of `layout`'s groups, group `g` starting from the fp32 masters of the rank's
+    /// owned range that `group(g)` gives, with whether the group is a `ZeroModule`'s sharded
+    /// unit.
     pub(crate) fn new(
         settings: EngineSettings,
         comm: Arc<dyn DeviceCollective<I>>,
         host: Arc<dyn ProcessGroup>,
         layout: PartitionLayout,
         device: I::Device,
-        unit: impl Fn(usize) -> bool,
-        mut master: impl FnMut(usize) -> Tensor<I, 1>,
+        mut group: impl FnMut(usize) -> (Tensor<I, 1>, bool),
         memory: Arc<MemoryTracker>,
     ) -> Result<Self, ZeroError> {
         let scaler = match &settings.precision.loss_scaler {
@@ -67,7 +67,7 @@ impl<I: Backend> DeviceState<I> {
         };
         let mut groups = Vec::with_capacity(layout.groups.len());
         for g in 0..layout.groups.len() {
-            let master = master(g);
+            let (master, unit) = group(g);
             let len = master.dims()[0];
             if len != layout.owned_len(g) {
                 return Err(ZeroError::Model(format!(
@@ -81,7 +81,7 @@ impl<I: Backend> DeviceState<I> {
             groups.push(GroupState {
                 master,
                 optimizer,
-                unit: unit(g),
+                unit,
             });
         }
         Ok(DeviceState {
@@ -151,7 +151,11 @@ impl<I: Backend> DeviceState<I> {
         let mut out = Vec::with_capacity(self.groups.len());
         for (gi, (state, grad)) in self.groups.iter().zip(grads).enumerate() {
             let g = &self.layout.groups[gi];
-            let expected = if state.unit { self.layout.owned_len(gi) } else { g.padded };
+            let expected = if state.unit {
+                self.layout.owned_len(gi)
+            } else {
+                g.padded
+            };
             let grad = match grad {
                 Some(grad) if grad.dims()[0] != expected => {
                     return Err(ZeroError::Model(format!(

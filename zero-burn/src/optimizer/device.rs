@@ -46,7 +46,6 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
         }
     }
     let rank = comm.rank();
-    let units = view.unit_groups();
     let mut missing = None;
     let state = DeviceState::new(
         settings.clone(),
@@ -54,10 +53,9 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
         host,
         view.layout.clone(),
         device.clone(),
-        |g| units.contains(&g),
         |g| {
             if let Some(shard) = shards.remove(&g) {
-                return shard.cast(DType::F32);
+                return (shard.cast(DType::F32), true);
             }
             let group = &layout.groups[g];
             let parts = group
@@ -72,7 +70,8 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
                 })
                 .collect();
             let owned = layout.owned_range(g, rank);
-            flatten(parts, group.padded, DType::F32, &device).narrow(0, owned.start, owned.len())
+            let master = flatten(parts, group.padded, DType::F32, &device).narrow(0, owned.start, owned.len());
+            (master, false)
         },
         memory,
     )?;
@@ -110,6 +109,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     loss_non_finite: bool,
     mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
 ) -> Result<(M, StepReport), ZeroError> {
+    view.check_unchanged(&state.layout)?;
     let layout = &view.layout;
     let mut grads: Vec<Option<FlatGrad<B>>> = vec![None; layout.params.len()];
     let mut shards: HashMap<usize, FlatGrad<B>> = HashMap::new();

@@ -19,9 +19,9 @@ mod view;
 use crate::core::{EngineCore, StepReport};
 use crate::device::state::DeviceState;
 use crate::device::{DeviceCollective, HostStaged};
-use crate::engine::broadcast_values;
 use crate::error::ZeroError;
 use crate::half_buffer;
+use crate::layout::broadcast_values;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::write_data;
 use crate::settings::{ComputeDtype, EngineSettings, LrFn, OptimizerOffload, ParamOffload, Stage};
@@ -75,7 +75,7 @@ pub struct ZeroOptimizer {
 /// Where the optimizer's state lives.
 enum State {
     /// Host memory ([`EngineCore`]).
-    Host(EngineCore),
+    Host(Box<EngineCore>),
     /// The model's device: a [`DeviceState`] of the model's inner backend.
     Device(Box<dyn AnyDeviceState>),
 }
@@ -352,6 +352,7 @@ impl ZeroOptimizer {
             }
             state @ State::Device(_) => {
                 let state = state.device::<B::InnerBackend>()?;
+                view.check_unchanged(&state.layout)?;
                 let client = state.load_checkpoint(dir.as_ref(), tag)?;
                 Ok((device::write_back::<B, M>(state, module, &view)?, client))
             }
@@ -416,7 +417,13 @@ impl ZeroOptimizer {
             let state = device::build::<B, M>(module, built, &self.settings, collective, self.comm.clone(), memory)?;
             State::Device(Box::new(state))
         } else {
-            State::Host(host::build::<B, M>(module, built, &self.settings, self.comm.clone(), memory)?)
+            State::Host(Box::new(host::build::<B, M>(
+                module,
+                built,
+                &self.settings,
+                self.comm.clone(),
+                memory,
+            )?))
         });
         Ok(view)
     }

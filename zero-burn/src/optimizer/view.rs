@@ -1,8 +1,8 @@
 //! The optimizer's view of a module: which layout parameters each of its float parameters
 //! holds, and the gradients Burn's loop hands over.
 
-use crate::engine::stage_layout;
 use crate::error::ZeroError;
+use crate::layout::stage_layout;
 use crate::settings::EngineSettings;
 use crate::sharded::{held_params, HeldParam, UNIT_ALIGNMENT};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
@@ -138,6 +138,35 @@ impl ModuleView {
             "the ZeroModule shard holding `{}` has {len} elements where {} ranks own {owned} each: it was sharded \
              for another number of ranks",
             self.layout.params[params.start].name, self.layout.world_size,
+        )))
+    }
+}
+
+impl ModuleView {
+    /// Fails unless the module still has the parameters of `layout` (the one the state was
+    /// built with), naming the first that changed.
+    pub(super) fn check_unchanged(&self, layout: &PartitionLayout) -> Result<(), ZeroError> {
+        if self.layout.params == layout.params {
+            return Ok(());
+        }
+        if self.layout.params.len() != layout.params.len() {
+            return Err(ZeroError::Model(format!(
+                "the model had {} parameters at the first step but has {} now: parameters must stay the same for the \
+                 optimizer's lifetime",
+                layout.params.len(),
+                self.layout.params.len()
+            )));
+        }
+        let (was, now) = layout
+            .params
+            .iter()
+            .zip(&self.layout.params)
+            .find(|(was, now)| was != now)
+            .unwrap_or_else(|| unreachable!("the lists differ"));
+        Err(ZeroError::Model(format!(
+            "parameter `{}` had shape {:?} at the first step but is `{}` of shape {:?} now: parameters must keep \
+             their names and shapes for the optimizer's lifetime",
+            was.name, was.shape, now.name, now.shape
         )))
     }
 }

@@ -4,7 +4,7 @@
 //! `ZeroModule`s trains in the ordinary Burn loop with `ZeroOptimizer` (each rank steps its
 //! shards; the other parameters are reduced at the optimizer's stage 0, 1 or 2), or with Burn's
 //! own element-wise optimizers when every parameter sits in a `ZeroModule`. The engines
-//! (`ZeroEngine`, `ChainEngine`) refuse such a model.
+//! (`ChainEngine`) refuses such a model.
 
 mod gather;
 mod module;
