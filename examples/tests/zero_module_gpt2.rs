@@ -143,7 +143,11 @@ fn train_zero_between(
         if let Some(dir) = checkpoints.save {
             optim.save_checkpoint(dir, None, &serde_json::json!({})).expect("save");
         }
-        assert_eq!(optim.state_on_device(), Some(on_device), "where the optimizer's state lives");
+        assert_eq!(
+            optim.state_on_device(),
+            Some(on_device),
+            "where the optimizer's state lives"
+        );
         RankRun {
             losses,
             norms,

@@ -39,9 +39,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use std::time::Instant;
 use zero_burn::sharded::ShardBackend;
 use zero_burn::ZeroOptimizer;
-use zero_burn::{
-    ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage,
-};
+use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::config::DeepSpeedConfig;
 use zero_core::loss_scaler::LossScalerConfig;
