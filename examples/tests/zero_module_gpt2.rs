@@ -84,18 +84,22 @@ struct RankRun {
 /// `micro`, the loss divided by `gas` (and scaled by the optimizer: fp16) before backward, the
 /// gradients summed by Burn's accumulator.
 fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batch, steps: usize) -> Vec<RankRun> {
-    train_zero_between(config, world, micro, gas, batch, steps, Checkpoints::default())
+    train_zero_between(config, world, micro, gas, batch, steps, RunOptions::default())
 }
 
-/// Where a run starts from and saves to (`ZeroOptimizer`'s sharded checkpoints).
+/// Where a run starts from and saves to (`ZeroOptimizer`'s sharded checkpoints), and how the
+/// optimizer keeps its state.
 #[derive(Clone, Copy, Default)]
-struct Checkpoints<'a> {
+struct RunOptions<'a> {
     load: Option<&'a std::path::Path>,
     save: Option<&'a std::path::Path>,
+    /// `Some(true)`: the state as tensors on the device (what a GPU runs), forced on the CPU;
+    /// `None`: `initialize`'s choice, host buffers on the CPU backend.
+    tensors: Option<bool>,
 }
 
-/// [`train_zero`] resumed from `checkpoints.load` (the steps are then those after it) and
-/// saved to `checkpoints.save` at the end.
+/// [`train_zero`] resumed from `options.load` (the steps are then those after it) and saved to
+/// `options.save` at the end.
 fn train_zero_between(
     config: &str,
     world: usize,
@@ -103,17 +107,20 @@ fn train_zero_between(
     gas: usize,
     batch: &Batch,
     steps: usize,
-    checkpoints: Checkpoints,
+    options: RunOptions,
 ) -> Vec<RankRun> {
-    // Without optimizer offload the state lives on the model's device (tensors of its backend).
-    let on_device = !config.contains("offload_optimizer");
+    // Tensors when asked for and the optimizer is not offloaded.
+    let tensors = options.tensors.unwrap_or(false) && !config.contains("offload_optimizer");
     let config = DeepSpeedConfig::from_str(config, "ds_config.json")
         .expect("valid config")
         .config;
     on_ranks(world, |rank, group| {
         let (mut model, mut optim) =
             zero_burn::initialize(&config, fixture_gpt2().into_sharded(), group).expect("initialize");
-        if let Some(dir) = checkpoints.load {
+        if let Some(t) = options.tensors {
+            optim = optim.with_tensor_state(t);
+        }
+        if let Some(dir) = options.load {
             model = optim.load_checkpoint(dir, None, model).expect("load").0;
         }
         let mut lr = optim.lr_scheduler();
@@ -140,14 +147,10 @@ fn train_zero_between(
             norms.push(report.grad_norm);
             skipped.push(report.skipped);
         }
-        if let Some(dir) = checkpoints.save {
+        if let Some(dir) = options.save {
             optim.save_checkpoint(dir, None, &serde_json::json!({})).expect("save");
         }
-        assert_eq!(
-            optim.state_on_device(),
-            Some(on_device),
-            "where the optimizer's state lives"
-        );
+        assert_eq!(optim.tensor_state(), Some(tensors), "where the optimizer's state lives");
         RankRun {
             losses,
             norms,
@@ -301,8 +304,8 @@ fn matrix_config_offload(stage: u8, world: usize, gas: usize, clip: f64, offload
 }
 
 /// Stages 0-3 × worlds 1-4 × accumulation 1 and 2 × clipping at 0.5 (every step clips) or none,
-/// the optimizer's state on the device, and in host memory (`offload_optimizer`) without
-/// accumulation: every unit equal to one process's Burn AdamW after 5 steps.
+/// the optimizer's state in host buffers (the CPU backend's choice), as tensors (the GPU's,
+/// forced here) and offloaded (`offload_optimizer`): every unit equal to one process's Burn AdamW after 5 steps.
 #[test]
 fn every_stage_world_accumulation_and_clipping_equals_one_process() {
     let batch = matrix_batch();
@@ -311,10 +314,20 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
         let lens: Vec<usize> = want.iter().map(Vec::len).collect();
         for stage in 0..=3u8 {
             for world in 1..=4 {
-                for (gas, offload) in [(1, false), (2, false), (1, true)] {
+                for (gas, offload, tensors) in [
+                    (1, false, None),
+                    (2, false, None),
+                    (1, true, None),
+                    (1, false, Some(true)),
+                    (2, false, Some(true)),
+                ] {
                     let micro = 24 / (world * gas);
                     let config = matrix_config_offload(stage, world, gas, clip, offload);
-                    let runs = train_zero(&config, world, micro, gas, &batch, STEPS);
+                    let options = RunOptions {
+                        tensors,
+                        ..RunOptions::default()
+                    };
+                    let runs = train_zero_between(&config, world, micro, gas, &batch, STEPS, options);
                     if clip > 0.0 {
                         assert!(
                             runs[0].norms.iter().all(|&n| n > clip),
@@ -332,8 +345,8 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
                         let err = relative_error(got, want);
                         assert!(
                             err < 1e-6,
-                            "stage {stage}, world {world}, accumulation {gas}, clip {clip}, offload {offload}: unit {u} \
-                             off by {err:e}"
+                            "stage {stage}, world {world}, accumulation {gas}, clip {clip}, offload {offload}, tensors \
+                             {tensors:?}: unit {u} off by {err:e}"
                         );
                     }
                 }
@@ -400,11 +413,18 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
     assert!(fp32_runs[0].skipped.iter().all(|s| !s), "fp32 skips nothing");
     let fp32 = mean(&fp32_runs);
     assert!(fp32[STEPS - 1] < 0.9 * fp32[0], "fp32 trains: {fp32:?}");
-    for (name, precision) in [
-        ("bf16", r#""bf16": {"enabled": true},"#),
-        ("fp16", r#""fp16": {"enabled": true},"#),
+    // Each precision with the state in host buffers (the CPU's choice) and as tensors (a GPU's).
+    for (name, precision, tensors) in [
+        ("bf16", r#""bf16": {"enabled": true},"#, None),
+        ("fp16", r#""fp16": {"enabled": true},"#, None),
+        ("bf16 tensors", r#""bf16": {"enabled": true},"#, Some(true)),
+        ("fp16 tensors", r#""fp16": {"enabled": true},"#, Some(true)),
     ] {
-        let runs = train_zero(&config(precision), 2, 4, 1, &batch, STEPS);
+        let options = RunOptions {
+            tensors,
+            ..RunOptions::default()
+        };
+        let runs = train_zero_between(&config(precision), 2, 4, 1, &batch, STEPS, options);
         for run in &runs[1..] {
             assert_eq!(run.skipped, runs[0].skipped, "{name}: every rank skips the same steps");
         }
@@ -418,7 +438,7 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
             }
         }
         let skipped = STEPS - applied;
-        if name == "fp16" {
+        if name.starts_with("fp16") {
             assert!(skipped > 0, "fp16 from 2^16 overflows at first");
         } else {
             assert_eq!(skipped, 0, "bf16 has no loss scale to overflow");
@@ -453,14 +473,17 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
 
     let dir = tempfile::tempdir().expect("tempdir");
     let saved = dir.path().join("ckpt");
-    let save = Checkpoints {
+    // Saved by the state as tensors, loaded by host buffers: one format.
+    let save = RunOptions {
         load: None,
         save: Some(&saved),
+        tensors: Some(true),
     };
     let first = put_together(&train_zero_between(&config(3, 2), 2, 12, 1, &batch, 2, save), &lens);
-    let load = Checkpoints {
+    let load = RunOptions {
         load: Some(&saved),
         save: None,
+        tensors: None,
     };
     for (stage, world) in [(3u8, 4usize), (1, 1), (0, 3)] {
         let runs = train_zero_between(&config(stage, world), world, 24 / world, 1, &batch, 2, load);

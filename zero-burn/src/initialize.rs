@@ -353,7 +353,11 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     let threshold = settings.param_persistence_threshold;
-    let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
+    // On the CPU backend the device's memory is host memory: the fused CPU step on host
+    // buffers is the faster way to keep the state there.
+    let optimizer = ZeroOptimizer::new(settings, group)?
+        .with_collective(collective.clone())
+        .with_tensor_state(!B::host_resident());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
     if stage3 {

@@ -121,7 +121,7 @@ fn run(seg: Segment) -> (Vec<Vec<f32>>, Vec<StepReport>) {
             model = optim.try_step(LR, model, accumulator.grads()).expect("step");
             reports.push(optim.last_step().expect("a report"));
         }
-        assert_eq!(optim.state_on_device(), Some(seg.device), "the state lives elsewhere");
+        assert_eq!(optim.tensor_state(), Some(seg.device), "the state lives elsewhere");
         if seg.save {
             let client = serde_json::json!({ "next_step": seg.steps.end });
             optim.save_checkpoint(seg.dir, None, &client).expect("save");

@@ -118,8 +118,8 @@ fn device_state_on_cuda_through_nccl_matches_the_host_state() {
         };
         let got = train(&mut dev);
         let want = train(&mut host);
-        assert_eq!(dev.state_on_device(), Some(true), "{stage:?}: the device state ran");
-        assert_eq!(host.state_on_device(), Some(false), "{stage:?}: the host state ran");
+        assert_eq!(dev.tensor_state(), Some(true), "{stage:?}: the device state ran");
+        assert_eq!(host.tensor_state(), Some(false), "{stage:?}: the host state ran");
         let err = max_relative_error(&got, &want);
         println!("{stage:?}: max relative error {err:e}");
         assert!(err < 1e-5, "{stage:?}: max relative error {err:e}");

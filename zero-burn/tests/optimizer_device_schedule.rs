@@ -141,7 +141,7 @@ fn record(settings: EngineSettings, world: usize) -> Seen {
             steps.push(counting.take());
             skipped.push(optim.last_step().expect("a report").skipped);
         }
-        assert_eq!(optim.state_on_device(), Some(true), "the device state ran");
+        assert_eq!(optim.tensor_state(), Some(true), "the device state ran");
         Seen {
             padded,
             micro: micro_logs,

@@ -8,7 +8,7 @@
 //! the same data and the same Burn loop. The host state is `EngineCore`, the core of
 //! `ChainEngine`, which exactness.rs tests against plain Burn AdamW on one thread (as it tests
 //! the device state), so agreement here carries that reference over. Every run asserts where its state lives
-//! (`state_on_device()`), so that a comparison cannot compare a path with itself. Both states
+//! (`tensor_state()`), so that a comparison cannot compare a path with itself. Both states
 //! receive the same accumulated gradients and reduce them through the same thread group in the
 //! same order, so the gradients they average are the same; what differs is
 //! - Adam: the host's SIMD kernel fuses its multiply-adds (one rounding each), the device's
@@ -77,7 +77,7 @@ fn optimizer(
 /// Asserts that `optim`'s state lives where `kind` says.
 fn assert_kind(optim: &ZeroOptimizer, kind: Kind) {
     assert_eq!(
-        optim.state_on_device(),
+        optim.tensor_state(),
         Some(kind == Kind::Device),
         "{kind:?}: the state lives elsewhere"
     );
@@ -493,7 +493,7 @@ fn sgd_and_lion_on_the_device_match_the_host_state_and_lamb_keeps_the_host_state
         for s in 0..3 {
             model = step(&mut optim, model, s, (rank, 2), false).0.expect("step");
         }
-        assert_eq!(optim.state_on_device(), Some(false), "LAMB: no device implementation");
+        assert_eq!(optim.tensor_state(), Some(false), "LAMB: no device implementation");
         assert_eq!(optim.last_step().map(|r| r.step), Some(3));
         values::<B, _>(&model)
     });

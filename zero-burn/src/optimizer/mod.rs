@@ -43,7 +43,9 @@ use zero_core::loss_scaler::LossScaler;
 /// The fp32 master shard and the optimizer state live on the model's device (tensors of its
 /// backend; the gradients are reduced there through the [`DeviceCollective`] that
 /// [`crate::initialize_on`] was given), unless the config offloads the optimizer
-/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). LAMB, whose trust ratio
+/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). On the CPU backend,
+/// whose device memory is host memory, [`crate::initialize`] keeps them in host buffers for
+/// the fused CPU step ([`ZeroOptimizer::with_tensor_state`]). LAMB, whose trust ratio
 /// sums each parameter's norms over the ranks, runs on the host.
 ///
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
@@ -61,6 +63,8 @@ pub struct ZeroOptimizer {
     /// The device collective the state reduces through: an `Arc<dyn DeviceCollective<I>>` for
     /// the model's inner backend `I` (none: [`HostStaged`] over `comm`).
     collective: Option<Arc<dyn Any + Send + Sync>>,
+    /// Without optimizer offload, the state as tensors ([`ZeroOptimizer::with_tensor_state`]).
+    tensors: bool,
     state: Arc<Mutex<Option<State>>>,
     last: Arc<Mutex<Option<StepReport>>>,
     /// A micro-batch since the last step had a non-finite loss ([`ZeroOptimizer::note_loss`]).
@@ -173,6 +177,7 @@ impl ZeroOptimizer {
             settings,
             comm,
             collective: None,
+            tensors: true,
             state: Arc::new(Mutex::new(None)),
             last: Arc::new(Mutex::new(None)),
             loss_non_finite: Default::default(),
@@ -189,11 +194,23 @@ impl ZeroOptimizer {
         self
     }
 
-    /// Whether the state lives on the model's device: no optimizer offload, an optimizer with
-    /// a device implementation (all but LAMB), and no tensor-parallel group (whose norm counts replicated
-    /// parameters once, which only the host state does).
+    /// Where the state lives when the optimizer is not offloaded: as tensors on the model's
+    /// device (`true`, the default: what a GPU needs), or in host buffers stepped by the fused
+    /// multi-threaded CPU kernel (`false`). [`crate::initialize`] chooses host buffers on the CPU
+    /// backend, whose device memory is host memory and where the fused kernel is the faster of
+    /// the two (BENCHMARKS.md, "The optimizer's state as tensors on the CPU").
+    pub fn with_tensor_state(mut self, tensors: bool) -> Self {
+        self.tensors = tensors;
+        self
+    }
+
+    /// Whether the state is tensors on the device: no optimizer offload, tensors chosen
+    /// ([`ZeroOptimizer::with_tensor_state`]), an optimizer with a device implementation (all
+    /// but LAMB), and no tensor-parallel group (whose norm counts replicated parameters once,
+    /// which only the host state does).
     fn on_device(&self) -> bool {
-        self.settings.offload_optimizer == OptimizerOffload::None
+        self.tensors
+            && self.settings.offload_optimizer == OptimizerOffload::None
             && crate::device::state::runs_on_device(&self.settings)
             && self.settings.tensor_parallel_group.is_none()
     }
@@ -287,9 +304,9 @@ impl ZeroOptimizer {
         *self.last.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether the fp32 masters and the optimizer state are on the model's device (built at the
-    /// first step; `None` before it).
-    pub fn state_on_device(&self) -> Option<bool> {
+    /// Whether the fp32 masters and the optimizer state are tensors on the model's device
+    /// (`false`: host buffers); built at the first step, `None` before it.
+    pub fn tensor_state(&self) -> Option<bool> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.as_ref().map(|s| matches!(s, State::Device(_)))
     }
