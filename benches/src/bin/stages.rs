@@ -10,8 +10,12 @@
 //! states, beside the ZeRO paper's formula for fp32 Adam (params 4Ψ, grads 4Ψ, Adam 8Ψ, each
 //! divided by N where the stage shards it).
 //!
+//! Path `tensors` is the module path with the optimizer's state as tensors of the backend
+//! (`ZeroOptimizer::with_tensor_state(true)`, what a GPU runs) instead of the host buffers
+//! `initialize` picks on the CPU backend.
+//!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module]
+//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,tensors]
 //!  [--stages 0,1,2,3]` (the first stage listed is the "vs stage 0" baseline)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
@@ -132,12 +136,14 @@ where
 }
 
 /// [`run`] on the `ZeroModule` path: `ShardedGpt2` from `initialize` with the chain's settings
-/// written as a DeepSpeed config, in Burn's own loop.
+/// written as a DeepSpeed config, in Burn's own loop; the optimizer's state as tensors when
+/// `tensors`.
 fn run_module<C: CheckpointStrategy + 'static>(
     config: &Gpt2Config,
     stage: Stage,
     world: usize,
     o: &Options,
+    tensors: bool,
 ) -> (f64, MemoryReport) {
     let ds = format!(
         r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": {}, "gradient_clipping": 0.0,
@@ -155,7 +161,8 @@ fn run_module<C: CheckpointStrategy + 'static>(
     on_ranks(world, |rank, group, timed| {
         let device = Default::default();
         let model = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
-        let (model, mut optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
+        let (model, optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
+        let mut optim = if tensors { optim.with_tensor_state(true) } else { optim };
         let mut model = Some(model);
         for step in 0..=o.steps {
             let tokens = tokens(config, rank, step, o.micro, o.seq);
@@ -222,10 +229,14 @@ fn main() {
                 for path in &o.paths {
                     let (time, m) = match (path.as_str(), stage) {
                         ("chain", _) => run(&config, stage, world, &o),
-                        ("module", Stage::Zero3) => run_module::<BalancedCheckpointing>(&config, stage, world, &o),
-                        ("module", _) => run_module::<NoCheckpointing>(&config, stage, world, &o),
+                        ("module" | "tensors", Stage::Zero3) => {
+                            run_module::<BalancedCheckpointing>(&config, stage, world, &o, path == "tensors")
+                        }
+                        ("module" | "tensors", _) => {
+                            run_module::<NoCheckpointing>(&config, stage, world, &o, path == "tensors")
+                        }
                         (other, _) => {
-                            eprintln!("unknown path {other}: chain or module");
+                            eprintln!("unknown path {other}: chain, module or tensors");
                             std::process::exit(2)
                         }
                     };
