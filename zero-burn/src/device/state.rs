@@ -44,6 +44,8 @@ pub(crate) struct DeviceState<I: Backend> {
     pub(crate) global_step: u64,
     pub(crate) skipped_steps: u64,
     scaler: Option<LossScaler>,
+    /// Bytes of the gradients handed to the latest step.
+    grad_bytes: usize,
 }
 
 impl<I: Backend> DeviceState<I> {
@@ -95,6 +97,7 @@ impl<I: Backend> DeviceState<I> {
             global_step: 0,
             skipped_steps: 0,
             scaler,
+            grad_bytes: 0,
         })
     }
 
@@ -116,12 +119,15 @@ impl<I: Backend> DeviceState<I> {
     ) -> Result<StepReport, ZeroError> {
         let step = self.global_step + 1;
         let loss_scale = self.loss_scale();
-        let bytes: usize = grads.iter().flatten().map(|g| g.dims()[0] * 4).sum();
+        // The gradients Burn's backward left, from one backward to the next step: counted as
+        // the latest step's.
+        let bytes: usize = grads.iter().flatten().map(|g| g.dims()[0] * g.dtype().size()).sum();
+        self.memory.sub_grads(self.grad_bytes);
         self.memory.add_grads(bytes);
+        self.grad_bytes = bytes;
         let outcome = self
             .reduce(grads)
             .and_then(|grads| self.apply_or_skip(grads, step, lr, loss_scale, loss_non_finite));
-        self.memory.sub_grads(bytes);
         self.global_step += 1;
         let grad_norm = match outcome {
             Ok(Some(norm)) => norm,
