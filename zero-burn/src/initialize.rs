@@ -353,8 +353,8 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     let threshold = settings.param_persistence_threshold;
-    // On the CPU backend the device's memory is host memory: the fused CPU step on host
-    // buffers is the faster way to keep the state there.
+    // On the CPU backend the device's memory is host memory: there the fused CPU step updates
+    // host buffers in place, where tensor ops would make a new tensor per operation.
     let optimizer = ZeroOptimizer::new(settings, group)?
         .with_collective(collective.clone())
         .with_tensor_state(!B::host_resident());

@@ -197,8 +197,9 @@ impl ZeroOptimizer {
     /// Where the state lives when the optimizer is not offloaded: as tensors on the model's
     /// device (`true`, the default: what a GPU needs), or in host buffers stepped by the fused
     /// multi-threaded CPU kernel (`false`). [`crate::initialize`] chooses host buffers on the CPU
-    /// backend, whose device memory is host memory and where the fused kernel is the faster of
-    /// the two (BENCHMARKS.md, "The optimizer's state as tensors on the CPU").
+    /// backend, whose device memory is host memory: the fused kernel updates the state in place,
+    /// where Burn's element-wise ops make a new tensor per operation (the step times of the two
+    /// are alike there: BENCHMARKS.md, "The optimizer's state as tensors on the CPU").
     pub fn with_tensor_state(mut self, tensors: bool) -> Self {
         self.tensors = tensors;
         self
