@@ -9,7 +9,7 @@
 //! no micro-batch communicates and stages 1 and 2 communicate alike, once per step. Then two
 //! scalar all-reduces: the agreement on a non-finite loss or gradient (unless the policy is
 //! `Ignore` without a loss scaler), and the sum of the sharded groups' squares for the norm
-//! (none on a step fp16's loss scaler skips).
+//! (none on a step fp16's loss scaler skips, and none at stage 0, where no group is sharded).
 //! Sizes: the padded group for reductions, the shard (padded / world) for gathers; dtypes: the
 //! communication dtype for reductions, the compute dtype for gathers. At world size 1 nothing is
 //! called.
@@ -172,8 +172,9 @@ fn prescribed(
     if check {
         want.push(("scalars", 1, DType::F32));
     }
-    // A skipped step (fp16 overflow) computes no norm.
-    if !skipped {
+    // A skipped step (fp16 overflow) computes no norm; at stage 0 every group is whole on
+    // every rank, so there is no partial sum to add.
+    if !skipped && stage != Stage::Zero0 {
         want.push(("scalars", 1, DType::F32));
     }
     if stage != Stage::Zero0 {

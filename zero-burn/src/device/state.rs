@@ -240,7 +240,9 @@ impl<I: Backend> DeviceState<I> {
                 Placement::Replicated => replicated += s[0] as f64,
             }
         }
-        if world > 1 {
+        // Only sharded groups have partial sums to add (none at stage 0).
+        let any_sharded = self.layout.groups.iter().any(|g| g.placement == Placement::Sharded);
+        if world > 1 && any_sharded {
             let mut total = [sharded as f32];
             self.comm.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
             sharded = total[0] as f64;
