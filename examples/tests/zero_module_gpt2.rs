@@ -93,8 +93,8 @@ fn train_zero(config: &str, world: usize, micro: usize, gas: usize, batch: &Batc
 struct RunOptions<'a> {
     load: Option<&'a std::path::Path>,
     save: Option<&'a std::path::Path>,
-    /// `Some(true)`: the state as tensors on the device (what a GPU runs), forced on the CPU;
-    /// `None`: `initialize`'s choice, host buffers on the CPU backend.
+    /// `Some(false)`: the state in host buffers (the fused CPU step) without offload; `None`:
+    /// `initialize`'s choice, tensors on the model's device.
     tensors: Option<bool>,
 }
 
@@ -109,8 +109,8 @@ fn train_zero_between(
     steps: usize,
     options: RunOptions,
 ) -> Vec<RankRun> {
-    // Tensors when asked for and the optimizer is not offloaded.
-    let tensors = options.tensors.unwrap_or(false) && !config.contains("offload_optimizer");
+    // Tensors unless host buffers are asked for or the optimizer is offloaded.
+    let tensors = options.tensors.unwrap_or(true) && !config.contains("offload_optimizer");
     let config = DeepSpeedConfig::from_str(config, "ds_config.json")
         .expect("valid config")
         .config;
@@ -304,8 +304,8 @@ fn matrix_config_offload(stage: u8, world: usize, gas: usize, clip: f64, offload
 }
 
 /// Stages 0-3 × worlds 1-4 × accumulation 1 and 2 × clipping at 0.5 (every step clips) or none,
-/// the optimizer's state in host buffers (the CPU backend's choice), as tensors (the GPU's,
-/// forced here) and offloaded (`offload_optimizer`): every unit equal to one process's Burn AdamW after 5 steps.
+/// the optimizer's state as tensors (initialize's choice), in host buffers (forced here) and
+/// offloaded (`offload_optimizer`): every unit equal to one process's Burn AdamW after 5 steps.
 #[test]
 fn every_stage_world_accumulation_and_clipping_equals_one_process() {
     let batch = matrix_batch();
@@ -318,8 +318,8 @@ fn every_stage_world_accumulation_and_clipping_equals_one_process() {
                     (1, false, None),
                     (2, false, None),
                     (1, true, None),
-                    (1, false, Some(true)),
-                    (2, false, Some(true)),
+                    (1, false, Some(false)),
+                    (2, false, Some(false)),
                 ] {
                     let micro = 24 / (world * gas);
                     let config = matrix_config_offload(stage, world, gas, clip, offload);
@@ -413,12 +413,12 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
     assert!(fp32_runs[0].skipped.iter().all(|s| !s), "fp32 skips nothing");
     let fp32 = mean(&fp32_runs);
     assert!(fp32[STEPS - 1] < 0.9 * fp32[0], "fp32 trains: {fp32:?}");
-    // Each precision with the state in host buffers (the CPU's choice) and as tensors (a GPU's).
+    // Each precision with the state as tensors (initialize's choice) and in host buffers.
     for (name, precision, tensors) in [
         ("bf16", r#""bf16": {"enabled": true},"#, None),
         ("fp16", r#""fp16": {"enabled": true},"#, None),
-        ("bf16 tensors", r#""bf16": {"enabled": true},"#, Some(true)),
-        ("fp16 tensors", r#""fp16": {"enabled": true},"#, Some(true)),
+        ("bf16 host buffers", r#""bf16": {"enabled": true},"#, Some(false)),
+        ("fp16 host buffers", r#""fp16": {"enabled": true},"#, Some(false)),
     ] {
         let options = RunOptions {
             tensors,
@@ -473,11 +473,11 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
 
     let dir = tempfile::tempdir().expect("tempdir");
     let saved = dir.path().join("ckpt");
-    // Saved by the state as tensors, loaded by host buffers: one format.
+    // Saved by host buffers, loaded by the state as tensors: one format.
     let save = RunOptions {
         load: None,
         save: Some(&saved),
-        tensors: Some(true),
+        tensors: Some(false),
     };
     let first = put_together(&train_zero_between(&config(3, 2), 2, 12, 1, &batch, 2, save), &lens);
     let load = RunOptions {

@@ -353,11 +353,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     let threshold = settings.param_persistence_threshold;
-    // On the CPU backend the device's memory is host memory: there the fused CPU step updates
-    // host buffers in place, where tensor ops would make a new tensor per operation.
-    let optimizer = ZeroOptimizer::new(settings, group)?
-        .with_collective(collective.clone())
-        .with_tensor_state(!B::host_resident());
+    let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
     if stage3 {

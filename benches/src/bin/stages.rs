@@ -10,12 +10,12 @@
 //! states, beside the ZeRO paper's formula for fp32 Adam (params 4Ψ, grads 4Ψ, Adam 8Ψ, each
 //! divided by N where the stage shards it).
 //!
-//! Path `tensors` is the module path with the optimizer's state as tensors of the backend
-//! (`ZeroOptimizer::with_tensor_state(true)`, what a GPU runs) instead of the host buffers
-//! `initialize` picks on the CPU backend.
+//! Path `buffers` is the module path with the optimizer's state in host buffers stepped by the
+//! fused CPU kernel (`ZeroOptimizer::with_tensor_state(false)`) instead of the tensors
+//! `initialize` gives it.
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,tensors]
+//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,buffers]
 //!  [--stages 0,1,2,3]` (the first stage listed is the "vs stage 0" baseline)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
@@ -136,8 +136,8 @@ where
 }
 
 /// [`run`] on the `ZeroModule` path: `ShardedGpt2` from `initialize` with the chain's settings
-/// written as a DeepSpeed config, in Burn's own loop; the optimizer's state as tensors when
-/// `tensors`.
+/// written as a DeepSpeed config, in Burn's own loop; the optimizer's state in host buffers
+/// unless `tensors`.
 fn run_module<C: CheckpointStrategy + 'static>(
     config: &Gpt2Config,
     stage: Stage,
@@ -162,7 +162,7 @@ fn run_module<C: CheckpointStrategy + 'static>(
         let device = Default::default();
         let model = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
         let (model, optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
-        let mut optim = if tensors { optim.with_tensor_state(true) } else { optim };
+        let mut optim = optim.with_tensor_state(tensors);
         let mut model = Some(model);
         for step in 0..=o.steps {
             let tokens = tokens(config, rank, step, o.micro, o.seq);
@@ -229,14 +229,14 @@ fn main() {
                 for path in &o.paths {
                     let (time, m) = match (path.as_str(), stage) {
                         ("chain", _) => run(&config, stage, world, &o),
-                        ("module" | "tensors", Stage::Zero3) => {
-                            run_module::<BalancedCheckpointing>(&config, stage, world, &o, path == "tensors")
+                        ("module" | "buffers", Stage::Zero3) => {
+                            run_module::<BalancedCheckpointing>(&config, stage, world, &o, path != "buffers")
                         }
-                        ("module" | "tensors", _) => {
-                            run_module::<NoCheckpointing>(&config, stage, world, &o, path == "tensors")
+                        ("module" | "buffers", _) => {
+                            run_module::<NoCheckpointing>(&config, stage, world, &o, path != "buffers")
                         }
                         (other, _) => {
-                            eprintln!("unknown path {other}: chain, module or tensors");
+                            eprintln!("unknown path {other}: chain, module or buffers");
                             std::process::exit(2)
                         }
                     };

@@ -43,9 +43,8 @@ use zero_core::loss_scaler::LossScaler;
 /// The fp32 master shard and the optimizer state live on the model's device (tensors of its
 /// backend; the gradients are reduced there through the [`DeviceCollective`] that
 /// [`crate::initialize_on`] was given), unless the config offloads the optimizer
-/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). On the CPU backend,
-/// whose device memory is host memory, [`crate::initialize`] keeps them in host buffers for
-/// the fused CPU step ([`ZeroOptimizer::with_tensor_state`]). LAMB, whose trust ratio
+/// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). On the CPU backend too
+/// the state is tensors (of the CPU backend): the code a GPU runs. LAMB, whose trust ratio
 /// sums each parameter's norms over the ranks, runs on the host.
 ///
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
@@ -195,11 +194,10 @@ impl ZeroOptimizer {
     }
 
     /// Where the state lives when the optimizer is not offloaded: as tensors on the model's
-    /// device (`true`, the default: what a GPU needs), or in host buffers stepped by the fused
-    /// multi-threaded CPU kernel (`false`). [`crate::initialize`] chooses host buffers on the CPU
-    /// backend, whose device memory is host memory: the fused kernel updates the state in place,
-    /// where Burn's element-wise ops make a new tensor per operation (the step times of the two
-    /// are alike there: BENCHMARKS.md, "The optimizer's state as tensors on the CPU").
+    /// device (`true`, the default), or in host buffers stepped by the fused multi-threaded CPU
+    /// kernel (`false`, as `offload_optimizer: cpu` does). On the CPU backend the two are the
+    /// same memory and about the same speed (BENCHMARKS.md, "The optimizer's state as tensors
+    /// on the CPU").
     pub fn with_tensor_state(mut self, tensors: bool) -> Self {
         self.tensors = tensors;
         self
