@@ -70,22 +70,7 @@ impl<B: Backend> DeviceAdam<B> {
         device: &B::Device,
     ) -> Result<(), ZeroError> {
         let n = self.len();
-        let find = |name: &str| -> Result<Tensor<B, 1>, ZeroError> {
-            let (_, values) = buffers
-                .iter()
-                .find(|(b, _)| b == name)
-                .ok_or_else(|| ZeroError::Optimizer(format!("the checkpoint has no `{name}` buffer")))?;
-            if values.len() != n {
-                return Err(ZeroError::Optimizer(format!(
-                    "the checkpoint's `{name}` has {} elements, the shard {n}",
-                    values.len()
-                )));
-            }
-            Ok(Tensor::from_data(
-                burn::tensor::TensorData::new(values.clone(), [n]),
-                (device, DType::F32),
-            ))
-        };
+        let find = |name: &str| load_buffer::<B>(buffers, name, n, device);
         let exp_avg = find("exp_avg")?;
         let exp_avg_sq = find("exp_avg_sq")?;
         let max_exp_avg_sq = match self.max_exp_avg_sq {
@@ -124,22 +109,7 @@ impl<B: Backend> DeviceAdam<B> {
     /// Fails unless `params` and `grads` are fp32 shards of this optimizer's length: what
     /// [`DeviceAdam::step`] checks before it changes anything.
     pub fn check(&self, params: &Tensor<B, 1>, grads: &Tensor<B, 1>) -> Result<(), ZeroError> {
-        let n = self.len();
-        for (what, t) in [("params", params), ("grads", grads)] {
-            if t.dims()[0] != n {
-                return Err(ZeroError::Optimizer(format!(
-                    "device Adam: {what} hold {} elements, the shard {n}",
-                    t.dims()[0]
-                )));
-            }
-            if t.dtype() != DType::F32 {
-                return Err(ZeroError::Optimizer(format!(
-                    "device Adam: {what} are {:?}, the shard is fp32",
-                    t.dtype()
-                )));
-            }
-        }
-        Ok(())
+        check_shard("Adam", self.len(), params, grads)
     }
 
     /// One update of the fp32 `params` from the fp32 `grads` with learning rate `lr`; returns
@@ -188,6 +158,53 @@ impl<B: Backend> DeviceAdam<B> {
         self.exp_avg_sq = v;
         Ok(updated)
     }
+}
+
+/// Fails unless `params` and `grads` are fp32 shards of `n` elements, naming the `optimizer`.
+pub(super) fn check_shard<B: Backend>(
+    optimizer: &str,
+    n: usize,
+    params: &Tensor<B, 1>,
+    grads: &Tensor<B, 1>,
+) -> Result<(), ZeroError> {
+    for (what, t) in [("params", params), ("grads", grads)] {
+        if t.dims()[0] != n {
+            return Err(ZeroError::Optimizer(format!(
+                "device {optimizer}: {what} hold {} elements, the shard {n}",
+                t.dims()[0]
+            )));
+        }
+        if t.dtype() != DType::F32 {
+            return Err(ZeroError::Optimizer(format!(
+                "device {optimizer}: {what} are {:?}, the shard is fp32",
+                t.dtype()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint's state buffer `name` (of `n` elements) as an fp32 tensor on `device`.
+pub(super) fn load_buffer<B: Backend>(
+    buffers: &[(String, Vec<f32>)],
+    name: &str,
+    n: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 1>, ZeroError> {
+    let (_, values) = buffers
+        .iter()
+        .find(|(b, _)| b == name)
+        .ok_or_else(|| ZeroError::Optimizer(format!("the checkpoint has no `{name}` buffer")))?;
+    if values.len() != n {
+        return Err(ZeroError::Optimizer(format!(
+            "the checkpoint's `{name}` has {} elements, the shard {n}",
+            values.len()
+        )));
+    }
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(values.clone(), [n]),
+        (device, DType::F32),
+    ))
 }
 
 /// `t`'s value, leaving an empty tensor on the same device in its place.

@@ -2,10 +2,10 @@
 //! device tensors, with the host kernels' arithmetic (zero_core::optim) in Burn tensor ops.
 //! LAMB, whose trust ratio needs each parameter's norms summed over the ranks, runs on the host.
 
-use super::adam::DeviceAdam;
+use super::adam::{check_shard, load_buffer, DeviceAdam};
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 use zero_core::optim::{self, LionSpec, OptimizerSpec, SgdSpec, ShardSegments};
 
 /// Whether `spec` has a device implementation (all but LAMB).
@@ -93,24 +93,7 @@ impl<B: Backend> DeviceOptimizer<B> {
     /// Fails unless `params` and `grads` are fp32 shards of this optimizer's length: what
     /// [`DeviceOptimizer::step`] checks before it changes anything.
     pub(crate) fn check(&self, params: &Tensor<B, 1>, grads: &Tensor<B, 1>) -> Result<(), ZeroError> {
-        let n = self.len();
-        for (what, t) in [("params", params), ("grads", grads)] {
-            if t.dims()[0] != n {
-                return Err(ZeroError::Optimizer(format!(
-                    "device {}: {what} hold {} elements, the shard {n}",
-                    self.name(),
-                    t.dims()[0]
-                )));
-            }
-            if t.dtype() != DType::F32 {
-                return Err(ZeroError::Optimizer(format!(
-                    "device {}: {what} are {:?}, the shard is fp32",
-                    self.name(),
-                    t.dtype()
-                )));
-            }
-        }
-        Ok(())
+        check_shard(self.name(), self.len(), params, grads)
     }
 
     /// One update of the fp32 `params` from the fp32 `grads` at learning rate `lr`; returns the
@@ -141,22 +124,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             return a.load_state(step, buffers, device);
         }
         let n = self.len();
-        let find = |name: &str| -> Result<Tensor<B, 1>, ZeroError> {
-            let (_, values) = buffers
-                .iter()
-                .find(|(b, _)| b == name)
-                .ok_or_else(|| ZeroError::Optimizer(format!("the checkpoint has no `{name}` buffer")))?;
-            if values.len() != n {
-                return Err(ZeroError::Optimizer(format!(
-                    "the checkpoint's `{name}` has {} elements, the shard {n}",
-                    values.len()
-                )));
-            }
-            Ok(Tensor::from_data(
-                TensorData::new(values.clone(), [n]),
-                (device, DType::F32),
-            ))
-        };
+        let find = |name: &str| load_buffer::<B>(buffers, name, n, device);
         match self {
             DeviceOptimizer::Adam(_) => unreachable!("handled above"),
             DeviceOptimizer::Sgd(s) => {
@@ -240,6 +208,7 @@ impl<B: Backend> DeviceLion<B> {
 mod tests {
     use super::*;
     use burn::backend::Flex;
+    use burn::tensor::TensorData;
 
     type F = Flex;
 

@@ -14,10 +14,10 @@
 
 mod device;
 mod host;
+mod state;
 mod view;
 
-use crate::core::{EngineCore, StepReport};
-use crate::device::state::DeviceState;
+use crate::core::StepReport;
 use crate::device::{DeviceCollective, HostStaged};
 use crate::error::ZeroError;
 use crate::half_buffer;
@@ -30,6 +30,7 @@ use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn::tensor::TensorData;
+use state::State;
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 use view::{collect_grads, first_device, FlatGrad, Holding, ModuleView};
@@ -73,89 +74,6 @@ pub struct ZeroOptimizer {
     keeps_gathered: Arc<std::sync::atomic::AtomicBool>,
     /// [`ZeroOptimizer::scale_loss`] scaled a loss since the last step (fp16).
     scaled: Arc<std::sync::atomic::AtomicBool>,
-}
-
-/// Where the optimizer's state lives.
-enum State {
-    /// Host memory ([`EngineCore`]).
-    Host(Box<EngineCore>),
-    /// The model's device: a [`DeviceState`] of the model's inner backend.
-    Device(Box<dyn AnyDeviceState>),
-}
-
-/// A [`DeviceState`] of any backend, for what does not depend on it.
-trait AnyDeviceState: Send {
-    fn global_step(&self) -> u64;
-    fn skipped_steps(&self) -> u64;
-    fn loss_scale(&self) -> f64;
-    fn memory(&self) -> MemoryReport;
-    fn save_checkpoint(
-        &self,
-        dir: &std::path::Path,
-        tag: Option<&str>,
-        client_state: &serde_json::Value,
-    ) -> Result<std::path::PathBuf, ZeroError>;
-    fn as_any_mut(&mut self) -> &mut dyn Any;
-}
-
-impl<I: Backend> AnyDeviceState for DeviceState<I> {
-    fn global_step(&self) -> u64 {
-        self.global_step
-    }
-
-    fn skipped_steps(&self) -> u64 {
-        self.skipped_steps
-    }
-
-    fn loss_scale(&self) -> f64 {
-        DeviceState::loss_scale(self)
-    }
-
-    fn memory(&self) -> MemoryReport {
-        self.memory.report()
-    }
-
-    fn save_checkpoint(
-        &self,
-        dir: &std::path::Path,
-        tag: Option<&str>,
-        client_state: &serde_json::Value,
-    ) -> Result<std::path::PathBuf, ZeroError> {
-        DeviceState::save_checkpoint(self, dir, tag, client_state)
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
-    }
-}
-
-impl State {
-    fn global_step(&self) -> u64 {
-        match self {
-            State::Host(core) => core.global_step,
-            State::Device(state) => state.global_step(),
-        }
-    }
-
-    fn skipped_steps(&self) -> u64 {
-        match self {
-            State::Host(core) => core.skipped_steps,
-            State::Device(state) => state.skipped_steps(),
-        }
-    }
-
-    fn device<I: Backend>(&mut self) -> Result<&mut DeviceState<I>, ZeroError> {
-        match self {
-            State::Device(state) => state.as_any_mut().downcast_mut::<DeviceState<I>>().ok_or_else(|| {
-                ZeroError::Usage(
-                    "ZeroOptimizer: the state was built for a model of another backend; one optimizer trains one \
-                     model"
-                        .into(),
-                )
-            }),
-            State::Host(_) => unreachable!("asked for the device state of a host state"),
-        }
-    }
 }
 
 impl ZeroOptimizer {

@@ -1,0 +1,92 @@
+//! Where [`super::ZeroOptimizer`]'s state lives: host buffers ([`EngineCore`]) or tensors of the
+//! model's backend ([`DeviceState`]), behind one type that does not name the backend.
+
+use crate::core::EngineCore;
+use crate::device::state::DeviceState;
+use crate::error::ZeroError;
+use crate::memory::MemoryReport;
+use burn::tensor::backend::Backend;
+use std::any::Any;
+
+/// Where the optimizer's state lives.
+pub(super) enum State {
+    /// Host memory ([`EngineCore`]).
+    Host(Box<EngineCore>),
+    /// The model's device: a [`DeviceState`] of the model's inner backend.
+    Device(Box<dyn AnyDeviceState>),
+}
+
+/// A [`DeviceState`] of any backend, for what does not depend on it.
+pub(super) trait AnyDeviceState: Send {
+    fn global_step(&self) -> u64;
+    fn skipped_steps(&self) -> u64;
+    fn loss_scale(&self) -> f64;
+    fn memory(&self) -> MemoryReport;
+    fn save_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError>;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl<I: Backend> AnyDeviceState for DeviceState<I> {
+    fn global_step(&self) -> u64 {
+        self.global_step
+    }
+
+    fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    fn loss_scale(&self) -> f64 {
+        DeviceState::loss_scale(self)
+    }
+
+    fn memory(&self) -> MemoryReport {
+        self.memory.report()
+    }
+
+    fn save_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+    ) -> Result<std::path::PathBuf, ZeroError> {
+        DeviceState::save_checkpoint(self, dir, tag, client_state)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl State {
+    pub(super) fn global_step(&self) -> u64 {
+        match self {
+            State::Host(core) => core.global_step,
+            State::Device(state) => state.global_step(),
+        }
+    }
+
+    pub(super) fn skipped_steps(&self) -> u64 {
+        match self {
+            State::Host(core) => core.skipped_steps,
+            State::Device(state) => state.skipped_steps(),
+        }
+    }
+
+    pub(super) fn device<I: Backend>(&mut self) -> Result<&mut DeviceState<I>, ZeroError> {
+        match self {
+            State::Device(state) => state.as_any_mut().downcast_mut::<DeviceState<I>>().ok_or_else(|| {
+                ZeroError::Usage(
+                    "ZeroOptimizer: the state was built for a model of another backend; one optimizer trains one \
+                     model"
+                        .into(),
+                )
+            }),
+            State::Host(_) => unreachable!("asked for the device state of a host state"),
+        }
+    }
+}
