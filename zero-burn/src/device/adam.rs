@@ -1,9 +1,10 @@
 //! Adam and AdamW on flat fp32 device tensors.
 
+use super::cpu::HostTensor;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-use zero_core::optim::adam_kernel::AdamScalars;
+use zero_core::optim::adam_kernel::{self, AdamScalars, HalfCopy, Isa};
 use zero_core::optim::{self, AdamSpec, OptimizerSpec, ShardSegments};
 
 /// Adam / AdamW (`torch.optim.Adam`, `torch.optim.AdamW`) over one flat fp32 shard held as a
@@ -114,11 +115,22 @@ impl<B: Backend> DeviceAdam<B> {
 
     /// One update of the fp32 `params` from the fp32 `grads` with learning rate `lr`; returns
     /// the new parameters. Pass the only handle to `params` to let the backend update it in
-    /// place.
+    /// place. On the CPU backend the update is zero-core's fused kernel on the tensors' storage;
+    /// elsewhere it is Burn tensor ops.
     pub fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
         self.check(&params, &grads)?;
+        let s = self.advance(lr);
+        if super::cpu::is_cpu::<B>() {
+            self.step_on_host(params, grads, &s)
+        } else {
+            Ok(self.step_with_tensor_ops(params, grads, &s))
+        }
+    }
+
+    /// Counts one more step and gives its constants at learning rate `lr`.
+    fn advance(&mut self, lr: f64) -> AdamScalars {
         self.step += 1;
-        let s = AdamScalars::new(
+        AdamScalars::new(
             lr,
             self.beta1,
             self.spec.betas.1,
@@ -127,7 +139,11 @@ impl<B: Backend> DeviceAdam<B> {
             self.spec.decoupled_weight_decay,
             self.spec.bias_correction,
             self.step,
-        );
+        )
+    }
+
+    /// The update in Burn tensor ops (a GPU's path).
+    fn step_with_tensor_ops(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, s: &AdamScalars) -> Tensor<B, 1> {
         // The moments are taken out (an empty tensor stands in), so that each is the only
         // handle to its buffer and the backend may update it in place.
         let m = take(&mut self.exp_avg);
@@ -156,7 +172,49 @@ impl<B: Backend> DeviceAdam<B> {
         let updated = scaled - (m.clone() / denom).mul_scalar(s.step_size);
         self.exp_avg = m;
         self.exp_avg_sq = v;
-        Ok(updated)
+        updated
+    }
+
+    /// The update as zero-core's fused SIMD kernel (the host state's) on the CPU backend's
+    /// tensors, in place on their own storage.
+    fn step_on_host(
+        &mut self,
+        params: Tensor<B, 1>,
+        grads: Tensor<B, 1>,
+        s: &AdamScalars,
+    ) -> Result<Tensor<B, 1>, ZeroError> {
+        let host = |t: Tensor<B, 1>| {
+            HostTensor::of(t).ok_or_else(|| ZeroError::Optimizer("device Adam: a shard is not fp32 on the CPU".into()))
+        };
+        let (mut p, g) = (host(params)?, host(grads)?);
+        let (mut m, mut v) = (host(take(&mut self.exp_avg))?, host(take(&mut self.exp_avg_sq))?);
+        let result = match &mut self.max_exp_avg_sq {
+            Some(max) => {
+                let mut vmax = host(take(max))?;
+                let r = adam_kernel::adam_amsgrad_step(
+                    p.slice_mut(),
+                    g.slice(),
+                    m.slice_mut(),
+                    v.slice_mut(),
+                    vmax.slice_mut(),
+                    s,
+                );
+                *max = vmax.into_tensor();
+                r
+            }
+            None => adam_kernel::adam_step(
+                Isa::detect(),
+                p.slice_mut(),
+                g.slice(),
+                m.slice_mut(),
+                v.slice_mut(),
+                HalfCopy::None,
+                s,
+            ),
+        };
+        (self.exp_avg, self.exp_avg_sq) = (m.into_tensor(), v.into_tensor());
+        result.map_err(|e| ZeroError::Optimizer(format!("device Adam: {e}")))?;
+        Ok(p.into_tensor())
     }
 }
 
@@ -254,6 +312,25 @@ mod tests {
         }
     }
 
+    /// Which of the two updates a test runs: on the CPU backend [`DeviceAdam::step`] takes the
+    /// fused kernel; the tensor ops are a GPU's path, run here on the CPU.
+    #[derive(Clone, Copy, Debug)]
+    enum Path {
+        Fused,
+        TensorOps,
+    }
+
+    fn update(adam: &mut DeviceAdam<F>, path: Path, params: Tensor<F, 1>, g: Tensor<F, 1>, lr: f64) -> Tensor<F, 1> {
+        match path {
+            Path::Fused => adam.step(params, g, lr).expect("step"),
+            Path::TensorOps => {
+                adam.check(&params, &g).expect("shapes");
+                let s = adam.advance(lr);
+                adam.step_with_tensor_ops(params, g, &s)
+            }
+        }
+    }
+
     fn tensor(v: &[f64]) -> Tensor<F, 1> {
         let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
         let n = v.len();
@@ -261,6 +338,12 @@ mod tests {
     }
 
     fn run(spec: AdamSpec) {
+        for path in [Path::Fused, Path::TensorOps] {
+            run_on(spec.clone(), path);
+        }
+    }
+
+    fn run_on(spec: AdamSpec, path: Path) {
         let n = 37;
         let mut p: Vec<f64> = (0..n).map(|i| ((i as f64) * 0.7).sin()).collect();
         // Start from f32-exact values, so both sides see the same inputs.
@@ -283,7 +366,7 @@ mod tests {
                 .collect();
             let lr = 0.01 * (1.0 + step as f64 * 0.1);
             reference.step(&mut p, &g, lr);
-            params = adam.step(params, tensor(&g), lr).expect("step");
+            params = update(&mut adam, path, params, tensor(&g), lr);
         }
         assert_eq!(adam.step_count(), 20);
         let got = crate::params::tensor_to_vec(params);
@@ -292,7 +375,7 @@ mod tests {
         for (i, (a, b)) in got.iter().zip(&p).enumerate() {
             assert!(
                 (*a as f64 - b).abs() < 1e-6,
-                "element {i}: device {a}, f64 reference {b}"
+                "{path:?}, element {i}: device {a}, f64 reference {b}"
             );
         }
         // And the update is not negligible: the parameters moved by far more than the tolerance.
@@ -318,6 +401,12 @@ mod tests {
 
     #[test]
     fn amsgrad_without_bias_correction_matches_f64() {
+        for path in [Path::Fused, Path::TensorOps] {
+            amsgrad_on(path);
+        }
+    }
+
+    fn amsgrad_on(path: Path) {
         let spec = AdamSpec {
             amsgrad: true,
             bias_correction: false,
@@ -342,11 +431,11 @@ mod tests {
                 .collect();
             reference.t = 1_000_000;
             reference.step(&mut p, &g, 0.01);
-            params = adam.step(params, tensor(&g), 0.01).expect("step");
+            params = update(&mut adam, path, params, tensor(&g), 0.01);
         }
         let got = crate::params::tensor_to_vec(params);
         for (a, b) in got.iter().zip(&p) {
-            assert!((*a as f64 - b).abs() < 1e-6, "device {a}, f64 reference {b}");
+            assert!((*a as f64 - b).abs() < 1e-6, "{path:?}: device {a}, f64 reference {b}");
         }
     }
 

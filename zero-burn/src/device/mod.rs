@@ -19,6 +19,7 @@
 mod adam;
 mod checkpoint;
 mod collective;
+mod cpu;
 pub(crate) mod flat;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -27,6 +28,7 @@ pub(crate) mod state;
 
 pub use adam::DeviceAdam;
 pub use collective::{DeviceCollective, HostStaged};
+pub(crate) use cpu::own_buffer;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclDevice;
 

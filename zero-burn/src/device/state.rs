@@ -198,18 +198,7 @@ impl<I: Backend> DeviceState<I> {
         // One host read for the whole step: each group's sum of squares and, when overflow is
         // checked, its count of non-finite elements.
         let width = if check { 2 } else { 1 };
-        let mut stats = Vec::with_capacity(width * grads.len());
-        for g in &grads {
-            stats.push((g.clone() * g.clone()).sum());
-            if check {
-                stats.push(g.clone().is_finite().bool_not().float().sum().cast(DType::F32));
-            }
-        }
-        let stats: Vec<f32> = if stats.is_empty() {
-            Vec::new()
-        } else {
-            crate::params::tensor_to_vec(Tensor::cat(stats, 0))
-        };
+        let stats = self.grad_stats(&grads, check);
         if check {
             let seen = if loss_non_finite {
                 Some(NonFiniteSeen::Loss)
@@ -236,8 +225,8 @@ impl<I: Backend> DeviceState<I> {
         let (mut sharded, mut replicated) = (0.0f64, 0.0f64);
         for (gi, s) in stats.chunks_exact(width).enumerate() {
             match self.layout.groups[gi].placement {
-                Placement::Sharded => sharded += s[0] as f64,
-                Placement::Replicated => replicated += s[0] as f64,
+                Placement::Sharded => sharded += s[0],
+                Placement::Replicated => replicated += s[0],
             }
         }
         // Only sharded groups have partial sums to add (none at stage 0).
@@ -264,6 +253,36 @@ impl<I: Backend> DeviceState<I> {
             state.master = state.optimizer.step(master, grad, lr)?;
         }
         Ok(Some(grad_norm))
+    }
+
+    /// Each group's sum of squares, followed with `check` by its count of non-finite elements,
+    /// read on the host in one go.
+    fn grad_stats(&self, grads: &[Tensor<I, 1>], check: bool) -> Vec<f64> {
+        // The CPU backend: one pass over each gradient's own storage.
+        let host: Option<Vec<(f64, usize)>> = grads
+            .iter()
+            .map(|g| super::cpu::with_slice(g, |g| super::cpu::grad_stats(g, check)))
+            .collect();
+        if let Some(host) = host {
+            return host
+                .into_iter()
+                .flat_map(|(sum, bad)| [sum, bad as f64].into_iter().take(if check { 2 } else { 1 }))
+                .collect();
+        }
+        let mut stats = Vec::with_capacity(2 * grads.len());
+        for g in grads {
+            stats.push((g.clone() * g.clone()).sum());
+            if check {
+                stats.push(g.clone().is_finite().bool_not().float().sum().cast(DType::F32));
+            }
+        }
+        if stats.is_empty() {
+            return Vec::new();
+        }
+        crate::params::tensor_to_vec(Tensor::cat(stats, 0))
+            .into_iter()
+            .map(f64::from)
+            .collect()
     }
 
     /// Every group's values in the compute dtype, for the module: a unit's owned shard; any

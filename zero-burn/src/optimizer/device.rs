@@ -5,6 +5,7 @@
 use super::view::{first_device, FlatGrad, Holding, ModuleView};
 use crate::core::StepReport;
 use crate::device::flat::{flatten, read_flat, write_flat};
+use crate::device::own_buffer;
 use crate::device::state::DeviceState;
 use crate::device::DeviceCollective;
 use crate::error::ZeroError;
@@ -168,9 +169,10 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     let dtype = state.settings.precision.dtype.burn();
     let param = |p: usize| {
         let place = places[p];
-        values[place.group]
+        let value = values[place.group]
             .clone()
-            .narrow(0, place.offset, layout.params[p].numel())
+            .narrow(0, place.offset, layout.params[p].numel());
+        own_buffer(value)
     };
     Ok(write_flat::<B, M>(module, |i, shape| match &view.held[i] {
         Holding::Param(p) => Some(param(*p)),
@@ -178,7 +180,7 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
             let parts = params.clone().map(param).collect();
             Some(flatten(parts, shape.num_elements(), dtype, &device))
         }
-        Holding::Shard { group, .. } => Some(values[*group].clone()),
+        Holding::Shard { group, .. } => Some(own_buffer(values[*group].clone())),
         Holding::Nothing => None,
     }))
 }

@@ -1,0 +1,168 @@
+//! Burn's CPU backend (Flex) keeps a tensor's elements in host memory. There the device state's
+//! element-wise work (the norm's statistics, Adam's update) runs zero-core's fused kernels on
+//! the tensors' own storage, in place: one pass over the shard instead of a dozen tensor ops,
+//! each of which reads the whole shard and most of which allocate one as large. Every other
+//! backend (a GPU's) keeps the tensor ops.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn_flex::FlexTensor;
+use rayon::prelude::*;
+use std::any::{Any, TypeId};
+
+/// Elements per parallel task of the statistics pass.
+const CHUNK: usize = 1 << 16;
+
+/// Whether `I`'s float tensors are Flex's, whose elements this module can reach.
+pub(crate) fn is_cpu<I: Backend>() -> bool {
+    TypeId::of::<I::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+}
+
+/// A 1-D fp32 tensor of the CPU backend, contiguous from the start of its own buffer: what the
+/// fused kernels read and write.
+pub(crate) struct HostTensor(FlexTensor);
+
+impl HostTensor {
+    /// `t` as host memory: `None` unless the backend is the CPU's and `t` is fp32. A view or a
+    /// shared buffer is copied once, so that writing it changes no other tensor.
+    pub(crate) fn of<I: Backend>(t: Tensor<I, 1>) -> Option<HostTensor> {
+        if !is_cpu::<I>() || t.dtype() != DType::F32 {
+            return None;
+        }
+        let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+        let flex = *primitive.downcast::<FlexTensor>().ok()?;
+        let whole = flex.is_unique()
+            && flex.layout().start_offset() == 0
+            && flex.is_contiguous()
+            && flex.bytes().len() == flex.layout().num_elements() * 4;
+        let mut flex = if whole { flex } else { flex.to_contiguous() };
+        if !flex.is_unique() {
+            // Copy-on-write: the first mutable view of a shared buffer copies it.
+            let _ = flex.storage_mut::<f32>();
+        }
+        Some(HostTensor(flex))
+    }
+
+    /// The elements.
+    pub(crate) fn slice(&self) -> &[f32] {
+        let n = self.0.layout().num_elements();
+        &self.0.storage::<f32>()[..n]
+    }
+
+    /// The elements, to write (the buffer is this tensor's alone: [`HostTensor::of`]).
+    pub(crate) fn slice_mut(&mut self) -> &mut [f32] {
+        let n = self.0.layout().num_elements();
+        &mut self.0.storage_mut::<f32>()[..n]
+    }
+
+    /// Back to a tensor of `I` (the backend it came from).
+    pub(crate) fn into_tensor<I: Backend>(self) -> Tensor<I, 1> {
+        let primitive: Box<dyn Any> = Box::new(self.0);
+        match primitive.downcast::<I::FloatTensorPrimitive>() {
+            Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
+            Err(_) => unreachable!("a HostTensor is only made from a tensor of the CPU backend"),
+        }
+    }
+}
+
+/// `t` in a buffer of its own, contiguous from its start (on the CPU backend; elsewhere `t`).
+/// A module's parameters cut from the state's values are made so: Flex copies a view that does
+/// not start its buffer when it is reshaped anyway, and one that does would share the master
+/// shard, which the next step then copies before it updates the master in place.
+pub(crate) fn own_buffer<I: Backend>(t: Tensor<I, 1>) -> Tensor<I, 1> {
+    if !is_cpu::<I>() || t.dtype() != DType::F32 {
+        return t;
+    }
+    match HostTensor::of(t) {
+        Some(host) => host.into_tensor(),
+        None => unreachable!("an fp32 tensor of the CPU backend"),
+    }
+}
+
+/// `f` of the elements of `t` (no copy unless `t` is strided): `None` unless the backend is
+/// the CPU's and `t` is fp32.
+pub(crate) fn with_slice<I: Backend, R>(t: &Tensor<I, 1>, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    if !is_cpu::<I>() || t.dtype() != DType::F32 {
+        return None;
+    }
+    let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
+    let flex = *primitive.downcast::<FlexTensor>().ok()?;
+    match flex.as_slice::<f32>() {
+        Some(slice) => Some(f(slice)),
+        None => Some(f(flex.to_contiguous().as_slice::<f32>()?)),
+    }
+}
+
+/// The sum of squares of `g` and, with `count_non_finite`, how many of its elements are not
+/// finite (a NaN or an infinity in `g` makes the sum one too), in one parallel pass. Each task's
+/// sum is taken in f64, so the result does not depend on how the pass was split.
+pub(crate) fn grad_stats(g: &[f32], count_non_finite: bool) -> (f64, usize) {
+    g.par_chunks(CHUNK)
+        .map(|c| {
+            let sum = c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            let bad = if count_non_finite {
+                c.iter().filter(|x| !x.is_finite()).count()
+            } else {
+                0
+            };
+            (sum, bad)
+        })
+        .reduce(|| (0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    #[test]
+    fn a_view_or_a_shared_tensor_is_copied_before_it_is_written() {
+        let device = Default::default();
+        let base = Tensor::<Flex, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device);
+        // A view into the middle of base's buffer, and base itself still held.
+        let mut view = HostTensor::of(base.clone().narrow(0, 1, 2)).expect("the CPU backend");
+        assert_eq!(view.slice(), &[2.0, 3.0]);
+        view.slice_mut()[0] = 9.0;
+        let mut shared = HostTensor::of(base.clone()).expect("the CPU backend");
+        shared.slice_mut()[3] = 7.0;
+        assert_eq!(base.to_data().to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(
+            view.into_tensor::<Flex>().to_data().to_vec::<f32>().unwrap(),
+            vec![9.0, 3.0]
+        );
+        assert_eq!(
+            shared.into_tensor::<Flex>().to_data().to_vec::<f32>().unwrap(),
+            vec![1.0, 2.0, 3.0, 7.0]
+        );
+    }
+
+    #[test]
+    fn a_unique_tensor_is_written_in_place() {
+        let device = Default::default();
+        let t = Tensor::<Flex, 1>::from_floats([1.0, 2.0], &device);
+        let mut host = HostTensor::of(t).expect("the CPU backend");
+        let before = host.slice().as_ptr();
+        host.slice_mut()[1] = 5.0;
+        assert_eq!(host.slice().as_ptr(), before, "no copy of a buffer held once");
+        assert_eq!(
+            host.into_tensor::<Flex>().to_data().to_vec::<f32>().unwrap(),
+            vec![1.0, 5.0]
+        );
+    }
+
+    #[test]
+    fn stats_match_a_float64_sum() {
+        let g: Vec<f32> = (0..200_003).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+        let reference: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();
+        let (sum, bad) = grad_stats(&g, true);
+        assert!((sum - reference).abs() <= 1e-9 * reference, "{sum} vs {reference}");
+        assert_eq!(bad, 0);
+        let mut g = g;
+        g[5] = f32::NAN;
+        g[100_000] = f32::INFINITY;
+        let (sum, bad) = grad_stats(&g, true);
+        assert_eq!(bad, 2);
+        assert!(!sum.is_finite());
+        assert_eq!(grad_stats(&g, false).1, 0, "not counted unless asked");
+    }
+}
