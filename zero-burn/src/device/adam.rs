@@ -1,6 +1,6 @@
 //! Adam and AdamW on flat fp32 device tensors.
 
-use super::cpu::HostTensor;
+use super::cpu::{with_slice, HostTensor};
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -183,37 +183,36 @@ impl<B: Backend> DeviceAdam<B> {
         grads: Tensor<B, 1>,
         s: &AdamScalars,
     ) -> Result<Tensor<B, 1>, ZeroError> {
-        let host = |t: Tensor<B, 1>| {
-            HostTensor::of(t).ok_or_else(|| ZeroError::Optimizer("device Adam: a shard is not fp32 on the CPU".into()))
-        };
-        let (mut p, g) = (host(params)?, host(grads)?);
-        let (mut m, mut v) = (host(take(&mut self.exp_avg))?, host(take(&mut self.exp_avg_sq))?);
-        let result = match &mut self.max_exp_avg_sq {
-            Some(max) => {
-                let mut vmax = host(take(max))?;
-                let r = adam_kernel::adam_amsgrad_step(
-                    p.slice_mut(),
-                    g.slice(),
-                    m.slice_mut(),
-                    v.slice_mut(),
-                    vmax.slice_mut(),
-                    s,
-                );
-                *max = vmax.into_tensor();
-                r
+        let not_host = || ZeroError::Optimizer("device Adam: a shard is not fp32 on the CPU".into());
+        let host = |t: Tensor<B, 1>| HostTensor::of(t).ok_or_else(not_host);
+        let (mut p, mut m, mut v) = (
+            host(params)?,
+            host(take(&mut self.exp_avg))?,
+            host(take(&mut self.exp_avg_sq))?,
+        );
+        let mut vmax = self.max_exp_avg_sq.as_mut().map(|max| host(take(max))).transpose()?;
+        // The gradient is only read: its storage is used as it is, shared or not.
+        let result = with_slice(&grads, |g| match &mut vmax {
+            Some(vmax) => {
+                adam_kernel::adam_amsgrad_step(p.slice_mut(), g, m.slice_mut(), v.slice_mut(), vmax.slice_mut(), s)
             }
             None => adam_kernel::adam_step(
                 Isa::detect(),
                 p.slice_mut(),
-                g.slice(),
+                g,
                 m.slice_mut(),
                 v.slice_mut(),
                 HalfCopy::None,
                 s,
             ),
-        };
+        });
         (self.exp_avg, self.exp_avg_sq) = (m.into_tensor(), v.into_tensor());
-        result.map_err(|e| ZeroError::Optimizer(format!("device Adam: {e}")))?;
+        if let (Some(max), Some(vmax)) = (&mut self.max_exp_avg_sq, vmax) {
+            *max = vmax.into_tensor();
+        }
+        result
+            .ok_or_else(not_host)?
+            .map_err(|e| ZeroError::Optimizer(format!("device Adam: {e}")))?;
         Ok(p.into_tensor())
     }
 }

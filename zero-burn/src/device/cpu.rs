@@ -44,6 +44,7 @@ impl HostTensor {
     }
 
     /// The elements.
+    #[cfg(test)]
     pub(crate) fn slice(&self) -> &[f32] {
         let n = self.0.layout().num_elements();
         &self.0.storage::<f32>()[..n]

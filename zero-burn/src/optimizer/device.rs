@@ -169,18 +169,20 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     let dtype = state.settings.precision.dtype.burn();
     let param = |p: usize| {
         let place = places[p];
-        let value = values[place.group]
+        values[place.group]
             .clone()
-            .narrow(0, place.offset, layout.params[p].numel());
-        own_buffer(value)
+            .narrow(0, place.offset, layout.params[p].numel())
     };
-    Ok(write_flat::<B, M>(module, |i, shape| match &view.held[i] {
-        Holding::Param(p) => Some(param(*p)),
-        Holding::Whole(params) => {
-            let parts = params.clone().map(param).collect();
-            Some(flatten(parts, shape.num_elements(), dtype, &device))
-        }
-        Holding::Shard { group, .. } => Some(own_buffer(values[*group].clone())),
-        Holding::Nothing => None,
+    Ok(write_flat::<B, M>(module, |i, shape| {
+        let value = match &view.held[i] {
+            Holding::Param(p) => param(*p),
+            Holding::Whole(params) => {
+                let parts = params.clone().map(param).collect();
+                flatten(parts, shape.num_elements(), dtype, &device)
+            }
+            Holding::Shard { group, .. } => values[*group].clone(),
+            Holding::Nothing => return None,
+        };
+        Some(own_buffer(value))
     }))
 }
