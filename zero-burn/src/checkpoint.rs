@@ -29,7 +29,9 @@ use crate::error::ZeroError;
 use crate::optimizer_bridge::OptimizerFactory;
 use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, SaveRequest};
+use zero_core::checkpoint::{
+    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, LoadedGroup, SaveRequest,
+};
 use zero_core::comm::ProcessGroup;
 
 /// What a rank rebuilt from a loaded checkpoint, once every rank knows that every rank
@@ -74,6 +76,28 @@ impl EngineCore {
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
+        self.with_request(client_state, |request| {
+            Ok(checkpoint::save(self.comm.as_ref(), dir, &tag, request)?)
+        })
+    }
+
+    /// This rank's owned slices and their description, in memory (the optimizer's record).
+    pub(crate) fn rank_state(&self) -> Result<(checkpoint::CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
+        self.require_boundary("to_record")?;
+        self.with_request(&serde_json::Value::Null, |request| {
+            let meta = checkpoint::describe(request, self.comm.world_size(), "record")?;
+            Ok((meta, request.groups.iter().map(GroupShard::copied).collect()))
+        })
+    }
+
+    /// `f` of what a save of this state is: the layout, each group's owned slices (read back
+    /// from the swap file with NVMe offload; every rank learns whether every rank could) and the
+    /// scalar state.
+    fn with_request<R>(
+        &self,
+        client_state: &serde_json::Value,
+        f: impl FnOnce(&SaveRequest<'_>) -> Result<R, ZeroError>,
+    ) -> Result<R, ZeroError> {
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
         // Swapped state (NVMe offload) is read back from the swap file, chunk by chunk, group
         // by group; the checkpoint is the same as an in-memory engine's.
@@ -123,7 +147,7 @@ impl EngineCore {
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
         };
-        Ok(checkpoint::save(self.comm.as_ref(), dir, &tag, &request)?)
+        f(&request)
     }
 
     /// Reads this rank's new owned slices (from any world size and stage), rebuilds the
@@ -132,6 +156,18 @@ impl EngineCore {
     pub(crate) fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load_checkpoint")?;
         let (meta, groups) = checkpoint::load(self.comm.as_ref(), dir, tag, &self.state.layout)?;
+        self.load_groups(meta, groups)
+    }
+
+    /// Rebuilds the optimizers from this rank's owned slices of the current layout (`groups`,
+    /// described by `meta`) and, only when every rank succeeded, replaces the state. Returns the
+    /// client state.
+    pub(crate) fn load_groups(
+        &mut self,
+        meta: checkpoint::CheckpointMeta,
+        groups: Vec<LoadedGroup>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        self.require_boundary("load")?;
         let rank = self.comm.rank();
         let factory = OptimizerFactory {
             spec: self.settings.optimizer.clone(),

@@ -90,7 +90,7 @@ pub use initialize::{
     InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
-pub use optimizer::{ZeroLr, ZeroOptimizer};
+pub use optimizer::{ZeroLr, ZeroOptimizer, ZeroOptimizerRecord};
 pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use sequential::{Layer, Sequential};

@@ -12,7 +12,7 @@ use crate::params::tensor_to_vec;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, GroupShard, SaveRequest};
+use zero_core::checkpoint::{self, CheckpointMeta, GroupShard, LoadedGroup, SaveRequest};
 
 impl<I: Backend> DeviceState<I> {
     /// Saves the state under `dir/tag` (default tag `global_step{N}`), `client_state` in its
@@ -26,29 +26,45 @@ impl<I: Backend> DeviceState<I> {
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
-        let (masters, states): (Vec<_>, Vec<_>) = self
-            .shards()
-            .map(|(master, optimizer)| {
-                let state: Vec<(&str, Vec<f32>)> = optimizer
+        let groups = self.host_copy();
+        let request = self.request(&groups, client_state);
+        Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
+    }
+
+    /// This rank's owned slices and their description, in host memory (the optimizer's record).
+    pub(crate) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
+        let groups = self.host_copy();
+        let request = self.request(&groups, &serde_json::Value::Null);
+        let meta = checkpoint::describe(&request, self.host_group().world_size(), "record")?;
+        Ok((meta, groups))
+    }
+
+    /// Every group's master shard and optimizer buffers, copied to the host.
+    fn host_copy(&self) -> Vec<LoadedGroup> {
+        self.shards()
+            .map(|(master, optimizer)| LoadedGroup {
+                master: tensor_to_vec(master.clone()),
+                state: optimizer
                     .state()
                     .into_iter()
-                    .map(|(name, t)| (name, tensor_to_vec(t.clone())))
-                    .collect();
-                (tensor_to_vec(master.clone()), state)
+                    .map(|(name, t)| (name.to_string(), tensor_to_vec(t.clone())))
+                    .collect(),
             })
-            .unzip();
-        let groups = masters
-            .iter()
-            .zip(&states)
-            .map(|(master, state)| GroupShard {
-                master,
-                state: state.iter().map(|(name, v)| (*name, v.as_slice())).collect(),
-            })
-            .collect();
+            .collect()
+    }
+
+    /// What a save of `groups` (this state's, copied to the host) is.
+    fn request<'a>(&'a self, groups: &'a [LoadedGroup], client_state: &serde_json::Value) -> SaveRequest<'a> {
         let first = self.shards().next().map(|(_, o)| o);
-        let request = SaveRequest {
+        SaveRequest {
             layout: &self.layout,
-            groups,
+            groups: groups
+                .iter()
+                .map(|g| GroupShard {
+                    master: &g.master,
+                    state: g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect(),
+                })
+                .collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
@@ -58,8 +74,7 @@ impl<I: Backend> DeviceState<I> {
             rng: None,
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
-        };
-        Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
+        }
     }
 
     /// Loads the checkpoint `dir/tag` (default: the tag in `dir/latest`), saved with either
@@ -68,6 +83,18 @@ impl<I: Backend> DeviceState<I> {
     pub(crate) fn load_checkpoint(&mut self, dir: &Path, tag: Option<&str>) -> Result<serde_json::Value, ZeroError> {
         let group = self.host_group().clone();
         let (meta, loaded) = checkpoint::load(group.as_ref(), dir, tag, &self.layout)?;
+        self.load_groups(meta, loaded)
+    }
+
+    /// Rebuilds the state from this rank's owned slices of the current layout (`loaded`,
+    /// described by `meta`) and, only when every rank succeeded, replaces it. Returns the client
+    /// state.
+    pub(crate) fn load_groups(
+        &mut self,
+        meta: CheckpointMeta,
+        loaded: Vec<LoadedGroup>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        let group = self.host_group().clone();
         let device = self.device().clone();
         let rebuilt = (|| {
             let mut out = Vec::with_capacity(loaded.len());

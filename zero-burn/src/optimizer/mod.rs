@@ -14,6 +14,7 @@
 
 mod device;
 mod host;
+mod record;
 mod state;
 mod view;
 
@@ -30,6 +31,7 @@ use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn::tensor::TensorData;
+pub use record::ZeroOptimizerRecord;
 use state::State;
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -52,10 +54,11 @@ use zero_core::loss_scaler::LossScaler;
 /// peer) panics with the error's message, on every surviving rank; [`ZeroOptimizer::try_step`]
 /// returns it instead. Clones share one state: the optimizer is one per rank.
 ///
-/// Its Burn record is empty: Burn's own checkpointing of the optimizer (`to_record`) does not
-/// carry the sharded Adam state. Resumable training goes through
-/// [`ZeroOptimizer::save_checkpoint`] / [`ZeroOptimizer::load_checkpoint`] (the sharded format,
-/// loadable at another world size and stage).
+/// Its Burn record ([`ZeroOptimizerRecord`]) is the rank's part of the sharded checkpoint: each
+/// rank saves its own with a Burn recorder and loads it back, at any stage over the same ranks
+/// (`load_record` takes effect at the next step). [`ZeroOptimizer::save_checkpoint`] /
+/// [`ZeroOptimizer::load_checkpoint`] write and read the sharded format's directory, loadable at
+/// another world size too.
 #[derive(Clone)]
 pub struct ZeroOptimizer {
     settings: EngineSettings,
@@ -66,6 +69,8 @@ pub struct ZeroOptimizer {
     /// Without optimizer offload, the state as tensors ([`ZeroOptimizer::with_tensor_state`]).
     tensors: bool,
     state: Arc<Mutex<Option<State>>>,
+    /// A record taken in by `load_record`, applied at the next step.
+    pending: Arc<Mutex<Option<ZeroOptimizerRecord>>>,
     last: Arc<Mutex<Option<StepReport>>>,
     /// A micro-batch since the last step had a non-finite loss ([`ZeroOptimizer::note_loss`]).
     loss_non_finite: Arc<std::sync::atomic::AtomicBool>,
@@ -96,6 +101,7 @@ impl ZeroOptimizer {
             collective: None,
             tensors: true,
             state: Arc::new(Mutex::new(None)),
+            pending: Arc::new(Mutex::new(None)),
             last: Arc::new(Mutex::new(None)),
             loss_non_finite: Default::default(),
             keeps_gathered: Default::default(),
@@ -161,7 +167,7 @@ impl ZeroOptimizer {
         let settings = self.settings.clone();
         ZeroLr {
             schedule: Arc::new(move |step| settings.lr_at(step)),
-            state: self.state.clone(),
+            optimizer: self.clone(),
         }
     }
 
@@ -276,6 +282,8 @@ impl ZeroOptimizer {
         tag: Option<&str>,
         module: M,
     ) -> Result<(M, serde_json::Value), ZeroError> {
+        // The checkpoint supersedes a record loaded and not yet applied.
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let view = self.ensure_state::<B, M>(&mut guard, &module)?;
         match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
@@ -381,6 +389,7 @@ impl ZeroOptimizer {
         }
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let view = self.ensure_state::<B, M>(&mut guard, &module)?;
+        self.apply_pending(guard.as_mut().unwrap_or_else(|| unreachable!("just built")))?;
         let loss_non_finite = self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed);
         let (module, report) = match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
             State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take)?,
@@ -401,13 +410,16 @@ impl ZeroOptimizer {
 #[derive(Clone)]
 pub struct ZeroLr {
     schedule: LrFn,
-    state: Arc<Mutex<Option<State>>>,
+    optimizer: ZeroOptimizer,
 }
 
 impl ZeroLr {
-    /// Applied optimizer steps so far.
+    /// Applied optimizer steps so far (those of a loaded record that the next step applies).
     fn position(&self) -> u64 {
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(step) = self.optimizer.pending_step() {
+            return step;
+        }
+        let state = self.optimizer.state.lock().unwrap_or_else(|e| e.into_inner());
         state.as_ref().map_or(0, |s| s.global_step() - s.skipped_steps())
     }
 }
@@ -438,7 +450,7 @@ pub(crate) fn no_units_at_stage_3() -> ZeroError {
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer {
-    type Record = ();
+    type Record = ZeroOptimizerRecord;
 
     fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
         match self.try_step::<B, M>(lr, module, grads) {
@@ -471,9 +483,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer
         }
     }
 
-    fn to_record(&self) -> Self::Record {}
+    fn to_record(&self) -> Self::Record {
+        ZeroOptimizer::to_record(self)
+    }
 
-    fn load_record(self, _record: Self::Record) -> Self {
-        self
+    /// Takes effect at the next step, on every rank together ([`ZeroOptimizer::load_record`]).
+    fn load_record(self, record: Self::Record) -> Self {
+        ZeroOptimizer::load_record(self, record)
     }
 }

@@ -7,6 +7,8 @@ use crate::error::ZeroError;
 use crate::memory::MemoryReport;
 use burn::tensor::backend::Backend;
 use std::any::Any;
+use zero_core::checkpoint::{CheckpointMeta, LoadedGroup};
+use zero_core::partition::PartitionLayout;
 
 /// Where the optimizer's state lives.
 pub(super) enum State {
@@ -28,6 +30,9 @@ pub(super) trait AnyDeviceState: Send {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<std::path::PathBuf, ZeroError>;
+    fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError>;
+    fn load_groups(&mut self, meta: CheckpointMeta, groups: Vec<LoadedGroup>) -> Result<serde_json::Value, ZeroError>;
+    fn layout(&self) -> &PartitionLayout;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
@@ -57,6 +62,18 @@ impl<I: Backend> AnyDeviceState for DeviceState<I> {
         DeviceState::save_checkpoint(self, dir, tag, client_state)
     }
 
+    fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
+        DeviceState::rank_state(self)
+    }
+
+    fn load_groups(&mut self, meta: CheckpointMeta, groups: Vec<LoadedGroup>) -> Result<serde_json::Value, ZeroError> {
+        DeviceState::load_groups(self, meta, groups)
+    }
+
+    fn layout(&self) -> &PartitionLayout {
+        &self.layout
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
@@ -74,6 +91,35 @@ impl State {
         match self {
             State::Host(core) => core.skipped_steps,
             State::Device(state) => state.skipped_steps(),
+        }
+    }
+
+    /// This rank's owned slices and their description, in host memory.
+    pub(super) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
+        match self {
+            State::Host(core) => core.rank_state(),
+            State::Device(state) => state.rank_state(),
+        }
+    }
+
+    /// Replaces the state with this rank's owned slices of the current layout, on every rank
+    /// or on none.
+    pub(super) fn load_groups(
+        &mut self,
+        meta: CheckpointMeta,
+        groups: Vec<LoadedGroup>,
+    ) -> Result<serde_json::Value, ZeroError> {
+        match self {
+            State::Host(core) => core.load_groups(meta, groups),
+            State::Device(state) => state.load_groups(meta, groups),
+        }
+    }
+
+    /// The flat layout of the state.
+    pub(super) fn layout(&self) -> &PartitionLayout {
+        match self {
+            State::Host(core) => &core.state.layout,
+            State::Device(state) => state.layout(),
         }
     }
 

@@ -23,6 +23,7 @@ pub mod format;
 mod load;
 mod names;
 mod reader;
+mod recut;
 pub mod reshard;
 mod save;
 mod writer;
@@ -37,5 +38,6 @@ pub use format::{CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, Param
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
-pub use save::{save, GroupShard, SaveRequest};
+pub use recut::recut;
+pub use save::{describe, save, GroupShard, SaveRequest};
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

@@ -25,7 +25,7 @@ use super::error::CheckpointError;
 use super::format::{
     self, CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
 };
-use super::load::{resolve_tag, Checkpoint};
+use super::load::{resolve_tag, Checkpoint, LoadedGroup};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
 use crate::loss_scaler::LossScalerState;
@@ -40,6 +40,16 @@ pub struct GroupShard<'a> {
     pub master: &'a [f32],
     /// Optimizer state buffers, by name, each as long as `master`.
     pub state: Vec<(&'a str, &'a [f32])>,
+}
+
+impl GroupShard<'_> {
+    /// The slices, copied.
+    pub fn copied(&self) -> LoadedGroup {
+        LoadedGroup {
+            master: self.master.to_vec(),
+            state: self.state.iter().map(|(n, b)| (n.to_string(), b.to_vec())).collect(),
+        }
+    }
 }
 
 /// What one rank saves, and the run's scalar state.
@@ -164,22 +174,9 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
     stream.finish()
 }
 
-/// Rank 0: writes the metadata into the staging directory; returns what it wrote.
-fn write_meta(
-    tag: &str,
-    staging: &Path,
-    req: &SaveRequest<'_>,
-    world: usize,
-    records: &[Vec<u8>],
-) -> Result<CheckpointMeta, CheckpointError> {
-    let files = records
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            serde_json::from_slice::<FileRecord>(b)
-                .map_err(|e| CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+/// The metadata of `req`, saved by `world` ranks under `tag`, without its shard files (no file
+/// is written): what a checkpoint's `metadata` holds, and an in-memory record's description.
+pub fn describe(req: &SaveRequest<'_>, world: usize, tag: &str) -> Result<CheckpointMeta, CheckpointError> {
     let state_names: Vec<String> = req
         .groups
         .first()
@@ -195,7 +192,7 @@ fn write_meta(
             "group {g}'s optimizer state buffers differ from group 0's"
         )));
     }
-    let mut meta = CheckpointMeta {
+    Ok(CheckpointMeta {
         format_version: FORMAT_VERSION,
         tag: tag.to_string(),
         stage: req.stage,
@@ -213,9 +210,29 @@ fn write_meta(
         rng: req.rng.clone(),
         client_state: req.client_state.clone(),
         model: req.model.clone(),
-        files,
+        files: Vec::new(),
         meta_crc32: None,
-    };
+    })
+}
+
+/// Rank 0: writes the metadata into the staging directory; returns what it wrote.
+fn write_meta(
+    tag: &str,
+    staging: &Path,
+    req: &SaveRequest<'_>,
+    world: usize,
+    records: &[Vec<u8>],
+) -> Result<CheckpointMeta, CheckpointError> {
+    let files = records
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            serde_json::from_slice::<FileRecord>(b)
+                .map_err(|e| CheckpointError::Usage(format!("rank {r}'s file record arrived unreadable: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut meta = describe(req, world, tag)?;
+    meta.files = files;
     let bytes = meta.to_bytes()?;
     atomic::write_file(&staging.join(META_FILE), &bytes)?;
     atomic::sync_dir(staging)?;
