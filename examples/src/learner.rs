@@ -9,9 +9,12 @@
 //! `Learner`; the learning rate is the `Learner`'s scheduler's (Burn's loop passes it to the
 //! optimizer), not the config's.
 //!
-//! Checkpoints: `ZeroOptimizer`'s Burn `Record` is empty, so the `Learner`'s file checkpointer
-//! (`with_file_checkpointer`) would save the model and lose the optimizer state; save with
-//! `ZeroOptimizer::save_checkpoint` (sharded, every rank) instead. This model has no
+//! Checkpoints: `ZeroOptimizer`'s Burn `Record` is the rank's part of the sharded checkpoint
+//! (its owned slices of the fp32 masters and optimizer state), so the `Learner`'s file
+//! checkpointer (`with_file_checkpointer`) saves and resumes it, given a directory per rank (each
+//! rank's record is its own); it reloads over the same number of ranks, at any stage.
+//! `ZeroOptimizer::save_checkpoint` (the sharded directory, every rank) also reloads at another
+//! world size. This model has no
 //! `ZeroModule`, so stage 3 fails its first step saying so; fp16 does too, since the `Learner`
 //! calls `backward()` on a loss that `ZeroOptimizer::scale_loss` has not scaled (bf16 works).
 

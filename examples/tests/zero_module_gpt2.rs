@@ -96,6 +96,17 @@ struct RunOptions<'a> {
     /// `Some(false)`: the state in host buffers (the fused CPU step) without offload; `None`:
     /// `initialize`'s choice, tensors on the model's device.
     tensors: Option<bool>,
+    /// Each rank resumes from its own model and its optimizer's Burn record (index = rank).
+    records_in: Option<&'a [Saved]>,
+    /// Each rank leaves its model and its optimizer's Burn record here (index = rank).
+    records_out: Option<&'a std::sync::Mutex<Vec<Option<Saved>>>>,
+}
+
+/// A rank's model and `ZeroOptimizer::to_record`, written and read back by a Burn recorder.
+#[derive(Clone)]
+struct Saved {
+    model: ShardedGpt2<B>,
+    optim: Vec<u8>,
 }
 
 /// [`train_zero`] resumed from `options.load` (the steps are then those after it) and saved to
@@ -123,6 +134,13 @@ fn train_zero_between(
         if let Some(dir) = options.load {
             model = optim.load_checkpoint(dir, None, model).expect("load").0;
         }
+        let recorder = burn::record::BinBytesRecorder::<burn::record::FullPrecisionSettings>::default();
+        if let Some(saved) = options.records_in {
+            model = model.load_record(saved[rank].model.clone().into_record());
+            let record = burn::record::Recorder::<B>::load(&recorder, saved[rank].optim.clone(), &Default::default())
+                .expect("read the optimizer record");
+            optim = optim.load_record(record);
+        }
         let mut lr = optim.lr_scheduler();
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
         let (mut losses, mut norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
@@ -149,6 +167,13 @@ fn train_zero_between(
         }
         if let Some(dir) = options.save {
             optim.save_checkpoint(dir, None, &serde_json::json!({})).expect("save");
+        }
+        if let Some(out) = options.records_out {
+            let optim = burn::record::Recorder::<B>::record(&recorder, optim.to_record(), ()).expect("record");
+            out.lock().expect("records")[rank] = Some(Saved {
+                model: model.clone(),
+                optim,
+            });
         }
         assert_eq!(optim.tensor_state(), Some(tensors), "where the optimizer's state lives");
         RankRun {
@@ -475,15 +500,14 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
     let saved = dir.path().join("ckpt");
     // Saved by host buffers, loaded by the state as tensors: one format.
     let save = RunOptions {
-        load: None,
         save: Some(&saved),
         tensors: Some(false),
+        ..Default::default()
     };
     let first = put_together(&train_zero_between(&config(3, 2), 2, 12, 1, &batch, 2, save), &lens);
     let load = RunOptions {
         load: Some(&saved),
-        save: None,
-        tensors: None,
+        ..Default::default()
     };
     for (stage, world) in [(3u8, 4usize), (1, 1), (0, 3)] {
         let runs = train_zero_between(&config(stage, world), world, 24 / world, 1, &batch, 2, load);
@@ -525,6 +549,39 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
         first,
         "the exported weights are the trained ones"
     );
+}
+
+/// Burn's own way to save an optimizer: each rank's model and `ZeroOptimizer::to_record`
+/// through a Burn recorder, loaded into a fresh `initialize` at stage 3 (the units' shards, in
+/// either state) and trained on: the run that never stopped, exactly.
+#[test]
+fn a_stage_3_burn_record_resumes_exactly() {
+    let batch = matrix_batch();
+    let lens: Vec<usize> = parts(&fixture_gpt2().into_sharded()).iter().map(Vec::len).collect();
+    let config = matrix_config(3, 2, 1, 0.5);
+    let uninterrupted = put_together(&train_zero(&config, 2, 12, 1, &batch, 4), &lens);
+    for tensors in [true, false] {
+        let out = std::sync::Mutex::new(vec![None, None]);
+        let first = RunOptions {
+            tensors: Some(tensors),
+            records_out: Some(&out),
+            ..Default::default()
+        };
+        train_zero_between(&config, 2, 12, 1, &batch, 2, first);
+        let saved: Vec<Saved> = out
+            .into_inner()
+            .expect("records")
+            .into_iter()
+            .map(|s| s.expect("saved"))
+            .collect();
+        let resume = RunOptions {
+            tensors: Some(tensors),
+            records_in: Some(&saved),
+            ..Default::default()
+        };
+        let resumed = put_together(&train_zero_between(&config, 2, 12, 1, &batch, 2, resume), &lens);
+        assert_eq!(resumed, uninterrupted, "tensors {tensors}: resumed from Burn records");
+    }
 }
 
 /// The memory report of stage 3 on 2 ranks is ZeRO's accounting of what each rank holds
