@@ -13,7 +13,7 @@ use crate::optimizer::ZeroOptimizer;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
-use crate::sharded::{contains_zero_module, shard_units, ShardBackend, UnitComm};
+use crate::sharded::{contains_zero_module, shard_units, shard_units_kept_gathered, ShardBackend, UnitComm};
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -353,6 +353,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     let threshold = settings.param_persistence_threshold;
+    let optimizer_stage = settings.stage;
     let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
@@ -361,6 +362,10 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
             warn_keeps_gathered();
         }
         model = shard_units(model, collective, threshold)?;
+    } else if optimizer_stage == Stage::Zero2 {
+        // Each unit's gradient is reduce-scattered in backward; its whole vector is gathered once
+        // per step and kept.
+        model = shard_units_kept_gathered(model, collective)?;
     }
     Ok((model, optimizer))
 }

@@ -16,68 +16,21 @@
 
 mod common;
 
+use common::counting::{Call, Counting};
+
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::DType;
 use common::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use zero_burn::{
-    ComputeDtype, DeviceCollective, EngineSettings, HostStaged, NonFinitePolicy, PrecisionSettings, Stage, ZeroError,
+    ComputeDtype, DeviceCollective, EngineSettings, HostStaged, NonFinitePolicy, PrecisionSettings, Stage,
     ZeroOptimizer,
 };
-use zero_core::comm::ReduceOp;
 
 const BLOCKS: usize = 3;
 const GAS: usize = 2;
 
 type Inner = burn::backend::Flex;
-
-/// One collective call: its name, its length, its dtype.
-type Call = (&'static str, usize, DType);
-
-/// Records every collective the state calls, then runs it through `HostStaged`.
-#[derive(Debug)]
-struct Counting {
-    inner: HostStaged,
-    log: Mutex<Vec<Call>>,
-}
-
-impl Counting {
-    fn note(&self, op: &'static str, t: &Tensor<Inner, 1>) {
-        self.log.lock().expect("log").push((op, t.dims()[0], t.dtype()));
-    }
-    fn take(&self) -> Vec<Call> {
-        std::mem::take(&mut *self.log.lock().expect("log"))
-    }
-}
-
-impl DeviceCollective<Inner> for Counting {
-    fn rank(&self) -> usize {
-        DeviceCollective::<Inner>::rank(&self.inner)
-    }
-    fn world_size(&self) -> usize {
-        DeviceCollective::<Inner>::world_size(&self.inner)
-    }
-    fn all_reduce(&self, t: Tensor<Inner, 1>, op: ReduceOp) -> Result<Tensor<Inner, 1>, ZeroError> {
-        self.note("all_reduce", &t);
-        self.inner.all_reduce(t, op)
-    }
-    fn reduce_scatter(&self, t: Tensor<Inner, 1>, op: ReduceOp) -> Result<Tensor<Inner, 1>, ZeroError> {
-        self.note("reduce_scatter", &t);
-        self.inner.reduce_scatter(t, op)
-    }
-    fn all_gather(&self, t: Tensor<Inner, 1>) -> Result<Tensor<Inner, 1>, ZeroError> {
-        self.note("all_gather", &t);
-        self.inner.all_gather(t)
-    }
-    fn broadcast(&self, t: Tensor<Inner, 1>, root: usize) -> Result<Tensor<Inner, 1>, ZeroError> {
-        self.note("broadcast", &t);
-        self.inner.broadcast(t, root)
-    }
-    fn all_reduce_scalars(&self, v: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
-        self.log.lock().expect("log").push(("scalars", v.len(), DType::F32));
-        DeviceCollective::<Inner>::all_reduce_scalars(&self.inner, v, op)
-    }
-}
 
 /// The padded length of each flat group as ZeRO buckets `Net`'s parameters at `settings` over
 /// `world` ranks: in visit order, in buckets of about `reduce_bucket_size` elements, replicated

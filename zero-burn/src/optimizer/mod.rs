@@ -332,15 +332,18 @@ impl ZeroOptimizer {
             .sum();
         memory.add_parameters(held * dtype.size());
         // The units' gathers are the autodiff graph's, out of sight: counted from the layout,
-        // as the ZeRO formulas do. Under a checkpointing strategy a unit is freed after its use
-        // (one whole at a time); without, every unit stays until backward.
+        // as the ZeRO formulas do. At stage 2 every unit keeps its whole vector from one step to
+        // the next: parameters, as ZeRO-2 counts them. At stage 3, under a checkpointing
+        // strategy a unit is freed after its use (one whole at a time); without, every unit
+        // stays until backward.
         let gathers = units.iter().map(|&g| layout.groups[g].padded * dtype.size());
-        let gathered = if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
-            gathers.sum()
+        if self.settings.stage == Stage::Zero2 {
+            memory.add_parameters(gathers.sum());
+        } else if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
+            memory.add_gathered(gathers.sum());
         } else {
-            gathers.max().unwrap_or(0)
-        };
-        memory.add_gathered(gathered);
+            memory.add_gathered(gathers.max().unwrap_or(0));
+        }
         let built = view.clone();
         *guard = Some(if self.on_device() {
             let collective: Arc<dyn DeviceCollective<B::InnerBackend>> = match &self.collective {

@@ -40,6 +40,12 @@ use zero_core::comm::ReduceOp;
 /// The ranks a unit is sharded over.
 pub type UnitComm<I> = Arc<dyn DeviceCollective<I>>;
 
+/// What identifies the value of an autodiff tensor: its node, new for every tensor an op or a
+/// write makes (a clone shares it).
+pub(crate) fn value_key<I: Backend, C: CheckpointStrategy>(t: &Tensor<Autodiff<I, C>, 1>) -> u64 {
+    t.clone().into_primitive().tensor().node.id.value
+}
+
 fn tensor<I: Backend>(primitive: FloatTensor<I>) -> Tensor<I, 1> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
@@ -115,6 +121,8 @@ struct RetroGather<I: Backend> {
     shard: NodeId,
     after: Option<NodeId>,
     comm: Option<UnitComm<I>>,
+    /// The unit's whole vector kept between steps (stage 2): handed out again, not gathered.
+    kept: Option<FloatTensor<I>>,
 }
 
 impl<I: Backend> RetroForward for RetroGather<I> {
@@ -125,12 +133,13 @@ impl<I: Backend> RetroForward for RetroGather<I> {
         if let Some(after) = self.after {
             let _ = states.get_state::<FloatTensor<I>>(&after);
         }
-        let whole = match &self.comm {
-            Some(comm) => match comm.all_gather(tensor::<I>(shard)) {
+        let whole = match (&self.kept, &self.comm) {
+            (Some(kept), _) => kept.clone(),
+            (None, Some(comm)) => match comm.all_gather(tensor::<I>(shard)) {
                 Ok(whole) => whole.into_primitive().tensor(),
                 Err(e) => panic!("ZeRO stage 3: all-gather of a unit's parameters in backward failed: {e}"),
             },
-            None => shard,
+            (None, None) => shard,
         };
         states.save(out, whole);
     }
@@ -193,12 +202,16 @@ impl<I: Backend> RetroForward for RetroPart<I> {
 /// as differentiable ops: with `comm`, every rank's shard is gathered (the unit's whole flat
 /// parameters, padding after the parts) and the gradient reaching the parts is put together,
 /// averaged over the ranks and cut to this rank's shard; without, `shard` is the whole vector
-/// and its gradient is the parts' put together. `after` (optional) orders that backward right
-/// after the backward of what it feeds (see the module docs).
+/// and its gradient is the parts' put together. `kept`, the unit's whole vector as gathered
+/// after the last step (stage 2), stands in for the all-gather, in forward and when backward
+/// needs the parameters again; the gradient is reduce-scattered all the same. `after`
+/// (optional) orders that backward right after the backward of what it feeds (see the module
+/// docs).
 pub fn gather_parts<I, C, const D: usize>(
     shard: Tensor<Autodiff<I, C>, 1>,
     after: Option<&Tensor<Autodiff<I, C>, D>>,
     comm: Option<&UnitComm<I>>,
+    kept: Option<Tensor<I, 1>>,
     sizes: &[usize],
 ) -> Result<Vec<Tensor<Autodiff<I, C>, 1>>, ZeroError>
 where
@@ -211,12 +224,14 @@ where
     let after = after
         .map(|t| t.clone().into_primitive().tensor())
         .filter(|t| !t.node.requirement.is_none());
-    let whole = match comm {
-        Some(comm) => comm
+    let kept = kept.map(|k| k.into_primitive().tensor());
+    let whole = match (&kept, comm) {
+        (Some(kept), _) => kept.clone(),
+        (None, Some(comm)) => comm
             .all_gather(tensor::<I>(shard.primitive.clone()))?
             .into_primitive()
             .tensor(),
-        None => shard.primitive.clone(),
+        (None, None) => shard.primitive.clone(),
     };
     let len = whole.shape().num_elements();
     let part_grads: PartGrads<I> = Arc::new(Mutex::new(vec![None; sizes.len()]));
@@ -230,6 +245,7 @@ where
         shard: shard.node.id,
         after: after.as_ref().map(|t| t.node.id),
         comm: comm.cloned(),
+        kept,
     };
     let whole = match &after {
         None => {

@@ -12,6 +12,6 @@ mod module;
 pub use gather::{gather_parts, UnitComm};
 pub(crate) use module::refuse_zero_modules;
 pub use module::{
-    contains_zero_module, held_params, shard_len, shard_units, HeldParam, ShardBackend, ShardComm, UnitLayout,
-    ZeroModule, UNIT_ALIGNMENT,
+    contains_zero_module, held_params, shard_len, shard_units, shard_units_kept_gathered, HeldParam, ShardBackend,
+    ShardComm, UnitLayout, ZeroModule, UNIT_ALIGNMENT,
 };

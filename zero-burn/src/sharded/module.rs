@@ -26,14 +26,24 @@ pub trait ShardBackend: Backend {
     type Collective: Backend;
 
     /// The unit's parameters as flat parts of lengths `sizes`, from this rank's `shard`:
-    /// every rank's shard in rank order with `comm`, `shard` itself (the whole vector) without;
-    /// `after` is the tensor the unit's forward starts from.
+    /// every rank's shard in rank order with `comm` (`kept` instead, when the unit keeps its
+    /// whole vector between steps), `shard` itself (the whole vector) without; `after` is the
+    /// tensor the unit's forward starts from.
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
         comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self::Collective, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError>;
+
+    /// What identifies `t`'s value, for a unit that keeps its gathered vector between steps:
+    /// `None` where values cannot be told apart cheaply (a copy without autodiff, which then
+    /// gathers at every forward).
+    fn value_key(t: &Tensor<Self, 1>) -> Option<u64>;
+
+    /// `t` as a tensor of the collective's backend (the autodiff wrapper removed).
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self::Collective, 1>;
 
     /// Whether a gathered unit's whole parameters are freed after its forward and gathered
     /// again for backward (autodiff with a checkpointing strategy); otherwise they stay alive
@@ -62,22 +72,34 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
         comm: Option<&ShardComm>,
+        kept: Option<Tensor<I, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
         let comm = comm.map(ShardComm::get::<I>).transpose()?;
-        gather_parts(shard, after, comm, sizes)
+        gather_parts(shard, after, comm, kept, sizes)
+    }
+
+    fn value_key(t: &Tensor<Self, 1>) -> Option<u64> {
+        Some(super::gather::value_key(t))
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<I, 1> {
+        t.inner()
     }
 }
 
-/// A plain all-gather (with `comm`), cut into parts, for backends without autodiff.
+/// A plain all-gather (with `comm`; `kept` instead when given), cut into parts, for backends
+/// without autodiff.
 fn plain_parts<B: Backend>(
     shard: Tensor<B, 1>,
     comm: Option<&ShardComm>,
+    kept: Option<Tensor<B, 1>>,
     sizes: &[usize],
 ) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
-    let whole = match comm {
-        Some(comm) => comm.get::<B>()?.all_gather(shard)?,
-        None => shard,
+    let whole = match (kept, comm) {
+        (Some(kept), _) => kept,
+        (None, Some(comm)) => comm.get::<B>()?.all_gather(shard)?,
+        (None, None) => shard,
     };
     let mut start = 0;
     Ok(sizes
@@ -100,9 +122,18 @@ impl ShardBackend for Flex {
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
         comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
-        plain_parts(shard, comm, sizes)
+        plain_parts(shard, comm, kept, sizes)
+    }
+
+    fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {
+        None
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
     }
 }
 
@@ -123,9 +154,18 @@ where
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
         comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
-        plain_parts(shard, comm, sizes)
+        plain_parts(shard, comm, kept, sizes)
+    }
+
+    fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {
+        None
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
     }
 }
 
@@ -189,6 +229,16 @@ impl UnitLayout {
 struct Sharding {
     comm: ShardComm,
     world: usize,
+    /// The whole vector is gathered once per value of the shard (after each step) and kept
+    /// until the next (stage 2), rather than gathered for every use (stage 3).
+    keep: bool,
+}
+
+/// A unit's whole vector as gathered from the shard value `key` names (a tensor of the
+/// collective's backend).
+struct Kept {
+    key: u64,
+    whole: Box<dyn Any + Send + Sync>,
 }
 
 /// What every copy of one unit shares (a training model, its `valid()` copy, clones).
@@ -197,6 +247,14 @@ struct Unit {
     shapes: Vec<Vec<usize>>,
     numel: usize,
     sharding: std::sync::OnceLock<Sharding>,
+    /// The kept whole vector (`Sharding::keep`).
+    kept: std::sync::Mutex<Option<Kept>>,
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kept({})", self.key)
+    }
 }
 
 /// Every unit by the id of its flat parameter: how [`shard_units`] and the optimizer find a
@@ -257,6 +315,7 @@ where
             shapes,
             numel,
             sharding: std::sync::OnceLock::new(),
+            kept: std::sync::Mutex::new(None),
         });
         let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
         // Units whose models are gone leave dead entries: drop them as the registry doubles.
@@ -311,14 +370,50 @@ where
 
     fn whole<const D: usize>(&self, input: Option<&Tensor<B, D>>) -> Result<M, ZeroError> {
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
-        let comm = self.sharding().map(|s| &s.comm);
-        let parts = B::gather_parts(self.shard.val(), input, comm, &sizes)?;
+        let sharding = self.sharding();
+        let comm = sharding.map(|s| &s.comm);
+        let shard = self.shard.val();
+        let kept = match sharding {
+            Some(s) if s.keep => self.kept(&shard, s)?,
+            _ => None,
+        };
+        let parts = B::gather_parts(shard, input, comm, kept, &sizes)?;
         let parts: VecDeque<_> = parts
             .into_iter()
             .zip(&self.unit.shapes)
             .map(|(part, shape)| (part, Shape::from(shape.clone())))
             .collect();
         Ok(self.skeleton.clone().map(&mut Filled(parts)))
+    }
+}
+
+impl<B, M> ZeroModule<B, M>
+where
+    B: ShardBackend,
+    M: Module<B>,
+{
+    /// The unit's whole vector for `shard`'s value: the one kept since it was gathered, or
+    /// gathered now (the first use after a step) and kept in place of the last value's. `None`
+    /// where the backend cannot tell values apart (the caller gathers).
+    fn kept(&self, shard: &Tensor<B, 1>, sharding: &Sharding) -> Result<Option<Tensor<B::Collective, 1>>, ZeroError> {
+        let Some(key) = B::value_key(shard) else {
+            return Ok(None);
+        };
+        let mut kept = self.unit.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = kept.as_ref().filter(|k| k.key == key) {
+            if let Some(whole) = k.whole.downcast_ref::<Tensor<B::Collective, 1>>() {
+                return Ok(Some(whole.clone()));
+            }
+        }
+        // The last value's vector goes first: one unit's whole at a time, not two.
+        *kept = None;
+        let comm = sharding.comm.get::<B::Collective>()?;
+        let whole = comm.all_gather(B::collective_value(shard.clone()))?;
+        *kept = Some(Kept {
+            key,
+            whole: Box::new(whole.clone()),
+        });
+        Ok(Some(whole))
     }
 }
 
@@ -333,9 +428,31 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
     comm: UnitComm<B::Collective>,
     min_numel: usize,
 ) -> Result<M, ZeroError> {
+    cut_units(model, comm, min_numel, false)
+}
+
+/// `model` with every [`ZeroModule`] cut over the ranks of `comm` as [`shard_units`] cuts them,
+/// each unit keeping its whole vector between steps (ZeRO stage 2): gathered at its first use
+/// after each step and kept, so forward and backward gather nothing more, while its gradient is
+/// reduce-scattered to the rank's shard in backward as at stage 3. A unit's parameter, and its
+/// gradient, is the rank's shard.
+pub fn shard_units_kept_gathered<B: ShardBackend, M: Module<B>>(
+    model: M,
+    comm: UnitComm<B::Collective>,
+) -> Result<M, ZeroError> {
+    cut_units(model, comm, 0, true)
+}
+
+fn cut_units<B: ShardBackend, M: Module<B>>(
+    model: M,
+    comm: UnitComm<B::Collective>,
+    min_numel: usize,
+    keep: bool,
+) -> Result<M, ZeroError> {
     struct Cut<B: ShardBackend> {
         comm: UnitComm<B::Collective>,
         min_numel: usize,
+        keep: bool,
         error: Option<ZeroError>,
     }
     impl<B: ShardBackend> ModuleMapper<B> for Cut<B> {
@@ -353,6 +470,7 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
             let sharding = Sharding {
                 comm: ShardComm::new(self.comm.clone()),
                 world,
+                keep: self.keep,
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(
@@ -391,6 +509,7 @@ pub fn shard_units<B: ShardBackend, M: Module<B>>(
     let mut cut = Cut::<B> {
         comm,
         min_numel,
+        keep,
         error: None,
     };
     let model = model.map(&mut cut);

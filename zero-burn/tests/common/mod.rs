@@ -12,6 +12,8 @@ use zero_burn::params::{describe, write_values};
 use zero_burn::ChainModel;
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 
+pub mod counting;
+
 pub type B = Autodiff<Flex>;
 
 /// Input projection and head.
