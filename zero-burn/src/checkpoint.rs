@@ -138,9 +138,10 @@ impl EngineCore {
             groups,
             stage: self.settings.stage.number(),
             global_step: self.global_step,
+            skipped_steps: self.skipped_steps,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
             optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
-            lr_next: Some(self.settings.lr_at(self.global_step)),
+            lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             // The engine keeps neither a loss scaler nor a random generator of its own yet.
             loss_scaler: self.scaler.as_ref().map(|s| s.state()),
             rng: None,
@@ -237,6 +238,7 @@ impl EngineCore {
         self.state.reset_accumulators();
         self.micro_steps = 0;
         self.global_step = meta.global_step;
+        self.skipped_steps = meta.skipped_steps;
         if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler) {
             scaler.load_state(state);
         }

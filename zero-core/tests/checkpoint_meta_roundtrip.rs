@@ -89,6 +89,7 @@ fn meta(world: usize, lr_next: Option<f64>, scale: f64, rng: Value, client: Valu
         stage: 2,
         world_size: world,
         global_step: 7,
+        skipped_steps: 0,
         params: CheckpointMeta::param_records(&layout),
         layout,
         optimizer: OptimizerRecord {
@@ -242,6 +243,7 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                     .collect(),
                 stage: 2,
                 global_step: 1,
+                skipped_steps: 0,
                 optimizer_name: "sgd".into(),
                 optimizer_step: 1,
                 lr_next: lr,

@@ -31,6 +31,7 @@ fn held(layout: &PartitionLayout, rank: usize, step: u64) -> (checkpoint::Checkp
             .collect(),
         stage: 0,
         global_step: step,
+        skipped_steps: 0,
         optimizer_name: "adamw".into(),
         optimizer_step: step,
         lr_next: None,

@@ -67,6 +67,7 @@ impl<I: Backend> DeviceState<I> {
                 .collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
+            skipped_steps: self.skipped_steps,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
             optimizer_step: first.map(DeviceOptimizer::step_count).unwrap_or(0),
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
@@ -120,7 +121,7 @@ impl<I: Backend> DeviceState<I> {
             Ok(out)
         })();
         let groups = crate::checkpoint::all_ranks_or_none(group.as_ref(), rebuilt)?;
-        self.restore(groups, meta.global_step, meta.loss_scaler);
+        self.restore(groups, meta.global_step, meta.skipped_steps, meta.loss_scaler);
         Ok(meta.client_state)
     }
 }

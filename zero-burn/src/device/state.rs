@@ -321,18 +321,20 @@ impl<I: Backend> DeviceState<I> {
         self.scaler.as_ref().map(|s| s.state())
     }
 
-    /// Replaces every group's master shard and optimizer (a loaded checkpoint's), the step count
-    /// and the loss scaler's state.
+    /// Replaces every group's master shard and optimizer (a loaded checkpoint's), the step
+    /// counts (all, and skipped) and the loss scaler's state.
     pub(crate) fn restore(
         &mut self,
         groups: Vec<(Tensor<I, 1>, DeviceOptimizer<I>)>,
         global_step: u64,
+        skipped_steps: u64,
         scaler: Option<zero_core::loss_scaler::LossScalerState>,
     ) {
         for (state, (master, optimizer)) in self.groups.iter_mut().zip(groups) {
             (state.master, state.optimizer) = (master, optimizer);
         }
         self.global_step = global_step;
+        self.skipped_steps = skipped_steps;
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
             s.load_state(state);
         }

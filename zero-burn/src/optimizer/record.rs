@@ -110,13 +110,14 @@ impl ZeroOptimizer {
         self
     }
 
-    /// The global step a pending record will restore, if one is waiting.
+    /// The applied steps (skipped ones left out) a pending record will restore, if one is
+    /// waiting: the learning-rate schedule's position.
     pub(super) fn pending_step(&self) -> Option<u64> {
         let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         pending
             .as_ref()
             .and_then(|r| r.meta().ok().flatten())
-            .map(|m| m.global_step)
+            .map(|m| m.global_step.saturating_sub(m.skipped_steps))
     }
 
     /// Applies a pending record to `state` (built): re-cut over the ranks for the state's layout,

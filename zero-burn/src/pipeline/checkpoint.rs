@@ -141,9 +141,14 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 groups,
                 stage: self.core.settings.stage.number(),
                 global_step: self.core.global_step,
+                skipped_steps: self.core.skipped_steps,
                 optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
                 optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
-                lr_next: Some(self.core.settings.lr_at(self.core.global_step)),
+                lr_next: Some(
+                    self.core
+                        .settings
+                        .lr_at(self.core.global_step - self.core.skipped_steps),
+                ),
                 loss_scaler: self.core.scaler.as_ref().map(|s| s.state()),
                 rng: None,
                 client_state: client_state.clone(),
@@ -218,6 +223,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         self.core.state.reset_accumulators();
         self.core.micro_steps = 0;
         self.core.global_step = meta.global_step;
+        self.core.skipped_steps = meta.skipped_steps;
         if let (Some(scaler), Some(state)) = (self.core.scaler.as_mut(), meta.loss_scaler) {
             scaler.load_state(state);
         }

@@ -399,15 +399,24 @@ where
         let Some(key) = B::value_key(shard) else {
             return Ok(None);
         };
+        let comm = sharding.comm.get::<B::Collective>()?;
         let mut kept = self.unit.kept.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.as_ref().filter(|k| k.key == key) {
             if let Some(whole) = k.whole.downcast_ref::<Tensor<B::Collective, 1>>() {
-                return Ok(Some(whole.clone()));
+                let whole = whole.clone();
+                drop(kept);
+                // A forward without any collective would let a rank start its backward (whose
+                // reduce-scatters wait for every rank, inside burn 0.21's lock on its graph)
+                // while another rank, a thread of the same process, is still in the cleanup
+                // that ends its last backward, which locks every thread's graph: both would
+                // wait forever. One scalar all-reduce keeps the ranks in step, as the gathers
+                // of stage 3 do.
+                comm.all_reduce_scalars(&mut [0.0], zero_core::comm::ReduceOp::Sum)?;
+                return Ok(Some(whole));
             }
         }
         // The last value's vector goes first: one unit's whole at a time, not two.
         *kept = None;
-        let comm = sharding.comm.get::<B::Collective>()?;
         let whole = comm.all_gather(B::collective_value(shard.clone()))?;
         *kept = Some(Kept {
             key,

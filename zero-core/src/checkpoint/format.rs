@@ -113,6 +113,11 @@ pub struct CheckpointMeta {
     pub world_size: usize,
     /// Optimizer steps taken by the engine.
     pub global_step: u64,
+    /// Of those, the steps skipped (fp16 overflow): the learning-rate schedule's position is
+    /// `global_step - skipped_steps`. Left out of the file when 0, so that a checkpoint saved
+    /// before the field existed re-serialises to the bytes its checksum was computed over.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped_steps: u64,
     /// Every parameter, in layout order.
     pub params: Vec<ParamRecord>,
     /// The flat layout of the run that saved (at `world_size`).
@@ -360,4 +365,8 @@ pub fn check_tag(dir: &Path, tag: &str) -> Result<(), CheckpointError> {
             ),
         })
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

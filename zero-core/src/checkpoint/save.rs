@@ -63,6 +63,8 @@ pub struct SaveRequest<'a> {
     pub stage: u8,
     /// Optimizer steps taken by the engine.
     pub global_step: u64,
+    /// Of those, the steps skipped (fp16 overflow).
+    pub skipped_steps: u64,
     /// Optimizer name.
     pub optimizer_name: String,
     /// The optimizer's own step count.
@@ -198,6 +200,7 @@ pub fn describe(req: &SaveRequest<'_>, world: usize, tag: &str) -> Result<Checkp
         stage: req.stage,
         world_size: world,
         global_step: req.global_step,
+        skipped_steps: req.skipped_steps,
         params: CheckpointMeta::param_records(req.layout),
         layout: req.layout.clone(),
         optimizer: OptimizerRecord {
@@ -329,6 +332,7 @@ mod tests {
             }],
             stage: 3,
             global_step: 5,
+            skipped_steps: 0,
             optimizer_name: "adamw".into(),
             optimizer_step: 5,
             lr_next: Some(1.7943120135055317e-3),

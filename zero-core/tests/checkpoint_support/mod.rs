@@ -126,6 +126,7 @@ pub fn save_model(
                 .collect(),
             stage,
             global_step: step,
+            skipped_steps: 0,
             optimizer_name: "adamw".into(),
             optimizer_step: step,
             lr_next: Some(1e-3),
