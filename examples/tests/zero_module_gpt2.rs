@@ -102,10 +102,11 @@ struct RunOptions<'a> {
     records_out: Option<&'a std::sync::Mutex<Vec<Option<Saved>>>>,
 }
 
-/// A rank's model and `ZeroOptimizer::to_record`, written and read back by a Burn recorder.
+/// A rank's model record and `ZeroOptimizer::to_record`, written by a Burn recorder (bytes: the
+/// loading run gets tensors of its own).
 #[derive(Clone)]
 struct Saved {
-    model: ShardedGpt2<B>,
+    model: Vec<u8>,
     optim: Vec<u8>,
 }
 
@@ -136,7 +137,9 @@ fn train_zero_between(
         }
         let recorder = burn::record::BinBytesRecorder::<burn::record::FullPrecisionSettings>::default();
         if let Some(saved) = options.records_in {
-            model = model.load_record(saved[rank].model.clone().into_record());
+            let record = burn::record::Recorder::<B>::load(&recorder, saved[rank].model.clone(), &Default::default())
+                .expect("read the model record");
+            model = model.load_record(record);
             let record = burn::record::Recorder::<B>::load(&recorder, saved[rank].optim.clone(), &Default::default())
                 .expect("read the optimizer record");
             optim = optim.load_record(record);
@@ -170,10 +173,9 @@ fn train_zero_between(
         }
         if let Some(out) = options.records_out {
             let optim = burn::record::Recorder::<B>::record(&recorder, optim.to_record(), ()).expect("record");
-            out.lock().expect("records")[rank] = Some(Saved {
-                model: model.clone(),
-                optim,
-            });
+            let model =
+                burn::record::Recorder::<B>::record(&recorder, model.clone().into_record(), ()).expect("record");
+            out.lock().expect("records")[rank] = Some(Saved { model, optim });
         }
         assert_eq!(optim.tensor_state(), Some(tensors), "where the optimizer's state lives");
         RankRun {

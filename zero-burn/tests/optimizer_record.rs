@@ -53,11 +53,32 @@ fn from_bytes(bytes: Vec<u8>, how: Bytes) -> ZeroOptimizerRecord {
     .expect("load")
 }
 
-/// What each rank carries from one run to the next: its optimizer record and its model.
+/// What each rank carries from one run to the next: its optimizer record and its model's, as
+/// bytes (so that a rank loading another's record gets tensors of its own: rank threads sharing
+/// autodiff tensors can deadlock in burn 0.21's graph locks).
 #[derive(Clone)]
 struct Saved {
     optim: Vec<u8>,
-    model: Net<B>,
+    model: Vec<u8>,
+}
+
+fn model_bytes(model: &Net<B>) -> Vec<u8> {
+    Recorder::<B>::record(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        model.clone().into_record(),
+        (),
+    )
+    .expect("model record")
+}
+
+fn model_from(model: Net<B>, bytes: Vec<u8>) -> Net<B> {
+    let record = Recorder::<B>::load(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        bytes,
+        &Default::default(),
+    )
+    .expect("model record");
+    model.load_record(record)
 }
 
 /// Steps `steps` at `(world, stage)` (tensor state or host buffers), from a fresh model or from
@@ -79,7 +100,7 @@ fn run(
         let mut model = Net::<B>::new(&device, BLOCKS);
         if let Some(saved) = &resume {
             let mine = &saved[rank.min(saved.len() - 1)];
-            model = model.load_record(mine.model.clone().into_record());
+            model = model_from(model, mine.model.clone());
             optim = optim.load_record(from_bytes(mine.optim.clone(), how));
         }
         let mut lr = optim.lr_scheduler();
@@ -97,7 +118,7 @@ fn run(
         }
         let saved = Saved {
             optim: to_bytes(optim.to_record(), how),
-            model: model.clone(),
+            model: model_bytes(&model),
         };
         (values::<B, _>(&model), saved, failed)
     });

@@ -369,6 +369,7 @@ where
     }
 
     fn whole<const D: usize>(&self, input: Option<&Tensor<B, D>>) -> Result<M, ZeroError> {
+        self.register();
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let sharding = self.sharding();
         let comm = sharding.map(|s| &s.comm);
@@ -392,6 +393,21 @@ where
     B: ShardBackend,
     M: Module<B>,
 {
+    /// Makes the registry find this unit by its flat parameter's id: a Burn record loaded into
+    /// the module (`load_record`) gives the parameter the record's id, which the registry has
+    /// not seen.
+    fn register(&self) {
+        let id = self.shard.id;
+        let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
+        let known = registry
+            .get(&id)
+            .and_then(std::sync::Weak::upgrade)
+            .is_some_and(|u| Arc::ptr_eq(&u, &self.unit));
+        if !known {
+            registry.insert(id, Arc::downgrade(&self.unit));
+        }
+    }
+
     /// The unit's whole vector for `shard`'s value: the one kept since it was gathered, or
     /// gathered now (the first use after a step) and kept in place of the last value's. `None`
     /// where the backend cannot tell values apart (the caller gathers).
