@@ -27,14 +27,13 @@ const GAS: usize = 2;
 const STEPS: usize = 3;
 const LR: f64 = 0.05;
 
-fn config(world: usize) -> DeepSpeedConfig {
+fn config() -> DeepSpeedConfig {
     let text = format!(
         r#"{{"train_batch_size": {}, "gradient_accumulation_steps": {GAS},
         "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "eps": 1e-6, "weight_decay": 0.01}}}},
         "zero_optimization": {{"stage": 2}}}}"#,
         ROWS * GAS,
     );
-    let _ = world;
     DeepSpeedConfig::from_str(&text, "stage2.json").expect("config").config
 }
 
@@ -79,7 +78,7 @@ fn each_unit_is_gathered_once_per_step_and_its_gradient_is_the_shard() {
         });
         let model = Net::<AB>::whole(&device);
         let (mut model, mut optim) = zero_burn::initialize_on(
-            &config(world),
+            &config(),
             model,
             group,
             counting.clone(),
@@ -174,7 +173,7 @@ fn a_copy_from_before_a_step_computes_with_its_own_weights() {
         let device = Default::default();
         let collective = Arc::new(HostStaged::new(group.clone()));
         let (model, mut optim) = zero_burn::initialize_on(
-            &config(world),
+            &config(),
             Net::<AB>::whole(&device),
             group,
             collective,

@@ -6,7 +6,7 @@
 mod checkpoint_support;
 
 use checkpoint_support::*;
-use zero_core::checkpoint::{self, GroupShard, LoadedGroup, SaveRequest};
+use zero_core::checkpoint::{self, LoadedGroup, SaveRequest};
 use zero_core::partition::PartitionLayout;
 
 /// Rank `rank`'s owned slices of `layout` at `step`, with their description.
@@ -22,13 +22,7 @@ fn held(layout: &PartitionLayout, rank: usize, step: u64) -> (checkpoint::Checkp
         .collect();
     let request = SaveRequest {
         layout,
-        groups: groups
-            .iter()
-            .map(|g| GroupShard {
-                master: &g.master,
-                state: g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect(),
-            })
-            .collect(),
+        groups: groups.iter().map(LoadedGroup::as_shard).collect(),
         stage: 0,
         global_step: step,
         skipped_steps: 0,

@@ -12,7 +12,7 @@ use crate::params::tensor_to_vec;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, CheckpointMeta, GroupShard, LoadedGroup, SaveRequest};
+use zero_core::checkpoint::{self, CheckpointMeta, LoadedGroup, SaveRequest};
 
 impl<I: Backend> DeviceState<I> {
     /// Saves the state under `dir/tag` (default tag `global_step{N}`), `client_state` in its
@@ -58,13 +58,7 @@ impl<I: Backend> DeviceState<I> {
         let first = self.shards().next().map(|(_, o)| o);
         SaveRequest {
             layout: &self.layout,
-            groups: groups
-                .iter()
-                .map(|g| GroupShard {
-                    master: &g.master,
-                    state: g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect(),
-                })
-                .collect(),
+            groups: groups.iter().map(LoadedGroup::as_shard).collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,

@@ -6,12 +6,14 @@
 //! own element-wise optimizers when every parameter sits in a `ZeroModule`. The engines
 //! (`ChainEngine`) refuses such a model.
 
+mod backend;
 mod gather;
 mod module;
 
+pub use backend::{ShardBackend, ShardComm};
 pub use gather::{gather_parts, UnitComm};
 pub(crate) use module::refuse_zero_modules;
 pub use module::{
-    contains_zero_module, held_params, shard_len, shard_units, shard_units_kept_gathered, HeldParam, ShardBackend,
-    ShardComm, UnitLayout, ZeroModule, UNIT_ALIGNMENT,
+    contains_zero_module, held_params, shard_len, shard_units, shard_units_kept_gathered, HeldParam, UnitLayout,
+    ZeroModule, UNIT_ALIGNMENT,
 };

@@ -11,6 +11,7 @@ use super::error::CheckpointError;
 use super::format::{self, CheckpointMeta, LATEST_FILE, META_FILE};
 use super::reader::ShardReader;
 use super::reshard::plan_rank;
+use super::save::GroupShard;
 use crate::comm::ProcessGroup;
 use crate::partition::PartitionLayout;
 use std::collections::BTreeMap;
@@ -23,6 +24,16 @@ pub struct LoadedGroup {
     pub master: Vec<f32>,
     /// Optimizer state buffers, by name.
     pub state: Vec<(String, Vec<f32>)>,
+}
+
+impl LoadedGroup {
+    /// The slices as a save takes them (the inverse of [`GroupShard::copied`]).
+    pub fn as_shard(&self) -> GroupShard<'_> {
+        GroupShard {
+            master: &self.master,
+            state: self.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect(),
+        }
+    }
 }
 
 /// A checkpoint whose metadata has been read and verified.

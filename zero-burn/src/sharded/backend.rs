@@ -1,0 +1,191 @@
+//! The backends a `ZeroModule` runs on ([`ShardBackend`]): how a unit's shard becomes its whole
+//! flat parameters on each (the differentiable gather under autodiff, a plain all-gather for a
+//! `valid()` copy), and the ranks a unit is cut over whatever the backend at hand ([`ShardComm`]).
+
+use super::gather::{gather_parts, UnitComm};
+use crate::error::ZeroError;
+use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use std::any::Any;
+use std::sync::Arc;
+
+/// The backends a [`ZeroModule`] runs on: how a unit's shard becomes its whole flat parameters.
+/// Autodiff backends gather with the differentiable op; the others (a model's `valid()` copy)
+/// gather plainly.
+pub trait ShardBackend: Backend {
+    /// The backend whose tensors the collectives move (the innermost one).
+    type Collective: Backend;
+
+    /// The unit's parameters as flat parts of lengths `sizes`, from this rank's `shard`:
+    /// every rank's shard in rank order with `comm` (`kept` instead, when the unit keeps its
+    /// whole vector between steps), `shard` itself (the whole vector) without; `after` is the
+    /// tensor the unit's forward starts from.
+    fn gather_parts<const D: usize>(
+        shard: Tensor<Self, 1>,
+        after: Option<&Tensor<Self, D>>,
+        comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self::Collective, 1>>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError>;
+
+    /// What identifies `t`'s value, for a unit that keeps its gathered vector between steps:
+    /// `None` where values cannot be told apart cheaply (a copy without autodiff, which then
+    /// gathers at every forward).
+    fn value_key(t: &Tensor<Self, 1>) -> Option<u64>;
+
+    /// `t` as a tensor of the collective's backend (the autodiff wrapper removed).
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self::Collective, 1>;
+
+    /// Whether a gathered unit's whole parameters are freed after its forward and gathered
+    /// again for backward (autodiff with a checkpointing strategy); otherwise they stay alive
+    /// until backward, as at stage 2.
+    fn frees_gathered() -> bool {
+        false
+    }
+
+    /// Whether the backend's tensors live in host memory (the CPU backend): parameter shards
+    /// there are already where `offload_param: cpu` would put them.
+    fn host_resident() -> bool;
+}
+
+impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBackend for Autodiff<I, C> {
+    type Collective = I;
+
+    fn frees_gathered() -> bool {
+        std::any::TypeId::of::<C>() != std::any::TypeId::of::<NoCheckpointing>()
+    }
+
+    fn host_resident() -> bool {
+        I::host_resident()
+    }
+
+    fn gather_parts<const D: usize>(
+        shard: Tensor<Self, 1>,
+        after: Option<&Tensor<Self, D>>,
+        comm: Option<&ShardComm>,
+        kept: Option<Tensor<I, 1>>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        let comm = comm.map(ShardComm::get::<I>).transpose()?;
+        gather_parts(shard, after, comm, kept, sizes)
+    }
+
+    fn value_key(t: &Tensor<Self, 1>) -> Option<u64> {
+        Some(super::gather::value_key(t))
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<I, 1> {
+        t.inner()
+    }
+}
+
+/// A plain all-gather (with `comm`; `kept` instead when given), cut into parts, for backends
+/// without autodiff.
+fn plain_parts<B: Backend>(
+    shard: Tensor<B, 1>,
+    comm: Option<&ShardComm>,
+    kept: Option<Tensor<B, 1>>,
+    sizes: &[usize],
+) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
+    let whole = match (kept, comm) {
+        (Some(kept), _) => kept,
+        (None, Some(comm)) => comm.get::<B>()?.all_gather(shard)?,
+        (None, None) => shard,
+    };
+    let mut start = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            start += n;
+            whole.clone().narrow(0, start - n, n)
+        })
+        .collect())
+}
+
+impl ShardBackend for Flex {
+    type Collective = Flex;
+
+    fn host_resident() -> bool {
+        true
+    }
+
+    fn gather_parts<const D: usize>(
+        shard: Tensor<Self, 1>,
+        _after: Option<&Tensor<Self, D>>,
+        comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self, 1>>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        plain_parts(shard, comm, kept, sizes)
+    }
+
+    fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {
+        None
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<F, I, BT> ShardBackend for burn_cubecl::CubeBackend<burn_cubecl::cubecl::cuda::CudaRuntime, F, I, BT>
+where
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    type Collective = Self;
+
+    fn host_resident() -> bool {
+        false
+    }
+
+    fn gather_parts<const D: usize>(
+        shard: Tensor<Self, 1>,
+        _after: Option<&Tensor<Self, D>>,
+        comm: Option<&ShardComm>,
+        kept: Option<Tensor<Self, 1>>,
+        sizes: &[usize],
+    ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
+        plain_parts(shard, comm, kept, sizes)
+    }
+
+    fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {
+        None
+    }
+
+    fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
+    }
+}
+
+/// The ranks a [`ZeroModule`] is sharded over, whatever the backend of the module's copy at
+/// hand (a training model and its `valid()` copy share it): a [`UnitComm`] of the innermost
+/// backend.
+#[derive(Clone)]
+pub struct ShardComm(Arc<dyn Any + Send + Sync>);
+
+impl ShardComm {
+    /// The ranks of `comm`.
+    pub fn new<I: Backend>(comm: UnitComm<I>) -> Self {
+        ShardComm(Arc::new(comm))
+    }
+
+    pub(super) fn get<I: Backend>(&self) -> Result<&UnitComm<I>, ZeroError> {
+        self.0.downcast_ref::<UnitComm<I>>().ok_or_else(|| {
+            ZeroError::Config(format!(
+                "a ZeroModule sharded for another backend was run on {}",
+                std::any::type_name::<I>()
+            ))
+        })
+    }
+}
+
+impl std::fmt::Debug for ShardComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShardComm")
+    }
+}
