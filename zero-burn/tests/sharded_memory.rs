@@ -49,25 +49,30 @@ type LinearUnit<C> = ZeroModule<Autodiff<Flex, C>, Linear<Autodiff<Flex, C>>>;
 
 const WIDTH: usize = 256;
 /// One unit gathered on one rank.
-const UNIT_BYTES: usize = WIDTH * WIDTH * 4;
+const UNIT_BYTES: i64 = (WIDTH * WIDTH * 4) as i64;
 const WORLD: usize = 2;
+const WORLD_BYTES: i64 = WORLD as i64;
 
 /// Over both ranks: bytes alive after forward above those alive before it, and bytes the
 /// sharded units hold.
-fn retained<C: CheckpointStrategy>(units: usize) -> (usize, usize) {
+fn retained<C: CheckpointStrategy>(units: usize) -> (i64, i64) {
     let groups = ThreadGroup::new_group(WORLD).unwrap();
-    let barrier = Barrier::new(WORLD);
-    let marks = std::sync::Mutex::new(Vec::new());
-    std::thread::scope(|s| {
-        for (rank, group) in groups.into_iter().enumerate() {
-            let (barrier, marks) = (&barrier, &marks);
-            s.spawn(move || {
+    let barrier = Arc::new(Barrier::new(WORLD));
+    let marks = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // Threads joined (not scoped): a join returns after the thread's thread-local destructors
+    // have run, so no rank thread of an earlier measurement frees memory during this one.
+    let ranks: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let (barrier, marks) = (barrier.clone(), marks.clone());
+            std::thread::spawn(move || {
                 let device = Default::default();
                 let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
                 let mark = |what: &'static str| {
                     barrier.wait();
                     if rank == 0 {
-                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::Relaxed)));
+                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::SeqCst)));
                     }
                     barrier.wait();
                 };
@@ -87,11 +92,14 @@ fn retained<C: CheckpointStrategy>(units: usize) -> (usize, usize) {
                 let loss = h.sum();
                 mark("forward");
                 let _ = loss.backward();
-            });
-        }
-    });
-    let marks = marks.into_inner().unwrap();
-    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1;
+            })
+        })
+        .collect();
+    for rank in ranks {
+        rank.join().unwrap();
+    }
+    let marks = marks.lock().unwrap();
+    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1 as i64;
     (at("forward") - at("sharded"), at("sharded") - at("start"))
 }
 
@@ -101,7 +109,7 @@ fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
     let (many, many_sharded) = retained::<BalancedCheckpointing>(16);
     let (few_plain, _) = retained::<NoCheckpointing>(2);
     let (many_plain, _) = retained::<NoCheckpointing>(16);
-    let gathered = 14 * UNIT_BYTES * WORLD;
+    let gathered = 14 * UNIT_BYTES * WORLD_BYTES;
     eprintln!(
         "kept after forward, 2 and 16 units: balanced {few} and {many} bytes, none {few_plain} and {many_plain}; \
          the 14 more units gathered: {gathered}; sharded units hold {few_sharded} and {many_sharded}"
@@ -126,7 +134,7 @@ fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
     // And with 16 units, forward keeps every unit's gathered weights fewer than without
     // checkpointing: the rest (the backend's per-thread scratch, which varies by a few hundred
     // KiB from run to run and by machine, the graph's bookkeeping) is the same either way.
-    let all_gathered = 16 * UNIT_BYTES * WORLD;
+    let all_gathered = 16 * UNIT_BYTES * WORLD_BYTES;
     assert!(
         many_plain - many >= all_gathered * 9 / 10,
         "16 units: balanced keeps {many} bytes, none {many_plain}; the units gathered are {all_gathered}"
