@@ -13,7 +13,7 @@ use crate::optimizer::ZeroOptimizer;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
-use crate::sharded::{contains_zero_module, shard_units, shard_units_kept_gathered, ShardBackend, UnitComm};
+use crate::sharded::{contains_zero_module, shard_units_with, ShardBackend, UnitComm, UnitPlan};
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -352,20 +352,33 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         // The shards already live in host memory.
         settings.offload_param = ParamOffload::None;
     }
-    let threshold = settings.param_persistence_threshold;
-    let optimizer_stage = settings.stage;
+    // With `overlap_comm`, the units that come next are gathered while one computes, up to
+    // `stage3_prefetch_bucket_size` elements (at stage 2, the gathers of the first use after
+    // each step).
+    let plan = UnitPlan {
+        min_numel: settings.param_persistence_threshold,
+        keep_gathered: settings.stage == Stage::Zero2,
+        prefetch: if settings.overlap_comm {
+            settings.prefetch_bucket_size
+        } else {
+            0
+        },
+    };
+    let cut = matches!(settings.stage, Stage::Zero2 | Stage::Zero3);
     let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
-    if stage3 {
-        if !B::frees_gathered() {
-            warn_keeps_gathered();
-        }
-        model = shard_units(model, collective, threshold)?;
-    } else if optimizer_stage == Stage::Zero2 {
-        // Each unit's gradient is reduce-scattered in backward; its whole vector is gathered once
-        // per step and kept.
-        model = shard_units_kept_gathered(model, collective)?;
+    if stage3 && !B::frees_gathered() {
+        warn_keeps_gathered();
+    }
+    if cut {
+        // At stage 2 every unit is cut (no persistence threshold): each unit's gradient is
+        // reduce-scattered in backward; its whole vector is gathered once per step and kept.
+        let plan = UnitPlan {
+            min_numel: if stage3 { plan.min_numel } else { 0 },
+            ..plan
+        };
+        model = shard_units_with(model, collective, &plan)?;
     }
     Ok((model, optimizer))
 }

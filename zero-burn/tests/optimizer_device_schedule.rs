@@ -68,10 +68,7 @@ fn record(settings: EngineSettings, world: usize) -> Seen {
     on_ranks(world, |rank, group| {
         let device = Default::default();
         let padded = padded_groups(&settings, world);
-        let counting = Arc::new(Counting {
-            inner: HostStaged::new(group.clone()),
-            log: Default::default(),
-        });
+        let counting = Arc::new(Counting::new(HostStaged::new(group.clone())));
         let collective: Arc<dyn DeviceCollective<Inner>> = counting.clone();
         let mut optim = ZeroOptimizer::new(settings.clone(), group)
             .expect("optimizer")

@@ -72,10 +72,7 @@ fn each_unit_is_gathered_once_per_step_and_its_gradient_is_the_shard() {
     let calls_per_rank = Mutex::new(Vec::new());
     let runs = common::on_ranks(world, |rank, group| {
         let device = Default::default();
-        let counting = Arc::new(Counting {
-            inner: HostStaged::new(group.clone()),
-            log: Mutex::new(Vec::new()),
-        });
+        let counting = Arc::new(Counting::new(HostStaged::new(group.clone())));
         let model = Net::<AB>::whole(&device);
         let (mut model, mut optim) = zero_burn::initialize_on(
             &config(),

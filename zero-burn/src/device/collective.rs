@@ -32,6 +32,14 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     /// Every rank's `shard` (all equally long), concatenated in rank order.
     fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError>;
 
+    /// [`DeviceCollective::all_gather`], started now and finished by [`Started::wait`]: the
+    /// collective runs while the caller goes on (a prefetch). It takes its place in the rank's
+    /// order of collectives when it is started, so collectives called after it run after it.
+    /// The default runs it at once.
+    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
+        Started::ready(self.all_gather(shard))
+    }
+
     /// Rank `root`'s `tensor`, on every rank. The default sums `tensor` on the root with zeros
     /// elsewhere, which is exact (x + 0 = x).
     fn broadcast(&self, tensor: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, ZeroError> {
@@ -51,6 +59,34 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     /// (checkpoints); `None` (the default) when there is none, and checkpoints are refused.
     fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
         None
+    }
+}
+
+/// A collective in flight ([`DeviceCollective::all_gather_start`]). Dropping it without waiting
+/// does not cancel it: the ranks still run it, and its result is freed.
+#[must_use = "a started collective's result is only seen through wait()"]
+pub struct Started<B: Backend>(Box<dyn FnOnce() -> Result<Tensor<B, 1>, ZeroError> + Send>);
+
+impl<B: Backend> Started<B> {
+    /// A collective that has already finished with `result`.
+    pub fn ready(result: Result<Tensor<B, 1>, ZeroError>) -> Self {
+        Started(Box::new(move || result))
+    }
+
+    /// A collective whose result `finish` waits for.
+    pub fn pending(finish: impl FnOnce() -> Result<Tensor<B, 1>, ZeroError> + Send + 'static) -> Self {
+        Started(Box::new(finish))
+    }
+
+    /// Blocks until every rank has taken part, and returns the result.
+    pub fn wait(self) -> Result<Tensor<B, 1>, ZeroError> {
+        (self.0)()
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Started<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Started")
     }
 }
 
@@ -148,6 +184,20 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
         let device = shard.device();
         let buffer = to_buffer(shard, "all_gather")?;
         Ok(from_buffer(self.group.all_gather(buffer)?, &device))
+    }
+
+    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
+        if self.group.world_size() == 1 {
+            return Started::ready(Ok(shard));
+        }
+        let device = shard.device();
+        let buffer = match to_buffer(shard, "all_gather") {
+            Ok(buffer) => buffer,
+            Err(e) => return Started::ready(Err(e)),
+        };
+        // The group's own worker runs it, in this rank's order of collectives.
+        let work = self.group.all_gather_async(buffer);
+        Started::pending(move || Ok(from_buffer(work.wait()?, &device)))
     }
 
     fn broadcast(&self, tensor: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, ZeroError> {

@@ -27,7 +27,7 @@ mod optim;
 pub(crate) mod state;
 
 pub use adam::DeviceAdam;
-pub use collective::{DeviceCollective, HostStaged};
+pub use collective::{DeviceCollective, HostStaged, Started};
 pub(crate) use cpu::own_buffer;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclDevice;

@@ -402,6 +402,8 @@ impl ZeroOptimizer {
             }
         };
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+        // The units' new shards: what the next forward's prefetches gather.
+        crate::sharded::note_shards::<B, M>(&module);
         Ok(module)
     }
 }

@@ -2,7 +2,7 @@
 //! flat parameters on each (the differentiable gather under autodiff, a plain all-gather for a
 //! `valid()` copy), and the ranks a unit is cut over whatever the backend at hand ([`ShardComm`]).
 
-use super::gather::{gather_parts, UnitComm};
+use super::gather::{gather_parts, UnitComm, UnitGather};
 use crate::error::ZeroError;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
@@ -19,13 +19,14 @@ pub trait ShardBackend: Backend {
     type Collective: Backend;
 
     /// The unit's parameters as flat parts of lengths `sizes`, from this rank's `shard`:
-    /// every rank's shard in rank order with `comm` (`kept` instead, when the unit keeps its
+    /// every rank's shard in rank order with `gather` (`kept` instead, when the unit keeps its
     /// whole vector between steps), `shard` itself (the whole vector) without; `after` is the
     /// tensor the unit's forward starts from.
+    #[doc(hidden)]
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
-        comm: Option<&ShardComm>,
+        gather: Option<&UnitGather<Self::Collective>>,
         kept: Option<Tensor<Self::Collective, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError>;
@@ -64,12 +65,11 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         after: Option<&Tensor<Self, D>>,
-        comm: Option<&ShardComm>,
+        gather: Option<&UnitGather<I>>,
         kept: Option<Tensor<I, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
-        let comm = comm.map(ShardComm::get::<I>).transpose()?;
-        gather_parts(shard, after, comm, kept, sizes)
+        gather_parts(shard, after, gather, kept, sizes)
     }
 
     fn value_key(t: &Tensor<Self, 1>) -> Option<u64> {
@@ -85,13 +85,14 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
 /// without autodiff.
 fn plain_parts<B: Backend>(
     shard: Tensor<B, 1>,
-    comm: Option<&ShardComm>,
+    gather: Option<&UnitGather<B>>,
     kept: Option<Tensor<B, 1>>,
     sizes: &[usize],
 ) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
-    let whole = match (kept, comm) {
+    let whole = match (kept, gather) {
+        // No autodiff node to tell values apart: gathered now, without the prefetch schedule.
         (Some(kept), _) => kept,
-        (None, Some(comm)) => comm.get::<B>()?.all_gather(shard)?,
+        (None, Some(gather)) => gather.comm.all_gather(shard)?,
         (None, None) => shard,
     };
     let mut start = 0;
@@ -114,11 +115,11 @@ impl ShardBackend for Flex {
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
-        comm: Option<&ShardComm>,
+        gather: Option<&UnitGather<Self>>,
         kept: Option<Tensor<Self, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
-        plain_parts(shard, comm, kept, sizes)
+        plain_parts(shard, gather, kept, sizes)
     }
 
     fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {
@@ -146,11 +147,11 @@ where
     fn gather_parts<const D: usize>(
         shard: Tensor<Self, 1>,
         _after: Option<&Tensor<Self, D>>,
-        comm: Option<&ShardComm>,
+        gather: Option<&UnitGather<Self>>,
         kept: Option<Tensor<Self, 1>>,
         sizes: &[usize],
     ) -> Result<Vec<Tensor<Self, 1>>, ZeroError> {
-        plain_parts(shard, comm, kept, sizes)
+        plain_parts(shard, gather, kept, sizes)
     }
 
     fn value_key(_: &Tensor<Self, 1>) -> Option<u64> {

@@ -21,6 +21,7 @@
 //! so the reduce-scatter runs right after the unit's own backward instead of at the very end
 //! with every unit's whole gradient alive.
 
+use super::prefetch::{Phase, Prefetcher};
 use crate::device::DeviceCollective;
 use crate::error::ZeroError;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -40,6 +41,33 @@ use zero_core::comm::ReduceOp;
 /// The ranks a unit is sharded over.
 pub type UnitComm<I> = Arc<dyn DeviceCollective<I>>;
 
+/// How a sharded unit's whole vector is gathered: over its ranks, through the schedule that
+/// prefetches its gathers where there is one (with the unit's number in it).
+#[derive(Clone, Debug)]
+pub struct UnitGather<I: Backend> {
+    pub(crate) comm: UnitComm<I>,
+    pub(crate) prefetch: Option<(Arc<Prefetcher<I>>, u64)>,
+}
+
+impl<I: Backend> UnitGather<I> {
+    /// The whole vector of the unit whose shard on this rank is `shard` (the value `key` names),
+    /// needed in `phase`.
+    pub(crate) fn all_gather(&self, shard: Tensor<I, 1>, key: u64, phase: Phase) -> Result<Tensor<I, 1>, ZeroError> {
+        match &self.prefetch {
+            Some((prefetch, unit)) => prefetch.fetch(*unit, key, shard, phase),
+            None => self.comm.all_gather(shard),
+        }
+    }
+
+    /// The mean over the ranks of the unit's whole gradient, cut to this rank's shard.
+    fn reduce_scatter(&self, whole: Tensor<I, 1>) -> Result<Tensor<I, 1>, ZeroError> {
+        if let Some((prefetch, _)) = &self.prefetch {
+            prefetch.backward_began();
+        }
+        self.comm.reduce_scatter(whole, ReduceOp::Avg)
+    }
+}
+
 /// What identifies the value of an autodiff tensor: its node, new for every tensor an op or a
 /// write makes (a clone shares it).
 pub(crate) fn value_key<I: Backend, C: CheckpointStrategy>(t: &Tensor<Autodiff<I, C>, 1>) -> u64 {
@@ -58,7 +86,7 @@ type PartGrads<I> = Arc<Mutex<Vec<Option<FloatTensor<I>>>>>;
 /// and where their gradients arrive. No tensor.
 #[derive(Clone, Debug)]
 struct GatherState<I: Backend> {
-    comm: Option<UnitComm<I>>,
+    gather: Option<UnitGather<I>>,
     sizes: Vec<usize>,
     /// Elements of the gathered vector (the parts and the padding).
     len: usize,
@@ -99,11 +127,11 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
             pieces.push(zeros(state.len - used));
         }
         let whole = tensor::<I>(I::float_cat(pieces, 0));
-        let shard = match &state.comm {
+        let shard = match &state.gather {
             // A backward step cannot return an error: a failed collective (a dead peer, a
             // timeout, both named by the group) ends the rank's backward with that error as the
             // panic.
-            Some(comm) => match comm.reduce_scatter(whole, ReduceOp::Avg) {
+            Some(gather) => match gather.reduce_scatter(whole) {
                 Ok(shard) => shard,
                 Err(e) => panic!("ZeRO stage 3: reduce-scatter of a unit's gradient failed: {e}"),
             },
@@ -120,7 +148,7 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
 struct RetroGather<I: Backend> {
     shard: NodeId,
     after: Option<NodeId>,
-    comm: Option<UnitComm<I>>,
+    gather: Option<UnitGather<I>>,
     /// The unit's whole vector kept between steps (stage 2): handed out again, not gathered.
     kept: Option<FloatTensor<I>>,
 }
@@ -133,9 +161,9 @@ impl<I: Backend> RetroForward for RetroGather<I> {
         if let Some(after) = self.after {
             let _ = states.get_state::<FloatTensor<I>>(&after);
         }
-        let whole = match (&self.kept, &self.comm) {
+        let whole = match (&self.kept, &self.gather) {
             (Some(kept), _) => kept.clone(),
-            (None, Some(comm)) => match comm.all_gather(tensor::<I>(shard)) {
+            (None, Some(gather)) => match gather.all_gather(tensor::<I>(shard), self.shard.value, Phase::Backward) {
                 Ok(whole) => whole.into_primitive().tensor(),
                 Err(e) => panic!("ZeRO stage 3: all-gather of a unit's parameters in backward failed: {e}"),
             },
@@ -199,7 +227,7 @@ impl<I: Backend> RetroForward for RetroPart<I> {
 }
 
 /// The unit's parameters from this rank's `shard` as flat parts of lengths `sizes` (in order),
-/// as differentiable ops: with `comm`, every rank's shard is gathered (the unit's whole flat
+/// as differentiable ops: with `gather`, every rank's shard is gathered (the unit's whole flat
 /// parameters, padding after the parts) and the gradient reaching the parts is put together,
 /// averaged over the ranks and cut to this rank's shard; without, `shard` is the whole vector
 /// and its gradient is the parts' put together. `kept`, the unit's whole vector as gathered
@@ -207,10 +235,10 @@ impl<I: Backend> RetroForward for RetroPart<I> {
 /// needs the parameters again; the gradient is reduce-scattered all the same. `after`
 /// (optional) orders that backward right after the backward of what it feeds (see the module
 /// docs).
-pub fn gather_parts<I, C, const D: usize>(
+pub(crate) fn gather_parts<I, C, const D: usize>(
     shard: Tensor<Autodiff<I, C>, 1>,
     after: Option<&Tensor<Autodiff<I, C>, D>>,
-    comm: Option<&UnitComm<I>>,
+    gather: Option<&UnitGather<I>>,
     kept: Option<Tensor<I, 1>>,
     sizes: &[usize],
 ) -> Result<Vec<Tensor<Autodiff<I, C>, 1>>, ZeroError>
@@ -225,10 +253,14 @@ where
         .map(|t| t.clone().into_primitive().tensor())
         .filter(|t| !t.node.requirement.is_none());
     let kept = kept.map(|k| k.into_primitive().tensor());
-    let whole = match (&kept, comm) {
+    let whole = match (&kept, gather) {
         (Some(kept), _) => kept.clone(),
-        (None, Some(comm)) => comm
-            .all_gather(tensor::<I>(shard.primitive.clone()))?
+        (None, Some(gather)) => gather
+            .all_gather(
+                tensor::<I>(shard.primitive.clone()),
+                shard.node.id.value,
+                Phase::Forward,
+            )?
             .into_primitive()
             .tensor(),
         (None, None) => shard.primitive.clone(),
@@ -236,7 +268,7 @@ where
     let len = whole.shape().num_elements();
     let part_grads: PartGrads<I> = Arc::new(Mutex::new(vec![None; sizes.len()]));
     let state = GatherState {
-        comm: comm.cloned(),
+        gather: gather.cloned(),
         sizes: sizes.to_vec(),
         len,
         grads: part_grads.clone(),
@@ -244,7 +276,7 @@ where
     let retro = RetroGather::<I> {
         shard: shard.node.id,
         after: after.as_ref().map(|t| t.node.id),
-        comm: comm.cloned(),
+        gather: gather.cloned(),
         kept,
     };
     let whole = match &after {

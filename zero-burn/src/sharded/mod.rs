@@ -9,11 +9,12 @@
 mod backend;
 mod gather;
 mod module;
+mod prefetch;
 
 pub use backend::{ShardBackend, ShardComm};
-pub use gather::{gather_parts, UnitComm};
-pub(crate) use module::refuse_zero_modules;
+pub use gather::UnitComm;
 pub use module::{
-    contains_zero_module, held_params, shard_len, shard_units, shard_units_kept_gathered, HeldParam, UnitLayout,
+    contains_zero_module, held_params, shard_len, shard_units, shard_units_with, HeldParam, UnitLayout, UnitPlan,
     ZeroModule, UNIT_ALIGNMENT,
 };
+pub(crate) use module::{note_shards, refuse_zero_modules};

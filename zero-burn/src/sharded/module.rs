@@ -6,7 +6,8 @@
 //! for it.
 
 use super::backend::{ShardBackend, ShardComm};
-use super::gather::UnitComm;
+use super::gather::{UnitComm, UnitGather};
+use super::prefetch::{Phase, Prefetcher};
 use crate::error::ZeroError;
 use crate::params::read_values;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
@@ -52,6 +53,37 @@ struct Sharding {
     /// The whole vector is gathered once per value of the shard (after each step) and kept
     /// until the next (stage 2), rather than gathered for every use (stage 3).
     keep: bool,
+    /// The schedule that gathers this unit ahead of its use, when the cut asked for one.
+    prefetch: std::sync::OnceLock<PrefetchHook>,
+}
+
+/// A unit's place in a prefetch schedule (a `Prefetcher` of the collective's backend), and how
+/// a shard value written into the unit reaches it: both typed by the backend the unit was cut
+/// for, so kept as `Any`.
+struct PrefetchHook {
+    prefetcher: Arc<dyn Any + Send + Sync>,
+    /// Takes a `Tensor<B, 1>` of the cut's backend: the unit's new shard.
+    note: Box<dyn Fn(&dyn Any) + Send + Sync>,
+}
+
+impl std::fmt::Debug for PrefetchHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrefetchHook")
+    }
+}
+
+impl Sharding {
+    /// How the unit numbered `unit` is gathered on the collective's backend `I`.
+    fn gather<I: Backend>(&self, unit: u64) -> Result<UnitGather<I>, ZeroError> {
+        Ok(UnitGather {
+            comm: self.comm.get::<I>()?.clone(),
+            prefetch: self
+                .prefetch
+                .get()
+                .and_then(|hook| hook.prefetcher.clone().downcast::<Prefetcher<I>>().ok())
+                .map(|p| (p, unit)),
+        })
+    }
 }
 
 /// A unit's whole vector as gathered from the shard value `key` names (a tensor of the
@@ -64,6 +96,8 @@ struct Kept {
 /// What every copy of one unit shares (a training model, its `valid()` copy, clones).
 #[derive(Debug)]
 struct Unit {
+    /// A number no other unit of the process has.
+    id: u64,
     shapes: Vec<Vec<usize>>,
     numel: usize,
     sharding: std::sync::OnceLock<Sharding>,
@@ -131,7 +165,9 @@ where
         let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [numel]), &device);
         let skeleton = module.map(&mut Emptied);
         let shard = Param::from_tensor(flat);
+        static NEXT_UNIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let unit = Arc::new(Unit {
+            id: NEXT_UNIT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             shapes,
             numel,
             sharding: std::sync::OnceLock::new(),
@@ -192,13 +228,13 @@ where
         self.register();
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let sharding = self.sharding();
-        let comm = sharding.map(|s| &s.comm);
+        let gather = sharding.map(|s| s.gather::<B::Collective>(self.unit.id)).transpose()?;
         let shard = self.shard.val();
-        let kept = match sharding {
-            Some(s) if s.keep => self.kept(&shard, s)?,
+        let kept = match (sharding, &gather) {
+            (Some(s), Some(gather)) if s.keep => self.kept(&shard, gather)?,
             _ => None,
         };
-        let parts = B::gather_parts(shard, input, comm, kept, &sizes)?;
+        let parts = B::gather_parts(shard, input, gather.as_ref(), kept, &sizes)?;
         let parts: VecDeque<_> = parts
             .into_iter()
             .zip(&self.unit.shapes)
@@ -231,11 +267,14 @@ where
     /// The unit's whole vector for `shard`'s value: the one kept since it was gathered, or
     /// gathered now (the first use after a step) and kept in place of the last value's. `None`
     /// where the backend cannot tell values apart (the caller gathers).
-    fn kept(&self, shard: &Tensor<B, 1>, sharding: &Sharding) -> Result<Option<Tensor<B::Collective, 1>>, ZeroError> {
+    fn kept(
+        &self,
+        shard: &Tensor<B, 1>,
+        gather: &UnitGather<B::Collective>,
+    ) -> Result<Option<Tensor<B::Collective, 1>>, ZeroError> {
         let Some(key) = B::value_key(shard) else {
             return Ok(None);
         };
-        let comm = sharding.comm.get::<B::Collective>()?;
         let mut kept = self.unit.kept.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.as_ref().filter(|k| k.key == key) {
             if let Some(whole) = k.whole.downcast_ref::<Tensor<B::Collective, 1>>() {
@@ -247,13 +286,15 @@ where
                 // that ends its last backward, which locks every thread's graph: both would
                 // wait forever. One scalar all-reduce keeps the ranks in step, as the gathers
                 // of stage 3 do.
-                comm.all_reduce_scalars(&mut [0.0], zero_core::comm::ReduceOp::Sum)?;
+                gather
+                    .comm
+                    .all_reduce_scalars(&mut [0.0], zero_core::comm::ReduceOp::Sum)?;
                 return Ok(Some(whole));
             }
         }
         // The last value's vector goes first: one unit's whole at a time, not two.
         *kept = None;
-        let whole = comm.all_gather(B::collective_value(shard.clone()))?;
+        let whole = gather.all_gather(B::collective_value(shard.clone()), key, Phase::Forward)?;
         *kept = Some(Kept {
             key,
             whole: Box::new(whole.clone()),
@@ -262,47 +303,79 @@ where
     }
 }
 
+/// How [`shard_units_with`] cuts a model's units.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnitPlan {
+    /// Units of fewer elements stay whole, as replicated parameters (DeepSpeed's
+    /// `stage3_param_persistence_threshold`).
+    pub min_numel: usize,
+    /// Each unit keeps its whole vector between steps (ZeRO stage 2): gathered at its first
+    /// use after each step and kept, so forward and backward gather nothing more, while its
+    /// gradient is reduce-scattered to the rank's shard in backward as at stage 3.
+    pub keep_gathered: bool,
+    /// Elements of whole vectors gathered ahead of their use (DeepSpeed's
+    /// `stage3_prefetch_bucket_size`, with `overlap_comm`): the units that came next the last
+    /// time, in forward and again in backward (see `prefetch`'s module docs). 0: none.
+    pub prefetch: usize,
+}
+
 /// `model` with every [`ZeroModule`] of at least `min_numel` elements cut over the ranks of
-/// `comm`: each rank keeps its shard of the unit's flat vector (the model must be the same on
-/// every rank: one seed, or loaded). Smaller units stay whole, as replicated parameters
-/// (DeepSpeed's `stage3_param_persistence_threshold`). A unit already cut over `comm`'s ranks
-/// is kept; one cut otherwise, or held whole after it was cut (a unit in two fields), is an
-/// error.
+/// `comm`, gathered for every use (stage 3) and nothing prefetched: [`shard_units_with`] with
+/// only [`UnitPlan::min_numel`] set.
 pub fn shard_units<B: ShardBackend, M: Module<B>>(
     model: M,
     comm: UnitComm<B::Collective>,
     min_numel: usize,
 ) -> Result<M, ZeroError> {
-    cut_units(model, comm, min_numel, false)
+    shard_units_with(
+        model,
+        comm,
+        &UnitPlan {
+            min_numel,
+            ..UnitPlan::default()
+        },
+    )
 }
 
-/// `model` with every [`ZeroModule`] cut over the ranks of `comm` as [`shard_units`] cuts them,
-/// each unit keeping its whole vector between steps (ZeRO stage 2): gathered at its first use
-/// after each step and kept, so forward and backward gather nothing more, while its gradient is
-/// reduce-scattered to the rank's shard in backward as at stage 3. A unit's parameter, and its
-/// gradient, is the rank's shard.
-pub fn shard_units_kept_gathered<B: ShardBackend, M: Module<B>>(
+/// `model` with every [`ZeroModule`] of at least `plan.min_numel` elements cut over the ranks
+/// of `comm`: each rank keeps its shard of the unit's flat vector (the model must be the same
+/// on every rank: one seed, or loaded). Smaller units stay whole, as replicated parameters. A
+/// unit already cut over `comm`'s ranks is kept (and joins the plan's prefetch schedule if it
+/// has none); one cut otherwise, or held whole after it was cut (a unit in two fields), is an
+/// error.
+pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
     model: M,
     comm: UnitComm<B::Collective>,
+    plan: &UnitPlan,
 ) -> Result<M, ZeroError> {
-    cut_units(model, comm, 0, true)
-}
-
-fn cut_units<B: ShardBackend, M: Module<B>>(
-    model: M,
-    comm: UnitComm<B::Collective>,
-    min_numel: usize,
-    keep: bool,
-) -> Result<M, ZeroError> {
-    struct Cut<B: ShardBackend> {
+    struct Cut<'a, B: ShardBackend> {
         comm: UnitComm<B::Collective>,
-        min_numel: usize,
-        keep: bool,
+        plan: &'a UnitPlan,
+        prefetcher: Option<Arc<Prefetcher<B::Collective>>>,
         error: Option<ZeroError>,
     }
-    impl<B: ShardBackend> ModuleMapper<B> for Cut<B> {
+    impl<B: ShardBackend> Cut<'_, B> {
+        /// Puts `unit` in the cut's prefetch schedule, unless it is in one.
+        fn join_schedule(&self, unit: &Unit) {
+            let (Some(prefetcher), Some(sharding)) = (&self.prefetcher, unit.sharding.get()) else {
+                return;
+            };
+            let (schedule, id) = (prefetcher.clone(), unit.id);
+            let _ = sharding.prefetch.set(PrefetchHook {
+                prefetcher: prefetcher.clone(),
+                note: Box::new(move |shard: &dyn Any| {
+                    if let Some(shard) = shard.downcast_ref::<Tensor<B, 1>>() {
+                        if let Some(key) = B::value_key(shard) {
+                            schedule.note(id, key, B::collective_value(shard.clone()));
+                        }
+                    }
+                }),
+            });
+        }
+    }
+    impl<B: ShardBackend> ModuleMapper<B> for Cut<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.min_numel) else {
+            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.plan.min_numel) else {
                 return param;
             };
             let world = self.comm.world_size();
@@ -310,12 +383,14 @@ fn cut_units<B: ShardBackend, M: Module<B>>(
             // kept as it is.
             let cut_for = unit.sharding.get().map(|s| s.world);
             if cut_for == Some(world) && param.lazy_shape().num_elements() == shard_len(unit.numel, world) {
+                self.join_schedule(&unit);
                 return param;
             }
             let sharding = Sharding {
                 comm: ShardComm::new(self.comm.clone()),
                 world,
-                keep: self.keep,
+                keep: self.plan.keep_gathered,
+                prefetch: std::sync::OnceLock::new(),
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(
@@ -325,6 +400,7 @@ fn cut_units<B: ShardBackend, M: Module<B>>(
                 ));
                 return param;
             }
+            self.join_schedule(&unit);
             let len = shard_len(unit.numel, world);
             let id = param.id;
             // Cut on the host, once: ops on the tracked whole vector would leave autodiff
@@ -351,10 +427,12 @@ fn cut_units<B: ShardBackend, M: Module<B>>(
             Param::initialized(id, shard.require_grad())
         }
     }
+    let prefetcher =
+        (plan.prefetch > 0 && comm.world_size() > 1).then(|| Arc::new(Prefetcher::new(comm.clone(), plan.prefetch)));
     let mut cut = Cut::<B> {
         comm,
-        min_numel,
-        keep,
+        plan,
+        prefetcher,
         error: None,
     };
     let model = model.map(&mut cut);
@@ -524,4 +602,25 @@ pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: 
         )));
     }
     Ok(())
+}
+
+/// Tells the prefetch schedules of `module`'s units the values of their shards as a step just
+/// wrote them: what the next forward's prefetches gather.
+pub(crate) fn note_shards<B: Backend, M: Module<B>>(module: &M) {
+    struct Note;
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Note {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(unit) = unit(param.id) else { return };
+            let Some(sharding) = unit.sharding.get() else { return };
+            let Some(hook) = sharding.prefetch.get() else { return };
+            // A copy from before the cut holds the whole vector: not the shard the schedule
+            // gathers.
+            if param.lazy_shape().num_elements() != shard_len(unit.numel, sharding.world) {
+                return;
+            }
+            let value = param.val();
+            (hook.note)(&value as &dyn Any);
+        }
+    }
+    module.visit(&mut Note);
 }

@@ -1,8 +1,10 @@
 //! A `DeviceCollective` that records every call (its op, length and dtype) and runs it through
-//! `HostStaged`: how the tests count what a stage communicates.
+//! `HostStaged`: how the tests count what a stage communicates. Gathers also leave when they
+//! were started and when they were waited for, to see prefetches.
 
 use burn::tensor::{DType, Tensor};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use zero_burn::device::Started;
 use zero_burn::{DeviceCollective, HostStaged, ZeroError};
 use zero_core::comm::ReduceOp;
 
@@ -16,9 +18,29 @@ pub type Call = (&'static str, usize, DType);
 pub struct Counting {
     pub inner: HostStaged,
     pub log: Mutex<Vec<Call>>,
+    /// Gathers: `Gather::Start(len)` when one is started, `Gather::Wait(len)` when it is waited
+    /// for (a blocking one leaves both at once).
+    pub gathers: Arc<Mutex<Vec<Gather>>>,
+}
+
+/// A gather of a vector of this many elements (every rank's shard) started or waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gather {
+    Start(usize),
+    Wait(usize),
 }
 
 impl Counting {
+    pub fn new(inner: HostStaged) -> Self {
+        Counting {
+            inner,
+            log: Mutex::new(Vec::new()),
+            gathers: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+    pub fn take_gathers(&self) -> Vec<Gather> {
+        std::mem::take(&mut *self.gathers.lock().expect("gathers"))
+    }
     pub fn note(&self, op: &'static str, t: &Tensor<Inner, 1>) {
         self.log.lock().expect("log").push((op, t.dims()[0], t.dtype()));
     }
@@ -44,7 +66,22 @@ impl DeviceCollective<Inner> for Counting {
     }
     fn all_gather(&self, t: Tensor<Inner, 1>) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("all_gather", &t);
+        let len = t.dims()[0] * DeviceCollective::<Inner>::world_size(self);
+        let mut gathers = self.gathers.lock().expect("gathers");
+        gathers.extend([Gather::Start(len), Gather::Wait(len)]);
+        drop(gathers);
         self.inner.all_gather(t)
+    }
+    fn all_gather_start(&self, t: Tensor<Inner, 1>) -> Started<Inner> {
+        self.note("all_gather", &t);
+        let len = t.dims()[0] * DeviceCollective::<Inner>::world_size(self);
+        self.gathers.lock().expect("gathers").push(Gather::Start(len));
+        let started = self.inner.all_gather_start(t);
+        let gathers = self.gathers.clone();
+        Started::pending(move || {
+            gathers.lock().expect("gathers").push(Gather::Wait(len));
+            started.wait()
+        })
     }
     fn broadcast(&self, t: Tensor<Inner, 1>, root: usize) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("broadcast", &t);
