@@ -591,23 +591,28 @@ fn a_stage_3_burn_record_resumes_exactly() {
 /// The memory report of stage 3 on 2 ranks is ZeRO's accounting of what each rank holds
 /// (reference: the model's own shapes): its shard of every unit and `ln_f` whole as parameters,
 /// fp32 masters and AdamW's two moments of what it owns, and one unit gathered whole at a
-/// time (the largest, padded to the ranks) under `BalancedCheckpointing`.
+/// time (the largest, padded to the ranks) under `BalancedCheckpointing`, plus the prefetch
+/// budget (here one transformer block) in flight beside it.
 #[test]
 fn the_stage_3_memory_report_counts_each_ranks_shards_and_the_largest_unit_gathered() {
     let batch = matrix_batch();
-    let runs = train_zero(&matrix_config(3, 2, 1, 0.0), 2, 12, 1, &batch, 1);
     let whole = parts(&fixture_gpt2().into_sharded());
     let (units, ln_f) = whole.split_at(whole.len() - 1);
+    let padded = |u: &Vec<f32>| 2 * zero_burn::sharded::shard_len(u.len(), 2);
+    let block = padded(&units[1]);
+    let config = matrix_config(3, 2, 1, 0.0).replace(
+        r#""stage3_param_persistence_threshold": 0"#,
+        &format!(r#""stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": {block}"#),
+    );
+    let runs = train_zero(&config, 2, 12, 1, &batch, 1);
     let shards: usize = units.iter().map(|u| zero_burn::sharded::shard_len(u.len(), 2)).sum();
-    let largest = units
-        .iter()
-        .map(|u| 2 * zero_burn::sharded::shard_len(u.len(), 2))
-        .max()
-        .unwrap();
+    let largest = units.iter().map(padded).max().unwrap();
+    let all: usize = units.iter().map(padded).sum();
+    assert!(all - largest > block, "more than one block besides the largest unit");
     for (rank, run) in runs.iter().enumerate() {
         let m = &run.memory;
         assert_eq!(m.parameters.current, 4 * (shards + ln_f[0].len()), "rank {rank}: {m:?}");
-        assert_eq!(m.gathered.current, 4 * largest, "rank {rank}: {m:?}");
+        assert_eq!(m.gathered.current, 4 * (largest + block), "rank {rank}: {m:?}");
         // ln_f's masters are sharded too (stage 3 shards what is not a unit as stage 2 does).
         assert!(m.master_weights.current >= 4 * shards, "rank {rank}: {m:?}");
         assert!(

@@ -336,13 +336,27 @@ impl ZeroOptimizer {
         // the next: parameters, as ZeRO-2 counts them. At stage 3, under a checkpointing
         // strategy a unit is freed after its use (one whole at a time); without, every unit
         // stays until backward.
-        let gathers = units.iter().map(|&g| layout.groups[g].padded * dtype.size());
+        let gathers: Vec<usize> = units.iter().map(|&g| layout.groups[g].padded * dtype.size()).collect();
+        let (all, largest) = (
+            gathers.iter().sum::<usize>(),
+            gathers.iter().copied().max().unwrap_or(0),
+        );
+        // With `overlap_comm`, gathers of the units that come next are in flight beside the one in
+        // use (at stage 2, beside the kept vectors they replace): at most the prefetch budget,
+        // and never more than the other units.
+        let prefetch =
+            if self.settings.overlap_comm && world > 1 && matches!(self.settings.stage, Stage::Zero2 | Stage::Zero3) {
+                (self.settings.prefetch_bucket_size * dtype.size()).min(all - largest)
+            } else {
+                0
+            };
         if self.settings.stage == Stage::Zero2 {
-            memory.add_parameters(gathers.sum());
+            memory.add_parameters(all);
+            memory.add_gathered(prefetch);
         } else if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
-            memory.add_gathered(gathers.sum());
+            memory.add_gathered(all);
         } else {
-            memory.add_gathered(gathers.max().unwrap_or(0));
+            memory.add_gathered(largest + prefetch);
         }
         let built = view.clone();
         *guard = Some(if self.on_device() {
