@@ -16,7 +16,8 @@
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
 //!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,buffers]
-//!  [--stages 0,1,2,3]` (the first stage listed is the "vs stage 0" baseline)
+//!  [--stages 0,1,2,3] [--prefetch-blocks 1]` (the first stage listed is the "vs stage 0"
+//!  baseline; the module path prefetches that many blocks ahead at stages 2-3, 0 for none)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
 //! micro-batch (the default keeps them gathered between uses).
@@ -43,6 +44,9 @@ struct Options {
     max_reuse_distance: usize,
     paths: Vec<String>,
     stages: Vec<Stage>,
+    /// Transformer blocks' worth of elements the module path prefetches (its
+    /// `stage3_prefetch_bucket_size`: 13·n_embd² per block, with `overlap_comm`); 0: none.
+    prefetch_blocks: usize,
 }
 
 fn options() -> Options {
@@ -53,6 +57,7 @@ fn options() -> Options {
         seq: 64,
         micro: 1,
         max_reuse_distance: 1_000_000_000,
+        prefetch_blocks: 1,
         paths: vec!["chain".into(), "module".into()],
         stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
     };
@@ -65,6 +70,7 @@ fn options() -> Options {
             "--steps" => o.steps = value.parse().unwrap_or(o.steps),
             "--seq" => o.seq = value.parse().unwrap_or(o.seq),
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
+            "--prefetch-blocks" => o.prefetch_blocks = value.parse().unwrap_or(o.prefetch_blocks),
             "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
             "--paths" => o.paths = value.split(',').map(String::from).collect(),
             "--stages" => {
@@ -148,12 +154,14 @@ fn run_module<C: CheckpointStrategy + 'static>(
     let ds = format!(
         r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": {}, "gradient_clipping": 0.0,
         "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
-        "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}, "stage3_param_persistence_threshold": {}}}}}"#,
+        "zero_optimization": {{"stage": {}, "reduce_bucket_size": {}, "stage3_param_persistence_threshold": {},
+            "overlap_comm": true, "stage3_prefetch_bucket_size": {}}}}}"#,
         o.micro * world,
         o.micro,
         stage.number(),
         config.n_embd * config.n_embd,
-        10 * config.n_embd
+        10 * config.n_embd,
+        o.prefetch_blocks * 13 * config.n_embd * config.n_embd
     );
     let ds = zero_core::config::DeepSpeedConfig::from_str(&ds, "stages.json")
         .expect("config")

@@ -9,7 +9,10 @@
 //! position p starts the gathers of the units at p + 1, p + 2, ... as long as their whole
 //! vectors fit the budget together with those already in flight; a phase that leaves its
 //! sequence prefetches nothing more (and is recorded afresh). Backward's sequence is its own
-//! (forward's reversed, for a chain; not for a unit used twice).
+//! (forward's reversed, for a chain; not for a unit used twice), and follows forward's: the end
+//! of a forward starts the gathers that its backward begins with. A unit that comes again
+//! within the window keeps its whole vector for that use instead of being gathered again (a
+//! model's last unit is the first its backward needs).
 //!
 //! A prefetch gathers the unit's latest shard as the schedule saw it: at its last forward, or
 //! as the optimizer wrote it ([`note_shards`](super::note_shards)). The prefetched vector is
@@ -119,11 +122,19 @@ impl<I: Backend> Prefetcher<I> {
             Some(f) => f.started,
             None => self.comm.all_gather_start(shard),
         };
-        if s.on_track && self.budget > 0 {
-            self.start_following(&mut s, phase, position);
-        }
+        let keep = s.on_track && self.budget > 0 && self.start_following(&mut s, phase, position, unit);
         drop(s);
-        own.wait()
+        let whole = own.wait()?;
+        if keep {
+            let len = whole.dims()[0];
+            self.schedule().in_flight.push(InFlight {
+                unit,
+                key,
+                len,
+                started: Started::ready(Ok(whole.clone())),
+            });
+        }
+        Ok(whole)
     }
 
     /// Backward has begun (a unit's gradient is being reduce-scattered).
@@ -139,17 +150,37 @@ impl<I: Backend> Prefetcher<I> {
         s.latest.insert(unit, (key, shard));
     }
 
-    /// Starts the gathers of the units after `position` in `phase`'s recorded sequence, while
-    /// they fit the budget with what is in flight.
-    fn start_following(&self, s: &mut Schedule<I>, phase: Phase, position: usize) {
+    /// Starts the gathers of the units after `position` in `phase`'s recorded sequence (after
+    /// forward's last, backward's first), while they fit the budget with what is in flight.
+    /// Returns whether `unit`, being fetched, comes again among them: its whole vector is then
+    /// kept for that use rather than gathered twice (without counting against the budget when
+    /// it is the very next: it would be gathered again at once, as large).
+    fn start_following(&self, s: &mut Schedule<I>, phase: Phase, position: usize, unit: u64) -> bool {
         let world = self.comm.world_size();
         let mut in_flight: usize = s.in_flight.iter().map(|f| f.len).sum();
-        let next: Vec<u64> = s.recorded[phase as usize][position + 1..].to_vec();
-        for unit in next {
-            if s.in_flight.iter().any(|f| f.unit == unit) {
+        let mut next: Vec<u64> = s.recorded[phase as usize][position + 1..].to_vec();
+        if phase == Phase::Forward {
+            // The shards do not change between a forward and its backward.
+            next.extend_from_slice(&s.recorded[Phase::Backward as usize]);
+        }
+        let mut keep = false;
+        for (distance, next) in next.into_iter().enumerate() {
+            if next == unit {
+                if keep {
+                    continue;
+                }
+                let len = s.latest.get(&unit).map_or(0, |(_, shard)| shard.dims()[0] * world);
+                if distance > 0 && in_flight + len > self.budget {
+                    break;
+                }
+                in_flight += if distance > 0 { len } else { 0 };
+                keep = true;
                 continue;
             }
-            let Some((key, shard)) = s.latest.get(&unit) else { break };
+            if s.in_flight.iter().any(|f| f.unit == next) {
+                continue;
+            }
+            let Some((key, shard)) = s.latest.get(&next) else { break };
             let len = shard.dims()[0] * world;
             if in_flight + len > self.budget {
                 break;
@@ -157,12 +188,13 @@ impl<I: Backend> Prefetcher<I> {
             in_flight += len;
             let (key, shard) = (*key, shard.clone());
             s.in_flight.push(InFlight {
-                unit,
+                unit: next,
                 key,
                 len,
                 started: self.comm.all_gather_start(shard),
             });
         }
+        keep
     }
 }
 
