@@ -364,7 +364,8 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
             0
         },
     };
-    let cut = matches!(settings.stage, Stage::Zero2 | Stage::Zero3);
+    // Stage 2 on one rank would hold each unit twice (the whole and a shard of all of it).
+    let cut = stage3 || (settings.stage == Stage::Zero2 && group.world_size() > 1);
     let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;

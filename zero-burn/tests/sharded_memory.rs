@@ -140,3 +140,80 @@ fn balanced_checkpointing_frees_each_units_gathered_weights_after_forward() {
         "16 units: balanced keeps {many} bytes, none {many_plain}; the units gathered are {all_gathered}"
     );
 }
+
+/// A model of `units` sharded linear layers.
+#[derive(burn::module::Module, Debug)]
+struct Units<B: burn::tensor::backend::Backend> {
+    units: Vec<ZeroModule<B, Linear<B>>>,
+}
+
+/// Over both ranks: bytes alive after one stage-2 step of `initialize`'s model and optimizer
+/// (both kept), above those alive before the model was built.
+fn held_after_a_stage_2_step(units: usize) -> i64 {
+    type AB = Autodiff<Flex>;
+    let config = zero_core::config::DeepSpeedConfig::from_str(
+        r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 2}}"#,
+        "stage2.json",
+    )
+    .unwrap()
+    .config;
+    let groups = ThreadGroup::new_group(WORLD).unwrap();
+    let barrier = Arc::new(Barrier::new(WORLD));
+    let marks = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let ranks: Vec<_> = groups
+        .into_iter()
+        .enumerate()
+        .map(|(rank, group)| {
+            let (barrier, marks, config) = (barrier.clone(), marks.clone(), config.clone());
+            std::thread::spawn(move || {
+                use burn::optim::{GradientsParams, Optimizer};
+                let device = Default::default();
+                let mark = |what: &'static str| {
+                    barrier.wait();
+                    if rank == 0 {
+                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::SeqCst)));
+                    }
+                    barrier.wait();
+                };
+                mark("start");
+                let model = Units::<AB> {
+                    units: (0..units)
+                        .map(|_| ZeroModule::new(LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device)))
+                        .collect(),
+                };
+                let (model, mut optim) =
+                    zero_burn::initialize(&config, model, group as Arc<dyn zero_core::comm::ProcessGroup>).unwrap();
+                let mut h = Tensor::<AB, 2>::ones([2, WIDTH], &device);
+                for unit in &model.units {
+                    h = relu(unit.unshard(&h).unwrap().forward(h));
+                }
+                let grads = GradientsParams::from_grads(h.sum().backward(), &model);
+                let model = optim.step(0.01, model, grads);
+                mark("stepped");
+                drop((model, optim));
+            })
+        })
+        .collect();
+    for rank in ranks {
+        rank.join().unwrap();
+    }
+    let marks = marks.lock().unwrap();
+    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1 as i64;
+    at("stepped") - at("start")
+}
+
+/// Stage 2 keeps each unit's whole vector between steps, and the rank's shard (the parameter
+/// the optimizer writes) is a view of it, not a second copy: per unit, over both ranks, the
+/// two whole vectors (2 units' bytes) and the optimizer's fp32 master and two moments of each
+/// rank's half (3), nothing more. Reference: ZeRO-2's accounting, parameters 4Ψ per rank.
+#[test]
+fn stage_2_holds_each_units_parameters_once() {
+    let (few, many) = (held_after_a_stage_2_step(2), held_after_a_stage_2_step(16));
+    let per_unit = (many - few) as f64 / 14.0 / UNIT_BYTES as f64;
+    eprintln!("held after a stage-2 step: 2 units {few} bytes, 16 units {many}; {per_unit:.2} units' bytes per unit");
+    assert!(
+        (4.8..5.3).contains(&per_unit),
+        "a unit holds {per_unit:.2} units' bytes over both ranks (5: two wholes and three half-size optimizer buffers)"
+    );
+}

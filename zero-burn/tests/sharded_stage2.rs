@@ -1,8 +1,9 @@
 //! Stage 2 on the `ZeroModule` path: each unit's parameter, and the gradient Burn's backward
-//! leaves for it, is the rank's shard; the unit's whole vector is gathered once per step (at its
-//! first use after the step) and kept, so neither the other micro-batches' forwards nor the
-//! backward (which under `BalancedCheckpointing` needs the weights again) gather; the gradient is
-//! reduce-scattered in every micro-batch's backward. Reference for the counts: ZeRO-2's schedule
+//! leaves for it, is the rank's shard, a view of the unit's whole vector; the whole vector is
+//! gathered once per step (at the end of the step, from the new shards: ZeRO-2's all-gather of
+//! the updated parameters) and kept, so neither forward nor backward (which under
+//! `BalancedCheckpointing` needs the weights again) gathers; the gradient is reduce-scattered in
+//! every micro-batch's backward. Reference for the counts: ZeRO-2's schedule
 //! for three units (one gather per unit per step, one reduce-scatter per unit per micro-batch);
 //! for the values: the same model trained on one process by Burn's AdamW.
 
@@ -141,16 +142,13 @@ fn each_unit_is_gathered_once_per_step_and_its_gradient_is_the_shard() {
         let err = relative_error(&got, want);
         assert!(err < 1e-6, "unit {u}: off by {err:e}");
     }
-    // Memory: each rank holds its shards and every unit's whole vector (ZeRO-2's parameters),
-    // gradients and optimizer state of its shards only, nothing gathered beyond the kept.
+    // Memory: each rank holds every unit's whole vector once (ZeRO-2's parameters; the shards
+    // are views of it), gradients and optimizer state of its shards only, nothing gathered
+    // beyond the kept.
     let total: usize = SIZES.iter().map(|&(i, o)| shard_len(i * o + o, world) * world).sum();
     let shards: usize = SIZES.iter().map(|&(i, o)| shard_len(i * o + o, world)).sum();
     for (rank, memory) in calls_per_rank.into_inner().expect("calls") {
-        assert_eq!(
-            memory.parameters.current,
-            (total + shards) * 4,
-            "rank {rank}: {memory:?}"
-        );
+        assert_eq!(memory.parameters.current, total * 4, "rank {rank}: {memory:?}");
         assert_eq!(memory.gradients.current, shards * 4, "rank {rank}: {memory:?}");
         assert_eq!(
             memory.optimizer_state.current,

@@ -320,11 +320,17 @@ impl ZeroOptimizer {
         let dtype = self.settings.precision.dtype;
         let units = view.unit_groups();
         let layout = &view.layout;
-        // What the module holds: replicated parameters whole, each unit's shard.
+        // What the module holds: replicated parameters whole, each unit's shard (at stage 2 a
+        // view of the unit's kept whole vector, counted below).
+        let stage2 = self.settings.stage == Stage::Zero2;
         let held: usize = (0..layout.groups.len())
             .map(|g| {
                 if units.contains(&g) {
-                    layout.owned_len(g)
+                    if stage2 {
+                        0
+                    } else {
+                        layout.owned_len(g)
+                    }
                 } else {
                     layout.groups[g].numel
                 }
@@ -416,9 +422,9 @@ impl ZeroOptimizer {
             }
         };
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
-        // The units' new shards: what the next forward's prefetches gather.
-        crate::sharded::note_shards::<B, M>(&module);
-        Ok(module)
+        // The units' new shards: gathered now at stage 2, what the next forward's prefetches
+        // gather at stage 3.
+        crate::sharded::after_step::<B, M>(module)
     }
 }
 

@@ -39,6 +39,10 @@ pub trait ShardBackend: Backend {
     /// `t` as a tensor of the collective's backend (the autodiff wrapper removed).
     fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self::Collective, 1>;
 
+    /// A value of the collective's backend as a parameter of this one (one that takes a
+    /// gradient, under autodiff).
+    fn from_collective(t: Tensor<Self::Collective, 1>) -> Tensor<Self, 1>;
+
     /// Whether a gathered unit's whole parameters are freed after its forward and gathered
     /// again for backward (autodiff with a checkpointing strategy); otherwise they stay alive
     /// until backward, as at stage 2.
@@ -78,6 +82,10 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
 
     fn collective_value(t: Tensor<Self, 1>) -> Tensor<I, 1> {
         t.inner()
+    }
+
+    fn from_collective(t: Tensor<I, 1>) -> Tensor<Self, 1> {
+        Tensor::from_inner(t).require_grad()
     }
 }
 
@@ -129,6 +137,10 @@ impl ShardBackend for Flex {
     fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
         t
     }
+
+    fn from_collective(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -159,6 +171,10 @@ where
     }
 
     fn collective_value(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        t
+    }
+
+    fn from_collective(t: Tensor<Self, 1>) -> Tensor<Self, 1> {
         t
     }
 }

@@ -13,8 +13,8 @@ mod prefetch;
 
 pub use backend::{ShardBackend, ShardComm};
 pub use gather::UnitComm;
+pub(crate) use module::{after_step, refuse_zero_modules};
 pub use module::{
     contains_zero_module, held_params, shard_len, shard_units, shard_units_with, HeldParam, UnitLayout, UnitPlan,
     ZeroModule, UNIT_ALIGNMENT,
 };
-pub(crate) use module::{note_shards, refuse_zero_modules};

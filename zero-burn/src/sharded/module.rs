@@ -53,22 +53,21 @@ struct Sharding {
     /// The whole vector is gathered once per value of the shard (after each step) and kept
     /// until the next (stage 2), rather than gathered for every use (stage 3).
     keep: bool,
-    /// The schedule that gathers this unit ahead of its use, when the cut asked for one.
-    prefetch: std::sync::OnceLock<PrefetchHook>,
+    /// The schedule that gathers this unit ahead of its use (a `Prefetcher` of the
+    /// collective's backend), when the cut asked for one.
+    prefetch: std::sync::OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// What a new shard value written by a step does to the unit ([`after_step`]).
+    after_step: std::sync::OnceLock<AfterStep>,
 }
 
-/// A unit's place in a prefetch schedule (a `Prefetcher` of the collective's backend), and how
-/// a shard value written into the unit reaches it: both typed by the backend the unit was cut
-/// for, so kept as `Any`.
-struct PrefetchHook {
-    prefetcher: Arc<dyn Any + Send + Sync>,
-    /// Takes a `Tensor<B, 1>` of the cut's backend: the unit's new shard.
-    note: Box<dyn Fn(&dyn Any) + Send + Sync>,
-}
+/// Takes a unit's new shard (a `Tensor<B, 1>` of the backend the unit was cut for, hence `Any`)
+/// and returns the tensor to hold instead, if any: at stage 2 the shard as a view of its whole
+/// vector, gathered at once; otherwise the prefetch schedule is told the value.
+struct AfterStep(Box<dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync>);
 
-impl std::fmt::Debug for PrefetchHook {
+impl std::fmt::Debug for AfterStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("PrefetchHook")
+        f.write_str("AfterStep")
     }
 }
 
@@ -80,7 +79,7 @@ impl Sharding {
             prefetch: self
                 .prefetch
                 .get()
-                .and_then(|hook| hook.prefetcher.clone().downcast::<Prefetcher<I>>().ok())
+                .and_then(|p| p.clone().downcast::<Prefetcher<I>>().ok())
                 .map(|p| (p, unit)),
         })
     }
@@ -244,6 +243,23 @@ where
     }
 }
 
+impl Unit {
+    /// Keeps `whole` (this unit's whole vector, every rank's shard in rank order) between steps,
+    /// and returns rank `rank`'s shard as a view of it (no copy where the backend slices by
+    /// reference), as a parameter: the key the kept vector is found by.
+    fn keep_whole<B: ShardBackend>(&self, whole: Tensor<B::Collective, 1>, rank: usize) -> Tensor<B, 1> {
+        let sharding = self.sharding.get();
+        let len = sharding.map_or(self.numel, |s| shard_len(self.numel, s.world));
+        let shard = B::from_collective(whole.clone().narrow(0, rank * len, len));
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        *kept = B::value_key(&shard).map(|key| Kept {
+            key,
+            whole: Box::new(whole),
+        });
+        shard
+    }
+}
+
 impl<B, M> ZeroModule<B, M>
 where
     B: ShardBackend,
@@ -355,22 +371,31 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
         error: Option<ZeroError>,
     }
     impl<B: ShardBackend> Cut<'_, B> {
-        /// Puts `unit` in the cut's prefetch schedule, unless it is in one.
-        fn join_schedule(&self, unit: &Unit) {
-            let (Some(prefetcher), Some(sharding)) = (&self.prefetcher, unit.sharding.get()) else {
-                return;
-            };
-            let (schedule, id) = (prefetcher.clone(), unit.id);
-            let _ = sharding.prefetch.set(PrefetchHook {
-                prefetcher: prefetcher.clone(),
-                note: Box::new(move |shard: &dyn Any| {
-                    if let Some(shard) = shard.downcast_ref::<Tensor<B, 1>>() {
-                        if let Some(key) = B::value_key(shard) {
-                            schedule.note(id, key, B::collective_value(shard.clone()));
-                        }
-                    }
-                }),
-            });
+        /// Puts `unit` in the cut's prefetch schedule (unless it is in one), and says what a
+        /// step's new shard does to it.
+        fn join(&self, unit: &Arc<Unit>) {
+            let Some(sharding) = unit.sharding.get() else { return };
+            if let Some(prefetcher) = &self.prefetcher {
+                let _ = sharding.prefetch.set(prefetcher.clone());
+            }
+            let weak = Arc::downgrade(unit);
+            let _ = sharding.after_step.set(AfterStep(Box::new(move |value: &dyn Any| {
+                let (Some(shard), Some(unit)) = (value.downcast_ref::<Tensor<B, 1>>(), weak.upgrade()) else {
+                    return Ok(None);
+                };
+                let (Some(sharding), Some(key)) = (unit.sharding.get(), B::value_key(shard)) else {
+                    return Ok(None);
+                };
+                if sharding.keep {
+                    let comm = sharding.comm.get::<B::Collective>()?;
+                    let whole = comm.all_gather(B::collective_value(shard.clone()))?;
+                    return Ok(Some(Box::new(unit.keep_whole::<B>(whole, comm.rank())) as Box<dyn Any>));
+                }
+                if let Some(prefetcher) = sharding.gather::<B::Collective>(unit.id)?.prefetch {
+                    prefetcher.0.note(unit.id, key, B::collective_value(shard.clone()));
+                }
+                Ok(None)
+            })));
         }
     }
     impl<B: ShardBackend> ModuleMapper<B> for Cut<'_, B> {
@@ -383,7 +408,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
             // kept as it is.
             let cut_for = unit.sharding.get().map(|s| s.world);
             if cut_for == Some(world) && param.lazy_shape().num_elements() == shard_len(unit.numel, world) {
-                self.join_schedule(&unit);
+                self.join(&unit);
                 return param;
             }
             let sharding = Sharding {
@@ -391,6 +416,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 world,
                 keep: self.plan.keep_gathered,
                 prefetch: std::sync::OnceLock::new(),
+                after_step: std::sync::OnceLock::new(),
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(
@@ -400,7 +426,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 ));
                 return param;
             }
-            self.join_schedule(&unit);
+            self.join(&unit);
             let len = shard_len(unit.numel, world);
             let id = param.id;
             // Cut on the host, once: ops on the tracked whole vector would leave autodiff
@@ -416,15 +442,28 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                     return param;
                 }
             };
-            let start = (self.comm.rank() * len).min(unit.numel);
-            let end = ((self.comm.rank() + 1) * len).min(unit.numel);
-            let mut mine = whole[start..end].to_vec();
-            drop(whole);
-            mine.resize(len, 0.0);
+            let rank = self.comm.rank();
             // In the dtype the unit was given (16-bit after `initialize` under bf16 or fp16).
-            let mine = Tensor::<B, 1>::from_data(TensorData::new(mine, [len]).convert_dtype(dtype), (&device, dtype));
-            let shard = Tensor::<B, D>::from_primitive(mine.into_primitive());
-            Param::initialized(id, shard.require_grad())
+            let on_device = |v: Vec<f32>| {
+                let n = v.len();
+                Tensor::<B, 1>::from_data(TensorData::new(v, [n]).convert_dtype(dtype), (&device, dtype))
+            };
+            let shard = if self.plan.keep_gathered {
+                // Stage 2: every rank's values are here, so the whole vector is kept at once and
+                // the shard is a view of it.
+                let mut padded = whole;
+                padded.resize(len * world, 0.0);
+                let padded = B::collective_value(on_device(padded));
+                unit.keep_whole::<B>(padded, rank)
+            } else {
+                let start = (rank * len).min(unit.numel);
+                let end = ((rank + 1) * len).min(unit.numel);
+                let mut mine = whole[start..end].to_vec();
+                drop(whole);
+                mine.resize(len, 0.0);
+                on_device(mine).require_grad()
+            };
+            Param::initialized(id, Tensor::<B, D>::from_primitive(shard.into_primitive()))
         }
     }
     let prefetcher =
@@ -604,23 +643,47 @@ pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: 
     Ok(())
 }
 
-/// Tells the prefetch schedules of `module`'s units the values of their shards as a step just
-/// wrote them: what the next forward's prefetches gather.
-pub(crate) fn note_shards<B: Backend, M: Module<B>>(module: &M) {
-    struct Note;
-    impl<B: Backend> burn::module::ModuleVisitor<B> for Note {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let Some(unit) = unit(param.id) else { return };
-            let Some(sharding) = unit.sharding.get() else { return };
-            let Some(hook) = sharding.prefetch.get() else { return };
-            // A copy from before the cut holds the whole vector: not the shard the schedule
-            // gathers.
-            if param.lazy_shape().num_elements() != shard_len(unit.numel, sharding.world) {
-                return;
+/// `module` after a step wrote its units' new shards: at stage 2 each unit's whole vector is
+/// gathered now (ZeRO-2's all-gather of the updated parameters) and its shard held as a view of
+/// it, so that forward gathers nothing and a rank holds each parameter once; otherwise each
+/// unit's prefetch schedule learns the value the next forward gathers. Every rank calls it
+/// with the same model, so the gathers are in the same order everywhere.
+pub(crate) fn after_step<B: Backend, M: Module<B>>(module: M) -> Result<M, ZeroError> {
+    struct After {
+        error: Option<ZeroError>,
+    }
+    impl<B: Backend> ModuleMapper<B> for After {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(unit) = unit(param.id) else { return param };
+            let Some(sharding) = unit.sharding.get() else {
+                return param;
+            };
+            let Some(hook) = sharding.after_step.get() else {
+                return param;
+            };
+            // A copy from before the cut holds the whole vector, not a shard; after an error
+            // the step fails, and nothing more is gathered.
+            if param.lazy_shape().num_elements() != shard_len(unit.numel, sharding.world) || self.error.is_some() {
+                return param;
             }
             let value = param.val();
-            (hook.note)(&value as &dyn Any);
+            match (hook.0)(&value as &dyn Any) {
+                Ok(Some(new)) => match new.downcast::<Tensor<B, D>>() {
+                    Ok(new) => Param::initialized(param.id, *new),
+                    Err(_) => param,
+                },
+                Ok(None) => param,
+                Err(e) => {
+                    self.error = Some(e);
+                    param
+                }
+            }
         }
     }
-    module.visit(&mut Note);
+    let mut after = After { error: None };
+    let module = module.map(&mut after);
+    match after.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
 }
