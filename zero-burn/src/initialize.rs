@@ -353,8 +353,8 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     // With `overlap_comm`, the units that come next are gathered while one computes, up to
-    // `stage3_prefetch_bucket_size` elements (at stage 2, the gathers of the first use after
-    // each step).
+    // `stage3_prefetch_bucket_size` elements (at stage 2, only values written by something else
+    // than the step are gathered in forward).
     let plan = UnitPlan {
         min_numel: settings.param_persistence_threshold,
         keep_gathered: settings.stage == Stage::Zero2,

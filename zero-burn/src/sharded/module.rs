@@ -280,8 +280,9 @@ where
         }
     }
 
-    /// The unit's whole vector for `shard`'s value: the one kept since it was gathered, or
-    /// gathered now (the first use after a step) and kept in place of the last value's. `None`
+    /// The unit's whole vector for `shard`'s value: the one kept since it was gathered (at the
+    /// cut, or by the step that wrote it), or gathered now (a value written elsewhere) and kept
+    /// in place of the last value's. `None`
     /// where the backend cannot tell values apart (the caller gathers).
     fn kept(
         &self,

@@ -2,8 +2,8 @@
 //! unit computes, the units that come next have their all-gathers in flight.
 //!
 //! The order is learned, not declared. Every fetch of a unit's whole vector is noted in the
-//! phase it happens in: forward (the gathers of forward, or of the first use after a step at
-//! stage 2) or backward (the gathers again for backward under a checkpointing strategy; a
+//! phase it happens in: forward (the gathers of forward, or at stage 2 of a first use of a shard
+//! value that the step did not gather) or backward (the gathers again for backward under a checkpointing strategy; a
 //! reduce-scatter also says that backward has begun). When a phase ends, its sequence of units
 //! is kept as the one to follow next time. While a phase follows its kept sequence, a fetch at
 //! position p starts the gathers of the units at p + 1, p + 2, ... as long as their whole
