@@ -25,12 +25,15 @@
 //!    buffer, and Burn may reuse the input's.
 //!
 //! So one collective costs a device synchronisation and a host wait: the gradients do not go
-//! through host memory, but communication does not overlap compute either. Overlap would need
-//! cubecl's stream handle (to make it wait on NCCL's event) which cubecl 0.10 does not expose.
+//! through host memory, but a blocking collective does not overlap compute. An all-gather
+//! started with `all_gather_start` (a prefetch) returns after step 3's enqueue and waits for
+//! its event when its result is asked for, so the kernels Burn issues meanwhile run beside it;
+//! making Burn's own stream wait on NCCL's event instead of the host would need cubecl's stream
+//! handle, which cubecl 0.10 does not expose.
 //!
 //! Scalars (norm partial sums, overflow flags) go through the group's host entry point.
 
-use super::collective::DeviceCollective;
+use super::collective::{DeviceCollective, Started};
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -163,6 +166,21 @@ fn wait(event: CudaEvent, op: &str) -> Result<(), ZeroError> {
     event.synchronize().map_err(|e| lend_error(op, e))
 }
 
+/// Dispatches on the tensor's dtype to the element type NCCL reduces.
+macro_rules! by_dtype {
+    ($self:ident, $t:ident, $name:expr, $call:ident ( $($arg:expr),* )) => {
+        match $t.dtype {
+            DType::F32 => $self.$call::<f32, F, I, BT>($t $(, $arg)*),
+            DType::F16 => $self.$call::<f16, F, I, BT>($t $(, $arg)*),
+            DType::BF16 => $self.$call::<bf16, F, I, BT>($t $(, $arg)*),
+            other => Err(ZeroError::Comm(CommError::InvalidArgument {
+                op: $name.into(),
+                message: format!("tensors of dtype {other:?} cannot be reduced by NCCL here (f32, f16 or bf16 only)"),
+            })),
+        }
+    };
+}
+
 impl NcclDevice {
     /// Makes every kernel issued on `device` so far complete (step 2 of the module's ordering).
     fn sync<F: FloatElement, I: IntElement, BT: BoolElement>(device: &CudaDevice, op: &str) -> Result<(), ZeroError> {
@@ -214,10 +232,13 @@ impl NcclDevice {
         Ok(out)
     }
 
-    fn all_gather_typed<T: DeviceElement, F: FloatElement, I: IntElement, BT: BoolElement>(
+    /// Enqueues the all-gather of `shard` on NCCL's stream after Burn's device has finished
+    /// what writes it; the host waits for it in [`Started::wait`], so Burn's stream runs on in
+    /// the meantime (a prefetch). The buffers stay lent, and the output unread, until then.
+    fn all_gather_start_typed<T: DeviceElement, F: FloatElement, I: IntElement, BT: BoolElement>(
         &self,
         shard: CubeTensor<CudaRuntime>,
-    ) -> Result<CubeTensor<CudaRuntime>, ZeroError> {
+    ) -> Result<Started<CudaBackend<F, I, BT>>, ZeroError> {
         let name = "all_gather";
         let n = shard.meta.shape().num_elements();
         let world = self.group.world_size();
@@ -229,9 +250,19 @@ impl NcclDevice {
         let event = self
             .group
             .all_gather_device(lent_in.slice(), lent_out.slice_mut(), None)?;
-        wait(event, name)?;
-        drop((lent_in, lent_out));
-        Ok(out)
+        Ok(Started::pending(move || {
+            wait(event, name)?;
+            drop((lent_in, lent_out));
+            Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        }))
+    }
+
+    fn all_gather_start_any<F: FloatElement, I: IntElement, BT: BoolElement>(
+        &self,
+        shard: Tensor<CudaBackend<F, I, BT>, 1>,
+    ) -> Result<Started<CudaBackend<F, I, BT>>, ZeroError> {
+        let t = primitive(shard, "all_gather")?;
+        by_dtype!(self, t, "all_gather", all_gather_start_typed())
     }
 }
 
@@ -245,21 +276,6 @@ fn empty<F: FloatElement, I: IntElement, BT: BoolElement>(
         TensorPrimitive::Float(t) => t,
         TensorPrimitive::QFloat(_) => unreachable!("a float creation gives a float primitive"),
     }
-}
-
-/// Dispatches on the tensor's dtype to the element type NCCL reduces.
-macro_rules! by_dtype {
-    ($self:ident, $t:ident, $name:expr, $call:ident ( $($arg:expr),* )) => {
-        match $t.dtype {
-            DType::F32 => $self.$call::<f32, F, I, BT>($t $(, $arg)*),
-            DType::F16 => $self.$call::<f16, F, I, BT>($t $(, $arg)*),
-            DType::BF16 => $self.$call::<bf16, F, I, BT>($t $(, $arg)*),
-            other => Err(ZeroError::Comm(CommError::InvalidArgument {
-                op: $name.into(),
-                message: format!("tensors of dtype {other:?} cannot be reduced by NCCL here (f32, f16 or bf16 only)"),
-            })),
-        }
-    };
 }
 
 impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBackend<F, I, BT>> for NcclDevice {
@@ -295,9 +311,12 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBacke
         &self,
         shard: Tensor<CudaBackend<F, I, BT>, 1>,
     ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, ZeroError> {
-        let t = primitive(shard, "all_gather")?;
-        let out = by_dtype!(self, t, "all_gather", all_gather_typed())?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        self.all_gather_start_any(shard)?.wait()
+    }
+
+    fn all_gather_start(&self, shard: Tensor<CudaBackend<F, I, BT>, 1>) -> Started<CudaBackend<F, I, BT>> {
+        self.all_gather_start_any(shard)
+            .unwrap_or_else(|e| Started::ready(Err(e)))
     }
 
     fn all_reduce_scalars(&self, values: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
