@@ -353,12 +353,11 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         settings.offload_param = ParamOffload::None;
     }
     // With `overlap_comm`, the units that come next are gathered while one computes, up to
-    // `stage3_prefetch_bucket_size` elements (at stage 2, only values written by something else
-    // than the step are gathered in forward).
+    // `stage3_prefetch_bucket_size` elements (stage 3: at stage 2 the step gathers the units).
     let plan = UnitPlan {
         min_numel: settings.param_persistence_threshold,
         keep_gathered: settings.stage == Stage::Zero2,
-        prefetch: if settings.overlap_comm {
+        prefetch: if settings.overlap_comm && stage3 {
             settings.prefetch_bucket_size
         } else {
             0

@@ -17,7 +17,7 @@
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
 //!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,buffers]
 //!  [--stages 0,1,2,3] [--prefetch-blocks 1]` (the first stage listed is the "vs stage 0"
-//!  baseline; the module path prefetches that many blocks ahead at stages 2-3, 0 for none)
+//!  baseline; the module path prefetches that many blocks ahead at stage 3, 0 for none)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
 //! micro-batch (the default keeps them gathered between uses).

@@ -348,17 +348,14 @@ impl ZeroOptimizer {
             gathers.iter().copied().max().unwrap_or(0),
         );
         // With `overlap_comm`, gathers of the units that come next are in flight beside the one in
-        // use (at stage 2, beside the kept vectors they replace): at most the prefetch budget,
-        // and never more than the other units.
-        let prefetch =
-            if self.settings.overlap_comm && world > 1 && matches!(self.settings.stage, Stage::Zero2 | Stage::Zero3) {
-                (self.settings.prefetch_bucket_size * dtype.size()).min(all - largest)
-            } else {
-                0
-            };
+        // use at stage 3: at most the prefetch budget, and never more than the other units.
+        let prefetch = if self.settings.overlap_comm && world > 1 && self.settings.stage == Stage::Zero3 {
+            (self.settings.prefetch_bucket_size * dtype.size()).min(all - largest)
+        } else {
+            0
+        };
         if self.settings.stage == Stage::Zero2 {
             memory.add_parameters(all);
-            memory.add_gathered(prefetch);
         } else if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
             memory.add_gathered(all);
         } else {
