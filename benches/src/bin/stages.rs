@@ -16,8 +16,9 @@
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
 //!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,buffers]
-//!  [--stages 0,1,2,3] [--prefetch-blocks 1]` (the first stage listed is the "vs stage 0"
-//!  baseline; the module path prefetches that many blocks ahead at stage 3, 0 for none)
+//!  [--stages 0,1,2,3] [--prefetch N]` (the first stage listed is the "vs stage 0" baseline;
+//!  `--prefetch` is `stage3_prefetch_bucket_size` in elements for both paths, default "auto",
+//!  0.9·n_embd²: one block ahead on the module path; 0 prefetches nothing there)
 //!
 //! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
 //! micro-batch (the default keeps them gathered between uses).
@@ -44,9 +45,10 @@ struct Options {
     max_reuse_distance: usize,
     paths: Vec<String>,
     stages: Vec<Stage>,
-    /// Transformer blocks' worth of elements the module path prefetches (its
-    /// `stage3_prefetch_bucket_size`: 13·n_embd² per block, with `overlap_comm`); 0: none.
-    prefetch_blocks: usize,
+    /// `stage3_prefetch_bucket_size` of both paths, in elements (`None`: DeepSpeed's "auto",
+    /// 0.9·n_embd², which on the module path, whose units are blocks, starts one block ahead);
+    /// 0: no prefetch on the module path.
+    prefetch: Option<usize>,
 }
 
 fn options() -> Options {
@@ -57,7 +59,7 @@ fn options() -> Options {
         seq: 64,
         micro: 1,
         max_reuse_distance: 1_000_000_000,
-        prefetch_blocks: 1,
+        prefetch: None,
         paths: vec!["chain".into(), "module".into()],
         stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
     };
@@ -70,7 +72,7 @@ fn options() -> Options {
             "--steps" => o.steps = value.parse().unwrap_or(o.steps),
             "--seq" => o.seq = value.parse().unwrap_or(o.seq),
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
-            "--prefetch-blocks" => o.prefetch_blocks = value.parse().unwrap_or(o.prefetch_blocks),
+            "--prefetch" => o.prefetch = value.parse().ok(),
             "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
             "--paths" => o.paths = value.split(',').map(String::from).collect(),
             "--stages" => {
@@ -161,7 +163,7 @@ fn run_module<C: CheckpointStrategy + 'static>(
         stage.number(),
         config.n_embd * config.n_embd,
         10 * config.n_embd,
-        o.prefetch_blocks * 13 * config.n_embd * config.n_embd
+        prefetch_elements(config, o)
     );
     let ds = zero_core::config::DeepSpeedConfig::from_str(&ds, "stages.json")
         .expect("config")
@@ -193,7 +195,7 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
         let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
         settings.overlap_comm = true;
         settings.reduce_bucket_size = config.n_embd * config.n_embd;
-        settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
+        settings.prefetch_bucket_size = prefetch_elements(config, o);
         settings.param_persistence_threshold = 10 * config.n_embd;
         settings.max_reuse_distance = o.max_reuse_distance;
         let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
@@ -207,6 +209,11 @@ fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, Me
         }
         engine.memory()
     })
+}
+
+/// `stage3_prefetch_bucket_size` for `config`: the option, or DeepSpeed's "auto".
+fn prefetch_elements(config: &Gpt2Config, o: &Options) -> usize {
+    o.prefetch.unwrap_or(9 * config.n_embd * config.n_embd / 10)
 }
 
 fn formula(stage: Stage, psi: f64, n: f64) -> f64 {

@@ -348,9 +348,14 @@ impl ZeroOptimizer {
             gathers.iter().copied().max().unwrap_or(0),
         );
         // With `overlap_comm`, gathers of the units that come next are in flight beside the one in
-        // use at stage 3: at most the prefetch budget, and never more than the other units.
+        // use at stage 3: fewer than the prefetch budget before the last one started (so at most
+        // the budget and one unit), and never more than the other units.
         let prefetch = if self.settings.overlap_comm && world > 1 && self.settings.stage == Stage::Zero3 {
-            (self.settings.prefetch_bucket_size * dtype.size()).min(all - largest)
+            self.settings
+                .prefetch_bucket_size
+                .saturating_mul(dtype.size())
+                .saturating_add(largest)
+                .min(all - largest)
         } else {
             0
         };

@@ -4,17 +4,19 @@
 //! `ZeroModule`s trains in the ordinary Burn loop with `ZeroOptimizer` (each rank steps its
 //! shards; the other parameters are reduced at the optimizer's stage 0, 1 or 2), or with Burn's
 //! own element-wise optimizers when every parameter sits in a `ZeroModule`. The engines
-//! (`ChainEngine`) refuses such a model.
+//! (`ChainEngine`) refuse such a model.
 
 mod backend;
+mod cut;
 mod gather;
+mod held;
 mod module;
 mod prefetch;
 
 pub use backend::{ShardBackend, ShardComm};
+pub(crate) use cut::after_step;
+pub use cut::{shard_units, shard_units_with, UnitPlan};
 pub use gather::UnitComm;
-pub(crate) use module::{after_step, refuse_zero_modules};
-pub use module::{
-    contains_zero_module, held_params, shard_len, shard_units, shard_units_with, HeldParam, UnitLayout, UnitPlan,
-    ZeroModule, UNIT_ALIGNMENT,
-};
+pub(crate) use held::refuse_zero_modules;
+pub use held::{contains_zero_module, held_params, HeldParam};
+pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};

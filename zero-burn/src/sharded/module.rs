@@ -1,12 +1,12 @@
 //! `ZeroModule`: a Burn module whose float parameters live as one flat vector, cut into one shard
-//! per rank at stage 3 ([`shard_units`]), itself a Burn `Module` that can be a field of any model. Its whole
+//! per rank at stage 3 ([`shard_units`](super::shard_units)), itself a Burn `Module` that can be a field of any model. Its whole
 //! module is reached for one forward through [`ZeroModule::unshard`]; under autodiff the gather
 //! is the differentiable op of [`gather`](super::gather), so `loss.backward()` leaves the
 //! shard's gradient (averaged over the ranks) where Burn's optimizers and `GradientsParams` look
 //! for it.
 
 use super::backend::{ShardBackend, ShardComm};
-use super::gather::{UnitComm, UnitGather};
+use super::gather::UnitGather;
 use super::prefetch::{Phase, Prefetcher};
 use crate::error::ZeroError;
 use crate::params::read_values;
@@ -16,7 +16,6 @@ use burn::tensor::{Shape, Tensor, TensorData};
 use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::Arc;
-use zero_core::partition::ParamSpec;
 
 /// Elements a unit's flat vector is padded to a multiple of, per rank: its shards are cut as the
 /// optimizer's layout cuts a sharded group of that alignment, so that a rank's shard is the slice
@@ -47,23 +46,23 @@ impl UnitLayout {
 
 /// The ranks a unit is sharded over, once it is.
 #[derive(Debug)]
-struct Sharding {
-    comm: ShardComm,
-    world: usize,
+pub(super) struct Sharding {
+    pub(super) comm: ShardComm,
+    pub(super) world: usize,
     /// The whole vector is gathered once per value of the shard (after each step) and kept
     /// until the next (stage 2), rather than gathered for every use (stage 3).
-    keep: bool,
+    pub(super) keep: bool,
     /// The schedule that gathers this unit ahead of its use (a `Prefetcher` of the
     /// collective's backend), when the cut asked for one.
-    prefetch: std::sync::OnceLock<Arc<dyn Any + Send + Sync>>,
-    /// What a new shard value written by a step does to the unit ([`after_step`]).
-    after_step: std::sync::OnceLock<AfterStep>,
+    pub(super) prefetch: std::sync::OnceLock<Arc<dyn Any + Send + Sync>>,
+    /// What a new shard value written by a step does to the unit ([`after_step`](super::cut::after_step)).
+    pub(super) after_step: std::sync::OnceLock<AfterStep>,
 }
 
 /// Takes a unit's new shard (a `Tensor<B, 1>` of the backend the unit was cut for, hence `Any`)
 /// and returns the tensor to hold instead, if any: at stage 2 the shard as a view of its whole
 /// vector, gathered at once; otherwise the prefetch schedule is told the value.
-struct AfterStep(Box<dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync>);
+pub(super) struct AfterStep(pub(super) Box<dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync>);
 
 impl std::fmt::Debug for AfterStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -73,7 +72,7 @@ impl std::fmt::Debug for AfterStep {
 
 impl Sharding {
     /// How the unit numbered `unit` is gathered on the collective's backend `I`.
-    fn gather<I: Backend>(&self, unit: u64) -> Result<UnitGather<I>, ZeroError> {
+    pub(super) fn gather<I: Backend>(&self, unit: u64) -> Result<UnitGather<I>, ZeroError> {
         Ok(UnitGather {
             comm: self.comm.get::<I>()?.clone(),
             prefetch: self
@@ -94,12 +93,12 @@ struct Kept {
 
 /// What every copy of one unit shares (a training model, its `valid()` copy, clones).
 #[derive(Debug)]
-struct Unit {
+pub(super) struct Unit {
     /// A number no other unit of the process has.
-    id: u64,
-    shapes: Vec<Vec<usize>>,
-    numel: usize,
-    sharding: std::sync::OnceLock<Sharding>,
+    pub(super) id: u64,
+    pub(super) shapes: Vec<Vec<usize>>,
+    pub(super) numel: usize,
+    pub(super) sharding: std::sync::OnceLock<Sharding>,
     /// The kept whole vector (`Sharding::keep`).
     kept: std::sync::Mutex<Option<Kept>>,
 }
@@ -110,15 +109,15 @@ impl std::fmt::Debug for Kept {
     }
 }
 
-/// Every unit by the id of its flat parameter: how [`shard_units`] and the optimizer find a
+/// Every unit by the id of its flat parameter: how [`shard_units`](super::shard_units) and the optimizer find a
 /// unit from a parameter. Weak: a unit (and its ranks) lives as long as a module holds it.
-fn units() -> &'static std::sync::Mutex<std::collections::HashMap<ParamId, std::sync::Weak<Unit>>> {
+pub(super) fn units() -> &'static std::sync::Mutex<std::collections::HashMap<ParamId, std::sync::Weak<Unit>>> {
     static UNITS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<ParamId, std::sync::Weak<Unit>>>> =
         std::sync::OnceLock::new();
     UNITS.get_or_init(Default::default)
 }
 
-fn unit(id: ParamId) -> Option<Arc<Unit>> {
+pub(super) fn unit(id: ParamId) -> Option<Arc<Unit>> {
     units()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -127,7 +126,7 @@ fn unit(id: ParamId) -> Option<Arc<Unit>> {
 }
 
 /// A module `M` of backend `B` held as one flat vector of its float parameters (visit order):
-/// whole until [`shard_units`] (or [`crate::initialize`] at stage 3) cuts it, then this rank's
+/// whole until [`shard_units`](super::shard_units) (or [`crate::initialize`] at stage 3) cuts it, then this rank's
 /// shard of it (zero-padded to a multiple of the ranks, cut in equal contiguous shards). The
 /// module itself is kept as a skeleton: its structure and parameter ids, with empty tensors.
 ///
@@ -151,7 +150,7 @@ where
     M: Module<B>,
 {
     /// `module` as one unit, whole: it trains as an ordinary replicated parameter until
-    /// [`shard_units`] cuts it over the ranks.
+    /// [`shard_units`](super::shard_units) cuts it over the ranks.
     pub fn new(module: M) -> Self {
         let mut values = Vec::new();
         read_values::<B, _>(&module, |_, v| values.extend(v));
@@ -247,7 +246,7 @@ impl Unit {
     /// Keeps `whole` (this unit's whole vector, every rank's shard in rank order) between steps,
     /// and returns rank `rank`'s shard as a view of it (no copy where the backend slices by
     /// reference), as a parameter: the key the kept vector is found by.
-    fn keep_whole<B: ShardBackend>(&self, whole: Tensor<B::Collective, 1>, rank: usize) -> Tensor<B, 1> {
+    pub(super) fn keep_whole<B: ShardBackend>(&self, whole: Tensor<B::Collective, 1>, rank: usize) -> Tensor<B, 1> {
         let sharding = self.sharding.get();
         let len = sharding.map_or(self.numel, |s| shard_len(self.numel, s.world));
         let shard = B::from_collective(whole.clone().narrow(0, rank * len, len));
@@ -320,168 +319,6 @@ where
     }
 }
 
-/// How [`shard_units_with`] cuts a model's units.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UnitPlan {
-    /// Units of fewer elements stay whole, as replicated parameters (DeepSpeed's
-    /// `stage3_param_persistence_threshold`).
-    pub min_numel: usize,
-    /// Each unit keeps its whole vector between steps (ZeRO stage 2): gathered at its first
-    /// use after each step and kept, so forward and backward gather nothing more, while its
-    /// gradient is reduce-scattered to the rank's shard in backward as at stage 3.
-    pub keep_gathered: bool,
-    /// Elements of whole vectors gathered ahead of their use (DeepSpeed's
-    /// `stage3_prefetch_bucket_size`, with `overlap_comm`): the units that came next the last
-    /// time, in forward and again in backward (see `prefetch`'s module docs). 0: none.
-    pub prefetch: usize,
-}
-
-/// `model` with every [`ZeroModule`] of at least `min_numel` elements cut over the ranks of
-/// `comm`, gathered for every use (stage 3) and nothing prefetched: [`shard_units_with`] with
-/// only [`UnitPlan::min_numel`] set.
-pub fn shard_units<B: ShardBackend, M: Module<B>>(
-    model: M,
-    comm: UnitComm<B::Collective>,
-    min_numel: usize,
-) -> Result<M, ZeroError> {
-    shard_units_with(
-        model,
-        comm,
-        &UnitPlan {
-            min_numel,
-            ..UnitPlan::default()
-        },
-    )
-}
-
-/// `model` with every [`ZeroModule`] of at least `plan.min_numel` elements cut over the ranks
-/// of `comm`: each rank keeps its shard of the unit's flat vector (the model must be the same
-/// on every rank: one seed, or loaded). Smaller units stay whole, as replicated parameters. A
-/// unit already cut over `comm`'s ranks is kept (and joins the plan's prefetch schedule if it
-/// has none); one cut otherwise, or held whole after it was cut (a unit in two fields), is an
-/// error.
-pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
-    model: M,
-    comm: UnitComm<B::Collective>,
-    plan: &UnitPlan,
-) -> Result<M, ZeroError> {
-    struct Cut<'a, B: ShardBackend> {
-        comm: UnitComm<B::Collective>,
-        plan: &'a UnitPlan,
-        prefetcher: Option<Arc<Prefetcher<B::Collective>>>,
-        error: Option<ZeroError>,
-    }
-    impl<B: ShardBackend> Cut<'_, B> {
-        /// Puts `unit` in the cut's prefetch schedule (unless it is in one), and says what a
-        /// step's new shard does to it.
-        fn join(&self, unit: &Arc<Unit>) {
-            let Some(sharding) = unit.sharding.get() else { return };
-            if let Some(prefetcher) = &self.prefetcher {
-                let _ = sharding.prefetch.set(prefetcher.clone());
-            }
-            let weak = Arc::downgrade(unit);
-            let _ = sharding.after_step.set(AfterStep(Box::new(move |value: &dyn Any| {
-                let (Some(shard), Some(unit)) = (value.downcast_ref::<Tensor<B, 1>>(), weak.upgrade()) else {
-                    return Ok(None);
-                };
-                let (Some(sharding), Some(key)) = (unit.sharding.get(), B::value_key(shard)) else {
-                    return Ok(None);
-                };
-                if sharding.keep {
-                    let comm = sharding.comm.get::<B::Collective>()?;
-                    let whole = comm.all_gather(B::collective_value(shard.clone()))?;
-                    return Ok(Some(Box::new(unit.keep_whole::<B>(whole, comm.rank())) as Box<dyn Any>));
-                }
-                if let Some(prefetcher) = sharding.gather::<B::Collective>(unit.id)?.prefetch {
-                    prefetcher.0.note(unit.id, key, B::collective_value(shard.clone()));
-                }
-                Ok(None)
-            })));
-        }
-    }
-    impl<B: ShardBackend> ModuleMapper<B> for Cut<'_, B> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.plan.min_numel) else {
-                return param;
-            };
-            let world = self.comm.world_size();
-            // Already this rank's shard (a model built unit by unit, each cut as it was read):
-            // kept as it is.
-            let cut_for = unit.sharding.get().map(|s| s.world);
-            if cut_for == Some(world) && param.lazy_shape().num_elements() == shard_len(unit.numel, world) {
-                self.join(&unit);
-                return param;
-            }
-            let sharding = Sharding {
-                comm: ShardComm::new(self.comm.clone()),
-                world,
-                keep: self.plan.keep_gathered,
-                prefetch: std::sync::OnceLock::new(),
-                after_step: std::sync::OnceLock::new(),
-            };
-            if unit.sharding.set(sharding).is_err() {
-                self.error.get_or_insert(ZeroError::Usage(
-                    "a ZeroModule was sharded twice: shard a model once (zero_burn::initialize does), and keep a \
-                     unit used in two places in one field (use it twice, as ShardedGpt2 does its embedding)"
-                        .into(),
-                ));
-                return param;
-            }
-            self.join(&unit);
-            let len = shard_len(unit.numel, world);
-            let id = param.id;
-            // Cut on the host, once: ops on the tracked whole vector would leave autodiff
-            // nodes (and, under checkpointing, their inputs) alive.
-            let device = param.lazy_device();
-            let data = param.val().into_data();
-            let dtype = data.dtype;
-            let whole = match data.convert::<f32>().into_vec::<f32>() {
-                Ok(v) => v,
-                Err(e) => {
-                    self.error
-                        .get_or_insert(ZeroError::Model(format!("reading a ZeroModule's parameters: {e:?}")));
-                    return param;
-                }
-            };
-            let rank = self.comm.rank();
-            // In the dtype the unit was given (16-bit after `initialize` under bf16 or fp16).
-            let on_device = |v: Vec<f32>| {
-                let n = v.len();
-                Tensor::<B, 1>::from_data(TensorData::new(v, [n]).convert_dtype(dtype), (&device, dtype))
-            };
-            let shard = if self.plan.keep_gathered {
-                // Stage 2: every rank's values are here, so the whole vector is kept at once and
-                // the shard is a view of it.
-                let mut padded = whole;
-                padded.resize(len * world, 0.0);
-                let padded = B::collective_value(on_device(padded));
-                unit.keep_whole::<B>(padded, rank)
-            } else {
-                let start = (rank * len).min(unit.numel);
-                let end = ((rank + 1) * len).min(unit.numel);
-                let mut mine = whole[start..end].to_vec();
-                drop(whole);
-                mine.resize(len, 0.0);
-                on_device(mine).require_grad()
-            };
-            Param::initialized(id, Tensor::<B, D>::from_primitive(shard.into_primitive()))
-        }
-    }
-    let prefetcher =
-        (plan.prefetch > 0 && comm.world_size() > 1).then(|| Arc::new(Prefetcher::new(comm.clone(), plan.prefetch)));
-    let mut cut = Cut::<B> {
-        comm,
-        plan,
-        prefetcher,
-        error: None,
-    };
-    let model = model.map(&mut cut);
-    match cut.error {
-        Some(e) => Err(e),
-        None => Ok(model),
-    }
-}
-
 /// Replaces each float parameter by an empty tensor of its rank, keeping its id.
 struct Emptied;
 
@@ -502,189 +339,5 @@ impl<B: Backend> ModuleMapper<B> for Filled<B> {
             // The layout is recorded from this module's own parameters: one part per parameter.
             None => unreachable!("a ZeroModule's skeleton has more float parameters than its layout"),
         }
-    }
-}
-
-/// How an optimizer sees one float parameter of a model holding [`ZeroModule`]s.
-#[derive(Clone, Debug, PartialEq)]
-pub enum HeldParam {
-    /// An ordinary parameter, named by its place in the model.
-    Plain(ParamSpec),
-    /// A unit's flat vector, or this rank's shard of it (`sharded`): the unit's parameters
-    /// (visit order, contiguous in the flat vector), each named by its place in the model as if
-    /// it were not wrapped (the `ZeroModule`'s own `skeleton` and `shard` fields leave no trace
-    /// in a name).
-    Unit { params: Vec<ParamSpec>, sharded: bool },
-    /// An empty placeholder of a unit's skeleton: it holds no value.
-    Skeleton,
-}
-
-/// Every float parameter of `module`, in visit order, with its id and what it holds
-/// ([`HeldParam`]): the names a checkpoint of a model with `ZeroModule`s gives its weights, the
-/// same as the unwrapped model's.
-pub fn held_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, HeldParam)> {
-    struct Visit {
-        path: Vec<String>,
-        /// Depth of the path at the skeleton being visited, and its parameters' names so far.
-        skeleton: Option<usize>,
-        names: Vec<String>,
-        /// The next float parameter is a unit's flat vector.
-        in_shard: bool,
-        out: Vec<(ParamId, HeldParam)>,
-    }
-    impl Visit {
-        fn name(&self, parts: &[String]) -> String {
-            if parts.is_empty() {
-                format!("param{}", self.out.len())
-            } else {
-                parts.join(".")
-            }
-        }
-    }
-    impl<B: Backend> burn::module::ModuleVisitor<B> for Visit {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            let in_unit = container_type == "Struct:ZeroModule";
-            if in_unit && name == "skeleton" && self.skeleton.is_none() {
-                self.skeleton = Some(self.path.len());
-                self.names.clear();
-            }
-            self.in_shard = in_unit && name == "shard" && self.skeleton.is_none();
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-            if self.skeleton == Some(self.path.len()) {
-                self.skeleton = None;
-            }
-            self.in_shard = false;
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(depth) = self.skeleton {
-                // The unit's path, then the parameter's path inside its module.
-                let parts: Vec<String> = self.path[..depth]
-                    .iter()
-                    .chain(&self.path[depth + 1..])
-                    .cloned()
-                    .collect();
-                let name = self.name(&parts);
-                self.names.push(name);
-                self.out.push((param.id, HeldParam::Skeleton));
-                return;
-            }
-            let spec = ParamSpec {
-                name: self.name(&self.path),
-                shape: param.lazy_shape().to_vec(),
-            };
-            let unit = unit(param.id).filter(|_| self.in_shard);
-            let sharded = unit
-                .as_ref()
-                .and_then(|u| u.sharding.get().map(|s| spec.numel() == shard_len(u.numel, s.world)))
-                .unwrap_or(false);
-            let held = match unit {
-                Some(unit) if unit.shapes.len() == self.names.len() => HeldParam::Unit {
-                    params: std::mem::take(&mut self.names)
-                        .into_iter()
-                        .zip(&unit.shapes)
-                        .map(|(name, shape)| ParamSpec {
-                            name,
-                            shape: shape.clone(),
-                        })
-                        .collect(),
-                    sharded,
-                },
-                // A unit whose skeleton did not show its parameters (one nested in another):
-                // its flat vector under its own name.
-                Some(unit) => HeldParam::Unit {
-                    params: vec![ParamSpec {
-                        name: spec.name,
-                        shape: vec![unit.numel],
-                    }],
-                    sharded,
-                },
-                None => HeldParam::Plain(spec),
-            };
-            self.out.push((param.id, held));
-        }
-    }
-    let mut visit = Visit {
-        path: Vec::new(),
-        skeleton: None,
-        names: Vec::new(),
-        in_shard: false,
-        out: Vec::new(),
-    };
-    module.visit(&mut visit);
-    visit.out
-}
-
-/// Whether `module` holds a [`ZeroModule`] anywhere inside it.
-pub fn contains_zero_module<B: Backend, M: Module<B>>(module: &M) -> bool {
-    struct Find(bool);
-    impl<B: Backend> burn::module::ModuleVisitor<B> for Find {
-        fn enter_module(&mut self, _name: &str, container_type: &str) {
-            // The container type Burn's derive names: `Struct:` and the type's name.
-            self.0 |= container_type == "Struct:ZeroModule";
-        }
-    }
-    let mut find = Find(false);
-    module.visit(&mut find);
-    find.0
-}
-
-/// The error of an engine that cannot run a model holding [`ZeroModule`]s: their shards differ
-/// by rank and their gradients arrive reduced, so an engine that reduces them as replicas would
-/// average different ranks' shards together. `Ok` for a model without them.
-pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: &str) -> Result<(), ZeroError> {
-    if contains_zero_module::<B, M>(module) {
-        return Err(ZeroError::Config(format!(
-            "{engine} does not step ZeroModule shards; train a model holding ZeroModules in a Burn loop with \
-             zero_burn::ZeroOptimizer"
-        )));
-    }
-    Ok(())
-}
-
-/// `module` after a step wrote its units' new shards: at stage 2 each unit's whole vector is
-/// gathered now (ZeRO-2's all-gather of the updated parameters) and its shard held as a view of
-/// it, so that forward gathers nothing and a rank holds each parameter once; otherwise each
-/// unit's prefetch schedule learns the value the next forward gathers. Every rank calls it
-/// with the same model, so the gathers are in the same order everywhere.
-pub(crate) fn after_step<B: Backend, M: Module<B>>(module: M) -> Result<M, ZeroError> {
-    struct After {
-        error: Option<ZeroError>,
-    }
-    impl<B: Backend> ModuleMapper<B> for After {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some(unit) = unit(param.id) else { return param };
-            let Some(sharding) = unit.sharding.get() else {
-                return param;
-            };
-            let Some(hook) = sharding.after_step.get() else {
-                return param;
-            };
-            // A copy from before the cut holds the whole vector, not a shard; after an error
-            // the step fails, and nothing more is gathered.
-            if param.lazy_shape().num_elements() != shard_len(unit.numel, sharding.world) || self.error.is_some() {
-                return param;
-            }
-            let value = param.val();
-            match (hook.0)(&value as &dyn Any) {
-                Ok(Some(new)) => match new.downcast::<Tensor<B, D>>() {
-                    Ok(new) => Param::initialized(param.id, *new),
-                    Err(_) => param,
-                },
-                Ok(None) => param,
-                Err(e) => {
-                    self.error = Some(e);
-                    param
-                }
-            }
-        }
-    }
-    let mut after = After { error: None };
-    let module = module.map(&mut after);
-    match after.error {
-        Some(e) => Err(e),
-        None => Ok(module),
     }
 }

@@ -2,20 +2,21 @@
 //! unit computes, the units that come next have their all-gathers in flight.
 //!
 //! The order is learned, not declared. Every fetch of a unit's whole vector is noted in the
-//! phase it happens in: forward (the gathers of forward, or at stage 2 of a first use of a shard
-//! value that the step did not gather) or backward (the gathers again for backward under a checkpointing strategy; a
-//! reduce-scatter also says that backward has begun). When a phase ends, its sequence of units
-//! is kept as the one to follow next time. While a phase follows its kept sequence, a fetch at
-//! position p starts the gathers of the units at p + 1, p + 2, ... as long as their whole
-//! vectors fit the budget together with those already in flight; a phase that leaves its
-//! sequence prefetches nothing more (and is recorded afresh). Backward's sequence is its own
-//! (forward's reversed, for a chain; not for a unit used twice), and follows forward's: the end
-//! of a forward starts the gathers that its backward begins with. A unit that comes again
-//! within the window keeps its whole vector for that use instead of being gathered again (a
-//! model's last unit is the first its backward needs).
+//! phase it happens in: forward (the gathers of forward) or backward (the gathers again for
+//! backward under a checkpointing strategy; a reduce-scatter also says that backward has
+//! begun). When a phase ends, its sequence of units is kept as the one to follow next time.
+//! While a phase follows its kept sequence, a fetch at position p starts the gathers of the
+//! units at p + 1, p + 2, ... while the elements already in flight are fewer than the budget
+//! (DeepSpeed's rule: the last unit started may pass it, so any budget above 0 prefetches at
+//! least the next unit); a phase that leaves its sequence prefetches nothing more (and is
+//! recorded afresh). Backward's sequence is its own (forward's reversed, for a chain; not for a
+//! unit used twice), and follows forward's: the end of a forward starts the gathers that its
+//! backward begins with. A unit that comes again within the window keeps its whole vector for
+//! that use instead of being gathered again (a model's last unit is the first its backward
+//! needs).
 //!
 //! A prefetch gathers the unit's latest shard as the schedule saw it: at its last forward, or
-//! as the optimizer wrote it ([`note_shards`](super::note_shards)). The prefetched vector is
+//! as the optimizer wrote it ([`after_step`](super::after_step)). The prefetched vector is
 //! used only if the shard at its use is that same value (its autodiff node); otherwise it is
 //! dropped and the unit gathered again. Every rank runs the same code on the same model, so
 //! every rank starts the same prefetches in the same order: the collectives stay matched.
@@ -151,7 +152,7 @@ impl<I: Backend> Prefetcher<I> {
     }
 
     /// Starts the gathers of the units after `position` in `phase`'s recorded sequence (after
-    /// forward's last, backward's first), while they fit the budget with what is in flight.
+    /// forward's last, backward's first), while what is in flight is below the budget.
     /// Returns whether `unit`, being fetched, comes again among them: its whole vector is then
     /// kept for that use rather than gathered twice (without counting against the budget when
     /// it is the very next: it would be gathered again at once, as large).
@@ -170,7 +171,7 @@ impl<I: Backend> Prefetcher<I> {
                     continue;
                 }
                 let len = s.latest.get(&unit).map_or(0, |(_, shard)| shard.dims()[0] * world);
-                if distance > 0 && in_flight + len > self.budget {
+                if distance > 0 && in_flight >= self.budget {
                     break;
                 }
                 in_flight += if distance > 0 { len } else { 0 };
@@ -182,7 +183,7 @@ impl<I: Backend> Prefetcher<I> {
             }
             let Some((key, shard)) = s.latest.get(&next) else { break };
             let len = shard.dims()[0] * world;
-            if in_flight + len > self.budget {
+            if in_flight >= self.budget {
                 break;
             }
             in_flight += len;
