@@ -242,8 +242,9 @@ impl ZeroOptimizer {
     }
 
     /// Bytes held by this rank, by kind (zero before the first step). `gathered` is counted
-    /// from the layout: the largest sharded unit whole (every sharded unit when the backend
-    /// keeps them until backward).
+    /// from the layout: the largest sharded unit whole, with prefetching (`overlap_comm`) the
+    /// most a unit and the gathers in flight beside it can take (every sharded unit when the
+    /// backend keeps them until backward).
     pub fn memory(&self) -> MemoryReport {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match state.as_ref() {
@@ -343,28 +344,19 @@ impl ZeroOptimizer {
         // strategy a unit is freed after its use (one whole at a time); without, every unit
         // stays until backward.
         let gathers: Vec<usize> = units.iter().map(|&g| layout.groups[g].padded * dtype.size()).collect();
-        let (all, largest) = (
-            gathers.iter().sum::<usize>(),
-            gathers.iter().copied().max().unwrap_or(0),
-        );
-        // With `overlap_comm`, gathers of the units that come next are in flight beside the one in
-        // use at stage 3: fewer than the prefetch budget before the last one started (so at most
-        // the budget and one unit), and never more than the other units.
-        let prefetch = if self.settings.overlap_comm && world > 1 && self.settings.stage == Stage::Zero3 {
-            self.settings
-                .prefetch_bucket_size
-                .saturating_mul(dtype.size())
-                .saturating_add(largest)
-                .min(all - largest)
-        } else {
-            0
-        };
+        let all: usize = gathers.iter().sum();
+        let largest = gathers.iter().copied().max().unwrap_or(0);
         if self.settings.stage == Stage::Zero2 {
             memory.add_parameters(all);
         } else if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
             memory.add_gathered(all);
+        } else if self.settings.overlap_comm && self.settings.prefetch_bucket_size > 0 && world > 1 {
+            memory.add_gathered(gathered_with_prefetch(
+                &gathers,
+                self.settings.prefetch_bucket_size.saturating_mul(dtype.size()),
+            ));
         } else {
-            memory.add_gathered(largest + prefetch);
+            memory.add_gathered(largest);
         }
         let built = view.clone();
         *guard = Some(if self.on_device() {
@@ -428,6 +420,29 @@ impl ZeroOptimizer {
         // gather at stage 3.
         crate::sharded::after_step::<B, M>(module)
     }
+}
+
+/// The most bytes gathered at once at stage 3 with prefetching, for units of `units` bytes
+/// gathered whole and a budget of `budget` bytes: the unit in use and those in flight beside it,
+/// which are started while fewer than `budget` bytes are in flight, so at most the budget and
+/// one other unit, and never more than all the others.
+fn gathered_with_prefetch(units: &[usize], budget: usize) -> usize {
+    let all: usize = units.iter().sum();
+    let mut sorted = units.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    units
+        .iter()
+        .map(|&unit| {
+            // The largest other unit: the largest, unless this is it.
+            let other = if unit == sorted[0] {
+                sorted.get(1).copied().unwrap_or(0)
+            } else {
+                sorted[0]
+            };
+            unit + budget.saturating_add(other).min(all - unit)
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`
