@@ -62,7 +62,10 @@ pub(super) struct Sharding {
 /// Takes a unit's new shard (a `Tensor<B, 1>` of the backend the unit was cut for, hence `Any`)
 /// and returns the tensor to hold instead, if any: at stage 2 the shard as a view of its whole
 /// vector, gathered at once; otherwise the prefetch schedule is told the value.
-pub(super) struct AfterStep(pub(super) Box<dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync>);
+pub(super) struct AfterStep(pub(super) Box<ReplaceShard>);
+
+/// A function of a unit's shard (as `Any`) to the tensor to hold in its place, if any.
+type ReplaceShard = dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync;
 
 impl std::fmt::Debug for AfterStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
