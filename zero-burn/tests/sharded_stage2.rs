@@ -199,3 +199,40 @@ fn a_copy_from_before_a_step_computes_with_its_own_weights() {
         );
     }
 }
+
+/// A forward that reuses the kept whole vectors calls one scalar all-reduce per unit where the
+/// ranks may be threads of one process (the fence against burn 0.21's graph lock), and no
+/// collective at all where the collective says its ranks are processes of their own (NCCL's).
+/// Forward only: without a backward, rank threads without the fence cannot meet that lock.
+#[test]
+fn a_stage_2_forward_communicates_only_where_ranks_may_share_a_process() {
+    for separate in [false, true] {
+        let logs = common::on_ranks(2, |_, group| {
+            let device = Default::default();
+            let counting = Arc::new(Counting::new(HostStaged::new(group.clone())).in_processes(separate));
+            let (model, _optim) = zero_burn::initialize_on(
+                &config(),
+                Net::<AB>::whole(&device),
+                group,
+                counting.clone(),
+                &zero_burn::InitOptions::default(),
+            )
+            .expect("initialize");
+            counting.take();
+            let x = rows::<AB>(0..ROWS, SIZES[0].0, 3, &device);
+            for _ in 0..2 {
+                let _ = model.forward(x.clone());
+            }
+            counting.take()
+        });
+        for (rank, calls) in logs.iter().enumerate() {
+            let want = if separate { 0 } else { 2 * SIZES.len() };
+            assert_eq!(
+                calls.len(),
+                want,
+                "rank {rank}, separate processes {separate}: {calls:?}"
+            );
+            assert!(calls.iter().all(|c| c.0 == "scalars"), "rank {rank}: {calls:?}");
+        }
+    }
+}

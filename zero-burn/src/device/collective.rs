@@ -60,6 +60,14 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
         None
     }
+
+    /// Whether the ranks may be threads of one process, whose autodiff graphs burn 0.21 locks
+    /// together (then a stage-2 forward that gathers nothing still calls one scalar
+    /// all-reduce per unit, keeping the ranks in step). The default, `true`, is the safe
+    /// answer; a collective whose ranks are separate processes says `false`.
+    fn ranks_may_share_a_process(&self) -> bool {
+        true
+    }
 }
 
 /// A collective in flight ([`DeviceCollective::all_gather_start`]). Dropping it without waiting

@@ -326,6 +326,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBacke
         Ok(())
     }
 
+    /// NCCL ranks are one process per GPU, as the launcher starts them.
+    fn ranks_may_share_a_process(&self) -> bool {
+        false
+    }
+
     fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {
         Some(self.group.clone())
     }

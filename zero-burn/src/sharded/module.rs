@@ -304,10 +304,12 @@ where
                 // while another rank, a thread of the same process, is still in the cleanup
                 // that ends its last backward, which locks every thread's graph: both would
                 // wait forever. One scalar all-reduce keeps the ranks in step, as the gathers
-                // of stage 3 do.
-                gather
-                    .comm
-                    .all_reduce_scalars(&mut [0.0], zero_core::comm::ReduceOp::Sum)?;
+                // of stage 3 do. Ranks in processes of their own (NCCL) need none.
+                if gather.comm.ranks_may_share_a_process() {
+                    gather
+                        .comm
+                        .all_reduce_scalars(&mut [0.0], zero_core::comm::ReduceOp::Sum)?;
+                }
                 return Ok(Some(whole));
             }
         }

@@ -21,6 +21,8 @@ pub struct Counting {
     /// Gathers: `Gather::Start(len)` when one is started, `Gather::Wait(len)` when it is waited
     /// for (a blocking one leaves both at once).
     pub gathers: Arc<Mutex<Vec<Gather>>>,
+    /// What it says of its ranks: processes of their own (NCCL's case), or maybe threads.
+    pub separate_processes: bool,
 }
 
 /// A gather of a vector of this many elements (every rank's shard) started or waited for.
@@ -36,7 +38,13 @@ impl Counting {
             inner,
             log: Mutex::new(Vec::new()),
             gathers: Arc::new(Mutex::new(Vec::new())),
+            separate_processes: false,
         }
+    }
+    /// A collective that says its ranks are processes of their own.
+    pub fn in_processes(mut self, separate: bool) -> Self {
+        self.separate_processes = separate;
+        self
     }
     pub fn take_gathers(&self) -> Vec<Gather> {
         std::mem::take(&mut *self.gathers.lock().expect("gathers"))
@@ -86,6 +94,9 @@ impl DeviceCollective<Inner> for Counting {
     fn broadcast(&self, t: Tensor<Inner, 1>, root: usize) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("broadcast", &t);
         self.inner.broadcast(t, root)
+    }
+    fn ranks_may_share_a_process(&self) -> bool {
+        !self.separate_processes
     }
     fn all_reduce_scalars(&self, v: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
         self.log.lock().expect("log").push(("scalars", v.len(), DType::F32));
