@@ -1,8 +1,10 @@
 //! The optimizers of the device state: Adam/AdamW ([`DeviceAdam`]), SGD and Lion on flat fp32
-//! device tensors, with the host kernels' arithmetic (zero_core::optim) in Burn tensor ops.
+//! device tensors, with the host kernels' arithmetic (zero_core::optim) in Burn tensor ops; on
+//! the CPU backend, the host kernels themselves on the tensors' storage, in place.
 //! LAMB, whose trust ratio needs each parameter's norms summed over the ranks, runs on the host.
 
 use super::adam::{check_shard, load_buffer, DeviceAdam};
+use super::cpu::{is_cpu, with_slice, HostTensor};
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -107,9 +109,25 @@ impl<B: Backend> DeviceOptimizer<B> {
         self.check(&params, &grads)?;
         Ok(match self {
             DeviceOptimizer::Adam(a) => a.step(params, grads, lr)?,
-            DeviceOptimizer::Sgd(s) => s.step(params, grads, lr),
-            DeviceOptimizer::Lion(l) => l.step(params, grads, lr),
+            DeviceOptimizer::Sgd(s) if is_cpu::<B>() => s.step_on_host(params, grads, lr)?,
+            DeviceOptimizer::Sgd(s) => s.step_with_tensor_ops(params, grads, lr),
+            DeviceOptimizer::Lion(l) if is_cpu::<B>() => l.step_on_host(params, grads, lr)?,
+            DeviceOptimizer::Lion(l) => l.step_with_tensor_ops(params, grads, lr),
         })
+    }
+
+    /// [`DeviceOptimizer::step`] through the fused kernels (`fused`, the CPU backend only) or
+    /// the tensor ops, whichever backend: how the tests run both paths on the CPU.
+    #[cfg(test)]
+    fn step_via(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64, fused: bool) -> Tensor<B, 1> {
+        self.check(&params, &grads).expect("shard");
+        match (self, fused) {
+            (DeviceOptimizer::Adam(a), _) => a.step(params, grads, lr).expect("adam"),
+            (DeviceOptimizer::Sgd(s), true) => s.step_on_host(params, grads, lr).expect("sgd"),
+            (DeviceOptimizer::Sgd(s), false) => s.step_with_tensor_ops(params, grads, lr),
+            (DeviceOptimizer::Lion(l), true) => l.step_on_host(params, grads, lr).expect("lion"),
+            (DeviceOptimizer::Lion(l), false) => l.step_with_tensor_ops(params, grads, lr),
+        }
     }
 
     /// Replaces the state and the step count with a checkpoint's: `buffers` by the names of
@@ -152,8 +170,38 @@ pub(crate) struct DeviceSgd<B: Backend> {
     buffer: Option<Tensor<B, 1>>,
 }
 
+/// The error of a fused step given tensors that are not the CPU backend's fp32.
+fn not_host(optimizer: &str) -> ZeroError {
+    ZeroError::Optimizer(format!("device {optimizer}: a shard is not fp32 on the CPU"))
+}
+
 impl<B: Backend> DeviceSgd<B> {
-    fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
+    /// The update as zero-core's kernel (the host state's) on the CPU backend's tensors, in
+    /// place on their own storage.
+    fn step_on_host(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
+        let host = |t: Tensor<B, 1>| HostTensor::of(t).ok_or_else(|| not_host("SGD"));
+        let mut p = host(params)?;
+        let mut buffer = self.buffer.take().map(host).transpose()?;
+        let first = self.step == 0;
+        // The gradient is only read: its storage is used as it is, shared or not.
+        let done = with_slice(&grads, |g| {
+            optim::sgd_update(
+                p.slice_mut(),
+                g,
+                buffer.as_mut().map(HostTensor::slice_mut),
+                &self.spec,
+                first,
+                lr,
+            )
+        });
+        self.buffer = buffer.map(HostTensor::into_tensor);
+        done.ok_or_else(|| not_host("SGD"))?;
+        self.step += 1;
+        Ok(p.into_tensor())
+    }
+
+    /// The update in Burn tensor ops (a GPU's path).
+    fn step_with_tensor_ops(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
         let wd = self.spec.weight_decay as f32;
         let momentum = self.spec.momentum as f32;
         let damp = (1.0 - self.spec.dampening) as f32;
@@ -191,7 +239,31 @@ pub(crate) struct DeviceLion<B: Backend> {
 }
 
 impl<B: Backend> DeviceLion<B> {
-    fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
+    /// The update as zero-core's kernel (the host state's) on the CPU backend's tensors, in
+    /// place on their own storage.
+    fn step_on_host(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
+        let host = |t: Tensor<B, 1>| HostTensor::of(t).ok_or_else(|| not_host("Lion"));
+        let mut p = host(params)?;
+        let empty = Tensor::zeros([0], (&self.exp_avg.device(), DType::F32));
+        let mut m = host(std::mem::replace(&mut self.exp_avg, empty))?;
+        let done = with_slice(&grads, |g| {
+            optim::lion_update(
+                p.slice_mut(),
+                g,
+                m.slice_mut(),
+                self.spec.betas,
+                self.spec.weight_decay,
+                lr,
+            )
+        });
+        self.exp_avg = m.into_tensor();
+        done.ok_or_else(|| not_host("Lion"))?;
+        self.step += 1;
+        Ok(p.into_tensor())
+    }
+
+    /// The update in Burn tensor ops (a GPU's path).
+    fn step_with_tensor_ops(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
         let (b1, c1) = (self.spec.betas.0 as f32, (1.0 - self.spec.betas.0) as f32);
         let (b2, c2) = (self.spec.betas.1 as f32, (1.0 - self.spec.betas.1) as f32);
         let scale = (1.0 - lr * self.spec.weight_decay) as f32;
@@ -223,11 +295,58 @@ mod tests {
         t.into_data().to_vec::<f32>().expect("f32")
     }
 
-    /// Five steps of the device optimizer and of the host kernel (the reference) from the same
-    /// values: the same parameters and state to 1e-6 relative (the host may fuse a multiply-add).
+    /// `torch.optim.SGD` and Lion (Chen et al.) in f64, one step: the references of both paths.
+    fn reference_step(spec: &OptimizerSpec, p: &mut [f64], g: &[f32], state: &mut [f64], first: bool, lr: f64) {
+        for i in 0..p.len() {
+            let g = g[i] as f64;
+            match spec {
+                OptimizerSpec::Sgd(s) => {
+                    let mut d = g + s.weight_decay * p[i];
+                    if s.momentum != 0.0 {
+                        state[i] = if first {
+                            d
+                        } else {
+                            s.momentum * state[i] + (1.0 - s.dampening) * d
+                        };
+                        d = if s.nesterov {
+                            d + s.momentum * state[i]
+                        } else {
+                            state[i]
+                        };
+                    }
+                    p[i] -= lr * d;
+                }
+                OptimizerSpec::Lion(s) => {
+                    let c = s.betas.0 * state[i] + (1.0 - s.betas.0) * g;
+                    let sign = if c > 0.0 {
+                        1.0
+                    } else if c < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    };
+                    p[i] = p[i] * (1.0 - lr * s.weight_decay) - lr * sign;
+                    state[i] = s.betas.1 * state[i] + (1.0 - s.betas.1) * g;
+                }
+                _ => unreachable!("SGD and Lion only"),
+            }
+        }
+    }
+
+    /// Five steps of the device optimizer, through the fused kernels and through the tensor ops,
+    /// against the host kernel from the same values (the same parameters and state to 1e-6
+    /// relative: the host may fuse a multiply-add) and against the f64 reference.
     fn agrees_with_the_host(spec: OptimizerSpec) {
+        for fused in [true, false] {
+            agrees_with_the_host_via(spec.clone(), fused);
+        }
+    }
+
+    fn agrees_with_the_host_via(spec: OptimizerSpec, fused: bool) {
         let n = 37;
         let mut host_params: Vec<f32> = (0..n).map(|i| ((i * 13 % 11) as f32 - 5.0) * 0.07).collect();
+        let mut reference: Vec<f64> = host_params.iter().map(|&v| v as f64).collect();
+        let mut reference_state = vec![0.0f64; n];
         let mut host = optim::build(&spec, n, ShardSegments::single(n)).expect("host optimizer");
         let mut device = DeviceOptimizer::<F>::from_spec(&spec, n, &Default::default()).expect("device optimizer");
         let mut params = tensor(&host_params);
@@ -236,9 +355,18 @@ mod tests {
                 .map(|i| (((i + step) * 7 % 13) as f32 - 6.0) * 0.05 + if i == 3 { 0.0 } else { 0.01 })
                 .collect();
             host.step(&mut host_params, &grads, 0.01).expect("host step");
-            params = device.step(params, tensor(&grads), 0.01).expect("device step");
+            reference_step(&spec, &mut reference, &grads, &mut reference_state, step == 0, 0.01);
+            params = device.step_via(params, tensor(&grads), 0.01, fused);
         }
         let got = values(params);
+        let scale = reference.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(&reference).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= 1e-6 * scale,
+                "{} (fused {fused}): element {i}: {g} against the f64 reference {w}",
+                device.name()
+            );
+        }
         let scale = host_params.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for (i, (g, w)) in got.iter().zip(&host_params).enumerate() {
             assert!(

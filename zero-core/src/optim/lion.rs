@@ -36,6 +36,34 @@ impl Lion {
     }
 }
 
+/// One Lion update in place, on slices of one length: `params` and the momentum `exp_avg` from
+/// `grads` (see [`Lion`]), in parallel chunks. What [`Lion`] steps with, for callers that keep
+/// the state themselves.
+pub fn lion_update(
+    params: &mut [f32],
+    grads: &[f32],
+    exp_avg: &mut [f32],
+    betas: (f64, f64),
+    weight_decay: f64,
+    lr: f64,
+) {
+    let (b1, c1) = (betas.0 as f32, (1.0 - betas.0) as f32);
+    let (b2, c2) = (betas.1 as f32, (1.0 - betas.1) as f32);
+    let scale = (1.0 - lr * weight_decay) as f32;
+    let lr = lr as f32;
+    params
+        .par_chunks_mut(CHUNK)
+        .zip(grads.par_chunks(CHUNK))
+        .zip(exp_avg.par_chunks_mut(CHUNK))
+        .for_each(|((p, g), m)| {
+            for ((p, &g), m) in p.iter_mut().zip(g).zip(m) {
+                let c = b1 * *m + c1 * g;
+                *p = *p * scale - lr * sign(c);
+                *m = b2 * *m + c2 * g;
+            }
+        });
+}
+
 /// `torch.sign`: 0 for ±0 (and NaN stays NaN), ±1 otherwise.
 #[inline(always)]
 fn sign(x: f32) -> f32 {
@@ -60,21 +88,8 @@ impl ShardOptimizer for Lion {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
-        let (b1, c1) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
-        let (b2, c2) = (self.spec.betas.1 as f32, (1.0 - self.spec.betas.1) as f32);
-        let scale = (1.0 - lr * self.spec.weight_decay) as f32;
-        let lr = lr as f32;
-        params
-            .par_chunks_mut(CHUNK)
-            .zip(grads.par_chunks(CHUNK))
-            .zip(self.exp_avg.par_chunks_mut(CHUNK))
-            .for_each(|((p, g), m)| {
-                for ((p, &g), m) in p.iter_mut().zip(g).zip(m) {
-                    let c = b1 * *m + c1 * g;
-                    *p = *p * scale - lr * sign(c);
-                    *m = b2 * *m + c2 * g;
-                }
-            });
+        let betas = (self.beta1, self.spec.betas.1);
+        lion_update(params, grads, &mut self.exp_avg, betas, self.spec.weight_decay, lr);
         self.step += 1;
         Ok(())
     }

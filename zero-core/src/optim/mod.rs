@@ -35,9 +35,9 @@ pub use adam_kernel::{HalfCopy, Isa};
 pub use cpu_pool::CpuPool;
 pub use error::OptimError;
 pub use lamb::Lamb;
-pub use lion::Lion;
+pub use lion::{lion_update, Lion};
 pub use segments::{NormPartials, Segment, ShardSegments};
-pub use sgd::Sgd;
+pub use sgd::{sgd_update, Sgd};
 pub use spec::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
 
 /// An optimizer over one rank's flat fp32 shard.

@@ -8,6 +8,40 @@ use super::{check_len, OptimError, SgdSpec, ShardOptimizer};
 /// Elements per parallel chunk (see the Adam kernel for the reasoning).
 const CHUNK: usize = 1 << 16;
 
+/// One SGD update in place (`torch.optim.SGD`'s rule, as [`Sgd`] steps): `params` from
+/// `grads`, with the momentum buffer when `spec` has momentum (`buffer`, of the same length;
+/// `first` for the step that starts it, whose buffer is the gradient itself), in parallel
+/// chunks. For callers that keep the state themselves.
+pub fn sgd_update(params: &mut [f32], grads: &[f32], buffer: Option<&mut [f32]>, spec: &SgdSpec, first: bool, lr: f64) {
+    let wd = spec.weight_decay as f32;
+    let momentum = spec.momentum as f32;
+    let damp = (1.0 - spec.dampening) as f32;
+    let lr = lr as f32;
+    let nesterov = spec.nesterov;
+    match buffer {
+        Some(buffer) => params
+            .par_chunks_mut(CHUNK)
+            .zip(grads.par_chunks(CHUNK))
+            .zip(buffer.par_chunks_mut(CHUNK))
+            .for_each(|((p, g), buf)| {
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
+                    let d = g + wd * *p;
+                    *b = if first { d } else { momentum * *b + damp * d };
+                    let d = if nesterov { d + momentum * *b } else { *b };
+                    *p -= lr * d;
+                }
+            }),
+        None => params
+            .par_chunks_mut(CHUNK)
+            .zip(grads.par_chunks(CHUNK))
+            .for_each(|(p, g)| {
+                for (p, &g) in p.iter_mut().zip(g) {
+                    *p -= lr * (g + wd * *p);
+                }
+            }),
+    }
+}
+
 /// SGD over one shard. With momentum, the buffer starts as the first step's (decayed) gradient,
 /// as PyTorch's does, and is named `momentum_buffer` in checkpoints.
 #[derive(Debug)]
@@ -52,35 +86,8 @@ impl ShardOptimizer for Sgd {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         check_len("params", self.len, params.len())?;
         check_len("grads", self.len, grads.len())?;
-        let wd = self.spec.weight_decay as f32;
-        let momentum = self.spec.momentum as f32;
-        let damp = (1.0 - self.spec.dampening) as f32;
-        let lr = lr as f32;
-        let nesterov = self.spec.nesterov;
-        let first = self.step == 0;
-        if self.has_buffer() {
-            params
-                .par_chunks_mut(CHUNK)
-                .zip(grads.par_chunks(CHUNK))
-                .zip(self.momentum_buffer.par_chunks_mut(CHUNK))
-                .for_each(|((p, g), buf)| {
-                    for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
-                        let d = g + wd * *p;
-                        *b = if first { d } else { momentum * *b + damp * d };
-                        let d = if nesterov { d + momentum * *b } else { *b };
-                        *p -= lr * d;
-                    }
-                });
-        } else {
-            params
-                .par_chunks_mut(CHUNK)
-                .zip(grads.par_chunks(CHUNK))
-                .for_each(|(p, g)| {
-                    for (p, &g) in p.iter_mut().zip(g) {
-                        *p -= lr * (g + wd * *p);
-                    }
-                });
-        }
+        let buffer = self.has_buffer().then_some(self.momentum_buffer.as_mut_slice());
+        sgd_update(params, grads, buffer, &self.spec, self.step == 0, lr);
         self.step += 1;
         Ok(())
     }
