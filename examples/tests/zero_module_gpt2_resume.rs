@@ -133,21 +133,24 @@ fn the_stage_3_memory_report_counts_each_ranks_shards_and_the_largest_unit_gathe
     let largest = units.iter().map(padded).max().unwrap();
     let all: usize = units.iter().map(padded).sum();
     assert!(all - largest > block, "more than one block besides the largest unit");
-    // For each unit in use: the budget and the largest other unit may be in flight, never more
-    // than all the others.
+    // For each unit in use: what is in flight beside it is started while less than the budget
+    // (a block) is: the largest other unit, after up to a budget's worth of smaller units when
+    // there are any (the embeddings here are smaller than a block); never more than all the
+    // others.
     let sizes: Vec<usize> = units.iter().map(padded).collect();
     let most = sizes
         .iter()
         .enumerate()
         .map(|(i, &u)| {
-            let other = sizes
+            let others: Vec<usize> = sizes
                 .iter()
                 .enumerate()
                 .filter(|&(j, _)| j != i)
                 .map(|(_, &v)| v)
-                .max()
-                .unwrap();
-            u + (block + other).min(all - u)
+                .collect();
+            let (largest, smallest) = (*others.iter().max().unwrap(), *others.iter().min().unwrap());
+            let before_last = if smallest >= block { 0 } else { block };
+            u + (before_last + largest).min(all - u)
         })
         .max()
         .unwrap();

@@ -424,22 +424,17 @@ impl ZeroOptimizer {
 
 /// The most bytes gathered at once at stage 3 with prefetching, for units of `units` bytes
 /// gathered whole and a budget of `budget` bytes: the unit in use and those in flight beside it,
-/// which are started while fewer than `budget` bytes are in flight, so at most the budget and
-/// one other unit, and never more than all the others.
+/// which are started while fewer than `budget` bytes are in flight: at most the budget and one
+/// other unit (one unit alone when every other unit is at least the budget: the first fills
+/// it), and never more than all the others.
 fn gathered_with_prefetch(units: &[usize], budget: usize) -> usize {
     let all: usize = units.iter().sum();
-    let mut sorted = units.to_vec();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
-    units
-        .iter()
-        .map(|&unit| {
-            // The largest other unit: the largest, unless this is it.
-            let other = if unit == sorted[0] {
-                sorted.get(1).copied().unwrap_or(0)
-            } else {
-                sorted[0]
-            };
-            unit + budget.saturating_add(other).min(all - unit)
+    (0..units.len())
+        .map(|i| {
+            let others = units.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &v)| v);
+            let (largest, smallest) = others.fold((0, usize::MAX), |(l, s), v| (l.max(v), s.min(v)));
+            let before_last = if smallest >= budget { 0 } else { budget };
+            units[i] + before_last.saturating_add(largest).min(all - units[i])
         })
         .max()
         .unwrap_or(0)
