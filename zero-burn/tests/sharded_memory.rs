@@ -53,54 +53,77 @@ const UNIT_BYTES: i64 = (WIDTH * WIDTH * 4) as i64;
 const WORLD: usize = 2;
 const WORLD_BYTES: i64 = WORLD as i64;
 
-/// Over both ranks: bytes alive after forward above those alive before it, and bytes the
-/// sharded units hold.
-fn retained<C: CheckpointStrategy>(units: usize) -> (i64, i64) {
+/// Runs `body(rank, group, mark)` on `WORLD` rank threads; `mark(what)` records, once every
+/// rank has reached it, the bytes alive then. Returns those marks by name. The threads are
+/// joined, not scoped: a join returns after the thread's thread-local destructors have run, so
+/// no rank thread of an earlier measurement frees memory during a later one.
+fn measured<F>(body: F) -> Vec<(&'static str, i64)>
+where
+    F: Fn(usize, Arc<dyn zero_core::comm::ProcessGroup>, &dyn Fn(&'static str)) + Send + Sync + 'static,
+{
     let groups = ThreadGroup::new_group(WORLD).unwrap();
     let barrier = Arc::new(Barrier::new(WORLD));
     let marks = Arc::new(std::sync::Mutex::new(Vec::new()));
-    // Threads joined (not scoped): a join returns after the thread's thread-local destructors
-    // have run, so no rank thread of an earlier measurement frees memory during this one.
+    let body = Arc::new(body);
     let ranks: Vec<_> = groups
         .into_iter()
         .enumerate()
         .map(|(rank, group)| {
-            let (barrier, marks) = (barrier.clone(), marks.clone());
+            let (barrier, marks, body) = (barrier.clone(), marks.clone(), body.clone());
             std::thread::spawn(move || {
-                let device = Default::default();
-                let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
                 let mark = |what: &'static str| {
                     barrier.wait();
                     if rank == 0 {
-                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::SeqCst)));
+                        marks
+                            .lock()
+                            .unwrap()
+                            .push((what, CURRENT.load(Ordering::SeqCst) as i64));
                     }
                     barrier.wait();
                 };
-                mark("start");
-                let units: Vec<LinearUnit<C>> = (0..units)
-                    .map(|_| {
-                        let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
-                        zero_burn::sharded::shard_units(ZeroModule::new(linear), comm.clone(), 0).unwrap()
-                    })
-                    .collect();
-                mark("sharded");
-                let mut h = Tensor::<Autodiff<Flex, C>, 2>::ones([2, WIDTH], &device).require_grad();
-                for unit in &units {
-                    let module = unit.unshard(&h).unwrap();
-                    h = relu(module.forward(h));
-                }
-                let loss = h.sum();
-                mark("forward");
-                let _ = loss.backward();
+                body(rank, group, &mark);
             })
         })
         .collect();
     for rank in ranks {
         rank.join().unwrap();
     }
-    let marks = marks.lock().unwrap();
-    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1 as i64;
-    (at("forward") - at("sharded"), at("sharded") - at("start"))
+    let marks = marks.lock().unwrap().clone();
+    marks
+}
+
+/// The mark named `what`.
+fn at(marks: &[(&'static str, i64)], what: &str) -> i64 {
+    marks.iter().find(|(w, _)| *w == what).unwrap().1
+}
+
+/// Over both ranks: bytes alive after forward above those alive before it, and bytes the
+/// sharded units hold.
+fn retained<C: CheckpointStrategy>(units: usize) -> (i64, i64) {
+    let marks = measured(move |_, group, mark| {
+        let device = Default::default();
+        let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group));
+        mark("start");
+        let units: Vec<LinearUnit<C>> = (0..units)
+            .map(|_| {
+                let linear = LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device);
+                zero_burn::sharded::shard_units(ZeroModule::new(linear), comm.clone(), 0).unwrap()
+            })
+            .collect();
+        mark("sharded");
+        let mut h = Tensor::<Autodiff<Flex, C>, 2>::ones([2, WIDTH], &device).require_grad();
+        for unit in &units {
+            let module = unit.unshard(&h).unwrap();
+            h = relu(module.forward(h));
+        }
+        let loss = h.sum();
+        mark("forward");
+        let _ = loss.backward();
+    });
+    (
+        at(&marks, "forward") - at(&marks, "sharded"),
+        at(&marks, "sharded") - at(&marks, "start"),
+    )
 }
 
 #[test]
@@ -150,6 +173,7 @@ struct Units<B: burn::tensor::backend::Backend> {
 /// Over both ranks: bytes alive after one stage-2 step of `initialize`'s model and optimizer
 /// (both kept), above those alive before the model was built.
 fn held_after_a_stage_2_step(units: usize) -> i64 {
+    use burn::optim::{GradientsParams, Optimizer};
     type AB = Autodiff<Flex>;
     let config = zero_core::config::DeepSpeedConfig::from_str(
         r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
@@ -158,49 +182,25 @@ fn held_after_a_stage_2_step(units: usize) -> i64 {
     )
     .unwrap()
     .config;
-    let groups = ThreadGroup::new_group(WORLD).unwrap();
-    let barrier = Arc::new(Barrier::new(WORLD));
-    let marks = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let ranks: Vec<_> = groups
-        .into_iter()
-        .enumerate()
-        .map(|(rank, group)| {
-            let (barrier, marks, config) = (barrier.clone(), marks.clone(), config.clone());
-            std::thread::spawn(move || {
-                use burn::optim::{GradientsParams, Optimizer};
-                let device = Default::default();
-                let mark = |what: &'static str| {
-                    barrier.wait();
-                    if rank == 0 {
-                        marks.lock().unwrap().push((what, CURRENT.load(Ordering::SeqCst)));
-                    }
-                    barrier.wait();
-                };
-                mark("start");
-                let model = Units::<AB> {
-                    units: (0..units)
-                        .map(|_| ZeroModule::new(LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device)))
-                        .collect(),
-                };
-                let (model, mut optim) =
-                    zero_burn::initialize(&config, model, group as Arc<dyn zero_core::comm::ProcessGroup>).unwrap();
-                let mut h = Tensor::<AB, 2>::ones([2, WIDTH], &device);
-                for unit in &model.units {
-                    h = relu(unit.unshard(&h).unwrap().forward(h));
-                }
-                let grads = GradientsParams::from_grads(h.sum().backward(), &model);
-                let model = optim.step(0.01, model, grads);
-                mark("stepped");
-                drop((model, optim));
-            })
-        })
-        .collect();
-    for rank in ranks {
-        rank.join().unwrap();
-    }
-    let marks = marks.lock().unwrap();
-    let at = |what: &str| marks.iter().find(|(w, _)| *w == what).unwrap().1 as i64;
-    at("stepped") - at("start")
+    let marks = measured(move |_, group, mark| {
+        let device = Default::default();
+        mark("start");
+        let model = Units::<AB> {
+            units: (0..units)
+                .map(|_| ZeroModule::new(LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device)))
+                .collect(),
+        };
+        let (model, mut optim) = zero_burn::initialize(&config, model, group).unwrap();
+        let mut h = Tensor::<AB, 2>::ones([2, WIDTH], &device);
+        for unit in &model.units {
+            h = relu(unit.unshard(&h).unwrap().forward(h));
+        }
+        let grads = GradientsParams::from_grads(h.sum().backward(), &model);
+        let model = optim.step(0.01, model, grads);
+        mark("stepped");
+        drop((model, optim));
+    });
+    at(&marks, "stepped") - at(&marks, "start")
 }
 
 /// Stage 2 keeps each unit's whole vector between steps, and the rank's shard (the parameter

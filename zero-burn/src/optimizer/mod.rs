@@ -318,46 +318,12 @@ impl ZeroOptimizer {
             return Err(no_units_at_stage_3());
         }
         let memory = Arc::new(MemoryTracker::default());
-        let dtype = self.settings.precision.dtype;
-        let units = view.unit_groups();
-        let layout = &view.layout;
-        // What the module holds: replicated parameters whole, each unit's shard (at stage 2 a
-        // view of the unit's kept whole vector, counted below).
-        let stage2 = self.settings.stage == Stage::Zero2;
-        let held: usize = (0..layout.groups.len())
-            .map(|g| {
-                if units.contains(&g) {
-                    if stage2 {
-                        0
-                    } else {
-                        layout.owned_len(g)
-                    }
-                } else {
-                    layout.groups[g].numel
-                }
-            })
-            .sum();
-        memory.add_parameters(held * dtype.size());
-        // The units' gathers are the autodiff graph's, out of sight: counted from the layout,
-        // as the ZeRO formulas do. At stage 2 every unit keeps its whole vector from one step to
-        // the next: parameters, as ZeRO-2 counts them. At stage 3, under a checkpointing
-        // strategy a unit is freed after its use (one whole at a time); without, every unit
-        // stays until backward.
-        let gathers: Vec<usize> = units.iter().map(|&g| layout.groups[g].padded * dtype.size()).collect();
-        let all: usize = gathers.iter().sum();
-        let largest = gathers.iter().copied().max().unwrap_or(0);
-        if self.settings.stage == Stage::Zero2 {
-            memory.add_parameters(all);
-        } else if self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed) {
-            memory.add_gathered(all);
-        } else if self.settings.overlap_comm && self.settings.prefetch_bucket_size > 0 && world > 1 {
-            memory.add_gathered(gathered_with_prefetch(
-                &gathers,
-                self.settings.prefetch_bucket_size.saturating_mul(dtype.size()),
-            ));
-        } else {
-            memory.add_gathered(largest);
-        }
+        view.account(
+            &memory,
+            &self.settings,
+            world,
+            self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed),
+        );
         let built = view.clone();
         *guard = Some(if self.on_device() {
             let collective: Arc<dyn DeviceCollective<B::InnerBackend>> = match &self.collective {
@@ -420,24 +386,6 @@ impl ZeroOptimizer {
         // gather at stage 3.
         crate::sharded::after_step::<B, M>(module)
     }
-}
-
-/// The most bytes gathered at once at stage 3 with prefetching, for units of `units` bytes
-/// gathered whole and a budget of `budget` bytes: the unit in use and those in flight beside it,
-/// which are started while fewer than `budget` bytes are in flight: at most the budget and one
-/// other unit (one unit alone when every other unit is at least the budget: the first fills
-/// it), and never more than all the others.
-fn gathered_with_prefetch(units: &[usize], budget: usize) -> usize {
-    let all: usize = units.iter().sum();
-    (0..units.len())
-        .map(|i| {
-            let others = units.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &v)| v);
-            let (largest, smallest) = others.fold((0, usize::MAX), |(l, s), v| (l.max(v), s.min(v)));
-            let before_last = if smallest >= budget { 0 } else { budget };
-            units[i] + before_last.saturating_add(largest).min(all - units[i])
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`

@@ -3,7 +3,8 @@
 
 use crate::error::ZeroError;
 use crate::layout::stage_layout;
-use crate::settings::EngineSettings;
+use crate::memory::MemoryTracker;
+use crate::settings::{EngineSettings, Stage};
 use crate::sharded::{held_params, HeldParam, UNIT_ALIGNMENT};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -213,4 +214,64 @@ pub(super) fn collect_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     module.visit(&mut c);
     c.out
+}
+
+impl ModuleView {
+    /// Counts what the module holds in `memory`: replicated parameters whole, each unit's shard
+    /// (at stage 2 a view of the unit's kept whole vector), and the units' gathers, which are
+    /// the autodiff graph's, out of sight: counted from the layout, as the ZeRO formulas do. At
+    /// stage 2 every unit keeps its whole vector from one step to the next: parameters, as
+    /// ZeRO-2 counts them. At stage 3, under a checkpointing strategy a unit is freed after its
+    /// use (one whole at a time, with what is prefetched beside it); without (`keeps_gathered`),
+    /// every unit stays until backward.
+    pub(super) fn account(
+        &self,
+        memory: &MemoryTracker,
+        settings: &EngineSettings,
+        world: usize,
+        keeps_gathered: bool,
+    ) {
+        let dtype = settings.precision.dtype;
+        let units = self.unit_groups();
+        let layout = &self.layout;
+        let stage2 = settings.stage == Stage::Zero2;
+        let held: usize = (0..layout.groups.len())
+            .map(|g| match (units.contains(&g), stage2) {
+                (true, true) => 0,
+                (true, false) => layout.owned_len(g),
+                (false, _) => layout.groups[g].numel,
+            })
+            .sum();
+        memory.add_parameters(held * dtype.size());
+        let gathers: Vec<usize> = units.iter().map(|&g| layout.groups[g].padded * dtype.size()).collect();
+        let all: usize = gathers.iter().sum();
+        if stage2 {
+            memory.add_parameters(all);
+        } else if keeps_gathered {
+            memory.add_gathered(all);
+        } else if settings.overlap_comm && settings.prefetch_bucket_size > 0 && world > 1 {
+            let budget = settings.prefetch_bucket_size.saturating_mul(dtype.size());
+            memory.add_gathered(gathered_with_prefetch(&gathers, budget));
+        } else {
+            memory.add_gathered(gathers.iter().copied().max().unwrap_or(0));
+        }
+    }
+}
+
+/// The most bytes gathered at once at stage 3 with prefetching, for units of `units` bytes
+/// gathered whole and a budget of `budget` bytes: the unit in use and those in flight beside it,
+/// which are started while fewer than `budget` bytes are in flight: at most the budget and one
+/// other unit (one unit alone when every other unit is at least the budget: the first fills
+/// it), and never more than all the others.
+fn gathered_with_prefetch(units: &[usize], budget: usize) -> usize {
+    let all: usize = units.iter().sum();
+    (0..units.len())
+        .map(|i| {
+            let others = units.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &v)| v);
+            let (largest, smallest) = others.fold((0, usize::MAX), |(l, s), v| (l.max(v), s.min(v)));
+            let before_last = if smallest >= budget { 0 } else { budget };
+            units[i] + before_last.saturating_add(largest).min(all - units[i])
+        })
+        .max()
+        .unwrap_or(0)
 }

@@ -98,8 +98,8 @@ fn plain_parts<B: Backend>(
     sizes: &[usize],
 ) -> Result<Vec<Tensor<B, 1>>, ZeroError> {
     let whole = match (kept, gather) {
-        // No autodiff node to tell values apart: gathered now, without the prefetch schedule.
         (Some(kept), _) => kept,
+        // No autodiff node to tell values apart: gathered now, without the prefetch schedule.
         (None, Some(gather)) => gather.comm.all_gather(shard)?,
         (None, None) => shard,
     };

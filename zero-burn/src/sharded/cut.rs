@@ -18,9 +18,10 @@ pub struct UnitPlan {
     /// Units of fewer elements stay whole, as replicated parameters (DeepSpeed's
     /// `stage3_param_persistence_threshold`).
     pub min_numel: usize,
-    /// Each unit keeps its whole vector between steps (ZeRO stage 2): gathered at its first
-    /// use after each step and kept, so forward and backward gather nothing more, while its
-    /// gradient is reduce-scattered to the rank's shard in backward as at stage 3.
+    /// Each unit keeps its whole vector between steps (ZeRO stage 2), the rank's shard a view
+    /// of it: kept by the cut, gathered again by [`after_step`] from the shards a step wrote (or
+    /// at the first use of a shard written otherwise), so forward and backward gather nothing,
+    /// while its gradient is reduce-scattered to the rank's shard in backward as at stage 3.
     pub keep_gathered: bool,
     /// Elements of whole vectors gathered ahead of their use (DeepSpeed's
     /// `stage3_prefetch_bucket_size`, with `overlap_comm`): the units that came next the last
@@ -84,8 +85,8 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                     let whole = comm.all_gather(B::collective_value(shard.clone()))?;
                     return Ok(Some(Box::new(unit.keep_whole::<B>(whole, comm.rank())) as Box<dyn Any>));
                 }
-                if let Some(prefetcher) = sharding.gather::<B::Collective>(unit.id)?.prefetch {
-                    prefetcher.0.note(unit.id, key, B::collective_value(shard.clone()));
+                if let Some(prefetcher) = sharding.prefetcher::<B::Collective>() {
+                    prefetcher.note(unit.id, key, B::collective_value(shard.clone()));
                 }
                 Ok(None)
             })));

@@ -78,12 +78,13 @@ impl Sharding {
     pub(super) fn gather<I: Backend>(&self, unit: u64) -> Result<UnitGather<I>, ZeroError> {
         Ok(UnitGather {
             comm: self.comm.get::<I>()?.clone(),
-            prefetch: self
-                .prefetch
-                .get()
-                .and_then(|p| p.clone().downcast::<Prefetcher<I>>().ok())
-                .map(|p| (p, unit)),
+            prefetch: self.prefetcher::<I>().map(|p| (p, unit)),
         })
+    }
+
+    /// The unit's prefetch schedule on the collective's backend `I`, if it has one.
+    pub(super) fn prefetcher<I: Backend>(&self) -> Option<Arc<Prefetcher<I>>> {
+        self.prefetch.get()?.clone().downcast::<Prefetcher<I>>().ok()
     }
 }
 
