@@ -6,6 +6,23 @@ use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::optim::{self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments};
 use zero_core::partition::{PartitionLayout, Placement};
 
+/// The pieces of `group`'s parameter tensors in `rank`'s owned range, the parameters numbered
+/// within the group (the cross-rank sum of LAMB's norms is per group).
+pub(crate) fn shard_segments(layout: &PartitionLayout, group: usize, rank: usize) -> ShardSegments {
+    let g = &layout.groups[group];
+    ShardSegments {
+        num_params: g.params.len(),
+        segments: layout
+            .segments(group, rank)
+            .into_iter()
+            .map(|s| optim::Segment {
+                param_id: g.params.iter().position(|&p| p == s.param).unwrap_or(0),
+                range: s.local,
+            })
+            .collect(),
+    }
+}
+
 /// Builds the optimizer of every group from one spec.
 #[derive(Clone, Debug)]
 pub(crate) struct OptimizerFactory {
@@ -17,18 +34,7 @@ impl OptimizerFactory {
     pub fn build(&self, layout: &PartitionLayout, group: usize, rank: usize) -> Result<GroupOptimizer, ZeroError> {
         let g = &layout.groups[group];
         let len = layout.owned_len(group);
-        let segments = ShardSegments {
-            num_params: g.params.len(),
-            segments: layout
-                .segments(group, rank)
-                .into_iter()
-                .map(|s| optim::Segment {
-                    // Parameters are numbered within the group: the cross-rank sum is per group.
-                    param_id: g.params.iter().position(|&p| p == s.param).unwrap_or(0),
-                    range: s.local,
-                })
-                .collect(),
-        };
+        let segments = shard_segments(layout, group, rank);
         let inner = optim::build(&self.spec, len, segments).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
         Ok(GroupOptimizer {
             inner,

@@ -98,7 +98,8 @@ impl<I: Backend> DeviceState<I> {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let n = g.master.len();
-                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &device)?;
+                let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
+                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;
                 if optimizer.name() != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
                         "the checkpoint's optimizer is `{}` but this one is `{}`",

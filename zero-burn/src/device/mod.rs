@@ -11,9 +11,9 @@
 //! - [`DeviceCollective`]: collectives on flat 1-D tensors. [`HostStaged`] runs them through any
 //!   process group (the CPU backend, or several ranks sharing one GPU); `NcclDevice` (feature
 //!   `cuda`) hands Burn's CUDA buffers to NCCL directly.
-//! - [`DeviceAdam`], SGD and Lion with Burn tensor ops, the host kernels' arithmetic, or on the
-//!   CPU backend the host kernels themselves (LAMB, whose trust ratio sums each parameter's norms
-//!   over the ranks, steps on the host).
+//! - [`DeviceAdam`], SGD, Lion and LAMB with Burn tensor ops, the host kernels' arithmetic, or on
+//!   the CPU backend (Adam, SGD, Lion) the host kernels themselves; LAMB sums each parameter's
+//!   norms over the ranks through the device collective.
 //! - The state's checkpoints are the host state's format: either loads the other's, at any
 //!   world size.
 
@@ -22,6 +22,7 @@ mod checkpoint;
 mod collective;
 mod cpu;
 pub(crate) mod flat;
+mod lamb;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod optim;

@@ -1,19 +1,16 @@
 //! The optimizers of the device state: Adam/AdamW ([`DeviceAdam`]), SGD and Lion on flat fp32
 //! device tensors, with the host kernels' arithmetic (zero_core::optim) in Burn tensor ops; on
-//! the CPU backend, the host kernels themselves on the tensors' storage, in place.
-//! LAMB, whose trust ratio needs each parameter's norms summed over the ranks, runs on the host.
+//! the CPU backend, the host kernels themselves on the tensors' storage, in place; and LAMB
+//! ([`DeviceLamb`]), whose trust ratio sums each parameter's norms over the ranks.
 
 use super::adam::{check_shard, load_buffer, DeviceAdam};
+use super::collective::DeviceCollective;
 use super::cpu::{is_cpu, with_slice, HostTensor};
+use super::lamb::DeviceLamb;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use zero_core::optim::{self, LionSpec, OptimizerSpec, SgdSpec, ShardSegments};
-
-/// Whether `spec` has a device implementation (all but LAMB).
-pub(crate) fn on_device(spec: &OptimizerSpec) -> bool {
-    !matches!(spec, OptimizerSpec::Lamb(_))
-}
 
 /// One flat shard's optimizer on the device.
 #[derive(Debug)]
@@ -21,14 +18,23 @@ pub(crate) enum DeviceOptimizer<B: Backend> {
     Adam(DeviceAdam<B>),
     Sgd(DeviceSgd<B>),
     Lion(DeviceLion<B>),
+    Lamb(DeviceLamb<B>),
 }
 
 impl<B: Backend> DeviceOptimizer<B> {
-    /// The optimizer `spec` names, for a shard of `len` elements on `device`, with zeroed
-    /// state. Fails for an invalid setting (the host optimizer's checks) and for LAMB.
-    pub(crate) fn from_spec(spec: &OptimizerSpec, len: usize, device: &B::Device) -> Result<Self, ZeroError> {
-        // The host optimizer's validation, on an empty shard.
-        optim::build(spec, 0, ShardSegments::single(0)).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+    /// The optimizer `spec` names, for a shard of `len` elements cut into `segments` (the
+    /// pieces of parameter tensors it holds: LAMB's trust ratio is per tensor), on `device`,
+    /// with zeroed state. Fails for an invalid setting (the host optimizer's checks).
+    pub(crate) fn from_spec(
+        spec: &OptimizerSpec,
+        len: usize,
+        segments: &ShardSegments,
+        device: &B::Device,
+    ) -> Result<Self, ZeroError> {
+        // The host optimizer's validation, on an empty shard, and the segments'.
+        let invalid = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
+        optim::build(spec, 0, ShardSegments::single(0)).map_err(invalid)?;
+        segments.validate(len).map_err(invalid)?;
         let zeros = || Tensor::<B, 1>::zeros([len], (device, DType::F32));
         Ok(match spec {
             OptimizerSpec::Adam(s) => DeviceOptimizer::Adam(DeviceAdam::new(s.clone(), len, device)?),
@@ -43,11 +49,7 @@ impl<B: Backend> DeviceOptimizer<B> {
                 step: 0,
                 exp_avg: zeros(),
             }),
-            OptimizerSpec::Lamb(_) => {
-                return Err(ZeroError::Config(
-                    "optimizer.type LAMB has no device implementation: its state lives in host memory".into(),
-                ))
-            }
+            OptimizerSpec::Lamb(s) => DeviceOptimizer::Lamb(DeviceLamb::new(s.clone(), len, segments, device)),
         })
     }
 
@@ -57,6 +59,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             DeviceOptimizer::Adam(a) => a.name(),
             DeviceOptimizer::Sgd(_) => "sgd",
             DeviceOptimizer::Lion(_) => "lion",
+            DeviceOptimizer::Lamb(_) => "lamb",
         }
     }
 
@@ -66,6 +69,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             DeviceOptimizer::Adam(a) => a.step_count(),
             DeviceOptimizer::Sgd(s) => s.step,
             DeviceOptimizer::Lion(l) => l.step,
+            DeviceOptimizer::Lamb(l) => l.step_count(),
         }
     }
 
@@ -75,6 +79,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             DeviceOptimizer::Adam(a) => a.state(),
             DeviceOptimizer::Sgd(s) => s.buffer.iter().map(|b| ("momentum_buffer", b)).collect(),
             DeviceOptimizer::Lion(l) => vec![("exp_avg", &l.exp_avg)],
+            DeviceOptimizer::Lamb(l) => vec![("exp_avg", &l.exp_avg), ("exp_avg_sq", &l.exp_avg_sq)],
         }
     }
 
@@ -89,6 +94,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             DeviceOptimizer::Adam(a) => a.len(),
             DeviceOptimizer::Sgd(s) => s.len,
             DeviceOptimizer::Lion(l) => l.exp_avg.dims()[0],
+            DeviceOptimizer::Lamb(l) => l.len(),
         }
     }
 
@@ -99,15 +105,18 @@ impl<B: Backend> DeviceOptimizer<B> {
     }
 
     /// One update of the fp32 `params` from the fp32 `grads` at learning rate `lr`; returns the
-    /// new parameters.
+    /// new parameters. `across`: the ranks the shard's parameter tensors are cut over (none
+    /// where this rank holds them whole), for LAMB's per-tensor norms.
     pub(crate) fn step(
         &mut self,
         params: Tensor<B, 1>,
         grads: Tensor<B, 1>,
         lr: f64,
+        across: Option<&dyn DeviceCollective<B>>,
     ) -> Result<Tensor<B, 1>, ZeroError> {
         self.check(&params, &grads)?;
         Ok(match self {
+            DeviceOptimizer::Lamb(l) => l.step(params, grads, lr, across)?,
             DeviceOptimizer::Adam(a) => a.step(params, grads, lr)?,
             DeviceOptimizer::Sgd(s) if is_cpu::<B>() => s.step_on_host(params, grads, lr)?,
             DeviceOptimizer::Sgd(s) => s.step_with_tensor_ops(params, grads, lr),
@@ -127,6 +136,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             (DeviceOptimizer::Sgd(s), false) => s.step_with_tensor_ops(params, grads, lr),
             (DeviceOptimizer::Lion(l), true) => l.step_on_host(params, grads, lr).expect("lion"),
             (DeviceOptimizer::Lion(l), false) => l.step_with_tensor_ops(params, grads, lr),
+            (DeviceOptimizer::Lamb(l), _) => l.step(params, grads, lr, None).expect("lamb"),
         }
     }
 
@@ -154,6 +164,10 @@ impl<B: Backend> DeviceOptimizer<B> {
             DeviceOptimizer::Lion(l) => {
                 l.exp_avg = find("exp_avg")?;
                 l.step = step;
+            }
+            DeviceOptimizer::Lamb(l) => {
+                let (m, v) = (find("exp_avg")?, find("exp_avg_sq")?);
+                l.load(step, m, v);
             }
         }
         Ok(())
@@ -348,7 +362,8 @@ mod tests {
         let mut reference: Vec<f64> = host_params.iter().map(|&v| v as f64).collect();
         let mut reference_state = vec![0.0f64; n];
         let mut host = optim::build(&spec, n, ShardSegments::single(n)).expect("host optimizer");
-        let mut device = DeviceOptimizer::<F>::from_spec(&spec, n, &Default::default()).expect("device optimizer");
+        let mut device = DeviceOptimizer::<F>::from_spec(&spec, n, &ShardSegments::single(n), &Default::default())
+            .expect("device optimizer");
         let mut params = tensor(&host_params);
         for step in 0..5 {
             let grads: Vec<f32> = (0..n)
@@ -415,12 +430,5 @@ mod tests {
             weight_decay: 0.1,
             ..LionSpec::default()
         }));
-    }
-
-    #[test]
-    fn lamb_is_refused_on_the_device() {
-        let e = DeviceOptimizer::<F>::from_spec(&OptimizerSpec::Lamb(Default::default()), 4, &Default::default())
-            .expect_err("LAMB has no device implementation");
-        assert!(e.to_string().contains("LAMB"), "{e}");
     }
 }

@@ -16,11 +16,6 @@ use zero_core::comm::{ProcessGroup, ReduceOp};
 use zero_core::loss_scaler::LossScaler;
 use zero_core::partition::{PartitionLayout, Placement};
 
-/// Whether the optimizer `settings` name runs on the device (all but LAMB).
-pub(crate) fn runs_on_device(settings: &EngineSettings) -> bool {
-    super::optim::on_device(&settings.optimizer)
-}
-
 /// One flat group's share of the state.
 struct GroupState<I: Backend> {
     /// fp32 master weights of the rank's owned range.
@@ -77,7 +72,8 @@ impl<I: Backend> DeviceState<I> {
                     layout.owned_len(g)
                 )));
             }
-            let optimizer = DeviceOptimizer::from_spec(&settings.optimizer, len, &device)?;
+            let segments = crate::optimizer_bridge::shard_segments(&layout, g, comm.rank());
+            let optimizer = DeviceOptimizer::from_spec(&settings.optimizer, len, &segments, &device)?;
             memory.add_master(len * 4);
             memory.add_optimizer(optimizer.state_bytes());
             groups.push(GroupState {
@@ -243,14 +239,16 @@ impl<I: Backend> DeviceState<I> {
         let ratio = max_norm / (grad_norm + 1e-6);
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         let coef = (unscale * clip) as f32;
-        for (state, grad) in self.groups.iter_mut().zip(grads) {
+        for (gi, (state, grad)) in self.groups.iter_mut().zip(grads).enumerate() {
+            // A sharded group's tensors may be cut between ranks (LAMB sums their norms).
+            let across = (self.layout.groups[gi].placement == Placement::Sharded).then_some(self.comm.as_ref());
             let grad = if coef != 1.0 { grad.mul_scalar(coef) } else { grad };
             state.optimizer.check(&state.master, &grad)?;
             // Taken out, so that the optimizer may update the only handle in place (the check
             // above is all that could fail).
             let empty = Tensor::zeros([0], (&self.device, DType::F32));
             let master = std::mem::replace(&mut state.master, empty);
-            state.master = state.optimizer.step(master, grad, lr)?;
+            state.master = state.optimizer.step(master, grad, lr, across)?;
         }
         Ok(Some(grad_norm))
     }

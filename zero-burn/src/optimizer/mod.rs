@@ -47,8 +47,8 @@ use zero_core::loss_scaler::LossScaler;
 /// backend; the gradients are reduced there through the [`DeviceCollective`] that
 /// [`crate::initialize_on`] was given), unless the config offloads the optimizer
 /// (`offload_optimizer`: host memory and the fused CPU step, or NVMe). On the CPU backend too
-/// the state is tensors (of the CPU backend): the code a GPU runs. LAMB, whose trust ratio
-/// sums each parameter's norms over the ranks, runs on the host.
+/// the state is tensors (of the CPU backend): the code a GPU runs. Every optimizer (Adam,
+/// AdamW, SGD, Lion, LAMB) has its device form.
 ///
 /// Burn's `Optimizer::step` cannot return an error, so a failed collective (a dead or diverging
 /// peer) panics with the error's message, on every surviving rank; [`ZeroOptimizer::try_step`]
@@ -128,13 +128,11 @@ impl ZeroOptimizer {
     }
 
     /// Whether the state is tensors on the device: no optimizer offload, tensors chosen
-    /// ([`ZeroOptimizer::with_tensor_state`]), an optimizer with a device implementation (all
-    /// but LAMB), and no tensor-parallel group (whose norm counts replicated parameters once,
-    /// which only the host state does).
+    /// ([`ZeroOptimizer::with_tensor_state`]), and no tensor-parallel group (whose norm counts
+    /// replicated parameters once, which only the host state does).
     fn on_device(&self) -> bool {
         self.tensors
             && self.settings.offload_optimizer == OptimizerOffload::None
-            && crate::device::state::runs_on_device(&self.settings)
             && self.settings.tensor_parallel_group.is_none()
     }
 
