@@ -12,7 +12,8 @@
 //! gradients and the host the fp32 copy of its shard). In fp32 the offloaded part is 12Ψ/N too:
 //! the step needs its masters beside the moments, and the parameters stay where they were.
 //! Offloading parameters (stage 3) moves
-//! the parameter shard too. The largest gather unit (stage 3's live gather) stays on the device.
+//! the parameter shard too. What stage 3 holds gathered at once (the unit in use and the
+//! prefetches in flight beside it: [`gathered_with_prefetch`]) stays on the device.
 //!
 //! Every count is checked: an input so large that a byte count would pass 2^64 (16 EiB, more
 //! than any cluster holds) is an [`EstimateError`] naming the input, never a wrapped number.
@@ -37,7 +38,7 @@ pub enum EstimateError {
     )]
     Overflow {
         /// The input to blame, by its field name in [`EstimateInput`] (`params`, `gpus_per_node`,
-        /// `nodes`, `largest_gather`).
+        /// `nodes`, `gathered_at_once`).
         input: &'static str,
         /// Its value.
         value: u64,
@@ -135,9 +136,12 @@ pub enum OffloadTarget {
 pub struct EstimateInput {
     /// Ψ: trainable parameters.
     pub params: u64,
-    /// Parameters of the largest unit stage 3 gathers at once (a block, or the embeddings);
-    /// `None` when unknown.
-    pub largest_gather: Option<u64>,
+    /// The most parameters stage 3 holds gathered at once: the unit in use and the gathers in
+    /// flight beside it (for a GPT-2: [`Gpt2Shape::gathered_at_once`]); `None` when unknown.
+    pub gathered_at_once: Option<u64>,
+    /// `stage3_prefetch_bucket_size`: elements gathered ahead of their use at stage 3 (0:
+    /// none), which [`Gpt2Shape::input`] counts. Default [`DEFAULT_PREFETCH_BUCKET`].
+    pub prefetch_bucket_size: u64,
     /// Parameters of the largest group stage 3 partitions as one flat buffer (a block's, or
     /// the embeddings'), which sizes the NVMe streaming buffers; `None` when unknown (then the
     /// whole model, an upper bound, as at stages 1-2).
@@ -205,7 +209,8 @@ impl EstimateInput {
     pub fn new(params: u64, stage: u8, devices: u64, dtype: Dtype) -> Self {
         EstimateInput {
             params,
-            largest_gather: None,
+            gathered_at_once: None,
+            prefetch_bucket_size: DEFAULT_PREFETCH_BUCKET,
             largest_group: None,
             stage,
             gpus_per_node: devices,
@@ -235,7 +240,7 @@ pub struct StateBytes {
     pub gradients: u64,
     /// Optimizer state: fp32 masters (mixed precision) and moments.
     pub optimizer_state: u64,
-    /// Stage 3's largest gather unit, live during its forward or backward.
+    /// Stage 3's gathered parameters: the unit in use and the prefetches in flight beside it.
     pub gathered: u64,
 }
 
@@ -322,8 +327,8 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
         }
     };
 
-    let gathered = match (stage, input.largest_gather) {
-        (3, Some(b)) => mul(p, b, "largest_gather", b, || {
+    let gathered = match (stage, input.gathered_at_once) {
+        (3, Some(b)) => mul(p, b, "gathered_at_once", b, || {
             format!("{p} bytes per parameter × {b} gathered parameters")
         })?,
         _ => 0,
@@ -340,10 +345,7 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
         format!("optimizer {k}Ψ{}", frac(n_opt)),
     ];
     if device.gathered > 0 {
-        device_terms.push(format!(
-            "largest gather {p}·B (B = {})",
-            input.largest_gather.unwrap_or(0)
-        ));
+        device_terms.push(format!("gathered {p}·B (B = {})", input.gathered_at_once.unwrap_or(0)));
     }
     let mut host = StateBytes::default();
     let mut nvme = StateBytes::default();
@@ -428,10 +430,48 @@ fn join_terms(terms: &[String]) -> String {
     }
 }
 
-/// DeepSpeed's default `stage3_max_reuse_distance` and `stage3_max_live_parameters`.
-pub const DEFAULT_REUSE_LIMIT: u64 = 1_000_000_000;
+/// DeepSpeed's default `stage3_prefetch_bucket_size` (elements), the config parser's too.
+pub const DEFAULT_PREFETCH_BUCKET: u64 = 50_000_000;
 
-/// A GPT-2 shape: what the parameter count and the largest gather unit depend on.
+/// The most held gathered at once at stage 3 with prefetching, for units of `units` (elements
+/// or bytes, the same for `budget`) gathered whole one at a time, and a prefetch budget of
+/// `budget`: the unit in use and the gathers in flight beside it, which are started while less
+/// than `budget` is in flight, so at most the budget and one other unit (one unit alone when
+/// every other unit is at least the budget: the first started fills it), never more than all
+/// the others. A budget of 0 (no prefetch): the largest unit. The rule of `ZeroOptimizer`'s
+/// memory report, which the prefetch schedule's tests check against the gathers it starts.
+pub fn gathered_with_prefetch(units: &[u64], budget: u64) -> u64 {
+    let counted: Vec<(u64, u64)> = units.iter().map(|&u| (u, 1)).collect();
+    gathered_with_prefetch_counted(&counted, budget)
+}
+
+/// [`gathered_with_prefetch`] for `count` units of each `size` (a model of many equal blocks).
+fn gathered_with_prefetch_counted(units: &[(u64, u64)], budget: u64) -> u64 {
+    let units: Vec<(u64, u64)> = units.iter().copied().filter(|&(_, count)| count > 0).collect();
+    if budget == 0 {
+        return units.iter().map(|&(size, _)| size).max().unwrap_or(0);
+    }
+    let all = units
+        .iter()
+        .fold(0u64, |a, &(size, count)| a.saturating_add(size.saturating_mul(count)));
+    (0..units.len())
+        .map(|i| {
+            let (size, count) = units[i];
+            // The others: every other kind, and this kind's other units.
+            let others = units
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i || count > 1)
+                .map(|(_, &(other, _))| other);
+            let (largest, smallest) = others.fold((0, u64::MAX), |(l, s), v| (l.max(v), s.min(v)));
+            let before_last = if smallest >= budget { 0 } else { budget };
+            size.saturating_add(before_last.saturating_add(largest).min(all - size))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// A GPT-2 shape: what the parameter count and the stage-3 gathers depend on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Gpt2Shape {
     /// Vocabulary size.
@@ -594,30 +634,36 @@ impl Gpt2Shape {
         self.checked_counts().map_or(u64::MAX, |(_, _, total)| total)
     }
 
-    /// `base` (stage, cluster, offload, dtype) for this model: its parameters, largest gather
-    /// unit and largest partitioned group.
+    /// `base` (stage, cluster, offload, dtype, prefetch budget) for this model: its
+    /// parameters, what stage 3 holds gathered at once (with the budget; none on one device,
+    /// where nothing is gathered ahead), and its largest partitioned group.
     pub fn input(&self, base: &EstimateInput) -> EstimateInput {
         EstimateInput {
             params: self.num_params(),
-            largest_gather: Some(self.largest_gather()),
+            gathered_at_once: Some(self.gathered_at_once(match base.world() {
+                Ok(w) if w > 1 => base.prefetch_bucket_size,
+                _ => 0,
+            })),
             largest_group: Some(self.block_params().max(self.ends_params())),
             ..base.clone()
         }
     }
 
-    /// The most parameters stage 3 holds gathered at once. The chain engine gathers the ends
-    /// together and, within DeepSpeed's default `stage3_max_reuse_distance` and
-    /// `stage3_max_live_parameters` (1e9 each, see [`DEFAULT_REUSE_LIMIT`]), keeps them gathered
-    /// while the blocks run: the ends plus the largest block. Beyond those limits each part is
-    /// released after use: the larger of a block and the ends.
-    pub fn largest_gather(&self) -> u64 {
-        let blocks = self.n_layer.saturating_mul(self.block_params());
-        let kept = self.ends_params().saturating_add(self.block_params());
-        if blocks <= DEFAULT_REUSE_LIMIT && kept <= DEFAULT_REUSE_LIMIT {
-            kept
-        } else {
-            self.block_params().max(self.ends_params())
-        }
+    /// Parameters of the token and position embeddings: the zoo's first unit (`ShardedGpt2`'s
+    /// `embed`, which the tied LM head gathers again).
+    pub fn embed_params(&self) -> u64 {
+        self.vocab.saturating_add(self.n_positions).saturating_mul(self.n_embd)
+    }
+
+    /// The most parameters stage 3 holds gathered at once for the zoo's `ShardedGpt2` (the
+    /// embeddings and each block a unit, gathered one at a time; the final layer norm
+    /// replicated), with a prefetch budget of `prefetch_bucket_size` elements (0: none): by
+    /// [`gathered_with_prefetch`].
+    pub fn gathered_at_once(&self, prefetch_bucket_size: u64) -> u64 {
+        gathered_with_prefetch_counted(
+            &[(self.embed_params(), 1), (self.block_params(), self.n_layer)],
+            prefetch_bucket_size,
+        )
     }
 }
 
@@ -640,6 +686,113 @@ pub fn human_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prefetch schedule over `order` (indices into `sizes`; a unit may come twice): at
+    /// each use, the gathers of the next uses are started while less than `budget` is in
+    /// flight; a unit already held (in use, or started) is not gathered again. The most held
+    /// is the unit in use and the distinct units in flight beside it.
+    fn simulated_peak(sizes: &[u64], order: &[usize], budget: u64) -> u64 {
+        let (mut next, mut peak) = (0usize, 0u64);
+        for (i, &unit) in order.iter().enumerate() {
+            next = next.max(i + 1);
+            let in_flight = |next: usize| {
+                let mut ahead: Vec<usize> = order[i + 1..next].iter().copied().filter(|&u| u != unit).collect();
+                ahead.sort_unstable();
+                ahead.dedup();
+                ahead.iter().map(|&u| sizes[u]).sum::<u64>()
+            };
+            while next < order.len() && in_flight(next) < budget {
+                next += 1;
+            }
+            peak = peak.max(sizes[unit] + in_flight(next));
+        }
+        peak
+    }
+
+    /// Reference: the schedule simulated over pseudo-random unit lists (forward, then the
+    /// reversed order of backward) and budgets, each list in several orders. The bound holds
+    /// for every order, and a bound loose by more than the largest unit would be useless.
+    #[test]
+    fn the_prefetch_bound_holds_for_every_order_the_schedule_may_see() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..500 {
+            let n = 1 + next(8) as usize;
+            let units: Vec<u64> = (0..n).map(|_| 1 + next(100)).collect();
+            let budget = next(250);
+            let bound = gathered_with_prefetch(&units, budget);
+            let largest = *units.iter().max().unwrap();
+            let mut worst = 0;
+            let mut order: Vec<usize> = (0..n).collect();
+            for _ in 0..6 {
+                let mut pass = order.clone();
+                pass.extend(order.iter().rev());
+                worst = worst.max(simulated_peak(&units, &pass, budget));
+                order.rotate_left(1 + next(n as u64) as usize % n);
+                order.swap(0, next(n as u64) as usize);
+            }
+            assert!(
+                worst <= bound,
+                "{units:?} budget {budget}: simulated {worst} > bound {bound}"
+            );
+            assert!(
+                bound <= worst + largest + budget,
+                "{units:?} budget {budget}: bound {bound}"
+            );
+            if budget == 0 {
+                assert_eq!(bound, largest);
+            }
+        }
+        // Two units of 10 with a large budget: the other is all there is to prefetch.
+        assert_eq!(gathered_with_prefetch(&[10, 10], 100), 20);
+    }
+
+    /// Reference: GPT-2 small's units by hand, E = (50257 + 1024)·768 = 39 383 808 and a block
+    /// B = 7 087 872: with DeepSpeed's budget 5e7 the embeddings in use and blocks in flight
+    /// (started while fewer than 5e7 are: at most 5e7 + B), or a block with the budget and the
+    /// embeddings beside it, both E + 5e7 + B; without prefetch (or on one device) E alone. The
+    /// counted form equals the list of every unit.
+    #[test]
+    fn gpt2_gathers_one_unit_and_the_prefetch_budget() {
+        let small = Gpt2Shape::preset("gpt2").unwrap();
+        assert_eq!((small.embed_params(), small.block_params()), (39_383_808, 7_087_872));
+        assert_eq!(
+            small.gathered_at_once(DEFAULT_PREFETCH_BUCKET),
+            39_383_808 + 50_000_000 + 7_087_872
+        );
+        assert_eq!(small.gathered_at_once(0), 39_383_808);
+        let on = |devices| {
+            small
+                .input(&EstimateInput::new(0, 3, devices, Dtype::Bf16))
+                .gathered_at_once
+        };
+        assert_eq!(on(1), Some(39_383_808));
+        assert_eq!(on(8), Some(96_471_680));
+        for name in GPT2_PRESETS {
+            let shape = Gpt2Shape::preset(name).unwrap();
+            let mut units = vec![shape.embed_params()];
+            units.extend(std::iter::repeat_n(shape.block_params(), shape.n_layer as usize));
+            for budget in [
+                0,
+                1,
+                shape.block_params(),
+                shape.embed_params() + 1,
+                DEFAULT_PREFETCH_BUCKET,
+                u64::MAX / 4,
+            ] {
+                assert_eq!(
+                    shape.gathered_at_once(budget),
+                    gathered_with_prefetch(&units, budget),
+                    "{name} budget {budget}"
+                );
+            }
+        }
+    }
 
     // Reference: the ZeRO paper's Figure 1 example, Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB,
     // 16.6 GB, 1.9 GB per device.

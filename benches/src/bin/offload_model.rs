@@ -134,8 +134,8 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let config = Gpt2Config::preset(&a.preset)?;
     let shape = Gpt2Shape::preset(&a.preset).ok_or_else(|| format!("no estimate shape for {}", a.preset))?;
     let dtype = Dtype::from_name(&a.dtype).ok_or_else(|| format!("--dtype {}", a.dtype))?;
-    let mut input = EstimateInput::new(shape.num_params(), 3, a.world as u64, dtype);
-    input.largest_gather = Some(shape.largest_gather());
+    // What `zero estimate --preset` predicts.
+    let mut input = shape.input(&EstimateInput::new(0, 3, a.world as u64, dtype));
     input.offload_optimizer = target(&a.optimizer)?;
     input.offload_param = target(&a.param)?;
     let predicted = estimate(&input)?;

@@ -251,27 +251,12 @@ impl ModuleView {
             memory.add_gathered(all);
         } else if settings.overlap_comm && settings.prefetch_bucket_size > 0 && world > 1 {
             let budget = settings.prefetch_bucket_size.saturating_mul(dtype.size());
-            memory.add_gathered(gathered_with_prefetch(&gathers, budget));
+            // zero estimate's rule, in bytes.
+            let units: Vec<u64> = gathers.iter().map(|&b| b as u64).collect();
+            let most = zero_core::estimate::gathered_with_prefetch(&units, budget as u64);
+            memory.add_gathered(usize::try_from(most).unwrap_or(usize::MAX));
         } else {
             memory.add_gathered(gathers.iter().copied().max().unwrap_or(0));
         }
     }
-}
-
-/// The most bytes gathered at once at stage 3 with prefetching, for units of `units` bytes
-/// gathered whole and a budget of `budget` bytes: the unit in use and those in flight beside it,
-/// which are started while fewer than `budget` bytes are in flight: at most the budget and one
-/// other unit (one unit alone when every other unit is at least the budget: the first fills
-/// it), and never more than all the others.
-fn gathered_with_prefetch(units: &[usize], budget: usize) -> usize {
-    let all: usize = units.iter().sum();
-    (0..units.len())
-        .map(|i| {
-            let others = units.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &v)| v);
-            let (largest, smallest) = others.fold((0, usize::MAX), |(l, s), v| (l.max(v), s.min(v)));
-            let before_last = if smallest >= budget { 0 } else { budget };
-            units[i] + before_last.saturating_add(largest).min(all - units[i])
-        })
-        .max()
-        .unwrap_or(0)
 }

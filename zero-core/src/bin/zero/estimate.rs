@@ -46,6 +46,10 @@ pub struct Args {
     /// Training dtype: bf16, fp16 or fp32.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// Stage 3: elements gathered ahead of their use (`stage3_prefetch_bucket_size`; 0: none).
+    /// The gathered term is one unit and what may be in flight beside it.
+    #[arg(long, default_value_t = zero_core::estimate::DEFAULT_PREFETCH_BUCKET)]
+    pub prefetch_bucket_size: u64,
     /// With --offload-optimizer nvme: host buffers the state streams through
     /// (`offload_optimizer.buffer_count`).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
@@ -155,7 +159,8 @@ fn report(args: &Args) -> Result<String, String> {
     }
     let mut input = EstimateInput {
         params: 0,
-        largest_gather: None,
+        gathered_at_once: None,
+        prefetch_bucket_size: args.prefetch_bucket_size,
         largest_group: None,
         stage: args.stage,
         gpus_per_node: args.gpus_per_node,
@@ -170,11 +175,12 @@ fn report(args: &Args) -> Result<String, String> {
     };
     let describe = |name: &str, shape: &Gpt2Shape| {
         format!(
-            "{name}: {} parameters ({} layers, hidden {}), largest gather unit {} parameters",
+            "{name}: {} parameters ({} layers, hidden {}), units of {} (embeddings) and {} (a block) parameters",
             shape.num_params(),
             shape.n_layer,
             shape.n_embd,
-            shape.largest_gather()
+            shape.embed_params(),
+            shape.block_params()
         )
     };
     let shape = match (&args.params, &args.preset, &args.fit_host_memory) {
@@ -248,7 +254,7 @@ fn report(args: &Args) -> Result<String, String> {
             ("parameters", b.parameters),
             ("gradients", b.gradients),
             ("optimizer state", b.optimizer_state),
-            ("largest gather", b.gathered),
+            ("gathered", b.gathered),
         ] {
             if v > 0 {
                 out.push_str(&format!("  {kind:<16} {:>12}  ({v} bytes)\n", human_bytes(v)));
