@@ -16,7 +16,9 @@
 //! already one allocation each.
 //!
 //! Engines apply it through [`crate::EngineSettings::activation_checkpointing`]; a plain Burn
-//! training loop gets the same for any [`ChainModel`] from [`checkpointed_grads`].
+//! training loop (with `ZeroOptimizer`, or Burn's own optimizers) gets the same for any
+//! [`ChainModel`] from [`checkpointed_grads`], whose blocks may be `ZeroModule`s (each segment's
+//! backward is a graph of its own: a unit's gradient is reduce-scattered there).
 
 use crate::chain::{ChainModel, Hidden};
 use crate::error::ZeroError;
@@ -40,6 +42,9 @@ pub struct ActivationCheckpointing {
     pub partition_group: Option<SharedGroup>,
     /// Wait for every rank of the data-parallel group at each checkpoint.
     pub synchronize_checkpoint_boundary: bool,
+    /// The group [`checkpointed_grads`] waits on under `synchronize_checkpoint_boundary` (the
+    /// data-parallel ranks; engines wait on their own group).
+    pub boundary_group: Option<SharedGroup>,
 }
 
 impl std::fmt::Debug for ActivationCheckpointing {
@@ -52,6 +57,7 @@ impl std::fmt::Debug for ActivationCheckpointing {
                 &self.partition_group.as_ref().map(|g| g.world_size()),
             )
             .field("synchronize_checkpoint_boundary", &self.synchronize_checkpoint_boundary)
+            .field("boundary_group", &self.boundary_group.as_ref().map(|g| g.world_size()))
             .finish()
     }
 }
@@ -169,15 +175,18 @@ impl<H> Stored<H> {
 }
 
 /// Loss and gradients of one batch for a chain model in plain Burn, with its blocks
-/// checkpointed in `number_checkpoints` segments (`None`: one per block).
+/// checkpointed as `setting` says (segments, checkpoints in host memory or partitioned, a
+/// barrier at each boundary).
 ///
-/// The result is what `model.loss(batch).backward()` would give, as [`GradientsParams`] for
-/// Burn's optimizers (`optim.step(lr, model, grads)`), without keeping every block's
-/// activations alive between forward and backward.
+/// The result is what `(model.loss(batch) * loss_scale).backward()` would give, as
+/// [`GradientsParams`] for the optimizer (`optim.step(lr, model, grads)`; under fp16,
+/// `loss_scale` is `ZeroOptimizer::loss_scale()`), without keeping every block's activations
+/// alive between forward and backward; the loss is returned unscaled.
 pub fn checkpointed_grads<B, M>(
     model: &M,
     batch: &M::Batch,
-    number_checkpoints: Option<usize>,
+    setting: &ActivationCheckpointing,
+    loss_scale: f32,
 ) -> Result<(f32, GradientsParams), ZeroError>
 where
     B: AutodiffBackend,
@@ -189,58 +198,96 @@ where
     // The ends serve the embedding and the head, each its own graph: each use gets its own
     // leaves over the same values (and the same parameter ids).
     let (embed_ends, head_ends) = (fresh_leaves::<B, _>(ends.clone()), fresh_leaves::<B, _>(ends));
-    let segments = segments(blocks.len(), number_checkpoints)?;
+    let segments = setting.segments(blocks.len())?;
     let mut out = GradientsParams::new();
+    // Where checkpoints kept on the host come back to.
+    let device = model.devices().into_iter().next().unwrap_or_default();
 
-    // Forward: the embedding keeps its graph; the blocks run untracked, keeping only the inputs
-    // of their segments; the head is its own graph on a leaf.
-    let embedded = M::embed(&embed_ends, batch);
-    let mut h = embedded.detached();
+    // Forward: the embedding and the blocks run untracked, keeping only the inputs of the
+    // segments after the first (the first starts from the embedding, run again in its
+    // backward); the head is its own graph on a leaf.
+    let mut h = M::try_embed(&embed_ends.clone().no_grad(), batch)?.detached();
     let mut checkpoints = Vec::with_capacity(segments.len());
-    for seg in &segments {
-        checkpoints.push(h.clone());
+    for (i, seg) in segments.iter().enumerate() {
+        if let (true, Some(group)) = (setting.synchronize_checkpoint_boundary, &setting.boundary_group) {
+            group.barrier()?;
+        }
+        if i > 0 {
+            checkpoints.push(setting.store(h.clone())?);
+        }
         for block in &blocks[seg.clone()] {
-            h = M::block_forward(&block.clone().no_grad(), h).detached();
+            h = M::try_block_forward(&block.clone().no_grad(), h)?.detached();
         }
     }
     let last = h.leaf();
-    let loss = M::head_loss(&head_ends, last.clone(), batch);
+    let head_input = if segments.is_empty() {
+        // No blocks: the embedding is the head's input, in the head's graph.
+        M::try_embed(&embed_ends, batch)?
+    } else {
+        last.clone()
+    };
+    let loss = M::try_head_loss(&head_ends, head_input, batch)?;
     let value = loss.clone().into_scalar().elem::<f32>();
 
-    let mut grads = loss.backward();
-    let mut grad_h = last
-        .take_grad(&mut grads)
-        .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
+    let seed = if loss_scale != 1.0 {
+        loss.mul_scalar(loss_scale)
+    } else {
+        loss
+    };
+    let mut grads = seed.backward();
     add_grads::<B, _>(
         &mut out,
         &head_ends,
         GradientsParams::from_module(&mut grads, &head_ends),
     );
+    if segments.is_empty() {
+        add_grads::<B, _>(
+            &mut out,
+            &embed_ends,
+            GradientsParams::from_module(&mut grads, &embed_ends),
+        );
+        return Ok((value, out));
+    }
+    let mut grad_h = last
+        .take_grad(&mut grads)
+        .ok_or_else(|| ZeroError::Model("the loss does not depend on the last block's output".into()))?;
     drop(grads);
 
-    for seg in segments.iter().rev() {
-        let x = checkpoints
-            .pop()
-            .unwrap_or_else(|| unreachable!("one per segment"))
-            .leaf();
-        let mut y = x.clone();
+    // Backward, the segments in reverse, each run again from its checkpoint as a graph of its
+    // own; the first from the embedding, whose backward is that graph's too. Every backward
+    // then follows a forward of its own: a unit's gather there keeps rank threads in step
+    // before its reduce-scatter in backward (on burn 0.21 a rank still cleaning up its last
+    // backward holds every graph's lock, the peer's included).
+    for (i, seg) in segments.iter().enumerate().rev() {
+        let (x, mut y) = if i == 0 {
+            (None, M::try_embed(&embed_ends, batch)?)
+        } else {
+            let stored = checkpoints
+                .pop()
+                .unwrap_or_else(|| unreachable!("one per segment after the first"));
+            let x = setting.restore::<B, M::Hidden>(stored, &device)?.leaf();
+            (Some(x.clone()), x)
+        };
         for block in &blocks[seg.clone()] {
-            y = M::block_forward(block, y);
+            y = M::try_block_forward(block, y)?;
         }
-        let mut grads = y.dot(grad_h).backward();
-        grad_h = x
-            .take_grad(&mut grads)
-            .ok_or_else(|| ZeroError::Model(format!("blocks {seg:?}: the output does not depend on the input")))?;
+        let mut grads = y.dot(grad_h.clone()).backward();
         for block in &blocks[seg.clone()] {
             add_grads::<B, _>(&mut out, block, GradientsParams::from_module(&mut grads, block));
         }
+        match x {
+            Some(x) => {
+                grad_h = x.take_grad(&mut grads).ok_or_else(|| {
+                    ZeroError::Model(format!("blocks {seg:?}: the output does not depend on the input"))
+                })?;
+            }
+            None => add_grads::<B, _>(
+                &mut out,
+                &embed_ends,
+                GradientsParams::from_module(&mut grads, &embed_ends),
+            ),
+        }
     }
-    let mut grads = embedded.dot(grad_h).backward();
-    add_grads::<B, _>(
-        &mut out,
-        &embed_ends,
-        GradientsParams::from_module(&mut grads, &embed_ends),
-    );
     Ok((value, out))
 }
 

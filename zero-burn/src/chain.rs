@@ -10,6 +10,7 @@
 //! position embeddings, the final norm, the head). A weight tied between the embedding and the
 //! head (GPT-2's `wte`) lives once, in the ends, and the engine sums both uses' gradients.
 
+use crate::error::ZeroError;
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -53,6 +54,20 @@ pub trait ChainModel<B: AutodiffBackend>: Module<B> + Sized {
     fn block_forward(block: &Self::Block, x: Self::Hidden) -> Self::Hidden;
     /// The loss (a one-element tensor) from the last block's output.
     fn head_loss(ends: &Self::Ends, h: Self::Hidden, batch: &Self::Batch) -> Tensor<B, 1>;
+
+    /// [`ChainModel::embed`] for parts that can fail (a `ZeroModule`'s gather: a peer lost, a
+    /// collective out of order), as [`crate::checkpointed_grads`] calls it. Default: `embed`.
+    fn try_embed(ends: &Self::Ends, batch: &Self::Batch) -> Result<Self::Hidden, ZeroError> {
+        Ok(Self::embed(ends, batch))
+    }
+    /// [`ChainModel::block_forward`] for parts that can fail. Default: `block_forward`.
+    fn try_block_forward(block: &Self::Block, x: Self::Hidden) -> Result<Self::Hidden, ZeroError> {
+        Ok(Self::block_forward(block, x))
+    }
+    /// [`ChainModel::head_loss`] for parts that can fail. Default: `head_loss`.
+    fn try_head_loss(ends: &Self::Ends, h: Self::Hidden, batch: &Self::Batch) -> Result<Tensor<B, 1>, ZeroError> {
+        Ok(Self::head_loss(ends, h, batch))
+    }
 
     /// Under tensor parallelism, the indices (in visit order) of the ends' parameters that are
     /// split over the tensor group, each tensor rank holding a different slice; the others are

@@ -853,8 +853,7 @@ fn absorb_into<B: AutodiffBackend, P: Module<B>>(
 
 /// What checkpointing needs of the engine (`crate::checkpoint`).
 impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
-    /// An engine from parts already laid out and a core already holding the rank's state (the
-    /// partitioned construction of `crate::partitioned_init` builds them part by part).
+    /// An engine from parts already laid out and a core already holding the rank's state.
     pub(crate) fn from_state(
         ends: M::Ends,
         blocks: Vec<M::Block>,

@@ -96,7 +96,8 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
 /// Activation checkpointing from the config's `activation_checkpointing` section: on when the
 /// section is written. `partition_activations` needs the tensor-parallel group, which only the
 /// caller knows: set [`ActivationCheckpointing::partition_group`] on the result (without it,
-/// one rank's activation is its whole activation and there is nothing to split).
+/// one rank's activation is its whole activation and there is nothing to split); and for
+/// [`crate::checkpointed_grads`], [`ActivationCheckpointing::boundary_group`].
 pub fn activation_checkpointing(config: &ResolvedConfig) -> Option<ActivationCheckpointing> {
     let c = &config.activation_checkpointing;
     c.present.then(|| ActivationCheckpointing {
@@ -104,6 +105,7 @@ pub fn activation_checkpointing(config: &ResolvedConfig) -> Option<ActivationChe
         cpu_checkpointing: c.cpu_checkpointing,
         partition_group: None,
         synchronize_checkpoint_boundary: c.synchronize_checkpoint_boundary,
+        boundary_group: None,
     })
 }
 

@@ -23,8 +23,6 @@
 //!
 //! # Stage-3 helpers
 //!
-//! - [`ChainEngine::new_partitioned`] (DeepSpeed's `zero.Init`): build a stage-3 engine block by
-//!   block, so that no rank ever holds the whole model.
 //! - [`ChainEngine::gather_parameters`] / [`ChainEngine::gather_block`] → [`GatheredParameters`]
 //!   (DeepSpeed's `GatheredParameters`): read partitioned parameters whole, or change them on one
 //!   rank and write the change into every rank's shard.
@@ -68,7 +66,6 @@ mod memory;
 mod optimizer;
 mod optimizer_bridge;
 pub mod params;
-mod partitioned_init;
 pub mod pipeline;
 pub mod sequential;
 mod settings;
@@ -91,7 +88,6 @@ pub use initialize::{
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer, ZeroOptimizerRecord};
-pub use partitioned_init::{InitValues, PartitionedInitError};
 pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use sequential::{Layer, Sequential};
 pub use settings::{

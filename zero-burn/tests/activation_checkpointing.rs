@@ -179,17 +179,38 @@ fn checkpointed_grads_equal_plain_backward() {
     let want_loss = loss.clone().into_scalar();
     let want = grad_values(&model, &GradientsParams::from_grads(loss.backward(), &model));
     assert!(want.iter().all(|g| !g.is_empty()), "every parameter has a gradient");
-    for count in [None, Some(1), Some(2), Some(BLOCKS + 3)] {
-        let (value, grads) = checkpointed_grads(&model, &(x.clone(), y.clone()), count).expect("grads");
+    for (count, cpu) in [
+        (None, false),
+        (Some(1), false),
+        (Some(2), true),
+        (Some(BLOCKS + 3), false),
+    ] {
+        let setting = ActivationCheckpointing {
+            number_checkpoints: count,
+            cpu_checkpointing: cpu,
+            ..Default::default()
+        };
+        let (value, grads) = checkpointed_grads(&model, &(x.clone(), y.clone()), &setting, 1.0).expect("grads");
         assert_eq!(value, want_loss, "{count:?}: the loss");
         let got = grad_values(&model, &grads);
         assert_close(
-            &format!("{count:?} checkpoints: gradients vs plain backward"),
+            &format!("{count:?} checkpoints (host: {cpu}): gradients vs plain backward"),
             &got,
             &want,
             1e-6,
         );
     }
+    // A loss scale (fp16's) scales the gradients, not the loss returned.
+    let (value, grads) = checkpointed_grads(
+        &model,
+        &(x.clone(), y.clone()),
+        &ActivationCheckpointing::default(),
+        8.0,
+    )
+    .expect("grads");
+    assert_eq!(value, want_loss, "scaled: the loss");
+    let scaled: Vec<Vec<f32>> = want.iter().map(|g| g.iter().map(|v| v * 8.0).collect()).collect();
+    assert_close("scaled by 8", &grad_values(&model, &grads), &scaled, 1e-6);
 }
 
 #[test]

@@ -1,6 +1,7 @@
-//! Peak memory of loading a HuggingFace GPT-2 checkpoint into a stage-3 engine: the whole model
-//! per rank (`Gpt2::load_pretrained`, then `ChainEngine::new`: the baseline) against the
-//! partitioned load (`Gpt2::load_pretrained_partitioned`: tensor by tensor, block by block).
+//! Peak memory of loading a HuggingFace GPT-2 checkpoint as a stage-3 `ShardedGpt2` (its
+//! embeddings and every block a `ZeroModule` cut over the ranks): the whole model per rank
+//! (`Gpt2::load_pretrained`, `into_sharded`, then `shard_units`: the baseline) against the
+//! partitioned load (`Gpt2::load_pretrained_sharded`: tensor by tensor, unit by unit).
 //!
 //! Ranks are threads of one process, so the process's peak resident set (VmHWM of
 //! /proc/self/status) counts every rank. Each way is measured in a fresh child process of this
@@ -9,17 +10,20 @@
 //! `cargo run --release -p zero-benches --bin partitioned_load -- [--model gpt2] [--world 4]
 //!  [--dir <checkpoint dir; a temporary one by default>]`
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Flex;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_burn::sharded::{shard_units, UnitComm};
+use zero_burn::HostStaged;
 use zero_core::comm::{ProcessGroup, ThreadGroup};
-use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_models::{Gpt2, Gpt2Config};
 
-type B = Autodiff<Flex>;
+type B = Flex;
+
+/// Every unit is cut (`stage3_param_persistence_threshold` 0).
+const THRESHOLD: usize = 0;
 
 struct Options {
     model: String,
@@ -64,19 +68,8 @@ fn status_bytes(field: &str) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Stage 3 with plain SGD: no optimizer state, so the engine holds the shards and little else.
-fn settings() -> EngineSettings {
-    EngineSettings::new(
-        Stage::Zero3,
-        OptimizerSpec::Sgd(SgdSpec {
-            lr: 1e-4,
-            ..Default::default()
-        }),
-    )
-}
-
-/// Loads the checkpoint on `world` rank threads, one way or the other; returns rank 0's
-/// parameter bytes.
+/// Loads the checkpoint on `world` rank threads, one way or the other; returns the most
+/// parameter bytes a rank holds.
 fn load(dir: &Path, world: usize, partitioned: bool) -> usize {
     let groups = ThreadGroup::new_group(world).unwrap_or_else(|e| fail(&format!("thread group: {e}")));
     let handles: Vec<_> = groups
@@ -84,18 +77,24 @@ fn load(dir: &Path, world: usize, partitioned: bool) -> usize {
         .map(|g| {
             let dir = dir.to_path_buf();
             std::thread::spawn(move || {
-                let comm = g as Arc<dyn ProcessGroup>;
+                let comm: UnitComm<B> = Arc::new(HostStaged::new(g as Arc<dyn ProcessGroup>));
                 let device = Default::default();
-                let engine = if partitioned {
-                    Gpt2::<B>::load_pretrained_partitioned(&dir, settings(), comm, &device)
-                        .map(|(engine, _)| engine)
+                let model = if partitioned {
+                    Gpt2::<B>::load_pretrained_sharded(&dir, &device, comm, THRESHOLD)
+                        .map(|(model, _)| model)
                         .map_err(|e| e.to_string())
                 } else {
                     Gpt2::<B>::load_pretrained(&dir, &device)
                         .map_err(|e| e.to_string())
-                        .and_then(|(model, _)| ChainEngine::new(settings(), model, comm).map_err(|e| e.to_string()))
+                        .and_then(|(model, _)| {
+                            shard_units(model.into_sharded(), comm, THRESHOLD).map_err(|e| e.to_string())
+                        })
                 };
-                engine.map(|e| e.memory().parameters.current)
+                model.map(|m| {
+                    let mut bytes = 0;
+                    zero_burn::params::read_values::<B, _>(&m, |_, v| bytes += 4 * v.len());
+                    bytes
+                })
             })
         })
         .collect();
@@ -188,7 +187,7 @@ fn main() {
         mb(psi as u64 * 4),
         o.world
     );
-    println!("| load | peak RSS above start (all ranks) | ratio to full | per rank | rank 0's shard | seconds |");
+    println!("| load | peak RSS above start (all ranks) | ratio to full | per rank | largest rank shard | seconds |");
     println!("|---|---|---|---|---|---|");
     let mut baseline = None;
     for mode in ["full", "partitioned"] {

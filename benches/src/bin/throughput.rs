@@ -27,8 +27,8 @@
 //!
 //! With `--offload-optimizer cpu` the fp32 masters and Adam state live in host memory (ZeRO-Offload)
 //! and a model that does not fit runs as far as it can: a failure is printed as the row's result.
-//! Stage 3 builds the model block by block into the engine (`Gpt2Config::init_partitioned`), so
-//! the whole model never exists at once.
+//! `--engine module` at stage 3 draws the model unit by unit, each cut as it is drawn
+//! (`Gpt2Config::init_sharded`), so the whole model never exists at once.
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
@@ -168,24 +168,23 @@ fn run<B: AutodiffBackend + ShardBackend>(
         settings.offload_optimizer = OptimizerOffload::Cpu { threads: 0 };
     }
     let mut engine = if o.engine == "module" {
-        let (model, optim) = zero_burn::initialize(
-            &module_config(config, stage, o)?,
-            config.init::<B>(&device).into_sharded(),
-            group,
-        )
-        .map_err(|e| e.to_string())?;
+        let model = if stage == Stage::Zero3 {
+            // Drawn unit by unit (zero.Init): the largest models fit only if the whole model
+            // never exists at once, on the device or in host memory.
+            let units: zero_burn::sharded::UnitComm<<B as ShardBackend>::Collective> =
+                std::sync::Arc::new(zero_burn::HostStaged::new(group.clone()));
+            config
+                .init_sharded::<B>(&device, units, settings.param_persistence_threshold)
+                .map_err(|e| e.to_string())?
+        } else {
+            config.init::<B>(&device).into_sharded()
+        };
+        let (model, optim) =
+            zero_burn::initialize(&module_config(config, stage, o)?, model, group).map_err(|e| e.to_string())?;
         Engine::Module(Box::new(ModuleRun {
             model: Some(model),
             optim,
         }))
-    } else if stage == Stage::Zero3 {
-        // Built block by block (zero.Init): the largest models fit only if the whole model never
-        // exists at once, on the device or in host memory.
-        Engine::Host(Box::new(
-            config
-                .init_partitioned::<B>(settings, group, &device)
-                .map_err(|e| e.to_string())?,
-        ))
     } else {
         Engine::Host(Box::new(
             ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?,

@@ -5,8 +5,13 @@ use super::TrainError;
 use burn::tensor::backend::Backend;
 use std::path::PathBuf;
 use zero_burn::params::{read_values, write_values};
+use zero_burn::sharded::{ShardBackend, UnitComm};
 use zero_core::comm::{FlatBuffer, ProcessGroup};
+use zero_models::gpt2::ShardedGpt2;
 use zero_models::{Gpt2, Gpt2Config};
+
+/// Held while a rank thread seeds Burn's one generator and draws from it.
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Where the weights come from.
 #[derive(Clone, Debug)]
@@ -23,10 +28,35 @@ impl ModelSource {
     /// process-wide lock, so every rank (rank 0 above all, whose weights the engine broadcasts)
     /// draws the same weights, whatever the threads' timing.
     pub fn build_seeded<B: Backend>(&self, device: &B::Device, seed: u64) -> Result<(Gpt2<B>, Gpt2Config), TrainError> {
-        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
         B::seed(device, seed);
         self.build(device)
+    }
+
+    /// The model as a `ShardedGpt2` whose units of at least `min_numel` elements are cut over
+    /// `comm`'s ranks unit by unit, so that no rank ever holds it whole (stage 3): a preset
+    /// drawn from the generator seeded with `seed` under [`ModelSource::build_seeded`]'s lock
+    /// (the same values as `build_seeded`, `into_sharded` and the cut), or a checkpoint read
+    /// tensor by tensor.
+    pub fn build_sharded_seeded<B: ShardBackend>(
+        &self,
+        device: &B::Device,
+        seed: u64,
+        comm: UnitComm<B::Collective>,
+        min_numel: usize,
+    ) -> Result<ShardedGpt2<B>, TrainError> {
+        let model = |e: &dyn std::fmt::Display| TrainError::Model(e.to_string());
+        match self {
+            ModelSource::Preset(_) => {
+                let config = self.config()?;
+                let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
+                B::seed(device, seed);
+                config.init_sharded(device, comm, min_numel).map_err(|e| model(&e))
+            }
+            ModelSource::Pretrained(dir) => Gpt2::load_pretrained_sharded(dir, device, comm, min_numel)
+                .map(|(m, _)| m)
+                .map_err(|e| model(&e)),
+        }
     }
 
     /// The model's shape, without its weights: the preset's, or the directory's config.json,

@@ -309,10 +309,9 @@ fn rank_start<B: AutodiffBackend>(
     pipelined: bool,
 ) -> Result<RankStart<B>, TrainError> {
     let mut settings = zero_burn::engine_settings(resolved)?;
-    // Stage 3 from a HuggingFace directory: every rank reads only what it keeps, so no rank
-    // ever holds the model whole (DeepSpeed's zero.Init for pretrained weights). A preset is
-    // drawn whole on every rank from one shared generator, then cut.
-    let partitioned = matches!(source, ModelSource::Pretrained(_)) && settings.stage == Stage::Zero3 && !pipelined;
+    // Stage 3: every rank reads (or draws) the model unit by unit and keeps its shard of each,
+    // so no rank ever holds the model whole (DeepSpeed's zero.Init).
+    let partitioned = settings.stage == Stage::Zero3 && !pipelined;
     let (model, model_config) = if partitioned {
         (None, source.config()?)
     } else {
@@ -374,15 +373,16 @@ where
     let units: UnitComm<B::Collective> = Arc::new(HostStaged::new(engine_group.clone()));
     let model = match (model, source) {
         (Some(model), _) => model.into_sharded(),
-        (None, ModelSource::Pretrained(dir)) => {
-            Gpt2::load_pretrained_sharded(dir, &device, units.clone(), settings.param_persistence_threshold)
-                .map_err(|e| TrainError::Model(e.to_string()))?
-                .0
-        }
-        (None, ModelSource::Preset(_)) => {
-            return Err(TrainError::Model("a preset is built whole, never partitioned".into()))
+        (None, source) => {
+            source.build_sharded_seeded::<B>(&device, args.seed, units.clone(), settings.param_persistence_threshold)?
         }
     };
+    // The config's `activation_checkpointing`: each micro-batch through `checkpointed_grads`,
+    // the ranks waiting for each other at its boundaries when asked.
+    let checkpointing = settings.activation_checkpointing.clone().map(|mut ac| {
+        ac.boundary_group = Some(group.clone());
+        ac
+    });
     let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
     let first_step = match &args.load {
         Some(dir) => {
@@ -428,6 +428,22 @@ where
         let mut accumulator = GradientsAccumulator::new();
         for chunk in mine.chunks(micro) {
             let tokens = token_tensor(chunk, &device);
+            if let Some(ac) = &checkpointing {
+                // Forward and backward are one call (the blocks run again in backward): its
+                // time is the backward's.
+                let scale = (optim.loss_scale() / gas as f64) as f32;
+                let batch = (tokens.clone(), tokens);
+                let (value, grads) = timed(&mut timers, Part::Backward, || {
+                    caught("checkpointed backward", || {
+                        zero_burn::checkpointed_grads(&model, &batch, ac, scale)
+                    })?
+                    .map_err(TrainError::from)
+                })?;
+                optim.note_loss(value as f64);
+                accumulator.accumulate(&model, grads);
+                loss_sum += value as f64;
+                continue;
+            }
             let loss = timed(&mut timers, Part::Forward, || model.loss(tokens.clone(), tokens))?;
             loss_sum += timed(&mut timers, Part::Backward, || {
                 let value = loss.clone().into_scalar().elem::<f64>();
@@ -507,10 +523,16 @@ fn timed<T>(timers: &mut Option<StepTimers>, part: Part, f: impl FnOnce() -> T) 
 /// or gather: a dead or diverging peer) ends Burn's backward with its error as a panic: it
 /// comes back here as the error it is.
 fn backward<B: AutodiffBackend>(loss: Tensor<B, 1>) -> Result<B::Gradients, TrainError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loss.backward())).map_err(|payload| {
+    caught("backward", || loss.backward())
+}
+
+/// `f()`, or the panic it ended with (a collective failing inside Burn's backward) as an error
+/// naming `op`.
+fn caught<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, TrainError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
         TrainError::Engine(zero_burn::ZeroError::Comm(
             zero_core::comm::CommError::InvalidArgument {
-                op: "backward".into(),
+                op: op.into(),
                 message: crate::ranks::panic_message(&*payload).to_string(),
             },
         ))

@@ -93,6 +93,9 @@ pub struct RunOptions<'a> {
     pub records_in: Option<&'a [Saved]>,
     /// Each rank leaves its model and its optimizer's Burn record here (index = rank).
     pub records_out: Option<&'a std::sync::Mutex<Vec<Option<Saved>>>>,
+    /// Each micro-batch's gradients from `zero_burn::checkpointed_grads` with this setting
+    /// (as `gpt2 train` under an `activation_checkpointing` section) instead of `backward`.
+    pub checkpointed: Option<&'a zero_burn::ActivationCheckpointing>,
 }
 
 /// A rank's model record and `ZeroOptimizer::to_record`, written by a Burn recorder (bytes: the
@@ -145,6 +148,14 @@ pub fn train_zero_between(
             let mut loss_sum = 0.0;
             for chunk in mine.chunks(micro) {
                 let t = tokens(chunk);
+                if let Some(setting) = options.checkpointed {
+                    let scale = (optim.loss_scale() / gas as f64) as f32;
+                    let (value, grads) =
+                        zero_burn::checkpointed_grads(&model, &(t.clone(), t), setting, scale).expect("checkpointed");
+                    loss_sum += value as f64;
+                    accumulator.accumulate(&model, grads);
+                    continue;
+                }
                 let loss = model.loss(t.clone(), t).expect("forward");
                 loss_sum += loss.clone().into_scalar() as f64;
                 let scaled = optim.scale_loss(loss.div_scalar(gas as f32));

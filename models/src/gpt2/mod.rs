@@ -25,7 +25,7 @@ pub use error::{CheckpointError, Gpt2ConfigError};
 pub use mlp::Gpt2Mlp;
 pub use model::{Gpt2, IGNORE_INDEX};
 pub use names::HF_PREFIX;
-pub use partitioned::{Gpt2Engine, PartitionedLoadError};
+pub use partitioned::PartitionedLoadError;
 pub use pipeline::{Gpt2Embed, Gpt2Head, Gpt2Layer, Gpt2LayerSpec, TIED_WTE};
 pub use presets::{GPT2_VOCAB_SIZE, PRESET_NAMES};
 pub use sharded::ShardedGpt2;

@@ -1,26 +1,21 @@
-//! GPT-2 straight into a stage-3 engine, block by block: never the whole model in one rank's
-//! memory.
+//! GPT-2 cut over the ranks unit by unit, never the whole model in one rank's memory
+//! (DeepSpeed's `zero.Init`), for `zero_burn::initialize`:
 //!
-//! - [`Gpt2::load_pretrained_partitioned`]: a HuggingFace checkpoint (one file or shards with an
-//!   index) read tensor by tensor, by offset; each block is assembled, the rank's shard kept,
-//!   the block dropped. A rank holds at most the ends (`wte`, `wpe`, `ln_f`), one block and its
-//!   shards, where [`Gpt2::load_pretrained`] followed by `ChainEngine::new` holds the file, the
-//!   whole model and then the shards.
-//! - [`Gpt2::load_pretrained_sharded`]: the same reading into a `ShardedGpt2` whose units are
-//!   cut over the ranks as they are read, for `zero_burn::initialize`.
-//! - [`Gpt2Config::init_partitioned`]: a random GPT-2 (DeepSpeed's `zero.Init`), equal to
-//!   [`Gpt2Config::init`] followed by `ChainEngine::new`.
+//! - [`Gpt2::load_pretrained_sharded`]: a HuggingFace checkpoint (one file or shards with an
+//!   index) read tensor by tensor, by offset, into a [`ShardedGpt2`] whose units (the
+//!   embeddings, each block) are cut over the ranks as they are read: a rank holds at most one
+//!   unit whole and its shards, where [`Gpt2::load_pretrained`] holds the file and the whole
+//!   model.
+//! - [`Gpt2Config::init_sharded`]: a random GPT-2 drawn unit by unit, each cut as it is drawn:
+//!   equal to [`Gpt2Config::init`] followed by `into_sharded` and the cut.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Param;
 use burn::nn::{Embedding, LayerNorm, Linear};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use zero_burn::sharded::{shard_units, ShardBackend, UnitComm, ZeroModule};
-use zero_burn::{ChainEngine, EngineSettings, InitValues, PartitionedInitError, ZeroError};
-use zero_core::comm::ProcessGroup;
+use zero_burn::ZeroError;
 
 use super::attention::Gpt2Attention;
 use super::block::Gpt2Block;
@@ -33,10 +28,7 @@ use super::model::Gpt2;
 use super::pipeline::Gpt2Embed;
 use super::sharded::ShardedGpt2;
 
-/// The stage-3 engine of a GPT-2.
-pub type Gpt2Engine<B> = ChainEngine<B, Gpt2<B>>;
-
-/// Why a partitioned load failed: the checkpoint, or the engine.
+/// Why a partitioned load failed: the checkpoint, or the cut.
 #[derive(Debug, thiserror::Error)]
 pub enum PartitionedLoadError {
     /// The checkpoint could not be read or does not match its config (the error names the file
@@ -51,52 +43,9 @@ pub enum PartitionedLoadError {
         /// What went wrong.
         source: CheckpointError,
     },
-    /// The engine could not be set up.
+    /// A unit could not be cut over the ranks.
     #[error(transparent)]
     Engine(#[from] ZeroError),
-}
-
-impl From<PartitionedInitError<CheckpointError>> for PartitionedLoadError {
-    fn from(e: PartitionedInitError<CheckpointError>) -> Self {
-        match e {
-            PartitionedInitError::Build { block, source } => PartitionedLoadError::Block { block, source },
-            PartitionedInitError::Engine(e) => PartitionedLoadError::Engine(e),
-        }
-    }
-}
-
-impl<B: AutodiffBackend> Gpt2<B> {
-    /// Loads a HuggingFace GPT-2 checkpoint directory into an engine of `settings` (stage 3:
-    /// partitioned) on `comm`, every rank reading the tensors it needs from the files: the same
-    /// checks and the same values as [`Gpt2::load_pretrained`] followed by `ChainEngine::new`,
-    /// with at most the ends, one block and the rank's shards in memory.
-    pub fn load_pretrained_partitioned(
-        dir: impl AsRef<Path>,
-        settings: EngineSettings,
-        comm: Arc<dyn ProcessGroup>,
-        device: &B::Device,
-    ) -> Result<(Gpt2Engine<B>, Gpt2Config), PartitionedLoadError> {
-        let (index, config) = TensorIndex::open(dir.as_ref())?;
-        let ends = Gpt2 {
-            wte: Embedding {
-                weight: param(&index, "wte.weight", device)?,
-            },
-            wpe: Embedding {
-                weight: param(&index, "wpe.weight", device)?,
-            },
-            blocks: Vec::new(),
-            ln_f: norm(&index, "ln_f", &config, device)?,
-        };
-        let engine = ChainEngine::try_new_partitioned(
-            settings,
-            ends,
-            config.n_layer,
-            |layer| read_block(&index, &config, layer, device),
-            InitValues::Local,
-            comm,
-        )?;
-        Ok((engine, config))
-    }
 }
 
 impl<B: ShardBackend> Gpt2<B> {
@@ -133,37 +82,38 @@ impl<B: ShardBackend> Gpt2<B> {
 }
 
 impl Gpt2Config {
-    /// A randomly initialized GPT-2 built block by block into an engine of `settings`: equal,
-    /// bit for bit, to [`Gpt2Config::init`] followed by `ChainEngine::new` from the same seed.
-    /// Rank 0's values are broadcast part by part, as `ChainEngine::new` broadcasts them.
+    /// A randomly initialized [`ShardedGpt2`] whose units of at least `min_numel` elements are
+    /// cut over `comm`'s ranks as they are drawn: a rank holds at most one unit whole, never the
+    /// model. The draws follow [`Gpt2Config::init`]'s order (`wte`, `wpe`, then each block;
+    /// `ln_f` draws none), so from the same generator state the values equal, bit for bit,
+    /// `init` followed by `into_sharded` and `zero_burn::sharded::shard_units`. Every rank must
+    /// draw the same values: seed Burn's generator alike on every rank (rank threads of one
+    /// process share the generator: draw one rank at a time). No collective runs.
     ///
     /// # Errors
     ///
-    /// An invalid configuration (checked first), or an engine that cannot be set up.
-    pub fn init_partitioned<B: AutodiffBackend>(
+    /// An invalid configuration (checked first), or a unit that cannot be cut.
+    pub fn init_sharded<B: ShardBackend>(
         &self,
-        settings: EngineSettings,
-        comm: Arc<dyn ProcessGroup>,
         device: &B::Device,
-    ) -> Result<Gpt2Engine<B>, ZeroError> {
+        comm: UnitComm<B::Collective>,
+        min_numel: usize,
+    ) -> Result<ShardedGpt2<B>, ZeroError> {
         self.validate()
             .map_err(|e| ZeroError::Model(format!("GPT-2 configuration: {e}")))?;
         let d = self.n_embd;
-        // The random draws follow `init`'s order: wte, wpe, then each block (ln_f draws none).
-        let ends = Gpt2 {
+        let embed = ZeroModule::new(Gpt2Embed {
             wte: normal_embedding(self.vocab_size, d, self.initializer_range, device),
             wpe: normal_embedding(self.n_positions, d, self.initializer_range, device),
-            blocks: Vec::new(),
-            ln_f: layer_norm(d, self.layer_norm_epsilon, device),
-        };
-        ChainEngine::new_partitioned(
-            settings,
-            ends,
-            self.n_layer,
-            |layer| Gpt2Block::new(self, layer, device),
-            InitValues::RankZero,
-            comm,
-        )
+        });
+        let embed = shard_units(embed, comm.clone(), min_numel)?;
+        let mut blocks = Vec::with_capacity(self.n_layer);
+        for layer in 0..self.n_layer {
+            let block = ZeroModule::new(Gpt2Block::new(self, layer, device));
+            blocks.push(shard_units(block, comm.clone(), min_numel)?);
+        }
+        let ln_f = layer_norm(d, self.layer_norm_epsilon, device);
+        Ok(ShardedGpt2 { embed, blocks, ln_f })
     }
 }
 
