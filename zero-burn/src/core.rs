@@ -589,6 +589,29 @@ impl EngineCore {
     }
 
     /// The loss scale of the next backward (1 without fp16 loss scaling).
+    /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
+    /// `start`, and into their 16-bit copy: values set in the module between steps
+    /// (`ZeroModule::modify`), which the next update starts from.
+    pub fn write_masters(&mut self, group: usize, start: usize, values: &[f32]) -> Result<(), ZeroError> {
+        let state = self
+            .state
+            .groups
+            .get_mut(group)
+            .ok_or_else(|| ZeroError::Model(format!("no flat group {group}")))?;
+        let end = start + values.len();
+        if end > state.master.len() {
+            return Err(ZeroError::Usage(format!(
+                "flat group {group}: new master values {start}..{end} outside the {} this rank holds (masters swapped                  to NVMe cannot be written between steps)",
+                state.master.len()
+            )));
+        }
+        state.master[start..end].copy_from_slice(values);
+        if let Some(half) = &mut state.half {
+            crate::half_buffer::write_rounded(half, start, values);
+        }
+        Ok(())
+    }
+
     pub fn current_loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }

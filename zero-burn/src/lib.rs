@@ -23,9 +23,9 @@
 //!
 //! # Stage-3 helpers
 //!
-//! - [`ChainEngine::gather_parameters`] / [`ChainEngine::gather_block`] → [`GatheredParameters`]
-//!   (DeepSpeed's `GatheredParameters`): read partitioned parameters whole, or change them on one
-//!   rank and write the change into every rank's shard.
+//! - [`sharded::ZeroModule::modify`] (DeepSpeed's `GatheredParameters` with a modifier rank):
+//!   a unit's whole module changed on one rank, the change written into every rank's shard and
+//!   taken by `ZeroOptimizer` as its masters; [`sharded::ZeroModule::gathered`] reads it whole.
 //! - [`TiledLinear`] (DeepSpeed's `TiledLinear`): a linear layer cut into tiles, each its own
 //!   parameter; as blocks of a chain ([`LinearTile`], [`TileCarry`]) stage 3 gathers one tile at
 //!   a time.
@@ -58,7 +58,6 @@ mod deferred;
 pub mod device;
 mod error;
 mod flat_state;
-mod gathered;
 mod half_buffer;
 mod initialize;
 mod layout;
@@ -80,7 +79,6 @@ pub use core::StepReport;
 pub use device::NcclDevice;
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use error::ZeroError;
-pub use gathered::GatheredParameters;
 pub use initialize::{
     activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_settings,
     initialize_with, lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve,

@@ -54,7 +54,7 @@ struct RankRun {
     /// The weights after every step, read through `module()`.
     weights: Vec<Vec<Vec<u32>>>,
     eval: u32,
-    /// The last block's fp32 masters, gathered right after the last step.
+    /// The last block's weights, gathered right after the last step.
     gathered: Vec<Vec<u32>>,
     memory: MemoryReport,
 }
@@ -97,13 +97,10 @@ fn train(world: usize, settings: EngineSettings, dir: PathBuf) -> Vec<RankRun> {
             }
             if step + 1 == STEPS {
                 // Right after the last step, before anything else waited for its update.
-                let gathered = e.gather_block(BLOCKS - 1, None).expect("gather");
-                let names: Vec<String> = gathered.names().into_iter().map(String::from).collect();
-                for name in &names {
-                    let v = gathered.values(name).expect("values");
-                    run.gathered.push(v.iter().map(|x| x.to_bits()).collect());
-                }
-                gathered.finish().expect("finish");
+                let (_, blocks) = zero_burn::ChainModel::into_parts(e.module().expect("gather"));
+                zero_burn::params::read_values::<B, _>(&blocks[BLOCKS - 1], |_, v| {
+                    run.gathered.push(v.iter().map(|x| x.to_bits()).collect())
+                });
             }
             if step + 1 < STEPS && step != SAVE_AFTER + 1 {
                 // Most steps go straight on to the next forward, which overlaps the update.
@@ -163,7 +160,7 @@ fn compare(label: &str, world: usize, settings: EngineSettings) {
         assert_eq!(g.reports, w.reports, "{label} rank {rank}: step reports");
         assert!(g.weights == w.weights, "{label} rank {rank}: weights");
         assert_eq!(g.eval, w.eval, "{label} rank {rank}: evaluation loss");
-        assert!(g.gathered == w.gathered, "{label} rank {rank}: gathered masters");
+        assert!(g.gathered == w.gathered, "{label} rank {rank}: gathered weights");
         assert_eq!(g.memory, w.memory, "{label} rank {rank}: memory report");
     }
     let (got_files, want_files) = (files(&overlap_dir), files(&sync_dir));

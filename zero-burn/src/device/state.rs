@@ -97,6 +97,25 @@ impl<I: Backend> DeviceState<I> {
         })
     }
 
+    /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
+    /// `start`: values set in the module between steps (`ZeroModule::modify`), which the next
+    /// update starts from.
+    pub(crate) fn write_masters(&mut self, group: usize, start: usize, values: Tensor<I, 1>) -> Result<(), ZeroError> {
+        let state = self
+            .groups
+            .get_mut(group)
+            .ok_or_else(|| ZeroError::Model(format!("no flat group {group}")))?;
+        let (len, end) = (state.master.dims()[0], start + values.dims()[0]);
+        if end > len {
+            return Err(ZeroError::Model(format!(
+                "flat group {group}: new master values {start}..{end} outside the {len} this rank holds"
+            )));
+        }
+        let master = std::mem::replace(&mut state.master, Tensor::zeros([0], (&self.device, DType::F32)));
+        state.master = master.slice_assign(start..end, values.cast(DType::F32));
+        Ok(())
+    }
+
     /// The loss scale of the next backward (1 without fp16 loss scaling).
     pub(crate) fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)

@@ -12,6 +12,7 @@
 //! slice is the rank's shard; the step updates the shard's masters and writes the shard back,
 //! never the whole unit. The other parameters go the stage's way.
 
+mod adopt;
 mod device;
 mod host;
 mod record;
@@ -369,8 +370,16 @@ impl ZeroOptimizer {
             ));
         }
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let built = guard.is_none();
         let view = self.ensure_state::<B, M>(&mut guard, &module)?;
         self.apply_pending(guard.as_mut().unwrap_or_else(|| unreachable!("just built")))?;
+        // Units changed by `ZeroModule::modify` since the last step: their values are the
+        // masters now (a state built from the module this step has them already).
+        let modified = crate::sharded::take_modified::<B, M>(&module);
+        if !built && !modified.is_empty() {
+            let state = guard.as_mut().unwrap_or_else(|| unreachable!("built before"));
+            adopt::adopt::<B, M>(state, &view, &module, &modified, self.comm.rank())?;
+        }
         let loss_non_finite = self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed);
         let (module, report) = match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
             State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take)?,

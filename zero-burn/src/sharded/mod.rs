@@ -19,4 +19,5 @@ pub use cut::{shard_units, shard_units_with, UnitPlan};
 pub use gather::UnitComm;
 pub(crate) use held::refuse_zero_modules;
 pub use held::{contains_zero_module, held_params, HeldParam};
+pub(crate) use module::take_modified;
 pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};

@@ -105,6 +105,9 @@ pub(super) struct Unit {
     pub(super) sharding: std::sync::OnceLock<Sharding>,
     /// The kept whole vector (`Sharding::keep`).
     kept: std::sync::Mutex<Option<Kept>>,
+    /// The unit's values were changed by [`ZeroModule::modify`] since the optimizer last
+    /// looked ([`take_modified`](super::take_modified)).
+    pub(super) modified: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Kept {
@@ -127,6 +130,22 @@ pub(super) fn unit(id: ParamId) -> Option<Arc<Unit>> {
         .unwrap_or_else(|e| e.into_inner())
         .get(&id)
         .and_then(std::sync::Weak::upgrade)
+}
+
+/// The flat parameters of `module`'s units changed by [`ZeroModule::modify`] since the last
+/// call (each unit's mark is cleared): what `ZeroOptimizer` takes as new masters.
+pub(crate) fn take_modified<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
+    struct Marked(Vec<ParamId>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Marked {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if unit(param.id).is_some_and(|u| u.modified.swap(false, std::sync::atomic::Ordering::SeqCst)) {
+                self.0.push(param.id);
+            }
+        }
+    }
+    let mut marked = Marked(Vec::new());
+    module.visit(&mut marked);
+    marked.0
 }
 
 /// A module `M` of backend `B` held as one flat vector of its float parameters (visit order):
@@ -174,6 +193,7 @@ where
             numel,
             sharding: std::sync::OnceLock::new(),
             kept: std::sync::Mutex::new(None),
+            modified: std::sync::atomic::AtomicBool::new(false),
         });
         let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
         // Units whose models are gone leave dead entries: drop them as the registry doubles.
@@ -224,6 +244,90 @@ where
     /// the model's first unit): its gradient is reduce-scattered when the backward reaches it.
     pub fn gathered(&self) -> Result<M, ZeroError> {
         self.whole::<1>(None)
+    }
+
+    /// DeepSpeed's `GatheredParameters` with a modifier rank: the unit with the values
+    /// `change` gives its whole module on rank `modifier_rank`, written into every rank's
+    /// shard. Every rank calls it at the same point (it gathers the unit and broadcasts rank
+    /// `modifier_rank`'s result), between steps; `change` runs on every rank, and only the
+    /// modifier's result counts. Returns the unit to hold in place of this one (the same
+    /// parameter id). `ZeroOptimizer` takes the new values as its fp32 masters at its next step,
+    /// keeping the optimizer's moments. A unit held whole (not cut) has no ranks to hear from:
+    /// each rank keeps its own result, so make the same change on every rank.
+    ///
+    /// ```ignore
+    /// // Rank 0 rescales the block's MLP output weights; every rank's shard gets the result.
+    /// model.blocks[3] = model.blocks[3].modify(0, |mut block| {
+    ///     block.mlp.c_proj.weight = block.mlp.c_proj.weight.map(|w| w * 0.5);
+    ///     block
+    /// })?;
+    /// ```
+    pub fn modify(&self, modifier_rank: usize, change: impl FnOnce(M) -> M) -> Result<Self, ZeroError> {
+        self.register();
+        let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
+        let numel = self.unit.numel;
+        let shard = self.shard.val();
+        let dtype = shard.dtype();
+        let sharding = self.sharding();
+        let comm = sharding.map(|s| s.comm.get::<B::Collective>().cloned()).transpose()?;
+        if let Some(comm) = &comm {
+            if modifier_rank >= comm.world_size() {
+                return Err(ZeroError::Usage(format!(
+                    "ZeroModule::modify: modifier rank {modifier_rank} of {} ranks",
+                    comm.world_size()
+                )));
+            }
+        }
+        // The whole values (gathered from every rank's shard), as the module.
+        let whole = match &comm {
+            Some(comm) => comm.all_gather(B::collective_value(shard))?,
+            None => B::collective_value(shard),
+        };
+        let device = whole.device();
+        let mut at = 0;
+        let parts: VecDeque<_> = sizes
+            .iter()
+            .zip(&self.unit.shapes)
+            .map(|(&n, shape)| {
+                let part = B::from_collective(whole.clone().narrow(0, at, n));
+                at += n;
+                (part, Shape::from(shape.clone()))
+            })
+            .collect();
+        drop(whole);
+        let changed = change(self.skeleton.clone().map(&mut Filled(parts)));
+        let mut values = Vec::with_capacity(numel);
+        read_values::<B, M>(&changed, |_, v| values.extend(v));
+        if values.len() != numel {
+            return Err(ZeroError::Usage(format!(
+                "ZeroModule::modify: the changed module has {} parameter elements where the unit has {numel}: change \
+                 values, not shapes",
+                values.len()
+            )));
+        }
+        let on_device = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<B::Collective, 1>::from_data(TensorData::new(v, [n]).convert_dtype(dtype), (&device, dtype))
+        };
+        let shard = match (&comm, sharding) {
+            (Some(comm), Some(s)) => {
+                let len = shard_len(numel, s.world);
+                values.resize(len * s.world, 0.0);
+                let whole = comm.broadcast(on_device(values), modifier_rank)?;
+                if s.keep {
+                    self.unit.keep_whole::<B>(whole, comm.rank())
+                } else {
+                    B::from_collective(whole.narrow(0, comm.rank() * len, len))
+                }
+            }
+            _ => B::from_collective(on_device(values)),
+        };
+        self.unit.modified.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(ZeroModule {
+            skeleton: self.skeleton.clone(),
+            shard: Param::initialized(self.shard.id, shard),
+            unit: self.unit.clone(),
+        })
     }
 
     fn whole<const D: usize>(&self, input: Option<&Tensor<B, D>>) -> Result<M, ZeroError> {
