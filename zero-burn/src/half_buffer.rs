@@ -67,6 +67,22 @@ pub(crate) fn f32_to_data(values: Vec<f32>, shape: impl Into<Shape>, dtype: Comp
     }
 }
 
+/// Writes f32 values into a 16-bit (or f32) buffer from `start`, rounded to nearest even.
+pub(crate) fn write_rounded(buf: &mut FlatBuffer, start: usize, values: &[f32]) {
+    let end = start + values.len();
+    match buf {
+        FlatBuffer::F32(v) => v[start..end].copy_from_slice(values),
+        FlatBuffer::BF16(v) => v[start..end]
+            .iter_mut()
+            .zip(values)
+            .for_each(|(d, &s)| *d = half::bf16::from_f32(s)),
+        FlatBuffer::F16(v) => v[start..end]
+            .iter_mut()
+            .zip(values)
+            .for_each(|(d, &s)| *d = half::f16::from_f32(s)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,21 +121,5 @@ mod tests {
             data.convert::<f32>().into_vec::<f32>().unwrap_or_default(),
             vec![6.0, 7.0]
         );
-    }
-}
-
-/// Writes f32 values into a 16-bit (or f32) buffer from `start`, rounded to nearest even.
-pub(crate) fn write_rounded(buf: &mut FlatBuffer, start: usize, values: &[f32]) {
-    let end = start + values.len();
-    match buf {
-        FlatBuffer::F32(v) => v[start..end].copy_from_slice(values),
-        FlatBuffer::BF16(v) => v[start..end]
-            .iter_mut()
-            .zip(values)
-            .for_each(|(d, &s)| *d = half::bf16::from_f32(s)),
-        FlatBuffer::F16(v) => v[start..end]
-            .iter_mut()
-            .zip(values)
-            .for_each(|(d, &s)| *d = half::f16::from_f32(s)),
     }
 }
