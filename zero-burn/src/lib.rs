@@ -27,8 +27,8 @@
 //!   a unit's whole module changed on one rank, the change written into every rank's shard and
 //!   taken by `ZeroOptimizer` as its masters; [`sharded::ZeroModule::gathered`] reads it whole.
 //! - [`TiledLinear`] (DeepSpeed's `TiledLinear`): a linear layer cut into tiles, each its own
-//!   parameter; as blocks of a chain ([`LinearTile`], [`TileCarry`]) stage 3 gathers one tile at
-//!   a time.
+//!   parameter; with each tile a `ZeroModule` ([`TiledLinear::into_sharded`]) stage 3 gathers
+//!   one tile at a time.
 //!
 //! # Mixed precision
 //!
@@ -91,4 +91,4 @@ pub use sequential::{Layer, Sequential};
 pub use settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
-pub use tiled_linear::{LinearTile, TileCarry, TiledLinear, TiledLinearConfig};
+pub use tiled_linear::{LinearTile, ShardedTiledLinear, TiledLinear, TiledLinearConfig};

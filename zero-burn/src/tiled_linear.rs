@@ -8,19 +8,20 @@
 //! only by the order of the additions.
 //!
 //! Two ways to use it:
-//! - [`TiledLinear`] is a Burn module with the `Linear` forward: put it in a block (every tile
-//!   is then gathered with the block).
-//! - Its tiles ([`TiledLinear::into_tiles`]) are blocks of a chain on their own: each
-//!   [`LinearTile`] maps a [`TileCarry`] (the input and the output being accumulated) to the
-//!   next, so the engine gathers, runs and releases one tile at a time. The largest gather is
+//! - [`TiledLinear`] is a Burn module with the `Linear` forward: put it in a unit (every tile
+//!   is then gathered with the unit).
+//! - [`TiledLinear::into_sharded`] makes each tile a `ZeroModule` of its own
+//!   ([`ShardedTiledLinear`]): stage 3 cuts every tile over the ranks and its forward gathers,
+//!   uses and (under `BalancedCheckpointing`) frees one tile at a time. The largest gather is
 //!   then one tile, `1 / (in_splits × out_splits)` of the weight.
 
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use crate::chain::Hidden;
+use crate::error::ZeroError;
+use crate::sharded::{ShardBackend, ZeroModule};
 
 /// The shape of a [`TiledLinear`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,14 +62,15 @@ pub struct TiledLinear<B: Backend> {
     pub out_splits: usize,
 }
 
-/// The activation carried from tile to tile when the tiles are blocks of a chain: the layer's
-/// input and its output accumulated so far.
-#[derive(Clone, Debug)]
-pub struct TileCarry<B: Backend> {
-    /// The layer's input `[rows, d_input]`.
-    pub x: Tensor<B, 2>,
-    /// The layer's output so far `[rows, d_output]`.
-    pub acc: Tensor<B, 2>,
+/// A [`TiledLinear`] whose tiles are each a `ZeroModule` (see the module documentation).
+#[derive(Module, Debug)]
+pub struct ShardedTiledLinear<B: Backend> {
+    /// The tiles, input split major: tile `(i, j)` is `tiles[i * out_splits + j]`.
+    pub tiles: Vec<ZeroModule<B, LinearTile<B>>>,
+    /// Output features.
+    pub d_output: usize,
+    /// Tiles along the output features.
+    pub out_splits: usize,
 }
 
 /// Cuts `0..n` into `splits` contiguous ranges whose lengths differ by at most one, the longer
@@ -180,24 +182,21 @@ impl<B: Backend> TiledLinear<B> {
 
     /// `x · W + b` for `x` `[..., d_input]`, as `Linear::forward`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let mut columns = Vec::with_capacity(self.out_splits);
-        for j in 0..self.out_splits {
-            let mut sum: Option<Tensor<B, D>> = None;
-            for tile in self.tiles.iter().skip(j).step_by(self.out_splits) {
-                let part = tile.partial(x.clone());
-                sum = Some(match sum {
-                    Some(s) => s + part,
-                    None => part,
-                });
-            }
-            columns.extend(sum);
-        }
-        Tensor::cat(columns, D - 1)
+        let tiles = self.tiles.iter().map(|t| Ok::<_, ZeroError>(t.clone()));
+        tiled_forward(tiles, self.out_splits, x).unwrap_or_else(|_| unreachable!("tiles held whole cannot fail"))
     }
 
-    /// The tiles in the order a chain runs them (input split major).
-    pub fn into_tiles(self) -> Vec<LinearTile<B>> {
-        self.tiles
+    /// Each tile a `ZeroModule` of its own (whole until `shard_units`, or
+    /// `zero_burn::initialize` at stage 3, cuts it).
+    pub fn into_sharded(self) -> ShardedTiledLinear<B>
+    where
+        B: ShardBackend,
+    {
+        ShardedTiledLinear {
+            tiles: self.tiles.into_iter().map(ZeroModule::new).collect(),
+            d_output: self.d_output,
+            out_splits: self.out_splits,
+        }
     }
 
     /// Elements of the largest tile (weight and bias): the most a stage-3 gather of one tile
@@ -218,77 +217,43 @@ impl<B: Backend> LinearTile<B> {
         let x = x.narrow(D - 1, self.in_start, in_len);
         burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
     }
-
-    /// Adds the tile's share into the carried output (a chain block's forward).
-    pub fn forward_carry(&self, carry: TileCarry<B>) -> TileCarry<B> {
-        let [rows, _] = carry.acc.dims();
-        let [_, out_len] = self.weight.dims();
-        let columns = [0..rows, self.out_start..self.out_start + out_len];
-        let part = self.partial(carry.x.clone());
-        let updated = carry.acc.clone().slice(columns.clone()) + part;
-        TileCarry {
-            x: carry.x,
-            acc: carry.acc.slice_assign(columns, updated),
-        }
-    }
 }
 
-impl<B: Backend> TileCarry<B> {
-    /// The carry entering the first tile: the input and a zero output of `d_output` columns.
-    pub fn new(x: Tensor<B, 2>, d_output: usize) -> Self {
-        let [rows, _] = x.dims();
-        let acc = Tensor::<B, 2>::zeros([rows, d_output], &x.device()).cast(x.dtype());
-        Self { x, acc }
+impl<B: ShardBackend> ShardedTiledLinear<B> {
+    /// `x · W + b` for `x` `[..., d_input]`, as `Linear::forward`, each tile gathered for its
+    /// one product. Fails when a gather fails (a peer lost, a collective out of order).
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, ZeroError> {
+        let tiles = self.tiles.iter().map(|t| t.unshard(&x));
+        tiled_forward(tiles, self.out_splits, x.clone())
     }
 
-    /// The layer's output after the last tile.
-    pub fn output(self) -> Tensor<B, 2> {
-        self.acc
-    }
-}
-
-impl<B: AutodiffBackend> Hidden<B> for TileCarry<B> {
-    fn leaf(&self) -> Self {
-        Self {
-            x: self.x.leaf(),
-            acc: self.acc.leaf(),
-        }
-    }
-    fn detached(&self) -> Self {
-        Self {
-            x: self.x.detached(),
-            acc: self.acc.detached(),
-        }
-    }
-    fn take_grad(&self, grads: &mut B::Gradients) -> Option<Self> {
-        let x = self.x.take_grad(grads);
-        let acc = self.acc.take_grad(grads);
-        if x.is_none() && acc.is_none() {
-            return None;
-        }
-        // A part that ignores one of the two (the head reads only the output) gives it zero.
-        let zeros = |t: &Tensor<B, 2>| t.zeros_like().detach();
-        Some(Self {
-            x: x.unwrap_or_else(|| zeros(&self.x)),
-            acc: acc.unwrap_or_else(|| zeros(&self.acc)),
+    /// The tiles whole, as a [`TiledLinear`] (every tile gathered).
+    pub fn gathered(&self) -> Result<TiledLinear<B>, ZeroError> {
+        Ok(TiledLinear {
+            tiles: self.tiles.iter().map(ZeroModule::gathered).collect::<Result<_, _>>()?,
+            d_output: self.d_output,
+            out_splits: self.out_splits,
         })
     }
-    fn dot(self, seed: Self) -> Tensor<B, 1> {
-        self.x.dot(seed.x) + self.acc.dot(seed.acc)
+}
+
+/// `x · W + b` from `tiles` in input-split-major order, `out_splits` of them per input split:
+/// each output column block the sum over the input splits, in their order.
+fn tiled_forward<B: Backend, const D: usize>(
+    tiles: impl Iterator<Item = Result<LinearTile<B>, ZeroError>>,
+    out_splits: usize,
+    x: Tensor<B, D>,
+) -> Result<Tensor<B, D>, ZeroError> {
+    let mut columns: Vec<Option<Tensor<B, D>>> = vec![None; out_splits];
+    for (k, tile) in tiles.enumerate() {
+        let part = tile?.partial(x.clone());
+        let column = &mut columns[k % out_splits];
+        *column = Some(match column.take() {
+            Some(sum) => sum + part,
+            None => part,
+        });
     }
-    fn bytes(&self) -> usize {
-        self.x.bytes() + self.acc.bytes()
-    }
-    fn to_host(&self) -> Vec<burn::tensor::TensorData> {
-        vec![self.x.to_data(), self.acc.to_data()]
-    }
-    fn from_host(data: Vec<burn::tensor::TensorData>, device: &B::Device) -> Self {
-        // `to_host` wrote the input, then the accumulator.
-        let mut data = data.into_iter();
-        let mut next = || Tensor::from_data(data.next().unwrap_or_else(|| unreachable!("two tensors")), device);
-        let x = next();
-        Self { x, acc: next() }
-    }
+    Ok(Tensor::cat(columns.into_iter().flatten().collect(), D - 1))
 }
 
 #[cfg(test)]

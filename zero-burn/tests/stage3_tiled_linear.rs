@@ -1,19 +1,22 @@
 //! TiledLinear: the tiled layer computes what the untiled `Linear` with the same weights
-//! computes (forward and gradients), and as a chain of tiles stage 3 gathers one tile at a time.
+//! computes (forward and gradients), and with each tile a `ZeroModule` stage 3 gathers one tile
+//! at a time.
 //!
-//! References: Burn's `Linear` with the same weights (forward and gradients); the same chain
-//! with a single 1 × 1 tile (the untiled layer) trained by the same engine.
+//! References: Burn's `Linear` with the same weights (forward and gradients); the same model
+//! with a single 1 × 1 tile (the untiled layer) trained by the same optimizer.
 
 mod common;
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor, TensorData};
-use common::{on_ranks, values, B as Ad};
-use zero_burn::{
-    ChainEngine, ChainModel, EngineSettings, LinearTile, Stage, TileCarry, TiledLinear, TiledLinearConfig,
-};
+use common::{max_relative_error, on_ranks, values, B as Ad};
+use zero_burn::sharded::shard_units;
+use zero_burn::{EngineSettings, ShardedTiledLinear, Stage, TiledLinear, TiledLinearConfig};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
 
 /// max |a - b| / max |b|.
@@ -68,14 +71,15 @@ fn forward_and_gradients_equal_the_untiled_linear() {
         let x = random([5, d_in]);
         let e = relative_error(tiled.forward(x.clone()), linear.forward(x.clone()));
         assert!(e <= 1e-6, "{in_splits}x{out_splits}: forward differs by {e:e}");
-        let mut carry = TileCarry::new(x.clone(), d_out);
-        for tile in &tiled.tiles {
-            carry = tile.forward_carry(carry);
-        }
-        let e = relative_error(carry.output(), linear.forward(x.clone()));
+        let units = on_ranks(1, |_, comm| {
+            let comm: zero_burn::sharded::UnitComm<Flex> = std::sync::Arc::new(zero_burn::HostStaged::new(comm));
+            let sharded = shard_units(tiled.clone().into_sharded(), comm, 0).expect("cut");
+            sharded.forward(x.clone()).expect("forward").into_data()
+        });
+        let e = relative_error(Tensor::from_data(units[0].clone(), &device), linear.forward(x.clone()));
         assert!(
             e <= 1e-6,
-            "{in_splits}x{out_splits}: tile-by-tile forward differs by {e:e}"
+            "{in_splits}x{out_splits}: the tiles as units differ by {e:e}"
         );
         let x3 = random([2, 3, d_in]);
         let e = relative_error(tiled.forward(x3.clone()), linear.forward(x3));
@@ -138,52 +142,34 @@ fn config_init_builds_the_tiles_with_the_layers_shape() {
     assert!(max <= 1.0 / 3.0 + 1e-6 && max > 0.0);
 }
 
-// ---- As a chain: one tile per block ----
+// ---- Each tile a unit ----
 
 const D_IN: usize = 64;
 const D_OUT: usize = 48;
 const ROWS: usize = 8;
 
-/// An elementwise input scale and a one-output head: small enough to stay replicated.
+/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
+type Bal = Autodiff<Flex, BalancedCheckpointing>;
+
+/// `head(tiled(x ⊙ scale))`, mean squared error; the scale and the head stay replicated.
 #[derive(Module, Debug)]
-struct TileEnds<B: Backend> {
+struct TiledNet<B: Backend> {
     scale: Param<Tensor<B, 1>>,
+    tiled: ShardedTiledLinear<B>,
     head: Linear<B>,
 }
 
-/// `head(tiled(x ⊙ scale))`, mean squared error, the tiles as blocks.
-#[derive(Module, Debug)]
-struct TiledNet<B: Backend> {
-    ends: TileEnds<B>,
-    tiles: Vec<LinearTile<B>>,
-}
-
-impl<B: AutodiffBackend> ChainModel<B> for TiledNet<B> {
-    type Batch = (Tensor<B, 2>, Tensor<B, 2>);
-    type Hidden = TileCarry<B>;
-    type Ends = TileEnds<B>;
-    type Block = LinearTile<B>;
-
-    fn into_parts(self) -> (TileEnds<B>, Vec<LinearTile<B>>) {
-        (self.ends, self.tiles)
-    }
-    fn from_parts(ends: TileEnds<B>, tiles: Vec<LinearTile<B>>) -> Self {
-        TiledNet { ends, tiles }
-    }
-    fn embed(ends: &TileEnds<B>, batch: &Self::Batch) -> TileCarry<B> {
-        TileCarry::new(batch.0.clone() * ends.scale.val().unsqueeze::<2>(), D_OUT)
-    }
-    fn block_forward(tile: &LinearTile<B>, carry: TileCarry<B>) -> TileCarry<B> {
-        tile.forward_carry(carry)
-    }
-    fn head_loss(ends: &TileEnds<B>, carry: TileCarry<B>, batch: &Self::Batch) -> Tensor<B, 1> {
-        (ends.head.forward(carry.output()) - batch.1.clone())
-            .powi_scalar(2)
-            .mean()
+impl TiledNet<Bal> {
+    fn loss(&self, x: Tensor<Bal, 2>, y: Tensor<Bal, 2>) -> Tensor<Bal, 1> {
+        let h = self
+            .tiled
+            .forward(x * self.scale.val().unsqueeze::<2>())
+            .expect("forward");
+        (self.head.forward(h) - y).powi_scalar(2).mean()
     }
 }
 
-fn deterministic<const D: usize>(shape: [usize; D], salt: usize) -> Tensor<Ad, D> {
+fn deterministic<const D: usize>(shape: [usize; D], salt: usize) -> Tensor<Bal, D> {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n)
         .map(|k| 0.2 * ((k * 7 + salt * 13) as f32 * 0.31).sin())
@@ -191,27 +177,26 @@ fn deterministic<const D: usize>(shape: [usize; D], salt: usize) -> Tensor<Ad, D
     Tensor::from_data(TensorData::new(v, shape), &Default::default())
 }
 
-fn net(in_splits: usize, out_splits: usize) -> TiledNet<Ad> {
+fn net(in_splits: usize, out_splits: usize) -> TiledNet<Bal> {
     let device = Default::default();
-    let mut linear: Linear<Ad> = LinearConfig::new(D_IN, D_OUT).init(&device);
+    let mut linear: Linear<Bal> = LinearConfig::new(D_IN, D_OUT).init(&device);
     linear.weight = Param::from_tensor(deterministic([D_IN, D_OUT], 1));
     linear.bias = Some(Param::from_tensor(deterministic([D_OUT], 2)));
-    let mut head: Linear<Ad> = LinearConfig::new(D_OUT, 1).init(&device);
+    let mut head: Linear<Bal> = LinearConfig::new(D_OUT, 1).init(&device);
     head.weight = Param::from_tensor(deterministic([D_OUT, 1], 3));
     head.bias = Some(Param::from_tensor(deterministic([1], 5)));
     TiledNet {
-        ends: TileEnds {
-            scale: Param::from_tensor(deterministic([D_IN], 4) + 1.0),
-            head,
-        },
-        tiles: TiledLinear::from_linear(&linear, in_splits, out_splits).into_tiles(),
+        scale: Param::from_tensor(deterministic([D_IN], 4) + 1.0),
+        tiled: TiledLinear::from_linear(&linear, in_splits, out_splits).into_sharded(),
+        head,
     }
 }
 
-/// Three SGD steps at stage 3 on 2 ranks: the losses, the layer's weight (untiled) and the
-/// gathered-memory peak of rank 0.
+/// Three SGD steps at stage 3 on 2 ranks through `initialize_settings` (every tile cut, the
+/// scale and head under the persistence threshold): the losses, the layer's weight (untiled)
+/// and what rank 0's memory report counts gathered at once.
 fn train(in_splits: usize, out_splits: usize) -> (Vec<f32>, Vec<Vec<f32>>, usize) {
-    let results = on_ranks(2, move |rank, comm| {
+    let results = on_ranks(2, move |rank, group| {
         let mut s = EngineSettings::new(
             Stage::Zero3,
             OptimizerSpec::Sgd(SgdSpec {
@@ -219,53 +204,57 @@ fn train(in_splits: usize, out_splits: usize) -> (Vec<f32>, Vec<Vec<f32>>, usize
                 ..Default::default()
             }),
         );
-        // The ends (≤ 64 elements each) stay replicated; every tile is sharded.
         s.param_persistence_threshold = 100;
-        // No prefetch: the peak is what one part's gather holds.
+        // No prefetch: what is gathered at once is one unit.
         s.overlap_comm = false;
-        let mut engine = ChainEngine::new(s, net(in_splits, out_splits), comm).expect("engine");
+        let comm: zero_burn::sharded::UnitComm<Flex> = std::sync::Arc::new(zero_burn::HostStaged::new(group.clone()));
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(s, net(in_splits, out_splits), group, comm).expect("initialize");
         let mut losses = Vec::new();
         for step in 0..3 {
             let x = deterministic([ROWS, D_IN], 10 + step * 2 + rank);
             let y = deterministic([ROWS, 1], 11 + step * 2 + rank);
-            let loss = engine.forward((x, y)).expect("forward");
-            losses.push(engine.backward(loss).expect("backward"));
-            engine.step().expect("step");
+            let loss = model.loss(x, y);
+            losses.push(loss.clone().into_scalar());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.try_step(0.05, model, grads).expect("step");
         }
-        let model = engine.module().expect("module");
-        let tiled = TiledLinear {
-            tiles: model.tiles,
-            d_output: D_OUT,
-            out_splits: out_splits.min(D_OUT),
-        };
+        let tiled = model.tiled.gathered().expect("gather");
         (
             losses,
-            values::<Ad, _>(&tiled.to_linear()),
-            engine.memory().gathered.peak,
+            values::<Bal, _>(&tiled.to_linear()),
+            optim.memory().gathered.current,
         )
     });
-    results.into_iter().next().expect("rank 0")
+    // The loss each rank saw, averaged as the optimizer averages the gradients.
+    let losses: Vec<f32> = (0..3)
+        .map(|s| results.iter().map(|r| r.0[s]).sum::<f32>() / 2.0)
+        .collect();
+    let (_, weights, gathered) = results.into_iter().next().expect("rank 0");
+    (losses, weights, gathered)
 }
 
 #[test]
 fn stage_3_trains_tile_by_tile_like_the_untiled_layer_and_gathers_one_tile() {
-    let (want_losses, want_weights, untiled_peak) = train(1, 1);
-    let (losses, weights, tiled_peak) = train(4, 4);
+    let (want_losses, want_weights, untiled) = train(1, 1);
+    let (losses, weights, tiled) = train(4, 4);
     for (got, want) in losses.iter().zip(&want_losses) {
         assert!(((got - want) / want).abs() <= 1e-6, "loss {got} vs {want}");
     }
     let scale = want_weights[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let initial = values::<Bal, _>(&net(1, 1).tiled.gathered().expect("whole").to_linear());
+    assert!(max_relative_error(&initial, &want_weights) > 1e-3, "the layer trained");
     for (got, want) in weights.iter().zip(&want_weights) {
         for (a, b) in got.iter().zip(want) {
             assert!((a - b).abs() <= 1e-6 * scale, "trained weight {a} vs {b}");
         }
     }
-    // Biases (≤ 48 elements) stay replicated. The untiled layer gathers the whole weight,
-    // 64 × 48 = 3072 elements; a tile, 16 × 12 = 192 (both multiples of world × alignment).
-    assert_eq!(untiled_peak, 3072 * 4);
-    assert_eq!(tiled_peak, 192 * 4);
+    // The untiled layer is one unit of 64 × 48 + 48 = 3120 elements (3136 padded to 2 ranks ×
+    // 16); a tile of the first input split 16 × 12 + 12 = 204 (224 padded), the largest.
+    assert_eq!(untiled, 3136 * 4);
+    assert_eq!(tiled, 224 * 4);
     eprintln!(
-        "gathered-memory peak, {D_IN}x{D_OUT} layer at stage 3, world 2: untiled {untiled_peak} B, 4x4 tiles {tiled_peak} B ({:.1}x less)",
-        untiled_peak as f64 / tiled_peak as f64
+        "gathered at once, {D_IN}x{D_OUT} layer at stage 3, world 2: untiled {untiled} B, 4x4 tiles {tiled} B ({:.1}x less)",
+        untiled as f64 / tiled as f64
     );
 }
