@@ -3,7 +3,7 @@
 //! model's weights.
 //!
 //! References: the uninterrupted pipeline run of the same layout (resuming must be bit for
-//! bit), and zero-models' single `Gpt2` under `ChainEngine` on one process for the
+//! bit), and zero-models' single `Gpt2` trained by `ZeroOptimizer` on one process for the
 //! consolidated weights (same initial weights, same micro-batches, same SGD; equal to fp32
 //! rounding, as the pipeline itself is in `pipeline_gpt2.rs`).
 
@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use zero_burn::params::{describe, read_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_burn::{EngineSettings, Stage};
 use zero_core::checkpoint::{to_fp32, Checkpoint, SINGLE_FILE};
 use zero_core::comm::ThreadGroup;
 use zero_core::parallel::ParallelLayout;
@@ -111,15 +111,13 @@ fn single_process(data: usize, steps: usize) -> HashMap<String, Vec<f32>> {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
     let m = data * MICRO;
-    let mut engine = ChainEngine::<B, Gpt2<B>>::new(settings(m, Stage::Zero0), full_model(&device), group).unwrap();
-    for step in 0..steps {
-        for micro in 0..m {
-            let loss = engine.forward(micro_batch(step, micro, &device)).unwrap();
-            engine.backward(loss).unwrap();
-        }
-        engine.step().unwrap().expect("a boundary");
-    }
-    let model = engine.module().unwrap();
+    let (_, _, model) = pipeline_support::zero_optimizer_run(
+        settings(m, Stage::Zero0),
+        full_model(&device),
+        group,
+        steps,
+        |step, micro| micro_batch(step, micro, &device),
+    );
     let names: Vec<String> = describe::<B, _>(&model).into_iter().map(|(_, s)| s.name).collect();
     let mut out = HashMap::new();
     read_values::<B, _>(&model, |i, v| {

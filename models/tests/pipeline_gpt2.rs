@@ -1,8 +1,8 @@
 //! GPT-2 trained through the pipeline engine against one process without a pipeline.
 //!
-//! Reference: zero-models' `Gpt2` under `ChainEngine` on one rank (no pipeline, no data
-//! parallelism), same initial weights, same micro-batches (the whole global batch accumulated),
-//! same SGD with momentum and clipping. PP = 2 and 4 stages (× DP = 2 at PP = 2), as threads, must give the
+//! Reference: zero-models' `Gpt2` trained by `ZeroOptimizer` in Burn's own loop on one rank (no
+//! pipeline, no data parallelism), same initial weights, same micro-batches (the whole global
+//! batch accumulated), same SGD with momentum and clipping. PP = 2 and 4 stages (× DP = 2 at PP = 2), as threads, must give the
 //! same per-step losses and final weights to fp32 rounding over 5 steps; the head's copy of the
 //! tied `wte` must equal the embedding's.
 
@@ -12,7 +12,7 @@ use burn::prelude::*;
 use pipeline_support::{micro_batch, B};
 use zero_burn::params::{describe, read_values};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_burn::{EngineSettings, Stage};
 use zero_core::comm::{TcpGroup, TcpOptions, ThreadGroup};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::{ParallelLayout, RankGroups};
@@ -46,25 +46,19 @@ fn values<M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
 fn reference(micro_batches: usize) -> (Vec<f32>, Vec<f64>, Vec<Vec<Vec<f32>>>) {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let mut engine =
-        ChainEngine::<B, Gpt2<B>>::new(settings(micro_batches, Stage::Zero0), full_model(&device), group).unwrap();
-    let mut losses = Vec::new();
-    let mut norms = Vec::new();
-    for step in 0..STEPS {
-        let mut sum = 0.0;
-        for micro in 0..micro_batches {
-            let loss = engine.forward(micro_batch(step, micro, &device)).unwrap();
-            sum += engine.backward(loss).unwrap();
-        }
-        let report = engine.step().unwrap().expect("a boundary");
-        losses.push(sum / micro_batches as f32);
-        norms.push(report.grad_norm);
-    }
-    let layers = engine.module().unwrap().into_pipeline_layers();
+    let (reports, losses, model) = pipeline_support::zero_optimizer_run(
+        settings(micro_batches, Stage::Zero0),
+        full_model(&device),
+        group,
+        STEPS,
+        |step, micro| micro_batch(step, micro, &device),
+    );
+    let norms = reports.iter().map(|r| r.grad_norm).collect();
+    let layers = model.into_pipeline_layers();
     (losses, norms, layers.iter().map(values).collect())
 }
 
-/// As [`reference`], on `data` ranks of a data-parallel `ChainEngine` at `stage` (each rank
+/// As [`reference`], on `data` ranks of a data-parallel `ZeroOptimizer` at `stage` (each rank
 /// running its `MICRO` micro-batches): the same reductions as a pipeline at that stage, where one
 /// process would sum in another order. Losses are the mean over the ranks.
 fn reference_data_parallel(data: usize, stage: Stage) -> (Vec<f32>, Vec<f64>, Vec<Vec<Vec<f32>>>) {
@@ -76,20 +70,15 @@ fn reference_data_parallel(data: usize, stage: Stage) -> (Vec<f32>, Vec<f64>, Ve
             .map(|(d, group)| {
                 s.spawn(move || {
                     let device = Default::default();
-                    let mut engine =
-                        ChainEngine::<B, Gpt2<B>>::new(settings(MICRO, stage), full_model(&device), group).unwrap();
-                    let mut losses = Vec::new();
-                    let mut norms = Vec::new();
-                    for step in 0..STEPS {
-                        let mut sum = 0.0;
-                        for m in 0..MICRO {
-                            let loss = engine.forward(micro_batch(step, d * MICRO + m, &device)).unwrap();
-                            sum += engine.backward(loss).unwrap();
-                        }
-                        norms.push(engine.step().unwrap().expect("a boundary").grad_norm);
-                        losses.push(sum / MICRO as f32);
-                    }
-                    let layers = engine.module().unwrap().into_pipeline_layers();
+                    let (reports, losses, model) = pipeline_support::zero_optimizer_run(
+                        settings(MICRO, stage),
+                        full_model(&device),
+                        group,
+                        STEPS,
+                        |step, m| micro_batch(step, d * MICRO + m, &device),
+                    );
+                    let norms: Vec<f64> = reports.iter().map(|r| r.grad_norm).collect();
+                    let layers = model.into_pipeline_layers();
                     (losses, norms, layers.iter().map(values).collect::<Vec<_>>())
                 })
             })
@@ -266,7 +255,7 @@ fn two_stages_times_two_data_ranks_under_zero_1_match_one_process() {
 
 /// Stage 2: each micro-batch's gradients reduce-scattered over the data group as they come
 /// (the tied `wte` copies accumulate whole, to be summed across stages first), against a
-/// data-parallel `ChainEngine` at stage 2.
+/// data-parallel `ZeroOptimizer` at stage 2.
 #[test]
 fn two_stages_times_two_data_ranks_under_zero_2_match_a_data_parallel_run() {
     check(2, 2, PartitionMethod::Uniform, Stage::Zero2);
@@ -356,7 +345,7 @@ fn stages_built_from_specs_hold_only_their_layers() {
 }
 
 /// bf16 parameters and activations: stages exchange bf16 activations (widened to f32 on the
-/// wire, exactly) and match one bf16 process. Reference: `ChainEngine` under bf16 on one rank.
+/// wire, exactly) and match one bf16 process. Reference: `ZeroOptimizer` under bf16 on one rank.
 /// Tolerance 5e-3 (below bf16's epsilon, 7.8e-3): the gradients accumulate in bf16, and the
 /// tied `wte`'s two uses are rounded separately here but summed before rounding in the
 /// reference, so from step 1 on some bf16 weights land one bf16 step away from the reference's
@@ -376,17 +365,13 @@ fn two_stages_in_bf16_match_one_process() {
         nesterov: false,
     });
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let mut reference = ChainEngine::<B, Gpt2<B>>::new(reference_settings.clone(), full_model(&device), group).unwrap();
-    let mut want = Vec::new();
-    for step in 0..STEPS {
-        let mut sum = 0.0;
-        for m in 0..MICRO {
-            let loss = reference.forward(micro_batch(step, m, &device)).unwrap();
-            sum += reference.backward(loss).unwrap();
-        }
-        reference.step().unwrap();
-        want.push(sum / MICRO as f32);
-    }
+    let (_, want, _) = pipeline_support::zero_optimizer_run(
+        reference_settings.clone(),
+        full_model(&device),
+        group,
+        STEPS,
+        |step, m| micro_batch(step, m, &device),
+    );
     let ranks = ParallelLayout::with_pipeline(1, 1, 2).unwrap().threads().unwrap();
     let runs: Vec<Vec<f32>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks

@@ -1,8 +1,8 @@
 //! Mixed precision through the pipeline: fp16's dynamic loss scaler decides over every stage,
 //! and a bf16 non-finite gradient fails every stage at once.
 //!
-//! Reference for fp16: zero-models' single `Gpt2` under `ChainEngine` on one process, with the
-//! same fp16 scaler. A loss scale of 2^17 is the injected overflow: the first steps overflow
+//! Reference for fp16: zero-models' single `Gpt2` trained by `ZeroOptimizer` on one process,
+//! with the same fp16 scaler. A loss scale of 2^17 is the injected overflow: the first steps overflow
 //! somewhere in the model (where first depends on the stage: an embedding's gradient sums many
 //! rows, a head's activation gradient does not), and one process skips a step whenever any
 //! part overflowed. Every stage must skip exactly the reference's steps, with its loss scales.
@@ -13,7 +13,7 @@ use burn::prelude::*;
 use pipeline_support::{micro_batch, B};
 use std::time::{Duration, Instant};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
+use zero_burn::{EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
 use zero_core::comm::ThreadGroup;
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::{OptimizerSpec, SgdSpec};
@@ -64,15 +64,10 @@ fn pattern(reports: &[StepReport]) -> Vec<(bool, f64)> {
 fn fp16_overflow_skips_the_same_steps_on_every_stage_as_one_process() {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let mut reference = ChainEngine::<B, Gpt2<B>>::new(settings(fp16()), full_model(&device), group).unwrap();
-    let mut want = Vec::new();
-    for step in 0..STEPS {
-        for m in 0..MICRO {
-            let loss = reference.forward(micro_batch(step, m, &device)).unwrap();
-            reference.backward(loss).unwrap();
-        }
-        want.push(reference.step().unwrap().expect("a boundary"));
-    }
+    let (want, _, _) =
+        pipeline_support::zero_optimizer_run(settings(fp16()), full_model(&device), group, STEPS, |step, m| {
+            micro_batch(step, m, &device)
+        });
     let want = pattern(&want);
     let skipped = want.iter().filter(|(s, _)| *s).count();
     assert!(

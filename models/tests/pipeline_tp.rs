@@ -1,6 +1,6 @@
 //! Tensor and pipeline parallelism together: tensor-parallel GPT-2 cut into pipeline stages.
 //!
-//! Reference: zero-models' `Gpt2` under `ChainEngine` on one rank, same initial weights (each
+//! Reference: zero-models' `Gpt2` trained by `ZeroOptimizer` on one rank, same initial weights (each
 //! tensor rank slices them with `TpGpt2::from_full`), same micro-batches, same SGD and clipping. TP 2 ×
 //! PP 2 (4 ranks as threads) must give the same per-step losses and gradient norms over 5 steps; every loss after the
 //! first depends on every weight, so a wrong update anywhere shows.
@@ -10,7 +10,7 @@ mod pipeline_support;
 use burn::prelude::*;
 use pipeline_support::{micro_batch, B};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_burn::{EngineSettings, Stage};
 use zero_core::comm::ThreadGroup;
 use zero_core::optim::{OptimizerSpec, SgdSpec};
 use zero_core::parallel::ParallelLayout;
@@ -52,18 +52,11 @@ fn settings() -> EngineSettings {
 fn tensor_2_by_pipeline_2_matches_one_process() {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let mut reference = ChainEngine::<B, Gpt2<B>>::new(settings(), full_model(&device), group).unwrap();
-    let mut want = Vec::new();
-    let mut want_norms = Vec::new();
-    for step in 0..STEPS {
-        let mut sum = 0.0;
-        for m in 0..MICRO {
-            let loss = reference.forward(micro_batch(step, m, &device)).unwrap();
-            sum += reference.backward(loss).unwrap();
-        }
-        want_norms.push(reference.step().unwrap().expect("a boundary").grad_norm);
-        want.push(sum / MICRO as f32);
-    }
+    let (reports, want, _) =
+        pipeline_support::zero_optimizer_run(settings(), full_model(&device), group, STEPS, |step, m| {
+            micro_batch(step, m, &device)
+        });
+    let want_norms: Vec<f64> = reports.iter().map(|r| r.grad_norm).collect();
 
     let ranks = ParallelLayout::with_pipeline(1, 2, 2).unwrap().threads().unwrap();
     let runs: Vec<Vec<(f32, f64)>> = std::thread::scope(|s| {

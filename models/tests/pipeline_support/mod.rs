@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, ElementConversion, Int, Tensor, TensorData};
 use zero_burn::params::{describe, write_values};
 use zero_burn::{EngineSettings, Stage};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
@@ -70,4 +70,42 @@ pub fn sgd_settings(micro_batches: usize, stage: Stage) -> EngineSettings {
     s.gradient_accumulation_steps = micro_batches;
     s.gradient_clipping = 0.5;
     s
+}
+
+/// One rank of a reference run without a pipeline: `model` trained in Burn's own loop by
+/// `ZeroOptimizer` over `group` (through `zero_burn::initialize_settings`, which casts the model
+/// to the compute dtype), each step accumulating `settings.gradient_accumulation_steps`
+/// micro-batches `batch(step, m)` with Burn's `GradientsAccumulator`, the loss scaled by the
+/// optimizer (fp16). Returns each step's report and mean loss, and the trained model.
+pub fn zero_optimizer_run(
+    settings: EngineSettings,
+    model: Gpt2<B>,
+    group: std::sync::Arc<dyn zero_core::comm::ProcessGroup>,
+    steps: usize,
+    batch: impl Fn(usize, usize) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>),
+) -> (Vec<zero_burn::StepReport>, Vec<f32>, Gpt2<B>) {
+    use burn::optim::lr_scheduler::LrScheduler;
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    let micro = settings.gradient_accumulation_steps;
+    let units: zero_burn::sharded::UnitComm<Flex> = std::sync::Arc::new(zero_burn::HostStaged::new(group.clone()));
+    let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, group, units).expect("initialize");
+    let mut lr = optim.lr_scheduler();
+    let (mut reports, mut losses) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let mut accumulator = GradientsAccumulator::new();
+        let mut sum = 0.0;
+        for m in 0..micro {
+            let (tokens, labels) = batch(step, m);
+            let loss = model.loss(tokens, labels);
+            let value = loss.clone().into_scalar().elem::<f32>();
+            optim.note_loss(value as f64);
+            sum += value;
+            let scaled = optim.scale_loss(loss.div_scalar(micro as f32));
+            accumulator.accumulate(&model, GradientsParams::from_grads(scaled.backward(), &model));
+        }
+        model = optim.try_step(lr.step(), model, accumulator.grads()).expect("step");
+        reports.push(optim.last_step().expect("a step"));
+        losses.push(sum / micro as f32);
+    }
+    (reports, losses, model)
 }
