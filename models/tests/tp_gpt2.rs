@@ -11,7 +11,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use zero_burn::params::{describe, read_values, take_grads, write_values};
-use zero_burn::{ChainEngine, EngineSettings, Stage};
+use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroOptimizer};
 use zero_core::comm::{TcpGroup, TcpOptions, ThreadGroup};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
 use zero_core::parallel::{ParallelLayout, RankGroups};
@@ -321,5 +321,66 @@ fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f64, ref
         let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} {coords:?}");
         eprintln!("{label}: weights max relative error {err:e}");
         assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
+    }
+}
+
+/// As [`check_training`], with `ZeroOptimizer` in Burn's own loop over the data group (stages
+/// 0-2; `with_tensor_parallel` over the tensor group, `TpGpt2::is_tensor_split` naming the split
+/// parameters), `gas` micro-batches accumulated by Burn's `GradientsAccumulator`.
+fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f64, reference: &[Vec<f32>]) {
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    let results = on_layout(dp, tp, |groups| {
+        let device = Default::default();
+        let group = TpGroup::new(groups.tensor.clone());
+        let mut model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
+        let mut optim = ZeroOptimizer::new(settings(stage, clip), groups.data.clone())
+            .unwrap()
+            .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
+        let per_micro = GLOBAL_BATCH / dp / gas;
+        let d = groups.coords.data;
+        for step in 0..STEPS {
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..gas {
+                let start = (d * gas + micro) * per_micro;
+                let batch = tokens(step, start..start + per_micro, &device);
+                let loss = model.loss(batch.clone(), batch).div_scalar(gas as f32);
+                accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+            }
+            model = optim.try_step(0.01, model, accumulator.grads()).unwrap();
+        }
+        group.check().unwrap();
+        let want = values(&TpGpt2::from_full(&model_from(reference, &device), group).unwrap());
+        (groups.coords, values(&model), want)
+    });
+    for (coords, got, want) in results {
+        let err = max_relative_error(&got, &want);
+        let label = format!("ZeroOptimizer stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} {coords:?}");
+        eprintln!("{label}: weights max relative error {err:e}");
+        assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
+    }
+}
+
+#[test]
+fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_the_whole_norm() {
+    let single = TpGroup::new(ThreadGroup::new_group(1).unwrap().remove(0));
+    let split: Vec<String> = describe::<B, _>(&TpGpt2::from_full(&full_model(&Default::default()), single).unwrap())
+        .into_iter()
+        .map(|(_, s)| s.name)
+        .filter(|n| TpGpt2::<B>::is_tensor_split(n))
+        .collect();
+    // wte, and per block c_attn (weight, bias), c_fc (weight, bias) and both c_proj weights.
+    assert_eq!(split.len(), 1 + LAYERS * 6, "{split:?}");
+    let reference = reference_training(0.0);
+    for (stage, dp, tp, gas) in [
+        (Stage::Zero0, 2, 2, 1),
+        (Stage::Zero1, 2, 2, 2),
+        (Stage::Zero2, 1, 4, 1),
+    ] {
+        check_zero_optimizer(stage, dp, tp, gas, 0.0, &reference);
+    }
+    // Clipped at 0.05 every step: a norm over one rank's slices would scale differently.
+    let clipped = reference_training(0.05);
+    for (stage, dp, tp, gas) in [(Stage::Zero1, 2, 2, 1), (Stage::Zero2, 1, 4, 2)] {
+        check_zero_optimizer(stage, dp, tp, gas, 0.05, &clipped);
     }
 }

@@ -75,7 +75,8 @@ pub struct EngineSettings {
     /// keeps each block's input (it recomputes every block anyway).
     pub activation_checkpointing: Option<crate::ActivationCheckpointing>,
     /// The tensor-parallel group of a model whose parameters are split over several ranks
-    /// (`ChainModel::ends_tensor_split`/`block_tensor_split` say which): the global gradient
+    /// (`ChainModel::ends_tensor_split`/`block_tensor_split` say which, or the rule given to
+    /// `ZeroOptimizer::with_tensor_parallel`, which sets this group): the global gradient
     /// norm, and so clipping, then covers the whole model, not this rank's slices. `None`: the
     /// model is whole on every rank of the data-parallel group.
     pub tensor_parallel_group: Option<zero_core::comm::SharedGroup>,

@@ -164,10 +164,21 @@ pub(crate) fn tensor_split_params<B: Backend>(block: &TpBlock<B>) -> Vec<usize> 
     describe::<B, _>(block)
         .iter()
         .enumerate()
-        .filter(|(_, (_, spec))| {
-            let n = &spec.name;
-            n.contains("c_attn") || n.contains("c_fc") || (n.contains("c_proj") && n.ends_with("weight"))
-        })
+        .filter(|(_, (_, spec))| splits_in_a_block(&spec.name))
         .map(|(i, _)| i)
         .collect()
+}
+
+fn splits_in_a_block(name: &str) -> bool {
+    name.contains("c_attn") || name.contains("c_fc") || (name.contains("c_proj") && name.ends_with("weight"))
+}
+
+impl<B: Backend> TpGpt2<B> {
+    /// Whether the parameter of [`TpGpt2`] named `name` (its module path, as `describe` and
+    /// `ZeroOptimizer`'s layout name it) is split over the tensor group: `wte`'s vocabulary
+    /// rows and each block's split layers. The rule `ZeroOptimizer::with_tensor_parallel`
+    /// takes.
+    pub fn is_tensor_split(name: &str) -> bool {
+        name.starts_with("wte.") || (name.starts_with("blocks.") && splits_in_a_block(name))
+    }
 }

@@ -145,3 +145,26 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
         None => Ok(module),
     }
 }
+
+/// Makes `core`'s gradient norm the whole model's when its parameters are split over `tensor`:
+/// a parameter `split` names counts on every tensor rank, a replicated one on tensor rank 0,
+/// the partial sums added over the data-parallel ranks (`data`), then the tensor ranks.
+pub(super) fn count_over_tensor_ranks(
+    core: &mut EngineCore,
+    data: &Arc<dyn ProcessGroup>,
+    tensor: &zero_core::comm::SharedGroup,
+    split: &(dyn Fn(&str) -> bool + Send + Sync),
+) {
+    let counted = core
+        .state
+        .layout
+        .params
+        .iter()
+        .map(|p| split(&p.name) || tensor.rank() == 0)
+        .collect();
+    core.grad_norm = Some(crate::core::counted_grad_norm(
+        counted,
+        data.rank(),
+        vec![data.clone(), tensor.clone()],
+    ));
+}

@@ -15,6 +15,7 @@
 mod adopt;
 mod device;
 mod host;
+mod lr;
 mod record;
 mod state;
 mod view;
@@ -26,12 +27,13 @@ use crate::half_buffer;
 use crate::layout::broadcast_values;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::write_data;
-use crate::settings::{ComputeDtype, EngineSettings, LrFn, OptimizerOffload, ParamOffload, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, OptimizerOffload, ParamOffload, Stage};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use burn::tensor::TensorData;
+pub use lr::ZeroLr;
 pub use record::ZeroOptimizerRecord;
 use state::State;
 use std::any::Any;
@@ -80,7 +82,13 @@ pub struct ZeroOptimizer {
     keeps_gathered: Arc<std::sync::atomic::AtomicBool>,
     /// [`ZeroOptimizer::scale_loss`] scaled a loss since the last step (fp16).
     scaled: Arc<std::sync::atomic::AtomicBool>,
+    /// Under tensor parallelism, which parameters (by their names in the layout) each tensor
+    /// rank holds a different slice of ([`ZeroOptimizer::with_tensor_parallel`]).
+    tensor_split: Option<Arc<SplitRule>>,
 }
+
+/// Whether the parameter of this name is split over the tensor-parallel group.
+type SplitRule = dyn Fn(&str) -> bool + Send + Sync;
 
 impl ZeroOptimizer {
     /// A ZeRO optimizer over `comm` (the stage from `settings`; [`crate::initialize`] builds it
@@ -107,7 +115,24 @@ impl ZeroOptimizer {
             loss_non_finite: Default::default(),
             keeps_gathered: Default::default(),
             scaled: Default::default(),
+            tensor_split: None,
         })
+    }
+
+    /// The optimizer of a model split Megatron-style over `tensor` (each of its ranks holds a
+    /// slice of the parameters `split` names, by their names in the layout, and a copy of the
+    /// others), ZeRO running over this optimizer's data-parallel group: the global gradient
+    /// norm, and so clipping, covers the whole model (a split parameter's slices from every
+    /// tensor rank, a replicated one once). The state is then kept in host buffers. Every rank
+    /// of the tensor group trains the same batch (as the model's collectives require).
+    pub fn with_tensor_parallel(
+        mut self,
+        tensor: zero_core::comm::SharedGroup,
+        split: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.tensor_parallel_group = Some(tensor);
+        self.tensor_split = Some(Arc::new(split));
+        self
     }
 
     /// The optimizer reducing its device state through `collective` (on CUDA, `NcclDevice`
@@ -341,13 +366,18 @@ impl ZeroOptimizer {
             let state = device::build::<B, M>(module, built, &self.settings, collective, self.comm.clone(), memory)?;
             State::Device(Box::new(state))
         } else {
-            State::Host(Box::new(host::build::<B, M>(
-                module,
-                built,
-                &self.settings,
-                self.comm.clone(),
-                memory,
-            )?))
+            let mut core = host::build::<B, M>(module, built, &self.settings, self.comm.clone(), memory)?;
+            if let Some(tensor) = &self.settings.tensor_parallel_group {
+                let split = self.tensor_split.as_deref().ok_or_else(|| {
+                    ZeroError::Usage(
+                        "ZeroOptimizer: a tensor-parallel group without the rule of which parameters are split; use \
+                         ZeroOptimizer::with_tensor_parallel"
+                            .into(),
+                    )
+                })?;
+                host::count_over_tensor_ranks(&mut core, &self.comm, tensor, split);
+            }
+            State::Host(Box::new(core))
         });
         Ok(view)
     }
@@ -392,43 +422,6 @@ impl ZeroOptimizer {
         // The units' new shards: gathered now at stage 2, what the next forward's prefetches
         // gather at stage 3.
         crate::sharded::after_step::<B, M>(module)
-    }
-}
-
-/// A DeepSpeed config's learning-rate schedule as a Burn `LrScheduler`
-/// ([`ZeroOptimizer::lr_scheduler`]): `step()` gives the rate of the optimizer's next applied
-/// step. Its record is that position, for reading; loading one changes nothing (the position is
-/// the optimizer's, restored with its checkpoint).
-#[derive(Clone)]
-pub struct ZeroLr {
-    schedule: LrFn,
-    optimizer: ZeroOptimizer,
-}
-
-impl ZeroLr {
-    /// Applied optimizer steps so far (those of a loaded record that the next step applies).
-    fn position(&self) -> u64 {
-        if let Some(step) = self.optimizer.pending_step() {
-            return step;
-        }
-        let state = self.optimizer.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.as_ref().map_or(0, |s| s.global_step() - s.skipped_steps())
-    }
-}
-
-impl burn::optim::lr_scheduler::LrScheduler for ZeroLr {
-    type Record<B: Backend> = u64;
-
-    fn step(&mut self) -> f64 {
-        (self.schedule)(self.position())
-    }
-
-    fn to_record<B: Backend>(&self) -> u64 {
-        self.position()
-    }
-
-    fn load_record<B: Backend>(self, _position: u64) -> Self {
-        self
     }
 }
 
