@@ -31,6 +31,38 @@ impl<I: Backend> DeviceState<I> {
         Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
     }
 
+    /// Writes the whole model's weights from rank 0, group by group (every rank calls this):
+    /// each group's masters gathered over the ranks where they are sharded, in `dtype` (None:
+    /// f32), named (or dropped) by `names`. At most one group's values are in host memory.
+    pub(crate) fn save_weights(
+        &self,
+        path: &Path,
+        dtype: Option<checkpoint::HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError> {
+        let host = self.host_group().clone();
+        let mut export = (host.rank() == 0).then(|| checkpoint::GroupExport::create(path, &self.layout, dtype, names));
+        for (g, (master, _)) in self.shards().enumerate() {
+            // Every rank takes part in every gather, even after rank 0 failed to write, so that
+            // the collectives stay matched; the failure is reported once all are done.
+            let whole = match self.layout.groups[g].placement {
+                zero_core::partition::Placement::Sharded if self.comm_world() > 1 => self.gather(master.clone())?,
+                _ => master.clone(),
+            };
+            if let Some(Ok(e)) = &mut export {
+                if let Err(err) = e.write_group(&tensor_to_vec(whole)) {
+                    export = Some(Err(err));
+                }
+            }
+        }
+        let outcome = match export {
+            Some(Ok(e)) => e.finish().map(|_| ()),
+            Some(Err(e)) => Err(e),
+            None => Ok(()),
+        };
+        Ok(checkpoint::agree(host.as_ref(), "save", outcome)?)
+    }
+
     /// This rank's owned slices and their description, in host memory (the optimizer's record).
     pub(crate) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         let groups = self.host_copy();

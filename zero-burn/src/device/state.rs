@@ -116,6 +116,16 @@ impl<I: Backend> DeviceState<I> {
         Ok(())
     }
 
+    /// Ranks of the device collective.
+    pub(crate) fn comm_world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Every rank's `shard` in rank order (a sharded group's whole padded masters).
+    pub(crate) fn gather(&self, shard: Tensor<I, 1>) -> Result<Tensor<I, 1>, ZeroError> {
+        self.comm.all_gather(shard)
+    }
+
     /// The loss scale of the next backward (1 without fp16 loss scaling).
     pub(crate) fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)

@@ -14,6 +14,7 @@
 
 mod adopt;
 mod device;
+mod files;
 mod host;
 mod lr;
 mod record;
@@ -275,54 +276,6 @@ impl ZeroOptimizer {
             Some(State::Host(core)) => core.memory.report(),
             Some(State::Device(state)) => state.memory(),
             None => MemoryReport::default(),
-        }
-    }
-
-    /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
-    /// step count) under `dir/tag` (tag None: `global_step{N}`), in the sharded checkpoint
-    /// format; every rank calls this after a step. The module's weights are the masters
-    /// rounded, so this is the whole training state. Returns the tag directory.
-    pub fn save_checkpoint(
-        &self,
-        dir: impl AsRef<std::path::Path>,
-        tag: Option<&str>,
-        client_state: &serde_json::Value,
-    ) -> Result<std::path::PathBuf, ZeroError> {
-        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match guard.as_ref() {
-            Some(State::Host(core)) => core.save_checkpoint(dir.as_ref(), tag, client_state),
-            Some(State::Device(state)) => state.save_checkpoint(dir.as_ref(), tag, client_state),
-            None => Err(ZeroError::Usage(
-                "ZeroOptimizer::save_checkpoint before the first step: the state is built at the first step".into(),
-            )),
-        }
-    }
-
-    /// Restores the state saved by [`ZeroOptimizer::save_checkpoint`] (or by an engine, at any
-    /// world size and stage) for `module`, and returns the module with the restored weights
-    /// and the client state. Every file is verified before anything changes.
-    pub fn load_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &self,
-        dir: impl AsRef<std::path::Path>,
-        tag: Option<&str>,
-        module: M,
-    ) -> Result<(M, serde_json::Value), ZeroError> {
-        // The checkpoint supersedes a record loaded and not yet applied.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let view = self.ensure_state::<B, M>(&mut guard, &module)?;
-        match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
-            State::Host(core) => {
-                let client = core.load_checkpoint(dir.as_ref(), tag)?;
-                let device = first_device::<B, M>(&module)?;
-                Ok((host::write_back::<B, M>(core, module, &device, &view.held)?, client))
-            }
-            state @ State::Device(_) => {
-                let state = state.device::<B::InnerBackend>()?;
-                view.check_unchanged(&state.layout)?;
-                let client = state.load_checkpoint(dir.as_ref(), tag)?;
-                Ok((device::write_back::<B, M>(state, module, &view)?, client))
-            }
         }
     }
 

@@ -7,7 +7,7 @@ use crate::error::ZeroError;
 use crate::memory::MemoryReport;
 use burn::tensor::backend::Backend;
 use std::any::Any;
-use zero_core::checkpoint::{CheckpointMeta, LoadedGroup};
+use zero_core::checkpoint::{CheckpointMeta, HalfDtype, LoadedGroup};
 use zero_core::partition::PartitionLayout;
 
 /// Where the optimizer's state lives.
@@ -31,6 +31,12 @@ pub(super) trait AnyDeviceState: Send {
         client_state: &serde_json::Value,
     ) -> Result<std::path::PathBuf, ZeroError>;
     fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError>;
+    fn save_weights(
+        &self,
+        path: &std::path::Path,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError>;
     fn load_groups(&mut self, meta: CheckpointMeta, groups: Vec<LoadedGroup>) -> Result<serde_json::Value, ZeroError>;
     fn layout(&self) -> &PartitionLayout;
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -64,6 +70,15 @@ impl<I: Backend> AnyDeviceState for DeviceState<I> {
 
     fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         DeviceState::rank_state(self)
+    }
+
+    fn save_weights(
+        &self,
+        path: &std::path::Path,
+        dtype: Option<HalfDtype>,
+        names: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), ZeroError> {
+        DeviceState::save_weights(self, path, dtype, names)
     }
 
     fn load_groups(&mut self, meta: CheckpointMeta, groups: Vec<LoadedGroup>) -> Result<serde_json::Value, ZeroError> {
