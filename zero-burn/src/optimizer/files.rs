@@ -9,20 +9,32 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
 impl ZeroOptimizer {
+    /// Where this rank's files go under `dir`: with a tensor-parallel group, each tensor rank
+    /// holds other slices of the model, so each has a directory of its own (`tensor_rank_{t}`),
+    /// its data-parallel ranks writing there as without one.
+    fn own_dir(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        match &self.settings.tensor_parallel_group {
+            Some(t) if t.world_size() > 1 => dir.join(format!("tensor_rank_{}", t.rank())),
+            _ => dir.to_path_buf(),
+        }
+    }
+
     /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
     /// step count) under `dir/tag` (tag None: `global_step{N}`), in the sharded checkpoint
     /// format; every rank calls this after a step. The module's weights are the masters
-    /// rounded, so this is the whole training state. Returns the tag directory.
+    /// rounded, so this is the whole training state. Returns the tag directory. With a
+    /// tensor-parallel group, each tensor rank's state goes under `dir/tensor_rank_{t}`.
     pub fn save_checkpoint(
         &self,
         dir: impl AsRef<std::path::Path>,
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<std::path::PathBuf, ZeroError> {
+        let dir = self.own_dir(dir.as_ref());
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match guard.as_ref() {
-            Some(State::Host(core)) => core.save_checkpoint(dir.as_ref(), tag, client_state),
-            Some(State::Device(state)) => state.save_checkpoint(dir.as_ref(), tag, client_state),
+            Some(State::Host(core)) => core.save_checkpoint(&dir, tag, client_state),
+            Some(State::Device(state)) => state.save_checkpoint(&dir, tag, client_state),
             None => Err(ZeroError::Usage(
                 "ZeroOptimizer::save_checkpoint before the first step: the state is built at the first step".into(),
             )),
@@ -33,16 +45,23 @@ impl ZeroOptimizer {
     /// group from the fp32 masters (never the whole model in one rank's memory beyond the
     /// file's writer): `dtype` None is f32; `names` renames or drops parameters (their names in
     /// the layout; e.g. `NameMap::apply` for HuggingFace's). Every rank calls it, after a step.
+    /// With a tensor-parallel group, each tensor rank writes its slices into a
+    /// `tensor_rank_{t}` directory beside `path`'s file name.
     pub fn save_weights(
         &self,
         path: impl AsRef<std::path::Path>,
         dtype: Option<zero_core::checkpoint::HalfDtype>,
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), ZeroError> {
+        let path = path.as_ref();
+        let path = match (path.parent(), path.file_name()) {
+            (Some(parent), Some(name)) => self.own_dir(parent).join(name),
+            _ => path.to_path_buf(),
+        };
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match guard.as_ref() {
-            Some(State::Host(core)) => core.save_weights(path.as_ref(), dtype, names),
-            Some(State::Device(state)) => state.save_weights(path.as_ref(), dtype, names),
+            Some(State::Host(core)) => core.save_weights(&path, dtype, names),
+            Some(State::Device(state)) => state.save_weights(&path, dtype, names),
             None => Err(ZeroError::Usage(
                 "ZeroOptimizer::save_weights before the first step: the state is built at the first step".into(),
             )),
@@ -61,27 +80,30 @@ impl ZeroOptimizer {
 
     /// Restores the state saved by [`ZeroOptimizer::save_checkpoint`] (or by an engine, at any
     /// world size and stage) for `module`, and returns the module with the restored weights
-    /// and the client state. Every file is verified before anything changes.
+    /// and the client state. Every file is verified before anything changes. With a
+    /// tensor-parallel group, each tensor rank reads `dir/tensor_rank_{t}` (saved over as many
+    /// tensor ranks; the data-parallel ranks may differ).
     pub fn load_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         dir: impl AsRef<std::path::Path>,
         tag: Option<&str>,
         module: M,
     ) -> Result<(M, serde_json::Value), ZeroError> {
+        let dir = self.own_dir(dir.as_ref());
         // The checkpoint supersedes a record loaded and not yet applied.
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let view = self.ensure_state::<B, M>(&mut guard, &module)?;
         match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
             State::Host(core) => {
-                let client = core.load_checkpoint(dir.as_ref(), tag)?;
+                let client = core.load_checkpoint(&dir, tag)?;
                 let device = first_device::<B, M>(&module)?;
                 Ok((host::write_back::<B, M>(core, module, &device, &view.held)?, client))
             }
             state @ State::Device(_) => {
                 let state = state.device::<B::InnerBackend>()?;
                 view.check_unchanged(&state.layout)?;
-                let client = state.load_checkpoint(dir.as_ref(), tag)?;
+                let client = state.load_checkpoint(&dir, tag)?;
                 Ok((device::write_back::<B, M>(state, module, &view)?, client))
             }
         }

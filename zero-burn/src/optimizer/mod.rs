@@ -125,7 +125,8 @@ impl ZeroOptimizer {
     /// others), ZeRO running over this optimizer's data-parallel group: the global gradient
     /// norm, and so clipping, covers the whole model (a split parameter's slices from every
     /// tensor rank, a replicated one once). The state is then kept in host buffers. Every rank
-    /// of the tensor group trains the same batch (as the model's collectives require).
+    /// of the tensor group trains the same batch (as the model's collectives require). Each
+    /// tensor rank's checkpoint and weights files go under a `tensor_rank_{t}` directory.
     pub fn with_tensor_parallel(
         mut self,
         tensor: zero_core::comm::SharedGroup,
