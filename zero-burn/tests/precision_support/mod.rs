@@ -228,3 +228,114 @@ pub fn assert_bit_for_bit(label: &str, base: EngineSettings, with: EngineSetting
         );
     }
 }
+
+/// `Net` with every block a `ZeroModule` (cut by `initialize_settings` at stages 2-3): the
+/// model of [`train_zero`].
+#[derive(burn::module::Module, Debug)]
+pub struct UnitNet<B: burn::tensor::backend::Backend> {
+    pub ends: Ends<B>,
+    pub blocks: Vec<zero_burn::sharded::ZeroModule<B, Block<B>>>,
+}
+
+impl<B: zero_burn::sharded::ShardBackend> UnitNet<B> {
+    /// `Net::new`'s weights, each block a unit.
+    pub fn new(device: &B::Device, blocks: usize) -> Self {
+        let net = Net::<B>::new(device, blocks);
+        UnitNet {
+            ends: net.ends,
+            blocks: net
+                .blocks
+                .into_iter()
+                .map(zero_burn::sharded::ZeroModule::new)
+                .collect(),
+        }
+    }
+
+    /// `Net::loss`, each block gathered for its forward.
+    pub fn loss(&self, x: burn::tensor::Tensor<B, 2>, y: burn::tensor::Tensor<B, 2>) -> burn::tensor::Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.unshard(&h).expect("gather").forward(h);
+        }
+        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+    }
+
+    /// The parameters in `Net`'s order (the ends', then each block's, gathered).
+    pub fn values(&self) -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        zero_burn::params::read_values::<B, _>(&self.ends.input, |_, v| out.push(v));
+        zero_burn::params::read_values::<B, _>(&self.ends.head, |_, v| out.push(v));
+        for b in &self.blocks {
+            zero_burn::params::read_values::<B, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
+        }
+        out
+    }
+}
+
+/// [`train_on`] through the `ZeroModule` path: `UnitNet` and `ZeroOptimizer` from
+/// `initialize_settings` in Burn's own loop (Burn's `GradientsAccumulator`, the optimizer's
+/// loss scale and LR schedule), the state in host buffers (`host`) or as tensors.
+pub fn train_zero(
+    settings: EngineSettings,
+    world: usize,
+    steps: usize,
+    poison: Vec<Poison>,
+    host: bool,
+) -> Vec<RankRun> {
+    use burn::optim::lr_scheduler::LrScheduler;
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    use burn::tensor::ElementConversion;
+    on_ranks(world, move |rank, group| {
+        let device = Default::default();
+        let gas = settings.gradient_accumulation_steps;
+        let dtype = settings.precision.dtype.burn();
+        let mut s = settings.clone();
+        s.gradient_accumulation_steps = 1;
+        let units: zero_burn::sharded::UnitComm<burn::backend::Flex> =
+            Arc::new(zero_burn::HostStaged::new(group.clone()));
+        let (mut model, optim) =
+            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, 3), group, units).expect("initialize");
+        let mut optim = optim.with_tensor_state(!host);
+        let mut lr = optim.lr_scheduler();
+        let mut run = RankRun {
+            losses: Vec::new(),
+            steps: Vec::new(),
+            values: Vec::new(),
+        };
+        for step in 0..steps {
+            let mut loss_sum = 0.0;
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..gas {
+                let (mut x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
+                    x = x.zeros_like().add_scalar(p.value);
+                }
+                let loss = model.loss(x.cast(dtype), y.cast(dtype));
+                let value = loss.clone().into_scalar().elem::<f32>();
+                optim.note_loss(value as f64);
+                loss_sum += value;
+                let scaled = optim.scale_loss(loss.div_scalar(gas as f32));
+                accumulator.accumulate(&model, GradientsParams::from_grads(scaled.backward(), &model));
+            }
+            run.losses.push(loss_sum / gas as f32);
+            let rate = lr.step();
+            match optim.try_step(rate, model.clone(), accumulator.grads()) {
+                Ok(next) => {
+                    model = next;
+                    run.steps.push(Ok(optim.last_step().expect("a step")));
+                }
+                Err(e) => {
+                    run.steps.push(Err(e.to_string()));
+                    assert!(
+                        matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }),
+                        "{e}"
+                    );
+                    break;
+                }
+            }
+            assert_eq!(optim.tensor_state(), Some(!host), "where the state lives");
+            run.values.push(model.values());
+        }
+        run
+    })
+}
