@@ -1,5 +1,7 @@
 //! bf16 and fp16 training: the loss curve against fp32, every stage and world size against
-//! stage 0, what the collectives move, non-finite values under bf16, and the config keys.
+//! stage 0, what the collectives move, non-finite values under bf16, and the config keys. The
+//! loss curve and the non-finite cases run through ChainEngine and through `ZeroOptimizer`
+//! (its state as tensors and in host buffers); the rest through ChainEngine.
 
 mod common;
 mod precision_support;
@@ -45,13 +47,38 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
     .remove(0)
     .losses;
     assert!(want[STEPS - 1] < 0.01 * want[0], "the fp32 run must learn: {want:?}");
-    for (label, precision, stage, world) in [
-        ("bf16 stage 0", PrecisionSettings::bf16(), Stage::Zero0, 1),
-        ("bf16 stage 3 world 2", PrecisionSettings::bf16(), Stage::Zero3, 2),
-        ("fp16 stage 0", fp16(), Stage::Zero0, 1),
-        ("fp16 stage 2 world 2", fp16(), Stage::Zero2, 2),
+    for (label, precision, stage, world, path) in [
+        ("bf16 stage 0", PrecisionSettings::bf16(), Stage::Zero0, 1, "chain"),
+        (
+            "bf16 stage 3 world 2",
+            PrecisionSettings::bf16(),
+            Stage::Zero3,
+            2,
+            "chain",
+        ),
+        ("fp16 stage 0", fp16(), Stage::Zero0, 1, "chain"),
+        ("fp16 stage 2 world 2", fp16(), Stage::Zero2, 2, "chain"),
+        (
+            "ZeroOptimizer bf16 stage 3 world 2",
+            PrecisionSettings::bf16(),
+            Stage::Zero3,
+            2,
+            "tensors",
+        ),
+        ("ZeroOptimizer fp16 stage 2 world 2", fp16(), Stage::Zero2, 2, "tensors"),
+        (
+            "ZeroOptimizer fp16 stage 3 world 2, host",
+            fp16(),
+            Stage::Zero3,
+            2,
+            "host",
+        ),
     ] {
-        let runs = train_on(settings(stage, precision), world, STEPS, vec![], plain, Data::Fit);
+        let s = settings(stage, precision);
+        let runs = match path {
+            "chain" => train_on(s, world, STEPS, vec![], plain, Data::Fit),
+            host => train_zero_on(s, world, STEPS, vec![], host == "host", Data::Fit),
+        };
         // The global loss: the mean of the ranks' losses (equal row counts).
         let got: Vec<f32> = (0..STEPS)
             .map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32)
@@ -228,28 +255,37 @@ fn a_non_finite_bf16_gradient_fails_naming_the_step_or_is_skipped() {
         rank: 1,
         value: f32::NAN,
     }];
-    let runs = train(
-        settings(Stage::Zero2, 1, PrecisionSettings::bf16()),
-        2,
-        5,
-        poison.clone(),
-        plain,
-    );
-    for (rank, run) in runs.iter().enumerate() {
-        assert_eq!(run.steps.len(), 3, "rank {rank} stops at the failed step");
-        let err = run.steps[2].clone().expect_err("step 3 must fail");
-        assert!(
-            err.contains("step 3") && err.contains("bf16") && err.contains("Skip"),
-            "rank {rank}: {err}"
-        );
-        // Each rank says what it saw: the NaN was in rank 1's batch, and reached rank 0 through
-        // the averaged gradient.
-        let seen = if rank == 1 { "the loss" } else { "the averaged gradient" };
-        assert!(err.contains(seen), "rank {rank}: {err}");
+    // Through ChainEngine, and ZeroOptimizer with its state as tensors and in host buffers.
+    let bf16 = settings(Stage::Zero2, 1, PrecisionSettings::bf16());
+    for (path, runs) in [
+        ("chain", train(bf16.clone(), 2, 5, poison.clone(), plain)),
+        ("tensors", train_zero(bf16.clone(), 2, 5, poison.clone(), false)),
+        ("host", train_zero(bf16, 2, 5, poison.clone(), true)),
+    ] {
+        for (rank, run) in runs.iter().enumerate() {
+            assert_eq!(run.steps.len(), 3, "{path}: rank {rank} stops at the failed step");
+            let err = run.steps[2].clone().expect_err("step 3 must fail");
+            assert!(
+                err.contains("step 3") && err.contains("bf16") && err.contains("Skip"),
+                "{path}: rank {rank}: {err}"
+            );
+            // Each rank says what it saw: the NaN was in rank 1's batch, and reached rank 0
+            // through the averaged gradient.
+            let seen = if rank == 1 { "the loss" } else { "the averaged gradient" };
+            assert!(err.contains(seen), "{path}: rank {rank}: {err}");
+        }
     }
     let mut p = PrecisionSettings::bf16();
     p.non_finite = NonFinitePolicy::Skip;
-    let runs = train(settings(Stage::Zero3, 1, p), 2, 5, poison, plain);
+    let s = settings(Stage::Zero3, 1, p);
+    let runs: Vec<RankRun> = [
+        train(s.clone(), 2, 5, poison.clone(), plain),
+        train_zero(s.clone(), 2, 5, poison.clone(), false),
+        train_zero(s, 2, 5, poison, true),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     for run in &runs {
         let skipped: Vec<bool> = run
             .steps

@@ -272,7 +272,7 @@ impl<B: zero_burn::sharded::ShardBackend> UnitNet<B> {
     }
 }
 
-/// [`train_on`] through the `ZeroModule` path: `UnitNet` and `ZeroOptimizer` from
+/// [`train`] through the `ZeroModule` path: `UnitNet` and `ZeroOptimizer` from
 /// `initialize_settings` in Burn's own loop (Burn's `GradientsAccumulator`, the optimizer's
 /// loss scale and LR schedule), the state in host buffers (`host`) or as tensors.
 pub fn train_zero(
@@ -281,6 +281,18 @@ pub fn train_zero(
     steps: usize,
     poison: Vec<Poison>,
     host: bool,
+) -> Vec<RankRun> {
+    train_zero_on(settings, world, steps, poison, host, Data::PerStep)
+}
+
+/// [`train_zero`] on the given data.
+pub fn train_zero_on(
+    settings: EngineSettings,
+    world: usize,
+    steps: usize,
+    poison: Vec<Poison>,
+    host: bool,
+    data: Data,
 ) -> Vec<RankRun> {
     use burn::optim::lr_scheduler::LrScheduler;
     use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -306,7 +318,11 @@ pub fn train_zero(
             let mut loss_sum = 0.0;
             let mut accumulator = GradientsAccumulator::new();
             for micro in 0..gas {
-                let (mut x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                let data_step = if data == Data::Fit { 0 } else { step };
+                let (mut x, mut y) = batch::<B>(data_step, rows(rank, world, micro, gas), &device);
+                if data == Data::Fit {
+                    y = x.clone().narrow(1, 0, OUT).mul_scalar(0.8);
+                }
                 if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
                     x = x.zeros_like().add_scalar(p.value);
                 }
