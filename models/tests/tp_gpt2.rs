@@ -432,3 +432,56 @@ fn a_tensor_parallel_zero_optimizer_checkpoint_resumes_bit_for_bit() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Megatron with ZeRO-3 through `ZeroOptimizer`: `ShardedTpGpt2` (each block's slice a
+/// `ZeroModule`, cut over the data-parallel ranks by `initialize_settings`) trains like one
+/// process (data × tensor 2 × 2, accumulation, clipping by the whole model's norm).
+#[test]
+fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    use zero_burn::sharded::UnitComm;
+    for (clip, gas) in [(0.0, 1), (0.05, 2)] {
+        let reference = reference_training(clip);
+        let results = on_layout(2, 2, |groups| {
+            let device = Default::default();
+            let group = TpGroup::new(groups.tensor.clone());
+            let model = TpGpt2::from_full(&full_model(&device), group.clone())
+                .unwrap()
+                .into_sharded();
+            let units: UnitComm<Flex> = std::sync::Arc::new(zero_burn::HostStaged::new(groups.data.clone()));
+            let (mut model, optim) =
+                zero_burn::initialize_settings(settings(Stage::Zero3, clip), model, groups.data.clone(), units)
+                    .unwrap();
+            assert!(model.blocks.iter().all(|b| b.is_sharded()), "the blocks are cut");
+            let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
+            let per_micro = GLOBAL_BATCH / 2 / gas;
+            let d = groups.coords.data;
+            for step in 0..STEPS {
+                let mut accumulator = GradientsAccumulator::new();
+                for micro in 0..gas {
+                    let start = (d * gas + micro) * per_micro;
+                    let batch = tokens(step, start..start + per_micro, &device);
+                    let loss = model.loss(batch.clone(), batch).unwrap().div_scalar(gas as f32);
+                    accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                }
+                model = optim.try_step(0.01, model, accumulator.grads()).unwrap();
+            }
+            group.check().unwrap();
+            let want = values(&TpGpt2::from_full(&model_from(&reference, &device), group.clone()).unwrap());
+            // The trained model whole: each block gathered.
+            let got = TpGpt2 {
+                wte: model.wte.clone(),
+                wpe: model.wpe.clone(),
+                blocks: model.blocks.iter().map(|b| b.gathered().unwrap()).collect(),
+                ln_f: model.ln_f.clone(),
+            };
+            (groups.coords, values(&got), want)
+        });
+        for (coords, got, want) in results {
+            let err = max_relative_error(&got, &want);
+            let label = format!("ZeroOptimizer stage 3 tp 2 dp 2 gas {gas} clip {clip} {coords:?}");
+            eprintln!("{label}: weights max relative error {err:e}");
+            assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
+        }
+    }
+}

@@ -24,6 +24,7 @@ mod group;
 mod linear;
 mod model;
 mod pipeline;
+mod sharded;
 
 pub use block::{TpAttention, TpBlock, TpMlp};
 pub use collectives::{all_reduce_primitive, copy_to_tp, reduce_from_tp, TpBackend};
@@ -33,6 +34,7 @@ pub use group::{TpError, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use model::TpGpt2;
 pub use pipeline::{TpEmbed, TpGpt2Layer, TpHead};
+pub use sharded::ShardedTpGpt2;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
