@@ -2,7 +2,8 @@
 //!
 //! A counting allocator records the peak of live heap bytes during one micro-batch's forward
 //! and backward, above what was live before it (the model states). The named baseline is the
-//! same engine without checkpointing, in the same run.
+//! same model and optimizer without checkpointing, in the same run: the zoo's `ShardedGpt2` with
+//! `ZeroOptimizer` in Burn's loop, checkpointed through `zero_burn::checkpointed_grads`.
 //!
 //! The model: with `L` blocks, `h` bytes per block input (batch × seq × n_embd × 4), `A` bytes
 //! of activations a block's graph holds and `C` for the embedding and head, no checkpointing
@@ -24,7 +25,9 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Barrier;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use zero_burn::{ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
+use burn::optim::GradientsParams;
+use zero_burn::sharded::UnitComm;
+use zero_burn::{ActivationCheckpointing, EngineSettings, HostStaged, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::optim::OptimizerSpec;
 use zero_core::parallel::ParallelLayout;
@@ -115,13 +118,18 @@ fn options() -> Options {
 }
 
 /// Peak bytes above the resting level during forward + backward (median-free: the allocator's
-/// peak is exact), and the seconds it took; after one warm-up step.
+/// peak is exact), and the seconds it took; after one warm-up step. The zoo's `ShardedGpt2`
+/// (stage 0, one rank) with `ZeroOptimizer` in Burn's own loop: `ac` runs each micro-batch
+/// through `zero_burn::checkpointed_grads`, as `gpt2 train` does under an
+/// `activation_checkpointing` section; without, `loss.backward()`.
 fn measure(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>) -> (usize, f64) {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).expect("group").remove(0) as SharedGroup;
-    let mut settings = EngineSettings::new(Stage::Zero0, OptimizerSpec::adamw());
-    settings.activation_checkpointing = ac;
-    let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
+    let units: UnitComm<Flex> = std::sync::Arc::new(HostStaged::new(group.clone()));
+    let settings = EngineSettings::new(Stage::Zero0, OptimizerSpec::adamw());
+    let (mut model, mut optim) =
+        zero_burn::initialize_settings(settings, config.init::<B>(&device).into_sharded(), group, units)
+            .expect("initialize");
     let ids: Vec<i64> = (0..o.batch * o.seq)
         .map(|i| ((i * 7919) % config.vocab_size) as i64)
         .collect();
@@ -131,11 +139,20 @@ fn measure(config: &Gpt2Config, o: &Options, ac: Option<ActivationCheckpointing>
         let rest = LIVE.load(Relaxed);
         PEAK.store(rest, Relaxed);
         let t = Instant::now();
-        let loss = engine.forward((tokens.clone(), tokens.clone())).expect("forward");
-        engine.backward(loss).expect("backward");
+        let grads = match &ac {
+            Some(ac) => {
+                zero_burn::checkpointed_grads(&model, &(tokens.clone(), tokens.clone()), ac, 1.0)
+                    .expect("checkpointed")
+                    .1
+            }
+            None => {
+                let loss = model.loss(tokens.clone(), tokens.clone()).expect("forward");
+                GradientsParams::from_grads(loss.backward(), &model)
+            }
+        };
         let secs = t.elapsed().as_secs_f64();
         let peak = PEAK.load(Relaxed) - rest;
-        engine.step().expect("step");
+        model = optim.try_step(1e-4, model, grads).expect("step");
         if step == 1 {
             result = (peak, secs);
         }
