@@ -1,6 +1,6 @@
 //! Step time of mixed-precision training against fp32, on the Flex (CPU) backend: a small GPT-2
-//! trained by the ZeRO engine (`ChainEngine`) with the same data, once per precision, in the
-//! same process.
+//! (the zoo's `ShardedGpt2`) trained by `ZeroOptimizer` in Burn's own loop, from
+//! `zero_burn::initialize_settings`, with the same data, once per precision.
 //!
 //! ```text
 //! cargo run --release -p zero-benches --bin precision -- [--steps S] [--world N] [--stage K]
@@ -16,17 +16,21 @@
 //! model creates itself (masks, loss weights) follow its 16-bit parameters, and that setting
 //! can be made only once per process.
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::optim::GradientsParams;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage};
+use zero_burn::sharded::UnitComm;
+use zero_burn::{EngineSettings, HostStaged, PrecisionSettings, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::OptimizerSpec;
 use zero_models::gpt2::Gpt2Config;
 
-type B = Autodiff<Flex>;
+/// Stage 3 frees each unit's gathered weights after its use (as `gpt2 train` runs).
+type B = Autodiff<Flex, BalancedCheckpointing>;
 
 const WARMUP: usize = 2;
 
@@ -108,9 +112,11 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
                 let device = Default::default();
                 let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
                 settings.precision = precision;
-                let model = config.init::<B>(&device);
+                let model = config.init::<B>(&device).into_sharded();
                 let group: Arc<dyn ProcessGroup> = group;
-                let mut engine = ChainEngine::new(settings, model, group).map_err(|e| e.to_string())?;
+                let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
+                let (mut model, mut optim) =
+                    zero_burn::initialize_settings(settings, model, group, units).map_err(|e| e.to_string())?;
                 let (mut total, mut compute, mut update) = (Vec::new(), Vec::new(), Vec::new());
                 let mut last = f32::NAN;
                 for step in 0..WARMUP + steps {
@@ -120,10 +126,12 @@ fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
                         .collect();
                     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
                     let start = Instant::now();
-                    let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
-                    last = engine.backward(loss).map_err(|e| e.to_string())?;
+                    let loss = model.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
+                    last = loss.clone().into_scalar().elem::<f32>();
+                    optim.note_loss(last as f64);
+                    let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
                     let mid = Instant::now();
-                    engine.step().map_err(|e| e.to_string())?;
+                    model = optim.try_step(1e-4, model, grads).map_err(|e| e.to_string())?;
                     let end = Instant::now();
                     if step >= WARMUP {
                         total.push(end - start);

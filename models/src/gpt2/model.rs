@@ -156,7 +156,9 @@ pub(crate) fn shifted_cross_entropy<B: Backend>(
     // Ignored rows gather any valid index, then are zeroed by the mask.
     let safe_targets = targets.mask_fill(counted.clone().bool_not(), 0);
     let picked = log_probs.gather(1, safe_targets.unsqueeze_dim(1)).reshape([rows]);
-    let weights = counted.float();
+    // In f32 too: a mask made float takes the device's default float dtype, which a 16-bit
+    // run may have set to its own.
+    let weights = counted.float().cast(burn::tensor::DType::F32);
     let total = (picked * weights.clone()).sum().neg();
     total / weights.sum()
 }
