@@ -19,13 +19,13 @@
 //! without checkpointing (the baseline) and with one checkpoint per layer inside the stages.
 
 use burn::backend::{Autodiff, Flex};
+use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Barrier;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
-use burn::optim::GradientsParams;
 use zero_burn::sharded::UnitComm;
 use zero_burn::{ActivationCheckpointing, EngineSettings, HostStaged, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
