@@ -30,7 +30,7 @@ pub(crate) mod state;
 
 pub use adam::DeviceAdam;
 pub use collective::{DeviceCollective, HostStaged, Started};
-pub(crate) use cpu::own_buffer;
+pub(crate) use cpu::{cast, own_buffer};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclDevice;
 

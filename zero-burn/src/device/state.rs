@@ -194,15 +194,19 @@ impl<I: Backend> DeviceState<I> {
                         grad.dims()[0]
                     )))
                 }
-                Some(grad) => grad.cast(dtype),
+                Some(grad) => super::cpu::cast(grad, dtype),
                 None => Tensor::zeros([expected], (&self.device, dtype)),
             };
             let reduced = match g.placement {
                 _ if state.unit || world == 1 => grad,
-                Placement::Replicated => self.comm.all_reduce(grad.cast(comm_dtype), ReduceOp::Avg)?,
-                Placement::Sharded => self.comm.reduce_scatter(grad.cast(comm_dtype), ReduceOp::Avg)?,
+                Placement::Replicated => self
+                    .comm
+                    .all_reduce(super::cpu::cast(grad, comm_dtype), ReduceOp::Avg)?,
+                Placement::Sharded => self
+                    .comm
+                    .reduce_scatter(super::cpu::cast(grad, comm_dtype), ReduceOp::Avg)?,
             };
-            out.push(reduced.cast(DType::F32));
+            out.push(super::cpu::cast(reduced, DType::F32));
         }
         Ok(out)
     }
@@ -319,7 +323,7 @@ impl<I: Backend> DeviceState<I> {
         let dtype = self.settings.precision.dtype.burn();
         let mut out = Vec::with_capacity(self.groups.len());
         for (gi, state) in self.groups.iter().enumerate() {
-            let shard = state.master.clone().cast(dtype);
+            let shard = super::cpu::cast(state.master.clone(), dtype);
             out.push(match self.layout.groups[gi].placement {
                 Placement::Sharded if world > 1 && !state.unit => self.comm.all_gather(shard)?,
                 _ => shard,

@@ -56,14 +56,14 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
         device.clone(),
         |g| {
             if let Some(shard) = shards.remove(&g) {
-                return (shard.cast(DType::F32), true);
+                return (crate::device::cast(shard, DType::F32), true);
             }
             let group = &layout.groups[g];
             let parts = group
                 .params
                 .iter()
                 .map(|&p| match values[p].take() {
-                    Some(v) => v.cast(DType::F32),
+                    Some(v) => crate::device::cast(v, DType::F32),
                     None => {
                         missing.get_or_insert(p);
                         Tensor::zeros([layout.params[p].numel()], (&device, DType::F32))
@@ -143,7 +143,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
                 .params
                 .iter()
                 .map(|&p| match grads[p].take() {
-                    Some(grad) => grad.cast(dtype),
+                    Some(grad) => crate::device::cast(grad, dtype),
                     None => Tensor::zeros([layout.params[p].numel()], (&device, dtype)),
                 })
                 .collect();
