@@ -246,3 +246,31 @@ fn a_closed_stdout_ends_the_estimate_quietly() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn the_stage_3_gathered_term_follows_the_prefetch_budget() {
+    // Reference: GPT-2 small's units by hand, the embeddings E = (50257 + 1024)·768 and a block
+    // B = 7 087 872, in bf16 (2 bytes): DeepSpeed's default budget 5e7 prefetches blocks beside
+    // the embeddings (E + 5e7 + B); `auto` (0.9·768² = 530 841, less than a block) only the
+    // largest other unit (E + B); 0, the embeddings alone.
+    let (e, b) = (39_383_808u64, 7_087_872u64);
+    for (budget, want) in [("5e7", e + 50_000_000 + b), ("auto", e + b), ("0", e)] {
+        let (ok, out, err) = estimate(&[
+            "--preset",
+            "gpt2",
+            "--stage",
+            "3",
+            "--gpus-per-node",
+            "8",
+            "--prefetch-bucket-size",
+            budget,
+        ]);
+        assert!(ok, "{budget}: {err}");
+        assert_eq!(bytes_on(&out, "gathered"), 2 * want, "{budget}: {out}");
+    }
+    let (ok, _, err) = estimate(&["--preset", "gpt2", "--stage", "3", "--prefetch-bucket-size", "lots"]);
+    assert!(
+        !ok && err.contains("--prefetch-bucket-size lots") && err.contains("auto"),
+        "{err}"
+    );
+}

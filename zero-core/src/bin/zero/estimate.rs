@@ -46,10 +46,11 @@ pub struct Args {
     /// Training dtype: bf16, fp16 or fp32.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    /// Stage 3: elements gathered ahead of their use (`stage3_prefetch_bucket_size`; 0: none).
-    /// The gathered term is one unit and what may be in flight beside it.
-    #[arg(long, default_value_t = zero_core::estimate::DEFAULT_PREFETCH_BUCKET)]
-    pub prefetch_bucket_size: u64,
+    /// Stage 3: elements gathered ahead of their use (`stage3_prefetch_bucket_size`: a count
+    /// such as 5e7, 0 for none, or `auto`, 0.9 × hidden², as a config's "auto" resolves). The
+    /// gathered term is one unit and what may be in flight beside it.
+    #[arg(long, default_value = "5e7", value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: String,
     /// With --offload-optimizer nvme: host buffers the state streams through
     /// (`offload_optimizer.buffer_count`).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
@@ -88,6 +89,26 @@ fn target(flag: &str, value: Option<&str>) -> Result<Option<OffloadTarget>, Stri
         Some("nvme") => Ok(Some(OffloadTarget::Nvme)),
         Some(other) => Err(format!("--{flag} {other}: expected cpu, nvme or none")),
     }
+}
+
+/// `--prefetch-bucket-size`: a count (0 allowed), or `auto` (`None`: 0.9 × hidden², once the
+/// shape is known).
+fn prefetch_budget(text: &str) -> Result<Option<u64>, String> {
+    if text == "auto" {
+        return Ok(None);
+    }
+    let clean = text.replace(['_', ','], "");
+    match clean.parse::<f64>() {
+        Ok(v) if (0.0..1e18).contains(&v) => Ok(Some(v.round() as u64)),
+        _ => Err(format!(
+            "--prefetch-bucket-size {text}: expected a count of elements such as 5e7, 0 (no prefetch) or auto"
+        )),
+    }
+}
+
+/// The prefetch budget `auto` resolves to for hidden size `hidden` (the config's rule).
+fn auto_prefetch(hidden: u64) -> u64 {
+    hidden.saturating_mul(hidden).saturating_mul(9) / 10
 }
 
 fn parse_count(text: &str) -> Result<u64, String> {
@@ -157,10 +178,11 @@ fn report(args: &Args) -> Result<String, String> {
             args.stage
         ));
     }
+    let prefetch = prefetch_budget(&args.prefetch_bucket_size)?;
     let mut input = EstimateInput {
         params: 0,
         gathered_at_once: None,
-        prefetch_bucket_size: args.prefetch_bucket_size,
+        prefetch_bucket_size: prefetch.unwrap_or(0),
         largest_group: None,
         stage: args.stage,
         gpus_per_node: args.gpus_per_node,
@@ -213,6 +235,9 @@ fn report(args: &Args) -> Result<String, String> {
                     format!(" and {} per device", human_bytes(device))
                 }
             );
+            if prefetch.is_none() {
+                input.prefetch_bucket_size = auto_prefetch(args.hidden);
+            }
             let shape = Gpt2Shape::deepest_fitting(args.hidden, &input, host, device).map_err(|e| match e {
                 FitError::NothingFits { .. } => format!(
                     "no GPT-2 of hidden {} fits in {limits} at stage {}; {e}",
@@ -234,6 +259,9 @@ fn report(args: &Args) -> Result<String, String> {
     };
     let what = match &shape {
         Some((name, shape)) => {
+            if prefetch.is_none() {
+                input.prefetch_bucket_size = auto_prefetch(shape.n_embd);
+            }
             input = shape.input(&input);
             describe(name, shape)
         }
