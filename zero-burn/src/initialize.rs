@@ -364,6 +364,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         } else {
             0
         },
+        grad_dtype: settings.precision.communication_dtype.map(ComputeDtype::burn),
     };
     // Stage 2 on one rank would hold each unit twice (the whole and a shard of all of it).
     let cut = stage3 || (settings.stage == Stage::Zero2 && group.world_size() > 1);

@@ -77,7 +77,7 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         let s = settings(stage, precision);
         let runs = match path {
             "chain" => train_on(s, world, STEPS, vec![], plain, Data::Fit),
-            host => train_zero_on(s, world, STEPS, vec![], host == "host", Data::Fit),
+            host => train_zero_on(s, world, STEPS, vec![], host == "host", Data::Fit, plain),
         };
         // The global loss: the mean of the ranks' losses (equal row counts).
         let got: Vec<f32> = (0..STEPS)
@@ -165,8 +165,13 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
     }
 }
 
-/// Every collective rank 0 issued in a 2-step run, after the initial broadcasts.
+/// Every collective rank 0 issued in a 2-step run, after the initial broadcasts: through
+/// ChainEngine, or (`zero`) through `ZeroOptimizer` with its state as tensors.
 fn issued(stage: Stage, precision: PrecisionSettings) -> Vec<Issued> {
+    issued_on(stage, precision, false)
+}
+
+fn issued_on(stage: Stage, precision: PrecisionSettings, zero: bool) -> Vec<Issued> {
     let log = Arc::new(Mutex::new(Vec::new()));
     let l = log.clone();
     let wrap = move |inner: Arc<dyn zero_core::comm::ProcessGroup>| -> Arc<dyn zero_core::comm::ProcessGroup> {
@@ -179,7 +184,11 @@ fn issued(stage: Stage, precision: PrecisionSettings) -> Vec<Issued> {
     };
     let mut s = settings(stage, 1, precision);
     s.param_persistence_threshold = 0;
-    train(s, 2, 2, vec![], wrap);
+    if zero {
+        train_zero_on(s, 2, 2, vec![], false, Data::PerStep, wrap);
+    } else {
+        train(s, 2, 2, vec![], wrap);
+    }
     let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
     log.into_iter().filter(|i| i.op != "broadcast").collect()
 }
@@ -246,6 +255,50 @@ fn parameters_gathers_and_gradient_reductions_are_16_bit() {
         !reduced.is_empty() && reduced.iter().all(|i| i.dtype == Flat::F16),
         "{log:?}"
     );
+}
+
+/// The same on the `ZeroModule` path: a unit's gathers and its gradient's reduce-scatter in
+/// backward move 16-bit values (half the bytes of fp32, op for op), and
+/// `communication_data_type` fp32 reduces the gradients (the units' in their backward, the
+/// others' in the optimizer) in fp32 while the units are still gathered in bf16.
+#[test]
+fn on_the_zero_module_path_gathers_and_reductions_are_16_bit_and_follow_the_communication_dtype() {
+    for (precision, flat) in [
+        (PrecisionSettings::bf16(), Flat::BF16),
+        (fp16(), Flat::F16),
+        (PrecisionSettings::fp32(), Flat::F32),
+    ] {
+        let log = issued_on(Stage::Zero3, precision.clone(), true);
+        for op in ["all_gather", "reduce_scatter"] {
+            let ops: Vec<_> = log.iter().filter(|i| i.op == op).collect();
+            assert!(!ops.is_empty(), "stage 3 issues {op}");
+            assert!(ops.iter().all(|i| i.dtype == flat), "{flat:?}: every {op}: {log:?}");
+        }
+    }
+    let full = issued_on(Stage::Zero3, PrecisionSettings::fp32(), true);
+    let half = issued_on(Stage::Zero3, PrecisionSettings::bf16(), true);
+    for op in ["all_gather", "reduce_scatter"] {
+        assert_eq!(
+            2 * bytes(&half, op),
+            bytes(&full, op),
+            "{op}: bf16 moves half the bytes"
+        );
+    }
+    let mut p = PrecisionSettings::bf16();
+    p.communication_dtype = Some(ComputeDtype::F32);
+    for stage in [Stage::Zero2, Stage::Zero3] {
+        let log = issued_on(stage, p.clone(), true);
+        let grads: Vec<_> = log.iter().filter(|i| i.op == "reduce_scatter").collect();
+        assert!(
+            !grads.is_empty() && grads.iter().all(|i| i.dtype == Flat::F32),
+            "{stage:?}: {log:?}"
+        );
+        let gathers: Vec<_> = log.iter().filter(|i| i.op == "all_gather").collect();
+        assert!(
+            !gathers.is_empty() && gathers.iter().all(|i| i.dtype == Flat::BF16),
+            "{stage:?}: {log:?}"
+        );
+    }
 }
 
 #[test]

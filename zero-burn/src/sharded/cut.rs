@@ -27,6 +27,9 @@ pub struct UnitPlan {
     /// `stage3_prefetch_bucket_size`, with `overlap_comm`): the units that came next the last
     /// time, in forward and again in backward (see `prefetch`'s module docs). 0: none.
     pub prefetch: usize,
+    /// The dtype a unit's gradient is reduce-scattered in (DeepSpeed's
+    /// `communication_data_type`), cast back to the shard's dtype after; `None`: its own.
+    pub grad_dtype: Option<burn::tensor::DType>,
 }
 
 /// `model` with every [`ZeroModule`](super::ZeroModule) of at least `min_numel` elements cut over the ranks of
@@ -111,6 +114,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 keep: self.plan.keep_gathered,
                 prefetch: std::sync::OnceLock::new(),
                 after_step: std::sync::OnceLock::new(),
+                grad_dtype: self.plan.grad_dtype,
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(

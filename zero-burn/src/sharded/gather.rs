@@ -47,6 +47,8 @@ pub type UnitComm<I> = Arc<dyn DeviceCollective<I>>;
 pub struct UnitGather<I: Backend> {
     pub(crate) comm: UnitComm<I>,
     pub(crate) prefetch: Option<(Arc<Prefetcher<I>>, u64)>,
+    /// The dtype the gradient is reduced in (`communication_data_type`), when not its own.
+    pub(crate) grad_dtype: Option<burn::tensor::DType>,
 }
 
 impl<I: Backend> UnitGather<I> {
@@ -64,7 +66,16 @@ impl<I: Backend> UnitGather<I> {
         if let Some((prefetch, _)) = &self.prefetch {
             prefetch.backward_began();
         }
-        self.comm.reduce_scatter(whole, ReduceOp::Avg)
+        match self.grad_dtype.filter(|&d| d != whole.dtype()) {
+            Some(comm) => {
+                let own = whole.dtype();
+                let shard = self
+                    .comm
+                    .reduce_scatter(crate::device::cast(whole, comm), ReduceOp::Avg)?;
+                Ok(crate::device::cast(shard, own))
+            }
+            None => self.comm.reduce_scatter(whole, ReduceOp::Avg),
+        }
     }
 }
 

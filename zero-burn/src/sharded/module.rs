@@ -57,6 +57,9 @@ pub(super) struct Sharding {
     pub(super) prefetch: std::sync::OnceLock<Arc<dyn Any + Send + Sync>>,
     /// What a new shard value written by a step does to the unit ([`after_step`](super::cut::after_step)).
     pub(super) after_step: std::sync::OnceLock<AfterStep>,
+    /// The dtype the unit's gradient is reduce-scattered in, when not its own
+    /// ([`UnitPlan::grad_dtype`](super::UnitPlan::grad_dtype)).
+    pub(super) grad_dtype: Option<burn::tensor::DType>,
 }
 
 /// Takes a unit's new shard (a `Tensor<B, 1>` of the backend the unit was cut for, hence `Any`)
@@ -79,6 +82,7 @@ impl Sharding {
         Ok(UnitGather {
             comm: self.comm.get::<I>()?.clone(),
             prefetch: self.prefetcher::<I>().map(|p| (p, unit)),
+            grad_dtype: self.grad_dtype,
         })
     }
 

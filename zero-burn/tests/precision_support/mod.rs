@@ -282,10 +282,10 @@ pub fn train_zero(
     poison: Vec<Poison>,
     host: bool,
 ) -> Vec<RankRun> {
-    train_zero_on(settings, world, steps, poison, host, Data::PerStep)
+    train_zero_on(settings, world, steps, poison, host, Data::PerStep, plain)
 }
 
-/// [`train_zero`] on the given data.
+/// [`train_zero`] on the given data, each rank's process group wrapped by `wrap`.
 pub fn train_zero_on(
     settings: EngineSettings,
     world: usize,
@@ -293,11 +293,13 @@ pub fn train_zero_on(
     poison: Vec<Poison>,
     host: bool,
     data: Data,
+    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
 ) -> Vec<RankRun> {
     use burn::optim::lr_scheduler::LrScheduler;
     use burn::optim::{GradientsAccumulator, GradientsParams};
     use burn::tensor::ElementConversion;
     on_ranks(world, move |rank, group| {
+        let group = wrap(group);
         let device = Default::default();
         let gas = settings.gradient_accumulation_steps;
         let dtype = settings.precision.dtype.burn();
