@@ -11,7 +11,7 @@ use burn::tensor::Tensor;
 use std::any::Any;
 use std::sync::Arc;
 
-/// The backends a [`ZeroModule`] runs on: how a unit's shard becomes its whole flat parameters.
+/// The backends a [`ZeroModule`](super::ZeroModule) runs on: how a unit's shard becomes its whole flat parameters.
 /// Autodiff backends gather with the differentiable op; the others (a model's `valid()` copy)
 /// gather plainly.
 pub trait ShardBackend: Backend {
@@ -179,7 +179,7 @@ where
     }
 }
 
-/// The ranks a [`ZeroModule`] is sharded over, whatever the backend of the module's copy at
+/// The ranks a [`ZeroModule`](super::ZeroModule) is sharded over, whatever the backend of the module's copy at
 /// hand (a training model and its `valid()` copy share it): a [`UnitComm`] of the innermost
 /// backend.
 #[derive(Clone)]

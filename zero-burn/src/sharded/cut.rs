@@ -19,7 +19,7 @@ pub struct UnitPlan {
     /// `stage3_param_persistence_threshold`).
     pub min_numel: usize,
     /// Each unit keeps its whole vector between steps (ZeRO stage 2), the rank's shard a view
-    /// of it: kept by the cut, gathered again by [`after_step`] from the shards a step wrote (or
+    /// of it: kept by the cut, gathered again after each step from the shards a step wrote (or
     /// at the first use of a shard written otherwise), so forward and backward gather nothing,
     /// while its gradient is reduce-scattered to the rank's shard in backward as at stage 3.
     pub keep_gathered: bool,

@@ -32,7 +32,7 @@ pub struct ActivationCheckpointingConfig {
 pub struct PipelineConfig {
     /// Pipeline stages: "auto" (from the topology) or a count (default "auto").
     pub stages: Auto<u64>,
-    /// How layers are split: "parameters", "uniform", "type:<regex>" (default "best").
+    /// How layers are split: "parameters", "uniform", `"type:<regex>"` (default "best").
     pub partition: String,
     /// Seed each layer's initialisation separately (default false).
     pub seed_layers: bool,
