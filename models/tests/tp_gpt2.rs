@@ -316,9 +316,21 @@ fn check_training(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f64, ref
         let want = values(&TpGpt2::from_full(&model_from(reference, &device), group).unwrap());
         (groups.coords, values(&engine.module().unwrap()), want)
     });
+    assert_weights_close(
+        &format!("stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip}"),
+        results,
+    );
+}
+
+/// A rank's coordinates, its weights (one vector per parameter), and its slice of the reference's.
+type RankWeights = (zero_core::parallel::Coords, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// Every rank's weights within 1e-5 (max relative) of its slice of the reference's, after
+/// `STEPS` steps.
+fn assert_weights_close(label: &str, results: Vec<RankWeights>) {
     for (coords, got, want) in results {
         let err = max_relative_error(&got, &want);
-        let label = format!("stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} {coords:?}");
+        let label = format!("{label} {coords:?}");
         eprintln!("{label}: weights max relative error {err:e}");
         assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
     }
@@ -352,12 +364,10 @@ fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f6
         let want = values(&TpGpt2::from_full(&model_from(reference, &device), group).unwrap());
         (groups.coords, values(&model), want)
     });
-    for (coords, got, want) in results {
-        let err = max_relative_error(&got, &want);
-        let label = format!("ZeroOptimizer stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} {coords:?}");
-        eprintln!("{label}: weights max relative error {err:e}");
-        assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
-    }
+    assert_weights_close(
+        &format!("ZeroOptimizer stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip}"),
+        results,
+    );
 }
 
 #[test]
@@ -477,11 +487,9 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
             };
             (groups.coords, values(&got), want)
         });
-        for (coords, got, want) in results {
-            let err = max_relative_error(&got, &want);
-            let label = format!("ZeroOptimizer stage 3 tp 2 dp 2 gas {gas} clip {clip} {coords:?}");
-            eprintln!("{label}: weights max relative error {err:e}");
-            assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
-        }
+        assert_weights_close(
+            &format!("ZeroOptimizer stage 3 tp 2 dp 2 gas {gas} clip {clip}"),
+            results,
+        );
     }
 }

@@ -95,11 +95,10 @@ pub(crate) fn with_slice<I: Backend, R>(t: &Tensor<I, 1>, f: impl FnOnce(&[f32])
 }
 
 /// `t` in `dtype`. On the CPU backend a cast between fp32 and a 16-bit type converts the slice
-/// directly, in parallel chunks, rounding to nearest even as Burn's cast does (which goes
-/// through an f64 copy of the whole tensor, element by element); every other cast, and every
-/// other backend, is Burn's.
+/// directly, in parallel chunks, rounding to nearest even (Burn's own cast there goes through an
+/// f64 copy of the whole tensor, element by element, and rounds some values the other way);
+/// every other cast, and every other backend, is Burn's.
 pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
-    use half::slice::HalfFloatSliceExt;
     let from = t.dtype();
     if from == dtype
         || !is_cpu::<I>()
@@ -117,38 +116,10 @@ pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
     let flex = flex.to_contiguous();
     let n = flex.layout().num_elements();
     let bytes = match (from, dtype) {
-        (DType::F32, DType::BF16) => {
-            let src = &flex.storage::<f32>()[..n];
-            let mut out = vec![half::bf16::ZERO; n];
-            out.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| o.convert_from_f32_slice(s));
-            burn::tensor::Bytes::from_elems(out)
-        }
-        (DType::F32, DType::F16) => {
-            let src = &flex.storage::<f32>()[..n];
-            let mut out = vec![half::f16::ZERO; n];
-            out.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| o.convert_from_f32_slice(s));
-            burn::tensor::Bytes::from_elems(out)
-        }
-        (DType::BF16, DType::F32) => {
-            let src = &flex.storage::<half::bf16>()[..n];
-            let mut out = vec![0.0f32; n];
-            out.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| s.convert_to_f32_slice(o));
-            burn::tensor::Bytes::from_elems(out)
-        }
-        _ => {
-            let src = &flex.storage::<half::f16>()[..n];
-            let mut out = vec![0.0f32; n];
-            out.par_chunks_mut(CHUNK)
-                .zip(src.par_chunks(CHUNK))
-                .for_each(|(o, s)| s.convert_to_f32_slice(o));
-            burn::tensor::Bytes::from_elems(out)
-        }
+        (DType::F32, DType::BF16) => narrowed::<half::bf16>(&flex.storage::<f32>()[..n]),
+        (DType::F32, _) => narrowed::<half::f16>(&flex.storage::<f32>()[..n]),
+        (DType::BF16, _) => widened(&flex.storage::<half::bf16>()[..n]),
+        _ => widened(&flex.storage::<half::f16>()[..n]),
     };
     let converted = FlexTensor::new(
         bytes,
@@ -160,6 +131,33 @@ pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
         Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
         Err(_) => unreachable!("the CPU backend's tensor"),
     }
+}
+
+/// `src` rounded to the 16-bit type `H`, in parallel chunks.
+fn narrowed<H>(src: &[f32]) -> burn::tensor::Bytes
+where
+    H: Copy + Default + Send + Sync + burn::tensor::Element,
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![H::default(); src.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(o, s)| o.convert_from_f32_slice(s));
+    burn::tensor::Bytes::from_elems(out)
+}
+
+/// `src` (16-bit) widened to fp32, exactly, in parallel chunks.
+fn widened<H: Sync>(src: &[H]) -> burn::tensor::Bytes
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![0.0f32; src.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(o, s)| s.convert_to_f32_slice(o));
+    burn::tensor::Bytes::from_elems(out)
 }
 
 /// The sum of squares of `g` and, with `count_non_finite`, how many of its elements are not
