@@ -15,11 +15,7 @@ fn four_processes_train_like_pytorch_and_only_rank_0_writes_metrics() {
         serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
             .expect("json");
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("a free port")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = zero_core::launch::free_port().expect("a free port");
     let dir = tempfile::tempdir().expect("temp dir");
     let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny");
     let children: Vec<_> = (0..4)

@@ -116,10 +116,7 @@ fn rank_groups(layout: ParallelLayout, transport: Transport) -> Vec<MakeGroups> 
             .map(|g| Box::new(move || g) as MakeGroups)
             .collect(),
         Transport::Tcp => {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .unwrap()
-                .port();
+            let port = zero_core::launch::free_port().unwrap();
             let options = TcpOptions {
                 timeout: std::time::Duration::from_secs(60),
                 ..TcpOptions::default()

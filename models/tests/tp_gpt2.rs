@@ -176,10 +176,7 @@ fn tensor_parallel_over_tcp_subgroups_matches_the_full_model() {
     // tensor groups are subgroups with connections of their own.
     let (want_logits, want_loss, want_grads) = full_run();
     let layout = ParallelLayout::new(2, 2).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = zero_core::launch::free_port().unwrap();
     let options = TcpOptions {
         timeout: std::time::Duration::from_secs(30),
         ..TcpOptions::default()

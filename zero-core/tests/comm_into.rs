@@ -127,10 +127,7 @@ fn thread_group_reduce_scatter_into_matches_the_reference() {
 }
 
 fn tcp_world(world: usize, unix_on_same_host: bool) -> Vec<TcpGroup> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
+    let port = zero_core::launch::free_port().expect("a free port");
     let options = TcpOptions {
         timeout: Duration::from_secs(60),
         socket_buffer: Some(1 << 20),

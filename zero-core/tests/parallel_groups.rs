@@ -9,8 +9,7 @@ use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, T
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 
 fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    zero_core::launch::free_port().expect("a free port")
 }
 
 /// What rank `rank` sees over each of its groups: the sum of the members' world ranks (an

@@ -173,10 +173,7 @@ fn threads_backend(world: usize, sizes: &[usize]) -> Vec<(String, usize, f64)> {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(29517)
+    zero_core::launch::free_port().unwrap_or(29517)
 }
 
 /// Starts `world` processes of `program args` with the torchrun variables and parses rank 0's

@@ -8,9 +8,11 @@
 //! after, ended early: the others would wait for it, so they are stopped too, naming it.
 
 mod hostfile;
+mod port;
 mod supervise;
 
 pub use hostfile::{find_host, hostname, parse_hostfile, read_hostfile, Host};
+pub use port::free_port;
 pub use supervise::{supervise, Outcome, Termination};
 
 use std::path::PathBuf;
@@ -156,7 +158,10 @@ impl LaunchPlan {
         };
         let master_port = match (opts.master_port, nnodes) {
             (Some(p), _) if p != 0 => p,
-            (_, 1) => free_port()?,
+            (_, 1) => free_port().map_err(|e| LaunchError::Io {
+                what: "picking a free port".into(),
+                message: e.to_string(),
+            })?,
             (None, _) => DEFAULT_MULTI_NODE_PORT,
             (Some(_), _) => {
                 return Err(LaunchError::Options(
@@ -190,16 +195,6 @@ impl LaunchPlan {
         .map(|(k, v)| (k.to_string(), v))
         .collect()
     }
-}
-
-/// A port the kernel considered free a moment ago.
-fn free_port() -> Result<u16, LaunchError> {
-    let io = |e: std::io::Error| LaunchError::Io {
-        what: "picking a free port".into(),
-        message: e.to_string(),
-    };
-    let l = std::net::TcpListener::bind(("0.0.0.0", 0)).map_err(io)?;
-    Ok(l.local_addr().map_err(io)?.port())
 }
 
 #[cfg(test)]

@@ -4,10 +4,9 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, outside the range outgoing connections draw from.
 pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+    zero_core::launch::free_port().expect("a free port")
 }
 
 /// Starts `world` ranks in `mode` with the collective timeout `timeout_secs` and
