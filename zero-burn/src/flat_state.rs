@@ -219,7 +219,12 @@ impl FlatState {
                             file.slots.push(None);
                         }
                         in_cpu_budget = in_cpu_budget.saturating_sub(h.len());
-                        memory.add_parameters(bytes);
+                        // Beside an offloaded optimizer's masters, in host memory.
+                        if *offload == OptimizerOffload::None {
+                            memory.add_parameters(bytes);
+                        } else {
+                            memory.add_host_parameters(bytes);
+                        }
                     }
                 }
             } else if let Some((file, _)) = &mut param_file {

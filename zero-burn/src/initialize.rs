@@ -13,7 +13,7 @@ use crate::optimizer::ZeroOptimizer;
 use crate::settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
-use crate::sharded::{contains_zero_module, shard_units_with, ShardBackend, UnitComm, UnitPlan};
+use crate::sharded::{contains_zero_module, shard_units_with, ParamPlace, ShardBackend, UnitComm, UnitPlan};
 use crate::ActivationCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -365,6 +365,14 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
             0
         },
         grad_dtype: settings.precision.communication_dtype.map(ComputeDtype::burn),
+        offload_param: match &settings.offload_param {
+            ParamOffload::None => None,
+            ParamOffload::Cpu => Some(ParamPlace::Host),
+            ParamOffload::Nvme { path, max_in_cpu } => Some(ParamPlace::Nvme {
+                path: path.clone(),
+                max_in_cpu: *max_in_cpu,
+            }),
+        },
     };
     // Stage 2 on one rank would hold each unit twice (the whole and a shard of all of it).
     let cut = stage3 || (settings.stage == Stage::Zero2 && group.world_size() > 1);

@@ -106,6 +106,8 @@ pub struct MemoryTracker {
     nvme_master: Counter,
     nvme_optimizer: Counter,
     nvme_parameters: Counter,
+    /// Of `parameters`, the bytes in host memory (`ZeroModule` shards under `offload_param`).
+    host_parameters: Counter,
     /// The parameter shards are in host memory (stage 3 `offload_param`).
     params_on_host: std::sync::atomic::AtomicBool,
     /// The masters and optimizer state are in host memory for an offloaded step.
@@ -122,6 +124,11 @@ impl MemoryTracker {
     /// From now on the parameter shards count as host memory.
     pub(crate) fn set_params_on_host(&self) {
         self.params_on_host.store(true, Ordering::Relaxed)
+    }
+    /// Parameter bytes kept in host memory rather than on the device.
+    pub(crate) fn add_host_parameters(&self, bytes: usize) {
+        self.parameters.add(bytes);
+        self.host_parameters.add(bytes)
     }
     pub(crate) fn add_nvme_parameters(&self, bytes: usize) {
         self.nvme_parameters.add(bytes)
@@ -197,7 +204,12 @@ impl MemoryTracker {
                         ..Default::default()
                     }
                 } else {
-                    on_device(report.parameters)
+                    let host = self.host_parameters.get().current;
+                    Locations {
+                        device: report.parameters.current.saturating_sub(host),
+                        host,
+                        nvme: self.nvme_parameters.get().current,
+                    }
                 },
                 gradients: on_device(report.gradients),
                 master_weights: optimizer_side(report.master_weights, &self.nvme_master),

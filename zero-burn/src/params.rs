@@ -46,7 +46,11 @@ pub fn describe<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, ParamSpec
 }
 
 /// Calls `sink(index, values)` with each float parameter's values (flattened, f32), in visit
-/// order. A lazy parameter is materialised for the call only if the module holds it lazily.
+/// order. A lazy parameter is materialised for the call only if the module holds it lazily. A
+/// `ZeroModule` shard offloaded by `offload_param` is read from where it is kept.
+///
+/// # Panics
+/// If an offloaded shard cannot be read back (an I/O error of its file).
 pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(usize, Vec<f32>)) {
     struct Read<'a, F> {
         index: usize,
@@ -54,7 +58,14 @@ pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(us
     }
     impl<B: Backend, F: FnMut(usize, Vec<f32>)> ModuleVisitor<B> for Read<'_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            (self.sink)(self.index, tensor_to_vec(param.val()));
+            let value = param.val();
+            let numel = value.shape().num_elements();
+            let values = match crate::sharded::stored_values(param.id, &value, numel) {
+                Some(Ok(data)) => data_to_vec(data),
+                Some(Err(e)) => panic!("reading an offloaded ZeroModule shard: {e}"),
+                None => tensor_to_vec(value),
+            };
+            (self.sink)(self.index, values);
             self.index += 1;
         }
     }

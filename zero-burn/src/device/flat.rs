@@ -4,23 +4,44 @@
 //! Parameters are visited in Burn's order, the order of the partition layout (as in
 //! [`crate::params`], which does the same through host vectors).
 
+use crate::error::ZeroError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Shape, Tensor};
 
-/// Every float parameter's value, flattened, on its device (the autodiff wrapper removed).
-pub(crate) fn read_flat<B: AutodiffBackend, M: Module<B>>(module: &M) -> Vec<Tensor<B::InnerBackend, 1>> {
-    struct Read<B: AutodiffBackend>(Vec<Tensor<B::InnerBackend, 1>>);
+/// Every float parameter's value, flattened, on its device (the autodiff wrapper removed); a
+/// `ZeroModule` shard offloaded by `offload_param` read from where it is kept and uploaded.
+pub(crate) fn read_flat<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+) -> Result<Vec<Tensor<B::InnerBackend, 1>>, ZeroError> {
+    struct Read<B: AutodiffBackend>(Vec<Tensor<B::InnerBackend, 1>>, Option<ZeroError>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let inner = param.val().inner();
-            let n = inner.shape().num_elements();
-            self.0.push(inner.reshape([n]));
+            let value = param.val();
+            let n = value.shape().num_elements();
+            let stored = crate::sharded::stored_values(param.id, &value, n);
+            let inner = value.inner();
+            let device = inner.device();
+            let flat = inner.reshape([n]);
+            self.0.push(match stored {
+                None => flat,
+                Some(Ok(data)) => {
+                    let dtype = data.dtype;
+                    Tensor::from_data(data, (&device, dtype))
+                }
+                Some(Err(e)) => {
+                    self.1.get_or_insert(e);
+                    flat
+                }
+            });
         }
     }
-    let mut r = Read::<B>(Vec::new());
+    let mut r = Read::<B>(Vec::new(), None);
     module.visit(&mut r);
-    r.0
+    match r.1 {
+        Some(e) => Err(e),
+        None => Ok(r.0),
+    }
 }
 
 /// Replaces every float parameter's value with `source(index, shape)` (a flat tensor of the

@@ -61,7 +61,7 @@ pub(super) fn adopt<B: AutodiffBackend, M: AutodiffModule<B>>(
         }
         state @ State::Device(_) => {
             let state = state.device::<B::InnerBackend>()?;
-            let flat = read_flat::<B, M>(module);
+            let flat = read_flat::<B, M>(module)?;
             for (group, start, i, from) in writes {
                 let values = flat[i].clone().narrow(0, from.start, from.len());
                 state.write_masters(group, start, values)?;

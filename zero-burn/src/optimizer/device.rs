@@ -35,7 +35,7 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
     let layout = &view.layout;
     let mut values: Vec<Option<FlatGrad<B>>> = vec![None; layout.params.len()];
     let mut shards: HashMap<usize, FlatGrad<B>> = HashMap::new();
-    for (flat, held) in read_flat::<B, M>(module).into_iter().zip(&view.held) {
+    for (flat, held) in read_flat::<B, M>(module)?.into_iter().zip(&view.held) {
         match held {
             Holding::Param(p) => values[*p] = Some(flat),
             Holding::Whole(params) => cut_into(&mut values, &view, params.clone(), flat),

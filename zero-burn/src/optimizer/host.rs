@@ -53,6 +53,9 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     let mut settings = settings.clone();
     settings.gradient_accumulation_steps = 1;
+    // Offloaded parameter shards are the units' own (each unit keeps its store), not a copy
+    // the state keeps beside the masters.
+    settings.offload_param = crate::settings::ParamOffload::None;
     EngineCore::new(
         view.layout,
         comm,

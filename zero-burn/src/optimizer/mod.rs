@@ -28,7 +28,7 @@ use crate::half_buffer;
 use crate::layout::broadcast_values;
 use crate::memory::{MemoryReport, MemoryTracker};
 use crate::params::write_data;
-use crate::settings::{ComputeDtype, EngineSettings, OptimizerOffload, ParamOffload, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, OptimizerOffload, Stage};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -97,14 +97,6 @@ impl ZeroOptimizer {
     /// Every rank must start from the same weights: build the model from one seed, or call
     /// [`ZeroOptimizer::synchronize`] first (`initialize` does).
     pub fn new(settings: EngineSettings, comm: Arc<dyn ProcessGroup>) -> Result<Self, ZeroError> {
-        if settings.offload_param != ParamOffload::None {
-            return Err(ZeroError::Config(
-                "zero_optimization.offload_param: ZeroOptimizer keeps the parameter shards on the model's device \
-                 (on the CPU backend, host memory: offload_param cpu is accepted there by initialize); remove \
-                 offload_param (offload_optimizer is available)"
-                    .into(),
-            ));
-        }
         Ok(ZeroOptimizer {
             settings,
             comm,

@@ -235,7 +235,15 @@ impl ModuleView {
         let units = self.unit_groups();
         let layout = &self.layout;
         let stage2 = settings.stage == Stage::Zero2;
+        // Shards that `offload_param` keeps off the device, by group.
+        let mut offloaded = HashMap::new();
+        for (id, held) in self.ids.iter().zip(&self.held) {
+            if let (Holding::Shard { group, .. }, Some(store)) = (held, crate::sharded::store_of(*id)) {
+                offloaded.insert(*group, store);
+            }
+        }
         let held: usize = (0..layout.groups.len())
+            .filter(|g| !offloaded.contains_key(g))
             .map(|g| match (units.contains(&g), stage2) {
                 (true, true) => 0,
                 (true, false) => layout.owned_len(g),
@@ -243,6 +251,13 @@ impl ModuleView {
             })
             .sum();
         memory.add_parameters(held * dtype.size());
+        for store in offloaded.values() {
+            if store.in_file() {
+                memory.add_nvme_parameters(store.bytes());
+            } else {
+                memory.add_host_parameters(store.bytes());
+            }
+        }
         let gathers: Vec<usize> = units.iter().map(|&g| layout.groups[g].padded * dtype.size()).collect();
         let all: usize = gathers.iter().sum();
         if stage2 {

@@ -100,7 +100,7 @@ fn plain_parts<B: Backend>(
     let whole = match (kept, gather) {
         (Some(kept), _) => kept,
         // No autodiff node to tell values apart: gathered now, without the prefetch schedule.
-        (None, Some(gather)) => gather.comm.all_gather(shard)?,
+        (None, Some(gather)) => gather.gather_now(shard)?,
         (None, None) => shard,
     };
     let mut start = 0;

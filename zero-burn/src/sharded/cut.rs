@@ -4,6 +4,7 @@
 use super::backend::{ShardBackend, ShardComm};
 use super::gather::UnitComm;
 use super::module::{shard_len, unit, AfterStep, Sharding, Unit};
+use super::offload::{placeholder, ParamPlace, Stash};
 use super::prefetch::Prefetcher;
 use crate::error::ZeroError;
 use burn::module::{Module, ModuleMapper, Param};
@@ -30,6 +31,10 @@ pub struct UnitPlan {
     /// The dtype a unit's gradient is reduce-scattered in (DeepSpeed's
     /// `communication_data_type`), cast back to the shard's dtype after; `None`: its own.
     pub grad_dtype: Option<burn::tensor::DType>,
+    /// Where each cut unit's shard is kept between uses instead of the device (DeepSpeed's
+    /// `offload_param`): the parameter then holds a placeholder and every gather reads the
+    /// shard from there (no prefetching for such units). `None`: on the device.
+    pub offload_param: Option<ParamPlace>,
 }
 
 /// `model` with every [`ZeroModule`](super::ZeroModule) of at least `min_numel` elements cut over the ranks of
@@ -65,28 +70,40 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
         comm: UnitComm<B::Collective>,
         plan: &'a UnitPlan,
         prefetcher: Option<Arc<Prefetcher<B::Collective>>>,
+        stash: Option<Stash>,
         error: Option<ZeroError>,
     }
     impl<B: ShardBackend> Cut<'_, B> {
-        /// Puts `unit` in the cut's prefetch schedule (unless it is in one), and says what a
-        /// step's new shard does to it.
+        /// Puts `unit` in the cut's prefetch schedule (unless it is in one, or offloaded), and
+        /// says what a step's new shard does to it.
         fn join(&self, unit: &Arc<Unit>) {
             let Some(sharding) = unit.sharding.get() else { return };
-            if let Some(prefetcher) = &self.prefetcher {
+            if let (Some(prefetcher), None) = (&self.prefetcher, sharding.store.get()) {
                 let _ = sharding.prefetch.set(prefetcher.clone());
             }
             let weak = Arc::downgrade(unit);
-            let _ = sharding.after_step.set(AfterStep(Box::new(move |value: &dyn Any| {
+            let _ = sharding.after_step.set(AfterStep(Box::new(move |id, value: &dyn Any| {
                 let (Some(shard), Some(unit)) = (value.downcast_ref::<Tensor<B, 1>>(), weak.upgrade()) else {
                     return Ok(None);
                 };
                 let (Some(sharding), Some(key)) = (unit.sharding.get(), B::value_key(shard)) else {
                     return Ok(None);
                 };
+                if let Some(store) = sharding.store.get() {
+                    // The step wrote the shard into the parameter: into the store with it.
+                    if store.stands_for(shard) {
+                        return Ok(None);
+                    }
+                    let values = B::collective_value(shard.clone());
+                    let device = values.device();
+                    store.write(values.into_data())?;
+                    return Ok(Some(Box::new(placeholder::<B>(id, store, &device)) as Box<dyn Any>));
+                }
                 if sharding.keep {
                     let comm = sharding.comm.get::<B::Collective>()?;
                     let whole = comm.all_gather(B::collective_value(shard.clone()))?;
-                    return Ok(Some(Box::new(unit.keep_whole::<B>(whole, comm.rank())) as Box<dyn Any>));
+                    let kept = Param::initialized(id, unit.keep_whole::<B>(whole, comm.rank()));
+                    return Ok(Some(Box::new(kept) as Box<dyn Any>));
                 }
                 if let Some(prefetcher) = sharding.prefetcher::<B::Collective>() {
                     prefetcher.note(unit.id, key, B::collective_value(shard.clone()));
@@ -105,6 +122,20 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
             // kept as it is.
             let cut_for = unit.sharding.get().map(|s| s.world);
             if cut_for == Some(world) && param.lazy_shape().num_elements() == shard_len(unit.numel, world) {
+                // Cut as it was drawn (zero.Init): offloaded now if the plan says so.
+                let param = match (&mut self.stash, unit.sharding.get()) {
+                    (Some(stash), Some(sharding)) if sharding.store.get().is_none() => {
+                        let value = B::collective_value(Tensor::<B, 1>::from_primitive(param.val().into_primitive()));
+                        match offload::<B, D>(stash, sharding, param.id, value) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                self.error.get_or_insert(e);
+                                param
+                            }
+                        }
+                    }
+                    _ => param,
+                };
                 self.join(&unit);
                 return param;
             }
@@ -115,6 +146,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 prefetch: std::sync::OnceLock::new(),
                 after_step: std::sync::OnceLock::new(),
                 grad_dtype: self.plan.grad_dtype,
+                store: std::sync::OnceLock::new(),
             };
             if unit.sharding.set(sharding).is_err() {
                 self.error.get_or_insert(ZeroError::Usage(
@@ -124,7 +156,6 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 ));
                 return param;
             }
-            self.join(&unit);
             let len = shard_len(unit.numel, world);
             let id = param.id;
             // Cut on the host, once: ops on the tracked whole vector would leave autodiff
@@ -159,17 +190,29 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 let mut mine = whole[start..end].to_vec();
                 drop(whole);
                 mine.resize(len, 0.0);
-                on_device(mine).require_grad()
+                let mine = on_device(mine);
+                if let (Some(stash), Some(sharding)) = (&mut self.stash, unit.sharding.get()) {
+                    let param = offload::<B, D>(stash, sharding, id, B::collective_value(mine));
+                    self.join(&unit);
+                    return param.unwrap_or_else(|e| {
+                        self.error.get_or_insert(e);
+                        Param::initialized(id, Tensor::<B, D>::empty([0; D], &device))
+                    });
+                }
+                mine.require_grad()
             };
+            self.join(&unit);
             Param::initialized(id, Tensor::<B, D>::from_primitive(shard.into_primitive()))
         }
     }
     let prefetcher =
         (plan.prefetch > 0 && comm.world_size() > 1).then(|| Arc::new(Prefetcher::new(comm.clone(), plan.prefetch)));
+    let stash = plan.offload_param.clone().map(|place| Stash::new(place, comm.rank()));
     let mut cut = Cut::<B> {
         comm,
         plan,
         prefetcher,
+        stash,
         error: None,
     };
     let model = model.map(&mut cut);
@@ -177,6 +220,29 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
         Some(e) => Err(e),
         None => Ok(model),
     }
+}
+
+/// A unit's shard `value` (of parameter `id`) moved into a store of `stash`, which `sharding`
+/// keeps: the placeholder parameter to hold instead.
+fn offload<B: ShardBackend, const D: usize>(
+    stash: &mut Stash,
+    sharding: &Sharding,
+    id: burn::module::ParamId,
+    value: Tensor<B::Collective, 1>,
+) -> Result<Param<Tensor<B, D>>, ZeroError> {
+    let device = value.device();
+    let (len, dtype) = (value.dims()[0], value.dtype());
+    let store = stash.store::<B>(value.into_data(), len, dtype)?;
+    let _ = sharding.store.set(store.clone());
+    of_rank(placeholder::<B>(id, &store, &device))
+}
+
+/// A unit's flat parameter as the `D`-dimensional parameter a mapper returns (it is one).
+fn of_rank<B: Backend, const D: usize>(param: Param<Tensor<B, 1>>) -> Result<Param<Tensor<B, D>>, ZeroError> {
+    (Box::new(param) as Box<dyn Any>)
+        .downcast::<Param<Tensor<B, D>>>()
+        .map(|p| *p)
+        .map_err(|_| ZeroError::Model(format!("a ZeroModule's flat parameter has {D} dimensions, not 1")))
 }
 
 /// `module` after a step wrote its units' new shards: at stage 2 each unit's whole vector is
@@ -203,9 +269,9 @@ pub(crate) fn after_step<B: Backend, M: Module<B>>(module: M) -> Result<M, ZeroE
                 return param;
             }
             let value = param.val();
-            match (hook.0)(&value as &dyn Any) {
-                Ok(Some(new)) => match new.downcast::<Tensor<B, D>>() {
-                    Ok(new) => Param::initialized(param.id, *new),
+            match (hook.0)(param.id, &value as &dyn Any) {
+                Ok(Some(new)) => match new.downcast::<Param<Tensor<B, D>>>() {
+                    Ok(new) => *new,
                     Err(_) => param,
                 },
                 Ok(None) => param,

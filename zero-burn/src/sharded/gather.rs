@@ -21,6 +21,7 @@
 //! so the reduce-scatter runs right after the unit's own backward instead of at the very end
 //! with every unit's whole gradient alive.
 
+use super::offload::ParamStore;
 use super::prefetch::{Phase, Prefetcher};
 use crate::device::DeviceCollective;
 use crate::error::ZeroError;
@@ -49,14 +50,25 @@ pub struct UnitGather<I: Backend> {
     pub(crate) prefetch: Option<(Arc<Prefetcher<I>>, u64)>,
     /// The dtype the gradient is reduced in (`communication_data_type`), when not its own.
     pub(crate) grad_dtype: Option<burn::tensor::DType>,
+    /// Where the shard's values are when the parameter holds a placeholder (`offload_param`):
+    /// read for every gather, forward and backward.
+    pub(crate) source: Option<Arc<ParamStore>>,
 }
 
 impl<I: Backend> UnitGather<I> {
     /// The whole vector of the unit whose shard on this rank is `shard` (the value `key` names),
     /// needed in `phase`.
     pub(crate) fn all_gather(&self, shard: Tensor<I, 1>, key: u64, phase: Phase) -> Result<Tensor<I, 1>, ZeroError> {
-        match &self.prefetch {
-            Some((prefetch, unit)) => prefetch.fetch(*unit, key, shard, phase),
+        match (&self.prefetch, &self.source) {
+            (Some((prefetch, unit)), None) => prefetch.fetch(*unit, key, shard, phase),
+            _ => self.gather_now(shard),
+        }
+    }
+
+    /// The whole vector gathered now, outside the prefetch schedule.
+    pub(crate) fn gather_now(&self, shard: Tensor<I, 1>) -> Result<Tensor<I, 1>, ZeroError> {
+        match &self.source {
+            Some(store) => self.comm.all_gather(store.read_tensor::<I>(&shard.device())?),
             None => self.comm.all_gather(shard),
         }
     }

@@ -11,6 +11,7 @@ mod cut;
 mod gather;
 mod held;
 mod module;
+mod offload;
 mod prefetch;
 
 pub use backend::{ShardBackend, ShardComm};
@@ -21,3 +22,5 @@ pub(crate) use held::refuse_zero_modules;
 pub use held::{contains_zero_module, held_params, HeldParam};
 pub(crate) use module::take_modified;
 pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};
+pub use offload::ParamPlace;
+pub(crate) use offload::{store_of, stored_values};

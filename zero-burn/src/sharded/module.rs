@@ -7,6 +7,7 @@
 
 use super::backend::{ShardBackend, ShardComm};
 use super::gather::UnitGather;
+use super::offload::{placeholder, ParamStore};
 use super::prefetch::{Phase, Prefetcher};
 use crate::error::ZeroError;
 use crate::params::read_values;
@@ -60,15 +61,19 @@ pub(super) struct Sharding {
     /// The dtype the unit's gradient is reduce-scattered in, when not its own
     /// ([`UnitPlan::grad_dtype`](super::UnitPlan::grad_dtype)).
     pub(super) grad_dtype: Option<burn::tensor::DType>,
+    /// Where the shard is kept off the device (`offload_param`), when it is.
+    pub(super) store: std::sync::OnceLock<Arc<ParamStore>>,
 }
 
 /// Takes a unit's new shard (a `Tensor<B, 1>` of the backend the unit was cut for, hence `Any`)
-/// and returns the tensor to hold instead, if any: at stage 2 the shard as a view of its whole
-/// vector, gathered at once; otherwise the prefetch schedule is told the value.
+/// and its parameter's id, and returns the parameter (`Param<Tensor<B, 1>>`) to hold instead,
+/// if any: at stage 2 the shard as a view of its whole vector, gathered at once; with
+/// `offload_param` a placeholder, the shard moved into its store; otherwise the prefetch
+/// schedule is told the value.
 pub(super) struct AfterStep(pub(super) Box<ReplaceShard>);
 
-/// A function of a unit's shard (as `Any`) to the tensor to hold in its place, if any.
-type ReplaceShard = dyn Fn(&dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync;
+/// A function of a unit's shard (as `Any`) to the parameter to hold in its place, if any.
+type ReplaceShard = dyn Fn(ParamId, &dyn Any) -> Result<Option<Box<dyn Any>>, ZeroError> + Send + Sync;
 
 impl std::fmt::Debug for AfterStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,12 +83,25 @@ impl std::fmt::Debug for AfterStep {
 
 impl Sharding {
     /// How the unit numbered `unit` is gathered on the collective's backend `I`.
-    pub(super) fn gather<I: Backend>(&self, unit: u64) -> Result<UnitGather<I>, ZeroError> {
+    /// `source`: the store the shard's values are read from, when the parameter holds its
+    /// placeholder.
+    pub(super) fn gather<I: Backend>(
+        &self,
+        unit: u64,
+        source: Option<Arc<ParamStore>>,
+    ) -> Result<UnitGather<I>, ZeroError> {
         Ok(UnitGather {
             comm: self.comm.get::<I>()?.clone(),
             prefetch: self.prefetcher::<I>().map(|p| (p, unit)),
             grad_dtype: self.grad_dtype,
+            source,
         })
+    }
+
+    /// The store holding the values of a shard whose parameter's value is `shard`, if the unit
+    /// is offloaded and the parameter holds the store's placeholder.
+    pub(super) fn source(&self, shard: &dyn Any) -> Option<Arc<ParamStore>> {
+        self.store.get().filter(|s| s.stands_for(shard)).cloned()
     }
 
     /// The unit's prefetch schedule on the collective's backend `I`, if it has one.
@@ -273,6 +291,12 @@ where
         let shard = self.shard.val();
         let dtype = shard.dtype();
         let sharding = self.sharding();
+        let store = sharding.and_then(|s| s.source(&shard));
+        let shard = B::collective_value(shard);
+        let shard = match &store {
+            Some(store) => store.read_tensor::<B::Collective>(&shard.device())?,
+            None => shard,
+        };
         let comm = sharding.map(|s| s.comm.get::<B::Collective>().cloned()).transpose()?;
         if let Some(comm) = &comm {
             if modifier_rank >= comm.world_size() {
@@ -284,8 +308,8 @@ where
         }
         // The whole values (gathered from every rank's shard), as the module.
         let whole = match &comm {
-            Some(comm) => comm.all_gather(B::collective_value(shard))?,
-            None => B::collective_value(shard),
+            Some(comm) => comm.all_gather(shard)?,
+            None => shard,
         };
         let device = whole.device();
         let mut at = 0;
@@ -313,23 +337,33 @@ where
             let n = v.len();
             Tensor::<B::Collective, 1>::from_data(TensorData::new(v, [n]).convert_dtype(dtype), (&device, dtype))
         };
+        let id = self.shard.id;
         let shard = match (&comm, sharding) {
             (Some(comm), Some(s)) => {
                 let len = shard_len(numel, s.world);
                 values.resize(len * s.world, 0.0);
                 let whole = comm.broadcast(on_device(values), modifier_rank)?;
                 if s.keep {
-                    self.unit.keep_whole::<B>(whole, comm.rank())
+                    Param::initialized(id, self.unit.keep_whole::<B>(whole, comm.rank()))
                 } else {
-                    B::from_collective(whole.narrow(0, comm.rank() * len, len))
+                    let mine = whole.narrow(0, comm.rank() * len, len);
+                    match s.store.get() {
+                        // Offloaded: the new shard goes to its store, the parameter holds a new
+                        // placeholder.
+                        Some(store) => {
+                            store.write(mine.into_data())?;
+                            placeholder::<B>(id, store, &device)
+                        }
+                        None => Param::initialized(id, B::from_collective(mine)),
+                    }
                 }
             }
-            _ => B::from_collective(on_device(values)),
+            _ => Param::initialized(id, B::from_collective(on_device(values))),
         };
         self.unit.modified.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(ZeroModule {
             skeleton: self.skeleton.clone(),
-            shard: Param::initialized(self.shard.id, shard),
+            shard,
             unit: self.unit.clone(),
         })
     }
@@ -338,8 +372,10 @@ where
         self.register();
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let sharding = self.sharding();
-        let gather = sharding.map(|s| s.gather::<B::Collective>(self.unit.id)).transpose()?;
         let shard = self.shard.val();
+        let gather = sharding
+            .map(|s| s.gather::<B::Collective>(self.unit.id, s.source(&shard)))
+            .transpose()?;
         let kept = match (sharding, &gather) {
             (Some(s), Some(gather)) if s.keep => self.kept(&shard, gather)?,
             _ => None,

@@ -74,8 +74,23 @@ impl SwapFile {
             FlatBuffer::F16(v) => bytemuck::cast_slice(v),
             FlatBuffer::BF16(v) => bytemuck::cast_slice(v),
         };
+        self.write_bytes_at(byte, bytes)
+    }
+
+    /// Writes `bytes` from byte `byte`.
+    pub fn write_bytes_at(&self, byte: u64, bytes: &[u8]) -> Result<(), OffloadError> {
         self.file.write_all_at(bytes, byte).map_err(|source| OffloadError::Io {
             op: "write",
+            path: self.path.clone(),
+            offset: byte,
+            source,
+        })
+    }
+
+    /// Fills `out` from byte `byte` (what [`SwapFile::write_bytes_at`] wrote).
+    pub fn read_bytes_at(&self, byte: u64, out: &mut [u8]) -> Result<(), OffloadError> {
+        self.file.read_exact_at(out, byte).map_err(|source| OffloadError::Io {
+            op: "read",
             path: self.path.clone(),
             offset: byte,
             source,
@@ -94,14 +109,7 @@ impl SwapFile {
             FlatBuffer::F16(v) => bytemuck::cast_slice_mut(v),
             FlatBuffer::BF16(v) => bytemuck::cast_slice_mut(v),
         };
-        self.file
-            .read_exact_at(bytes, byte)
-            .map_err(|source| OffloadError::Io {
-                op: "read",
-                path: self.path.clone(),
-                offset: byte,
-                source,
-            })?;
+        self.read_bytes_at(byte, bytes)?;
         Ok(out)
     }
 

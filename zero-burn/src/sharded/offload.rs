@@ -1,0 +1,260 @@
+//! `offload_param` for [`ZeroModule`](super::ZeroModule)s: a cut unit's shard kept in host
+//! memory or in a file on NVMe instead of on the model's device ([`ParamStore`]).
+//!
+//! The unit's flat parameter then holds a placeholder: a tensor of the shard's shape that is
+//! one element broadcast (no memory of its size), an autodiff leaf whose gradient is the
+//! shard's, as before. A gather reads the shard from the store, uploads it and all-gathers it;
+//! backward reads it again where it gathers again. The optimizer writes each step's new shard
+//! into the model as usual, and [`after_step`](super::after_step) moves it into the store,
+//! leaving a new placeholder. A Burn record of the model carries the stored values (the
+//! placeholder's save mapper reads them) and loading one writes them back into the store.
+//!
+//! The store is the unit's value while the parameter holds its placeholder (told apart by the
+//! autodiff node, [`ShardBackend::value_key`]); a value written into the parameter otherwise
+//! is used as it is until the next step moves it into the store.
+
+use super::backend::ShardBackend;
+use crate::error::ZeroError;
+use burn::module::{Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use std::any::Any;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use zero_core::offload::SwapFile;
+
+/// Where a cut unit's shard is kept between its uses (DeepSpeed's `offload_param`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParamPlace {
+    /// In host memory.
+    Host,
+    /// In one file per rank under `path`, but for the first units whose shards fit in
+    /// `max_in_cpu` elements, kept in host memory.
+    Nvme {
+        /// Directory of the parameter files.
+        path: PathBuf,
+        /// Shard elements kept in host memory before units go to the file.
+        max_in_cpu: usize,
+    },
+}
+
+/// Where one unit's shard is.
+enum Place {
+    Host(Mutex<Option<TensorData>>),
+    File { file: Arc<SwapFile>, byte: u64 },
+}
+
+/// Tells whether a tensor (as `Any`) is the placeholder a store stands for: `Some(key)` of its
+/// value, `None` for a tensor of another backend (a `valid()` copy, whose parameter is the
+/// placeholder's inner value).
+type KeyOf = dyn Fn(&dyn Any) -> Option<Option<u64>> + Send + Sync;
+
+/// One unit's shard kept off the device: its values, dtype and length, and the key of the
+/// placeholder that stands for them in the model.
+pub(crate) struct ParamStore {
+    place: Place,
+    dtype: DType,
+    len: usize,
+    key: Mutex<Option<u64>>,
+    key_of: Box<KeyOf>,
+}
+
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = match &self.place {
+            Place::Host(_) => "host".to_string(),
+            Place::File { file, byte } => format!("{} at byte {byte}", file.path().display()),
+        };
+        write!(f, "ParamStore({} {:?} in {place})", self.len, self.dtype)
+    }
+}
+
+impl ParamStore {
+    /// Bytes of the shard.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// Whether the shard is in a file (else in host memory).
+    pub(crate) fn in_file(&self) -> bool {
+        matches!(self.place, Place::File { .. })
+    }
+
+    /// Replaces the stored shard with `data` (converted to the store's dtype).
+    pub(crate) fn write(&self, data: TensorData) -> Result<(), ZeroError> {
+        if data.num_elements() != self.len {
+            return Err(ZeroError::Model(format!(
+                "offload_param: a shard of {} elements written where the unit's shard has {}",
+                data.num_elements(),
+                self.len
+            )));
+        }
+        let data = if data.dtype == self.dtype {
+            data
+        } else {
+            data.convert_dtype(self.dtype)
+        };
+        match &self.place {
+            Place::Host(slot) => *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(data),
+            Place::File { file, byte } => file.write_bytes_at(*byte, data.as_bytes())?,
+        }
+        Ok(())
+    }
+
+    /// The stored shard.
+    pub(crate) fn read(&self) -> Result<TensorData, ZeroError> {
+        match &self.place {
+            Place::Host(slot) => {
+                slot.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or_else(|| {
+                    ZeroError::Model("offload_param: a unit's shard was read before it was written".into())
+                })
+            }
+            Place::File { file, byte } => {
+                let mut bytes = vec![0u8; self.bytes()];
+                file.read_bytes_at(*byte, &mut bytes)?;
+                Ok(TensorData::from_bytes_vec(bytes, [self.len], self.dtype))
+            }
+        }
+    }
+
+    /// The stored shard as a tensor on `device`.
+    pub(crate) fn read_tensor<I: Backend>(&self, device: &I::Device) -> Result<Tensor<I, 1>, ZeroError> {
+        Ok(Tensor::from_data(self.read()?, (device, self.dtype)))
+    }
+
+    /// Whether `value` (a unit's parameter, as `Any`) is the placeholder of this store, so the
+    /// store holds the unit's values: true for the placeholder itself, and for a copy on
+    /// another backend or one whose values cannot be told apart, which can only have come from
+    /// the placeholder.
+    pub(crate) fn stands_for(&self, value: &dyn Any) -> bool {
+        match (self.key_of)(value) {
+            None | Some(None) => true,
+            Some(Some(key)) => *self.key.lock().unwrap_or_else(|e| e.into_inner()) == Some(key),
+        }
+    }
+}
+
+/// Where a cut puts the shards of the units it offloads: the rank's parameter file, made at
+/// the first unit that goes there, and the host memory left under `max_in_cpu`.
+pub(super) struct Stash {
+    place: ParamPlace,
+    rank: usize,
+    file: Option<(Arc<SwapFile>, u64)>,
+    host_left: usize,
+}
+
+impl Stash {
+    pub(super) fn new(place: ParamPlace, rank: usize) -> Self {
+        let host_left = match &place {
+            ParamPlace::Host => usize::MAX,
+            ParamPlace::Nvme { max_in_cpu, .. } => *max_in_cpu,
+        };
+        Stash {
+            place,
+            rank,
+            file: None,
+            host_left,
+        }
+    }
+
+    /// A store for a shard of `len` elements of `dtype` on backend `B`, holding `data`.
+    pub(super) fn store<B: ShardBackend>(
+        &mut self,
+        data: TensorData,
+        len: usize,
+        dtype: DType,
+    ) -> Result<Arc<ParamStore>, ZeroError> {
+        let place = match &self.place {
+            ParamPlace::Nvme { path, .. } if self.host_left < len => {
+                if self.file.is_none() {
+                    // One file per process and rank; several cuts in one process (tests, two
+                    // models) each get their own.
+                    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let name = format!("zero_params_rank{}_{}_{n}.swp", self.rank, std::process::id());
+                    let file = SwapFile::create(path, &name)
+                        .map_err(|e| ZeroError::Config(format!("zero_optimization.offload_param.nvme_path: {e}")))?;
+                    self.file = Some((Arc::new(file), 0));
+                }
+                let (file, next) = self.file.as_mut().unwrap_or_else(|| unreachable!("made above"));
+                let byte = *next;
+                *next += (len * dtype.size()) as u64;
+                Place::File {
+                    file: file.clone(),
+                    byte,
+                }
+            }
+            _ => {
+                self.host_left = self.host_left.saturating_sub(len);
+                Place::Host(Mutex::new(None))
+            }
+        };
+        let store = Arc::new(ParamStore {
+            place,
+            dtype,
+            len,
+            key: Mutex::new(None),
+            key_of: Box::new(|value: &dyn Any| value.downcast_ref::<Tensor<B, 1>>().map(B::value_key)),
+        });
+        store.write(data)?;
+        Ok(store)
+    }
+}
+
+/// A new placeholder of `store` on `device`: the parameter (id `id`) a unit whose shard is in
+/// `store` holds, with the mappers that put the stored values in a Burn record and a loaded
+/// record's values into the store.
+pub(super) fn placeholder<B: ShardBackend>(
+    id: ParamId,
+    store: &Arc<ParamStore>,
+    device: &burn::tensor::Device<B::Collective>,
+) -> Param<Tensor<B, 1>> {
+    let save = store.clone();
+    let load = store.clone();
+    let save_device = device.clone();
+    let load_device = device.clone();
+    Param::initialized(id, placeholder_tensor::<B>(store, device))
+        .save_mapper(move |t: Tensor<B, 1>| {
+            if !save.stands_for(&t) {
+                return t;
+            }
+            match save.read_tensor::<B::Collective>(&save_device) {
+                Ok(values) => B::from_collective(values),
+                // A record cannot carry an error: one written without the values would lose them.
+                Err(e) => panic!("saving a ZeroModule whose shard is offloaded: {e}"),
+            }
+        })
+        .load_mapper(move |t: Tensor<B, 1>| {
+            if load.stands_for(&t) {
+                return t;
+            }
+            match load.write(B::collective_value(t).into_data()) {
+                Ok(()) => placeholder_tensor::<B>(&load, &load_device),
+                Err(e) => panic!("loading a ZeroModule whose shard is offloaded: {e}"),
+            }
+        })
+}
+
+/// The placeholder tensor itself: one zero broadcast to the shard's length, a leaf whose key
+/// the store records.
+fn placeholder_tensor<B: ShardBackend>(
+    store: &ParamStore,
+    device: &burn::tensor::Device<B::Collective>,
+) -> Tensor<B, 1> {
+    let one = Tensor::<B::Collective, 1>::zeros([1], (device, store.dtype));
+    let tensor = B::from_collective(one.expand([store.len]));
+    *store.key.lock().unwrap_or_else(|e| e.into_inner()) = B::value_key(&tensor);
+    tensor
+}
+
+/// The values of the unit parameter `id` when they are in a store (its value `value` is the
+/// store's placeholder): what a reader of the model's values reads instead of the placeholder.
+pub(crate) fn stored_values(id: ParamId, value: &dyn Any, numel: usize) -> Option<Result<TensorData, ZeroError>> {
+    let store = store_of(id)?;
+    (store.len == numel && store.stands_for(value)).then(|| store.read())
+}
+
+/// The store of the unit whose flat parameter is `id`, if its shard is offloaded.
+pub(crate) fn store_of(id: ParamId) -> Option<Arc<ParamStore>> {
+    super::module::unit(id)?.sharding.get()?.store.get().cloned()
+}

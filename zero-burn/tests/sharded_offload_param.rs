@@ -1,0 +1,284 @@
+//! `offload_param` on the `ZeroModule` path: each cut unit's shard kept in a file on NVMe (or in
+//! host memory, under `max_in_cpu`) instead of on the model's device, read for every gather.
+//!
+//! Reference: the same run with the shards on the device (the stored bytes are the shard's, so
+//! the runs agree bit for bit), at worlds 1 and 2, fp32 and bf16, with the optimizer's state on
+//! the device and offloaded; for the resume, the same run without the stop. The model is
+//! sharded_support's three linear units (a skip connection), cut by `initialize_settings`.
+
+mod common;
+mod sharded_support;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsParams;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use sharded_support::*;
+use std::path::{Path, PathBuf};
+use zero_burn::params::read_values;
+use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage, ZeroOptimizer};
+use zero_core::optim::{AdamSpec, OptimizerSpec};
+
+type AB = Autodiff<Flex>;
+const STEPS: usize = 4;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zero-param-offload-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Every shard in the file (`max_in_cpu` 0), or every shard in host memory (room for all).
+fn nvme(dir: &Path, in_cpu: bool) -> ParamOffload {
+    ParamOffload::Nvme {
+        path: dir.to_path_buf(),
+        max_in_cpu: if in_cpu { usize::MAX } else { 0 },
+    }
+}
+
+fn settings(precision: PrecisionSettings, optimizer: OptimizerOffload, params: ParamOffload) -> EngineSettings {
+    let mut s = EngineSettings::new(
+        Stage::Zero3,
+        OptimizerSpec::Adam(AdamSpec {
+            lr: 0.01,
+            eps: 1e-4,
+            weight_decay: 0.01,
+            ..AdamSpec::adamw()
+        }),
+    );
+    s.lr_schedule = Some(std::sync::Arc::new(|step| 0.01 / (1.0 + step as f64)));
+    s.precision = precision;
+    s.offload_optimizer = optimizer;
+    s.offload_param = params;
+    // Every unit is cut (the default threshold would keep these small ones whole).
+    s.param_persistence_threshold = 0;
+    s
+}
+
+/// Each unit gathered whole, as bits: from the model's `valid()` copy, whose gathers leave no
+/// autodiff graph holding the units behind.
+fn gathered(model: &Net<AB>) -> Vec<Vec<u32>> {
+    model
+        .valid()
+        .units
+        .iter()
+        .map(|u| {
+            let mut v = Vec::new();
+            read_values::<Flex, _>(&u.gathered().expect("gather"), |_, p| {
+                v.extend(p.iter().map(|x| x.to_bits()))
+            });
+            v
+        })
+        .collect()
+}
+
+/// One step of rank `rank` of `world` on batch `step`; returns the loss's bits.
+fn step(
+    model: Net<AB>,
+    optim: &mut ZeroOptimizer,
+    rate: f64,
+    rank: usize,
+    world: usize,
+    step: usize,
+) -> (Net<AB>, u32) {
+    let device = Default::default();
+    let dtype = model.units[0].shard().val().dtype();
+    let per = ROWS / world;
+    let mine = rank * per..(rank + 1) * per;
+    let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);
+    let loss = model.loss(x, rows::<AB>(mine, 3, 5 + step, &device).cast(dtype));
+    let bits = loss.clone().into_scalar().elem::<f32>().to_bits();
+    let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+    (optim.try_step(rate, model, grads).expect("step"), bits)
+}
+
+use burn::tensor::ElementConversion;
+
+/// What a rank saw: its losses, its units after the run, and the memory report's parameter
+/// bytes (device, host, nvme) after the first step.
+type Run = (Vec<u32>, Vec<Vec<u32>>, [usize; 3]);
+
+/// `world` rank threads training `steps` through `initialize_settings`, loading the checkpoint
+/// `load` first and saving into `save` after the last step.
+fn run(
+    settings: EngineSettings,
+    world: usize,
+    steps: std::ops::Range<usize>,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<Run> {
+    on_ranks(world, |rank, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
+                .expect("initialize");
+        if let Some(dir) = load {
+            model = optim.load_checkpoint(dir, None, model).expect("load").0;
+        }
+        let mut lr = optim.lr_scheduler();
+        let mut losses = Vec::new();
+        let mut placed = [0; 3];
+        for s in steps.clone() {
+            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
+            let (next, bits) = step(model, &mut optim, rate, rank, world, s);
+            model = next;
+            losses.push(bits);
+            let p = optim.memory().locations.parameters;
+            placed = [p.device, p.host, p.nvme];
+        }
+        if let Some(dir) = save {
+            optim
+                .save_checkpoint(dir, None, &serde_json::Value::Null)
+                .expect("save");
+        }
+        (losses, gathered(&model), placed)
+    })
+}
+
+/// Bytes of this rank's shards of the three units at `world` ranks, in `bytes`-byte elements.
+fn shard_bytes(world: usize, bytes: usize) -> usize {
+    SIZES
+        .iter()
+        .map(|&(i, o)| zero_burn::sharded::shard_len(i * o + o, world) * bytes)
+        .sum()
+}
+
+#[test]
+fn offloaded_shards_train_bit_for_bit_as_shards_on_the_device() {
+    for world in [1usize, 2] {
+        for (dtype, precision, bytes) in [
+            ("fp32", PrecisionSettings::fp32(), 4),
+            ("bf16", PrecisionSettings::bf16(), 2),
+        ] {
+            for optimizer in [OptimizerOffload::None, OptimizerOffload::Cpu { threads: 1 }] {
+                let label = format!("world {world} {dtype} optimizer {optimizer:?}");
+                let want = run(
+                    settings(precision.clone(), optimizer.clone(), ParamOffload::None),
+                    world,
+                    0..STEPS,
+                    None,
+                    None,
+                );
+                for in_cpu in [false, true] {
+                    let dir = scratch(&format!("{world}-{dtype}-{in_cpu}"));
+                    let got = run(
+                        settings(precision.clone(), optimizer.clone(), nvme(&dir, in_cpu)),
+                        world,
+                        0..STEPS,
+                        None,
+                        None,
+                    );
+                    for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{label}, in cpu {in_cpu}: rank {rank}");
+                        // Every parameter is a unit's: none is left on the device. A host
+                        // optimizer state under bf16 keeps its own 16-bit copy of the shard,
+                        // in host memory, either way.
+                        let shards = shard_bytes(world, bytes);
+                        let copy = if bytes == 2 && optimizer != OptimizerOffload::None {
+                            shards
+                        } else {
+                            0
+                        };
+                        let placed = if in_cpu {
+                            [0, shards + copy, 0]
+                        } else {
+                            [0, copy, shards]
+                        };
+                        assert_eq!(g.2, placed, "{label}, in cpu {in_cpu}: rank {rank}'s parameter bytes");
+                        assert_eq!(w.2, [shards, copy, 0], "{label}: rank {rank}'s parameter bytes");
+                    }
+                    // The parameter files go with the model.
+                    let left: Vec<_> = std::fs::read_dir(&dir)
+                        .map(|d| d.flatten().map(|e| e.path()).collect())
+                        .unwrap_or_default();
+                    assert!(left.is_empty(), "{label}: files left behind: {left:?}");
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_shards_are_in_the_file_while_the_model_holds_placeholders() {
+    let dir = scratch("file");
+    on_ranks(2, |_, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let s = settings(PrecisionSettings::bf16(), OptimizerOffload::None, nvme(&dir, false));
+        let (model, _) = zero_burn::initialize_settings(s, Net::<AB>::whole(&device), group, comm).expect("initialize");
+        // The parameter's own data is a broadcast zero: the values are only in the file.
+        for unit in &model.units {
+            let held: Vec<f32> = unit.shard().val().into_data().convert::<f32>().into_vec().unwrap();
+            assert!(held.iter().all(|&v| v == 0.0), "a placeholder holds no values");
+        }
+        model
+    });
+    // (Each rank's file was removed with its model.)
+    let left = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(left, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_run_resumed_from_a_checkpoint_with_offloaded_shards_is_bit_for_bit_the_run_without_the_stop() {
+    let (swap, ckpt) = (scratch("resume-swap"), scratch("resume-ckpt"));
+    for optimizer in [OptimizerOffload::None, OptimizerOffload::Cpu { threads: 1 }] {
+        let s = settings(PrecisionSettings::bf16(), optimizer.clone(), nvme(&swap, false));
+        let whole = run(s.clone(), 2, 0..STEPS, None, None);
+        let first = run(s.clone(), 2, 0..2, None, Some(&ckpt));
+        let second = run(s, 2, 2..STEPS, Some(&ckpt), None);
+        for (rank, ((a, b), w)) in first.iter().zip(&second).zip(&whole).enumerate() {
+            let losses: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
+            assert_eq!(losses, w.0, "{optimizer:?}: rank {rank}'s losses");
+            assert_eq!(b.1, w.1, "{optimizer:?}: rank {rank}'s weights");
+        }
+        let _ = std::fs::remove_dir_all(&ckpt);
+    }
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+#[test]
+fn a_burn_record_carries_the_offloaded_values_and_loads_back_into_the_store() {
+    let dir = scratch("record");
+    on_ranks(2, |rank, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let offloaded = settings(PrecisionSettings::fp32(), OptimizerOffload::None, nvme(&dir, false));
+        let (mut model, mut optim) = zero_burn::initialize_settings(
+            offloaded.clone(),
+            Net::<AB>::whole(&device),
+            group.clone(),
+            comm.clone(),
+        )
+        .expect("initialize");
+        for s in 0..2 {
+            model = step(model, &mut optim, 0.01, rank, 2, s).0;
+        }
+        let trained = gathered(&model);
+        let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
+            .record(model.clone().into_record(), ())
+            .expect("record");
+        // Into a fresh model whose shards are offloaded, and into one whose shards are not:
+        // both hold the trained values (a fresh model holds the initial ones).
+        let on_device = settings(PrecisionSettings::fp32(), OptimizerOffload::None, ParamOffload::None);
+        for (label, s) in [("offloaded", offloaded.clone()), ("on the device", on_device)] {
+            let (fresh, _) = zero_burn::initialize_settings(s, Net::<AB>::whole(&device), group.clone(), comm.clone())
+                .expect("initialize");
+            assert_ne!(gathered(&fresh), trained, "{label}: the fresh model starts elsewhere");
+            let record = BinBytesRecorder::<FullPrecisionSettings>::default()
+                .load(bytes.clone(), &device)
+                .expect("load");
+            let loaded = fresh.load_record(record);
+            assert_eq!(gathered(&loaded), trained, "{label}: rank {rank}");
+            if label == "offloaded" {
+                for unit in &loaded.units {
+                    let held: Vec<f32> = unit.shard().val().into_data().convert::<f32>().into_vec().unwrap();
+                    assert!(held.iter().all(|&v| v == 0.0), "the loaded values went into the store");
+                }
+            }
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
