@@ -1,6 +1,6 @@
 //! Saving and restoring the host state ([`EngineCore`]): `save_checkpoint` / `load_checkpoint`
-//! on [`ChainEngine`] and on a [`crate::ZeroOptimizer`] whose state is in host memory, and the
-//! consolidated 16-bit save of a running engine.
+//! of a [`crate::ZeroOptimizer`] whose state is in host memory, and the consolidated 16-bit save
+//! of a running optimizer.
 //!
 //! The format, the crash-safe order of writes, the checksums and the re-cutting for another
 //! world size or stage are `zero_core::checkpoint`'s; this file hands it the engine's flat state
@@ -17,17 +17,14 @@
 //! are empty at a boundary, so a resumed run computes what the uninterrupted run would have.
 //!
 //! ```ignore
-//! engine.save_checkpoint("ckpt", None, &serde_json::json!({ "batch": 1200 }))?;
+//! optim.save_checkpoint("ckpt", None, &serde_json::json!({ "batch": 1200 }))?;
 //! // ... later, at any world size and stage:
-//! let client_state = engine.load_checkpoint("ckpt", None)?; // tag None: the `latest` one
+//! let (model, client_state) = optim.load_checkpoint("ckpt", None, model)?; // tag None: `latest`
 //! ```
 
-use crate::chain::ChainModel;
-use crate::chain_engine::ChainEngine;
 use crate::core::EngineCore;
 use crate::error::ZeroError;
 use crate::optimizer_bridge::OptimizerFactory;
-use burn::tensor::backend::AutodiffBackend;
 use std::path::{Path, PathBuf};
 use zero_core::checkpoint::{
     self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, LoadedGroup, SaveRequest,
@@ -276,60 +273,5 @@ impl EngineCore {
             None => Ok(()),
         };
         Ok(agree(self.comm.as_ref(), "save", outcome)?)
-    }
-}
-
-fn keep_names(name: &str) -> Option<String> {
-    Some(name.to_string())
-}
-
-impl<B: AutodiffBackend, M: ChainModel<B>> ChainEngine<B, M> {
-    /// Saves the engine under `dir/tag` (tag None: `global_step{N}`) and points `dir/latest` at
-    /// it; every rank calls this, at an accumulation boundary. `client_state` (the data
-    /// position, anything) comes back from [`Self::load_checkpoint`]. Returns the tag directory.
-    /// Under stage 3 the shards are the only copy of the weights, and nothing else is written.
-    /// A step's update still running in the background
-    /// ([`crate::EngineSettings::overlap_optimizer_step`]) is waited for first.
-    pub fn save_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        tag: Option<&str>,
-        client_state: &serde_json::Value,
-    ) -> Result<PathBuf, ZeroError> {
-        self.settle_state()?;
-        self.core_ref().save_checkpoint(dir.as_ref(), tag, client_state)
-    }
-
-    /// Restores the engine from `dir/tag` (tag None: the one `dir/latest` names), saved at any
-    /// world size and stage (by an engine or a [`crate::ZeroOptimizer`]); returns the client
-    /// state. Every file is verified before anything changes; on error the engine is as it was.
-    pub fn load_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        tag: Option<&str>,
-    ) -> Result<serde_json::Value, ZeroError> {
-        self.settle_state()?;
-        let client = self.core_mut().load_checkpoint(dir.as_ref(), tag)?;
-        self.refresh_replica()?;
-        Ok(client)
-    }
-
-    /// Gathers the parts one group at a time and writes the whole weights in 16 bits from rank
-    /// 0: DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, never holding the model.
-    pub fn save_16bit_model(&mut self, path: impl AsRef<Path>, dtype: HalfDtype) -> Result<(), ZeroError> {
-        self.settle_state()?;
-        self.core_ref().save_weights(path.as_ref(), Some(dtype), &keep_names)
-    }
-
-    /// Writes the whole model's weights from rank 0 (every rank calls this): `dtype` None is
-    /// f32; `names` renames or drops parameters (e.g. `NameMap::apply`).
-    pub fn save_weights(
-        &mut self,
-        path: impl AsRef<Path>,
-        dtype: Option<HalfDtype>,
-        names: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<(), ZeroError> {
-        self.settle_state()?;
-        self.core_ref().save_weights(path.as_ref(), dtype, names)
     }
 }

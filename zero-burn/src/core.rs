@@ -2,13 +2,12 @@
 //! machinery that turns per-parameter gradients into reduced group gradients and updated
 //! weights back into per-parameter values.
 
-use crate::deferred::{DeferredUpdates, LentGroup, PartUpdate, StepUpdate};
 use crate::error::ZeroError;
 use crate::flat_state::{FlatState, GradFlow, StateDtypes};
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::OptimizerFactory;
-use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, ParamOffload, Stage};
+use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy, Stage};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::HashMap;
@@ -187,21 +186,9 @@ pub(crate) struct EngineCore {
     pub overflow_group: Option<Arc<dyn ProcessGroup>>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
-    /// The optimizer update run in the background, part by part (see [`crate::deferred`]);
-    /// `None`: every update runs inside [`EngineCore::update`].
-    deferred: Option<DeferredUpdates>,
 }
 
 impl EngineCore {
-    /// Stage 3 in fp32: the masters in memory are the parameters themselves (no separate shard
-    /// is kept), so count them once, as parameters. Under bf16/fp16 the parameters are the
-    /// 16-bit shards the state counts; with NVMe offload the masters are in the swap file.
-    pub(crate) fn count_masters_as_parameters(&self) {
-        let owned = self.state.master_bytes_without_shard();
-        self.memory.sub_master(owned);
-        self.memory.add_parameters(owned);
-    }
-
     pub fn new(
         layout: PartitionLayout,
         comm: Arc<dyn ProcessGroup>,
@@ -216,11 +203,8 @@ impl EngineCore {
         let precision = &settings.precision;
         let dtypes = StateDtypes {
             accumulate: precision.dtype,
-            // Stage 3 keeps the parameter shard apart from the masters when it is 16-bit, or
-            // when it is offloaded (the masters stay with the optimizer).
-            half_shard: (settings.stage == Stage::Zero3
-                && (precision.dtype.is_half() || settings.offload_param != ParamOffload::None))
-                .then_some(precision.dtype),
+            // Stage 3 keeps the parameter shard apart from the masters when it is 16-bit.
+            half_shard: (settings.stage == Stage::Zero3 && precision.dtype.is_half()).then_some(precision.dtype),
             communicate: precision.comm_dtype(),
         };
         let scaler = match &precision.loss_scaler {
@@ -238,7 +222,6 @@ impl EngineCore {
             &memory,
             dtypes,
             &settings.offload_optimizer,
-            &settings.offload_param,
         )?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
@@ -257,7 +240,6 @@ impl EngineCore {
             overflow_group: None,
             assembler,
             in_flight: Vec::new(),
-            deferred: None,
         })
     }
 
@@ -368,80 +350,9 @@ impl EngineCore {
         Ok(())
     }
 
-    /// Whether enough micro-batches were absorbed for the optimizer step.
-    pub fn at_boundary(&self) -> bool {
-        self.micro_steps >= self.settings.gradient_accumulation_steps
-    }
-
-    /// From now on, the update of each step runs in the background, the groups of `parts` (a
-    /// name for errors, the groups) one part after the other, when the settings ask for it and
-    /// the update is local CPU work ([`FlatState::can_defer`]). Returns whether it does. `parts`
-    /// must name every group once.
-    pub fn defer_updates(&mut self, parts: Vec<(String, Vec<usize>)>) -> bool {
-        let mut seen = vec![0usize; self.state.groups.len()];
-        for &g in parts.iter().flat_map(|(_, groups)| groups) {
-            if let Some(n) = seen.get_mut(g) {
-                *n += 1;
-            }
-        }
-        let covered = seen.iter().all(|&n| n == 1);
-        if self.settings.overlap_optimizer_step && self.state.can_defer() && covered {
-            self.deferred = Some(DeferredUpdates::new(parts));
-        }
-        self.deferred.is_some()
-    }
-
-    /// Whether updates run in the background ([`EngineCore::defer_updates`]).
-    pub fn defers_updates(&self) -> bool {
-        self.deferred.is_some()
-    }
-
-    /// Whether an update handed to the background is not collected yet.
-    pub fn updates_pending(&self) -> bool {
-        self.deferred.as_ref().is_some_and(DeferredUpdates::any_pending)
-    }
-
-    /// Whether `part`'s update is not collected yet (collecting first those already done).
-    pub fn part_pending(&mut self, part: usize) -> bool {
-        match &mut self.deferred {
-            Some(d) => {
-                d.poll(&mut self.state);
-                d.is_pending(part)
-            }
-            None => false,
-        }
-    }
-
-    /// Waits for `part`'s background update (and those before it) and puts its state back; an
-    /// error of the background update surfaces here, naming its part.
-    pub fn wait_for_part(&mut self, part: usize) -> Result<(), ZeroError> {
-        match &mut self.deferred {
-            Some(d) => d.wait_for(part, &mut self.state),
-            None => Ok(()),
-        }
-    }
-
-    /// Waits for every background update and puts the state back.
-    pub fn wait_for_updates(&mut self) -> Result<(), ZeroError> {
-        match &mut self.deferred {
-            Some(d) => d.wait_all(&mut self.state),
-            None => Ok(()),
-        }
-    }
-
-    /// Waits until the background thread is idle, collecting nothing (for `&self` readers of
-    /// what it updates as it goes: the memory counters).
-    pub fn wait_idle(&self) {
-        if let Some(d) = &self.deferred {
-            d.wait_idle();
-        }
-    }
-
     /// The optimizer step on the owned masters (at a boundary): unless a gradient overflowed,
     /// in which case the step is skipped (fp16, or the skip policy) or fails, on every rank.
-    /// With deferred updates ([`EngineCore::defer_updates`]) the update itself is only started.
     pub fn update(&mut self) -> Result<StepReport, ZeroError> {
-        self.wait_for_updates()?;
         self.state.reduce_at_boundary(self.comm.as_ref())?;
         let step = self.global_step + 1;
         // The schedule advances only with applied steps (DeepSpeed does not step its LR
@@ -457,10 +368,7 @@ impl EngineCore {
         };
         self.memory.add_grads(copy_bytes);
         let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
-        if !self.updates_pending() {
-            // A background update frees the copy group by group instead.
-            self.memory.sub_grads(copy_bytes);
-        }
+        self.memory.sub_grads(copy_bytes);
         self.micro_steps = 0;
         self.global_step += 1;
         self.loss_non_finite = false;
@@ -535,60 +443,10 @@ impl EngineCore {
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
-        if self.deferred.is_some() {
-            self.start_update(grads, step, coef, lr)?;
-        } else {
-            self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
-        }
+        self.state.apply(grads, coef, lr, self.comm.as_ref())?;
         Ok(Some(grad_norm))
     }
 
-    /// Hands every group, with its gradient, to the background update, part by part; the
-    /// accumulators come back zeroed with the groups.
-    fn start_update(&mut self, grads: Vec<Vec<f32>>, step: u64, coef: f32, lr: f64) -> Result<(), ZeroError> {
-        let Some(deferred) = &mut self.deferred else {
-            return Ok(());
-        };
-        deferred.ready()?;
-        let factory = OptimizerFactory {
-            spec: self.settings.optimizer.clone(),
-        };
-        // Every stand-in first, so that nothing is lent when one cannot be built.
-        let mut stand_ins = Vec::with_capacity(grads.len());
-        for gi in 0..grads.len() {
-            stand_ins.push(Some(FlatState::stand_in_optimizer(gi, &factory)?));
-        }
-        let mut grads: Vec<Option<Vec<f32>>> = grads.into_iter().map(Some).collect();
-        let mut parts = Vec::new();
-        for (part, groups) in deferred.part_groups().iter().enumerate() {
-            let mut lent = Vec::with_capacity(groups.len());
-            for &gi in groups {
-                let (Some(stand_in), Some(grad)) = (stand_ins[gi].take(), grads[gi].take()) else {
-                    continue;
-                };
-                lent.push(LentGroup {
-                    index: gi,
-                    accumulator_len: self.state.accumulator_len(gi),
-                    state: self.state.lend(gi, stand_in),
-                    grad,
-                });
-            }
-            parts.push(PartUpdate { part, groups: lent });
-        }
-        deferred.launch(StepUpdate {
-            parts,
-            step,
-            coef,
-            lr,
-            pool: self.state.pool(),
-            comm: self.comm.clone(),
-            memory: self.memory.clone(),
-            counted_copy: self.state.dtypes.accumulate.is_half(),
-            accumulate: self.state.dtypes.accumulate,
-        })
-    }
-
-    /// The loss scale of the next backward (1 without fp16 loss scaling).
     /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
     /// `start`, and into their 16-bit copy: values set in the module between steps
     /// (`ZeroModule::modify`), which the next update starts from.
@@ -612,6 +470,7 @@ impl EngineCore {
         Ok(())
     }
 
+    /// The loss scale of the next backward (1 without fp16 loss scaling).
     pub fn current_loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
@@ -663,7 +522,7 @@ impl EngineCore {
     /// kept, from memory or read in from its file, else the masters, rounded when the compute
     /// dtype is 16-bit). The buffer is the caller's, dropped after the gather.
     pub fn shard_buffer(&self, group: usize) -> Result<FlatBuffer, ZeroError> {
-        Ok(match self.state.param_shard(group)? {
+        Ok(match self.state.param_shard(group) {
             Some(h) => h,
             None => FlatBuffer::from_f32(&self.state.groups[group].master, self.settings.precision.dtype.flat()),
         })

@@ -11,8 +11,7 @@ use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
-use crate::settings::{ComputeDtype, OptimizerOffload, ParamOffload};
-use std::sync::Arc;
+use crate::settings::{ComputeDtype, OptimizerOffload};
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
 use zero_core::optim::{CpuPool, HalfCopy};
@@ -57,21 +56,12 @@ struct NvmeState {
     buffers: Vec<Vec<f32>>,
 }
 
-/// Stage-3 parameter shards kept in a file (`offload_param` on NVMe): where each group's shard
-/// is, or `None` for the groups kept in memory.
-struct ParamFile {
-    file: SwapFile,
-    slots: Vec<Option<u64>>,
-}
-
 /// The optimizer step's placement: its own thread pool (CPU and NVMe offload) and the swap file
-/// (NVMe); and the parameter shards' file.
+/// (NVMe).
 #[derive(Default)]
 struct OffloadState {
-    /// Shared with the background update of [`crate::deferred`], which steps on the same pool.
-    pool: Option<Arc<CpuPool>>,
+    pool: Option<CpuPool>,
     nvme: Option<NvmeState>,
-    params: Option<ParamFile>,
 }
 
 /// The dtypes of the flat state besides the fp32 masters.
@@ -107,7 +97,6 @@ impl FlatState {
         memory: &MemoryTracker,
         dtypes: StateDtypes,
         offload: &OptimizerOffload,
-        param_offload: &ParamOffload,
     ) -> Result<Self, ZeroError> {
         let mut groups = Vec::with_capacity(layout.groups.len());
         let (pool_threads, swap) = match offload {
@@ -126,18 +115,6 @@ impl FlatState {
                 )
             }
         };
-        let (mut param_file, mut in_cpu_budget) = match param_offload {
-            ParamOffload::None => (None, 0),
-            ParamOffload::Cpu => (None, usize::MAX),
-            ParamOffload::Nvme { path, max_in_cpu } => {
-                let file = SwapFile::create(path, &format!("zero_params_rank{rank}.swap"))?;
-                let slots = Vec::with_capacity(layout.groups.len());
-                (Some((ParamFile { file, slots }, 0u64)), *max_in_cpu)
-            }
-        };
-        if *param_offload != ParamOffload::None {
-            memory.set_params_on_host();
-        }
         let mut regions = Vec::new();
         let mut file_elements = 0u64;
         let mut widest_chunk = 0usize;
@@ -200,35 +177,14 @@ impl FlatState {
                     (Vec::new(), optimizer, half)
                 }
             };
-            let mut half = half;
-            if let Some(h) = &mut half {
-                // The 16-bit shard is the rank's copy of the parameters (stage 3, or any stage
-                // with the masters on NVMe). With parameters on NVMe, the groups that no longer
-                // fit in `max_in_cpu` go to the file and leave an empty buffer of their dtype.
-                let bytes = h.byte_len();
-                match &mut param_file {
-                    Some((file, end)) if h.len() > in_cpu_budget => {
-                        file.file.write_flat_at(*end, h)?;
-                        file.slots.push(Some(*end));
-                        *end += bytes as u64;
-                        memory.add_nvme_parameters(bytes);
-                        *h = FlatBuffer::from_f32(&[], h.dtype());
-                    }
-                    _ => {
-                        if let Some((file, _)) = &mut param_file {
-                            file.slots.push(None);
-                        }
-                        in_cpu_budget = in_cpu_budget.saturating_sub(h.len());
-                        // Beside an offloaded optimizer's masters, in host memory.
-                        if *offload == OptimizerOffload::None {
-                            memory.add_parameters(bytes);
-                        } else {
-                            memory.add_host_parameters(bytes);
-                        }
-                    }
+            if let Some(h) = &half {
+                // The copy of the owned values in the compute dtype (the masters on NVMe): in
+                // host memory beside an offloaded optimizer's state.
+                if *offload == OptimizerOffload::None {
+                    memory.add_parameters(h.byte_len());
+                } else {
+                    memory.add_host_parameters(h.byte_len());
                 }
-            } else if let Some((file, _)) = &mut param_file {
-                file.slots.push(None);
             }
             let grad = half_buffer::zeros(dtypes.accumulate, grad_len);
             groups.push(GroupState {
@@ -246,9 +202,7 @@ impl FlatState {
                 } else {
                     t
                 };
-                CpuPool::new(threads)
-                    .map(Arc::new)
-                    .map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
+                CpuPool::new(threads).map_err(|e| ZeroError::Optimizer(format!("offload_optimizer: {e}")))
             })
             .transpose()?;
         let nvme = swap.map(|(file, buffer_count, _)| {
@@ -271,11 +225,7 @@ impl FlatState {
             layout,
             groups,
             dtypes,
-            offload: OffloadState {
-                pool,
-                nvme,
-                params: param_file.map(|(f, _)| f),
-            },
+            offload: OffloadState { pool, nvme },
         })
     }
 
@@ -284,42 +234,10 @@ impl FlatState {
         self.offload.nvme.is_some()
     }
 
-    /// The rank's parameter shard of `group` in the compute dtype, when one is kept apart from
-    /// the masters: from memory, or read in from the parameter file (the caller drops it after
-    /// the gather). `None`: the masters are the parameters.
-    pub fn param_shard(&self, group: usize) -> Result<Option<FlatBuffer>, ZeroError> {
-        let g = &self.groups[group];
-        let Some(half) = &g.half else {
-            return Ok(None);
-        };
-        match self.param_slot(group) {
-            None => Ok(Some(half.clone())),
-            Some((file, byte)) => Ok(Some(file.read_flat_at(
-                byte,
-                half.dtype(),
-                self.layout.owned_len(group),
-            )?)),
-        }
-    }
-
-    /// Where group `group`'s parameter shard is in the parameter file, if it is there.
-    fn param_slot(&self, group: usize) -> Option<(&SwapFile, u64)> {
-        let params = self.offload.params.as_ref()?;
-        params
-            .slots
-            .get(group)
-            .copied()
-            .flatten()
-            .map(|byte| (&params.file, byte))
-    }
-
-    /// Bytes of fp32 masters that are also the model's parameters (no separate shard kept).
-    pub fn master_bytes_without_shard(&self) -> usize {
-        self.groups
-            .iter()
-            .filter(|g| g.half.is_none())
-            .map(|g| g.master.len() * 4)
-            .sum()
+    /// The rank's values of `group` in the compute dtype, when a copy is kept apart from the
+    /// masters (they are on NVMe). `None`: the masters are in memory.
+    pub fn param_shard(&self, group: usize) -> Option<FlatBuffer> {
+        self.groups[group].half.clone()
     }
 
     /// Swapped state: group `group`'s masters, then each optimizer buffer (in the order of its
@@ -353,14 +271,9 @@ impl FlatState {
         optimizer: GroupOptimizer,
         swapped_state: Option<Vec<Vec<f32>>>,
     ) -> Result<(), ZeroError> {
-        let slot = self.param_slot(group).map(|(_, byte)| byte);
         let g = &mut self.groups[group];
         if let Some(half) = &mut g.half {
-            let fresh = FlatBuffer::from_f32(&master, half.dtype());
-            match (slot, &self.offload.params) {
-                (Some(byte), Some(params)) => params.file.write_flat_at(byte, &fresh)?,
-                _ => *half = fresh,
-            }
+            *half = FlatBuffer::from_f32(&master, half.dtype());
         }
         g.optimizer = optimizer;
         match swapped_state {
@@ -456,7 +369,6 @@ impl FlatState {
         coef: f32,
         lr: f64,
         group_comm: &dyn ProcessGroup,
-        memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
         for grad in &mut grads {
             if coef != 1.0 {
@@ -464,26 +376,13 @@ impl FlatState {
             }
         }
         let groups = &mut self.groups;
-        let owned: Vec<usize> = (0..groups.len()).map(|gi| self.layout.owned_len(gi)).collect();
-        let OffloadState { pool, nvme, params } = &mut self.offload;
+        let OffloadState { pool, nvme } = &mut self.offload;
         let mut run = || -> Result<(), ZeroError> {
             for gi in 0..groups.len() {
-                // A shard kept in the parameter file is in memory only for its group's step:
-                // the step writes every element of it, so it is not read in first.
-                let slot = params.as_ref().and_then(|p| p.slots[gi].map(|byte| (&p.file, byte)));
-                if let (Some(_), Some(half)) = (slot, &mut groups[gi].half) {
-                    *half = FlatBuffer::zeros(half.dtype(), owned[gi]);
-                    memory.add_parameters(half.byte_len());
-                }
                 let one = std::slice::from_mut(&mut groups[gi]);
                 match nvme {
                     None => step_in_memory(one, &grads[gi..=gi], lr, group_comm)?,
                     Some(nvme) => step_swapped(one, nvme, gi, &grads[gi..=gi], lr)?,
-                }
-                if let (Some((file, byte)), Some(half)) = (slot, &mut groups[gi].half) {
-                    let shard = std::mem::replace(half, FlatBuffer::from_f32(&[], half.dtype()));
-                    memory.sub_parameters(shard.byte_len());
-                    file.write_flat_at(byte, &shard)?;
                 }
             }
             Ok(())
@@ -494,54 +393,6 @@ impl FlatState {
         }
         self.reset_accumulators();
         Ok(())
-    }
-
-    /// Whether the update can run away from the calling thread, group by group
-    /// ([`crate::deferred`]): the optimizer is offloaded to the CPU (its own pool), nothing is
-    /// streamed from files (NVMe masters, parameter shards in a file), and no group's optimizer
-    /// needs a collective inside its step (LAMB's cross-rank trust ratio).
-    pub fn can_defer(&self) -> bool {
-        let offload = &self.offload;
-        offload.pool.is_some()
-            && offload.nvme.is_none()
-            && offload.params.is_none()
-            && self.groups.iter().all(|g| !g.optimizer.inner.needs_cross_rank_norms())
-    }
-
-    /// The optimizer's thread pool (CPU offload), shared.
-    pub fn pool(&self) -> Option<Arc<CpuPool>> {
-        self.offload.pool.clone()
-    }
-
-    /// An optimizer of no elements for group `group`, to stand in for the real one while it is
-    /// lent ([`FlatState::lend`]); fails for an optimizer that [`FlatState::can_defer`] refuses.
-    pub fn stand_in_optimizer(group: usize, factory: &OptimizerFactory) -> Result<GroupOptimizer, ZeroError> {
-        factory.build_chunked(group)
-    }
-
-    /// Takes group `group`'s masters, optimizer and parameter shard out for an update elsewhere,
-    /// after the step took its gradient ([`FlatState::take_owned_grads`]). What is left in their
-    /// place holds no values (empty masters, `stand_in`, no accumulator): every reader waits for
-    /// [`FlatState::give_back`] first.
-    pub fn lend(&mut self, group: usize, stand_in: GroupOptimizer) -> GroupState {
-        let g = &mut self.groups[group];
-        let stand_in = GroupState {
-            master: Vec::new(),
-            grad: FlatBuffer::F32(Vec::new()),
-            flow: g.flow,
-            optimizer: stand_in,
-            half: None,
-        };
-        std::mem::replace(g, stand_in)
-    }
-
-    /// Puts a group lent by [`FlatState::lend`] back. Its accumulator is the zeroed one the
-    /// update made after freeing the gradient ([`FlatState::accumulator_len`]), or is made here.
-    pub fn give_back(&mut self, group: usize, state: GroupState) {
-        self.groups[group] = state;
-        if self.groups[group].grad.len() != self.accumulator_len(group) {
-            self.reset_accumulator(group);
-        }
     }
 
     /// Elements of group `group`'s gradient accumulator (in `dtypes.accumulate`): the whole
@@ -596,28 +447,6 @@ fn step_group_in_memory(g: &mut GroupState, grad: &[f32], lr: f64, comm: &dyn Pr
         h.copy_from_slice(&g.master);
     }
     Ok(())
-}
-
-/// The update of one group lent out of the state ([`FlatState::lend`]), as [`FlatState::apply`]
-/// does it for that group: the gradient times `coef` (unscaling and clipping), then the
-/// optimizer on `pool` when there is one. The same operations in the same order, on another
-/// thread: the result is the synchronous one in every bit.
-pub(crate) fn step_lent_group(
-    g: &mut GroupState,
-    grad: &mut [f32],
-    coef: f32,
-    lr: f64,
-    comm: &dyn ProcessGroup,
-    pool: Option<&CpuPool>,
-) -> Result<(), ZeroError> {
-    if coef != 1.0 {
-        grad.iter_mut().for_each(|v| *v *= coef);
-    }
-    let grad = &*grad;
-    match pool {
-        Some(pool) => pool.install(|| step_group_in_memory(g, grad, lr, comm)),
-        None => step_group_in_memory(g, grad, lr, comm),
-    }
 }
 
 /// One optimizer step of every group (`groups` starting at group `first`) with masters and state

@@ -1,12 +1,9 @@
-//! From a DeepSpeed config to ZeRO: `initialize` (a Burn model and its `ZeroOptimizer`) and
-//! `initialize_chain` (an engine for a chain model).
+//! From a DeepSpeed config to ZeRO: `initialize` (a Burn model and its `ZeroOptimizer`).
 //!
 //! The config is parsed and validated once, at the edge (`zero_core::config`); here it is
 //! resolved for the process group's world size and turned into [`EngineSettings`], plain values
 //! the hot path reads.
 
-use crate::chain::ChainModel;
-use crate::chain_engine::ChainEngine;
 use crate::device::HostStaged;
 use crate::error::ZeroError;
 use crate::optimizer::ZeroOptimizer;
@@ -39,11 +36,6 @@ pub struct InitOptions {
     /// with `"check_grad_overflow": false`); `Some(NonFinitePolicy::Skip)` skips such steps on
     /// every rank and goes on. fp16 always leaves it to its loss scaler.
     pub non_finite: Option<NonFinitePolicy>,
-    /// Whether a chain engine with the optimizer offloaded to the CPU overlaps the update of
-    /// the shard with the next forward ([`EngineSettings::overlap_optimizer_step`]); `None`
-    /// keeps the default (on). DeepSpeed's config has no key for it: the result is the same
-    /// either way, only the time the update runs differs.
-    pub overlap_optimizer_step: Option<bool>,
     /// The model, recorded in the engine's checkpoints ([`EngineSettings::model`]).
     pub model: Option<zero_core::checkpoint::ModelRecord>,
 }
@@ -88,7 +80,6 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.offload_optimizer = offload_optimizer;
     settings.offload_param = offload_param;
     settings.activation_checkpointing = activation_checkpointing(config);
-    settings.max_reuse_distance = config.zero.stage3_max_reuse_distance as usize;
     settings.max_live_parameters = config.zero.stage3_max_live_parameters as usize;
     Ok(settings)
 }
@@ -234,9 +225,6 @@ fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<Engin
             settings.precision.non_finite = policy;
         }
     }
-    if let Some(overlap) = options.overlap_optimizer_step {
-        settings.overlap_optimizer_step = overlap;
-    }
     settings.model = options.model.clone();
     Ok(settings)
 }
@@ -360,7 +348,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
         min_numel: settings.param_persistence_threshold,
         keep_gathered: settings.stage == Stage::Zero2,
         prefetch: if settings.overlap_comm && stage3 {
-            settings.prefetch_bucket_size
+            settings.prefetch_bucket_size.min(settings.max_live_parameters)
         } else {
             0
         },
@@ -404,15 +392,4 @@ fn warn_keeps_gathered() {
              use Autodiff<B, BalancedCheckpointing> to gather them again in backward instead"
         );
     });
-}
-
-/// An engine for a [`ChainModel`] (every stage) from a DeepSpeed config.
-pub fn initialize_chain<B: AutodiffBackend, M: ChainModel<B>>(
-    config: &DeepSpeedConfig,
-    model: M,
-    group: Arc<dyn ProcessGroup>,
-    options: &InitOptions,
-) -> Result<ChainEngine<B, M>, ZeroError> {
-    let resolved = resolve(config, group.world_size(), options)?;
-    ChainEngine::new(settings_with(&resolved, options)?, model, group)
 }

@@ -14,12 +14,12 @@
 //!   by a [`DeviceCollective`] ([`HostStaged`] over any process group; `NcclDevice` on Burn's
 //!   CUDA buffers with the `cuda` feature).
 //!
-//! The engines own the loop instead (`engine.forward`, `engine.backward`, `engine.step`):
+//! Pipeline parallelism has its own engine, which owns the loop (`engine.train_batch`):
+//! [`PipelineEngine`] trains one pipeline stage of a model cut into layers ([`PipelineModule`])
+//! on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
 //!
-//! - [`ChainEngine`]: every stage, for models that say how they chain their blocks
-//!   ([`ChainModel`]). A model that is a list of layers declares it with [`Sequential`].
-//! - [`PipelineEngine`]: one pipeline stage of a model cut into layers ([`PipelineModule`]),
-//!   trained on the 1F1B schedule, with ZeRO stage 0/1 over its data-parallel group.
+//! A model that says how it chains its blocks ([`ChainModel`]; a list of layers declares it with
+//! [`Sequential`]) gets activation checkpointing in any loop through [`checkpointed_grads`].
 //!
 //! # Stage-3 helpers
 //!
@@ -51,10 +51,8 @@
 
 mod activation_checkpointing;
 mod chain;
-mod chain_engine;
 mod checkpoint;
 mod core;
-mod deferred;
 pub mod device;
 mod error;
 mod flat_state;
@@ -73,16 +71,14 @@ mod tiled_linear;
 
 pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheckpointing};
 pub use chain::{ChainModel, Hidden};
-pub use chain_engine::{ChainEngine, ChainLoss};
 pub use core::StepReport;
 #[cfg(feature = "cuda")]
 pub use device::NcclDevice;
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use error::ZeroError;
 pub use initialize::{
-    activation_checkpointing, engine_settings, initialize, initialize_chain, initialize_on, initialize_settings,
-    initialize_with, lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve,
-    InitOptions,
+    activation_checkpointing, engine_settings, initialize, initialize_on, initialize_settings, initialize_with,
+    lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer, ZeroOptimizerRecord};

@@ -108,8 +108,6 @@ pub struct MemoryTracker {
     nvme_parameters: Counter,
     /// Of `parameters`, the bytes in host memory (`ZeroModule` shards under `offload_param`).
     host_parameters: Counter,
-    /// The parameter shards are in host memory (stage 3 `offload_param`).
-    params_on_host: std::sync::atomic::AtomicBool,
     /// The masters and optimizer state are in host memory for an offloaded step.
     optimizer_on_host: std::sync::atomic::AtomicBool,
 }
@@ -117,13 +115,6 @@ pub struct MemoryTracker {
 impl MemoryTracker {
     pub(crate) fn add_parameters(&self, bytes: usize) {
         self.parameters.add(bytes)
-    }
-    pub(crate) fn sub_parameters(&self, bytes: usize) {
-        self.parameters.sub(bytes)
-    }
-    /// From now on the parameter shards count as host memory.
-    pub(crate) fn set_params_on_host(&self) {
-        self.params_on_host.store(true, Ordering::Relaxed)
     }
     /// Parameter bytes kept in host memory rather than on the device.
     pub(crate) fn add_host_parameters(&self, bytes: usize) {
@@ -142,17 +133,11 @@ impl MemoryTracker {
     pub(crate) fn add_master(&self, bytes: usize) {
         self.master.add(bytes)
     }
-    pub(crate) fn sub_master(&self, bytes: usize) {
-        self.master.sub(bytes)
-    }
     pub(crate) fn add_optimizer(&self, bytes: usize) {
         self.optimizer.add(bytes)
     }
     pub(crate) fn add_gathered(&self, bytes: usize) {
         self.gathered.add(bytes)
-    }
-    pub(crate) fn sub_gathered(&self, bytes: usize) {
-        self.gathered.sub(bytes)
     }
     /// From now on the masters and optimizer state count as host memory.
     pub(crate) fn set_optimizer_on_host(&self) {
@@ -197,13 +182,7 @@ impl MemoryTracker {
         };
         MemoryReport {
             locations: LocationSplit {
-                parameters: if self.params_on_host.load(Ordering::Relaxed) {
-                    Locations {
-                        host: report.parameters.current,
-                        nvme: self.nvme_parameters.get().current,
-                        ..Default::default()
-                    }
-                } else {
+                parameters: {
                     let host = self.host_parameters.get().current;
                     Locations {
                         device: report.parameters.current.saturating_sub(host),

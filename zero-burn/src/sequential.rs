@@ -2,24 +2,28 @@
 //!
 //! [`ChainModel`] asks a model to say how it splits into ends and blocks. For a model that is
 //! just layers applied one after the other, [`Sequential`] says it once for all: every layer is
-//! a block (so stage 3 gathers one layer at a time), the ends hold nothing, and the loss is a
-//! [`SequentialLoss`] chosen by type ([`CrossEntropy`], [`MeanSquaredError`], or your own).
+//! a block (so activation checkpointing keeps one activation per segment of layers), the ends
+//! hold nothing, and the loss is a [`SequentialLoss`] chosen by type ([`CrossEntropy`],
+//! [`MeanSquaredError`], or your own). With each layer a [`ZeroModule`] (itself a
+//! [`SequentialLayer`]), stage 3 gathers one layer at a time.
 //!
 //! ```ignore
 //! use zero_burn::sequential::{CrossEntropy, Layer, Sequential};
-//! let model: Sequential<B, Layer<B>, CrossEntropy> = Sequential::new(vec![
-//!     Layer::linear(784, 128, &device),
-//!     Layer::relu(),
-//!     Layer::linear(128, 10, &device),
-//! ]);
-//! let mut engine = zero_burn::initialize_chain(&config, model, group, &Default::default())?;
-//! let loss = engine.forward((inputs, labels))?;
+//! use zero_burn::sharded::ZeroModule;
+//! let layers = vec![Layer::linear(784, 128, &device), Layer::relu(), Layer::linear(128, 10, &device)];
+//! let model: Sequential<B, ZeroModule<B, Layer<B>>, CrossEntropy> =
+//!     Sequential::new(layers.into_iter().map(ZeroModule::new).collect());
+//! let (mut model, mut optim) = zero_burn::initialize(&config, model, group)?;
+//! let loss = model.loss(&(inputs, labels));
+//! let grads = GradientsParams::from_grads(loss.backward(), &model);
+//! model = optim.step(lr, model, grads);
 //! ```
 //!
 //! [`Layer`] covers the usual building blocks; a model with layers of its own implements
 //! [`SequentialLayer`] for an enum of them (`#[derive(Module)]` works on enums).
 
 use crate::chain::ChainModel;
+use crate::sharded::{ShardBackend, ZeroModule};
 use burn::module::{Module, ModuleDisplay};
 use burn::nn::activation::Activation;
 use burn::nn::loss::{CrossEntropyLossConfig, MseLoss, Reduction};
@@ -30,8 +34,8 @@ use core::marker::PhantomData;
 
 /// One layer of a [`Sequential`]: a pure function from activation to activation.
 ///
-/// Pure means no state kept between calls and no randomness: the engine runs a layer again in
-/// backward at stage 3 and expects the same values (so no dropout here).
+/// Pure means no state kept between calls and no randomness: activation checkpointing runs a
+/// layer again in backward and expects the same values (so no dropout here).
 pub trait SequentialLayer<B: Backend>: Module<B> + ModuleDisplay {
     /// Applies the layer.
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
@@ -99,7 +103,7 @@ impl<B: Backend, L: SequentialLayer<B>, Loss: SequentialLoss> Sequential<B, L, L
         self.layers.iter().fold(x, |h, layer| layer.forward(h))
     }
 
-    /// The loss of a batch, run whole (no engine): the reference for the engine's result.
+    /// The loss of a batch.
     pub fn loss(&self, batch: &(Tensor<B, 2>, Loss::Target<B>)) -> Tensor<B, 1> {
         Loss::loss(self.forward(batch.0.clone()), &batch.1)
     }
@@ -174,6 +178,21 @@ impl<B: Backend> SequentialLayer<B> for Layer<B> {
             Layer::Linear(layer) => layer.forward(x),
             Layer::Activation(layer) => layer.forward(x),
             Layer::LayerNorm(layer) => layer.forward(x),
+        }
+    }
+}
+
+/// A layer held as a ZeRO unit: gathered for its forward (stage 3), its gradient reduce-scattered
+/// in backward.
+///
+/// # Panics
+/// When the gather fails (a dead or diverging peer, named in the message): a layer's forward
+/// returns no error.
+impl<B: ShardBackend, L: SequentialLayer<B>> SequentialLayer<B> for ZeroModule<B, L> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self.unshard(&x) {
+            Ok(layer) => layer.forward(x),
+            Err(e) => panic!("ZeRO stage 3: gathering a layer failed: {e}"),
         }
     }
 }

@@ -80,32 +80,10 @@ pub struct EngineSettings {
     /// norm, and so clipping, then covers the whole model, not this rank's slices. `None`: the
     /// model is whole on every rank of the data-parallel group.
     pub tensor_parallel_group: Option<zero_core::comm::SharedGroup>,
-    /// Stage 3: a gathered part stays gathered until its next use when the parameters gathered
-    /// in between are at most this many (`stage3_max_reuse_distance`).
-    pub max_reuse_distance: usize,
-    /// Stage 3: parameters kept gathered for reuse never make more than this many live at once
-    /// (`stage3_max_live_parameters`).
+    /// Stage 3: the most parameter elements gathered at once (`stage3_max_live_parameters`):
+    /// the prefetch budget is cut to it. (A unit is released after each use and gathered again
+    /// for the next, whatever `stage3_max_reuse_distance` allows: the least memory.)
     pub max_live_parameters: usize,
-    /// With the optimizer offloaded to the CPU (`offload_optimizer.device = "cpu"`), a
-    /// [`crate::ChainEngine`] runs the update of the fp32 shard on a background thread, part by
-    /// part in the order the next forward uses the parts, and that forward waits for each part's
-    /// update only when it needs that part's weights: the CPU Adam of the later blocks overlaps
-    /// the forward of the earlier ones. Everything that decides the step (reduction, norm,
-    /// clipping, overflow, learning rate, the [`crate::StepReport`]) stays in `step()`, and the
-    /// arithmetic is that of the synchronous step, so the weights are the same in every bit.
-    ///
-    /// On by default: it changes no result, only when the update runs, and ZeRO-Offload's
-    /// setting is a GPU whose forward leaves the host's cores free for Adam. With a CPU
-    /// backend the two share the cores: on 2 cores, GPT-2 small stepped about 5% faster in fp32
-    /// and 1-7% slower in bf16 (BENCHMARKS.md); turn it off there if bf16 matters.
-    ///
-    /// It applies only where the update is local CPU work: not with NVMe offload (the swap file
-    /// streams through one set of buffers), nor with parameter shards in a file, nor with an
-    /// optimizer whose step needs a collective (LAMB's trust ratio); those, and
-    /// [`crate::ZeroOptimizer`] and the pipeline engine, step synchronously. Set it to false to
-    /// get the step's whole cost inside `step()` (timing the optimizer alone). [`crate::InitOptions::overlap_optimizer_step`] sets it from
-    /// `initialize_chain`.
-    pub overlap_optimizer_step: bool,
     /// The model, recorded in every checkpoint the engine saves so that `zero to-fp32` exports
     /// it under the names its users load, with its configuration beside (a model zoo gives it:
     /// `Gpt2Config::model_record`). `None`: the checkpoint records no model and exports keep
@@ -291,7 +269,6 @@ impl std::fmt::Debug for EngineSettings {
             .field("precision", &self.precision)
             .field("offload_optimizer", &self.offload_optimizer)
             .field("offload_param", &self.offload_param)
-            .field("overlap_optimizer_step", &self.overlap_optimizer_step)
             .field("model", &self.model.as_ref().map(|m| &m.naming))
             .finish()
     }
@@ -317,9 +294,7 @@ impl EngineSettings {
             backward_fence: None,
             activation_checkpointing: None,
             tensor_parallel_group: None,
-            max_reuse_distance: 1_000_000_000,
             max_live_parameters: 1_000_000_000,
-            overlap_optimizer_step: true,
             model: None,
         }
     }

@@ -1,7 +1,6 @@
 //! What each float parameter of a model holding `ZeroModule`s is, as an optimizer sees it.
 
 use super::module::{shard_len, unit};
-use crate::error::ZeroError;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -131,17 +130,4 @@ pub fn contains_zero_module<B: Backend, M: Module<B>>(module: &M) -> bool {
     let mut find = Find(false);
     module.visit(&mut find);
     find.0
-}
-
-/// The error of an engine that cannot run a model holding [`ZeroModule`](super::ZeroModule)s: their shards differ
-/// by rank and their gradients arrive reduced, so an engine that reduces them as replicas would
-/// average different ranks' shards together. `Ok` for a model without them.
-pub(crate) fn refuse_zero_modules<B: Backend, M: Module<B>>(module: &M, engine: &str) -> Result<(), ZeroError> {
-    if contains_zero_module::<B, M>(module) {
-        return Err(ZeroError::Config(format!(
-            "{engine} does not step ZeroModule shards; train a model holding ZeroModules in a Burn loop with \
-             zero_burn::ZeroOptimizer"
-        )));
-    }
-    Ok(())
 }

@@ -3,8 +3,7 @@
 //! differentiable op whose backward reduce-scatters the gradient (`gather`). A model holding
 //! `ZeroModule`s trains in the ordinary Burn loop with `ZeroOptimizer` (each rank steps its
 //! shards; the other parameters are reduced at the optimizer's stage 0, 1 or 2), or with Burn's
-//! own element-wise optimizers when every parameter sits in a `ZeroModule`. The engines
-//! (`ChainEngine`) refuse such a model.
+//! own element-wise optimizers when every parameter sits in a `ZeroModule`.
 
 mod backend;
 mod cut;
@@ -18,7 +17,6 @@ pub use backend::{ShardBackend, ShardComm};
 pub(crate) use cut::after_step;
 pub use cut::{shard_units, shard_units_with, UnitPlan};
 pub use gather::UnitComm;
-pub(crate) use held::refuse_zero_modules;
 pub use held::{contains_zero_module, held_params, HeldParam};
 pub(crate) use module::take_modified;
 pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};
