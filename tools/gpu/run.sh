@@ -55,16 +55,10 @@ echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1, beside PyTorch"
   --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
 .gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
   --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
-echo "-- ZeroModule + ZeroOptimizer in Burn's loop (initialize; masters and Adam on the GPU), stages 0-3"
-.gpu/throughput --backend cuda --engine module --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" \
-  --stages 0,1,2,3 --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
-.gpu/throughput --backend cuda --engine module --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" \
-  --stages 0,1,2,3 --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
 echo "== ZeRO-Offload (optimizer on the CPU), stage 3: the deepest GPT-2 (hidden 4096) the host allows"
 # The estimate's model states must fit 90 % of the host's memory (the rest: the process, the
-# activations' host side, the OS) and the GPU's memory less 16 GiB for activations. The engine
-# keeps stage 3's 16-bit shards in host memory and uploads each part when it is gathered, so the
-# estimate is asked with the parameters on the host too (--offload-param cpu).
+# activations' host side, the OS) and the GPU's memory less 16 GiB for activations. The 16-bit
+# shards are kept in host memory too (offload_param cpu), each uploaded when its unit is gathered.
 host=$(awk '/MemTotal/ {printf "%d", $2 * 1024 * 0.9}' /proc/meminfo)
 gpu=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%d", ($1 - 16384) * 1048576}')
 .gpu/zero estimate --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 --fit-host-memory "$host" \
@@ -74,7 +68,7 @@ largest=$(awk '/deepest fitting:/ {sub(":", "", $3); print $3}' /tmp/fit.txt)
 for m in gpt2-xl "$largest"; do
   .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1p;5p' 
   /usr/bin/time -v .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 \
-    --offload-optimizer cpu 2>&1 | grep -E "^\||Maximum resident|error|Error"
+    --offload-optimizer cpu --offload-param cpu 2>&1 | grep -E "^\||Maximum resident|error|Error"
 done
 echo "== the fine-tune path: gpt2 init, gpt2 train --model (ZeRO-3, optimizer and parameters on the CPU), to-fp32, score"
 # The trainer as a user runs it, with examples/configs/gpt2-10b-zero3-offload.json, at the deepest
@@ -82,10 +76,7 @@ echo "== the fine-tune path: gpt2 init, gpt2 train --model (ZeRO-3, optimizer an
 # sampled by nvidia-smi every 200 ms. The checkpoint (about 14 bytes per parameter) and its export
 # are written at gpt2-xl, which the disk holds beside the larger model's starting directory.
 ft=/tmp/finetune && rm -rf "$ft" && mkdir -p "$ft"
-# ZeroOptimizer keeps stage 3's 16-bit shards on the GPU (offload_param only on the CPU backend
-# for now): the shipped config without that section.
-python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c["zero_optimization"].pop("offload_param"); json.dump(c, open(sys.argv[2], "w"))' \
-  examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
+cp examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
 finetune() { # model, steps, extra trainer args...
   local m=$1 steps=$2; shift 2
   .gpu/gpt2 init --preset "$m" --out "$ft/$m-init"
@@ -98,8 +89,8 @@ finetune() { # model, steps, extra trainer args...
   echo "$m peak device memory: $(sort -n "$ft/$m-gpu.txt" | tail -1) MiB"
   if [ -n "${OUT:-}" ]; then cp "$ft/$m.jsonl" "$OUT/finetune-$m.jsonl"; fi
 }
-# The deepest size whose 16-bit parameters stay on the GPU (optimizer state on the host).
-.gpu/zero estimate --stage 3 --offload-optimizer cpu --dtype bf16 --fit-host-memory "$host" \
+# The deepest size that fits with the optimizer state and the 16-bit shards on the host.
+.gpu/zero estimate --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 --fit-host-memory "$host" \
   --fit-device-memory "$gpu" | tee /tmp/fit-ft.txt
 deepest=$(awk '/deepest fitting:/ {sub(":", "", $3); print $3}' /tmp/fit-ft.txt)
 finetune "$deepest" 4

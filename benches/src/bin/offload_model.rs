@@ -6,34 +6,34 @@
 //! host together: the CPU backend's device is host memory) exceed `--max-host-gib`, so that a
 //! ladder of presets stops at the first one the machine cannot hold instead of swapping.
 //!
-//! With `--optimizer cpu`, `--overlap` picks whether the update of the fp32 shard runs inside
-//! `step()` (`off`) or in the background, overlapped with the next forward (`on`, the engine's
-//! default); `both` trains the same model both ways in this process, one engine after the
-//! other, `--rounds` times alternating, and prints the step times side by side with their
-//! ratio. The first two steps of every engine are warm-ups and are not counted: the first
-//! optimizer step touches the optimizer state's pages for the first time, and with the update
-//! overlapped that cost lands in the second step's forward.
+//! What trains is the zoo's `ShardedGpt2`, drawn unit by unit (`Gpt2Config::init_sharded`, so
+//! the whole model never exists at once), from `zero_burn::initialize_settings`, in Burn's own
+//! loop with `ZeroOptimizer` under `Autodiff<Flex, BalancedCheckpointing>`. The first two steps
+//! are warm-ups and not counted in the median: the first optimizer step touches the optimizer
+//! state's pages for the first time.
 //!
 //! `offload_model --preset gpt2-large [--seq 32] [--batch 1] [--world 1] [--steps 2]
 //!  [--dtype fp32|bf16] [--optimizer nvme|cpu] [--param nvme|cpu|none] [--dir PATH]
-//!  [--max-host-gib 20] [--overlap on|off|both] [--rounds 1] [--optimizer-threads 0]`
+//!  [--max-host-gib 20] [--optimizer-threads 0]`
 //!
 //! `--optimizer-threads` sizes the offloaded optimizer's own thread pool (0: one per core).
 //! With `RAYON_NUM_THREADS=1` for the model's compute and `--optimizer-threads 1`, the two
 //! run on separate cores, as a GPU's forward and the host's Adam would.
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::optim::GradientsParams;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
+use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_core::estimate::{estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
 use zero_models::Gpt2Config;
 
-type B = Autodiff<Flex>;
+type B = Autodiff<Flex, BalancedCheckpointing>;
 
 struct Args {
     preset: String,
@@ -46,8 +46,6 @@ struct Args {
     param: String,
     dir: PathBuf,
     max_host_gib: f64,
-    overlap: String,
-    rounds: usize,
     optimizer_threads: usize,
 }
 
@@ -63,8 +61,6 @@ fn args() -> Result<Args, String> {
         param: "nvme".into(),
         dir: std::env::temp_dir().join("zero-offload-model"),
         max_host_gib: 20.0,
-        overlap: "on".into(),
-        rounds: 1,
         optimizer_threads: 0,
     };
     let mut it = std::env::args().skip(1);
@@ -86,8 +82,6 @@ fn args() -> Result<Args, String> {
             "--param" => a.param = value,
             "--dir" => a.dir = PathBuf::from(value),
             "--max-host-gib" => a.max_host_gib = value.parse().map_err(|_| format!("{flag} {value}: not a number"))?,
-            "--overlap" => a.overlap = value,
-            "--rounds" => a.rounds = num()?.max(1),
             "--optimizer-threads" => a.optimizer_threads = num()?,
             other => return Err(format!("unknown flag {other}")),
         }
@@ -196,12 +190,6 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "none" => ParamOffload::None,
         other => return Err(format!("--param {other}").into()),
     };
-    let modes: Vec<bool> = match a.overlap.as_str() {
-        "on" => vec![true],
-        "off" => vec![false],
-        "both" => vec![false, true],
-        other => return Err(format!("--overlap {other}: on, off or both").into()),
-    };
     let started = Instant::now();
     let setup = Setup {
         config,
@@ -209,27 +197,11 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         offload_optimizer,
         offload_param,
     };
-    // Per mode: every counted step of rank 0 (all rounds), and whether the engine overlapped.
-    let mut counted: Vec<(bool, bool, Vec<StepTimes>)> = modes.iter().map(|&m| (m, false, Vec::new())).collect();
-    let mut last = None;
-    for round in 0..a.rounds {
-        for (mode, (overlap, overlapped, times)) in counted.iter_mut().enumerate() {
-            let rank0 = train(a, &setup, *overlap)?;
-            if rank0.overlapped != *overlap && round == 0 && mode == 0 {
-                println!("note: the engine steps synchronously here (overlap needs --optimizer cpu)");
-            }
-            *overlapped = rank0.overlapped;
-            times.extend(rank0.times.iter().skip(WARMUP_STEPS).copied());
-            last = Some(rank0);
-        }
-    }
-    let Some(rank0) = last else {
-        return Err("no run".into());
-    };
+    let rank0 = train(a, &setup)?;
     let hwm = proc_status_bytes("VmHWM:").unwrap_or(0);
     let m = &rank0.memory;
     println!(
-        "engine built in {:.1} s (peak RSS then {:.2} GiB); rank 0 after the last step: parameters {} (host {}, \
+        "model and optimizer built in {:.1} s (peak RSS then {:.2} GiB); rank 0 after the last step: parameters {} (host {}, \
          nvme {}), gradients {} (peak {}), masters {} (nvme {}), optimizer state {} (nvme {}), gathered peak {}",
         rank0.init,
         gib(rank0.after_init.unwrap_or(0)),
@@ -257,52 +229,27 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         gib(host),
         started.elapsed().as_secs_f64()
     );
-    let mut medians = Vec::new();
-    for (overlap, overlapped, times) in &counted {
-        let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
-        let row = StepTimes {
-            forward: med(|t| t.forward),
-            backward: med(|t| t.backward),
-            step: med(|t| t.step),
-        };
-        let total = med(StepTimes::total);
-        // What the overlap changes: the step, and the forward that now waits for its update
-        // (backward runs the same code either way).
-        let moved = med(|t| t.forward + t.step);
-        let note = if *overlap && !*overlapped {
-            " (not in effect)"
-        } else {
-            ""
-        };
+    let counted: Vec<StepTimes> = rank0.times.iter().skip(WARMUP_STEPS).copied().collect();
+    if !counted.is_empty() {
+        let med = |f: fn(&StepTimes) -> f64| median(counted.iter().map(f).collect());
         println!(
-            "OVERLAP {}{note}: median of {} steps: step total {:.3} s (forward {:.3}, backward {:.3}, step() {:.3}); \
-             forward + step() {:.3} s",
-            if *overlap { "on" } else { "off" },
-            times.len(),
-            total,
-            row.forward,
-            row.backward,
-            row.step,
-            moved,
-        );
-        medians.push((total, moved));
-    }
-    if let [(off, off_moved), (on, on_moved)] = medians[..] {
-        println!(
-            "OVERLAP ratio on/off: step total {:.3}, forward + step() {:.3} (baseline: the synchronous step, same \
-             process)",
-            on / off,
-            on_moved / off_moved
+            "median of {} steps after {WARMUP_STEPS} warm-ups: step total {:.3} s (forward {:.3}, backward {:.3}, \
+             step() {:.3})",
+            counted.len(),
+            med(StepTimes::total),
+            med(|t| t.forward),
+            med(|t| t.backward),
+            med(|t| t.step),
         );
     }
     let _ = std::fs::remove_dir_all(&a.dir);
     Ok(())
 }
 
-/// Steps of each engine not counted in the `--overlap` comparison (see the file's doc).
+/// Steps not counted in the median (see the file's doc).
 const WARMUP_STEPS: usize = 2;
 
-/// What every engine of a run is built from.
+/// What a run is built from.
 struct Setup {
     config: Gpt2Config,
     precision: PrecisionSettings,
@@ -310,8 +257,7 @@ struct Setup {
     offload_param: ParamOffload,
 }
 
-/// Seconds of one training step, as rank 0 saw them. With the update overlapped, `step` is only
-/// the part of the step that decides it, and `forward` includes the waits for the update.
+/// Seconds of one training step, as rank 0 saw them.
 #[derive(Clone, Copy, Debug, Default)]
 struct StepTimes {
     forward: f64,
@@ -325,13 +271,12 @@ impl StepTimes {
     }
 }
 
-/// Rank 0's run of one engine.
+/// Rank 0's run.
 struct RankRun {
     init: f64,
     after_init: Option<u64>,
     times: Vec<StepTimes>,
     memory: zero_burn::MemoryReport,
-    overlapped: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -347,8 +292,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Builds one engine per rank thread and trains `a.steps` steps; returns rank 0's run.
-fn train(a: &Args, setup: &Setup, overlap: bool) -> Result<RankRun, Box<dyn std::error::Error>> {
+/// Builds the model and its optimizer on each rank thread and trains `a.steps` steps; returns
+/// rank 0's run.
+fn train(a: &Args, setup: &Setup) -> Result<RankRun, Box<dyn std::error::Error>> {
     let groups = ThreadGroup::new_group(a.world)?;
     let handles: Vec<_> = groups
         .into_iter()
@@ -368,38 +314,42 @@ fn train(a: &Args, setup: &Setup, overlap: bool) -> Result<RankRun, Box<dyn std:
                 settings.offload_optimizer = offload_optimizer;
                 settings.offload_param = offload_param;
                 settings.overlap_comm = true;
-                settings.overlap_optimizer_step = overlap;
                 settings.reduce_bucket_size = config.n_embd * config.n_embd;
                 settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
                 settings.param_persistence_threshold = 10 * config.n_embd;
                 let dtype = settings.precision.dtype;
                 let group: Arc<dyn ProcessGroup> = group;
+                let units: zero_burn::sharded::UnitComm<Flex> = Arc::new(zero_burn::HostStaged::new(group.clone()));
                 let t = Instant::now();
-                let mut engine =
-                    ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?;
+                let model = config
+                    .init_sharded::<B>(&device, units.clone(), settings.param_persistence_threshold)
+                    .map_err(|e| e.to_string())?;
+                let (model, mut optim) =
+                    zero_burn::initialize_settings(settings, model, group, units).map_err(|e| e.to_string())?;
+                let mut model = Some(model);
                 let init = t.elapsed().as_secs_f64();
                 let after_init = proc_status_bytes("VmHWM:");
-                let overlapped = engine.overlaps_optimizer_step();
                 let mut times = Vec::new();
                 for step in 0..steps {
                     let ids: Vec<i64> = (0..batch * seq)
                         .map(|i| ((i * 7919 + rank * 104_729 + step * 31) % config.vocab_size) as i64)
                         .collect();
                     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+                    let m = model.take().ok_or("a failed step left no model")?;
                     let t = Instant::now();
-                    let loss = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
+                    let loss = m.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
+                    let value = loss.clone().into_scalar().elem::<f32>();
                     let forward = t.elapsed().as_secs_f64();
                     let t = Instant::now();
-                    let value = engine.backward(loss).map_err(|e| e.to_string())?;
+                    let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &m);
                     let backward = t.elapsed().as_secs_f64();
                     let t = Instant::now();
-                    engine.step().map_err(|e| e.to_string())?;
+                    model = Some(optim.try_step(1e-4, m, grads).map_err(|e| e.to_string())?);
                     let opt = t.elapsed().as_secs_f64();
                     if rank == 0 {
                         println!(
-                            "step {step} (overlap {}): loss {value:.4}, forward {forward:.2} s, backward {backward:.2} s, \
+                            "step {step}: loss {value:.4}, forward {forward:.2} s, backward {backward:.2} s, \
                              optimizer step {opt:.2} s ({dtype:?})",
-                            if overlapped { "on" } else { "off" },
                         );
                     }
                     times.push(StepTimes {
@@ -408,14 +358,11 @@ fn train(a: &Args, setup: &Setup, overlap: bool) -> Result<RankRun, Box<dyn std:
                         step: opt,
                     });
                 }
-                // The last update is waited for inside memory(), outside the timed steps.
-                let memory = engine.memory();
                 Ok(RankRun {
                     init,
                     after_init,
                     times,
-                    memory,
-                    overlapped,
+                    memory: optim.memory(),
                 })
             })
         })

@@ -1,27 +1,23 @@
-//! Step time and per-rank memory of ZeRO stages 0-3 on GPT-2, ranks as threads, on both paths:
-//! `ChainEngine` (the zoo's `Gpt2` as a chain) and `ZeroModule` (the zoo's `ShardedGpt2` from
-//! `zero_burn::initialize`, trained in Burn's loop with `ZeroOptimizer`; stage 3 under
-//! `Autodiff<Flex, BalancedCheckpointing>`, stages 0-2 under `Autodiff<Flex>` as the chain).
+//! Step time and per-rank memory of ZeRO stages 0-3 on GPT-2, ranks as threads: the zoo's
+//! `ShardedGpt2` from `zero_burn::initialize`, trained in Burn's loop with `ZeroOptimizer`
+//! (stage 3 under `Autodiff<Flex, BalancedCheckpointing>`, stages 0-2 under `Autodiff<Flex>`).
 //!
 //! For each model and world size, every stage trains the same batches; the step time is the
-//! median over the timed steps, printed as a ratio to the same path's stage 0 at the same world
-//! size, and the module path's also as a ratio to the chain's at the same stage (the named
-//! baselines, measured in the same run). Memory is the engine's own per-rank accounting of model
-//! states, beside the ZeRO paper's formula for fp32 Adam (params 4Ψ, grads 4Ψ, Adam 8Ψ, each
-//! divided by N where the stage shards it).
+//! median over the timed steps, printed as a ratio to the same path's first stage at the same
+//! world size, and path `buffers` also as a ratio to path `module` at the same stage (the named
+//! baselines, measured in the same run). Memory is the optimizer's own per-rank accounting of
+//! model states, beside the ZeRO paper's formula for fp32 Adam (params 4Ψ, grads 4Ψ, Adam 8Ψ,
+//! each divided by N where the stage shards it).
 //!
-//! Path `buffers` is the module path with the optimizer's state in host buffers stepped by the
-//! fused CPU kernel (`ZeroOptimizer::with_tensor_state(false)`) instead of the tensors
-//! `initialize` gives it.
+//! Path `module` keeps the optimizer's state as tensors on the model's device (what
+//! `initialize` gives); path `buffers` keeps it in host buffers stepped by the fused CPU kernel
+//! (`ZeroOptimizer::with_tensor_state(false)`).
 //!
 //! `cargo run --release -p zero-benches --bin stages -- [--models tiny,gpt2] [--worlds 1,2,4]
-//!  [--steps 3] [--seq 64] [--micro 1] [--max-reuse-distance N] [--paths chain,module,buffers]
-//!  [--stages 0,1,2,3] [--prefetch N]` (the first stage listed is the "vs stage 0" baseline;
-//!  `--prefetch` is `stage3_prefetch_bucket_size` in elements for both paths, default "auto",
-//!  0.9·n_embd²: one block ahead on the module path; 0 prefetches nothing there)
-//!
-//! `--max-reuse-distance 0` makes stage 3 gather the ends for each of their three uses per
-//! micro-batch (the default keeps them gathered between uses).
+//!  [--steps 3] [--seq 64] [--micro 1] [--paths module,buffers] [--stages 0,1,2,3]
+//!  [--prefetch N]` (the first stage listed is the "vs first stage" baseline; `--prefetch` is
+//!  `stage3_prefetch_bucket_size` in elements, default "auto", 0.9·n_embd²: one block ahead;
+//!  0 prefetches nothing)
 
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
 use burn::backend::{Autodiff, Flex};
@@ -29,12 +25,9 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::{ChainEngine, EngineSettings, MemoryReport, Stage};
+use zero_burn::{MemoryReport, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
-use zero_core::optim::OptimizerSpec;
 use zero_models::Gpt2Config;
-
-type B = Autodiff<Flex>;
 
 struct Options {
     models: Vec<String>,
@@ -42,7 +35,6 @@ struct Options {
     steps: usize,
     seq: usize,
     micro: usize,
-    max_reuse_distance: usize,
     paths: Vec<String>,
     stages: Vec<Stage>,
     /// `stage3_prefetch_bucket_size` of both paths, in elements (`None`: DeepSpeed's "auto",
@@ -58,9 +50,8 @@ fn options() -> Options {
         steps: 3,
         seq: 64,
         micro: 1,
-        max_reuse_distance: 1_000_000_000,
         prefetch: None,
-        paths: vec!["chain".into(), "module".into()],
+        paths: vec!["module".into(), "buffers".into()],
         stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -73,7 +64,6 @@ fn options() -> Options {
             "--seq" => o.seq = value.parse().unwrap_or(o.seq),
             "--micro" => o.micro = value.parse().unwrap_or(o.micro),
             "--prefetch" => o.prefetch = value.parse().ok(),
-            "--max-reuse-distance" => o.max_reuse_distance = value.parse().unwrap_or(o.max_reuse_distance),
             "--paths" => o.paths = value.split(',').map(String::from).collect(),
             "--stages" => {
                 o.stages = value
@@ -90,7 +80,7 @@ fn options() -> Options {
     o
 }
 
-/// Rank `rank`'s tokens of step `step`: the same on both paths.
+/// Rank `rank`'s tokens of step `step`: the same on every path.
 fn tokens<Bk: burn::tensor::backend::Backend>(
     config: &Gpt2Config,
     rank: usize,
@@ -143,9 +133,9 @@ where
     (time, results[0].1)
 }
 
-/// [`run`] on the `ZeroModule` path: `ShardedGpt2` from `initialize` with the chain's settings
-/// written as a DeepSpeed config, in Burn's own loop; the optimizer's state in host buffers
-/// unless `tensors`.
+/// Median seconds per step (after one warm-up step) of the slowest rank, and rank 0's memory
+/// report: `ShardedGpt2` from `initialize` in Burn's own loop; the optimizer's state in host
+/// buffers unless `tensors`.
 fn run_module<C: CheckpointStrategy + 'static>(
     config: &Gpt2Config,
     stage: Stage,
@@ -187,30 +177,6 @@ fn run_module<C: CheckpointStrategy + 'static>(
     })
 }
 
-/// Median seconds per step (after one warm-up step) of the slowest rank, and rank 0's memory
-/// report.
-fn run(config: &Gpt2Config, stage: Stage, world: usize, o: &Options) -> (f64, MemoryReport) {
-    on_ranks(world, |rank, group, timed| {
-        let device = Default::default();
-        let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
-        settings.overlap_comm = true;
-        settings.reduce_bucket_size = config.n_embd * config.n_embd;
-        settings.prefetch_bucket_size = prefetch_elements(config, o);
-        settings.param_persistence_threshold = 10 * config.n_embd;
-        settings.max_reuse_distance = o.max_reuse_distance;
-        let mut engine = ChainEngine::new(settings, config.init::<B>(&device), group).expect("engine");
-        for step in 0..=o.steps {
-            let tokens = tokens::<B>(config, rank, step, o.micro, o.seq);
-            timed(step, &mut || {
-                let loss = engine.forward((tokens.clone(), tokens.clone())).expect("forward");
-                engine.backward(loss).expect("backward");
-                engine.step().expect("step");
-            });
-        }
-        engine.memory()
-    })
-}
-
 /// `stage3_prefetch_bucket_size` for `config`: the option, or DeepSpeed's "auto".
 fn prefetch_elements(config: &Gpt2Config, o: &Options) -> usize {
     o.prefetch.unwrap_or(9 * config.n_embd * config.n_embd / 10)
@@ -228,7 +194,7 @@ fn formula(stage: Stage, psi: f64, n: f64) -> f64 {
 fn main() {
     let o = options();
     println!(
-        "| model | world | stage | path | step (s) | vs first stage | vs chain | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |"
+        "| model | world | stage | path | step (s) | vs first stage | vs module | rank-0 model states (MB) | formula (MB) | gathered peak (MB) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for name in &o.models {
@@ -240,10 +206,9 @@ fn main() {
         for &world in &o.worlds {
             let mut baselines: std::collections::HashMap<&str, f64> = Default::default();
             for &stage in &o.stages {
-                let mut chain = None;
+                let mut module = None;
                 for path in &o.paths {
                     let (time, m) = match (path.as_str(), stage) {
-                        ("chain", _) => run(&config, stage, world, &o),
                         ("module" | "buffers", Stage::Zero3) => {
                             run_module::<BalancedCheckpointing>(&config, stage, world, &o, path != "buffers")
                         }
@@ -251,14 +216,14 @@ fn main() {
                             run_module::<NoCheckpointing>(&config, stage, world, &o, path != "buffers")
                         }
                         (other, _) => {
-                            eprintln!("unknown path {other}: chain, module or buffers");
+                            eprintln!("unknown path {other}: module or buffers");
                             std::process::exit(2)
                         }
                     };
                     let base = *baselines.entry(path.as_str()).or_insert(time);
-                    let vs_chain = match (path.as_str(), chain) {
-                        ("chain", _) => {
-                            chain = Some(time);
+                    let vs_module = match (path.as_str(), module) {
+                        ("module", _) => {
+                            module = Some(time);
                             "1.00".to_string()
                         }
                         (_, Some(c)) => format!("{:.2}", time / c),
@@ -268,7 +233,7 @@ fn main() {
                     // the parameters; stages 1-2 keep a separate fp32 shard, shown in the total).
                     let states = m.parameters.current + m.gradients.current + m.optimizer_state.current;
                     println!(
-                        "| {name} ({:.1}M) | {world} | {} | {path} | {time:.3} | {:.2} | {vs_chain} | {:.1} (+{:.1} master) | {:.1} | {:.1} |",
+                        "| {name} ({:.1}M) | {world} | {} | {path} | {time:.3} | {:.2} | {vs_module} | {:.1} (+{:.1} master) | {:.1} | {:.1} |",
                         psi / 1e6,
                         stage.number(),
                         time / base,

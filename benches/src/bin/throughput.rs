@@ -3,15 +3,13 @@
 //!
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
-//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--baseline NAME=TOKENS_PER_S]
-//!  [--engine host|module]`
+//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--offload-param cpu]
+//!  [--baseline NAME=TOKENS_PER_S]`
 //!
-//! `--engine host` (the default) trains with `ChainEngine`, whose gradients, fp32 masters and
-//! optimizer step live in host memory; `--engine module` the zoo's `ShardedGpt2` (embeddings and
-//! blocks as `ZeroModule`s) from `zero_burn::initialize` in Burn's own loop with `ZeroOptimizer`
-//! (stage 3 under `Autodiff<B, BalancedCheckpointing>`), whose masters and Adam state are tensors
-//! on the model's device unless `--offload-optimizer cpu`. At world size 1 no collective runs,
-//! so the comparison is the cost of the host round trip against the device-resident step.
+//! What trains is the zoo's `ShardedGpt2` (embeddings and blocks as `ZeroModule`s) from
+//! `zero_burn::initialize` in Burn's own loop with `ZeroOptimizer` (stage 3 under
+//! `Autodiff<B, BalancedCheckpointing>`), whose masters and Adam state are tensors on the
+//! model's device unless `--offload-optimizer cpu`.
 //!
 //! Each row's tokens/s is given as a ratio to the first stage measured for the same model in
 //! this run, and, with `--baseline`, to a named baseline measured beside it (tools/gpu/run.sh
@@ -27,25 +25,22 @@
 //!
 //! With `--offload-optimizer cpu` the fp32 masters and Adam state live in host memory (ZeRO-Offload)
 //! and a model that does not fit runs as far as it can: a failure is printed as the row's result.
-//! `--engine module` at stage 3 draws the model unit by unit, each cut as it is drawn
-//! (`Gpt2Config::init_sharded`), so the whole model never exists at once.
+//! Stage 3 draws the model unit by unit, each cut as it is drawn (`Gpt2Config::init_sharded`), so
+//! the whole model never exists at once.
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use std::time::Instant;
 use zero_burn::sharded::ShardBackend;
-use zero_burn::ZeroOptimizer;
-use zero_burn::{ChainEngine, EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
+use zero_burn::Stage;
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::config::DeepSpeedConfig;
-use zero_core::loss_scaler::LossScalerConfig;
-use zero_core::optim::OptimizerSpec;
 use zero_models::gpt2::ShardedGpt2;
-use zero_models::{Gpt2, Gpt2Config};
+use zero_models::Gpt2Config;
 
 #[derive(Clone, Debug)]
 struct Options {
@@ -58,10 +53,10 @@ struct Options {
     steps: usize,
     peak_tflops: Option<f64>,
     offload_cpu: bool,
+    /// Stage 3's 16-bit shards in host memory (`offload_param: cpu`).
+    offload_param: bool,
     /// A named baseline's tokens/s measured beside this run (e.g. PyTorch's on the same GPU).
     baseline: Option<(String, f64)>,
-    /// What trains: `host`, `device` or `module` (`--engine`).
-    engine: String,
 }
 
 fn options() -> Result<Options, String> {
@@ -75,8 +70,8 @@ fn options() -> Result<Options, String> {
         steps: 3,
         peak_tflops: None,
         offload_cpu: false,
+        offload_param: false,
         baseline: None,
-        engine: "host".into(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
@@ -109,12 +104,7 @@ fn options() -> Result<Options, String> {
                 )
             }
             "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
-            "--engine" => {
-                o.engine = match value.as_str() {
-                    "host" | "module" => value.clone(),
-                    other => return Err(format!("--engine {other}: expected host or module")),
-                }
-            }
+            "--offload-param" if value == "cpu" => o.offload_param = true,
             "--baseline" => {
                 let (name, tps) = value
                     .split_once('=')
@@ -126,15 +116,6 @@ fn options() -> Result<Options, String> {
         }
     }
     Ok(o)
-}
-
-fn precision(name: &str) -> Result<PrecisionSettings, String> {
-    match name {
-        "fp32" => Ok(PrecisionSettings::fp32()),
-        "bf16" => Ok(PrecisionSettings::bf16()),
-        "fp16" => Ok(PrecisionSettings::fp16(LossScalerConfig::default())),
-        other => Err(format!("--dtype {other}: expected bf16, fp16 or fp32")),
-    }
 }
 
 /// Training FLOPs per token (see the header).
@@ -158,38 +139,20 @@ fn run<B: AutodiffBackend + ShardBackend>(
     o: &Options,
 ) -> Result<Row, String> {
     let group = ThreadGroup::new_group(1).map_err(|e| e.to_string())?.remove(0) as SharedGroup;
-    let mut settings = EngineSettings::new(stage, OptimizerSpec::adamw());
-    settings.precision = precision(&o.dtype)?;
-    settings.overlap_comm = true;
-    settings.reduce_bucket_size = 5 * config.n_embd * config.n_embd;
-    settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd;
-    settings.param_persistence_threshold = 10 * config.n_embd;
-    if o.offload_cpu {
-        settings.offload_optimizer = OptimizerOffload::Cpu { threads: 0 };
-    }
-    let mut engine = if o.engine == "module" {
-        let model = if stage == Stage::Zero3 {
-            // Drawn unit by unit (zero.Init): the largest models fit only if the whole model
-            // never exists at once, on the device or in host memory.
-            let units: zero_burn::sharded::UnitComm<<B as ShardBackend>::Collective> =
-                std::sync::Arc::new(zero_burn::HostStaged::new(group.clone()));
-            config
-                .init_sharded::<B>(&device, units, settings.param_persistence_threshold)
-                .map_err(|e| e.to_string())?
-        } else {
-            config.init::<B>(&device).into_sharded()
-        };
-        let (model, optim) =
-            zero_burn::initialize(&module_config(config, stage, o)?, model, group).map_err(|e| e.to_string())?;
-        Engine::Module(Box::new(ModuleRun {
-            model: Some(model),
-            optim,
-        }))
+    let ds = module_config(config, stage, o)?;
+    let model = if stage == Stage::Zero3 {
+        // Drawn unit by unit (zero.Init): the largest models fit only if the whole model never
+        // exists at once, on the device or in host memory.
+        let units: zero_burn::sharded::UnitComm<<B as ShardBackend>::Collective> =
+            std::sync::Arc::new(zero_burn::HostStaged::new(group.clone()));
+        config
+            .init_sharded::<B>(&device, units, persistence_threshold(config))
+            .map_err(|e| e.to_string())?
     } else {
-        Engine::Host(Box::new(
-            ChainEngine::new(settings, config.init::<B>(&device), group).map_err(|e| e.to_string())?,
-        ))
+        config.init::<B>(&device).into_sharded()
     };
+    let (model, mut optim) = zero_burn::initialize(&ds, model, group).map_err(|e| e.to_string())?;
+    let mut model = Some(model);
     let mut times = Vec::new();
     let mut loss = f32::NAN;
     for step in 0..2 + o.steps {
@@ -199,23 +162,12 @@ fn run<B: AutodiffBackend + ShardBackend>(
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [o.batch, o.seq]), &device);
         B::sync(&device).map_err(|e| format!("{e:?}"))?;
         let start = Instant::now();
-        loss = match &mut engine {
-            Engine::Host(engine) => {
-                let pending = engine.forward((tokens.clone(), tokens)).map_err(|e| e.to_string())?;
-                let loss = engine.backward(pending).map_err(|e| e.to_string())?;
-                engine.step().map_err(|e| e.to_string())?;
-                loss
-            }
-            Engine::Module(run) => {
-                // Taken out for the step, so that the old parameters are not held beside the new.
-                let model = run.model.take().ok_or("a failed step left no model")?;
-                let loss = model.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
-                let value = loss.clone().into_scalar().elem::<f32>();
-                let grads = GradientsParams::from_grads(run.optim.scale_loss(loss).backward(), &model);
-                run.model = Some(run.optim.step(1e-4, model, grads));
-                value
-            }
-        };
+        // Taken out for the step, so that the old parameters are not held beside the new.
+        let m: ShardedGpt2<B> = model.take().ok_or("a failed step left no model")?;
+        let l = m.loss(tokens.clone(), tokens).map_err(|e| e.to_string())?;
+        loss = l.clone().into_scalar().elem::<f32>();
+        let grads = GradientsParams::from_grads(optim.scale_loss(l).backward(), &m);
+        model = Some(optim.try_step(1e-4, m, grads).map_err(|e| e.to_string())?);
         B::sync(&device).map_err(|e| format!("{e:?}"))?;
         if step >= 2 {
             times.push(start.elapsed().as_secs_f64());
@@ -227,26 +179,17 @@ fn run<B: AutodiffBackend + ShardBackend>(
         step_s,
         tokens_per_s: (o.batch * o.seq) as f64 / step_s,
         loss,
-        memory: match &engine {
-            Engine::Host(e) => e.memory(),
-            Engine::Module(run) => run.optim.memory(),
-        },
+        memory: optim.memory(),
     })
 }
 
-/// The engine a run trains with (`--engine`).
-enum Engine<B: AutodiffBackend + ShardBackend> {
-    Host(Box<ChainEngine<B, Gpt2<B>>>),
-    Module(Box<ModuleRun<B>>),
+/// Units below this many elements stay whole (`stage3_param_persistence_threshold`): the
+/// biases and layer norms, not the blocks.
+fn persistence_threshold(config: &Gpt2Config) -> usize {
+    10 * config.n_embd
 }
 
-/// `--engine module`: the model (out of its slot during a step) and its optimizer.
-struct ModuleRun<B: AutodiffBackend + ShardBackend> {
-    model: Option<ShardedGpt2<B>>,
-    optim: ZeroOptimizer,
-}
-
-/// The DeepSpeed config of `--engine module`: the host engine's settings, written as a config.
+/// The run's DeepSpeed config.
 fn module_config(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<DeepSpeedConfig, String> {
     let precision = match o.dtype.as_str() {
         "fp32" => "",
@@ -254,20 +197,24 @@ fn module_config(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<DeepS
         "fp16" => r#""fp16": {"enabled": true},"#,
         other => return Err(format!("--dtype {other}: expected bf16, fp16 or fp32")),
     };
-    let offload = if o.offload_cpu {
-        r#", "offload_optimizer": {"device": "cpu"}"#
-    } else {
-        ""
-    };
+    let mut offload = String::new();
+    if o.offload_cpu {
+        offload += r#", "offload_optimizer": {"device": "cpu"}"#;
+    }
+    if o.offload_param && stage == Stage::Zero3 {
+        offload += r#", "offload_param": {"device": "cpu"}"#;
+    }
     let text = format!(
         r#"{{"train_batch_size": {batch}, "gradient_clipping": 0.0, {precision}
         "optimizer": {{"type": "AdamW", "params": {{"lr": 0.0001}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": {bucket},
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": {bucket}, "overlap_comm": true,
+            "stage3_prefetch_bucket_size": {prefetch},
             "stage3_param_persistence_threshold": {threshold}{offload}}}}}"#,
         batch = o.batch,
         stage = stage.number(),
         bucket = 5 * config.n_embd * config.n_embd,
-        threshold = 10 * config.n_embd,
+        prefetch = 9 * config.n_embd * config.n_embd,
+        threshold = persistence_threshold(config),
     );
     DeepSpeedConfig::from_str(&text, "throughput.json")
         .map(|p| p.config)
@@ -276,14 +223,14 @@ fn module_config(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<DeepS
 
 fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String> {
     match backend {
-        "cpu" if o.engine == "module" && stage == Stage::Zero3 => {
+        "cpu" if stage == Stage::Zero3 => {
             run::<Autodiff<burn::backend::Flex, BalancedCheckpointing>>(Default::default(), config, stage, o)
         }
         "cpu" => run::<Autodiff<burn::backend::Flex>>(Default::default(), config, stage, o),
         #[cfg(feature = "cuda")]
         "cuda" => {
             zero_burn::device::cuda_devices().map_err(|why| format!("--backend cuda: {why}"))?;
-            if o.engine == "module" && stage == Stage::Zero3 {
+            if stage == Stage::Zero3 {
                 run::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>>(Default::default(), config, stage, o)
             } else {
                 run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o)
@@ -305,24 +252,22 @@ fn main() {
     };
     let peak = o.peak_tflops.unwrap_or(if o.backend == "cuda" { 989.0 } else { 0.0 });
     println!(
-        "backend {}{}, {} , batch {} x seq {}, {} timed steps, optimizer offload: {}",
+        "backend {}, ZeroModule + ZeroOptimizer, {}, batch {} x seq {}, {} timed steps, optimizer offload: {}, \
+         parameter offload (stage 3): {}",
         o.backend,
-        match o.engine.as_str() {
-            "module" => ", ZeroModule + ZeroOptimizer",
-            _ => "",
-        },
         o.dtype,
         o.batch,
         o.seq,
         o.steps,
-        if o.offload_cpu { "cpu" } else { "none" }
+        if o.offload_cpu { "cpu" } else { "none" },
+        if o.offload_param { "cpu" } else { "none" }
     );
     let baseline_column = o
         .baseline
         .as_ref()
         .map_or(String::new(), |(name, tps)| format!(" vs {name} ({tps:.0} tokens/s) |"));
     println!(
-        "| model | params | stage | step | tokens/s | vs first stage |{baseline_column} MFU | loss | model states (engine's count) |"
+        "| model | params | stage | step | tokens/s | vs first stage |{baseline_column} MFU | loss | model states (optimizer's count) |"
     );
     println!(
         "|---|---|---|---|---|---|{}---|---|---|",
