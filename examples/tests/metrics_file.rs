@@ -1,8 +1,8 @@
 //! What `--metrics` leaves behind, read as a user reads it: a header naming the run, one line
 //! per step whose memory report says where each kind of state lives (device, host, NVMe), and
-//! a PNG loss curve with text, beside the file. References: the engine's own memory report
-//! (`ChainEngine::memory`) and the sizes the optimizer state must have (Adam: two fp32 moments
-//! per owned parameter).
+//! a PNG loss curve with text, beside the file. References: the optimizer's own memory report
+//! (`ZeroOptimizer::memory`) and the sizes the optimizer state must have (Adam: two fp32
+//! moments per owned parameter).
 
 mod support;
 

@@ -1,25 +1,25 @@
-//! How a model tells the engine its blocks: `embed → blocks → head`.
+//! How a model tells activation checkpointing its blocks: `embed → blocks → head`.
 //!
-//! Burn has no module hooks, so for ZeRO stage 3 the engine drives the model itself, one part at
-//! a time: it gathers a block's parameters, runs it, releases them, and in backward walks the
-//! blocks in reverse, re-gathering and recomputing each as its own small autodiff graph. For that
-//! it needs to know the chain. A model says it by implementing [`ChainModel`]: how to split into
-//! parts and rebuild from them, and the three functions that run the parts.
+//! [`crate::checkpointed_grads`] runs a model part by part: the blocks in segments, keeping only
+//! each segment's input from forward and running the segment again in backward as its own small
+//! autodiff graph. For that it needs to know the chain. A model says it by implementing
+//! [`ChainModel`]: how to split into parts and rebuild from them, and the three functions that
+//! run the parts.
 //!
 //! The *ends* are the parameters used before the first block and after the last (token and
 //! position embeddings, the final norm, the head). A weight tied between the embedding and the
-//! head (GPT-2's `wte`) lives once, in the ends, and the engine sums both uses' gradients.
+//! head (GPT-2's `wte`) lives once, in the ends, and both uses' gradients are summed.
 
 use crate::error::ZeroError;
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
-/// A model the engine can run part by part (required for ZeRO stage 3; usable at every stage).
+/// A model that activation checkpointing ([`crate::checkpointed_grads`]) can run part by part.
 ///
 /// All three functions must be pure functions of their inputs (no state kept between calls):
-/// the engine calls `block_forward` twice per block and step (forward, then the recomputation in
-/// backward) and `embed` twice (forward, then for its backward).
+/// `block_forward` runs twice per block and micro-batch (forward, then the recomputation in
+/// backward), and so may `embed`.
 ///
 /// ```ignore
 /// impl<B: AutodiffBackend> ChainModel<B> for Mlp<B> {
@@ -67,18 +67,6 @@ pub trait ChainModel<B: AutodiffBackend>: Module<B> + Sized {
     /// [`ChainModel::head_loss`] for parts that can fail. Default: `head_loss`.
     fn try_head_loss(ends: &Self::Ends, h: Self::Hidden, batch: &Self::Batch) -> Result<Tensor<B, 1>, ZeroError> {
         Ok(Self::head_loss(ends, h, batch))
-    }
-
-    /// Under tensor parallelism, the indices (in visit order) of the ends' parameters that are
-    /// split over the tensor group, each tensor rank holding a different slice; the others are
-    /// replicated over it. The global gradient norm counts a split parameter's slices on every
-    /// tensor rank and a replicated one once. Default: none is split.
-    fn ends_tensor_split(_ends: &Self::Ends) -> Vec<usize> {
-        Vec::new()
-    }
-    /// As [`ChainModel::ends_tensor_split`], for a block.
-    fn block_tensor_split(_block: &Self::Block) -> Vec<usize> {
-        Vec::new()
     }
 }
 

@@ -70,13 +70,13 @@ pub struct EngineSettings {
     /// `backward()`, so no rank starts a part while another is still finishing the last one.
     /// Not needed (None) for one rank per process, or when no collective runs inside backward.
     pub backward_fence: Option<zero_core::comm::SharedGroup>,
-    /// Checkpoint the blocks' activations (chain models): keep a few block inputs from forward
-    /// and recompute the rest in backward. `None`: stages 0-2 keep every block's graph; stage 3
-    /// keeps each block's input (it recomputes every block anyway).
+    /// Checkpoint the blocks' activations (the config's `activation_checkpointing` section): keep
+    /// a few block inputs from forward and recompute the rest in backward
+    /// ([`crate::checkpointed_grads`]; the pipeline engine's stages). `None`: keep every graph.
     pub activation_checkpointing: Option<crate::ActivationCheckpointing>,
     /// The tensor-parallel group of a model whose parameters are split over several ranks
-    /// (`ChainModel::ends_tensor_split`/`block_tensor_split` say which, or the rule given to
-    /// `ZeroOptimizer::with_tensor_parallel`, which sets this group): the global gradient
+    /// (the rule given to `ZeroOptimizer::with_tensor_parallel`, which sets this group, says
+    /// which): the global gradient
     /// norm, and so clipping, then covers the whole model, not this rank's slices. `None`: the
     /// model is whole on every rank of the data-parallel group.
     pub tensor_parallel_group: Option<zero_core::comm::SharedGroup>,

@@ -148,7 +148,7 @@ impl Gpt2Config {
 
     /// What a checkpoint of this model records ([`zero_burn::EngineSettings::model`]) so that
     /// `zero to-fp32` exports it as a HuggingFace directory: HuggingFace's names for the
-    /// parameters of [`super::Gpt2`] under the chain engine, and this `config.json`.
+    /// parameters of [`super::Gpt2`] and [`super::ShardedGpt2`], and this `config.json`.
     pub fn model_record(&self) -> Result<zero_core::checkpoint::ModelRecord, Gpt2ConfigError> {
         Ok(zero_core::checkpoint::ModelRecord {
             naming: zero_core::checkpoint::GPT2_HF_NAMING.to_string(),

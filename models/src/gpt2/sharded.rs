@@ -67,8 +67,8 @@ impl<B: ShardBackend> ShardedGpt2<B> {
 
 /// The chain `zero_burn::checkpointed_grads` runs: the ends are the model without its blocks
 /// (the embedding unit, also the head's, and the final norm), each block a unit. A failed
-/// gather is an error of the `try_` functions; the plain ones (which only `ChainEngine` calls,
-/// and it refuses `ZeroModule`s) panic with it.
+/// gather is an error of the `try_` functions (what `checkpointed_grads` calls); the plain ones
+/// panic with it.
 impl<B: AutodiffBackend + ShardBackend> ChainModel<B> for ShardedGpt2<B> {
     type Batch = Gpt2Batch<B>;
     type Hidden = Tensor<B, 3>;

@@ -22,9 +22,8 @@ use zero_burn::ChainModel;
 /// states and loss; each holds and trains only its slice of the split weights. Built from a
 /// full [`Gpt2`] with [`TpGpt2::from_full`], each rank slicing its part.
 ///
-/// With [`zero_burn::ChainEngine`] over the data-parallel group, leave `gradient_clipping` at 0:
-/// the engine's global norm sums over the data-parallel group only, so each tensor-parallel rank
-/// would clip by the norm of its own slice and the replicated weights would drift apart.
+/// ZeRO over the data-parallel group: `ZeroOptimizer::with_tensor_parallel(tensor_group,
+/// TpGpt2::is_tensor_split)`, whose global norm (clipping) then covers the whole model.
 #[derive(Module, Debug)]
 pub struct TpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.
@@ -145,15 +144,6 @@ impl<B: AutodiffBackend + TpBackend> ChainModel<B> for TpGpt2<B> {
 
     fn head_loss(ends: &TpGpt2<B>, h: Tensor<B, 3>, batch: &Self::Batch) -> Tensor<B, 1> {
         ends.head_loss(h, batch.1.clone())
-    }
-
-    /// `wte` (this rank's vocabulary rows) is the ends' first parameter.
-    fn ends_tensor_split(_ends: &TpGpt2<B>) -> Vec<usize> {
-        vec![0]
-    }
-
-    fn block_tensor_split(block: &TpBlock<B>) -> Vec<usize> {
-        tensor_split_params::<B>(block)
     }
 }
 

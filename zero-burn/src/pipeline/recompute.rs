@@ -10,7 +10,7 @@
 //! micro-batches in flight on a stage, this is where a pipeline's activation memory goes.
 //!
 //! The checkpoints are kept as the setting says (device, host, or partitioned over the tensor
-//! group), exactly as the chain engine keeps them.
+//! group), exactly as `checkpointed_grads` keeps them.
 
 use super::engine::PipelineEngine;
 use super::layer::{PipeHidden, PipeLayer};
