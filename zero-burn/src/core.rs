@@ -443,7 +443,7 @@ impl EngineCore {
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
-        self.state.apply(grads, coef, lr, self.comm.as_ref())?;
+        self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
         Ok(Some(grad_norm))
     }
 
@@ -459,12 +459,13 @@ impl EngineCore {
         let end = start + values.len();
         if end > state.master.len() {
             return Err(ZeroError::Usage(format!(
-                "flat group {group}: new master values {start}..{end} outside the {} this rank holds (masters swapped                  to NVMe cannot be written between steps)",
+                "flat group {group}: new master values {start}..{end} outside the {} this rank holds (masters \
+                 swapped to NVMe cannot be written between steps)",
                 state.master.len()
             )));
         }
         state.master[start..end].copy_from_slice(values);
-        if let Some(half) = &mut state.half {
+        if let Some(half) = state.half.as_mut().filter(|h| h.len() >= end) {
             crate::half_buffer::write_rounded(half, start, values);
         }
         Ok(())
@@ -518,13 +519,17 @@ impl EngineCore {
         }
     }
 
-    /// The rank's owned values of a group in the compute dtype (the parameter shard when one is
-    /// kept, from memory or read in from its file, else the masters, rounded when the compute
-    /// dtype is 16-bit). The buffer is the caller's, dropped after the gather.
+    /// The rank's owned values of a group in the compute dtype (the step's copy while it is
+    /// held, else the masters, read from the swap file when they are there, rounded when the
+    /// compute dtype is 16-bit). The buffer is the caller's, dropped after the gather.
     pub fn shard_buffer(&self, group: usize) -> Result<FlatBuffer, ZeroError> {
-        Ok(match self.state.param_shard(group) {
-            Some(h) => h,
-            None => FlatBuffer::from_f32(&self.state.groups[group].master, self.settings.precision.dtype.flat()),
+        let dtype = self.settings.precision.dtype.flat();
+        if let Some(h) = self.state.param_shard(group) {
+            return Ok(h);
+        }
+        Ok(match self.state.read_swapped_group(group)? {
+            Some(buffers) => FlatBuffer::from_f32(buffers.first().map_or(&[][..], Vec::as_slice), dtype),
+            None => FlatBuffer::from_f32(&self.state.groups[group].master, dtype),
         })
     }
 }

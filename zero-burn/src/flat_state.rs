@@ -40,10 +40,11 @@ pub(crate) struct GroupState {
     pub flow: GradFlow,
     /// Optimizer over `master`.
     pub optimizer: GroupOptimizer,
-    /// The owned masters rounded to the 16-bit compute dtype, rewritten by every optimizer
-    /// step: the parameter shard that stage 3 gathers (`None` when parameters are not sharded
-    /// or are fp32). With the masters on NVMe it is always kept, in the compute dtype (fp32
-    /// included): it is then the only in-memory copy of the owned values.
+    /// The owned masters in the 16-bit compute dtype, written by the optimizer step in the same
+    /// pass (`None` when parameters are not sharded or are fp32). With the masters on NVMe it
+    /// is always there, in the compute dtype (fp32 included): the step's output, read once to
+    /// write the model's new values. Empty (of its dtype) once released
+    /// ([`FlatState::release_param_copies`]) until the next step writes it again.
     pub half: Option<FlatBuffer>,
 }
 
@@ -81,6 +82,9 @@ pub(crate) struct FlatState {
     pub groups: Vec<GroupState>,
     pub dtypes: StateDtypes,
     offload: OffloadState,
+    /// The parameter copies (`half`) are in host memory beside an offloaded optimizer's state
+    /// (how the memory report counts them).
+    copies_on_host: bool,
 }
 
 impl FlatState {
@@ -226,6 +230,7 @@ impl FlatState {
             groups,
             dtypes,
             offload: OffloadState { pool, nvme },
+            copies_on_host: *offload != OptimizerOffload::None,
         })
     }
 
@@ -234,10 +239,45 @@ impl FlatState {
         self.offload.nvme.is_some()
     }
 
-    /// The rank's values of `group` in the compute dtype, when a copy is kept apart from the
-    /// masters (they are on NVMe). `None`: the masters are in memory.
+    /// The rank's values of `group` in the compute dtype, when a copy apart from the masters is
+    /// held now. `None`: read them from the masters.
     pub fn param_shard(&self, group: usize) -> Option<FlatBuffer> {
-        self.groups[group].half.clone()
+        let owned = self.layout.owned_len(group);
+        self.groups[group].half.clone().filter(|h| h.len() == owned)
+    }
+
+    /// Frees every parameter copy kept apart from the masters until the next step writes it
+    /// again: the model holds the values now (a `ZeroModule` unit its shard, in its store under
+    /// `offload_param`), and a reader in between takes them from the masters.
+    pub fn release_param_copies(&mut self, memory: &MemoryTracker) {
+        for g in &mut self.groups {
+            let Some(h) = &mut g.half else { continue };
+            if h.len() == 0 {
+                continue;
+            }
+            if self.copies_on_host {
+                memory.sub_host_parameters(h.byte_len());
+            } else {
+                memory.sub_parameters(h.byte_len());
+            }
+            *h = FlatBuffer::from_f32(&[], h.dtype());
+        }
+    }
+
+    /// Allocates group `group`'s parameter copy again if it was released, for the step to
+    /// write.
+    fn restore_param_copy(&mut self, group: usize, memory: &MemoryTracker) {
+        let owned = self.layout.owned_len(group);
+        let Some(h) = &mut self.groups[group].half else { return };
+        if h.len() == owned {
+            return;
+        }
+        *h = FlatBuffer::zeros(h.dtype(), owned);
+        if self.copies_on_host {
+            memory.add_host_parameters(h.byte_len());
+        } else {
+            memory.add_parameters(h.byte_len());
+        }
     }
 
     /// Swapped state: group `group`'s masters, then each optimizer buffer (in the order of its
@@ -369,7 +409,11 @@ impl FlatState {
         coef: f32,
         lr: f64,
         group_comm: &dyn ProcessGroup,
+        memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
+        for gi in 0..self.groups.len() {
+            self.restore_param_copy(gi, memory);
+        }
         for grad in &mut grads {
             if coef != 1.0 {
                 grad.iter_mut().for_each(|v| *v *= coef);

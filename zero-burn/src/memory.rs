@@ -121,6 +121,13 @@ impl MemoryTracker {
         self.parameters.add(bytes);
         self.host_parameters.add(bytes)
     }
+    pub(crate) fn sub_host_parameters(&self, bytes: usize) {
+        self.parameters.sub(bytes);
+        self.host_parameters.sub(bytes)
+    }
+    pub(crate) fn sub_parameters(&self, bytes: usize) {
+        self.parameters.sub(bytes)
+    }
     pub(crate) fn add_nvme_parameters(&self, bytes: usize) {
         self.nvme_parameters.add(bytes)
     }

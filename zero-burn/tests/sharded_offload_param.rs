@@ -3,15 +3,18 @@
 //!
 //! Reference: the same run with the shards on the device (the stored bytes are the shard's, so
 //! the runs agree bit for bit), at worlds 1 and 2, fp32 and bf16, with the optimizer's state on
-//! the device and offloaded; for the resume, the same run without the stop. The model is
-//! sharded_support's three linear units (a skip connection), cut by `initialize_settings`.
+//! the device and offloaded (to host memory; and to its own NVMe swap file with two micro-batches
+//! accumulated by Burn's `GradientsAccumulator`, the shards all in the file or split by
+//! `max_in_cpu`); the memory report places the shard bytes; for the resume, the same run
+//! without the stop. The model is sharded_support's three linear units (a skip connection), cut
+//! by `initialize_settings`. The config's `offload_param` sections become these settings.
 
 mod common;
 mod sharded_support;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use sharded_support::*;
 use std::path::{Path, PathBuf};
@@ -171,22 +174,12 @@ fn offloaded_shards_train_bit_for_bit_as_shards_on_the_device() {
                     );
                     for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{label}, in cpu {in_cpu}: rank {rank}");
-                        // Every parameter is a unit's: none is left on the device. A host
-                        // optimizer state under bf16 keeps its own 16-bit copy of the shard,
-                        // in host memory, either way.
+                        // Every parameter is a unit's: none is left on the device, and the
+                        // optimizer keeps no copy of the shards between steps.
                         let shards = shard_bytes(world, bytes);
-                        let copy = if bytes == 2 && optimizer != OptimizerOffload::None {
-                            shards
-                        } else {
-                            0
-                        };
-                        let placed = if in_cpu {
-                            [0, shards + copy, 0]
-                        } else {
-                            [0, copy, shards]
-                        };
+                        let placed = if in_cpu { [0, shards, 0] } else { [0, 0, shards] };
                         assert_eq!(g.2, placed, "{label}, in cpu {in_cpu}: rank {rank}'s parameter bytes");
-                        assert_eq!(w.2, [shards, copy, 0], "{label}: rank {rank}'s parameter bytes");
+                        assert_eq!(w.2, [shards, 0, 0], "{label}: rank {rank}'s parameter bytes");
                     }
                     // The parameter files go with the model.
                     let left: Vec<_> = std::fs::read_dir(&dir)
@@ -281,4 +274,113 @@ fn a_burn_record_carries_the_offloaded_values_and_loads_back_into_the_store() {
         }
     });
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// [`run`] from the start without a checkpoint, each step's rows split into two micro-batches
+/// whose gradients Burn's `GradientsAccumulator` sums (each loss halved); a step's loss is its
+/// first micro-batch's.
+fn run_accumulated(settings: EngineSettings, world: usize) -> Vec<Run> {
+    on_ranks(world, |rank, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let dtype = settings.precision.dtype.burn();
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
+                .expect("initialize");
+        let mut lr = optim.lr_scheduler();
+        let per = ROWS / world / 2;
+        let (mut losses, mut placed) = (Vec::new(), [0; 3]);
+        for s in 0..STEPS {
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..2 {
+                let start = (rank * 2 + micro) * per;
+                let x = rows::<AB>(start..start + per, 4, s, &device).cast(dtype);
+                let loss = model.loss(x, rows::<AB>(start..start + per, 3, 5 + s, &device).cast(dtype));
+                if micro == 0 {
+                    losses.push(loss.clone().into_scalar().elem::<f32>().to_bits());
+                }
+                let grads = optim.scale_loss(loss.div_scalar(2.0)).backward();
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            }
+            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
+            model = optim.try_step(rate, model, accumulator.grads()).expect("step");
+            let p = optim.memory().locations.parameters;
+            placed = [p.device, p.host, p.nvme];
+        }
+        (losses, gathered(&model), placed)
+    })
+}
+
+#[test]
+fn param_and_optimizer_both_on_nvme_with_accumulation() {
+    // The optimizer's state streamed from its own swap file too (chunks of 7 elements, 3
+    // buffers), two micro-batches per step. The shards all in the parameter file, or the
+    // first unit's in host memory (`max_in_cpu` its shard) and the others in the file.
+    let dir = scratch("both");
+    let optimizer = OptimizerOffload::Nvme {
+        path: dir.join("optimizer"),
+        buffer_count: 3,
+        chunk_elements: 7,
+        threads: 1,
+    };
+    let world = 2;
+    let want = run_accumulated(
+        settings(PrecisionSettings::bf16(), optimizer.clone(), ParamOffload::None),
+        world,
+    );
+    let unit = |u: usize| {
+        let (i, o) = SIZES[u];
+        zero_burn::sharded::shard_len(i * o + o, world)
+    };
+    for max_in_cpu in [0, unit(0)] {
+        let label = format!("params and optimizer on nvme, max_in_cpu {max_in_cpu}, two micro-batches");
+        let params = ParamOffload::Nvme {
+            path: dir.join("params"),
+            max_in_cpu,
+        };
+        let got = run_accumulated(settings(PrecisionSettings::bf16(), optimizer.clone(), params), world);
+        for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{label}: rank {rank}");
+            // bf16: 2 bytes an element. What the run without offload_param holds on the
+            // device is now in host memory (the units under `max_in_cpu`) or in the file.
+            let in_host = if max_in_cpu == 0 { 0 } else { 2 * unit(0) };
+            let shards = shard_bytes(world, 2);
+            assert_eq!(
+                w.2[0], shards,
+                "{label}: rank {rank}'s shards on the device without offload_param"
+            );
+            assert_eq!(
+                g.2,
+                [0, w.2[1] + in_host, shards - in_host],
+                "{label}: rank {rank}'s parameter bytes"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_sections_become_param_offload_settings() {
+    let settings = |stage: u8, param: &str| {
+        let text = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "Adam", "params": {{"lr": 0.001}}}}, "zero_optimization": {{"stage": {stage}, "offload_param": {param}}}}}"#
+        );
+        let cfg = zero_core::config::DeepSpeedConfig::from_str(&text, "ds_config.json")
+            .expect("parses")
+            .config;
+        let resolved = zero_burn::resolve(&cfg, 2, &Default::default()).expect("resolves");
+        zero_burn::engine_settings(&resolved)
+    };
+    let cpu = settings(3, r#"{"device": "cpu"}"#).expect("cpu");
+    assert_eq!(cpu.offload_param, ParamOffload::Cpu);
+    let nv = settings(3, r#"{"device": "nvme", "nvme_path": "/tmp/p", "max_in_cpu": 1000}"#).expect("nvme");
+    assert_eq!(
+        nv.offload_param,
+        ParamOffload::Nvme {
+            path: "/tmp/p".into(),
+            max_in_cpu: 1000
+        }
+    );
+    let err = settings(2, r#"{"device": "cpu"}"#).expect_err("stage 2");
+    assert!(err.to_string().contains("stage 3"), "{err}");
 }

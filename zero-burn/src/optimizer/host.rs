@@ -112,7 +112,10 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     let report = core.update()?;
     let device = super::view::first_device::<B, M>(&module)?;
-    Ok((write_back::<B, M>(core, module, &device, &view.held)?, report))
+    let module = write_back::<B, M>(core, module, &device, &view.held)?;
+    // The model holds the new values now: the state's copies of them go until the next step.
+    core.state.release_param_copies(&core.memory);
+    Ok((module, report))
 }
 
 /// `module` with the state's values: replicated parameters whole (gathered where sharded), a
