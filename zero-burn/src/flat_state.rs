@@ -252,7 +252,7 @@ impl FlatState {
     pub fn release_param_copies(&mut self, memory: &MemoryTracker) {
         for g in &mut self.groups {
             let Some(h) = &mut g.half else { continue };
-            if h.len() == 0 {
+            if h.is_empty() {
                 continue;
             }
             if self.copies_on_host {

@@ -1,100 +1,186 @@
-//! `zero_core::estimate` (what `zero estimate` prints) against the engine's own accounting
-//! (`MemoryReport`) for a small chain model in bf16, every stage, one and two ranks, with and
-//! without optimizer offload to the host.
+//! `zero_core::estimate` (what `zero estimate` prints) against `ZeroOptimizer`'s memory report
+//! on the `ZeroModule` path, in bf16, at every stage, on one and two ranks, with the optimizer
+//! beside the model and offloaded to host memory (`offload_optimizer` cpu).
+//!
+//! Reference: the estimate's per-device bytes (16-bit parameters and gradients 2Ψ, divided by N
+//! from stage 3 and 2; fp32 masters and Adam's moments K = 12 bytes per element, divided by N
+//! from stage 1; at stage 3 one unit gathered whole), and with the offload its per-host
+//! optimizer state (every device's: the report is one rank's) and nothing of it on the device.
+//! The model is the common `Net` with 40 blocks, each block a `ZeroModule`, the input layer and
+//! head outside any unit, trained one step in Burn's loop under a checkpointing strategy.
+//!
+//! Slack: the padding of the flat groups (each unit's vector to a multiple of 16·N elements,
+//! each other group by less than 16·N; a rank's part holds 1/N of it), and at stage 3 the ends'
+//! parameters and gradients, whole on every rank.
 
 mod common;
 
-use common::*;
-use zero_burn::{ChainEngine, EngineSettings, MemoryReport, OptimizerOffload, PrecisionSettings, Stage};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use common::{batch, on_ranks, psi, Block, Ends, Net, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
+use std::sync::Arc;
+use zero_burn::sharded::{shard_len, ShardBackend, UnitComm, ZeroModule};
+use zero_burn::{EngineSettings, HostStaged, MemoryReport, OptimizerOffload, PrecisionSettings, Stage};
 use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
 
-const BLOCKS: usize = 40;
+/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
+type B = Autodiff<Flex, BalancedCheckpointing>;
 
-fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport {
-    let reports = on_ranks(world, move |rank, group| {
-        let device = Default::default();
-        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
-        s.alignment = 1;
-        s.param_persistence_threshold = 0;
-        s.reduce_bucket_size = 1 << 20;
-        s.precision = PrecisionSettings::bf16();
-        s.offload_optimizer = offload.clone();
-        let mut engine = ChainEngine::new(s, Net::<B>::new(&device, BLOCKS), group).expect("engine");
-        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
-        let dtype = engine.compute_dtype().burn();
-        let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
-        engine.backward(loss).expect("backward");
-        engine.step().expect("step").expect("a boundary");
-        engine.memory()
-    });
-    reports[0]
+const BLOCKS: usize = 40;
+/// The input layer and the head, weights and biases: outside any unit.
+const ENDS: usize = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT;
+
+/// `Net` with each block a `ZeroModule`.
+#[derive(Module, Debug)]
+struct UnitNet<B: Backend> {
+    ends: Ends<B>,
+    blocks: Vec<ZeroModule<B, Block<B>>>,
 }
 
-fn close(label: &str, engine: usize, formula: u64, slack: u64) {
+impl<B: ShardBackend> UnitNet<B> {
+    fn new(device: &B::Device) -> Self {
+        let net = Net::<B>::new(device, BLOCKS);
+        UnitNet {
+            ends: net.ends,
+            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
+        }
+    }
+
+    /// `Net::loss`, each block gathered for its forward.
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.unshard(&h).expect("gather").forward(h);
+        }
+        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
+/// Rank 0's report after one bf16 step at `stage` on `world` ranks.
+fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport {
+    on_ranks(world, |rank, group| {
+        let device = Default::default();
+        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
+        s.precision = PrecisionSettings::bf16();
+        s.offload_optimizer = offload.clone();
+        // Every block is cut at stage 3; no prefetch beside the unit in use.
+        s.param_persistence_threshold = 0;
+        s.overlap_comm = false;
+        let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
+        let (model, mut optim) =
+            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device), group, units).expect("initialize");
+        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
+        let dtype = burn::tensor::DType::BF16;
+        let grads = GradientsParams::from_grads(model.loss(x.cast(dtype), y.cast(dtype)).backward(), &model);
+        optim.try_step(1e-3, model, grads).expect("step");
+        assert!(!optim.last_step().expect("a step").skipped);
+        optim.memory()
+    })
+    .remove(0)
+}
+
+/// The estimate for the model at `stage` on `world` devices of one node.
+fn estimated(stage: Stage, world: usize, offload: Option<OffloadTarget>) -> zero_core::estimate::Estimate {
+    let mut input = EstimateInput::new(psi(BLOCKS) as u64, stage.number(), world as u64, Dtype::Bf16);
+    input.gathered_at_once = Some(BLOCK_ELEMENTS as u64);
+    input.offload_optimizer = offload;
+    estimate(&input).expect("estimate")
+}
+
+fn close(label: &str, report: usize, formula: u64, slack: f64) {
     assert!(
-        (engine as i64 - formula as i64).unsigned_abs() <= slack,
-        "{label}: the engine holds {engine} bytes, zero estimate says {formula}"
+        (report as f64 - formula as f64).abs() <= slack,
+        "{label}: the report says {report} bytes, zero estimate {formula} (slack {slack:.0})"
     );
 }
 
+/// The header's slack on `world` ranks, in elements: the padding of a whole vector, the part
+/// of it that is the other groups' (the ends'), and the ends' elements beyond a rank's 1/N.
+fn slack(world: usize) -> (f64, f64, f64) {
+    let units_pad = BLOCKS * (shard_len(BLOCK_ELEMENTS, world) * world - BLOCK_ELEMENTS);
+    let groups_pad = 2 * 16 * world;
+    let ends = ENDS as f64 * (1.0 - 1.0 / world as f64);
+    ((units_pad + groups_pad) as f64, groups_pad as f64, ends)
+}
+
 #[test]
-fn estimate_matches_the_engines_accounting() {
-    // Padding: at most one element per rank and group (alignment 1), 2 + 2 + 12 bytes each.
-    let slack = 16 * (BLOCKS as u64 + 2) * 2;
+fn estimate_matches_the_memory_report() {
     for world in [1usize, 2] {
+        let (whole, groups_pad, ends) = slack(world);
+        let part = whole / world as f64;
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-            let label = format!("stage {stage:?} world {world}");
+            let label = format!("{stage:?} world {world}");
             let r = report(stage, world, OptimizerOffload::None);
-            let e = estimate(&EstimateInput::new(
-                psi(BLOCKS) as u64,
-                stage.number(),
-                world as u64,
-                Dtype::Bf16,
-            ))
-            .unwrap()
-            .per_device;
+            let e = estimated(stage, world, None).per_device;
+            let (params, grads) = match stage {
+                Stage::Zero0 | Stage::Zero1 => (whole, whole),
+                Stage::Zero2 => (whole, part + ends + groups_pad),
+                Stage::Zero3 => (part + ends, part + ends + groups_pad),
+            };
+            let state = if stage == Stage::Zero0 { whole } else { part };
             close(
                 &format!("{label} parameters"),
                 r.parameters.current,
                 e.parameters,
-                slack,
+                2.0 * params,
             );
-            close(&format!("{label} gradients"), r.gradients.current, e.gradients, slack);
+            close(
+                &format!("{label} gradients"),
+                r.gradients.current,
+                e.gradients,
+                2.0 * grads,
+            );
             close(
                 &format!("{label} optimizer states"),
                 r.master_weights.current + r.optimizer_state.current,
                 e.optimizer_state,
-                slack,
+                12.0 * state,
             );
-            // Everything is beside the model without offload.
+            // One unit whole, padded to the ranks.
+            let unit_pad = shard_len(BLOCK_ELEMENTS, world) * world - BLOCK_ELEMENTS;
+            close(
+                &format!("{label} gathered"),
+                r.gathered.current,
+                e.gathered,
+                2.0 * unit_pad as f64,
+            );
+            // Everything beside the model without offload.
+            let l = r.locations;
             assert_eq!(
-                r.locations.optimizer_state.host + r.locations.master_weights.host,
+                l.parameters.host + l.master_weights.host + l.optimizer_state.host,
                 0,
                 "{label}"
             );
         }
-    }
-    // Offload to the host: the K = 12 part leaves the device and is in host memory.
-    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        let label = format!("cpu offload stage {stage:?}");
-        let r = report(stage, 2, OptimizerOffload::Cpu { threads: 1 });
-        let mut input = EstimateInput::new(psi(BLOCKS) as u64, stage.number(), 2, Dtype::Bf16);
-        input.offload_optimizer = Some(OffloadTarget::Cpu);
-        let e = estimate(&input).unwrap();
-        let host = r.locations.master_weights.host + r.locations.optimizer_state.host;
-        // Per host = both devices' shards; the engine reports one rank's.
-        close(
-            &format!("{label} host optimizer states"),
-            host,
-            e.per_host.optimizer_state / 2,
-            slack,
-        );
-        assert_eq!(e.per_device.optimizer_state, 0);
-        assert_eq!(
-            r.locations.master_weights.device + r.locations.optimizer_state.device,
-            0,
-            "{label}"
-        );
+        // Offload to host memory: the K = 12 part leaves the device and is in host memory.
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            let label = format!("cpu offload {stage:?} world {world}");
+            let r = report(stage, world, OptimizerOffload::Cpu { threads: 1 });
+            let e = estimated(stage, world, Some(OffloadTarget::Cpu));
+            let state = if stage == Stage::Zero0 { whole } else { part };
+            let l = r.locations;
+            // Per host: every device's state; the report is one rank's.
+            close(
+                &format!("{label} host optimizer states"),
+                l.master_weights.host + l.optimizer_state.host,
+                e.per_host.optimizer_state / world as u64,
+                12.0 * state,
+            );
+            assert_eq!(e.per_device.optimizer_state, 0, "{label}");
+            assert_eq!(l.master_weights.device + l.optimizer_state.device, 0, "{label}");
+            // The model's parameters stay on the device.
+            let params = if stage == Stage::Zero3 { part + ends } else { whole };
+            close(
+                &format!("{label} parameters on the device"),
+                l.parameters.device,
+                e.per_device.parameters,
+                2.0 * params,
+            );
+        }
     }
 }

@@ -5,9 +5,9 @@
 //!
 //! Reference: `ZeroOptimizer` with its host state (`offload_optimizer` cpu: fp32 masters and
 //! Adam moments in host memory, the fused CPU Adam), with the same settings, the same model,
-//! the same data and the same Burn loop. The host state is `EngineCore`, the core of
-//! `ChainEngine`, which exactness.rs tests against plain Burn AdamW on one thread (as it tests
-//! the device state), so agreement here carries that reference over. Every run asserts where its state lives
+//! the same data and the same Burn loop. The host state is `EngineCore`, which exactness.rs
+//! tests against plain Burn AdamW on one thread (as it tests the device state), so agreement
+//! here carries that reference over. Every run asserts where its state lives
 //! (`tensor_state()`), so that a comparison cannot compare a path with itself. Both states
 //! receive the same accumulated gradients and reduce them through the same thread group in the
 //! same order, so the gradients they average are the same; what differs is
@@ -347,7 +347,7 @@ fn a_non_finite_fp32_or_bf16_step_fails_on_every_rank_naming_the_rank_as_the_hos
 
 #[test]
 fn memory_report_counts_the_same_model_states_as_the_host_state_on_the_device() {
-    // Reference: the host state's counts (checked against the ZeRO formulas in memory.rs) for
+    // Reference: the host state's counts (checked against the ZeRO formulas in zero_formulas.rs) for
     // parameters, fp32 masters and Adam state, and the formulas themselves: 2Ψ bytes of bf16
     // parameters, 4Ψ of masters and 8Ψ of Adam state at stage 0; at stage 1 on 4 ranks the
     // masters and the state are a quarter of that plus padding. The device state's masters and

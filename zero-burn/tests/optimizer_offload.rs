@@ -1,7 +1,11 @@
 //! `ZeroOptimizer` with its optimizer offloaded (`offload_optimizer`): streamed from a swap file
 //! (`nvme`) training is bit for bit the host-memory training (`cpu`), at every stage and world
-//! size, in fp32 and bf16; a run saved from the swap file and resumed (into the swap file or
-//! into memory) continues bit for bit; the memory report says the state is on NVMe.
+//! size, in fp32 and bf16, and with one streaming buffer, two micro-batches accumulated by
+//! Burn's `GradientsAccumulator` and SGD with momentum; a run saved from the swap file and
+//! resumed (into the swap file or into memory) continues bit for bit, as does one saved from
+//! memory and resumed into the swap file, or resumed with the units' shards in a parameter file
+//! (`offload_param` nvme); the memory report says the state is on NVMe; the config's
+//! `offload_optimizer` sections become these settings.
 //!
 //! Reference: the same run with the state in host memory (`offload_optimizer: cpu`, the same
 //! fused kernel on the same values: the chunks see exactly the in-memory values, and the
@@ -13,12 +17,12 @@ mod common;
 mod sharded_support;
 
 use burn::backend::{Autodiff, Flex};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use sharded_support::*;
 use std::path::{Path, PathBuf};
 use zero_burn::params::read_values;
-use zero_burn::{EngineSettings, OptimizerOffload, PrecisionSettings, Stage};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
+use zero_core::optim::{AdamSpec, OptimizerSpec, SgdSpec};
 
 type AB = Autodiff<Flex>;
 const STEPS: usize = 4;
@@ -54,6 +58,8 @@ fn settings(stage: Stage, precision: PrecisionSettings, offload: OptimizerOffloa
     s.lr_schedule = Some(std::sync::Arc::new(|step| 0.01 / (1.0 + step as f64)));
     s.precision = precision;
     s.offload_optimizer = offload;
+    // Every unit is cut at stage 3 (the default threshold would keep these small ones whole).
+    s.param_persistence_threshold = 0;
     s
 }
 
@@ -69,6 +75,20 @@ fn run(
     load: Option<&Path>,
     save: Option<&Path>,
 ) -> Vec<Run> {
+    run_accumulated(settings, world, 1, steps, load, save)
+}
+
+/// [`run`] with each step's gradients summed over `micro` micro-batches (the rank's rows split
+/// in order) by Burn's `GradientsAccumulator`, each loss divided by `micro`; a step's loss is
+/// its first micro-batch's.
+fn run_accumulated(
+    settings: EngineSettings,
+    world: usize,
+    micro: usize,
+    steps: std::ops::Range<usize>,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<Run> {
     on_ranks(world, |rank, comm| {
         let device = Default::default();
         let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
@@ -80,16 +100,23 @@ fn run(
             model = optim.load_checkpoint(dir, None, model).expect("load").0;
         }
         let mut lr = optim.lr_scheduler();
-        let per = ROWS / world;
-        let mine = rank * per..(rank + 1) * per;
+        let per = ROWS / world / micro;
         let mut losses = Vec::new();
         for step in steps.clone() {
-            let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);
-            let loss = model.loss(x, rows::<AB>(mine.clone(), 3, 5 + step, &device).cast(dtype));
-            losses.push(loss.clone().into_scalar().to_f32().to_bits());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let mut accumulator = GradientsAccumulator::new();
+            for m in 0..micro {
+                let start = (rank * micro + m) * per;
+                let mine = start..start + per;
+                let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);
+                let loss = model.loss(x, rows::<AB>(mine, 3, 5 + step, &device).cast(dtype));
+                if m == 0 {
+                    losses.push(loss.clone().into_scalar().to_f32().to_bits());
+                }
+                let grads = loss.div_scalar(micro as f32).backward();
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            }
             let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
-            model = optim.try_step(rate, model, grads).expect("step");
+            model = optim.try_step(rate, model, accumulator.grads()).expect("step");
         }
         if let Some(dir) = save {
             optim
@@ -184,6 +211,43 @@ fn a_run_saved_from_the_swap_file_resumes_bit_for_bit_into_the_swap_file_or_memo
 }
 
 #[test]
+fn checkpoints_move_from_host_memory_into_the_swap_file_and_beside_offloaded_parameters() {
+    // The other ways across: saved from host memory and resumed into the swap file; saved from
+    // the swap file and resumed with the units' shards in a parameter file too. Reference: the
+    // run without the stop, in host memory.
+    let host = settings(
+        Stage::Zero3,
+        PrecisionSettings::bf16(),
+        OptimizerOffload::Cpu { threads: 1 },
+    );
+    let whole = run(host.clone(), 2, 0..STEPS, None, None);
+    let (swap, params) = (scratch("across-swap"), scratch("across-params"));
+    let swapped = settings(Stage::Zero3, PrecisionSettings::bf16(), nvme(&swap));
+    let mut beside = swapped.clone();
+    beside.offload_param = ParamOffload::Nvme {
+        path: params.clone(),
+        max_in_cpu: 0,
+    };
+    let ways = [
+        ("from host memory into the swap file", host, swapped.clone()),
+        ("from the swap file beside a parameter file", swapped, beside),
+    ];
+    for (i, (label, first, second)) in ways.into_iter().enumerate() {
+        let ckpt = scratch(&format!("across-ckpt-{i}"));
+        let a = run(first, 2, 0..2, None, Some(&ckpt));
+        let b = run(second, 2, 2..STEPS, Some(&ckpt), None);
+        for (rank, ((a, b), w)) in a.iter().zip(&b).zip(&whole).enumerate() {
+            let losses: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
+            assert_eq!(losses, w.0, "{label}: rank {rank}'s losses");
+            assert_eq!(b.1, w.1, "{label}: rank {rank}'s weights");
+        }
+        let _ = std::fs::remove_dir_all(&ckpt);
+    }
+    let _ = std::fs::remove_dir_all(&swap);
+    let _ = std::fs::remove_dir_all(&params);
+}
+
+#[test]
 fn the_memory_report_puts_the_state_on_nvme() {
     let dir = scratch("report");
     let reports = on_ranks(1, |_, comm| {
@@ -222,4 +286,74 @@ fn the_memory_report_puts_the_state_on_nvme() {
         nv.locations
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn nvme_with_one_buffer_accumulation_and_sgd_momentum() {
+    // One buffer: no overlap at all (read, step, write one chunk at a time); chunks of 13
+    // elements; two micro-batches accumulated by Burn's `GradientsAccumulator`. SGD with
+    // momentum: its buffer starts as the first gradient, decided by the step count that every
+    // chunk must see.
+    let sgd = OptimizerSpec::Sgd(SgdSpec {
+        lr: 0.05,
+        momentum: 0.9,
+        dampening: 0.0,
+        weight_decay: 0.01,
+        nesterov: true,
+    });
+    let runs = [
+        ("Adam bf16", Stage::Zero2, PrecisionSettings::bf16(), None),
+        ("SGD fp32", Stage::Zero1, PrecisionSettings::fp32(), Some(sgd.clone())),
+        ("SGD bf16", Stage::Zero3, PrecisionSettings::bf16(), Some(sgd)),
+    ];
+    for (name, stage, precision, optimizer) in runs {
+        let label = format!("{name} {stage:?}: one buffer, two micro-batches");
+        let dir = scratch(&format!("one-buffer-{stage:?}"));
+        let mut host = settings(stage, precision, OptimizerOffload::Cpu { threads: 1 });
+        if let Some(spec) = optimizer {
+            host.optimizer = spec;
+        }
+        let mut swapped = host.clone();
+        swapped.offload_optimizer = OptimizerOffload::Nvme {
+            path: dir.clone(),
+            buffer_count: 1,
+            chunk_elements: 13,
+            threads: 1,
+        };
+        let want = run_accumulated(host, 2, 2, 0..STEPS, None, None);
+        let got = run_accumulated(swapped, 2, 2, 0..STEPS, None, None);
+        assert_eq!(got, want, "{label}: nvme against host memory");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn config_sections_become_offload_settings() {
+    let settings = |zero: &str| {
+        let text = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "{opt}", "params": {{"lr": 0.001}}}}, "zero_optimization": {zero}}}"#,
+            opt = if zero.contains("lamb") { "Lamb" } else { "Adam" }
+        );
+        let cfg = zero_core::config::DeepSpeedConfig::from_str(&text, "ds_config.json")
+            .expect("parses")
+            .config;
+        let resolved = zero_burn::resolve(&cfg, 2, &Default::default()).expect("resolves");
+        zero_burn::engine_settings(&resolved)
+    };
+    let cpu = settings(r#"{"stage": 2, "offload_optimizer": {"device": "cpu"}}"#).expect("cpu offload is accepted");
+    assert_eq!(cpu.offload_optimizer, OptimizerOffload::Cpu { threads: 0 });
+    let nv = settings(r#"{"stage": 3, "sub_group_size": 1000, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 5}}"#)
+        .expect("nvme offload is accepted");
+    assert_eq!(
+        nv.offload_optimizer,
+        OptimizerOffload::Nvme {
+            path: "/tmp/x".into(),
+            buffer_count: 5,
+            chunk_elements: 1000,
+            threads: 0
+        }
+    );
+    let err =
+        settings(r#"{"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}"#).expect_err("partial offload");
+    assert!(err.to_string().contains("ratio"), "{err}");
 }
