@@ -147,7 +147,8 @@ fn fifty_steps_on_4_ranks_keep_one_collective_order() {
 /// first steps overflow and are skipped on every rank) follow the fp32 loss curve at stage 3 on
 /// 2 ranks. Reference: the same run in fp32; each 16-bit step is compared with the fp32 step
 /// taken after as many applied updates (the batch is the same every step), to 2% of the initial
-/// loss, as the engines' precision test does.
+/// loss (the 16-bit rounding of weights and activations moves the loss by less; a wrong scale,
+/// a lost skip or an unapplied step by more).
 #[test]
 fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
     const STEPS: usize = 12;

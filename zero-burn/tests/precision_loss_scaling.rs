@@ -1,4 +1,4 @@
-//! fp16 dynamic loss scaling in the engine, with DeepSpeed's semantics.
+//! fp16 dynamic loss scaling in `ZeroOptimizer`, with DeepSpeed's semantics.
 //!
 //! Reference: the scale trajectories below are derived by hand from DeepSpeed's
 //! `DynamicLossScaler.update_scale` (the rules `zero_core::loss_scaler` implements and checks
@@ -6,8 +6,8 @@
 //! halves the scale; the scale doubles when `loss_scale_window` steps have passed since the last
 //! overflow. A skipped step must leave the weights bit for bit as they were.
 //!
-//! Every test runs through the `ZeroModule` path (`ZeroOptimizer` in Burn's own loop, with its
-//! state as tensors and in host buffers) and through `ChainEngine`.
+//! Every test runs on the `ZeroModule` path (`UnitNet` and `ZeroOptimizer` in Burn's own loop),
+//! with the optimizer's state as tensors and in host buffers.
 
 mod common;
 mod precision_support;
@@ -22,8 +22,8 @@ fn fp16(scaler: LossScalerConfig) -> PrecisionSettings {
     PrecisionSettings::fp16(scaler)
 }
 
-/// The runs of every path: `ZeroOptimizer` with its state as tensors, in host buffers, and
-/// `ChainEngine`, labelled.
+/// The runs of every path: `ZeroOptimizer` with its state as tensors and in host buffers,
+/// labelled.
 fn every_path(
     settings: EngineSettings,
     world: usize,
@@ -35,11 +35,7 @@ fn every_path(
             "ZeroOptimizer (tensors)",
             train_zero(settings.clone(), world, steps, poison.clone(), false),
         ),
-        (
-            "ZeroOptimizer (host)",
-            train_zero(settings.clone(), world, steps, poison.clone(), true),
-        ),
-        ("ChainEngine", train(settings, world, steps, poison, plain)),
+        ("ZeroOptimizer (host)", train_zero(settings, world, steps, poison, true)),
     ]
 }
 

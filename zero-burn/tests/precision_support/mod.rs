@@ -1,13 +1,13 @@
 //! What the mixed-precision tests share: 16-bit settings, a training run of the common `Net`
-//! with an optional poisoned micro-batch, and a process group that records what each collective
-//! moved.
+//! with each block a `ZeroModule` (`UnitNet`, `ZeroOptimizer` in Burn's own loop) with an
+//! optional poisoned micro-batch, and a process group that records what each collective moved.
 
 #![allow(dead_code)]
 
 use crate::common::*;
 use burn::tensor::DType;
 use std::sync::{Arc, Mutex};
-use zero_burn::{ChainEngine, EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
+use zero_burn::{EngineSettings, PrecisionSettings, Stage, StepReport, ZeroError};
 use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
 use zero_core::optim::OptimizerSpec;
 
@@ -18,8 +18,9 @@ pub fn adamw() -> OptimizerSpec {
     adamw_eps4(LR)
 }
 
-/// The settings of exactness.rs (several buckets at stages 1-2, biases replicated at stage 3),
-/// with `precision`.
+/// AdamW with buckets of 100 elements (several per step at stages 1-2) and a persistence
+/// threshold of 13 elements (every block of `UnitNet` is larger: all are cut at stage 3), with
+/// `precision`.
 pub fn settings(stage: Stage, gas: usize, precision: PrecisionSettings) -> EngineSettings {
     let mut s = EngineSettings::new(stage, adamw());
     s.gradient_accumulation_steps = gas;
@@ -58,18 +59,6 @@ pub struct RankRun {
     pub values: Vec<Vec<Vec<f32>>>,
 }
 
-/// Trains `Net` (3 blocks) for `steps` optimizer steps on `world` ranks, stopping a rank at
-/// its first failed step. `group` may wrap each rank's process group.
-pub fn train(
-    settings: EngineSettings,
-    world: usize,
-    steps: usize,
-    poison: Vec<Poison>,
-    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
-) -> Vec<RankRun> {
-    train_on(settings, world, steps, poison, wrap, Data::PerStep)
-}
-
 /// What a run trains on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Data {
@@ -80,71 +69,21 @@ pub enum Data {
     Fit,
 }
 
-/// [`train`] on the given data.
-pub fn train_on(
-    settings: EngineSettings,
-    world: usize,
-    steps: usize,
-    poison: Vec<Poison>,
-    wrap: impl Fn(Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> + Send + Sync + 'static,
-    data: Data,
-) -> Vec<RankRun> {
-    on_ranks(world, move |rank, group| {
-        let device = Default::default();
-        let gas = settings.gradient_accumulation_steps;
-        let dtype = settings.precision.dtype.burn();
-        let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 3), wrap(group)).expect("engine");
-        let mut run = RankRun {
-            losses: Vec::new(),
-            steps: Vec::new(),
-            values: Vec::new(),
-        };
-        for step in 0..steps {
-            let mut loss_sum = 0.0;
-            for micro in 0..gas {
-                let data_step = if data == Data::Fit { 0 } else { step };
-                let (mut x, mut y) = batch::<B>(data_step, rows(rank, world, micro, gas), &device);
-                if data == Data::Fit {
-                    y = x.clone().narrow(1, 0, OUT).mul_scalar(0.8);
-                }
-                if let Some(p) = poison.iter().find(|p| p.step == step && p.rank == rank) {
-                    x = x.zeros_like().add_scalar(p.value);
-                }
-                // The model follows its parameters' dtype: its float inputs are cast.
-                let loss = engine.forward((x.cast(dtype), y.cast(dtype))).expect("forward");
-                loss_sum += engine.backward(loss).expect("backward");
-            }
-            run.losses.push(loss_sum / gas as f32);
-            match engine.step() {
-                Ok(Some(report)) => run.steps.push(Ok(report)),
-                Ok(None) => panic!("no step at the accumulation boundary"),
-                Err(e) => {
-                    run.steps.push(Err(e.to_string()));
-                    assert!(
-                        matches!(e, ZeroError::NonFinite { .. } | ZeroError::LossScale { .. }),
-                        "{e}"
-                    );
-                    break;
-                }
-            }
-            run.values.push(values::<B, _>(&engine.module().expect("module")));
-        }
-        run
-    })
-}
-
 /// No wrapping.
 pub fn plain(group: Arc<dyn ProcessGroup>) -> Arc<dyn ProcessGroup> {
     group
 }
 
-/// The dtype of a float tensor the engine made.
-pub fn param_dtype(settings: &EngineSettings) -> DType {
+/// The dtypes of the parameters of the model `initialize_settings` gives back (one rank): of a
+/// replicated layer (the input layer) and of a unit's gathered block.
+pub fn param_dtypes(settings: &EngineSettings) -> [DType; 2] {
     let device = Default::default();
     let group: Arc<dyn ProcessGroup> = zero_core::comm::ThreadGroup::new_group(1).expect("group").remove(0);
-    let mut engine = ChainEngine::new(settings.clone(), Net::<B>::new(&device, 1), group).expect("engine");
-    let model = engine.module().expect("module");
-    model.ends.input.weight.val().dtype()
+    let units: zero_burn::sharded::UnitComm<burn::backend::Flex> = Arc::new(zero_burn::HostStaged::new(group.clone()));
+    let (model, _) = zero_burn::initialize_settings(settings.clone(), UnitNet::<B>::new(&device, 1), group, units)
+        .expect("initialize");
+    let block = model.blocks[0].gathered().expect("gather");
+    [model.ends.input.weight.val().dtype(), block.up.weight.val().dtype()]
 }
 
 /// One collective as a rank issued it.
@@ -206,29 +145,6 @@ pub fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     max_relative_error(a, b)
 }
 
-/// Trains `base` and `with` for 4 steps on `world` ranks and asserts that every rank's losses
-/// and weights after every step are the same bits (and that training moved the weights, so the
-/// equality is not that of two untouched models).
-pub fn assert_bit_for_bit(label: &str, base: EngineSettings, with: EngineSettings, world: usize) {
-    const STEPS: usize = 4;
-    let want = train(base, world, STEPS, vec![], plain);
-    let got = train(with, world, STEPS, vec![], plain);
-    for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
-        assert_eq!(g.steps.len(), STEPS, "{label} rank {rank}: {:?}", g.steps);
-        assert_eq!(w.losses, g.losses, "{label} rank {rank}: losses");
-        for step in 0..STEPS {
-            assert!(
-                w.values[step] == g.values[step],
-                "{label} rank {rank}: weights after step {step} differ"
-            );
-        }
-        assert!(
-            w.values[0] != w.values[STEPS - 1],
-            "{label}: training must move the weights"
-        );
-    }
-}
-
 /// `Net` with every block a `ZeroModule` (cut by `initialize_settings` at stages 2-3): the
 /// model of [`train_zero`].
 #[derive(burn::module::Module, Debug)]
@@ -272,9 +188,11 @@ impl<B: zero_burn::sharded::ShardBackend> UnitNet<B> {
     }
 }
 
-/// [`train`] through the `ZeroModule` path: `UnitNet` and `ZeroOptimizer` from
-/// `initialize_settings` in Burn's own loop (Burn's `GradientsAccumulator`, the optimizer's
-/// loss scale and LR schedule), the state in host buffers (`host`) or as tensors.
+/// Trains `UnitNet` (3 blocks) for `steps` optimizer steps on `world` ranks, stopping a rank at
+/// its first failed step: the model and `ZeroOptimizer` from `initialize_settings` in Burn's own
+/// loop (Burn's `GradientsAccumulator` over `settings.gradient_accumulation_steps`
+/// micro-batches, the optimizer's loss scale and LR schedule), the state in host buffers
+/// (`host`) or as tensors.
 pub fn train_zero(
     settings: EngineSettings,
     world: usize,
