@@ -1,40 +1,118 @@
-//! Activation checkpointing changes where activations live, never the result.
+//! Activation checkpointing (`checkpointed_grads`) changes where activations live, never the
+//! result: in Burn's own loop with `ZeroOptimizer`, the model's blocks `ZeroModule`s built by
+//! `initialize_settings`, at every stage (at stage 3 each block gathered again for its
+//! recomputation in backward), and for a plain Burn model.
 //!
 //! References:
 //! - plain Burn on one thread: the whole model's `loss(x, y).backward()` and Burn's own AdamW
-//!   (independent of the engine); parameters after 4 steps agree to 1e-6 relative;
-//! - the same engine without checkpointing: recomputation reruns the same operations in the same
-//!   order, so the parameters must be bit for bit the same.
+//!   (independent of ZeroOptimizer); parameters after 4 steps agree to 1e-6 relative;
+//! - the same run without checkpointing (the same model's `loss(x, y).backward()`):
+//!   recomputation reruns the same operations in the same order, so the parameters must be bit
+//!   for bit the same.
 //!
 //! The model has 5 residual blocks, so 2 checkpoints cut it unevenly (3 + 2 blocks).
 
 mod common;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use common::*;
-use zero_burn::{checkpointed_grads, ActivationCheckpointing, ChainEngine, EngineSettings, Stage};
+use std::sync::Arc;
+use zero_burn::params::read_values;
+use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
+use zero_burn::{
+    checkpointed_grads, ActivationCheckpointing, ChainModel, EngineSettings, HostStaged, Stage, ZeroError,
+};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::optim::OptimizerSpec;
 
 const BLOCKS: usize = 5;
 const STEPS: usize = 4;
 const LR: f64 = 0.01;
+/// Micro-batches per step, accumulated by Burn's `GradientsAccumulator`.
+const GAS: usize = 2;
 
 fn adamw() -> OptimizerSpec {
     adamw_eps4(LR)
 }
 
-fn settings(stage: Stage, ac: Option<ActivationCheckpointing>) -> EngineSettings {
+fn settings(stage: Stage) -> EngineSettings {
     let mut s = EngineSettings::new(stage, adamw());
     s.gradient_clipping = 0.0;
-    s.gradient_accumulation_steps = 2;
     s.reduce_bucket_size = 100;
+    // Every block (187 elements) is cut under stage 3; the default keeps units this small whole.
     s.param_persistence_threshold = 13;
-    s.activation_checkpointing = ac;
     s
+}
+
+/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
+/// names and loss, and the same chain for `checkpointed_grads`.
+#[derive(Module, Debug)]
+struct UnitNet<B: Backend> {
+    ends: Ends<B>,
+    blocks: Vec<ZeroModule<B, Block<B>>>,
+}
+
+impl<B: ShardBackend> UnitNet<B> {
+    fn new(device: &B::Device) -> Self {
+        let net = Net::<B>::new(device, BLOCKS);
+        UnitNet {
+            ends: net.ends,
+            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
+        }
+    }
+
+    /// `Net::loss`, each block gathered for its forward.
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.unshard(&h).expect("gather").forward(h);
+        }
+        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+    }
+
+    /// The parameters in `Net`'s order, each block gathered whole (from the inner backend's
+    /// copy: its gathers leave no autodiff graph behind).
+    fn weights(&self) -> Vec<Vec<f32>>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: ShardBackend,
+    {
+        let model = self.valid();
+        let mut out = values(&model.ends);
+        for b in &model.blocks {
+            read_values::<B::InnerBackend, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
+        }
+        out
+    }
+}
+
+impl<B: AutodiffBackend + ShardBackend> ChainModel<B> for UnitNet<B> {
+    type Batch = (Tensor<B, 2>, Tensor<B, 2>);
+    type Hidden = Tensor<B, 2>;
+    type Ends = Ends<B>;
+    type Block = ZeroModule<B, Block<B>>;
+
+    fn into_parts(self) -> (Ends<B>, Vec<Self::Block>) {
+        (self.ends, self.blocks)
+    }
+    fn from_parts(ends: Ends<B>, blocks: Vec<Self::Block>) -> Self {
+        UnitNet { ends, blocks }
+    }
+    fn embed(ends: &Ends<B>, batch: &Self::Batch) -> Tensor<B, 2> {
+        Net::embed(ends, batch)
+    }
+    fn block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        block.unshard(&x).expect("gather").forward(x)
+    }
+    fn try_block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ZeroError> {
+        Ok(block.unshard(&x)?.forward(x))
+    }
+    fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        Net::head_loss(ends, h, batch)
+    }
 }
 
 fn reference() -> Vec<Vec<f32>> {
@@ -49,25 +127,50 @@ fn reference() -> Vec<Vec<f32>> {
     values::<B, _>(&model)
 }
 
-/// Trains on `world` rank threads (2 micro-batches per step), each rank with its own slice of
-/// the global batch; `partition` gives every rank its own 2-rank group to split checkpoints in.
+/// One micro-batch's gradients, scaled by 1/`GAS` for the accumulator: from `checkpointed_grads`
+/// with `ac`, or from the whole model's `backward` without.
+fn micro_grads(
+    model: &UnitNet<B>,
+    batch: (Tensor<B, 2>, Tensor<B, 2>),
+    ac: Option<&ActivationCheckpointing>,
+) -> GradientsParams {
+    match ac {
+        Some(setting) => {
+            let (_, grads) = checkpointed_grads(model, &batch, setting, 1.0 / GAS as f32).expect("checkpointed");
+            grads
+        }
+        None => {
+            let loss = model.loss(batch.0, batch.1).div_scalar(GAS as f32);
+            GradientsParams::from_grads(loss.backward(), model)
+        }
+    }
+}
+
+/// Trains `UnitNet` through `initialize_settings` on `world` rank threads (`GAS` micro-batches
+/// per step), each rank on its own slice of the global batch; `ac` waits at its boundaries on
+/// the rank's data-parallel group.
 fn run(stage: Stage, world: usize, ac: Option<ActivationCheckpointing>) -> Vec<Vec<f32>> {
     let results = on_ranks(world, move |rank, group| {
         let device = Default::default();
-        let mut engine =
-            ChainEngine::new(settings(stage, ac.clone()), Net::<B>::new(&device, BLOCKS), group).expect("engine");
-        let per_micro = GLOBAL_BATCH / world / 2;
+        let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(group.clone()));
+        let ac = ac.clone().map(|ac| ActivationCheckpointing {
+            boundary_group: Some(group.clone()),
+            ..ac
+        });
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device), group, units)
+                .expect("initialize");
+        let per_micro = GLOBAL_BATCH / world / GAS;
         for step in 0..STEPS {
-            for micro in 0..2 {
-                let start = rank * 2 * per_micro + micro * per_micro;
-                let loss = engine
-                    .forward(batch::<B>(step, start..start + per_micro, &device))
-                    .expect("forward");
-                engine.backward(loss).expect("backward");
-                engine.step().expect("step");
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..GAS {
+                let start = (rank * GAS + micro) * per_micro;
+                let grads = micro_grads(&model, batch::<B>(step, start..start + per_micro, &device), ac.as_ref());
+                accumulator.accumulate(&model, grads);
             }
+            model = optim.try_step(LR, model, accumulator.grads()).expect("step");
         }
-        values::<B, _>(&engine.module().expect("module"))
+        model.weights()
     });
     results.into_iter().next().unwrap_or_default()
 }
@@ -134,17 +237,20 @@ fn partitioned_checkpoints_are_split_and_gathered_back() {
                         ..Default::default()
                     };
                     let device = Default::default();
-                    let mut engine = ChainEngine::new(settings(stage, Some(ac)), Net::<B>::new(&device, BLOCKS), dp)
-                        .expect("engine");
+                    let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(dp.clone()));
+                    let (mut model, mut optim) =
+                        zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device), dp, units)
+                            .expect("initialize");
                     for step in 0..STEPS {
-                        for micro in 0..2 {
-                            let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
-                            let loss = engine.forward(batch::<B>(step, rows, &device)).expect("forward");
-                            engine.backward(loss).expect("backward");
-                            engine.step().expect("step");
+                        let mut accumulator = GradientsAccumulator::new();
+                        for micro in 0..GAS {
+                            let rows = micro * GLOBAL_BATCH / GAS..(micro + 1) * GLOBAL_BATCH / GAS;
+                            let grads = micro_grads(&model, batch::<B>(step, rows, &device), Some(&ac));
+                            accumulator.accumulate(&model, grads);
                         }
+                        model = optim.try_step(LR, model, accumulator.grads()).expect("step");
                     }
-                    values::<B, _>(&engine.module().expect("module"))
+                    model.weights()
                 })
             })
             .collect();
@@ -232,8 +338,8 @@ struct Counted<B: burn::tensor::backend::Backend> {
     net: Net<B>,
 }
 
-impl<B: AutodiffBackend> zero_burn::ChainModel<B> for Counted<B> {
-    type Batch = <Net<B> as zero_burn::ChainModel<B>>::Batch;
+impl<B: AutodiffBackend> ChainModel<B> for Counted<B> {
+    type Batch = <Net<B> as ChainModel<B>>::Batch;
     type Hidden = Tensor<B, 2>;
     type Ends = Ends<B>;
     type Block = Block<B>;
@@ -258,21 +364,22 @@ impl<B: AutodiffBackend> zero_burn::ChainModel<B> for Counted<B> {
 }
 
 #[test]
-fn checkpointed_blocks_run_twice_and_unchecked_once() {
-    // Reference: the definition. Without checkpointing, stages 0-2 keep each block's graph from
-    // forward (one call per block); with it, backward reruns every block from its checkpoint.
+fn checkpointed_blocks_run_twice() {
+    // Reference: the definition. Forward runs every block once without a graph; backward reruns
+    // every block once from its segment's checkpoint, however the blocks are cut.
     use std::sync::atomic::Ordering::SeqCst;
-    for (ac, per_block) in [(None, 1), (Some(ActivationCheckpointing::default()), 2)] {
-        let device = Default::default();
-        let group = ThreadGroup::new_group(1).expect("group").remove(0) as SharedGroup;
-        let model = Counted {
-            net: Net::<B>::new(&device, BLOCKS),
+    let device = Default::default();
+    let model = Counted {
+        net: Net::<B>::new(&device, BLOCKS),
+    };
+    for count in [None, Some(1), Some(2), Some(BLOCKS)] {
+        let setting = ActivationCheckpointing {
+            number_checkpoints: count,
+            ..Default::default()
         };
-        let mut engine = ChainEngine::new(settings(Stage::Zero2, ac.clone()), model, group).expect("engine");
         BLOCK_CALLS.store(0, SeqCst);
-        let loss = engine.forward(batch::<B>(0, 0..4, &device)).expect("forward");
-        engine.backward(loss).expect("backward");
-        assert_eq!(BLOCK_CALLS.load(SeqCst), per_block * BLOCKS, "{ac:?}");
+        checkpointed_grads(&model, &batch::<B>(0, 0..4, &device), &setting, 1.0).expect("grads");
+        assert_eq!(BLOCK_CALLS.load(SeqCst), 2 * BLOCKS, "{count:?} checkpoints");
     }
 }
 

@@ -1,6 +1,7 @@
 //! Stages 0-3 at world sizes 1-4, with and without accumulation, against a single process:
-//! `ChainEngine` (stages 0-3) and `ZeroOptimizer` in Burn's own loop (stages 0-2, accumulation
-//! through Burn's `GradientsAccumulator`).
+//! `ZeroOptimizer` in Burn's own loop (accumulation through Burn's `GradientsAccumulator`) over
+//! the model with its blocks as `ZeroModule`s, from `initialize_settings` (stages 0-3; at stage
+//! 3 each block cut over the ranks), and over the plain model (stages 0-2).
 //!
 //! Reference: plain Burn on one thread, the whole global batch in one forward/backward, and
 //! Burn's own AdamW (`burn::optim::AdamWConfig`, an implementation independent of ours), with
@@ -16,11 +17,15 @@
 
 mod common;
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
 use common::*;
-use zero_burn::{ChainEngine, EngineSettings, Stage, ZeroOptimizer};
+use std::sync::Arc;
+use zero_burn::params::read_values;
+use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
+use zero_burn::{EngineSettings, HostStaged, Stage, ZeroOptimizer};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
 
 const STEPS: usize = 5;
@@ -46,10 +51,39 @@ fn settings(stage: Stage, gas: usize, clip: f64) -> EngineSettings {
     s.gradient_clipping = clip;
     // Small buckets, so that stages 1-2 reduce several buckets per step.
     s.reduce_bucket_size = 100;
-    // Biases stay replicated under stage 3; weights are sharded.
+    // Every block (187 elements) is cut under stage 3 (the default threshold keeps units this
+    // small whole), and with stage 3's `overlap_comm` the blocks that come next are prefetched,
+    // up to 400 elements (two blocks).
     s.param_persistence_threshold = 13;
     s.prefetch_bucket_size = 400;
     s
+}
+
+/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
+/// names and loss.
+#[derive(Module, Debug)]
+struct UnitNet<B: Backend> {
+    ends: Ends<B>,
+    blocks: Vec<ZeroModule<B, Block<B>>>,
+}
+
+impl<B: ShardBackend> UnitNet<B> {
+    fn new(device: &B::Device) -> Self {
+        let net = Net::<B>::new(device, BLOCKS);
+        UnitNet {
+            ends: net.ends,
+            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
+        }
+    }
+
+    /// `Net::loss`, each block gathered for its forward.
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.unshard(&h).expect("gather").forward(h);
+        }
+        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+    }
 }
 
 /// The single-process run.
@@ -115,26 +149,36 @@ fn rows(rank: usize, world: usize, micro: usize, gas: usize) -> std::ops::Range<
     start..start + per_micro
 }
 
-fn run_chain(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f32>> {
+/// [`run_optimizer`] over [`UnitNet`] from `initialize_settings`; rank 0's parameters in `Net`'s
+/// order (each block gathered whole, from the inner backend's copy).
+fn run_units(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f32>> {
     let results = on_ranks(world, move |rank, group| {
         let device = Default::default();
-        let model = Net::<B>::new(&device, BLOCKS);
-        let mut engine = ChainEngine::new(settings(stage, gas, clip), model, group).expect("engine");
+        let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(group.clone()));
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(settings(stage, gas, clip), UnitNet::<B>::new(&device), group, units)
+                .expect("initialize");
+        assert_eq!(
+            model.blocks.iter().all(|b| b.is_sharded()),
+            stage == Stage::Zero3 || (stage == Stage::Zero2 && world > 1),
+            "{stage:?} world {world}: the blocks are cut at stage 3 (and at stage 2 over several ranks)"
+        );
         for step in 0..STEPS {
+            let mut accumulator = GradientsAccumulator::new();
             for micro in 0..gas {
-                let loss = engine
-                    .forward(batch::<B>(step, rows(rank, world, micro, gas), &device))
-                    .expect("forward");
-                engine.backward(loss).expect("backward");
-                let report = engine.step().expect("step");
-                assert_eq!(
-                    report.is_some(),
-                    micro + 1 == gas,
-                    "a step happens exactly at the boundary"
-                );
+                let (x, y) = batch::<B>(step, rows(rank, world, micro, gas), &device);
+                let loss = model.loss(x, y).div_scalar(gas as f32);
+                accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
             }
+            model = optim.try_step(LR, model, accumulator.grads()).expect("step");
         }
-        values::<B, _>(&engine.module().expect("module"))
+        assert_eq!(optim.global_step(), STEPS as u64, "one step per accumulation boundary");
+        let model = model.valid();
+        let mut out = values(&model.ends);
+        for b in &model.blocks {
+            read_values::<burn::backend::Flex, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
+        }
+        out
     });
     for r in &results[1..] {
         assert_eq!(r, &results[0], "every rank holds the same weights");
@@ -173,7 +217,7 @@ fn check(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
         err < 1e-6,
         "{label}: max relative error {err:e} against the single-process reference"
     );
-    // The run must have moved the weights: a no-op engine would not match by accident.
+    // The run must have moved the weights: a no-op optimizer would not match by accident.
     let initial = values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS));
     assert!(
         max_relative_error(&initial, want) > 1e-3,
@@ -182,13 +226,13 @@ fn check(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 }
 
 #[test]
-fn chain_engine_matches_single_process_every_stage_world_and_accumulation() {
+fn zero_modules_match_single_process_every_stage_world_and_accumulation() {
     let want = reference(0.0);
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in 1..=4 {
             for gas in [1, 2] {
-                let got = run_chain(stage, world, gas, 0.0);
-                check(&format!("chain {stage:?} world {world} gas {gas}"), &got, &want);
+                let got = run_units(stage, world, gas, 0.0);
+                check(&format!("ZeroModules {stage:?} world {world} gas {gas}"), &got, &want);
             }
         }
     }
@@ -217,8 +261,8 @@ fn clipping_by_global_norm_matches_single_process() {
     );
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1, 3, 4] {
-            let got = run_chain(stage, world, 2, 0.05);
-            check(&format!("clipped chain {stage:?} world {world}"), &got, &want);
+            let got = run_units(stage, world, 2, 0.05);
+            check(&format!("clipped ZeroModules {stage:?} world {world}"), &got, &want);
         }
     }
     for stage in [Stage::Zero1, Stage::Zero2] {

@@ -9,11 +9,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::Tensor;
-use std::sync::Arc;
 use zero_burn::params::read_values;
-use zero_burn::sharded::UnitComm;
-use zero_burn::HostStaged;
-use zero_core::comm::ThreadGroup;
 
 mod common;
 mod sharded_support;
@@ -163,51 +159,6 @@ fn burns_adamw_trains_zero_modules_like_one_process() {
             );
         }
     }
-}
-
-/// The sharded `Net` as a chain (no ends, its units the blocks), for `ChainEngine`.
-impl zero_burn::ChainModel<Autodiff<Flex>> for Net<Autodiff<Flex>> {
-    type Batch = (Tensor<Autodiff<Flex>, 2>, Tensor<Autodiff<Flex>, 2>);
-    type Hidden = Tensor<Autodiff<Flex>, 2>;
-    type Ends = Vec<burn::nn::Linear<Autodiff<Flex>>>;
-    type Block = zero_burn::sharded::ZeroModule<Autodiff<Flex>, burn::nn::Linear<Autodiff<Flex>>>;
-
-    fn into_parts(self) -> (Self::Ends, Vec<Self::Block>) {
-        (Vec::new(), self.units)
-    }
-    fn from_parts(_ends: Self::Ends, blocks: Vec<Self::Block>) -> Self {
-        Net { units: blocks }
-    }
-    fn embed(_ends: &Self::Ends, batch: &Self::Batch) -> Self::Hidden {
-        batch.0.clone()
-    }
-    fn block_forward(block: &Self::Block, x: Self::Hidden) -> Self::Hidden {
-        block.unshard(&x).expect("gather").forward(x)
-    }
-    fn head_loss(_ends: &Self::Ends, h: Self::Hidden, batch: &Self::Batch) -> Tensor<Autodiff<Flex>, 1> {
-        (h - batch.1.clone()).powf_scalar(2.0).mean()
-    }
-}
-
-/// `ChainEngine`, which does not step shards, refuses a model holding `ZeroModule`s instead of
-/// averaging different ranks' shards as if they were replicas, and names `ZeroOptimizer`.
-#[test]
-fn chain_engine_refuses_zero_modules_it_cannot_step() {
-    use zero_burn::{ChainEngine, EngineSettings, Stage};
-    use zero_core::optim::OptimizerSpec;
-    type B = Autodiff<Flex>;
-    let group = ThreadGroup::new_group(1).unwrap().remove(0);
-    let comm: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
-    let device = Default::default();
-    let net = Net::<B>::new(comm.clone(), &device);
-    assert!(zero_burn::sharded::contains_zero_module::<B, _>(&net));
-    assert!(!zero_burn::sharded::contains_zero_module::<B, _>(&units::<B>(&device)));
-    let settings = EngineSettings::new(Stage::Zero1, OptimizerSpec::adamw());
-    let engine = ChainEngine::<B, Net<B>>::new(settings, net, group);
-    assert!(engine.is_err_and(|e| {
-        let e = e.to_string();
-        e.contains("ChainEngine does not step ZeroModule") && e.contains("ZeroOptimizer")
-    }));
 }
 
 /// A model is cut once: cutting it again (or a clone of it) is an error that says so, not a
