@@ -1,5 +1,5 @@
-//! `Sequential`: a model declared as a list of layers, those with parameters `ZeroModule`s,
-//! trains under every stage (through `initialize_settings` and `ZeroOptimizer` in Burn's own
+//! `Sequential`: a model declared as a list of layers, each a `ZeroModule` (the activations'
+//! with no parameter at all), trains under every stage (through `initialize_settings` and `ZeroOptimizer` in Burn's own
 //! loop; at stage 3 one layer gathered at a time) exactly as the same layers do in plain Burn.
 //!
 //! Reference: plain Burn on one thread (`Sequential::loss` of the plain layers on the whole
@@ -10,15 +10,14 @@
 
 mod common;
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::{adamw_eps4, assert_close, on_ranks, values, B};
 use std::sync::Arc;
 use zero_burn::params::{describe, read_values, write_values};
-use zero_burn::sequential::{CrossEntropy, Layer, MeanSquaredError, Sequential, SequentialLayer, SequentialLoss};
-use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
+use zero_burn::sequential::{CrossEntropy, Layer, MeanSquaredError, Sequential, SequentialLoss};
+use zero_burn::sharded::{UnitComm, ZeroModule};
 use zero_burn::{EngineSettings, HostStaged, Stage};
 use zero_core::optim::OptimizerSpec;
 
@@ -30,42 +29,9 @@ const OUT: usize = 5;
 
 type Model<L> = Sequential<B, Layer<B>, L>;
 
-/// A layer of [`Units`]: a layer with parameters as a `ZeroModule`, a parameter-free one as it
-/// is (it has nothing to gather).
-#[derive(Module, Debug)]
-enum Unit<B: Backend> {
-    Zero(ZeroModule<B, Layer<B>>),
-    Free(Layer<B>),
-}
-
-impl<B: ShardBackend> SequentialLayer<B> for Unit<B> {
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        match self {
-            Unit::Zero(layer) => layer.forward(x),
-            Unit::Free(layer) => layer.forward(x),
-        }
-    }
-}
-
-impl<B: ShardBackend> Unit<B> {
-    fn new(layer: Layer<B>) -> Self {
-        match layer {
-            Layer::Activation(_) => Unit::Free(layer),
-            _ => Unit::Zero(ZeroModule::new(layer)),
-        }
-    }
-
-    /// The layer with its parameters whole (gathered).
-    fn whole(&self) -> Layer<B> {
-        match self {
-            Unit::Zero(layer) => layer.gathered().expect("gather"),
-            Unit::Free(layer) => layer.clone(),
-        }
-    }
-}
-
-/// [`Model`] as ZeRO trains it: the same layers, those with parameters `ZeroModule`s.
-type Units<L> = Sequential<B, Unit<B>, L>;
+/// [`Model`] as ZeRO trains it: every layer a `ZeroModule` (the parameter-free ones hold
+/// nothing and gather nothing).
+type Units<L> = Sequential<B, ZeroModule<B, Layer<B>>, L>;
 
 /// Linear → ReLU → LayerNorm → Linear → GELU → Linear: parameter-free blocks between
 /// parameter blocks, so stage 3 gathers nothing for some of them.
@@ -143,7 +109,7 @@ fn run<L: Targets>(stage: Stage, world: usize) -> Vec<Vec<f32>> {
         settings.gradient_clipping = 0.0;
         settings.param_persistence_threshold = 0;
         let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(group.clone()));
-        let layers = model::<L>(rank == 0).layers.into_iter().map(Unit::new).collect();
+        let layers = model::<L>(rank == 0).layers.into_iter().map(ZeroModule::new).collect();
         let (mut m, mut optim) =
             zero_burn::initialize_settings(settings, Units::<L>::new(layers), group, units).expect("initialize");
         let per_rank = ROWS / world;
@@ -156,7 +122,7 @@ fn run<L: Targets>(stage: Stage, world: usize) -> Vec<Vec<f32>> {
         // The inner backend's copy: its gathers leave no autodiff graph behind.
         let mut out = Vec::new();
         for layer in &m.valid().layers {
-            read_values::<burn::backend::Flex, _>(&layer.whole(), |_, v| out.push(v));
+            read_values::<burn::backend::Flex, _>(&layer.gathered().expect("gather"), |_, v| out.push(v));
         }
         out
     });

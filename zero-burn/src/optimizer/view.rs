@@ -60,6 +60,8 @@ impl ModuleView {
                     specs.push(spec);
                     Holding::Param(specs.len() - 1)
                 }
+                // A unit of a module without parameters (an activation) holds nothing.
+                HeldParam::Unit { params, .. } if params.is_empty() => Holding::Nothing,
                 HeldParam::Unit { params, sharded: cut } => {
                     let range = specs.len()..specs.len() + params.len();
                     specs.extend(params);

@@ -114,7 +114,8 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
     }
     impl<B: ShardBackend> ModuleMapper<B> for Cut<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.plan.min_numel) else {
+            // A unit without parameters (an activation) has nothing to cut.
+            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.plan.min_numel && u.numel > 0) else {
                 return param;
             };
             let world = self.comm.world_size();
