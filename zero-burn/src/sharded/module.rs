@@ -178,6 +178,13 @@ pub(crate) fn take_modified<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId
 /// A model written for Burn gets ZeRO stage 3 by wrapping fields: `block: Block<B>` becomes
 /// `block: ZeroModule<B, Block<B>>`, built with `ZeroModule::new(config.init(device))`, and its
 /// forward `self.block.unshard(&x)?.forward(x)`.
+///
+/// Under `offload_param` the shard lives in host memory or a file and the parameter holds a
+/// placeholder (see [`ParamPlace`](super::ParamPlace)): a Burn record of the training model
+/// carries the stored values, but one of its `valid()` copy does not (Burn drops the
+/// parameter's save hook there: it would hold the placeholder's NaNs), so save the training
+/// model, a checkpoint (`ZeroOptimizer::save_checkpoint`) or the gathered weights
+/// (`save_16bit_model`).
 #[derive(Module, Debug)]
 pub struct ZeroModule<B: Backend, M> {
     /// `M` with every float parameter an empty tensor.

@@ -2,8 +2,8 @@
 //! memory or in a file on NVMe instead of on the model's device ([`ParamStore`]).
 //!
 //! The unit's flat parameter then holds a placeholder: a tensor of the shard's shape that is
-//! one element broadcast (no memory of its size), an autodiff leaf whose gradient is the
-//! shard's, as before. A gather reads the shard from the store, uploads it and all-gathers it;
+//! one NaN broadcast (no memory of its size, and loud if anything ever reads it as the values),
+//! an autodiff leaf whose gradient is the shard's, as before. A gather reads the shard from the store, uploads it and all-gathers it;
 //! backward reads it again where it gathers again. The optimizer writes each step's new shard
 //! into the model as usual, and [`after_step`](super::after_step) moves it into the store,
 //! leaving a new placeholder. A Burn record of the model carries the stored values (the
@@ -235,13 +235,13 @@ pub(super) fn placeholder<B: ShardBackend>(
         })
 }
 
-/// The placeholder tensor itself: one zero broadcast to the shard's length, a leaf whose key
+/// The placeholder tensor itself: one NaN broadcast to the shard's length, a leaf whose key
 /// the store records.
 fn placeholder_tensor<B: ShardBackend>(
     store: &ParamStore,
     device: &burn::tensor::Device<B::Collective>,
 ) -> Tensor<B, 1> {
-    let one = Tensor::<B::Collective, 1>::zeros([1], (device, store.dtype));
+    let one = Tensor::<B::Collective, 1>::full([1], f32::NAN, (device, store.dtype));
     let tensor = B::from_collective(one.expand([store.len]));
     *store.key.lock().unwrap_or_else(|e| e.into_inner()) = B::value_key(&tensor);
     tensor
