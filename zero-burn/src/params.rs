@@ -97,18 +97,29 @@ pub fn write_data<B: Backend, M: Module<B>>(
     require_grad: bool,
     mut source: impl FnMut(usize, Shape) -> TensorData,
 ) -> M {
+    write_data_some(module, device, require_grad, |i, shape| Some(source(i, shape)))
+}
+
+/// [`write_data`] where `source` may give `None`: that parameter is kept as it is.
+pub fn write_data_some<B: Backend, M: Module<B>>(
+    module: M,
+    device: &B::Device,
+    require_grad: bool,
+    mut source: impl FnMut(usize, Shape) -> Option<TensorData>,
+) -> M {
     struct Write<'a, F, B: Backend> {
         index: usize,
         source: &'a mut F,
         device: &'a B::Device,
         require_grad: bool,
     }
-    impl<B: Backend, F: FnMut(usize, Shape) -> TensorData> ModuleMapper<B> for Write<'_, F, B> {
+    impl<B: Backend, F: FnMut(usize, Shape) -> Option<TensorData>> ModuleMapper<B> for Write<'_, F, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let shape = param.lazy_shape();
             let require_grad = self.require_grad;
             let data = (self.source)(self.index, shape);
             self.index += 1;
+            let Some(data) = data else { return param };
             let dtype = data.dtype;
             let mut tensor = Tensor::<B, D>::from_data(data, (self.device, dtype));
             if require_grad {

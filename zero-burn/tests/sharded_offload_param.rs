@@ -195,23 +195,59 @@ fn offloaded_shards_train_bit_for_bit_as_shards_on_the_device() {
 
 #[test]
 fn the_shards_are_in_the_file_while_the_model_holds_placeholders() {
-    let dir = scratch("file");
-    on_ranks(2, |_, comm| {
-        let device = Default::default();
-        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-        let s = settings(PrecisionSettings::bf16(), OptimizerOffload::None, nvme(&dir, false));
-        let (model, _) = zero_burn::initialize_settings(s, Net::<AB>::whole(&device), group, comm).expect("initialize");
-        // The parameter's own data is a broadcast NaN: the values are only in the file.
-        for unit in &model.units {
-            let held: Vec<f32> = unit.shard().val().into_data().convert::<f32>().into_vec().unwrap();
-            assert!(held.iter().all(|v| v.is_nan()), "a placeholder holds no values");
-        }
-        model
-    });
-    // (Each rank's file was removed with its model.)
-    let left = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
-    assert_eq!(left, 0);
-    let _ = std::fs::remove_dir_all(&dir);
+    for optimizer in [OptimizerOffload::None, OptimizerOffload::Cpu { threads: 1 }] {
+        let dir = scratch(&format!("file-{}", optimizer == OptimizerOffload::None));
+        on_ranks(2, |rank, comm| {
+            let device = Default::default();
+            let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+            let s = settings(PrecisionSettings::bf16(), optimizer.clone(), nvme(&dir, false));
+            let (mut model, mut optim) =
+                zero_burn::initialize_settings(s, Net::<AB>::whole(&device), group, comm).expect("initialize");
+            // The parameter's own data is a broadcast NaN, before and after steps (a step
+            // writes the new shard into the file, not into the model): the values are only in
+            // the file, which holds this rank's shards and nothing else.
+            let placeholders = |model: &Net<AB>| {
+                for unit in &model.units {
+                    let held: Vec<f32> = unit.shard().val().into_data().convert::<f32>().into_vec().unwrap();
+                    assert!(
+                        held.iter().all(|v| v.is_nan()),
+                        "{optimizer:?}: a placeholder holds no values"
+                    );
+                }
+            };
+            placeholders(&model);
+            let before = gathered(&model);
+            for s in 0..2 {
+                model = step(model, &mut optim, 0.01, rank, 2, s).0;
+                placeholders(&model);
+            }
+            assert_ne!(
+                gathered(&model),
+                before,
+                "{optimizer:?}: the steps changed the stored shards"
+            );
+            let file = std::fs::read_dir(&dir)
+                .expect("the parameter directory")
+                .flatten()
+                .find(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("zero_params_rank{rank}_"))
+                })
+                .expect("this rank's parameter file");
+            let len = file.metadata().expect("metadata").len() as usize;
+            assert_eq!(
+                len,
+                shard_bytes(2, 2),
+                "{optimizer:?}: rank {rank}'s file holds its bf16 shards"
+            );
+            model
+        });
+        // (Each rank's file was removed with its model.)
+        let left = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(left, 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

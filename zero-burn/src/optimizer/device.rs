@@ -163,6 +163,9 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     view: &ModuleView,
 ) -> Result<M, ZeroError> {
     let values = state.values()?;
+    // An offloaded unit's new shard goes to its store; the parameter keeps its placeholder.
+    let stores = crate::sharded::stores_in_place::<B, M>(&module);
+    let mut error = None;
     let places = view.layout.places();
     let layout = &view.layout;
     let device = state.device().clone();
@@ -173,16 +176,28 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
             .clone()
             .narrow(0, place.offset, layout.params[p].numel())
     };
-    Ok(write_flat::<B, M>(module, |i, shape| {
+    let module = write_flat::<B, M>(module, |i, shape| {
         let value = match &view.held[i] {
             Holding::Param(p) => param(*p),
             Holding::Whole(params) => {
                 let parts = params.clone().map(param).collect();
                 flatten(parts, shape.num_elements(), dtype, &device)
             }
-            Holding::Shard { group, .. } => values[*group].clone(),
+            Holding::Shard { group, .. } => {
+                if let Some(store) = stores.get(i).cloned().flatten() {
+                    if let Err(e) = store.write(values[*group].clone().into_data()) {
+                        error.get_or_insert(e);
+                    }
+                    return None;
+                }
+                values[*group].clone()
+            }
             Holding::Nothing => return None,
         };
         Some(own_buffer(value))
-    }))
+    });
+    match error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
 }

@@ -7,7 +7,7 @@ use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
-use crate::params::{tensor_to_vec, write_data};
+use crate::params::{tensor_to_vec, write_data_some};
 use crate::settings::{EngineSettings, Stage};
 use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
@@ -129,11 +129,13 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut source = core.value_source();
     let mut error = None;
     let dtype = core.settings.precision.dtype;
-    let module = write_data(module, device, true, |i, shape| match &held[i] {
-        Holding::Param(p) => source.take_data(*p),
+    // An offloaded unit's new shard goes straight to its store, never to the device.
+    let stores = crate::sharded::stores_in_place::<B, M>(&module);
+    let module = write_data_some(module, device, true, |i, shape| match &held[i] {
+        Holding::Param(p) => Some(source.take_data(*p)),
         Holding::Whole(params) => {
             let flat: Vec<f32> = params.clone().flat_map(|p| source.take(p)).collect();
-            half_buffer::f32_to_data(flat, shape, dtype)
+            Some(half_buffer::f32_to_data(flat, shape, dtype))
         }
         Holding::Shard { group, .. } => {
             let len = core.state.layout.owned_len(*group);
@@ -141,9 +143,18 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
                 error.get_or_insert(e);
                 half_buffer::zeros(dtype, len)
             });
-            half_buffer::slice_data(&shard, 0..len, vec![len])
+            let data = half_buffer::slice_data(&shard, 0..len, vec![len]);
+            match stores.get(i).cloned().flatten() {
+                Some(store) => {
+                    if let Err(e) = store.write(data) {
+                        error.get_or_insert(e);
+                    }
+                    None
+                }
+                None => Some(data),
+            }
         }
-        Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
+        Holding::Nothing => Some(TensorData::new(Vec::<f32>::new(), shape)),
     });
     source.finish()?;
     match error {

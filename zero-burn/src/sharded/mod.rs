@@ -21,4 +21,4 @@ pub use held::{contains_zero_module, held_params, HeldParam};
 pub(crate) use module::take_modified;
 pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};
 pub use offload::ParamPlace;
-pub(crate) use offload::{store_of, stored_values};
+pub(crate) use offload::{store_of, stored_values, stores_in_place};

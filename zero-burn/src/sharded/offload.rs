@@ -258,3 +258,22 @@ pub(crate) fn stored_values(id: ParamId, value: &dyn Any, numel: usize) -> Optio
 pub(crate) fn store_of(id: ParamId) -> Option<Arc<ParamStore>> {
     super::module::unit(id)?.sharding.get()?.store.get().cloned()
 }
+
+/// By float parameter of `module` (visit order): the store of a unit whose shard is offloaded
+/// and whose parameter holds the store's placeholder, where a step writes the new shard
+/// directly (the parameter, still that placeholder, then stands for the new values).
+pub(crate) fn stores_in_place<B: Backend, M: burn::module::Module<B>>(module: &M) -> Vec<Option<Arc<ParamStore>>> {
+    struct Find(Vec<Option<Arc<ParamStore>>>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Find {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let store = store_of(param.id).filter(|store| {
+                let value = param.val();
+                value.shape().num_elements() == store.len && store.stands_for(&value)
+            });
+            self.0.push(store);
+        }
+    }
+    let mut find = Find(Vec::new());
+    module.visit(&mut find);
+    find.0
+}
