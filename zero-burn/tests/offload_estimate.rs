@@ -1,6 +1,7 @@
 //! `zero_core::estimate` (what `zero estimate` prints) against `ZeroOptimizer`'s memory report
 //! on the `ZeroModule` path, in bf16, at every stage, on one and two ranks, with the optimizer
-//! beside the model and offloaded to host memory (`offload_optimizer` cpu).
+//! beside the model and offloaded to host memory (`offload_optimizer` cpu); and at stage 3 with
+//! the units' shards on NVMe too (`offload_param` nvme).
 //!
 //! Reference: the estimate's per-device bytes (16-bit parameters and gradients 2Ψ, divided by N
 //! from stage 3 and 2; fp32 masters and Adam's moments K = 12 bytes per element, divided by N
@@ -24,7 +25,7 @@ use burn::tensor::Tensor;
 use common::{batch, on_ranks, psi, Block, Ends, Net, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
 use std::sync::Arc;
 use zero_burn::sharded::{shard_len, ShardBackend, UnitComm, ZeroModule};
-use zero_burn::{EngineSettings, HostStaged, MemoryReport, OptimizerOffload, PrecisionSettings, Stage};
+use zero_burn::{EngineSettings, HostStaged, MemoryReport, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
 
@@ -63,11 +64,17 @@ impl<B: ShardBackend> UnitNet<B> {
 
 /// Rank 0's report after one bf16 step at `stage` on `world` ranks.
 fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport {
+    report_with(stage, world, offload, ParamOffload::None)
+}
+
+/// [`report`] with the parameters' placement too.
+fn report_with(stage: Stage, world: usize, offload: OptimizerOffload, params: ParamOffload) -> MemoryReport {
     on_ranks(world, |rank, group| {
         let device = Default::default();
         let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
         s.precision = PrecisionSettings::bf16();
         s.offload_optimizer = offload.clone();
+        s.offload_param = params.clone();
         // Every block is cut at stage 3; no prefetch beside the unit in use.
         s.param_persistence_threshold = 0;
         s.overlap_comm = false;
@@ -86,9 +93,20 @@ fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport
 
 /// The estimate for the model at `stage` on `world` devices of one node.
 fn estimated(stage: Stage, world: usize, offload: Option<OffloadTarget>) -> zero_core::estimate::Estimate {
+    estimated_with(stage, world, offload, None)
+}
+
+/// [`estimated`] with the parameters' placement too.
+fn estimated_with(
+    stage: Stage,
+    world: usize,
+    offload: Option<OffloadTarget>,
+    params: Option<OffloadTarget>,
+) -> zero_core::estimate::Estimate {
     let mut input = EstimateInput::new(psi(BLOCKS) as u64, stage.number(), world as u64, Dtype::Bf16);
     input.gathered_at_once = Some(BLOCK_ELEMENTS as u64);
     input.offload_optimizer = offload;
+    input.offload_param = params;
     estimate(&input).expect("estimate")
 }
 
@@ -182,5 +200,44 @@ fn estimate_matches_the_memory_report() {
                 2.0 * params,
             );
         }
+    }
+}
+
+#[test]
+fn estimate_matches_the_memory_report_with_the_parameters_on_nvme() {
+    // Stage 3, the optimizer in host memory and the units' shards in a file: the report's NVMe
+    // parameters are this rank's shards (the estimate's per-node figure over the devices), and
+    // the device keeps only the ends, which are outside any unit (the estimate counts none).
+    for world in [1usize, 2] {
+        let (whole, _, ends) = slack(world);
+        let part = whole / world as f64;
+        let label = format!("offload_param nvme, world {world}");
+        let dir = std::env::temp_dir().join(format!("zero-offload-estimate-{world}-{}", std::process::id()));
+        let r = report_with(
+            Stage::Zero3,
+            world,
+            OptimizerOffload::Cpu { threads: 1 },
+            ParamOffload::Nvme {
+                path: dir.clone(),
+                max_in_cpu: 0,
+            },
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = estimated_with(Stage::Zero3, world, Some(OffloadTarget::Cpu), Some(OffloadTarget::Nvme));
+        let l = r.locations;
+        assert_eq!(e.per_device.parameters, 0, "{label}");
+        close(
+            &format!("{label} parameters on NVMe"),
+            l.parameters.nvme,
+            e.per_node_nvme.parameters / world as u64,
+            2.0 * part,
+        );
+        close(
+            &format!("{label} parameters on the device"),
+            l.parameters.device,
+            0,
+            2.0 * (ENDS as f64 / world as f64 + ends),
+        );
+        assert_eq!(l.parameters.host, 0, "{label}: no copy of the shards in host memory");
     }
 }
