@@ -97,3 +97,20 @@ fn tensor_2_times_pipeline_2_follow_pytorch() {
 fn tensor_2_times_data_2_without_a_pipeline_follow_pytorch() {
     run_against_pytorch_with(1, 2, 4, 1);
 }
+
+#[test]
+fn tensor_parallelism_at_stage_3_is_refused_naming_the_keys_and_what_works() {
+    // Not the pipeline's message: this config asks for no pipeline.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = pipelined_config(dir.path(), 1, 2, 2, 3);
+    let err = train(&fixture_args(&config, 1, 2)).expect_err("refused").to_string();
+    for want in [
+        "zero_optimization.stage 3",
+        "tensor_parallel.autotp_size 2",
+        "stages 0-2",
+        "with_tensor_parallel",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from: {err}");
+    }
+    assert!(!err.contains("pipeline parallelism"), "{err}");
+}

@@ -198,6 +198,16 @@ where
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
     let data = Arc::new(data);
+    if stages == 1 && tensor > 1 && resolved.zero.stage == zero_core::config::ZeroStage::Parameters {
+        // The trainer runs tensor parallelism on the pipeline engine (one stage here), which
+        // takes ZeRO stages 0-2; the library's own path does stage 3 with it.
+        return Err(TrainError::Config(format!(
+            "{}: zero_optimization.stage 3 with tensor_parallel.autotp_size {tensor}: `gpt2 train` runs tensor \
+             parallelism at ZeRO stages 0-2; choose one of those, or train zero_models::tp::TpGpt2::into_sharded \
+             with ZeroOptimizer::with_tensor_parallel in your own loop for stage 3",
+            args.config.display()
+        )));
+    }
     if stages > 1 || tensor > 1 {
         return train_pipeline::<P>(args, resolved, data, source, (world, stages, tensor), devices);
     }
