@@ -387,13 +387,11 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
             ));
         }
         // The host step reads an fp32 gradient shard; it lives in host memory even when the
-        // optimizer state is on NVMe (it is consumed as it streams).
+        // optimizer state is on NVMe (it is consumed as it streams). The model's gradients stay
+        // on the device until the step (Burn's backward leaves them there, reduce-scattered at
+        // stages 2-3), which brings the rank's shard down.
         host.gradients = share(4, psi, n_opt)?;
         host_terms.push(format!("fp32 grad shard 4Ψ{}", frac(n_opt)));
-        if stage >= 2 {
-            device.gradients = 0;
-            device_terms.retain(|t| !t.starts_with("grads"));
-        }
     }
     if let (Some(target), 3) = (input.offload_param, stage) {
         let (place, terms) = match target {
@@ -831,10 +829,12 @@ mod tests {
         let mut input = EstimateInput::new(800, 2, 4, Dtype::Bf16);
         input.offload_optimizer = Some(OffloadTarget::Cpu);
         let e = estimate(&input).unwrap();
+        // The bf16 gradient shard stays on the device from backward until the step.
         assert_eq!(
             e.per_device,
             StateBytes {
                 parameters: 1600,
+                gradients: 400,
                 ..Default::default()
             }
         );
@@ -851,7 +851,7 @@ mod tests {
         input.stage = 3;
         input.offload_param = Some(OffloadTarget::Nvme);
         let e = estimate(&input).unwrap();
-        assert_eq!(e.per_device.total(), 0);
+        assert_eq!(e.per_device.total(), 400);
         assert_eq!(e.per_node_nvme.optimizer_state, 9600);
         assert_eq!(e.per_node_nvme.parameters, 1600);
         assert_eq!(e.per_host.gradients, 3200);
@@ -869,7 +869,8 @@ mod tests {
         let e = estimate(&input).unwrap();
         assert_eq!(e.per_node_nvme.optimizer_state, 18_691_334_400);
         assert_eq!(e.per_node_nvme.parameters, 6_230_444_800);
-        assert_eq!(e.per_device.total(), 0);
+        // What stays on the device: the fp32 gradient shard, from backward until the step.
+        assert_eq!(e.per_device.total(), 4 * psi);
         // Without offload the fp32 parameters are the masters: 8 bytes of moments.
         let plain = estimate(&EstimateInput::new(psi, 3, 1, Dtype::Fp32)).unwrap();
         assert_eq!(plain.per_device.optimizer_state, 8 * psi);
