@@ -21,7 +21,9 @@ pub struct MemoryReport {
     /// Model parameters as the model sees them: the full replica (stages 0-2) or the rank's
     /// parameter shards (stage 3).
     pub parameters: Bytes,
-    /// Gradients the engine keeps between backward and the step (accumulators).
+    /// Gradients between backward and the step: the optimizer's accumulators and, where those
+    /// are host buffers (an offloaded optimizer), also the model's own gradient tensors on its
+    /// device.
     pub gradients: Bytes,
     /// fp32 master weights of the owned range, when they are not the parameters themselves.
     pub master_weights: Bytes,
@@ -100,6 +102,9 @@ impl Counter {
 pub struct MemoryTracker {
     parameters: Counter,
     gradients: Counter,
+    /// The model's own gradient tensors (on its device, from backward to the step) where the
+    /// optimizer's gradient buffers are elsewhere (its state in host buffers).
+    model_gradients: Counter,
     master: Counter,
     optimizer: Counter,
     gathered: Counter,
@@ -130,6 +135,10 @@ impl MemoryTracker {
     }
     pub(crate) fn add_nvme_parameters(&self, bytes: usize) {
         self.nvme_parameters.add(bytes)
+    }
+    /// The model's gradients on its device, beside an optimizer state in host buffers.
+    pub(crate) fn add_model_gradients(&self, bytes: usize) {
+        self.model_gradients.add(bytes)
     }
     pub(crate) fn add_grads(&self, bytes: usize) {
         self.gradients.add(bytes)
@@ -181,7 +190,13 @@ impl MemoryTracker {
         };
         let report = MemoryReport {
             parameters: self.parameters.get(),
-            gradients: self.gradients.get(),
+            gradients: {
+                let (own, model) = (self.gradients.get(), self.model_gradients.get());
+                Bytes {
+                    current: own.current + model.current,
+                    peak: own.peak + model.peak,
+                }
+            },
             master_weights: self.master.get(),
             optimizer_state: self.optimizer.get(),
             gathered: self.gathered.get(),
@@ -197,7 +212,19 @@ impl MemoryTracker {
                         nvme: self.nvme_parameters.get().current,
                     }
                 },
-                gradients: on_device(report.gradients),
+                gradients: {
+                    let model = self.model_gradients.get().current;
+                    let own = report.gradients.current - model;
+                    if self.optimizer_on_host.load(Ordering::Relaxed) {
+                        Locations {
+                            device: model,
+                            host: own,
+                            ..Default::default()
+                        }
+                    } else {
+                        on_device(report.gradients)
+                    }
+                },
                 master_weights: optimizer_side(report.master_weights, &self.nvme_master),
                 optimizer_state: optimizer_side(report.optimizer_state, &self.nvme_optimizer),
                 gathered: on_device(report.gathered),

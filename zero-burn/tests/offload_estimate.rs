@@ -191,7 +191,22 @@ fn estimate_matches_the_memory_report() {
             );
             assert_eq!(e.per_device.optimizer_state, 0, "{label}");
             assert_eq!(l.master_weights.device + l.optimizer_state.device, 0, "{label}");
-            // The model's parameters stay on the device.
+            // The model's gradients stay on the device until the step (the optimizer's own
+            // buffers are in host memory), as its parameters do.
+            let grads = match stage {
+                Stage::Zero0 | Stage::Zero1 => whole,
+                Stage::Zero2 | Stage::Zero3 => part + ends + groups_pad,
+            };
+            close(
+                &format!("{label} gradients on the device"),
+                l.gradients.device,
+                e.per_device.gradients,
+                2.0 * grads,
+            );
+            assert!(
+                l.gradients.host > 0,
+                "{label}: the state's gradient buffers are in host memory"
+            );
             let params = if stage == Stage::Zero3 { part + ends } else { whole };
             close(
                 &format!("{label} parameters on the device"),

@@ -293,6 +293,7 @@ impl ZeroOptimizer {
             &self.settings,
             world,
             self.keeps_gathered.load(std::sync::atomic::Ordering::Relaxed),
+            !self.on_device(),
         );
         let built = view.clone();
         *guard = Some(if self.on_device() {

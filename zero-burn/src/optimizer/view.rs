@@ -232,6 +232,7 @@ impl ModuleView {
         settings: &EngineSettings,
         world: usize,
         keeps_gathered: bool,
+        host_state: bool,
     ) {
         let dtype = settings.precision.dtype;
         let units = self.unit_groups();
@@ -253,6 +254,21 @@ impl ModuleView {
             })
             .sum();
         memory.add_parameters(held * dtype.size());
+        if host_state {
+            // The model's gradients stay on its device from backward to the step, which brings
+            // them to the state's host buffers: a unit's shard (its backward reduce-scattered
+            // it), every other parameter whole.
+            let grads: usize = (0..layout.groups.len())
+                .map(|g| {
+                    if units.contains(&g) {
+                        layout.owned_len(g)
+                    } else {
+                        layout.groups[g].numel
+                    }
+                })
+                .sum();
+            memory.add_model_gradients(grads * dtype.size());
+        }
         for store in offloaded.values() {
             if store.in_file() {
                 memory.add_nvme_parameters(store.bytes());
