@@ -429,9 +429,11 @@ fn a_tensor_parallel_zero_optimizer_checkpoint_resumes_bit_for_bit() {
 fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
     use burn::optim::GradientsAccumulator;
     use zero_burn::sharded::UnitComm;
-    for (clip, gas) in [(0.0, 1), (0.05, 2)] {
+    // (data, tensor, clip, accumulation): 1 × 4 cuts each unit over one rank (padded) while
+    // every block's slice is a quarter of it.
+    for (data, tensor, clip, gas) in [(2, 2, 0.0, 1), (2, 2, 0.05, 2), (1, 4, 0.05, 2)] {
         let reference = reference_training(clip);
-        let results = on_layout(2, 2, |groups| {
+        let results = on_layout(data, tensor, |groups| {
             let device = Default::default();
             let group = TpGroup::new(groups.tensor.clone());
             let model = TpGpt2::from_full(&full_model(&device), group.clone())
@@ -443,7 +445,7 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
                     .unwrap();
             assert!(model.blocks.iter().all(|b| b.is_sharded()), "the blocks are cut");
             let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
-            let per_micro = GLOBAL_BATCH / 2 / gas;
+            let per_micro = GLOBAL_BATCH / data / gas;
             let d = groups.coords.data;
             for step in 0..STEPS {
                 let mut accumulator = GradientsAccumulator::new();
@@ -467,7 +469,7 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
             (groups.coords, values(&got), want)
         });
         assert_weights_close(
-            &format!("ZeroOptimizer stage 3 tp 2 dp 2 gas {gas} clip {clip}"),
+            &format!("ZeroOptimizer stage 3 tp {tensor} dp {data} gas {gas} clip {clip}"),
             results,
         );
     }
