@@ -50,11 +50,24 @@ pub fn describe<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, ParamSpec
 /// `ZeroModule` shard offloaded by `offload_param` is read from where it is kept.
 ///
 /// # Panics
-/// If an offloaded shard cannot be read back (an I/O error of its file).
-pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(usize, Vec<f32>)) {
+/// If an offloaded shard cannot be read back (an I/O error of its file):
+/// [`try_read_values`] returns that error instead.
+pub fn read_values<B: Backend, M: Module<B>>(module: &M, sink: impl FnMut(usize, Vec<f32>)) {
+    if let Err(e) = try_read_values::<B, M>(module, sink) {
+        panic!("{e}");
+    }
+}
+
+/// [`read_values`], returning the error of an offloaded shard that cannot be read back (the
+/// values handed to `sink` after it are those of the other parameters).
+pub fn try_read_values<B: Backend, M: Module<B>>(
+    module: &M,
+    mut sink: impl FnMut(usize, Vec<f32>),
+) -> Result<(), crate::ZeroError> {
     struct Read<'a, F> {
         index: usize,
         sink: &'a mut F,
+        error: Option<crate::ZeroError>,
     }
     impl<B: Backend, F: FnMut(usize, Vec<f32>)> ModuleVisitor<B> for Read<'_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -62,17 +75,28 @@ pub fn read_values<B: Backend, M: Module<B>>(module: &M, mut sink: impl FnMut(us
             let numel = value.shape().num_elements();
             let values = match crate::sharded::stored_values(param.id, &value, numel) {
                 Some(Ok(data)) => data_to_vec(data),
-                Some(Err(e)) => panic!("reading an offloaded ZeroModule shard: {e}"),
+                Some(Err(e)) => {
+                    self.error.get_or_insert(crate::ZeroError::Model(format!(
+                        "reading an offloaded ZeroModule shard: {e}"
+                    )));
+                    Vec::new()
+                }
                 None => tensor_to_vec(value),
             };
             (self.sink)(self.index, values);
             self.index += 1;
         }
     }
-    module.visit(&mut Read {
+    let mut read = Read {
         index: 0,
         sink: &mut sink,
-    });
+        error: None,
+    };
+    module.visit(&mut read);
+    match read.error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Replaces every float parameter's value with `source(index)` (the parameter's flattened

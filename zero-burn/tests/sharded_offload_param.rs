@@ -420,3 +420,33 @@ fn config_sections_become_param_offload_settings() {
     let err = settings(2, r#"{"device": "cpu"}"#).expect_err("stage 2");
     assert!(err.to_string().contains("stage 3"), "{err}");
 }
+
+#[test]
+fn a_parameter_file_that_cannot_be_read_back_is_an_error_naming_it() {
+    let dir = scratch("unreadable");
+    on_ranks(1, |_, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let s = settings(PrecisionSettings::bf16(), OptimizerOffload::None, nvme(&dir, false));
+        let (model, optim) =
+            zero_burn::initialize_settings(s, Net::<AB>::whole(&device), group, comm).expect("initialize");
+        // The file loses its contents under the running model.
+        let file = std::fs::read_dir(&dir)
+            .expect("the parameter directory")
+            .flatten()
+            .next()
+            .expect("the parameter file")
+            .path();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .and_then(|f| f.set_len(0))
+            .expect("truncate");
+        let name = file.file_name().unwrap().to_string_lossy().to_string();
+        let gather = model.units[0].gathered().expect_err("a gather reads the shard");
+        assert!(gather.to_string().contains(&name), "{gather}");
+        let sync = optim.synchronize(model).err().expect("reading the model's values");
+        assert!(sync.to_string().contains(&name), "{sync}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -54,7 +54,7 @@ pub(super) fn adopt<B: AutodiffBackend, M: AutodiffModule<B>>(
     match state {
         State::Host(core) => {
             let mut flat: Vec<Vec<f32>> = Vec::new();
-            crate::params::read_values::<B, M>(module, |_, v| flat.push(v));
+            crate::params::try_read_values::<B, M>(module, |_, v| flat.push(v))?;
             for (group, start, i, from) in writes {
                 core.write_masters(group, start, &flat[i][from])?;
             }

@@ -25,7 +25,7 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
     memory: Arc<MemoryTracker>,
 ) -> Result<EngineCore, ZeroError> {
     let world = comm.world_size();
-    let (mut values, mut shards) = view.read::<B, M>(module);
+    let (mut values, mut shards) = view.read::<B, M>(module)?;
     let unit_groups = view.unit_groups();
     // A unit's whole parameters, from every rank's shard (each in turn, at the first step only).
     for (i, held) in view.held.iter().enumerate() {

@@ -165,7 +165,7 @@ impl ZeroOptimizer {
         for group in view.unit_groups() {
             own[group] = true;
         }
-        let (values, mut shards) = view.read::<B, M>(&module);
+        let (values, mut shards) = view.read::<B, M>(&module)?;
         let values = broadcast_values(values, &view.layout, self.comm.as_ref(), &own)?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;

@@ -112,22 +112,22 @@ impl ModuleView {
     }
 
     /// The values of every layout parameter that `module` holds whole, and by float parameter
-    /// of the module, the shards it holds.
+    /// of the module, the shards it holds; the error of an offloaded shard that cannot be read.
     pub(super) fn read<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         module: &M,
-    ) -> (Vec<Vec<f32>>, HashMap<usize, Vec<f32>>) {
+    ) -> Result<(Vec<Vec<f32>>, HashMap<usize, Vec<f32>>), ZeroError> {
         let mut values = vec![Vec::new(); self.layout.params.len()];
         let mut shards = HashMap::new();
-        crate::params::read_values::<B, M>(module, |i, v| match &self.held[i] {
+        crate::params::try_read_values::<B, M>(module, |i, v| match &self.held[i] {
             Holding::Param(p) => values[*p] = v,
             Holding::Whole(params) => split_into(&mut values, &self.layout, params.clone(), &v),
             Holding::Shard { .. } => {
                 shards.insert(i, v);
             }
             Holding::Nothing => {}
-        });
-        (values, shards)
+        })?;
+        Ok((values, shards))
     }
 
     /// A sharded unit's shard of `len` elements is the owned slice of its group, or the module
