@@ -17,6 +17,9 @@ use zero_core::partition::PartitionLayout;
 /// A float parameter's gradient, flattened, on the inner backend.
 pub(super) type FlatGrad<B> = Tensor<<B as AutodiffBackend>::InnerBackend, 1>;
 
+/// By float parameter of a module (its index in visit order), the shard of a unit it holds.
+pub(super) type Shards = HashMap<usize, Vec<f32>>;
+
 /// What one float parameter of the module holds, in the optimizer's layout.
 #[derive(Clone, Debug)]
 pub(super) enum Holding {
@@ -116,7 +119,7 @@ impl ModuleView {
     pub(super) fn read<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         module: &M,
-    ) -> Result<(Vec<Vec<f32>>, HashMap<usize, Vec<f32>>), ZeroError> {
+    ) -> Result<(Vec<Vec<f32>>, Shards), ZeroError> {
         let mut values = vec![Vec::new(); self.layout.params.len()];
         let mut shards = HashMap::new();
         crate::params::try_read_values::<B, M>(module, |i, v| match &self.held[i] {
