@@ -15,7 +15,7 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["preset", "fit_host_memory"], required_unless_present_any = ["preset", "fit_host_memory"])]
     pub params: Option<String>,
     /// A GPT-2 preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape
-    /// gpt2-<layers>x<hidden> (e.g. gpt2-40x4096).
+    /// `gpt2-<layers>x<hidden>` (e.g. gpt2-40x4096).
     #[arg(long, conflicts_with = "fit_host_memory")]
     pub preset: Option<String>,
     /// Instead of a model: find the deepest GPT-2 of hidden size --hidden whose model states fit
