@@ -26,34 +26,37 @@ fn checkpointed_training_equals_one_process_at_every_stage() {
         cpu_checkpointing: true,
         ..Default::default()
     };
-    for (stage, world, gas, setting) in [
-        (0u8, 2, 1, &one_per_block),
-        (1, 2, 2, &two_on_the_host),
-        (2, 2, 1, &two_on_the_host),
-        (3, 1, 1, &one_per_block),
-        (3, 2, 2, &one_per_block),
-        (3, 4, 1, &two_on_the_host),
+    // The units' shards in a file (`offload_param` nvme): the checkpointed forward runs the
+    // blocks on copies of them, which must still read the shards from the file.
+    let swap = tempfile::tempdir().expect("temp dir");
+    for (stage, world, gas, setting, offload_param) in [
+        (0u8, 2, 1, &one_per_block, false),
+        (1, 2, 2, &two_on_the_host, false),
+        (2, 2, 1, &two_on_the_host, false),
+        (3, 1, 1, &one_per_block, false),
+        (3, 2, 2, &one_per_block, false),
+        (3, 4, 1, &two_on_the_host, false),
+        (3, 2, 1, &two_on_the_host, true),
     ] {
         let micro = 24 / (world * gas);
         let options = RunOptions {
             checkpointed: Some(setting),
             ..RunOptions::default()
         };
-        let runs = train_zero_between(
-            &matrix_config(stage, world, gas, clip),
-            world,
-            micro,
-            gas,
-            &batch,
-            STEPS,
-            options,
-        );
+        let mut config: serde_json::Value =
+            serde_json::from_str(&matrix_config(stage, world, gas, clip)).expect("the matrix's config");
+        if offload_param {
+            config["zero_optimization"]["offload_param"] =
+                serde_json::json!({ "device": "nvme", "nvme_path": swap.path(), "max_in_cpu": 0 });
+        }
+        let runs = train_zero_between(&config.to_string(), world, micro, gas, &batch, STEPS, options);
         assert!(
             runs[0].norms.iter().all(|&n| n > clip),
             "every step clips: {:?}",
             runs[0].norms
         );
-        let label = format!("stage {stage}, world {world}, accumulation {gas}, {setting:?}");
+        let label =
+            format!("stage {stage}, world {world}, accumulation {gas}, {setting:?}, offload_param {offload_param}");
         for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&want).enumerate() {
             let err = relative_error(got, want);
             assert!(err < 1e-6, "{label}: unit {u} off by {err:e}");

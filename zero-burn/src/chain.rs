@@ -81,7 +81,7 @@ pub trait Hidden<B: AutodiffBackend>: Clone + Send {
     fn take_grad(&self, grads: &mut B::Gradients) -> Option<Self>;
     /// `sum(self ⊙ seed)`: its backward pushes `seed` into the graph as the gradient of `self`.
     fn dot(self, seed: Self) -> Tensor<B, 1>;
-    /// Bytes held by the activation (f32 elements).
+    /// Bytes held by the activation.
     fn bytes(&self) -> usize;
     /// The values as host data, one [`TensorData`] per tensor (activation checkpoints kept in
     /// host memory, or partitioned across ranks).
@@ -104,16 +104,16 @@ impl<B: AutodiffBackend, const D: usize> Hidden<B> for Tensor<B, D> {
         (self * seed).sum()
     }
     fn bytes(&self) -> usize {
-        self.shape().num_elements() * 4
+        self.shape().num_elements() * self.dtype().size()
     }
     fn to_host(&self) -> Vec<TensorData> {
         vec![self.to_data()]
     }
     fn from_host(mut data: Vec<TensorData>, device: &B::Device) -> Self {
-        // One tensor in, one out: `to_host` wrote exactly one.
-        Tensor::from_data(
-            data.pop().unwrap_or_else(|| unreachable!("to_host gives one tensor")),
-            device,
-        )
+        // One tensor in, one out: `to_host` wrote exactly one. In its own dtype (a bf16
+        // activation stays bf16), not the device's default float.
+        let data = data.pop().unwrap_or_else(|| unreachable!("to_host gives one tensor"));
+        let dtype = data.dtype;
+        Tensor::from_data(data, (device, dtype))
     }
 }

@@ -406,3 +406,25 @@ fn the_config_section_turns_checkpointing_on() {
         "the caller names the tensor-parallel group"
     );
 }
+
+#[test]
+fn a_checkpoint_kept_on_the_host_comes_back_in_its_own_dtype() {
+    // Reference: the activation itself. A bf16 model's checkpoint came back as the device's
+    // default float (f32), which the next block's bf16 weights then refused.
+    use zero_burn::Hidden;
+    let device = Default::default();
+    let values: Vec<f32> = (0..12).map(|i| 0.37 * i as f32 - 1.5).collect();
+    for dtype in [
+        burn::tensor::DType::BF16,
+        burn::tensor::DType::F16,
+        burn::tensor::DType::F32,
+    ] {
+        let h = Tensor::<B, 1>::from_floats(values.as_slice(), &device)
+            .reshape([3, 4])
+            .cast(dtype);
+        let back = <Tensor<B, 2> as Hidden<B>>::from_host(h.to_host(), &device);
+        assert_eq!(back.dtype(), dtype);
+        assert_eq!(back.into_data(), h.clone().into_data(), "{dtype:?}");
+        assert_eq!(h.bytes(), 12 * dtype.size(), "{dtype:?}");
+    }
+}

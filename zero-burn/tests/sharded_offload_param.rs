@@ -85,7 +85,8 @@ fn step(
     step: usize,
 ) -> (Net<AB>, u32) {
     let device = Default::default();
-    let dtype = model.units[0].shard().val().dtype();
+    // The compute dtype (an offloaded unit's parameter is a placeholder of its own dtype).
+    let dtype = model.units[0].gathered().expect("gather").weight.val().dtype();
     let per = ROWS / world;
     let mine = rank * per..(rank + 1) * per;
     let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);

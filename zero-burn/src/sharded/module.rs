@@ -296,9 +296,10 @@ where
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let numel = self.unit.numel;
         let shard = self.shard.val();
-        let dtype = shard.dtype();
         let sharding = self.sharding();
         let store = sharding.and_then(|s| s.source(&shard));
+        // An offloaded shard's dtype is its store's (the placeholder's is not the values').
+        let dtype = store.as_ref().map_or(shard.dtype(), |s| s.dtype());
         let shard = B::collective_value(shard);
         let shard = match &store {
             Some(store) => store.read_tensor::<B::Collective>(&shard.device())?,

@@ -3,15 +3,17 @@
 //!
 //! The unit's flat parameter then holds a placeholder: a tensor of the shard's shape that is
 //! one NaN broadcast (no memory of its size, and loud if anything ever reads it as the values),
-//! an autodiff leaf whose gradient is the shard's, as before. A gather reads the shard from the store, uploads it and all-gathers it;
-//! backward reads it again where it gathers again. The optimizer writes each step's new shard
-//! into the model as usual, and [`after_step`](super::after_step) moves it into the store,
-//! leaving a new placeholder. A Burn record of the model carries the stored values (the
+//! an autodiff leaf whose gradient is the shard's, as before. A gather reads the shard from the
+//! store, uploads it and all-gathers it; backward reads it again where it gathers again. A step
+//! writes each new shard straight into its store, the placeholder staying; a shard written into
+//! the parameter otherwise (a loaded checkpoint) is moved there by
+//! [`after_step`](super::after_step). A Burn record of the model carries the stored values (the
 //! placeholder's save mapper reads them) and loading one writes them back into the store.
 //!
-//! The store is the unit's value while the parameter holds its placeholder (told apart by the
-//! autodiff node, [`ShardBackend::value_key`]); a value written into the parameter otherwise
-//! is used as it is until the next step moves it into the store.
+//! The placeholder is told apart by its dtype, f64, which no shard has (parameters are fp32,
+//! bf16 or fp16): a copy of it made by any module map (Burn's `no_grad`, fresh leaves for
+//! activation checkpointing, `valid()`, `fork`) is still one. A value of another dtype in the
+//! parameter is used as it is until the next step moves it into the store.
 
 use super::backend::ShardBackend;
 use crate::error::ZeroError;
@@ -44,19 +46,19 @@ enum Place {
     File { file: Arc<SwapFile>, byte: u64 },
 }
 
-/// Tells whether a tensor (as `Any`) is the placeholder a store stands for: `Some(key)` of its
-/// value, `None` for a tensor of another backend (a `valid()` copy, whose parameter is the
-/// placeholder's inner value).
-type KeyOf = dyn Fn(&dyn Any) -> Option<Option<u64>> + Send + Sync;
+/// The dtype of the placeholder.
+const PLACEHOLDER: DType = DType::F64;
 
-/// One unit's shard kept off the device: its values, dtype and length, and the key of the
-/// placeholder that stands for them in the model.
+/// The dtype of a unit's parameter value (as `Any`: a tensor of the backend the unit was cut
+/// for, or of its collective's backend, a `valid()` copy's); `None` for another type.
+type DtypeOf = dyn Fn(&dyn Any) -> Option<DType> + Send + Sync;
+
+/// One unit's shard kept off the device: its values, dtype and length.
 pub(crate) struct ParamStore {
     place: Place,
     dtype: DType,
     len: usize,
-    key: Mutex<Option<u64>>,
-    key_of: Box<KeyOf>,
+    dtype_of: Box<DtypeOf>,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -122,15 +124,16 @@ impl ParamStore {
         Ok(Tensor::from_data(self.read()?, (device, self.dtype)))
     }
 
-    /// Whether `value` (a unit's parameter, as `Any`) is the placeholder of this store, so the
-    /// store holds the unit's values: true for the placeholder itself, and for a copy on
-    /// another backend or one whose values cannot be told apart, which can only have come from
-    /// the placeholder.
+    /// Whether `value` (a unit's parameter, as `Any`) is a placeholder, so the store holds the
+    /// unit's values: its dtype is the placeholder's (a value of an unknown type can only be a
+    /// copy of it too).
     pub(crate) fn stands_for(&self, value: &dyn Any) -> bool {
-        match (self.key_of)(value) {
-            None | Some(None) => true,
-            Some(Some(key)) => *self.key.lock().unwrap_or_else(|e| e.into_inner()) == Some(key),
-        }
+        (self.dtype_of)(value).is_none_or(|d| d == PLACEHOLDER)
+    }
+
+    /// The dtype of the stored shard.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
     }
 }
 
@@ -164,6 +167,12 @@ impl Stash {
         len: usize,
         dtype: DType,
     ) -> Result<Arc<ParamStore>, ZeroError> {
+        if dtype == PLACEHOLDER {
+            return Err(ZeroError::Config(
+                "zero_optimization.offload_param: f64 parameters cannot be offloaded (train in fp32, bf16 or fp16)"
+                    .into(),
+            ));
+        }
         let place = match &self.place {
             ParamPlace::Nvme { path, .. } if self.host_left < len => {
                 if self.file.is_none() {
@@ -193,8 +202,12 @@ impl Stash {
             place,
             dtype,
             len,
-            key: Mutex::new(None),
-            key_of: Box::new(|value: &dyn Any| value.downcast_ref::<Tensor<B, 1>>().map(B::value_key)),
+            dtype_of: Box::new(|value: &dyn Any| {
+                value
+                    .downcast_ref::<Tensor<B, 1>>()
+                    .map(Tensor::dtype)
+                    .or_else(|| value.downcast_ref::<Tensor<B::Collective, 1>>().map(Tensor::dtype))
+            }),
         });
         store.write(data)?;
         Ok(store)
@@ -235,16 +248,13 @@ pub(super) fn placeholder<B: ShardBackend>(
         })
 }
 
-/// The placeholder tensor itself: one NaN broadcast to the shard's length, a leaf whose key
-/// the store records.
+/// The placeholder tensor itself: one f64 NaN broadcast to the shard's length, a leaf.
 fn placeholder_tensor<B: ShardBackend>(
     store: &ParamStore,
     device: &burn::tensor::Device<B::Collective>,
 ) -> Tensor<B, 1> {
-    let one = Tensor::<B::Collective, 1>::full([1], f32::NAN, (device, store.dtype));
-    let tensor = B::from_collective(one.expand([store.len]));
-    *store.key.lock().unwrap_or_else(|e| e.into_inner()) = B::value_key(&tensor);
-    tensor
+    let one = Tensor::<B::Collective, 1>::full([1], f64::NAN, (device, PLACEHOLDER));
+    B::from_collective(one.expand([store.len]))
 }
 
 /// The values of the unit parameter `id` when they are in a store (its value `value` is the
