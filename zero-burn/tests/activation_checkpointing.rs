@@ -14,17 +14,14 @@
 
 mod common;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use common::*;
 use std::sync::Arc;
-use zero_burn::params::read_values;
-use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
-use zero_burn::{
-    checkpointed_grads, ActivationCheckpointing, ChainModel, EngineSettings, HostStaged, Stage, ZeroError,
-};
+use zero_burn::sharded::UnitComm;
+use zero_burn::{checkpointed_grads, ActivationCheckpointing, ChainModel, EngineSettings, HostStaged, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::optim::OptimizerSpec;
 
@@ -45,74 +42,6 @@ fn settings(stage: Stage) -> EngineSettings {
     // Every block (187 elements) is cut under stage 3; the default keeps units this small whole.
     s.param_persistence_threshold = 13;
     s
-}
-
-/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
-/// names and loss, and the same chain for `checkpointed_grads`.
-#[derive(Module, Debug)]
-struct UnitNet<B: Backend> {
-    ends: Ends<B>,
-    blocks: Vec<ZeroModule<B, Block<B>>>,
-}
-
-impl<B: ShardBackend> UnitNet<B> {
-    fn new(device: &B::Device) -> Self {
-        let net = Net::<B>::new(device, BLOCKS);
-        UnitNet {
-            ends: net.ends,
-            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
-        }
-    }
-
-    /// `Net::loss`, each block gathered for its forward.
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let mut h = self.ends.input.forward(x);
-        for b in &self.blocks {
-            h = b.unshard(&h).expect("gather").forward(h);
-        }
-        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
-    }
-
-    /// The parameters in `Net`'s order, each block gathered whole (from the inner backend's
-    /// copy: its gathers leave no autodiff graph behind).
-    fn weights(&self) -> Vec<Vec<f32>>
-    where
-        B: AutodiffBackend,
-        B::InnerBackend: ShardBackend,
-    {
-        let model = self.valid();
-        let mut out = values(&model.ends);
-        for b in &model.blocks {
-            read_values::<B::InnerBackend, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
-        }
-        out
-    }
-}
-
-impl<B: AutodiffBackend + ShardBackend> ChainModel<B> for UnitNet<B> {
-    type Batch = (Tensor<B, 2>, Tensor<B, 2>);
-    type Hidden = Tensor<B, 2>;
-    type Ends = Ends<B>;
-    type Block = ZeroModule<B, Block<B>>;
-
-    fn into_parts(self) -> (Ends<B>, Vec<Self::Block>) {
-        (self.ends, self.blocks)
-    }
-    fn from_parts(ends: Ends<B>, blocks: Vec<Self::Block>) -> Self {
-        UnitNet { ends, blocks }
-    }
-    fn embed(ends: &Ends<B>, batch: &Self::Batch) -> Tensor<B, 2> {
-        Net::embed(ends, batch)
-    }
-    fn block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        block.unshard(&x).expect("gather").forward(x)
-    }
-    fn try_block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ZeroError> {
-        Ok(block.unshard(&x)?.forward(x))
-    }
-    fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
-        Net::head_loss(ends, h, batch)
-    }
 }
 
 fn reference() -> Vec<Vec<f32>> {
@@ -158,7 +87,7 @@ fn run(stage: Stage, world: usize, ac: Option<ActivationCheckpointing>) -> Vec<V
             ..ac
         });
         let (mut model, mut optim) =
-            zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device), group, units)
+            zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device, BLOCKS), group, units)
                 .expect("initialize");
         let per_micro = GLOBAL_BATCH / world / GAS;
         for step in 0..STEPS {
@@ -239,7 +168,7 @@ fn partitioned_checkpoints_are_split_and_gathered_back() {
                     let device = Default::default();
                     let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(dp.clone()));
                     let (mut model, mut optim) =
-                        zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device), dp, units)
+                        zero_burn::initialize_settings(settings(stage), UnitNet::<B>::new(&device, BLOCKS), dp, units)
                             .expect("initialize");
                     for step in 0..STEPS {
                         let mut accumulator = GradientsAccumulator::new();

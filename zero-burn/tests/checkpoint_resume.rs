@@ -13,16 +13,15 @@
 
 mod common;
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::optim::lr_scheduler::LrScheduler;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 use common::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_burn::params::{describe, read_values, write_values};
-use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
+use zero_burn::params::{describe, write_values};
+use zero_burn::sharded::UnitComm;
 use zero_burn::{EngineSettings, HostStaged, Stage, ZeroOptimizer};
 use zero_core::comm::ProcessGroup;
 
@@ -48,37 +47,6 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
-/// names and loss.
-#[derive(Module, Debug)]
-struct UnitNet<B: Backend> {
-    ends: Ends<B>,
-    blocks: Vec<ZeroModule<B, Block<B>>>,
-}
-
-impl<B: ShardBackend> UnitNet<B> {
-    /// `net`'s weights, each block a unit (whole until `initialize_settings` cuts it).
-    fn of(net: Net<B>) -> Self {
-        UnitNet {
-            ends: net.ends,
-            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
-        }
-    }
-}
-
-impl UnitNet<B> {
-    /// The parameters in `Net`'s order, each block gathered whole (from the inner backend's
-    /// copy: its gathers leave no autodiff graph behind). Every rank calls it together.
-    fn weights(&self) -> Vec<Vec<f32>> {
-        let model = self.valid();
-        let mut out = values(&model.ends);
-        for b in &model.blocks {
-            read_values::<burn::backend::Flex, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
-        }
-        out
-    }
-}
-
 /// A model the loop below trains.
 trait Loss: AutodiffModule<B> {
     fn loss_of(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1>;
@@ -91,13 +59,8 @@ impl Loss for Net<B> {
 }
 
 impl Loss for UnitNet<B> {
-    /// `Net::loss`, each block gathered for its forward.
     fn loss_of(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let mut h = self.ends.input.forward(x);
-        for b in &self.blocks {
-            h = b.unshard(&h).expect("gather").forward(h);
-        }
-        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+        self.loss(x, y)
     }
 }
 

@@ -17,14 +17,13 @@
 
 mod common;
 
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
 use common::*;
 use std::sync::Arc;
 use zero_burn::params::read_values;
-use zero_burn::sharded::{ShardBackend, UnitComm, ZeroModule};
+use zero_burn::sharded::UnitComm;
 use zero_burn::{EngineSettings, HostStaged, Stage, ZeroOptimizer};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
 
@@ -57,33 +56,6 @@ fn settings(stage: Stage, gas: usize, clip: f64) -> EngineSettings {
     s.param_persistence_threshold = 13;
     s.prefetch_bucket_size = 400;
     s
-}
-
-/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
-/// names and loss.
-#[derive(Module, Debug)]
-struct UnitNet<B: Backend> {
-    ends: Ends<B>,
-    blocks: Vec<ZeroModule<B, Block<B>>>,
-}
-
-impl<B: ShardBackend> UnitNet<B> {
-    fn new(device: &B::Device) -> Self {
-        let net = Net::<B>::new(device, BLOCKS);
-        UnitNet {
-            ends: net.ends,
-            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
-        }
-    }
-
-    /// `Net::loss`, each block gathered for its forward.
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let mut h = self.ends.input.forward(x);
-        for b in &self.blocks {
-            h = b.unshard(&h).expect("gather").forward(h);
-        }
-        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
-    }
 }
 
 /// The single-process run.
@@ -155,9 +127,13 @@ fn run_units(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f32>>
     let results = on_ranks(world, move |rank, group| {
         let device = Default::default();
         let units: UnitComm<burn::backend::Flex> = Arc::new(HostStaged::new(group.clone()));
-        let (mut model, mut optim) =
-            zero_burn::initialize_settings(settings(stage, gas, clip), UnitNet::<B>::new(&device), group, units)
-                .expect("initialize");
+        let (mut model, mut optim) = zero_burn::initialize_settings(
+            settings(stage, gas, clip),
+            UnitNet::<B>::new(&device, BLOCKS),
+            group,
+            units,
+        )
+        .expect("initialize");
         assert_eq!(
             model.blocks.iter().all(|b| b.is_sharded()),
             stage == Stage::Zero3 || (stage == Stage::Zero2 && world > 1),

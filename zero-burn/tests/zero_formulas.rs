@@ -19,13 +19,10 @@ mod common;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
-use common::{batch, on_ranks, psi, Block, Ends, Net, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
+use common::{batch, on_ranks, psi, UnitNet, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
 use std::sync::Arc;
-use zero_burn::sharded::{shard_len, ShardBackend, UnitComm, ZeroModule};
+use zero_burn::sharded::{shard_len, UnitComm};
 use zero_burn::{EngineSettings, HostStaged, MemoryReport, Stage};
 use zero_core::optim::OptimizerSpec;
 
@@ -35,32 +32,6 @@ type B = Autodiff<Flex, BalancedCheckpointing>;
 const BLOCKS: usize = 40;
 /// The input layer and the head, weights and biases: outside any unit.
 const ENDS: usize = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT;
-
-/// `Net` with each block a `ZeroModule`.
-#[derive(Module, Debug)]
-struct UnitNet<B: Backend> {
-    ends: Ends<B>,
-    blocks: Vec<ZeroModule<B, Block<B>>>,
-}
-
-impl<B: ShardBackend> UnitNet<B> {
-    fn new(device: &B::Device) -> Self {
-        let net = Net::<B>::new(device, BLOCKS);
-        UnitNet {
-            ends: net.ends,
-            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
-        }
-    }
-
-    /// `Net::loss`, each block gathered for its forward.
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let mut h = self.ends.input.forward(x);
-        for b in &self.blocks {
-            h = b.unshard(&h).expect("gather").forward(h);
-        }
-        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
-    }
-}
 
 /// Rank 0's report after one step at `stage` on `world` ranks.
 fn report(stage: Stage, world: usize) -> MemoryReport {
@@ -72,7 +43,7 @@ fn report(stage: Stage, world: usize) -> MemoryReport {
         s.overlap_comm = false;
         let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
         let (model, mut optim) =
-            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device), group, units).expect("initialize");
+            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, BLOCKS), group, units).expect("initialize");
         let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
         let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
         optim.try_step(1e-3, model, grads).expect("step");

@@ -3,13 +3,14 @@
 #![allow(dead_code)]
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
+use burn::module::{AutodiffModule, Module};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use std::sync::Arc;
-use zero_burn::params::{describe, write_values};
-use zero_burn::ChainModel;
+use zero_burn::params::{describe, read_values, write_values};
+use zero_burn::sharded::{ShardBackend, ZeroModule};
+use zero_burn::{ChainModel, ZeroError};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 
 pub mod counting;
@@ -101,6 +102,80 @@ impl<B: AutodiffBackend> ChainModel<B> for Net<B> {
     }
     fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
         (ends.head.forward(h) - batch.1.clone()).powi_scalar(2).mean()
+    }
+}
+
+/// [`Net`] with each block a `ZeroModule` (the ends replicated): the same weights, parameter
+/// names and loss, and the same chain for `checkpointed_grads`. Blocks are whole until
+/// `initialize_settings` cuts them.
+#[derive(Module, Debug)]
+pub struct UnitNet<B: Backend> {
+    pub ends: Ends<B>,
+    pub blocks: Vec<ZeroModule<B, Block<B>>>,
+}
+
+impl<B: ShardBackend> UnitNet<B> {
+    /// `net`'s weights, each block a unit.
+    pub fn of(net: Net<B>) -> Self {
+        UnitNet {
+            ends: net.ends,
+            blocks: net.blocks.into_iter().map(ZeroModule::new).collect(),
+        }
+    }
+
+    /// `Net::new`'s weights, each block a unit.
+    pub fn new(device: &B::Device, blocks: usize) -> Self {
+        Self::of(Net::new(device, blocks))
+    }
+
+    /// `Net::loss`, each block gathered for its forward.
+    pub fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let mut h = self.ends.input.forward(x);
+        for b in &self.blocks {
+            h = b.unshard(&h).expect("gather").forward(h);
+        }
+        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
+    }
+
+    /// The parameters in `Net`'s order, each block gathered whole (from the inner backend's
+    /// copy: its gathers leave no autodiff graph behind). Every rank calls it together.
+    pub fn weights(&self) -> Vec<Vec<f32>>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: ShardBackend,
+    {
+        let model = self.valid();
+        let mut out = values(&model.ends);
+        for b in &model.blocks {
+            read_values::<B::InnerBackend, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
+        }
+        out
+    }
+}
+
+impl<B: AutodiffBackend + ShardBackend> ChainModel<B> for UnitNet<B> {
+    type Batch = (Tensor<B, 2>, Tensor<B, 2>);
+    type Hidden = Tensor<B, 2>;
+    type Ends = Ends<B>;
+    type Block = ZeroModule<B, Block<B>>;
+
+    fn into_parts(self) -> (Ends<B>, Vec<Self::Block>) {
+        (self.ends, self.blocks)
+    }
+    fn from_parts(ends: Ends<B>, blocks: Vec<Self::Block>) -> Self {
+        UnitNet { ends, blocks }
+    }
+    fn embed(ends: &Ends<B>, batch: &Self::Batch) -> Tensor<B, 2> {
+        Net::embed(ends, batch)
+    }
+    fn block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        block.unshard(&x).expect("gather").forward(x)
+    }
+    fn try_block_forward(block: &Self::Block, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ZeroError> {
+        Ok(block.unshard(&x)?.forward(x))
+    }
+    fn head_loss(ends: &Ends<B>, h: Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        Net::head_loss(ends, h, batch)
     }
 }
 

@@ -145,49 +145,6 @@ pub fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     max_relative_error(a, b)
 }
 
-/// `Net` with every block a `ZeroModule` (cut by `initialize_settings` at stages 2-3): the
-/// model of [`train_zero`].
-#[derive(burn::module::Module, Debug)]
-pub struct UnitNet<B: burn::tensor::backend::Backend> {
-    pub ends: Ends<B>,
-    pub blocks: Vec<zero_burn::sharded::ZeroModule<B, Block<B>>>,
-}
-
-impl<B: zero_burn::sharded::ShardBackend> UnitNet<B> {
-    /// `Net::new`'s weights, each block a unit.
-    pub fn new(device: &B::Device, blocks: usize) -> Self {
-        let net = Net::<B>::new(device, blocks);
-        UnitNet {
-            ends: net.ends,
-            blocks: net
-                .blocks
-                .into_iter()
-                .map(zero_burn::sharded::ZeroModule::new)
-                .collect(),
-        }
-    }
-
-    /// `Net::loss`, each block gathered for its forward.
-    pub fn loss(&self, x: burn::tensor::Tensor<B, 2>, y: burn::tensor::Tensor<B, 2>) -> burn::tensor::Tensor<B, 1> {
-        let mut h = self.ends.input.forward(x);
-        for b in &self.blocks {
-            h = b.unshard(&h).expect("gather").forward(h);
-        }
-        (self.ends.head.forward(h) - y).powi_scalar(2).mean()
-    }
-
-    /// The parameters in `Net`'s order (the ends', then each block's, gathered).
-    pub fn values(&self) -> Vec<Vec<f32>> {
-        let mut out = Vec::new();
-        zero_burn::params::read_values::<B, _>(&self.ends.input, |_, v| out.push(v));
-        zero_burn::params::read_values::<B, _>(&self.ends.head, |_, v| out.push(v));
-        for b in &self.blocks {
-            zero_burn::params::read_values::<B, _>(&b.gathered().expect("gather"), |_, v| out.push(v));
-        }
-        out
-    }
-}
-
 /// Trains `UnitNet` (3 blocks) for `steps` optimizer steps on `world` ranks, stopping a rank at
 /// its first failed step: the model and `ZeroOptimizer` from `initialize_settings` in Burn's own
 /// loop (Burn's `GradientsAccumulator` over `settings.gradient_accumulation_steps`
@@ -270,7 +227,7 @@ pub fn train_zero_on(
                 }
             }
             assert_eq!(optim.tensor_state(), Some(!host), "where the state lives");
-            run.values.push(model.values());
+            run.values.push(model.weights());
         }
         run
     })
