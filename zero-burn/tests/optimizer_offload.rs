@@ -17,10 +17,9 @@ mod common;
 mod sharded_support;
 
 use burn::backend::{Autodiff, Flex};
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use sharded_support::*;
 use std::path::{Path, PathBuf};
-use zero_burn::params::read_values;
 use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::optim::{AdamSpec, OptimizerSpec, SgdSpec};
 
@@ -63,24 +62,8 @@ fn settings(stage: Stage, precision: PrecisionSettings, offload: OptimizerOffloa
     s
 }
 
-/// What a rank saw: per step its loss bits, and its units (whole, gathered) after the run.
-type Run = (Vec<u32>, Vec<Vec<u32>>);
-
-/// Steps `steps` on `world` rank threads through `initialize_settings`; loads the checkpoint
-/// `load` first and saves into `save` after the last step.
-fn run(
-    settings: EngineSettings,
-    world: usize,
-    steps: std::ops::Range<usize>,
-    load: Option<&Path>,
-    save: Option<&Path>,
-) -> Vec<Run> {
-    run_accumulated(settings, world, 1, steps, load, save)
-}
-
-/// [`run`] with each step's gradients summed over `micro` micro-batches (the rank's rows split
-/// in order) by Burn's `GradientsAccumulator`, each loss divided by `micro`; a step's loss is
-/// its first micro-batch's.
+/// [`train_net`] with `micro` micro-batches a step, every rank asserting that its state is in
+/// host buffers (offloaded).
 fn run_accumulated(
     settings: EngineSettings,
     world: usize,
@@ -88,64 +71,28 @@ fn run_accumulated(
     steps: std::ops::Range<usize>,
     load: Option<&Path>,
     save: Option<&Path>,
-) -> Vec<Run> {
-    on_ranks(world, |rank, comm| {
-        let device = Default::default();
-        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-        let dtype = settings.precision.dtype.burn();
-        let (mut model, mut optim) =
-            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
-                .expect("initialize");
-        if let Some(dir) = load {
-            model = optim.load_checkpoint(dir, None, model).expect("load").0;
-        }
-        let mut lr = optim.lr_scheduler();
-        let per = ROWS / world / micro;
-        let mut losses = Vec::new();
-        for step in steps.clone() {
-            let mut accumulator = GradientsAccumulator::new();
-            for m in 0..micro {
-                let start = (rank * micro + m) * per;
-                let mine = start..start + per;
-                let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);
-                let loss = model.loss(x, rows::<AB>(mine, 3, 5 + step, &device).cast(dtype));
-                if m == 0 {
-                    losses.push(loss.clone().into_scalar().to_f32().to_bits());
-                }
-                let grads = loss.div_scalar(micro as f32).backward();
-                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-            }
-            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
-            model = optim.try_step(rate, model, accumulator.grads()).expect("step");
-        }
-        if let Some(dir) = save {
-            optim
-                .save_checkpoint(dir, None, &serde_json::Value::Null)
-                .expect("save");
-        }
-        assert_eq!(optim.tensor_state(), Some(false), "offloaded: host buffers");
-        let units = model
-            .units
-            .iter()
-            .map(|u| {
-                let mut v = Vec::new();
-                read_values::<AB, _>(&u.gathered().expect("gather"), |_, p| {
-                    v.extend(p.iter().map(|x| x.to_bits()))
-                });
-                v
-            })
-            .collect();
-        (losses, units)
-    })
+) -> Vec<NetRun> {
+    let runs = train_net(&settings, world, micro, steps, load, save);
+    for run in &runs {
+        assert_eq!(run.tensor_state, Some(false), "offloaded: host buffers");
+    }
+    runs
 }
 
-trait ToF32 {
-    fn to_f32(self) -> f32;
+/// [`run_accumulated`] with one micro-batch a step.
+fn run(
+    settings: EngineSettings,
+    world: usize,
+    steps: std::ops::Range<usize>,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<NetRun> {
+    run_accumulated(settings, world, 1, steps, load, save)
 }
-impl<E: burn::tensor::ElementConversion> ToF32 for E {
-    fn to_f32(self) -> f32 {
-        self.elem::<f32>()
-    }
+
+/// Every rank's losses and units in bits: what two runs must share.
+fn trained(runs: &[NetRun]) -> Vec<(&Vec<u32>, &Vec<Vec<u32>>)> {
+    runs.iter().map(|r| (&r.losses, &r.units)).collect()
 }
 
 #[test]
@@ -163,7 +110,7 @@ fn nvme_offloaded_training_is_bit_for_bit_host_memory_training() {
                     None,
                 );
                 let got = run(settings(stage, precision, nvme(&dir)), world, 0..STEPS, None, None);
-                assert_eq!(got, want, "{label}: nvme against host memory");
+                assert_eq!(trained(&got), trained(&want), "{label}: nvme against host memory");
                 let _ = std::fs::remove_dir_all(&dir);
             }
         }
@@ -199,11 +146,7 @@ fn a_run_saved_from_the_swap_file_resumes_bit_for_bit_into_the_swap_file_or_memo
                 Some(&ckpt),
                 None,
             );
-            for (rank, ((a, b), w)) in first.iter().zip(&second).zip(&whole).enumerate() {
-                let losses: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
-                assert_eq!(losses, w.0, "{stage:?} {label}: rank {rank}'s losses");
-                assert_eq!(b.1, w.1, "{stage:?} {label}: rank {rank}'s weights");
-            }
+            assert_resumed(&format!("{stage:?} {label}"), &first, &second, &whole);
         }
         let _ = std::fs::remove_dir_all(&swap);
         let _ = std::fs::remove_dir_all(&ckpt);
@@ -236,11 +179,7 @@ fn checkpoints_move_from_host_memory_into_the_swap_file_and_beside_offloaded_par
         let ckpt = scratch(&format!("across-ckpt-{i}"));
         let a = run(first, 2, 0..2, None, Some(&ckpt));
         let b = run(second, 2, 2..STEPS, Some(&ckpt), None);
-        for (rank, ((a, b), w)) in a.iter().zip(&b).zip(&whole).enumerate() {
-            let losses: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
-            assert_eq!(losses, w.0, "{label}: rank {rank}'s losses");
-            assert_eq!(b.1, w.1, "{label}: rank {rank}'s weights");
-        }
+        assert_resumed(label, &a, &b, &whole);
         let _ = std::fs::remove_dir_all(&ckpt);
     }
     let _ = std::fs::remove_dir_all(&swap);
@@ -322,7 +261,7 @@ fn nvme_with_one_buffer_accumulation_and_sgd_momentum() {
         };
         let want = run_accumulated(host, 2, 2, 0..STEPS, None, None);
         let got = run_accumulated(swapped, 2, 2, 0..STEPS, None, None);
-        assert_eq!(got, want, "{label}: nvme against host memory");
+        assert_eq!(trained(&got), trained(&want), "{label}: nvme against host memory");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

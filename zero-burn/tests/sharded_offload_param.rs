@@ -14,7 +14,7 @@ mod sharded_support;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use sharded_support::*;
 use std::path::{Path, PathBuf};
@@ -98,46 +98,22 @@ fn step(
 
 use burn::tensor::ElementConversion;
 
-/// What a rank saw: its losses, its units after the run, and the memory report's parameter
-/// bytes (device, host, nvme) after the first step.
-type Run = (Vec<u32>, Vec<Vec<u32>>, [usize; 3]);
-
-/// `world` rank threads training `steps` through `initialize_settings`, loading the checkpoint
-/// `load` first and saving into `save` after the last step.
+/// [`train_net`] with one micro-batch a step.
 fn run(
     settings: EngineSettings,
     world: usize,
     steps: std::ops::Range<usize>,
     load: Option<&Path>,
     save: Option<&Path>,
-) -> Vec<Run> {
-    on_ranks(world, |rank, comm| {
-        let device = Default::default();
-        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-        let (mut model, mut optim) =
-            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
-                .expect("initialize");
-        if let Some(dir) = load {
-            model = optim.load_checkpoint(dir, None, model).expect("load").0;
-        }
-        let mut lr = optim.lr_scheduler();
-        let mut losses = Vec::new();
-        let mut placed = [0; 3];
-        for s in steps.clone() {
-            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
-            let (next, bits) = step(model, &mut optim, rate, rank, world, s);
-            model = next;
-            losses.push(bits);
-            let p = optim.memory().locations.parameters;
-            placed = [p.device, p.host, p.nvme];
-        }
-        if let Some(dir) = save {
-            optim
-                .save_checkpoint(dir, None, &serde_json::Value::Null)
-                .expect("save");
-        }
-        (losses, gathered(&model), placed)
-    })
+) -> Vec<NetRun> {
+    train_net(&settings, world, 1, steps, load, save)
+}
+
+/// [`train_net`] from the start without a checkpoint, each step's rows split into two
+/// micro-batches whose gradients Burn's `GradientsAccumulator` sums (each loss halved); a
+/// step's loss is its first micro-batch's.
+fn run_accumulated(settings: EngineSettings, world: usize) -> Vec<NetRun> {
+    train_net(&settings, world, 2, 0..STEPS, None, None)
 }
 
 /// Bytes of this rank's shards of the three units at `world` ranks, in `bytes`-byte elements.
@@ -174,13 +150,24 @@ fn offloaded_shards_train_bit_for_bit_as_shards_on_the_device() {
                         None,
                     );
                     for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{label}, in cpu {in_cpu}: rank {rank}");
+                        assert_eq!(
+                            (&g.losses, &g.units),
+                            (&w.losses, &w.units),
+                            "{label}, in cpu {in_cpu}: rank {rank}"
+                        );
                         // Every parameter is a unit's: none is left on the device, and the
                         // optimizer keeps no copy of the shards between steps.
                         let shards = shard_bytes(world, bytes);
                         let placed = if in_cpu { [0, shards, 0] } else { [0, 0, shards] };
-                        assert_eq!(g.2, placed, "{label}, in cpu {in_cpu}: rank {rank}'s parameter bytes");
-                        assert_eq!(w.2, [shards, 0, 0], "{label}: rank {rank}'s parameter bytes");
+                        assert_eq!(
+                            g.params_placed, placed,
+                            "{label}, in cpu {in_cpu}: rank {rank}'s parameter bytes"
+                        );
+                        assert_eq!(
+                            w.params_placed,
+                            [shards, 0, 0],
+                            "{label}: rank {rank}'s parameter bytes"
+                        );
                     }
                     // The parameter files go with the model.
                     let left: Vec<_> = std::fs::read_dir(&dir)
@@ -259,11 +246,7 @@ fn a_run_resumed_from_a_checkpoint_with_offloaded_shards_is_bit_for_bit_the_run_
         let whole = run(s.clone(), 2, 0..STEPS, None, None);
         let first = run(s.clone(), 2, 0..2, None, Some(&ckpt));
         let second = run(s, 2, 2..STEPS, Some(&ckpt), None);
-        for (rank, ((a, b), w)) in first.iter().zip(&second).zip(&whole).enumerate() {
-            let losses: Vec<u32> = a.0.iter().chain(&b.0).copied().collect();
-            assert_eq!(losses, w.0, "{optimizer:?}: rank {rank}'s losses");
-            assert_eq!(b.1, w.1, "{optimizer:?}: rank {rank}'s weights");
-        }
+        assert_resumed(&format!("{optimizer:?}"), &first, &second, &whole);
         let _ = std::fs::remove_dir_all(&ckpt);
     }
     let _ = std::fs::remove_dir_all(&swap);
@@ -313,41 +296,6 @@ fn a_burn_record_carries_the_offloaded_values_and_loads_back_into_the_store() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// [`run`] from the start without a checkpoint, each step's rows split into two micro-batches
-/// whose gradients Burn's `GradientsAccumulator` sums (each loss halved); a step's loss is its
-/// first micro-batch's.
-fn run_accumulated(settings: EngineSettings, world: usize) -> Vec<Run> {
-    on_ranks(world, |rank, comm| {
-        let device = Default::default();
-        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
-        let dtype = settings.precision.dtype.burn();
-        let (mut model, mut optim) =
-            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
-                .expect("initialize");
-        let mut lr = optim.lr_scheduler();
-        let per = ROWS / world / 2;
-        let (mut losses, mut placed) = (Vec::new(), [0; 3]);
-        for s in 0..STEPS {
-            let mut accumulator = GradientsAccumulator::new();
-            for micro in 0..2 {
-                let start = (rank * 2 + micro) * per;
-                let x = rows::<AB>(start..start + per, 4, s, &device).cast(dtype);
-                let loss = model.loss(x, rows::<AB>(start..start + per, 3, 5 + s, &device).cast(dtype));
-                if micro == 0 {
-                    losses.push(loss.clone().into_scalar().elem::<f32>().to_bits());
-                }
-                let grads = optim.scale_loss(loss.div_scalar(2.0)).backward();
-                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-            }
-            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
-            model = optim.try_step(rate, model, accumulator.grads()).expect("step");
-            let p = optim.memory().locations.parameters;
-            placed = [p.device, p.host, p.nvme];
-        }
-        (losses, gathered(&model), placed)
-    })
-}
-
 #[test]
 fn param_and_optimizer_both_on_nvme_with_accumulation() {
     // The optimizer's state streamed from its own swap file too (chunks of 7 elements, 3
@@ -377,18 +325,18 @@ fn param_and_optimizer_both_on_nvme_with_accumulation() {
         };
         let got = run_accumulated(settings(PrecisionSettings::bf16(), optimizer.clone(), params), world);
         for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!((&g.0, &g.1), (&w.0, &w.1), "{label}: rank {rank}");
+            assert_eq!((&g.losses, &g.units), (&w.losses, &w.units), "{label}: rank {rank}");
             // bf16: 2 bytes an element. What the run without offload_param holds on the
             // device is now in host memory (the units under `max_in_cpu`) or in the file.
             let in_host = if max_in_cpu == 0 { 0 } else { 2 * unit(0) };
             let shards = shard_bytes(world, 2);
             assert_eq!(
-                w.2[0], shards,
+                w.params_placed[0], shards,
                 "{label}: rank {rank}'s shards on the device without offload_param"
             );
             assert_eq!(
-                g.2,
-                [0, w.2[1] + in_host, shards - in_host],
+                g.params_placed,
+                [0, w.params_placed[1] + in_host, shards - in_host],
                 "{label}: rank {rank}'s parameter bytes"
             );
         }

@@ -113,3 +113,99 @@ pub fn max_diff(got: &[f32], want: &[f32]) -> f32 {
 pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     max_diff(got, want) / max_abs(want)
 }
+
+/// What one rank saw in [`train_net`]: per step the loss of its first micro-batch (bits), its
+/// units gathered whole after the run (bits), where the parameter bytes were after the last
+/// step (device, host, NVMe), and whether the optimizer's state was tensors.
+#[derive(Clone, Debug)]
+pub struct NetRun {
+    pub losses: Vec<u32>,
+    pub units: Vec<Vec<u32>>,
+    pub params_placed: [usize; 3],
+    pub tensor_state: Option<bool>,
+}
+
+/// [`Net`] from `initialize_settings` on `world` rank threads, trained over `steps` (the
+/// optimizer's LR schedule), each step `micro` micro-batches of the rank's rows accumulated by
+/// Burn's `GradientsAccumulator` (inputs in the compute dtype, the loss through `scale_loss`);
+/// the checkpoint `load` loaded first and one saved into `save` after the last step.
+pub fn train_net(
+    settings: &zero_burn::EngineSettings,
+    world: usize,
+    micro: usize,
+    steps: std::ops::Range<usize>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<NetRun> {
+    use burn::module::AutodiffModule;
+    use burn::optim::{GradientsAccumulator, GradientsParams};
+    use burn::tensor::ElementConversion;
+    type AB = burn::backend::Autodiff<burn::backend::Flex>;
+    on_ranks(world, |rank, comm| {
+        let device = Default::default();
+        let group =
+            zero_burn::DeviceCollective::<burn::backend::Flex>::host_group(comm.as_ref()).expect("a host group");
+        let dtype = settings.precision.dtype.burn();
+        let (mut model, mut optim) =
+            zero_burn::initialize_settings(settings.clone(), Net::<AB>::whole(&device), group, comm)
+                .expect("initialize");
+        if let Some(dir) = load {
+            model = optim.load_checkpoint(dir, None, model).expect("load").0;
+        }
+        let mut lr = optim.lr_scheduler();
+        let per = ROWS / world / micro;
+        let (mut losses, mut params_placed) = (Vec::new(), [0; 3]);
+        for step in steps.clone() {
+            let mut accumulator = GradientsAccumulator::new();
+            for m in 0..micro {
+                let start = (rank * micro + m) * per;
+                let mine = start..start + per;
+                let x = rows::<AB>(mine.clone(), 4, step, &device).cast(dtype);
+                let loss = model.loss(x, rows::<AB>(mine, 3, 5 + step, &device).cast(dtype));
+                if m == 0 {
+                    losses.push(loss.clone().into_scalar().elem::<f32>().to_bits());
+                }
+                let grads = optim.scale_loss(loss.div_scalar(micro as f32)).backward();
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            }
+            let rate = burn::optim::lr_scheduler::LrScheduler::step(&mut lr);
+            model = optim.try_step(rate, model, accumulator.grads()).expect("step");
+            let p = optim.memory().locations.parameters;
+            params_placed = [p.device, p.host, p.nvme];
+        }
+        if let Some(dir) = save {
+            optim
+                .save_checkpoint(dir, None, &serde_json::Value::Null)
+                .expect("save");
+        }
+        // From the inner backend's copy: its gathers leave no autodiff graph holding the units.
+        let units = model
+            .valid()
+            .units
+            .iter()
+            .map(|u| {
+                let mut v = Vec::new();
+                zero_burn::params::read_values::<burn::backend::Flex, _>(&u.gathered().expect("gather"), |_, p| {
+                    v.extend(p.iter().map(|x| x.to_bits()))
+                });
+                v
+            })
+            .collect();
+        NetRun {
+            losses,
+            units,
+            params_placed,
+            tensor_state: optim.tensor_state(),
+        }
+    })
+}
+
+/// Asserts that a run stopped after `first` and resumed as `second` is `whole`, the run
+/// without the stop, in every bit: every rank's losses, then its units.
+pub fn assert_resumed(label: &str, first: &[NetRun], second: &[NetRun], whole: &[NetRun]) {
+    for (rank, ((a, b), w)) in first.iter().zip(second).zip(whole).enumerate() {
+        let losses: Vec<u32> = a.losses.iter().chain(&b.losses).copied().collect();
+        assert_eq!(losses, w.losses, "{label}: rank {rank}'s losses");
+        assert_eq!(b.units, w.units, "{label}: rank {rank}'s weights");
+    }
+}
