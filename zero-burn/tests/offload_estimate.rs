@@ -16,18 +16,11 @@
 
 mod common;
 
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, Flex};
-use burn::optim::GradientsParams;
-use common::{batch, on_ranks, psi, UnitNet, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
-use std::sync::Arc;
-use zero_burn::sharded::{shard_len, UnitComm};
-use zero_burn::{EngineSettings, HostStaged, MemoryReport, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
+use common::{psi, unit_net_report, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
+use zero_burn::sharded::shard_len;
+use zero_burn::{EngineSettings, MemoryReport, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
 use zero_core::optim::OptimizerSpec;
-
-/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
-type B = Autodiff<Flex, BalancedCheckpointing>;
 
 const BLOCKS: usize = 40;
 /// The input layer and the head, weights and biases: outside any unit.
@@ -40,26 +33,14 @@ fn report(stage: Stage, world: usize, offload: OptimizerOffload) -> MemoryReport
 
 /// [`report`] with the parameters' placement too.
 fn report_with(stage: Stage, world: usize, offload: OptimizerOffload, params: ParamOffload) -> MemoryReport {
-    on_ranks(world, |rank, group| {
-        let device = Default::default();
-        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
-        s.precision = PrecisionSettings::bf16();
-        s.offload_optimizer = offload.clone();
-        s.offload_param = params.clone();
-        // Every block is cut at stage 3; no prefetch beside the unit in use.
-        s.param_persistence_threshold = 0;
-        s.overlap_comm = false;
-        let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
-        let (model, mut optim) =
-            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, BLOCKS), group, units).expect("initialize");
-        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
-        let dtype = burn::tensor::DType::BF16;
-        let grads = GradientsParams::from_grads(model.loss(x.cast(dtype), y.cast(dtype)).backward(), &model);
-        optim.try_step(1e-3, model, grads).expect("step");
-        assert!(!optim.last_step().expect("a step").skipped);
-        optim.memory()
-    })
-    .remove(0)
+    let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
+    s.precision = PrecisionSettings::bf16();
+    s.offload_optimizer = offload;
+    s.offload_param = params;
+    // Every block is cut at stage 3; no prefetch beside the unit in use.
+    s.param_persistence_threshold = 0;
+    s.overlap_comm = false;
+    unit_net_report(&s, world, BLOCKS)
 }
 
 /// The estimate for the model at `stage` on `world` devices of one node.

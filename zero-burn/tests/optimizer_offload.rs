@@ -21,15 +21,13 @@ use burn::optim::GradientsParams;
 use sharded_support::*;
 use std::path::{Path, PathBuf};
 use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
-use zero_core::optim::{AdamSpec, OptimizerSpec, SgdSpec};
+use zero_core::optim::{OptimizerSpec, SgdSpec};
 
 type AB = Autodiff<Flex>;
 const STEPS: usize = 4;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zero-optimizer-offload-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    sharded_support::scratch("optimizer-offload", name)
 }
 
 /// Chunks of 29 elements and 2 buffers: every group spans several chunks, most with a shorter
@@ -44,22 +42,7 @@ fn nvme(dir: &Path) -> OptimizerOffload {
 }
 
 fn settings(stage: Stage, precision: PrecisionSettings, offload: OptimizerOffload) -> EngineSettings {
-    let mut s = EngineSettings::new(
-        stage,
-        OptimizerSpec::Adam(AdamSpec {
-            lr: 0.01,
-            eps: 1e-4,
-            weight_decay: 0.01,
-            ..AdamSpec::adamw()
-        }),
-    );
-    // A schedule, so that a resume that lost its position would use the wrong rate.
-    s.lr_schedule = Some(std::sync::Arc::new(|step| 0.01 / (1.0 + step as f64)));
-    s.precision = precision;
-    s.offload_optimizer = offload;
-    // Every unit is cut at stage 3 (the default threshold would keep these small ones whole).
-    s.param_persistence_threshold = 0;
-    s
+    offload_settings(stage, precision, offload, ParamOffload::None)
 }
 
 /// [`train_net`] with `micro` micro-batches a step, every rank asserting that its state is in

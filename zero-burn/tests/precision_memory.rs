@@ -12,45 +12,24 @@
 mod common;
 mod precision_support;
 
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, Flex};
-use burn::optim::GradientsParams;
-use common::UnitNet;
-use common::{batch, on_ranks, psi, within, BLOCK_ELEMENTS};
-use std::sync::Arc;
-use zero_burn::sharded::{shard_len, UnitComm};
-use zero_burn::{EngineSettings, HostStaged, MemoryReport, PrecisionSettings, Stage};
+use common::{psi, unit_net_report, within, BLOCK_ELEMENTS};
+use zero_burn::sharded::shard_len;
+use zero_burn::{EngineSettings, MemoryReport, PrecisionSettings, Stage};
 use zero_core::optim::OptimizerSpec;
-
-/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
-type B = Autodiff<Flex, BalancedCheckpointing>;
 
 const BLOCKS: usize = 40;
 /// Stage 3 gathers ahead up to two blocks' worth of elements.
 const PREFETCH: usize = 2 * BLOCK_ELEMENTS;
 
 fn report(stage: Stage, world: usize) -> MemoryReport {
-    on_ranks(world, move |rank, group| {
-        let device = Default::default();
-        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
-        s.alignment = 1;
-        s.param_persistence_threshold = 0;
-        s.reduce_bucket_size = 1 << 20;
-        s.overlap_comm = true;
-        s.prefetch_bucket_size = PREFETCH;
-        s.precision = PrecisionSettings::bf16();
-        let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
-        let (model, mut optim) =
-            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, BLOCKS), group, units).expect("initialize");
-        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
-        let dtype = burn::tensor::DType::BF16;
-        let loss = model.loss(x.cast(dtype), y.cast(dtype));
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        optim.try_step(1e-3, model, grads).expect("step");
-        assert!(!optim.last_step().expect("a step").skipped);
-        optim.memory()
-    })
-    .remove(0)
+    let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
+    s.alignment = 1;
+    s.param_persistence_threshold = 0;
+    s.reduce_bucket_size = 1 << 20;
+    s.overlap_comm = true;
+    s.prefetch_bucket_size = PREFETCH;
+    s.precision = PrecisionSettings::bf16();
+    unit_net_report(&s, world, BLOCKS)
 }
 
 #[test]

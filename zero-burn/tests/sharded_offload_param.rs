@@ -20,15 +20,12 @@ use sharded_support::*;
 use std::path::{Path, PathBuf};
 use zero_burn::params::read_values;
 use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage, ZeroOptimizer};
-use zero_core::optim::{AdamSpec, OptimizerSpec};
 
 type AB = Autodiff<Flex>;
 const STEPS: usize = 4;
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zero-param-offload-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    sharded_support::scratch("param-offload", name)
 }
 
 /// Every shard in the file (`max_in_cpu` 0), or every shard in host memory (room for all).
@@ -40,22 +37,7 @@ fn nvme(dir: &Path, in_cpu: bool) -> ParamOffload {
 }
 
 fn settings(precision: PrecisionSettings, optimizer: OptimizerOffload, params: ParamOffload) -> EngineSettings {
-    let mut s = EngineSettings::new(
-        Stage::Zero3,
-        OptimizerSpec::Adam(AdamSpec {
-            lr: 0.01,
-            eps: 1e-4,
-            weight_decay: 0.01,
-            ..AdamSpec::adamw()
-        }),
-    );
-    s.lr_schedule = Some(std::sync::Arc::new(|step| 0.01 / (1.0 + step as f64)));
-    s.precision = precision;
-    s.offload_optimizer = optimizer;
-    s.offload_param = params;
-    // Every unit is cut (the default threshold would keep these small ones whole).
-    s.param_persistence_threshold = 0;
-    s
+    offload_settings(Stage::Zero3, precision, optimizer, params)
 }
 
 /// Each unit gathered whole, as bits: from the model's `valid()` copy, whose gathers leave no

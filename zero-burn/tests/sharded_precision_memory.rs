@@ -7,42 +7,21 @@
 mod common;
 mod precision_support;
 
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, Flex};
-use burn::optim::GradientsParams;
-use common::UnitNet;
-use common::{batch, on_ranks, BLOCK_ELEMENTS};
-use std::sync::Arc;
-use zero_burn::sharded::{shard_len, UnitComm};
-use zero_burn::{EngineSettings, HostStaged, MemoryReport, PrecisionSettings, Stage};
+use common::{unit_net_report, BLOCK_ELEMENTS};
+use zero_burn::sharded::shard_len;
+use zero_burn::{EngineSettings, MemoryReport, PrecisionSettings, Stage};
 use zero_core::optim::OptimizerSpec;
-
-/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
-type B = Autodiff<Flex, BalancedCheckpointing>;
 
 const BLOCKS: usize = 40;
 /// The input layer (5 → 12) and the head (12 → 3), weights and biases: replicated.
 const ENDS: usize = 5 * 12 + 12 + 12 * 3 + 3;
 
 fn report(world: usize) -> MemoryReport {
-    on_ranks(world, |rank, group| {
-        let device = Default::default();
-        let mut s = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
-        s.precision = PrecisionSettings::bf16();
-        s.param_persistence_threshold = 0;
-        s.overlap_comm = false;
-        let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
-        let (model, mut optim) =
-            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, BLOCKS), group, units).expect("initialize");
-        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
-        let dtype = burn::tensor::DType::BF16;
-        let loss = model.loss(x.cast(dtype), y.cast(dtype));
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        optim.try_step(1e-3, model, grads).expect("step");
-        assert!(!optim.last_step().expect("a step").skipped);
-        optim.memory()
-    })
-    .remove(0)
+    let mut s = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+    s.precision = PrecisionSettings::bf16();
+    s.param_persistence_threshold = 0;
+    s.overlap_comm = false;
+    unit_net_report(&s, world, BLOCKS)
 }
 
 #[test]

@@ -17,17 +17,10 @@
 
 mod common;
 
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, Flex};
-use burn::optim::GradientsParams;
-use common::{batch, on_ranks, psi, UnitNet, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
-use std::sync::Arc;
-use zero_burn::sharded::{shard_len, UnitComm};
-use zero_burn::{EngineSettings, HostStaged, MemoryReport, Stage};
+use common::{psi, unit_net_reports, BLOCK_ELEMENTS, HIDDEN, IN, OUT};
+use zero_burn::sharded::shard_len;
+use zero_burn::{EngineSettings, MemoryReport, Stage};
 use zero_core::optim::OptimizerSpec;
-
-/// Under a checkpointing strategy a unit's gathered weights are freed after its use.
-type B = Autodiff<Flex, BalancedCheckpointing>;
 
 const BLOCKS: usize = 40;
 /// The input layer and the head, weights and biases: outside any unit.
@@ -35,22 +28,15 @@ const ENDS: usize = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT;
 
 /// Rank 0's report after one step at `stage` on `world` ranks.
 fn report(stage: Stage, world: usize) -> MemoryReport {
-    on_ranks(world, |rank, group| {
-        let device = Default::default();
-        let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
-        // Every block is cut at stage 3; no prefetch beside the unit in use.
-        s.param_persistence_threshold = 0;
-        s.overlap_comm = false;
-        let units: UnitComm<Flex> = Arc::new(HostStaged::new(group.clone()));
-        let (model, mut optim) =
-            zero_burn::initialize_settings(s, UnitNet::<B>::new(&device, BLOCKS), group, units).expect("initialize");
-        let (x, y) = batch::<B>(0, rank * 2..rank * 2 + 2, &device);
-        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-        optim.try_step(1e-3, model, grads).expect("step");
-        assert_eq!(optim.tensor_state(), Some(true), "the state on the model's device");
-        optim.memory()
-    })
-    .remove(0)
+    let mut s = EngineSettings::new(stage, OptimizerSpec::adamw());
+    // Every block is cut at stage 3; no prefetch beside the unit in use.
+    s.param_persistence_threshold = 0;
+    s.overlap_comm = false;
+    let reports = unit_net_reports(&s, world, BLOCKS);
+    for (_, tensors) in &reports {
+        assert_eq!(*tensors, Some(true), "the state on the model's device");
+    }
+    reports[0].0
 }
 
 /// Asserts that the report's `got` bytes are within `slack` bytes of the formula's `want`.

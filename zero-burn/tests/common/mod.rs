@@ -179,6 +179,42 @@ impl<B: AutodiffBackend + ShardBackend> ChainModel<B> for UnitNet<B> {
     }
 }
 
+/// The memory tests' backend: a unit's gathered weights freed after each use.
+pub type Balanced = Autodiff<Flex, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+
+/// Every rank's memory report and `tensor_state()` after one step of a [`UnitNet`] of `blocks`
+/// blocks from `initialize_settings(settings)` on `world` rank threads (each rank on two rows
+/// of the batch, in the compute dtype); the step must be applied.
+pub fn unit_net_reports(
+    settings: &zero_burn::EngineSettings,
+    world: usize,
+    blocks: usize,
+) -> Vec<(zero_burn::MemoryReport, Option<bool>)> {
+    on_ranks(world, |rank, group| {
+        let device = Default::default();
+        let units: zero_burn::sharded::UnitComm<Flex> = Arc::new(zero_burn::HostStaged::new(group.clone()));
+        let (model, mut optim) = zero_burn::initialize_settings(
+            settings.clone(),
+            UnitNet::<Balanced>::new(&device, blocks),
+            group,
+            units,
+        )
+        .expect("initialize");
+        let (x, y) = batch::<Balanced>(0, rank * 2..rank * 2 + 2, &device);
+        let dtype = settings.precision.dtype.burn();
+        let loss = model.loss(x.cast(dtype), y.cast(dtype));
+        let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+        optim.try_step(1e-3, model, grads).expect("step");
+        assert!(!optim.last_step().expect("a step").skipped);
+        (optim.memory(), optim.tensor_state())
+    })
+}
+
+/// Rank 0's report of [`unit_net_reports`].
+pub fn unit_net_report(settings: &zero_burn::EngineSettings, world: usize, blocks: usize) -> zero_burn::MemoryReport {
+    unit_net_reports(settings, world, blocks).remove(0).0
+}
+
 /// Rows `rows` of the deterministic global batch of step `step`.
 pub fn batch<B: Backend>(
     step: usize,

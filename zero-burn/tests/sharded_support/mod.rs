@@ -209,3 +209,37 @@ pub fn assert_resumed(label: &str, first: &[NetRun], second: &[NetRun], whole: &
         assert_eq!(b.units, w.units, "{label}: rank {rank}'s weights");
     }
 }
+
+/// The offload tests' settings for [`train_net`]: AdamW with a schedule (a resume that lost its
+/// position would use the wrong rate), every unit cut at stage 3 (the default threshold would
+/// keep these small ones whole), the optimizer and parameters placed as given.
+pub fn offload_settings(
+    stage: zero_burn::Stage,
+    precision: zero_burn::PrecisionSettings,
+    optimizer: zero_burn::OptimizerOffload,
+    params: zero_burn::ParamOffload,
+) -> zero_burn::EngineSettings {
+    use zero_core::optim::{AdamSpec, OptimizerSpec};
+    let mut s = zero_burn::EngineSettings::new(
+        stage,
+        OptimizerSpec::Adam(AdamSpec {
+            lr: 0.01,
+            eps: 1e-4,
+            weight_decay: 0.01,
+            ..AdamSpec::adamw()
+        }),
+    );
+    s.lr_schedule = Some(Arc::new(|step| 0.01 / (1.0 + step as f64)));
+    s.precision = precision;
+    s.offload_optimizer = optimizer;
+    s.offload_param = params;
+    s.param_persistence_threshold = 0;
+    s
+}
+
+/// An empty scratch directory `name` of test `test`, unique to this process.
+pub fn scratch(test: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zero-{test}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
