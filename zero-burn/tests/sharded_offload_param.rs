@@ -383,3 +383,28 @@ fn a_parameter_file_that_cannot_be_read_back_is_an_error_naming_it() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn units_cut_without_offload_param_under_settings_with_it_are_an_error() {
+    // Cut by `shard_units` (no store), then handed to an optimizer whose settings put the
+    // parameters on NVMe: the first step says so instead of keeping the shards on the device.
+    let dir = scratch("cut-without");
+    on_ranks(2, |rank, comm| {
+        let device = Default::default();
+        let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+        let model = Net::<AB>::new(comm, &device);
+        let s = settings(PrecisionSettings::fp32(), OptimizerOffload::None, nvme(&dir, false));
+        let mut optim = ZeroOptimizer::new(s, group).expect("optimizer");
+        let x = rows::<AB>(rank * 4..rank * 4 + 4, 4, 0, &device);
+        let loss = model.loss(x, rows::<AB>(rank * 4..rank * 4 + 4, 3, 5, &device));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let Err(e) = optim.try_step(0.01, model, grads) else {
+            panic!("the step ran with the shards on the device")
+        };
+        assert!(
+            e.to_string().contains("offload_param") && e.to_string().contains("UnitPlan"),
+            "{e}"
+        );
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -287,6 +287,7 @@ impl ZeroOptimizer {
         if self.settings.stage == Stage::Zero3 && !view.has_units() {
             return Err(no_units_at_stage_3());
         }
+        view.check_offloaded(&self.settings)?;
         let memory = Arc::new(MemoryTracker::default());
         view.account(
             &memory,

@@ -96,6 +96,27 @@ impl ModuleView {
         ModuleView { layout, ids, held }
     }
 
+    /// With `offload_param` on NVMe, every cut unit's shard must be in a store: the cut does it
+    /// (`UnitPlan::offload_param`, which `initialize` sets); a unit cut without it would keep
+    /// its shard on the device while the settings say otherwise.
+    pub(super) fn check_offloaded(&self, settings: &EngineSettings) -> Result<(), ZeroError> {
+        if !matches!(settings.offload_param, crate::settings::ParamOffload::Nvme { .. }) {
+            return Ok(());
+        }
+        for (id, held) in self.ids.iter().zip(&self.held) {
+            if let Holding::Shard { params, .. } = held {
+                if crate::sharded::store_of(*id).is_none() {
+                    return Err(ZeroError::Config(format!(
+                        "zero_optimization.offload_param: the unit holding `{}` was cut without it; cut the model's \
+                         units with UnitPlan::offload_param set (zero_burn::initialize does)",
+                        self.layout.params[params.start].name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The flat groups that are sharded units.
     pub(super) fn unit_groups(&self) -> Vec<usize> {
         self.held
