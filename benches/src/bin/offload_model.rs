@@ -220,13 +220,14 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let last_step = rank0.times.last().copied().unwrap_or_default();
     println!(
         "RESULT {}: steps ran; last step {:.1} s (forward+backward {:.1} s, optimizer {:.1} s); peak RSS \
-         (VmHWM) {:.2} GiB; estimate {:.2} GiB; wall {:.0} s",
+         (VmHWM) {:.2} GiB; estimate {:.2} GiB (measured / estimate {:.2}); wall {:.0} s",
         a.preset,
         last_step.total(),
         last_step.forward + last_step.backward,
         last_step.step,
         gib(hwm),
         gib(host),
+        hwm as f64 / host.max(1) as f64,
         started.elapsed().as_secs_f64()
     );
     let counted: Vec<StepTimes> = rank0.times.iter().skip(WARMUP_STEPS).copied().collect();
