@@ -1,4 +1,4 @@
-//! `gpt2 train` with pipeline parallelism against PyTorch.
+//! `gpt2 train` with pipeline and tensor parallelism against PyTorch.
 //!
 //! Reference: the same PyTorch run as tests/train_against_pytorch.rs (tools/gpt2_train_reference.py:
 //! the HuggingFace checkpoint models/tests/fixtures/gpt2-tiny, torch.optim.AdamW, clip_grad_norm_
@@ -34,14 +34,20 @@ fn run_against_pytorch(stages: usize, nproc: usize, zero_stage: u64) {
 }
 
 fn run_against_pytorch_with(stages: usize, tensor: usize, nproc: usize, zero_stage: u64) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = pipelined_config(dir.path(), stages, tensor, nproc, zero_stage);
+    check_against_pytorch(&config, nproc, &format!("PP {stages} × TP {tensor} on {nproc} ranks"));
+}
+
+/// Trains `config` on `nproc` ranks and compares each step's loss and gradient norm with the
+/// PyTorch reference.
+fn check_against_pytorch(config: &std::path::Path, nproc: usize, label: &str) {
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
             .expect("json");
     let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
     let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let config = pipelined_config(dir.path(), stages, tensor, nproc, zero_stage);
-    let args = fixture_args(&config, losses.len() as u64, nproc);
+    let args = fixture_args(config, losses.len() as u64, nproc);
     let summary = train(&args).expect("training runs");
     assert_eq!(summary.world_size, nproc);
     assert_eq!(summary.steps.len(), losses.len());
@@ -59,13 +65,13 @@ fn run_against_pytorch_with(stages: usize, tensor: usize, nproc: usize, zero_sta
         let norm_err = (record.grad_norm - want_norm).abs() / want_norm.abs();
         assert!(
             loss_err < 1e-5,
-            "PP {stages} × TP {tensor} on {nproc} ranks, step {}: loss {} vs PyTorch {want_loss} ({loss_err:e})",
+            "{label}, step {}: loss {} vs PyTorch {want_loss} ({loss_err:e})",
             record.step,
             record.loss
         );
         assert!(
             norm_err < 1e-4,
-            "PP {stages} × TP {tensor} on {nproc} ranks, step {}: grad norm {} vs PyTorch {want_norm} ({norm_err:e})",
+            "{label}, step {}: grad norm {} vs PyTorch {want_norm} ({norm_err:e})",
             record.step,
             record.grad_norm
         );
@@ -93,24 +99,79 @@ fn tensor_2_times_pipeline_2_follow_pytorch() {
     run_against_pytorch_with(2, 2, 4, 0);
 }
 
+/// Tensor parallelism without a pipeline: every block split over 2 tensor ranks, ZeRO over 2
+/// data ranks, at each stage (stage 3 cuts each rank's slice of a block over its data ranks).
 #[test]
-fn tensor_2_times_data_2_without_a_pipeline_follow_pytorch() {
-    run_against_pytorch_with(1, 2, 4, 1);
+fn tensor_2_times_data_2_without_a_pipeline_follow_pytorch_at_every_stage() {
+    for zero_stage in 0..=3 {
+        run_against_pytorch_with(1, 2, 4, zero_stage);
+    }
 }
 
+/// The same with activation checkpointing at stage 3: the blocks' slices run again in backward,
+/// their tensor collectives with them, in the same order on every tensor rank; with
+/// `partition_activations`, each tensor rank keeps half of every checkpoint.
 #[test]
-fn tensor_parallelism_at_stage_3_is_refused_naming_the_keys_and_what_works() {
-    // Not the pipeline's message: this config asks for no pipeline.
+fn tensor_parallelism_with_activation_checkpointing_follows_pytorch() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let config = pipelined_config(dir.path(), 1, 2, 2, 3);
-    let err = train(&fixture_args(&config, 1, 2)).expect_err("refused").to_string();
-    for want in [
-        "zero_optimization.stage 3",
-        "tensor_parallel.autotp_size 2",
-        "stages 0-2",
-        "with_tensor_parallel",
-    ] {
-        assert!(err.contains(want), "{want:?} missing from: {err}");
+    let path = pipelined_config(dir.path(), 1, 2, 4, 3);
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).unwrap();
+    for partition in [false, true] {
+        config["activation_checkpointing"] = serde_json::json!({
+            "number_checkpoints": 1, "cpu_checkpointing": true, "partition_activations": partition
+        });
+        std::fs::write(&path, config.to_string()).expect("config written");
+        check_against_pytorch(
+            &path,
+            4,
+            &format!("TP 2 × DP 2, ZeRO 3, activation checkpointing, partition_activations {partition}"),
+        );
     }
-    assert!(!err.contains("pipeline parallelism"), "{err}");
+}
+
+/// `--save` after 2 steps of a tensor-parallel run at stage 3, then `--load` to step 4. Reference:
+/// the uninterrupted 4-step run; the resumed steps must match it bit for bit, and each tensor
+/// rank's shard files must be byte-identical.
+#[test]
+fn a_tensor_parallel_run_at_stage_3_resumes_bit_for_bit() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = pipelined_config(dir.path(), 1, 2, 4, 3);
+    let run = |steps: u64, save: &std::path::Path, load: bool| {
+        let args = zero_examples::gpt2::TrainArgs {
+            save: Some(save.to_path_buf()),
+            load: load.then(|| save.to_path_buf()),
+            ..fixture_args(&config, steps, 4)
+        };
+        train(&args).expect("training runs")
+    };
+    let (whole_dir, split_dir) = (dir.path().join("whole"), dir.path().join("split"));
+    let whole = run(4, &whole_dir, false);
+    run(2, &split_dir, false);
+    let resumed = run(4, &split_dir, true);
+    let steps: Vec<u64> = resumed.steps.iter().map(|r| r.step).collect();
+    assert_eq!(steps, [3, 4], "the resumed run takes steps 3 and 4 only");
+    for (r, w) in resumed.steps.iter().zip(&whole.steps[2..]) {
+        assert_eq!(r.loss, w.loss, "step {}: resumed loss vs uninterrupted", r.step);
+        assert_eq!(r.grad_norm, w.grad_norm, "step {}: grad norm", r.step);
+    }
+    for t in 0..2 {
+        let files = |root: &std::path::Path| {
+            let tag = root.join(format!("tensor_rank_{t}")).join("global_step4");
+            let mut names: Vec<_> = std::fs::read_dir(&tag)
+                .unwrap_or_else(|e| panic!("{}: {e}", tag.display()))
+                .map(|e| e.expect("entry").path())
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            names.sort();
+            names
+                .iter()
+                .map(|p| (p.file_name().unwrap().to_owned(), std::fs::read(p).expect("readable")))
+                .collect::<Vec<_>>()
+        };
+        let (a, b) = (files(&whole_dir), files(&split_dir));
+        assert_eq!(a.len(), 2, "tensor rank {t}: one shard file per data rank");
+        for ((name, x), (_, y)) in a.iter().zip(&b) {
+            assert!(x == y, "tensor rank {t}: {name:?} differs between the runs");
+        }
+    }
 }

@@ -1,100 +1,185 @@
 #!/usr/bin/env bash
-# The GPU checks, on the GPU machine, from the binaries tools/gpu/build.sh staged in .gpu/:
-# the CUDA/NCCL tests, then GPT-2 124M and 1.5B tokens/s and MFU for each ZeRO stage at world
-# size 1 beside PyTorch + transformers on the same GPU, then ZeRO-Offload up the GPT-2 ladder, then
-# the fine-tune path (init, train --model, to-fp32, score) at the deepest size the machine holds.
-# Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log.
+# The GPU checks, on the GPU machine, from the binaries tools/gpu/build.sh staged in .gpu/.
+#
+#   bash tools/gpu/run.sh [PHASE ...]        # default: every phase, in this order
+#
+# Phases, most important first, each step under its own time limit, and the whole run under
+# BUDGET seconds (default 420), so that one call leaves device time to rerun what failed:
+#   env         the GPU, the libraries the binaries load (libcuda, libnvrtc, libnccl), CUDA_PATH
+#   tests       the CUDA/NCCL tests; under ZERO_REQUIRE_CUDA=1 a missing GPU or NCCL fails them
+#   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M at stages 0-3 in
+#               bf16, stage 3 in fp16, and stage 3 with 2 ranks as threads on the one GPU
+#   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3) and 1.5B (stages 0 and 3), bf16,
+#               world size 1, beside PyTorch + transformers measured in the same run
+#   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 1.5B
+#   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
+# Each step prints "== STEP: ok|FAILED rc N|TIMED OUT|SKIPPED (budget) (S s)"; the summary at the
+# end lists them all. Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log, the
+# summary to $OUT/summary.txt.
+#
+# A dry run of the plumbing on a machine without a GPU (after tools/gpu/build.sh):
+#   BACKEND=cpu SMALL=tiny LARGE=tiny SEQ=64 bash tools/gpu/run.sh train throughput finetune
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-log="${OUT:-/tmp}/gpu.log"
-exec > >(tee "$log") 2>&1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-# NCCL comes with PyTorch's wheels; cudarc loads it by name.
-nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib"))' 2>/dev/null || true)
-[ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir:${LD_LIBRARY_PATH:-}"
-echo "== tests (cuda feature)"
-for t in .gpu/test-*; do
-  echo "-- $t"
-  "$t" --test-threads 1 2>&1 | tail -5
-done
+out="${OUT:-/tmp/zero-gpu}"
+mkdir -p "$out"
+exec > >(tee "$out/gpu.log") 2>&1
+backend=${BACKEND:-cuda}
+small=${SMALL:-gpt2}
+large=${LARGE:-gpt2-xl}
+seq=${SEQ:-1024}
 steps=${STEPS:-10}
-echo "== training on Autodiff<Cuda>: every ZeRO stage, bf16 and fp16, GPT-2 124M on the shipped corpus"
-# The loss must fall in every cell; 2 ranks as threads on the one GPU (threads backend) at the end.
+budget=${BUDGET:-420}
+phases=${*:-env tests train throughput offload finetune}
+start=$SECONDS
+summary=()
+# The binaries travel packed (tools/gpu/build.sh); unpacked into .gpu/ on first use.
+if [ -f .gpu/bin.tar.xz ] && [ ! -x .gpu/gpt2 ]; then
+  python3 -c '
+import tarfile
+with tarfile.open(".gpu/bin.tar.xz") as t:
+    t.extractall(".gpu", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))' || exit 1
+fi
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND under LIMIT_S seconds, unless less is left of the
+# budget; records the outcome.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  local left=$((budget - (SECONDS - start)))
+  if ((left < 10)); then
+    summary+=("$name: SKIPPED (budget)")
+    echo "== $name: SKIPPED (budget)"
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  echo "-- $name (limit ${limit} s)"
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  local took=$((SECONDS - t0)) outcome
+  case $rc in
+    0) outcome=ok ;;
+    124 | 137) outcome="TIMED OUT" ;;
+    *) outcome="FAILED rc $rc" ;;
+  esac
+  summary+=("$name: $outcome (${took} s)")
+  echo "== $name: $outcome (${took} s)"
+  return $rc
+}
+
+has() { [[ " $phases " == *" $1 "* ]]; }
+
+# The libraries, wherever this machine keeps them. cudarc loads NCCL as libnccl.so (or
+# libnccl.so.<CUDA major>); NVIDIA's wheels ship libnccl.so.2 only, so a link by the other name
+# goes in a directory of our own on LD_LIBRARY_PATH.
+libs=/tmp/zero-gpu-libs
+mkdir -p "$libs"
+nccl=$( (ldconfig -p 2>/dev/null | awk '/libnccl\.so/ {print $NF}'; find / -xdev -name 'libnccl.so*' 2>/dev/null) | head -1)
+[ -n "$nccl" ] && ln -sf "$nccl" "$libs/libnccl.so"
+nvrtc=$( (ldconfig -p 2>/dev/null | awk '/libnvrtc\.so/ {print $NF}'; find / -xdev -name 'libnvrtc.so*' ! -name '*alt*' 2>/dev/null) | head -1)
+[ -n "$nvrtc" ] && ln -sf "$nvrtc" "$libs/$(basename "$nvrtc")"
+export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
+# cubecl compiles its kernels with NVRTC against CUDA's headers, found through CUDA_PATH.
+if [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ] && command -v nvcc > /dev/null; then
+  export CUDA_PATH=$(dirname "$(dirname "$(command -v nvcc)")")
+fi
+
+if has env; then
+  echo "== env"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  echo "nccl: ${nccl:-NOT FOUND}"
+  echo "nvrtc: ${nvrtc:-NOT FOUND}"
+  echo "CUDA_PATH: ${CUDA_PATH:-unset} (/usr/local/cuda: $(ls -d /usr/local/cuda/include 2>/dev/null || echo absent))"
+  nvcc --version 2>/dev/null | tail -2
+  nproc
+  free -g | head -2
+fi
+
+if has tests; then
+  for t in .gpu/test-*; do
+    step "test $(basename "$t")" 120 env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1
+  done
+fi
+
+# A DeepSpeed config for `gpt2 train`: stage, dtype, micro-batch, accumulation.
 cfgdir=$(mktemp -d)
-for dtype in bf16 fp16; do
-  for stage in 0 1 2 3; do
-    python3 - "$stage" "$dtype" > "$cfgdir/s$stage-$dtype.json" <<'PY'
+config() {
+  python3 - "$@" > "$cfgdir/s$1-$2-m$3-a$4.json" <<'PY'
 import json, sys
-stage, dtype = int(sys.argv[1]), sys.argv[2]
+stage, dtype, micro, accum = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 print(json.dumps({
-    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-    "gradient_clipping": 1.0, "steps_per_print": 10,
+    "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+    "gradient_clipping": 1.0, "steps_per_print": 5,
     "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 6e-4, "warmup_num_steps": 5}},
     "zero_optimization": {"stage": stage, "overlap_comm": True},
     dtype: {"enabled": True},
 }))
 PY
-    echo "-- stage $stage, $dtype"
-    .gpu/gpt2 train --backend cuda --config "$cfgdir/s$stage-$dtype.json" --preset gpt2 --nproc 1 \
-      --steps 30 --seq-len 256 --quiet 2>&1 | tail -3
-  done
-done
-echo "-- stage 3, bf16, 2 ranks as threads on one GPU"
-sed 's/"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2/"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1/' \
-  "$cfgdir/s3-bf16.json" > "$cfgdir/s3-bf16-2.json"
-.gpu/gpt2 train --backend cuda --config "$cfgdir/s3-bf16-2.json" --preset gpt2 --nproc 2 --steps 30 --seq-len 256 \
-  --quiet 2>&1 | tail -3
-echo "== PyTorch + transformers: eager, bf16 autocast, fused AdamW (the baseline)"
-python3 tools/gpu/torch_gpt2_throughput.py --models gpt2 --batch 8 --seq 1024 --steps "$steps" | tee /tmp/torch-small.md
-python3 tools/gpu/torch_gpt2_throughput.py --models gpt2-xl --batch 4 --seq 1024 --steps "$steps" | tee /tmp/torch-xl.md
-# The tokens/s column of the model's row, passed to the Rust bench as its named baseline.
-tps() { awk -F'|' -v m="$2" '$2 ~ " "m" " {gsub(/ /, "", $5); print $5}' "$1"; }
-echo "== zero-burn: GPT-2 124M and 1.5B, bf16, world size 1, beside PyTorch"
-.gpu/throughput --backend cuda --models gpt2 --dtype bf16 --batch 8 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
-  --baseline "pytorch=$(tps /tmp/torch-small.md gpt2)"
-.gpu/throughput --backend cuda --models gpt2-xl --dtype bf16 --batch 4 --seq 1024 --steps "$steps" --stages 0,1,2,3 \
-  --baseline "pytorch=$(tps /tmp/torch-xl.md gpt2-xl)"
-echo "== ZeRO-Offload (optimizer on the CPU), stage 3: the deepest GPT-2 (hidden 4096) the host allows"
-# The estimate's model states must fit 90 % of the host's memory (the rest: the process, the
-# activations' host side, the OS) and the GPU's memory less 16 GiB for activations. The 16-bit
-# shards are kept in host memory too (offload_param cpu), each uploaded when its unit is gathered.
-host=$(awk '/MemTotal/ {printf "%d", $2 * 1024 * 0.9}' /proc/meminfo)
-gpu=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%d", ($1 - 16384) * 1048576}')
-.gpu/zero estimate --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 --fit-host-memory "$host" \
-  --fit-device-memory "$gpu" \
-  | tee /tmp/fit.txt
-largest=$(awk '/deepest fitting:/ {sub(":", "", $3); print $3}' /tmp/fit.txt)
-for m in gpt2-xl "$largest"; do
-  .gpu/zero estimate --preset "$m" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1p;5p' 
-  /usr/bin/time -v .gpu/throughput --backend cuda --models "$m" --dtype bf16 --batch 1 --seq 512 --steps 2 --stages 3 \
-    --offload-optimizer cpu --offload-param cpu 2>&1 | grep -E "^\||Maximum resident|error|Error"
-done
-echo "== the fine-tune path: gpt2 init, gpt2 train --model (ZeRO-3, optimizer and parameters on the CPU), to-fp32, score"
-# The trainer as a user runs it, with examples/configs/gpt2-10b-zero3-offload.json, at the deepest
-# size that fits this GPU and host (above). Peak host memory from time -v, peak device memory
-# sampled by nvidia-smi every 200 ms. The checkpoint (about 14 bytes per parameter) and its export
-# are written at gpt2-xl, which the disk holds beside the larger model's starting directory.
-ft=/tmp/finetune && rm -rf "$ft" && mkdir -p "$ft"
-cp examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
-finetune() { # model, steps, extra trainer args...
-  local m=$1 steps=$2; shift 2
-  .gpu/gpt2 init --preset "$m" --out "$ft/$m-init"
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$ft/$m-gpu.txt" &
-  local smi=$!
-  /usr/bin/time -v .gpu/gpt2 train --backend cuda --quiet --model "$ft/$m-init" \
-    --config "$ft/config.json" --nproc 1 --steps "$steps" --seq-len 1024 \
-    --metrics "$ft/$m.jsonl" "$@" 2>&1 | grep -E "steps in|holds|of which|Maximum resident|rror"
-  kill "$smi"
-  echo "$m peak device memory: $(sort -n "$ft/$m-gpu.txt" | tail -1) MiB"
-  if [ -n "${OUT:-}" ]; then cp "$ft/$m.jsonl" "$OUT/finetune-$m.jsonl"; fi
+  echo "$cfgdir/s$1-$2-m$3-a$4.json"
 }
-# The deepest size that fits with the optimizer state and the 16-bit shards on the host.
-.gpu/zero estimate --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 --fit-host-memory "$host" \
-  --fit-device-memory "$gpu" | tee /tmp/fit-ft.txt
-deepest=$(awk '/deepest fitting:/ {sub(":", "", $3); print $3}' /tmp/fit-ft.txt)
-finetune "$deepest" 4
-rm -rf "$ft/$deepest-init"
-finetune gpt2-xl 4 --save "$ft/ckpt"
-.gpu/zero to-fp32 "$ft/ckpt" "$ft/export"
-.gpu/gpt2 score --model "$ft/export" --tokens examples/tests/fixtures/train_tokens.json
+# train NAME LIMIT STAGE DTYPE MICRO ACCUM PRESET NPROC STEPS: the loss must fall (the trainer's
+# summary line names the first and last loss; the check reads the metrics file).
+train() {
+  local name=$1 limit=$2 stage=$3 dtype=$4 micro=$5 accum=$6 preset=$7 nproc=$8 n=$9
+  local cfg metrics="$cfgdir/$name.jsonl"
+  cfg=$(config "$stage" "$dtype" "$micro" "$accum")
+  step "$name" "$limit" bash -c '
+    "$@" && python3 - "'"$metrics"'" <<'"'PY'"'
+import json, sys
+losses = [json.loads(l)["loss"] for l in open(sys.argv[1]) if "\"loss\"" in l]
+print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} records")
+sys.exit(0 if losses[-1] < losses[0] else "the loss did not fall")
+PY' _ .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --nproc "$nproc" \
+    --steps "$n" --seq-len $((seq < 256 ? seq : 256)) --quiet --metrics "$metrics"
+}
+
+if has train; then
+  train "train tiny smoke s3 bf16" 180 3 bf16 4 1 tiny 1 5
+  for stage in 0 1 2 3; do
+    train "train $small s$stage bf16" 90 "$stage" bf16 8 2 "$small" 1 "$steps"
+  done
+  train "train $small s3 fp16" 90 3 fp16 8 2 "$small" 1 "$steps"
+  train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
+fi
+
+if has throughput; then
+  # The tokens/s column of a model's row in the PyTorch table: the Rust bench's named baseline.
+  tps() { awk -F'|' -v m="$2" '$2 ~ " "m" " {gsub(/ /, "", $5); print $5}' "$1"; }
+  bench() { # model batch stages
+    local base=() torch="$cfgdir/torch-$1.md"
+    if python3 -c 'import torch, transformers' 2> /dev/null; then
+      step "pytorch $1" 120 python3 tools/gpu/torch_gpt2_throughput.py --models "$1" --batch "$2" --seq "$seq" \
+        --steps "$steps" --device "$([ "$backend" = cuda ] && echo cuda || echo cpu)" | tee "$torch"
+      [ -n "$(tps "$torch" "$1")" ] && base=(--baseline "pytorch=$(tps "$torch" "$1")")
+    else
+      echo "(no torch + transformers here: no PyTorch baseline)"
+    fi
+    step "throughput $1" 240 .gpu/throughput --backend "$backend" --models "$1" --dtype bf16 --batch "$2" \
+      --seq "$seq" --steps "$steps" --stages "$3" "${base[@]}"
+  }
+  bench "$small" 8 0,1,2,3
+  bench "$large" 4 0,3
+fi
+
+if has offload; then
+  .gpu/zero estimate --preset "$large" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1,6p'
+  step "offload $large" 180 /usr/bin/time -v .gpu/throughput --backend "$backend" --models "$large" --dtype bf16 \
+    --batch 1 --seq 512 --steps 2 --stages 3 --offload-optimizer cpu --offload-param cpu
+fi
+
+if has finetune; then
+  # The trainer as a user runs it, with the shipped offload config (optimizer and parameters
+  # on the CPU), from a directory `gpt2 init` wrote, to a checkpoint, its export and a score.
+  ft=$(mktemp -d)
+  cp examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
+  step "finetune init" 60 .gpu/gpt2 init --preset "$small" --out "$ft/init" &&
+    step "finetune train" 120 .gpu/gpt2 train --backend "$backend" --quiet --model "$ft/init" --config "$ft/config.json" \
+      --nproc 1 --steps 4 --seq-len $((seq < 256 ? seq : 256)) --metrics "$out/finetune.jsonl" --save "$ft/ckpt" &&
+    step "finetune to-fp32" 60 .gpu/zero to-fp32 "$ft/ckpt" "$ft/export" &&
+    step "finetune score" 60 .gpu/gpt2 score --model "$ft/export" --tokens examples/tests/fixtures/train_tokens.json
+fi
+
+echo
+echo "== summary ($((SECONDS - start)) s of a ${budget} s budget)"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -24,12 +24,22 @@ use zero_core::comm::{NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, T
 type G = Cuda;
 type GA = Autodiff<Cuda>;
 
+/// Skips a test where there is no GPU or no NCCL, with the reason printed; fails instead under
+/// `ZERO_REQUIRE_CUDA=1` (tools/gpu/run.sh), where a skip would hide a broken CUDA setup.
+fn skip(why: String) {
+    assert!(
+        std::env::var_os("ZERO_REQUIRE_CUDA").is_none(),
+        "ZERO_REQUIRE_CUDA is set: {why}"
+    );
+    eprintln!("skipped: {why}");
+}
+
 /// A one-rank NCCL group on GPU 0, or `None` (with the reason printed) where there is none.
 fn single_rank() -> Option<Arc<NcclGroup>> {
     match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
         Ok(Ok(n)) if n > 0 => {}
         other => {
-            eprintln!("skipped: no CUDA device found ({other:?})");
+            skip(format!("no CUDA device found ({other:?})"));
             return None;
         }
     }
@@ -42,7 +52,7 @@ fn single_rank() -> Option<Arc<NcclGroup>> {
     match NcclGroup::over(ctrl, 0, Duration::from_secs(60)) {
         Ok(g) => Some(Arc::new(g)),
         Err(e) => {
-            eprintln!("skipped: NCCL is unusable here: {e}");
+            skip(format!("NCCL is unusable here: {e}"));
             None
         }
     }

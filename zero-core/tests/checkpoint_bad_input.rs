@@ -160,3 +160,26 @@ fn no_latest_and_unknown_tag() {
     assert!(Checkpoint::open(&dir, Some("../escape")).is_err());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A tensor-parallel checkpoint (one complete checkpoint per `tensor_rank_{t}`) opened whole
+/// by something that is not split the same way: the error names the tensor ranks' directories
+/// and what opens them, instead of saying that no checkpoint was completed.
+#[test]
+fn a_tensor_parallel_checkpoint_opened_whole_names_its_tensor_ranks() {
+    let dir = scratch("tensor-ranks");
+    for t in [1, 0] {
+        save_reference(&dir.join(format!("tensor_rank_{t}")), "t", 2, 1, 2, "");
+    }
+    let e = Checkpoint::open(&dir, None).unwrap_err().to_string();
+    for want in [
+        "tensor-parallel checkpoint",
+        "tensor_rank_0, tensor_rank_1",
+        "autotp_size (2)",
+    ] {
+        assert!(e.contains(want), "{want:?} missing from: {e}");
+    }
+    // Each tensor rank's directory is a checkpoint of its own.
+    let one = Checkpoint::open(&dir.join("tensor_rank_1"), None).expect("a tensor rank's checkpoint opens");
+    assert_eq!(one.meta.world_size, 2);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -10,13 +10,23 @@ use cudarc::driver::CudaContext;
 use std::time::Duration;
 use zero_core::comm::{DType, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
 
+/// Skips a test where there is no GPU or no NCCL, with the reason printed; fails instead under
+/// `ZERO_REQUIRE_CUDA=1` (tools/gpu/run.sh), where a skip would hide a broken CUDA setup.
+fn skip(why: String) {
+    assert!(
+        std::env::var_os("ZERO_REQUIRE_CUDA").is_none(),
+        "ZERO_REQUIRE_CUDA is set: {why}"
+    );
+    eprintln!("skipped: {why}");
+}
+
 /// A one-rank NCCL group on GPU 0, or `None` (with the reason printed) where there is none.
 fn single_rank() -> Option<NcclGroup> {
     let count = std::panic::catch_unwind(CudaContext::device_count);
     match count {
         Ok(Ok(n)) if n > 0 => {}
         other => {
-            eprintln!("skipped: no CUDA device found ({other:?})");
+            skip(format!("no CUDA device found ({other:?})"));
             return None;
         }
     }
@@ -29,7 +39,7 @@ fn single_rank() -> Option<NcclGroup> {
     match NcclGroup::over(ctrl, 0, Duration::from_secs(60)) {
         Ok(g) => Some(g),
         Err(e) => {
-            eprintln!("skipped: NCCL is unusable here: {e}");
+            skip(format!("NCCL is unusable here: {e}"));
             None
         }
     }

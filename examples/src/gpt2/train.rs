@@ -1,10 +1,12 @@
 //! `gpt2 train`: GPT-2 trained with ZeRO from a DeepSpeed config.
 //!
 //! Every rank runs [`rank_loop`] (the zoo's `ShardedGpt2`, `zero_burn::initialize_settings`'s
-//! `ZeroOptimizer`, Burn's own loop); rank 0 alone prints, writes the metrics file and draws. With
-//! `pipeline.stages` or `tensor_parallel.autotp_size` above 1 the ranks are laid out data ×
-//! tensor × pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one
-//! stage of the model's layers.
+//! `ZeroOptimizer`, Burn's own loop); rank 0 alone prints, writes the metrics file and draws.
+//! With `tensor_parallel.autotp_size` above 1 the ranks are laid out data × tensor and
+//! [`rank_loop`] trains each one's tensor slice of the blocks (`ShardedTpGpt2`, ZeRO over the
+//! data ranks, any stage). With `pipeline.stages` above 1 they are laid out data × tensor ×
+//! pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one stage of
+//! the model's layers.
 
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
@@ -26,13 +28,13 @@ use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::sharded::{ShardBackend, UnitComm};
-use zero_burn::{EngineSettings, HostStaged, InitOptions, MemoryReport, Stage};
-use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
+use zero_burn::{ChainModel, EngineSettings, HostStaged, InitOptions, MemoryReport, Stage, ZeroError};
+use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, SharedGroup, TcpGroup};
 use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
 use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
 use zero_core::plot::RunInfo;
 use zero_models::gpt2::{Gpt2Batch, Gpt2Layer, ShardedGpt2};
-use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
+use zero_models::tp::{ShardedTpGpt2, TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
 
 /// The shipped corpus: ten plays of Shakespeare (see data/README.md).
@@ -153,8 +155,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
 /// checkpointing strategy), pipelined ones on `P`.
 fn train_on<B, P>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError>
 where
-    B: AutodiffBackend + ShardBackend,
-    B::InnerBackend: ShardBackend,
+    B: AutodiffBackend + ShardBackend + TpBackend,
+    B::InnerBackend: ShardBackend + TpBackend,
     P: AutodiffBackend + TpBackend,
 {
     check_counts(args)?;
@@ -198,29 +200,56 @@ where
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
     let data = Arc::new(data);
-    if stages == 1 && tensor > 1 && resolved.zero.stage == zero_core::config::ZeroStage::Parameters {
-        // The trainer runs tensor parallelism on the pipeline engine (one stage here), which
-        // takes ZeRO stages 0-2; the library's own path does stage 3 with it.
-        return Err(TrainError::Config(format!(
-            "{}: zero_optimization.stage 3 with tensor_parallel.autotp_size {tensor}: `gpt2 train` runs tensor \
-             parallelism at ZeRO stages 0-2; choose one of those, or train zero_models::tp::TpGpt2::into_sharded \
-             with ZeroOptimizer::with_tensor_parallel in your own loop for stage 3",
-            args.config.display()
-        )));
+    if stages > 1 {
+        let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
+        return run_layout::<P>(layout, devices, |groups, device| {
+            pipeline_rank_loop::<P>(groups, device, args, &resolved, &data, &source)
+        });
     }
-    if stages > 1 || tensor > 1 {
-        return train_pipeline::<P>(args, resolved, data, source, (world, stages, tensor), devices);
+    if tensor > 1 {
+        // Megatron's split of every block over the tensor ranks, ZeRO over the data ranks.
+        let layout =
+            ParallelLayout::with_pipeline(world / tensor, tensor, 1).map_err(|e| TrainError::Config(e.to_string()))?;
+        return run_layout::<B>(layout, devices, |groups, device| {
+            let place = RankPlace::of(&groups);
+            rank_loop::<B, _>(
+                &place,
+                device,
+                args,
+                &resolved,
+                &data,
+                &source,
+                |model, device, _, _| {
+                    let model = model
+                        .ok_or_else(|| TrainError::Model("a tensor-parallel run builds its model whole".into()))?;
+                    let model = same_weights_as_rank_0(model, place.world.as_ref(), device)?;
+                    let split = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
+                        .map_err(|e| TrainError::Model(format!("tensor_parallel.autotp_size: {e}")))?;
+                    Ok(split.into_sharded())
+                },
+            )
+        });
     }
     let args = Arc::new(args.clone());
     let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
-        rank_loop::<B>(
-            rank,
+        let place = RankPlace::data_only(rank, group);
+        rank_loop::<B, _>(
+            &place,
             rank_device::<B>(rank, devices),
-            group,
             &args,
             &resolved,
             &data,
             &source,
+            |model, device, settings, units| match model {
+                Some(model) => Ok(model.into_sharded()),
+                None => Ok(source.build_sharded_seeded::<B>(
+                    device,
+                    args.seed,
+                    units,
+                    settings.param_persistence_threshold,
+                )?),
+            },
         )
     })
     .map_err(|e| TrainError::Engine(e.into()))?;
@@ -310,27 +339,28 @@ struct RankStart<B: AutodiffBackend> {
 }
 
 /// Builds the model on `device` and the engine settings of the config resolved for the
-/// data-parallel ranks.
+/// data-parallel ranks. With `layers_cut` (pipeline stages or tensor slices), the model is
+/// built whole on every rank, to be cut, and its checkpoints keep the cut layers' names.
 fn rank_start<B: AutodiffBackend>(
     device: &B::Device,
     args: &TrainArgs,
     resolved: &ResolvedConfig,
     source: &ModelSource,
-    pipelined: bool,
+    layers_cut: bool,
 ) -> Result<RankStart<B>, TrainError> {
     let mut settings = zero_burn::engine_settings(resolved)?;
     // Stage 3: every rank reads (or draws) the model unit by unit and keeps its shard of each,
     // so no rank ever holds the model whole (DeepSpeed's zero.Init).
-    let partitioned = settings.stage == Stage::Zero3 && !pipelined;
+    let partitioned = settings.stage == Stage::Zero3 && !layers_cut;
     let (model, model_config) = if partitioned {
         (None, source.config()?)
     } else {
         let (model, config) = source.build_seeded::<B>(device, args.seed)?;
         (Some(model), config)
     };
-    if !pipelined {
+    if !layers_cut {
         // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace
-        // directory (the pipeline's layers are named otherwise and export as they are).
+        // directory (cut layers are named otherwise and export as they are).
         settings.model = Some(
             model_config
                 .model_record()
@@ -347,21 +377,112 @@ fn rank_start<B: AutodiffBackend>(
     })
 }
 
-/// One rank's training loop: the zoo's `ShardedGpt2` (embeddings and every block a
-/// `ZeroModule`, cut over the ranks at stage 3) in Burn's own loop with `ZeroOptimizer`.
-fn rank_loop<B: AutodiffBackend + ShardBackend>(
-    rank: usize,
+/// Where a rank of a run without a pipeline stands: its groups, and its index among the
+/// data-parallel ranks (which share of each global batch it trains).
+struct RankPlace {
+    /// The rank's index in the world: rank 0 alone prints, writes the metrics and draws.
+    world_rank: usize,
+    /// Every rank: the memory reports.
+    world: SharedGroup,
+    /// The ranks that hold the same weights and train other data: ZeRO runs over them, and the
+    /// loss is their mean.
+    data: SharedGroup,
+    /// The ranks that split each block with this one, with tensor parallelism.
+    tensor: Option<SharedGroup>,
+}
+
+impl RankPlace {
+    /// Rank `rank` of `group`, every rank a data-parallel one.
+    fn data_only(rank: usize, group: SharedGroup) -> Self {
+        RankPlace {
+            world_rank: rank,
+            world: group.clone(),
+            data: group,
+            tensor: None,
+        }
+    }
+
+    /// A rank of a data × tensor layout.
+    fn of(groups: &RankGroups) -> Self {
+        RankPlace {
+            world_rank: groups.world.rank(),
+            world: groups.world.clone(),
+            data: groups.data.clone(),
+            tensor: Some(groups.tensor.clone()),
+        }
+    }
+}
+
+/// The models [`rank_loop`] trains: GPT-2 with its blocks `ZeroModule`s, whole on every rank
+/// ([`ShardedGpt2`]) or each rank's tensor slice of them ([`ShardedTpGpt2`]).
+trait TrainedGpt2<B: AutodiffBackend>:
+    AutodiffModule<B> + ChainModel<B, Batch = Gpt2Batch<B>, Ends = Self, Hidden = Tensor<B, 3>>
+{
+    /// Mean next-token cross-entropy.
+    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError>;
+
+    /// The loss of `tokens` predicting themselves, on the model's copy without autodiff.
+    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError>;
+
+    /// Whether the parameter named `name` is split over the tensor ranks.
+    fn is_tensor_split(name: &str) -> bool;
+}
+
+impl<B: AutodiffBackend + ShardBackend> TrainedGpt2<B> for ShardedGpt2<B>
+where
+    B::InnerBackend: ShardBackend,
+{
+    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
+        ShardedGpt2::loss(self, tokens, labels)
+    }
+
+    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError> {
+        Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
+    }
+
+    fn is_tensor_split(_: &str) -> bool {
+        false
+    }
+}
+
+impl<B: AutodiffBackend + ShardBackend + TpBackend> TrainedGpt2<B> for ShardedTpGpt2<B>
+where
+    B::InnerBackend: ShardBackend + TpBackend,
+{
+    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
+        ShardedTpGpt2::loss(self, tokens, labels)
+    }
+
+    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError> {
+        Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
+    }
+
+    fn is_tensor_split(name: &str) -> bool {
+        TpGpt2::<B>::is_tensor_split(name)
+    }
+}
+
+/// One rank's training loop: the model `build` makes (every block a `ZeroModule`, cut over the
+/// data-parallel ranks at stage 3) in Burn's own loop with `ZeroOptimizer`, over the data
+/// ranks and, with tensor parallelism, the tensor ranks too. `build` takes the model when
+/// `rank_start` built it whole, the rank's device, the engine settings and the collective the
+/// units are cut over.
+fn rank_loop<B, M>(
+    place: &RankPlace,
     device: B::Device,
-    group: Arc<dyn ProcessGroup>,
     args: &TrainArgs,
     resolved: &ResolvedConfig,
     data: &DataSource,
     source: &ModelSource,
+    build: impl FnOnce(Option<Gpt2<B>>, &B::Device, &EngineSettings, UnitComm<B::Collective>) -> Result<M, TrainError>,
 ) -> Result<TrainSummary, TrainError>
 where
-    B::InnerBackend: ShardBackend,
+    B: AutodiffBackend + ShardBackend,
+    M: TrainedGpt2<B> + 'static,
+    M::Block: AutodiffModule<B>,
 {
-    let world = group.world_size();
+    let world = place.world.world_size();
+    let (rank, data_ranks) = (place.data.rank(), place.data.world_size());
     let RankStart {
         model,
         model_config,
@@ -369,31 +490,35 @@ where
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, resolved, source, false)?;
+    } = rank_start::<B>(&device, args, resolved, source, place.tensor.is_some())?;
     let parameters = model_config.num_params() as usize;
-    let lead = rank == 0;
+    let lead = place.world_rank == 0;
     // wall_clock_breakdown: the collectives pass through a timing wrapper (rank 0 only prints,
     // so only rank 0 pays for it).
     let (engine_group, comm_clock) = if resolved.wall_clock_breakdown && lead {
-        let (timed, clock) = TimedGroup::new(group.clone());
-        (timed as Arc<dyn ProcessGroup>, Some(clock))
+        let (timed, clock) = TimedGroup::new(place.data.clone());
+        (timed as SharedGroup, Some(clock))
     } else {
-        (group.clone(), None)
+        (place.data.clone(), None)
     };
     let units: UnitComm<B::Collective> = Arc::new(HostStaged::new(engine_group.clone()));
-    let model = match (model, source) {
-        (Some(model), _) => model.into_sharded(),
-        (None, source) => {
-            source.build_sharded_seeded::<B>(&device, args.seed, units.clone(), settings.param_persistence_threshold)?
-        }
-    };
+    let model = build(model, &device, &settings, units.clone())?;
     // The config's `activation_checkpointing`: each micro-batch through `checkpointed_grads`,
-    // the ranks waiting for each other at its boundaries when asked.
+    // the ranks waiting for each other at its boundaries when asked; with
+    // `partition_activations`, each tensor rank keeps its part of every checkpoint (they hold
+    // the same activations between blocks).
     let checkpointing = settings.activation_checkpointing.clone().map(|mut ac| {
-        ac.boundary_group = Some(group.clone());
+        ac.boundary_group = Some(place.world.clone());
+        if resolved.activation_checkpointing.partition_activations {
+            ac.partition_group = place.tensor.clone();
+        }
         ac
     });
     let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
+    if let Some(tensor) = &place.tensor {
+        // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
+        optim = optim.with_tensor_parallel(tensor.clone(), |name: &str| M::is_tensor_split(name));
+    }
     let first_step = match &args.load {
         Some(dir) => {
             let (loaded, client) = optim.load_checkpoint(dir, None, model)?;
@@ -422,7 +547,7 @@ where
         _ => None,
     };
     let seq = data.seq_len();
-    let validation = data.validation(global.max(world));
+    let validation = data.validation(global.max(data_ranks));
     let every = resolved.steps_per_print.max(1);
     let mut monitors = Monitors::open(&resolved.monitors, lead, global as u64)?;
     let mut timers = (resolved.wall_clock_breakdown && lead).then(|| StepTimers::new(comm_clock));
@@ -474,13 +599,13 @@ where
         let report = optim
             .last_step()
             .ok_or_else(|| TrainError::Config("the optimizer reported no step".into()))?;
-        let loss = mean_over_ranks(group.as_ref(), loss_sum / gas as f64)?;
+        let loss = mean_over_ranks(place.data.as_ref(), loss_sum / gas as f64)?;
         let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-            Some(validate(&model, group.as_ref(), &validation, rank, &device)?)
+            Some(validate(&model, place.data.as_ref(), &validation, &device)?)
         } else {
             None
         };
-        let memory = memory_of_all_ranks(group.as_ref(), optim.memory())?;
+        let memory = memory_of_all_ranks(place.world.as_ref(), optim.memory())?;
         let record = StepRecord {
             step: step + 1,
             loss,
@@ -639,22 +764,19 @@ fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainErr
     Ok(buf.into_f32()[0] as f64)
 }
 
-/// Held-out loss: each rank scores its share of the validation sequences, without autodiff.
-fn validate<B: AutodiffBackend + ShardBackend>(
-    model: &ShardedGpt2<B>,
+/// Held-out loss: each data-parallel rank (of `group`) scores its share of the validation
+/// sequences, without autodiff.
+fn validate<B: AutodiffBackend, M: TrainedGpt2<B>>(
+    model: &M,
     group: &dyn ProcessGroup,
     validation: &[Vec<u32>],
-    rank: usize,
     device: &burn::tensor::Device<B>,
-) -> Result<f64, TrainError>
-where
-    B::InnerBackend: ShardBackend,
-{
+) -> Result<f64, TrainError> {
     let per = validation.len() / group.world_size();
+    let rank = group.rank();
     let rows = &validation[rank * per..(rank + 1) * per];
-    let tokens = token_tensor::<B>(rows, device).inner();
-    let loss = model.valid().loss(tokens.clone(), tokens)?;
-    mean_over_ranks(group, loss.into_scalar().elem::<f64>())
+    let loss = model.held_out_loss(token_tensor::<B>(rows, device).inner())?;
+    mean_over_ranks(group, loss)
 }
 
 /// What the metrics file's header says about the run (the loss plot's title and legend).
@@ -723,34 +845,27 @@ fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), Tr
     Ok((stages, tensor))
 }
 
-/// Training with the ranks laid out data × tensor × pipeline (the data degree is what is left
-/// of the world): as threads, or this process's one rank under a launcher.
-fn train_pipeline<B: AutodiffBackend + TpBackend>(
-    args: &TrainArgs,
-    resolved: Arc<ResolvedConfig>,
-    data: Arc<DataSource>,
-    source: ModelSource,
-    (world, stages, tensor): (usize, usize, usize),
+/// Runs `body` on the ranks of `layout` this process hosts, each with its groups and device:
+/// this process's one rank under a launcher, every rank as a thread otherwise.
+fn run_layout<B: AutodiffBackend>(
+    layout: ParallelLayout,
     devices: usize,
+    body: impl Fn(RankGroups, B::Device) -> Result<TrainSummary, TrainError> + Sync,
 ) -> Result<TrainSummary, TrainError> {
-    let launched = DistEnv::detect().ok();
-    let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
-        .map_err(|e| TrainError::Config(e.to_string()))?;
-    let comm = |e: zero_core::comm::CommError| TrainError::Engine(e.into());
-    if launched.is_some() {
-        let world_group = TcpGroup::from_env(None).map_err(comm)?;
+    if DistEnv::detect().is_ok() {
+        let world_group = TcpGroup::from_env(None).map_err(|e| TrainError::Engine(e.into()))?;
         let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
         let device = rank_device::<B>(groups.world.rank(), devices);
-        return pipeline_rank_loop::<B>(groups, device, args, &resolved, &data, &source);
+        return body(groups, device);
     }
     let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
+    let body = &body;
     let results: Vec<Result<TrainSummary, TrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .into_iter()
             .map(|groups| {
-                let (resolved, data, source) = (&resolved, &data, &source);
                 let device = rank_device::<B>(groups.world.rank(), devices);
-                s.spawn(move || pipeline_rank_loop::<B>(groups, device, args, resolved, data, source))
+                s.spawn(move || body(groups, device))
             })
             .collect();
         handles

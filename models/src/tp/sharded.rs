@@ -1,16 +1,19 @@
 //! Tensor parallelism with ZeRO stage 3: [`TpGpt2`] with each block a `ZeroModule`, so that
 //! each tensor rank's slice of a block is cut over the data-parallel ranks and gathered for its
-//! forward (Megatron combined with ZeRO-3).
+//! forward (Megatron combined with ZeRO-3). A [`ChainModel`] too, so that
+//! `zero_burn::checkpointed_grads` checkpoints its activations.
 
 use super::block::TpBlock;
 use super::collectives::TpBackend;
 use super::embedding::VocabParallelEmbedding;
 use super::model::TpGpt2;
+use crate::gpt2::Gpt2Batch;
 use burn::module::Module;
 use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use zero_burn::sharded::{ShardBackend, ZeroModule};
-use zero_burn::ZeroError;
+use zero_burn::{ChainModel, ZeroError};
 
 /// [`TpGpt2`] whose blocks are `ZeroModule`s (cut by `zero_burn::initialize` at stage 3 over the
 /// data-parallel ranks); the embeddings and the final norm stay plain parameters (stage 3
@@ -44,17 +47,65 @@ impl<B: TpBackend + ShardBackend> ShardedTpGpt2<B> {
     /// Mean next-token cross-entropy, as [`TpGpt2::loss`], each block gathered for its
     /// forward. Fails when a gather fails (a peer lost, a collective out of order).
     pub fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
-        // The ends, as the unsharded model's (its embedding and head), without blocks.
-        let ends = TpGpt2 {
+        let mut h = self.ends().embed(tokens);
+        for block in &self.blocks {
+            h = block.unshard(&h)?.forward(h);
+        }
+        Ok(self.ends().head_loss(h, labels))
+    }
+
+    /// The ends, as the unsharded model's (its embedding and head), without blocks.
+    fn ends(&self) -> TpGpt2<B> {
+        TpGpt2 {
             wte: self.wte.clone(),
             wpe: self.wpe.clone(),
             blocks: Vec::new(),
             ln_f: self.ln_f.clone(),
-        };
-        let mut h = ends.embed(tokens);
-        for block in &self.blocks {
-            h = block.unshard(&h)?.forward(h);
         }
-        Ok(ends.head_loss(h, labels))
+    }
+}
+
+/// The chain `zero_burn::checkpointed_grads` runs: the ends are the model without its blocks
+/// (the vocabulary-parallel embedding, also the head, and the replicated norms), each block's
+/// slice a unit. Every tensor rank runs the same chain, so the tensor collectives inside each
+/// block's forward and its recomputation meet in the same order on every rank.
+impl<B: AutodiffBackend + TpBackend + ShardBackend> ChainModel<B> for ShardedTpGpt2<B> {
+    type Batch = Gpt2Batch<B>;
+    type Hidden = Tensor<B, 3>;
+    type Ends = ShardedTpGpt2<B>;
+    type Block = ZeroModule<B, TpBlock<B>>;
+
+    fn into_parts(mut self) -> (Self, Vec<Self::Block>) {
+        let blocks = std::mem::take(&mut self.blocks);
+        (self, blocks)
+    }
+
+    fn from_parts(mut ends: Self, blocks: Vec<Self::Block>) -> Self {
+        ends.blocks = blocks;
+        ends
+    }
+
+    fn try_embed(ends: &Self, batch: &Self::Batch) -> Result<Tensor<B, 3>, ZeroError> {
+        Ok(ends.ends().embed(batch.0.clone()))
+    }
+
+    fn try_block_forward(block: &Self::Block, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, ZeroError> {
+        Ok(block.unshard(&x)?.forward(x))
+    }
+
+    fn try_head_loss(ends: &Self, h: Tensor<B, 3>, batch: &Self::Batch) -> Result<Tensor<B, 1>, ZeroError> {
+        Ok(ends.ends().head_loss(h, batch.1.clone()))
+    }
+
+    fn embed(ends: &Self, batch: &Self::Batch) -> Tensor<B, 3> {
+        ends.ends().embed(batch.0.clone())
+    }
+
+    fn block_forward(block: &Self::Block, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        Self::try_block_forward(block, x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn head_loss(ends: &Self, h: Tensor<B, 3>, batch: &Self::Batch) -> Tensor<B, 1> {
+        ends.ends().head_loss(h, batch.1.clone())
     }
 }

@@ -151,6 +151,15 @@ impl NcclGroup {
     /// says which library is missing.
     pub fn over(ctrl: TcpGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
         let rank = ctrl.rank();
+        // SAFETY: only probes whether the library can be loaded.
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err(CommError::Setup(format!(
+                "NCCL rank {rank}: the NCCL library is not found. It is loaded by the name \
+                 libnccl.so (or libnccl.so.<CUDA major>) from LD_LIBRARY_PATH; NVIDIA's wheels \
+                 (nvidia-nccl-cu12, nvidia-nccl-cu13) ship only libnccl.so.2, so link \
+                 libnccl.so to that file in a directory on LD_LIBRARY_PATH"
+            )));
+        }
         // cudarc panics when it cannot load a library; that is a setup error here.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Self::build(ctrl, device, timeout))).unwrap_or_else(
             |panic| {
