@@ -8,37 +8,35 @@
 //! pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one stage of
 //! the model's layers.
 
+mod pipeline;
+mod ranks;
+
 use super::data::DataSource;
 use super::metrics::{MetricsWriter, Progress};
 use super::model::{check_data, same_weights_as_rank_0, ModelSource};
-use super::monitor::Monitors;
-use super::timers::{StepTimers, TimedGroup};
+use super::timers::StepTimers;
 use super::TrainError;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
-use burn::optim::lr_scheduler::LrScheduler;
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
+use pipeline::pipeline_rank_loop;
+use ranks::{rank_loop, RankPlace};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
-use zero_burn::sharded::{ShardBackend, UnitComm};
-use zero_burn::{ChainModel, EngineSettings, HostStaged, InitOptions, MemoryReport, Stage, ZeroError};
-use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, SharedGroup, TcpGroup};
+use zero_burn::sharded::ShardBackend;
+use zero_burn::{EngineSettings, InitOptions, MemoryReport, Stage};
+use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
 use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
-use zero_core::parallel::{Axis, ParallelLayout, RankGroups};
+use zero_core::parallel::{ParallelLayout, RankGroups};
 use zero_core::plot::RunInfo;
-use zero_models::gpt2::{Gpt2Batch, Gpt2Layer, ShardedGpt2};
-use zero_models::tp::{ShardedTpGpt2, TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
+use zero_models::tp::{TpBackend, TpGpt2, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
 
 /// The shipped corpus: ten plays of Shakespeare (see data/README.md).
-const SHIPPED_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
+const SHIPPED_CORPUS: &str = include_str!("../../../../data/shakespeare.txt");
 
 /// Arguments of `gpt2 train`.
 #[derive(clap::Args, Clone, Debug)]
@@ -377,265 +375,6 @@ fn rank_start<B: AutodiffBackend>(
     })
 }
 
-/// Where a rank of a run without a pipeline stands: its groups, and its index among the
-/// data-parallel ranks (which share of each global batch it trains).
-struct RankPlace {
-    /// The rank's index in the world: rank 0 alone prints, writes the metrics and draws.
-    world_rank: usize,
-    /// Every rank: the memory reports.
-    world: SharedGroup,
-    /// The ranks that hold the same weights and train other data: ZeRO runs over them, and the
-    /// loss is their mean.
-    data: SharedGroup,
-    /// The ranks that split each block with this one, with tensor parallelism.
-    tensor: Option<SharedGroup>,
-}
-
-impl RankPlace {
-    /// Rank `rank` of `group`, every rank a data-parallel one.
-    fn data_only(rank: usize, group: SharedGroup) -> Self {
-        RankPlace {
-            world_rank: rank,
-            world: group.clone(),
-            data: group,
-            tensor: None,
-        }
-    }
-
-    /// A rank of a data × tensor layout.
-    fn of(groups: &RankGroups) -> Self {
-        RankPlace {
-            world_rank: groups.world.rank(),
-            world: groups.world.clone(),
-            data: groups.data.clone(),
-            tensor: Some(groups.tensor.clone()),
-        }
-    }
-}
-
-/// The models [`rank_loop`] trains: GPT-2 with its blocks `ZeroModule`s, whole on every rank
-/// ([`ShardedGpt2`]) or each rank's tensor slice of them ([`ShardedTpGpt2`]).
-trait TrainedGpt2<B: AutodiffBackend>:
-    AutodiffModule<B> + ChainModel<B, Batch = Gpt2Batch<B>, Ends = Self, Hidden = Tensor<B, 3>>
-{
-    /// Mean next-token cross-entropy.
-    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError>;
-
-    /// The loss of `tokens` predicting themselves, on the model's copy without autodiff.
-    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError>;
-
-    /// Whether the parameter named `name` is split over the tensor ranks.
-    fn is_tensor_split(name: &str) -> bool;
-}
-
-impl<B: AutodiffBackend + ShardBackend> TrainedGpt2<B> for ShardedGpt2<B>
-where
-    B::InnerBackend: ShardBackend,
-{
-    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
-        ShardedGpt2::loss(self, tokens, labels)
-    }
-
-    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError> {
-        Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
-    }
-
-    fn is_tensor_split(_: &str) -> bool {
-        false
-    }
-}
-
-impl<B: AutodiffBackend + ShardBackend + TpBackend> TrainedGpt2<B> for ShardedTpGpt2<B>
-where
-    B::InnerBackend: ShardBackend + TpBackend,
-{
-    fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
-        ShardedTpGpt2::loss(self, tokens, labels)
-    }
-
-    fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError> {
-        Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
-    }
-
-    fn is_tensor_split(name: &str) -> bool {
-        TpGpt2::<B>::is_tensor_split(name)
-    }
-}
-
-/// One rank's training loop: the model `build` makes (every block a `ZeroModule`, cut over the
-/// data-parallel ranks at stage 3) in Burn's own loop with `ZeroOptimizer`, over the data
-/// ranks and, with tensor parallelism, the tensor ranks too. `build` takes the model when
-/// `rank_start` built it whole, the rank's device, the engine settings and the collective the
-/// units are cut over.
-fn rank_loop<B, M>(
-    place: &RankPlace,
-    device: B::Device,
-    args: &TrainArgs,
-    resolved: &ResolvedConfig,
-    data: &DataSource,
-    source: &ModelSource,
-    build: impl FnOnce(Option<Gpt2<B>>, &B::Device, &EngineSettings, UnitComm<B::Collective>) -> Result<M, TrainError>,
-) -> Result<TrainSummary, TrainError>
-where
-    B: AutodiffBackend + ShardBackend,
-    M: TrainedGpt2<B> + 'static,
-    M::Block: AutodiffModule<B>,
-{
-    let world = place.world.world_size();
-    let (rank, data_ranks) = (place.data.rank(), place.data.world_size());
-    let RankStart {
-        model,
-        model_config,
-        settings,
-        micro,
-        gas,
-        global,
-    } = rank_start::<B>(&device, args, resolved, source, place.tensor.is_some())?;
-    let parameters = model_config.num_params() as usize;
-    let lead = place.world_rank == 0;
-    // wall_clock_breakdown: the collectives pass through a timing wrapper (rank 0 only prints,
-    // so only rank 0 pays for it).
-    let (engine_group, comm_clock) = if resolved.wall_clock_breakdown && lead {
-        let (timed, clock) = TimedGroup::new(place.data.clone());
-        (timed as SharedGroup, Some(clock))
-    } else {
-        (place.data.clone(), None)
-    };
-    let units: UnitComm<B::Collective> = Arc::new(HostStaged::new(engine_group.clone()));
-    let model = build(model, &device, &settings, units.clone())?;
-    // The config's `activation_checkpointing`: each micro-batch through `checkpointed_grads`,
-    // the ranks waiting for each other at its boundaries when asked; with
-    // `partition_activations`, each tensor rank keeps its part of every checkpoint (they hold
-    // the same activations between blocks).
-    let checkpointing = settings.activation_checkpointing.clone().map(|mut ac| {
-        ac.boundary_group = Some(place.world.clone());
-        if resolved.activation_checkpointing.partition_activations {
-            ac.partition_group = place.tensor.clone();
-        }
-        ac
-    });
-    let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
-    if let Some(tensor) = &place.tensor {
-        // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
-        optim = optim.with_tensor_parallel(tensor.clone(), |name: &str| M::is_tensor_split(name));
-    }
-    let first_step = match &args.load {
-        Some(dir) => {
-            let (loaded, client) = optim.load_checkpoint(dir, None, model)?;
-            model = loaded;
-            resume_step(dir, &client, optim.global_step())?
-        }
-        None => 0,
-    };
-    if let Some(done) = nothing_to_train(args, first_step, lead, world, parameters) {
-        return Ok(done);
-    }
-
-    let mut progress = Progress::new(
-        lead,
-        !args.quiet,
-        args.steps,
-        parameters,
-        world,
-        resolved.zero.stage as u8,
-    );
-    let mut metrics = match (&args.metrics, lead) {
-        (Some(path), true) => Some(MetricsWriter::create(
-            path,
-            &run_info(args, resolved, parameters, world),
-        )?),
-        _ => None,
-    };
-    let seq = data.seq_len();
-    let validation = data.validation(global.max(data_ranks));
-    let every = resolved.steps_per_print.max(1);
-    let mut monitors = Monitors::open(&resolved.monitors, lead, global as u64)?;
-    let mut timers = (resolved.wall_clock_breakdown && lead).then(|| StepTimers::new(comm_clock));
-    let mut schedule = optim.lr_scheduler();
-    let mut last_printed = first_step;
-    let started = Instant::now();
-    let mut records = Vec::new();
-    for step in first_step..args.steps {
-        let t0 = Instant::now();
-        let batch = data.global_batch(step, global, args.seed)?;
-        let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
-        let mut loss_sum = 0.0f64;
-        let mut accumulator = GradientsAccumulator::new();
-        for chunk in mine.chunks(micro) {
-            let tokens = token_tensor(chunk, &device);
-            if let Some(ac) = &checkpointing {
-                // Forward and backward are one call (the blocks run again in backward): its
-                // time is the backward's.
-                let scale = (optim.loss_scale() / gas as f64) as f32;
-                let batch = (tokens.clone(), tokens);
-                let (value, grads) = timed(&mut timers, Part::Backward, || {
-                    caught("checkpointed backward", || {
-                        zero_burn::checkpointed_grads(&model, &batch, ac, scale)
-                    })?
-                    .map_err(TrainError::from)
-                })?;
-                optim.note_loss(value as f64);
-                accumulator.accumulate(&model, grads);
-                loss_sum += value as f64;
-                continue;
-            }
-            let loss = timed(&mut timers, Part::Forward, || model.loss(tokens.clone(), tokens))?;
-            loss_sum += timed(&mut timers, Part::Backward, || {
-                let value = loss.clone().into_scalar().elem::<f64>();
-                optim.note_loss(value);
-                let scaled = optim.scale_loss(loss.div_scalar(gas as f64));
-                let grads = backward(scaled)?;
-                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-                Ok::<f64, TrainError>(value)
-            })?;
-        }
-        let lr = schedule.step();
-        model = timed(&mut timers, Part::Step, || {
-            optim.try_step(lr, model, accumulator.grads())
-        })?;
-        if let Some(t) = timers.as_mut() {
-            t.end_step();
-        }
-        let report = optim
-            .last_step()
-            .ok_or_else(|| TrainError::Config("the optimizer reported no step".into()))?;
-        let loss = mean_over_ranks(place.data.as_ref(), loss_sum / gas as f64)?;
-        let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-            Some(validate(&model, place.data.as_ref(), &validation, &device)?)
-        } else {
-            None
-        };
-        let memory = memory_of_all_ranks(place.world.as_ref(), optim.memory())?;
-        let record = StepRecord {
-            step: step + 1,
-            loss,
-            lr: report.lr,
-            loss_scale: report.loss_scale,
-            grad_norm: report.grad_norm,
-            tokens_per_s: (global * seq) as f64 / t0.elapsed().as_secs_f64(),
-            skipped: report.skipped,
-            valid_loss,
-            memory,
-        };
-        progress.step(&record);
-        if let Some(m) = metrics.as_mut() {
-            m.write(&record)?;
-        }
-        monitors.step(&record)?;
-        if let Some(t) = timers.as_mut() {
-            if (step + 1) % every == 0 || step + 1 == args.steps {
-                progress.println(&t.take().line(last_printed + 1, step + 1));
-                last_printed = step + 1;
-            }
-        }
-        records.push(record);
-        if let Some((dir, client)) = checkpoint_due(args, step) {
-            optim.save_checkpoint(dir, None, &client)?;
-        }
-    }
-    finish_run(args, progress, metrics, records, started, world, parameters)
-}
-
 /// The parts of a step the timers of `wall_clock_breakdown` tell apart.
 #[derive(Clone, Copy)]
 enum Part {
@@ -764,21 +503,6 @@ fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainErr
     Ok(buf.into_f32()[0] as f64)
 }
 
-/// Held-out loss: each data-parallel rank (of `group`) scores its share of the validation
-/// sequences, without autodiff.
-fn validate<B: AutodiffBackend, M: TrainedGpt2<B>>(
-    model: &M,
-    group: &dyn ProcessGroup,
-    validation: &[Vec<u32>],
-    device: &burn::tensor::Device<B>,
-) -> Result<f64, TrainError> {
-    let per = validation.len() / group.world_size();
-    let rank = group.rank();
-    let rows = &validation[rank * per..(rank + 1) * per];
-    let loss = model.held_out_loss(token_tensor::<B>(rows, device).inner())?;
-    mean_over_ranks(group, loss)
-}
-
 /// What the metrics file's header says about the run (the loss plot's title and legend).
 fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, world: usize) -> RunInfo {
     let model = match (&args.model, &args.preset) {
@@ -882,161 +606,4 @@ fn run_layout<B: AutodiffBackend>(
             .collect()
     });
     first_summary(results)
-}
-
-/// One rank of a pipelined run: its stage of the model's layers, trained on its data index's
-/// share of each global batch.
-fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
-    groups: RankGroups,
-    device: B::Device,
-    args: &TrainArgs,
-    resolved: &ResolvedConfig,
-    data: &DataSource,
-    source: &ModelSource,
-) -> Result<TrainSummary, TrainError> {
-    let RankStart {
-        model,
-        model_config,
-        settings,
-        micro,
-        gas,
-        global,
-    } = rank_start::<B>(&device, args, resolved, source, true)?;
-    let model = model.ok_or_else(|| TrainError::Model("a pipelined run builds its model whole".into()))?;
-    let method = match resolved.pipeline.partition.as_str() {
-        // DeepSpeed's default; the layers here are balanced by parameters.
-        "best" => PartitionMethod::Parameters,
-        name => PartitionMethod::from_name(name)?,
-    };
-    // Every stage cuts the same model: world rank 0's weights, so that a stage's layers do not
-    // depend on how the ranks' threads shared the random generator.
-    let model = same_weights_as_rank_0(model, groups.world.as_ref(), &device)?;
-    let stages = groups.layout.size(Axis::Pipeline);
-    let stage = groups.coords.pipeline;
-    let run = PipelineRun {
-        args,
-        data,
-        groups: &groups,
-        micro,
-        gas,
-        global,
-        zero_stage: resolved.zero.stage as u8,
-        parameters: model_config.num_params() as usize,
-        run: run_info(
-            args,
-            resolved,
-            model_config.num_params() as usize,
-            groups.world.world_size(),
-        ),
-        every: resolved.steps_per_print.max(1),
-    };
-    if groups.layout.size(Axis::Tensor) > 1 {
-        let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
-            .map_err(|e| TrainError::Model(format!("tensor_parallel.autotp_size: {e}")))?;
-        let module = PipelineModule::from_layers::<B>(tp.into_pipeline_layers(), stages, method, stage)?;
-        let mut settings = settings;
-        // Tensor-parallel collectives run inside backward(): fence the stage's tensor ranks.
-        settings.backward_fence = Some(groups.tensor.clone());
-        run.steps(
-            PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?,
-            &device,
-        )
-    } else {
-        let module = PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, stage)?;
-        run.steps(
-            PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?,
-            &device,
-        )
-    }
-}
-
-/// What the steps of a pipelined run need besides the engine.
-struct PipelineRun<'a> {
-    args: &'a TrainArgs,
-    data: &'a DataSource,
-    groups: &'a RankGroups,
-    micro: usize,
-    gas: usize,
-    global: usize,
-    zero_stage: u8,
-    parameters: usize,
-    /// The metrics file's header.
-    run: RunInfo,
-    /// steps_per_print: how often the validation loss is computed.
-    every: u64,
-}
-
-impl PipelineRun<'_> {
-    /// The training steps: each data index trains on its share of every global batch.
-    fn steps<B: AutodiffBackend, L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
-        &self,
-        mut engine: PipelineEngine<B, L>,
-        device: &B::Device,
-    ) -> Result<TrainSummary, TrainError> {
-        let (args, data, groups) = (self.args, self.data, self.groups);
-        let (micro, gas, global) = (self.micro, self.gas, self.global);
-        let world = groups.layout.world_size();
-        let lead = groups.world.rank() == 0;
-        let first_step = match &args.load {
-            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
-            None => 0,
-        };
-        if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
-            return Ok(done);
-        }
-        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
-        let mut metrics = match (&args.metrics, lead) {
-            (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
-            _ => None,
-        };
-        let d = groups.coords.data;
-        // Validation as without a pipeline: each data index evaluates its share of the held-out
-        // rows as one micro-batch, forward only through the stages.
-        let dp = groups.layout.size(Axis::Data);
-        let validation = data.validation(global.max(dp));
-        let per = validation.len() / dp;
-        let valid_rows = &validation[(d * per).min(validation.len())..((d + 1) * per).min(validation.len())];
-        let started = Instant::now();
-        let mut records = Vec::new();
-        for step in first_step..args.steps {
-            let t0 = Instant::now();
-            let batch = data.global_batch(step, global, args.seed)?;
-            let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
-            let micro_batches: Vec<_> = mine
-                .chunks(micro)
-                .map(|chunk| {
-                    let tokens = token_tensor(chunk, device);
-                    (tokens.clone(), tokens)
-                })
-                .collect();
-            let out = engine.train_batch(&micro_batches)?;
-            let valid_loss = if per > 0 && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
-                let tokens = token_tensor(valid_rows, device);
-                Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
-            } else {
-                None
-            };
-            let memory = memory_of_all_ranks(groups.world.as_ref(), engine.memory())?;
-            let record = StepRecord {
-                step: step + 1,
-                loss: out.loss as f64,
-                lr: out.report.lr,
-                loss_scale: out.report.loss_scale,
-                grad_norm: out.report.grad_norm,
-                tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
-                skipped: out.report.skipped,
-                valid_loss,
-                memory,
-            };
-            progress.step(&record);
-            if let Some(m) = metrics.as_mut() {
-                m.write(&record)?;
-            }
-            records.push(record);
-            if let Some((dir, client)) = checkpoint_due(args, step) {
-                engine.save_checkpoint(dir, None, &client)?;
-            }
-        }
-        finish_run(args, progress, metrics, records, started, world, self.parameters)
-    }
 }

@@ -1,0 +1,176 @@
+//! One rank of a pipelined run: its stage of the model's layers (each its tensor slice, with
+//! tensor parallelism), trained by `PipelineEngine`.
+
+use super::super::data::DataSource;
+use super::super::metrics::{MetricsWriter, Progress};
+use super::super::model::{same_weights_as_rank_0, ModelSource};
+use super::super::TrainError;
+use super::{
+    checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, rank_start, resume_step, run_info, token_tensor,
+    RankStart, StepRecord, TrainArgs, TrainSummary,
+};
+use burn::tensor::backend::AutodiffBackend;
+use std::time::Instant;
+use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
+use zero_core::config::ResolvedConfig;
+use zero_core::parallel::{Axis, RankGroups};
+use zero_core::plot::RunInfo;
+use zero_models::gpt2::{Gpt2Batch, Gpt2Layer};
+use zero_models::tp::{TpBackend, TpGpt2, TpGpt2Layer, TpGroup};
+
+/// One rank of a pipelined run: its stage of the model's layers, trained on its data index's
+/// share of each global batch.
+pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
+    groups: RankGroups,
+    device: B::Device,
+    args: &TrainArgs,
+    resolved: &ResolvedConfig,
+    data: &DataSource,
+    source: &ModelSource,
+) -> Result<TrainSummary, TrainError> {
+    let RankStart {
+        model,
+        model_config,
+        settings,
+        micro,
+        gas,
+        global,
+    } = rank_start::<B>(&device, args, resolved, source, true)?;
+    let model = model.ok_or_else(|| TrainError::Model("a pipelined run builds its model whole".into()))?;
+    let method = match resolved.pipeline.partition.as_str() {
+        // DeepSpeed's default; the layers here are balanced by parameters.
+        "best" => PartitionMethod::Parameters,
+        name => PartitionMethod::from_name(name)?,
+    };
+    // Every stage cuts the same model: world rank 0's weights, so that a stage's layers do not
+    // depend on how the ranks' threads shared the random generator.
+    let model = same_weights_as_rank_0(model, groups.world.as_ref(), &device)?;
+    let stages = groups.layout.size(Axis::Pipeline);
+    let stage = groups.coords.pipeline;
+    let run = PipelineRun {
+        args,
+        data,
+        groups: &groups,
+        micro,
+        gas,
+        global,
+        zero_stage: resolved.zero.stage as u8,
+        parameters: model_config.num_params() as usize,
+        run: run_info(
+            args,
+            resolved,
+            model_config.num_params() as usize,
+            groups.world.world_size(),
+        ),
+        every: resolved.steps_per_print.max(1),
+    };
+    if groups.layout.size(Axis::Tensor) > 1 {
+        let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
+            .map_err(|e| TrainError::Model(format!("tensor_parallel.autotp_size: {e}")))?;
+        let module = PipelineModule::from_layers::<B>(tp.into_pipeline_layers(), stages, method, stage)?;
+        let mut settings = settings;
+        // Tensor-parallel collectives run inside backward(): fence the stage's tensor ranks.
+        settings.backward_fence = Some(groups.tensor.clone());
+        run.steps(
+            PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups)?,
+            &device,
+        )
+    } else {
+        let module = PipelineModule::from_layers::<B>(model.into_pipeline_layers(), stages, method, stage)?;
+        run.steps(
+            PipelineEngine::<B, Gpt2Layer<B>>::new(settings, module, &groups)?,
+            &device,
+        )
+    }
+}
+
+/// What the steps of a pipelined run need besides the engine.
+struct PipelineRun<'a> {
+    args: &'a TrainArgs,
+    data: &'a DataSource,
+    groups: &'a RankGroups,
+    micro: usize,
+    gas: usize,
+    global: usize,
+    zero_stage: u8,
+    parameters: usize,
+    /// The metrics file's header.
+    run: RunInfo,
+    /// steps_per_print: how often the validation loss is computed.
+    every: u64,
+}
+
+impl PipelineRun<'_> {
+    /// The training steps: each data index trains on its share of every global batch.
+    fn steps<B: AutodiffBackend, L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
+        &self,
+        mut engine: PipelineEngine<B, L>,
+        device: &B::Device,
+    ) -> Result<TrainSummary, TrainError> {
+        let (args, data, groups) = (self.args, self.data, self.groups);
+        let (micro, gas, global) = (self.micro, self.gas, self.global);
+        let world = groups.layout.world_size();
+        let lead = groups.world.rank() == 0;
+        let first_step = match &args.load {
+            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+            None => 0,
+        };
+        if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
+            return Ok(done);
+        }
+        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
+        let mut metrics = match (&args.metrics, lead) {
+            (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
+            _ => None,
+        };
+        let d = groups.coords.data;
+        // Validation as without a pipeline: each data index evaluates its share of the held-out
+        // rows as one micro-batch, forward only through the stages.
+        let dp = groups.layout.size(Axis::Data);
+        let validation = data.validation(global.max(dp));
+        let per = validation.len() / dp;
+        let valid_rows = &validation[(d * per).min(validation.len())..((d + 1) * per).min(validation.len())];
+        let started = Instant::now();
+        let mut records = Vec::new();
+        for step in first_step..args.steps {
+            let t0 = Instant::now();
+            let batch = data.global_batch(step, global, args.seed)?;
+            let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
+            let micro_batches: Vec<_> = mine
+                .chunks(micro)
+                .map(|chunk| {
+                    let tokens = token_tensor(chunk, device);
+                    (tokens.clone(), tokens)
+                })
+                .collect();
+            let out = engine.train_batch(&micro_batches)?;
+            let valid_loss = if per > 0 && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
+                let tokens = token_tensor(valid_rows, device);
+                Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
+            } else {
+                None
+            };
+            let memory = memory_of_all_ranks(groups.world.as_ref(), engine.memory())?;
+            let record = StepRecord {
+                step: step + 1,
+                loss: out.loss as f64,
+                lr: out.report.lr,
+                loss_scale: out.report.loss_scale,
+                grad_norm: out.report.grad_norm,
+                tokens_per_s: (global * data.seq_len()) as f64 / t0.elapsed().as_secs_f64(),
+                skipped: out.report.skipped,
+                valid_loss,
+                memory,
+            };
+            progress.step(&record);
+            if let Some(m) = metrics.as_mut() {
+                m.write(&record)?;
+            }
+            records.push(record);
+            if let Some((dir, client)) = checkpoint_due(args, step) {
+                engine.save_checkpoint(dir, None, &client)?;
+            }
+        }
+        finish_run(args, progress, metrics, records, started, world, self.parameters)
+    }
+}
