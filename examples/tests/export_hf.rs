@@ -19,18 +19,28 @@ fn read_all(dir: &Path) -> HashMap<String, Vec<f32>> {
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
         let path = entry.path();
         if path.extension().is_some_and(|e| e == "safetensors") {
-            let bytes = std::fs::read(&path).unwrap();
-            for (name, view) in SafeTensors::deserialize(&bytes).unwrap().tensors() {
-                let values = view
-                    .data()
-                    .chunks(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                out.insert(name, values);
-            }
+            out.extend(read_file(&path));
         }
     }
     out
+}
+
+/// Every tensor of one (F32) safetensors file, by name.
+fn read_file(path: &Path) -> HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
 }
 
 #[test]
@@ -71,4 +81,97 @@ fn a_trained_checkpoint_exports_as_a_huggingface_directory_by_default() {
         let values: Vec<f32> = data.to_vec().unwrap();
         assert_eq!(&values, &want[&name], "{name}");
     }
+}
+
+/// A tensor-parallel run's checkpoint (2 tensor × 2 data ranks, ZeRO 3: each rank's slices cut
+/// again over the data ranks) exports whole: `zero to-fp32` of the directory merges every split
+/// parameter's slices (the fused q|k|v projection block by block) into a HuggingFace GPT-2
+/// directory the zoo's loader reads. References: with a learning rate of 0, the HuggingFace
+/// fixture the run started from, bit for bit; trained, the same training without tensor
+/// parallelism (2 data ranks, which trains like PyTorch to 1e-5: pipeline_train.rs), exported
+/// the same way, to float rounding of the other order of sums.
+#[test]
+fn a_tensor_parallel_checkpoint_exports_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let untouched = export(dir.path(), 2, 4, 0.0);
+    let want = read_file(&support::fixture_model().join("model.safetensors"));
+    let got = read_all(&untouched);
+    assert_eq!(got.len(), want.len(), "the same tensors");
+    for (name, values) in &want {
+        assert!(
+            &got[name] == values,
+            "{name}: the merged export differs from the fixture"
+        );
+    }
+
+    let (got, want) = (
+        read_all(&export(dir.path(), 2, 4, 1e-3)),
+        read_all(&export(dir.path(), 1, 2, 1e-3)),
+    );
+    assert_eq!(got.len(), want.len(), "the same tensors");
+    assert!(got.keys().any(|n| n.contains("c_attn")));
+    // The tolerance of the other tensor-parallel tests (models/tests/tp_gpt2.rs): 1e-5 of the
+    // model's largest weight.
+    let scale = want.values().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    for (name, w) in &want {
+        let g = &got[name];
+        assert_eq!(g.len(), w.len(), "{name}");
+        let bias_k = name.ends_with("c_attn.bias").then(|| w.len() / 3..2 * w.len() / 3);
+        for (i, (a, b)) in g.iter().zip(w).enumerate() {
+            // The keys' bias moves no score within a softmax row: its true gradient is 0, and
+            // Adam turns the rounding left in it into steps of up to the learning rate, in either
+            // direction, in any two runs that sum in another order.
+            let limit = if bias_k.as_ref().is_some_and(|k| k.contains(&i)) {
+                4.0 * 1e-3 * 2.0
+            } else {
+                1e-5 * scale
+            };
+            assert!(
+                (a - b).abs() <= limit,
+                "{name}[{i}]: {a} merged against {b} without tensor parallelism"
+            );
+        }
+    }
+}
+
+/// Trains the fixture 4 steps at ZeRO 3 with learning rate `lr` over `tensor` tensor ranks (of
+/// `nproc`), saves, and exports the checkpoint as `zero to-fp32 DIR OUT` does; returns OUT.
+fn export(dir: &Path, tensor: usize, nproc: usize, lr: f64) -> std::path::PathBuf {
+    use zero_core::checkpoint::{to_fp32_tensor_parallel, TensorParallelCheckpoint};
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(support::fixture("train_config.json")).unwrap()).unwrap();
+    config["gradient_accumulation_steps"] = serde_json::json!(8 / (nproc / tensor));
+    config["zero_optimization"] = serde_json::json!({ "stage": 3 });
+    config["tensor_parallel"] = serde_json::json!({ "autotp_size": tensor });
+    config["optimizer"]["params"]["lr"] = serde_json::json!(lr);
+    let name = format!("tp{tensor}-lr{lr}");
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, config.to_string()).unwrap();
+    let save = dir.join(format!("ckpt-{name}"));
+    let args = zero_examples::gpt2::TrainArgs {
+        save: Some(save.clone()),
+        ..support::fixture_args(&path, 4, nproc)
+    };
+    zero_examples::gpt2::train(&args).expect("training runs");
+    let out = dir.join(format!("export-{name}"));
+    match TensorParallelCheckpoint::open(&save, None).unwrap() {
+        Some(tp) => {
+            assert_eq!(tp.ranks.len(), tensor);
+            // One tensor rank on its own holds slices: converting it alone is refused.
+            let alone = to_fp32(&tp.ranks[1], &dir.join("alone"), None, &|n| Some(n.to_string()));
+            assert!(alone.unwrap_err().to_string().contains("tensor rank 1 of 2"));
+            let naming = ExportNaming::resolve(&tp.ranks[0].meta, None).unwrap();
+            to_fp32_tensor_parallel(&tp, &out, None, &|n| naming.names.apply(n)).unwrap();
+            write_model_config(&out, naming.config.as_ref().expect("the trainer records its model")).unwrap();
+        }
+        None => {
+            let checkpoint = Checkpoint::open(&save, None).unwrap();
+            let naming = ExportNaming::resolve(&checkpoint.meta, None).unwrap();
+            to_fp32(&checkpoint, &out, None, &|n| naming.names.apply(n)).unwrap();
+            write_model_config(&out, naming.config.as_ref().expect("the trainer records its model")).unwrap();
+        }
+    }
+    let device: Device<Flex> = Default::default();
+    Gpt2::<Flex>::load_pretrained(&out, &device).expect("a HuggingFace GPT-2 directory");
+    out
 }

@@ -131,7 +131,8 @@ fn tensor_parallelism_with_activation_checkpointing_follows_pytorch() {
 
 /// `--save` after 2 steps of a tensor-parallel run at stage 3, then `--load` to step 4. Reference:
 /// the uninterrupted 4-step run; the resumed steps must match it bit for bit, and each tensor
-/// rank's shard files must be byte-identical.
+/// rank's shard files must be byte-identical. Loading at another tensor degree, or across
+/// tensor parallelism and none, is refused with what works instead.
 #[test]
 fn a_tensor_parallel_run_at_stage_3_resumes_bit_for_bit() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -154,6 +155,33 @@ fn a_tensor_parallel_run_at_stage_3_resumes_bit_for_bit() {
         assert_eq!(r.loss, w.loss, "step {}: resumed loss vs uninterrupted", r.step);
         assert_eq!(r.grad_norm, w.grad_norm, "step {}: grad norm", r.step);
     }
+    // At another tensor degree the slices have other shapes: refused, naming what works.
+    let load_with = |tensor: usize, nproc: usize, from: &std::path::Path| {
+        let config = pipelined_config(dir.path(), 1, tensor, nproc, 3);
+        let args = zero_examples::gpt2::TrainArgs {
+            load: Some(from.to_path_buf()),
+            ..fixture_args(&config, 4, nproc)
+        };
+        train(&args).expect_err("refused").to_string()
+    };
+    let err = load_with(4, 4, &split_dir);
+    assert!(
+        err.contains("over 2 tensor ranks") && err.contains("zero to-fp32"),
+        "{err}"
+    );
+    let err = load_with(1, 2, &split_dir);
+    assert!(
+        err.contains("tensor-parallel checkpoint") && err.contains("autotp_size (2)"),
+        "{err}"
+    );
+    let plain = dir.path().join("plain");
+    train(&zero_examples::gpt2::TrainArgs {
+        save: Some(plain.clone()),
+        ..fixture_args(&pipelined_config(dir.path(), 1, 1, 2, 3), 1, 2)
+    })
+    .expect("a run without tensor parallelism");
+    let err = load_with(2, 4, &plain);
+    assert!(err.contains("without tensor parallelism"), "{err}");
     for t in 0..2 {
         let files = |root: &std::path::Path| {
             let tag = root.join(format!("tensor_rank_{t}")).join("global_step4");

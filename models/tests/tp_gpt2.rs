@@ -307,7 +307,7 @@ fn assert_weights_close(label: &str, results: Vec<RankWeights>) {
 
 /// Trains the tensor-parallel model on a `dp × tp` layout with `ZeroOptimizer` in Burn's own
 /// loop over the data group (stages 0-2; `with_tensor_parallel` over the tensor group,
-/// `TpGpt2::is_tensor_split` naming the split parameters), `gas` micro-batches per step (the
+/// `TpGpt2::tensor_split` naming the split parameters), `gas` micro-batches per step (the
 /// global batch split in order across data-parallel ranks, then micro-batches) accumulated by
 /// Burn's `GradientsAccumulator`, and compares every rank's weights with its slice of the
 /// reference's.
@@ -319,7 +319,7 @@ fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f6
         let mut model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
         let mut optim = ZeroOptimizer::new(settings(stage, clip), groups.data.clone())
             .unwrap()
-            .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
+            .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
         let per_micro = GLOBAL_BATCH / dp / gas;
         let d = groups.coords.data;
         for step in 0..STEPS {
@@ -348,7 +348,7 @@ fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_t
     let split: Vec<String> = describe::<B, _>(&TpGpt2::from_full(&full_model(&Default::default()), single).unwrap())
         .into_iter()
         .map(|(_, s)| s.name)
-        .filter(|n| TpGpt2::<B>::is_tensor_split(n))
+        .filter(|n| TpGpt2::<B>::tensor_split(n).is_some())
         .collect();
     // wte, and per block c_attn (weight, bias), c_fc (weight, bias) and both c_proj weights.
     assert_eq!(split.len(), 1 + LAYERS * 6, "{split:?}");
@@ -389,7 +389,7 @@ fn a_tensor_parallel_zero_optimizer_checkpoint_resumes_bit_for_bit() {
             let mut model = TpGpt2::from_full(&full_model(&device), group).unwrap();
             let mut optim = ZeroOptimizer::new(settings(Stage::Zero1, 0.05), groups.data.clone())
                 .unwrap()
-                .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
+                .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
             if load {
                 model = optim.load_checkpoint(&dir, None, model).unwrap().0;
             }
@@ -444,7 +444,7 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
                 zero_burn::initialize_settings(settings(Stage::Zero3, clip), model, groups.data.clone(), units)
                     .unwrap();
             assert!(model.blocks.iter().all(|b| b.is_sharded()), "the blocks are cut");
-            let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::is_tensor_split);
+            let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
             let per_micro = GLOBAL_BATCH / data / gas;
             let d = groups.coords.data;
             for step in 0..STEPS {

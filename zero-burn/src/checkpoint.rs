@@ -144,6 +144,7 @@ impl EngineCore {
             rng: None,
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
+            tensor_parallel: self.tensor_parallel.clone(),
         };
         f(&request)
     }

@@ -184,6 +184,9 @@ pub(crate) struct EngineCore {
     /// The ranks that must agree on skipping (or failing) a step, when more than `comm`'s: a
     /// pipeline's whole world, so that every stage skips together.
     pub overflow_group: Option<Arc<dyn ProcessGroup>>,
+    /// With tensor parallelism: this tensor rank and how the parameters are split, for the
+    /// checkpoints.
+    pub tensor_parallel: Option<zero_core::checkpoint::TensorParallelRecord>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
 }
@@ -238,6 +241,7 @@ impl EngineCore {
             loss_non_finite: false,
             grad_norm: None,
             overflow_group: None,
+            tensor_parallel: None,
             assembler,
             in_flight: Vec::new(),
         })

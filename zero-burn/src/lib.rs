@@ -88,3 +88,5 @@ pub use settings::{
     ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
 };
 pub use tiled_linear::{LinearTile, ShardedTiledLinear, TiledLinear, TiledLinearConfig};
+/// How a parameter is cut over tensor-parallel ranks ([`ZeroOptimizer::with_tensor_parallel`]).
+pub use zero_core::checkpoint::TensorSplit;

@@ -5,7 +5,7 @@ mod checkpoint_support;
 
 use checkpoint_support::*;
 use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, Checkpoint, CheckpointError};
+use zero_core::checkpoint::{self, Checkpoint, CheckpointError, TensorParallelCheckpoint};
 
 /// A world-3 stage-2 checkpoint in a fresh directory; returns (dir, tag dir).
 fn fresh(name: &str) -> (PathBuf, PathBuf) {
@@ -175,11 +175,19 @@ fn a_tensor_parallel_checkpoint_opened_whole_names_its_tensor_ranks() {
         "tensor-parallel checkpoint",
         "tensor_rank_0, tensor_rank_1",
         "autotp_size (2)",
+        "zero to-fp32",
     ] {
         assert!(e.contains(want), "{want:?} missing from: {e}");
     }
-    // Each tensor rank's directory is a checkpoint of its own.
+    // Each tensor rank's directory is a checkpoint of its own; opened together they must each
+    // record their split, which these (saved without one) do not.
     let one = Checkpoint::open(&dir.join("tensor_rank_1"), None).expect("a tensor rank's checkpoint opens");
     assert_eq!(one.meta.world_size, 2);
+    let e = TensorParallelCheckpoint::open(&dir, None).unwrap_err().to_string();
+    assert!(e.contains("records no tensor-parallel split"), "{e}");
+    // A missing tensor rank is named.
+    std::fs::remove_dir_all(dir.join("tensor_rank_0")).unwrap();
+    let e = TensorParallelCheckpoint::open(&dir, None).unwrap_err().to_string();
+    assert!(e.contains("tensor_rank_{1}, expected 0 to 0"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -108,6 +108,7 @@ fn meta(world: usize, lr_next: Option<f64>, scale: f64, rng: Value, client: Valu
         rng: Some(rng),
         client_state: client,
         model: None,
+        tensor_parallel: None,
         files: (0..world)
             .map(|r| FileRecord {
                 name: format!("rank_{r:05}.safetensors"),
@@ -257,6 +258,7 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                 rng: None,
                 client_state: json!({}),
                 model: None,
+                tensor_parallel: None,
             };
             checkpoint::save(comm.as_ref(), &d, "t", &request)
                 .err()

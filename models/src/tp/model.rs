@@ -12,7 +12,7 @@ use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use zero_burn::params::describe;
-use zero_burn::ChainModel;
+use zero_burn::{ChainModel, TensorSplit};
 
 /// GPT-2 with every layer split Megatron-style over a tensor-parallel group: `wte`
 /// vocab-parallel and tied to the LM head (vocab-parallel logits and cross-entropy), each
@@ -23,7 +23,7 @@ use zero_burn::ChainModel;
 /// full [`Gpt2`] with [`TpGpt2::from_full`], each rank slicing its part.
 ///
 /// ZeRO over the data-parallel group: `ZeroOptimizer::with_tensor_parallel(tensor_group,
-/// TpGpt2::is_tensor_split)`, whose global norm (clipping) then covers the whole model.
+/// TpGpt2::tensor_split)`, whose global norm (clipping) then covers the whole model.
 #[derive(Module, Debug)]
 pub struct TpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.
@@ -164,11 +164,29 @@ fn splits_in_a_block(name: &str) -> bool {
 }
 
 impl<B: Backend> TpGpt2<B> {
-    /// Whether the parameter of [`TpGpt2`] named `name` (its module path, as `describe` and
-    /// `ZeroOptimizer`'s layout name it) is split over the tensor group: `wte`'s vocabulary
-    /// rows and each block's split layers. The rule `ZeroOptimizer::with_tensor_parallel`
-    /// takes.
-    pub fn is_tensor_split(name: &str) -> bool {
-        name.starts_with("wte.") || (name.starts_with("blocks.") && splits_in_a_block(name))
+    /// How the parameter of [`TpGpt2`] named `name` (its module path, as `describe` and
+    /// `ZeroOptimizer`'s layout name it) is split over the tensor group, `None` where every
+    /// rank holds it whole: `wte`'s vocabulary rows (axis 0); the column-parallel `c_attn`
+    /// (its output axis, in 3 blocks q|k|v) and `c_fc`; the row-parallel projections' weights
+    /// (their input axis). The rule `ZeroOptimizer::with_tensor_parallel` takes.
+    pub fn tensor_split(name: &str) -> Option<TensorSplit> {
+        if name.starts_with("wte.") {
+            return Some(TensorSplit::along(0));
+        }
+        if !(name.starts_with("blocks.") && splits_in_a_block(name)) {
+            return None;
+        }
+        // Burn's Linear weight is [input, output]; a bias is [output].
+        let output = if name.ends_with("weight") { 1 } else { 0 };
+        Some(if name.contains("c_attn") {
+            TensorSplit {
+                axis: output,
+                pieces: 3,
+            }
+        } else if name.contains("c_fc") {
+            TensorSplit::along(output)
+        } else {
+            TensorSplit::along(0)
+        })
     }
 }

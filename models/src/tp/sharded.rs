@@ -18,7 +18,7 @@ use zero_burn::{ChainModel, ZeroError};
 /// [`TpGpt2`] whose blocks are `ZeroModule`s (cut by `zero_burn::initialize` at stage 3 over the
 /// data-parallel ranks); the embeddings and the final norm stay plain parameters (stage 3
 /// shards their optimizer state as stage 2 does). Train it with `ZeroOptimizer` and
-/// `with_tensor_parallel(tensor_group, TpGpt2::is_tensor_split)`.
+/// `with_tensor_parallel(tensor_group, TpGpt2::tensor_split)`.
 #[derive(Module, Debug)]
 pub struct ShardedTpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.

@@ -19,6 +19,38 @@ impl ZeroOptimizer {
         }
     }
 
+    /// With a tensor-parallel group, refuses a checkpoint in `dir` saved over another number of
+    /// tensor ranks (its slices are other shapes) or without tensor parallelism, saying what
+    /// works instead.
+    fn check_tensor_degree(&self, dir: &std::path::Path, tag: Option<&str>) -> Result<(), ZeroError> {
+        use zero_core::checkpoint::{Checkpoint, TensorParallelCheckpoint};
+        let Some(tensor) = self
+            .settings
+            .tensor_parallel_group
+            .as_ref()
+            .filter(|t| t.world_size() > 1)
+        else {
+            return Ok(());
+        };
+        let refuse = |saved: String| {
+            ZeroError::Usage(format!(
+                "the checkpoint in {} was saved {saved}, and this run splits the model over {} tensor ranks: \
+                 convert it whole with `zero to-fp32` and start from the export",
+                dir.display(),
+                tensor.world_size()
+            ))
+        };
+        if !dir.join("tensor_rank_0").is_dir() && Checkpoint::open(dir, tag).is_ok() {
+            return Err(refuse("without tensor parallelism".into()));
+        }
+        if let Some(saved) = TensorParallelCheckpoint::open(dir, tag).ok().flatten() {
+            if saved.ranks.len() != tensor.world_size() {
+                return Err(refuse(format!("over {} tensor ranks", saved.ranks.len())));
+            }
+        }
+        Ok(())
+    }
+
     /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
     /// step count) under `dir/tag` (tag None: `global_step{N}`), in the sharded checkpoint
     /// format; every rank calls this after a step. The module's weights are the masters
@@ -82,13 +114,15 @@ impl ZeroOptimizer {
     /// world size and stage) for `module`, and returns the module with the restored weights
     /// and the client state. Every file is verified before anything changes. With a
     /// tensor-parallel group, each tensor rank reads `dir/tensor_rank_{t}` (saved over as many
-    /// tensor ranks; the data-parallel ranks may differ).
+    /// tensor ranks; the data-parallel ranks may differ); a checkpoint saved over another number
+    /// of tensor ranks is refused, and `zero to-fp32` makes a whole model of it.
     pub fn load_checkpoint<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         dir: impl AsRef<std::path::Path>,
         tag: Option<&str>,
         module: M,
     ) -> Result<(M, serde_json::Value), ZeroError> {
+        self.check_tensor_degree(dir.as_ref(), tag)?;
         let dir = self.own_dir(dir.as_ref());
         // The checkpoint supersedes a record loaded and not yet applied.
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();

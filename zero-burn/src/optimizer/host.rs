@@ -163,25 +163,38 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
 }
 
-/// Makes `core`'s gradient norm the whole model's when its parameters are split over `tensor`:
-/// a parameter `split` names counts on every tensor rank, a replicated one on tensor rank 0,
-/// the partial sums added over the data-parallel ranks (`data`), then the tensor ranks.
-pub(super) fn count_over_tensor_ranks(
+/// Tells `core` that its parameters are split over `tensor` as `split` says: its gradient norm
+/// becomes the whole model's (a split parameter counts on every tensor rank, a replicated one on
+/// tensor rank 0, the partial sums added over the data-parallel ranks (`data`), then the tensor
+/// ranks), and its checkpoints record the rank and the splits.
+pub(super) fn split_over_tensor_ranks(
     core: &mut EngineCore,
     data: &Arc<dyn ProcessGroup>,
     tensor: &zero_core::comm::SharedGroup,
-    split: &(dyn Fn(&str) -> bool + Send + Sync),
+    split: &super::SplitRule,
 ) {
+    let splits: std::collections::BTreeMap<String, zero_core::checkpoint::TensorSplit> = core
+        .state
+        .layout
+        .params
+        .iter()
+        .filter_map(|p| Some((p.name.clone(), split(&p.name)?)))
+        .collect();
     let counted = core
         .state
         .layout
         .params
         .iter()
-        .map(|p| split(&p.name) || tensor.rank() == 0)
+        .map(|p| splits.contains_key(&p.name) || tensor.rank() == 0)
         .collect();
     core.grad_norm = Some(crate::core::counted_grad_norm(
         counted,
         data.rank(),
         vec![data.clone(), tensor.clone()],
     ));
+    core.tensor_parallel = Some(zero_core::checkpoint::TensorParallelRecord {
+        rank: tensor.rank(),
+        size: tensor.world_size(),
+        splits,
+    });
 }

@@ -40,6 +40,7 @@ use state::State;
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 use view::{collect_grads, first_device, FlatGrad, Holding, ModuleView};
+use zero_core::checkpoint::TensorSplit;
 use zero_core::comm::ProcessGroup;
 use zero_core::loss_scaler::LossScaler;
 
@@ -84,12 +85,13 @@ pub struct ZeroOptimizer {
     /// [`ZeroOptimizer::scale_loss`] scaled a loss since the last step (fp16).
     scaled: Arc<std::sync::atomic::AtomicBool>,
     /// Under tensor parallelism, which parameters (by their names in the layout) each tensor
-    /// rank holds a different slice of ([`ZeroOptimizer::with_tensor_parallel`]).
+    /// rank holds a different slice of, and how ([`ZeroOptimizer::with_tensor_parallel`]).
     tensor_split: Option<Arc<SplitRule>>,
 }
 
-/// Whether the parameter of this name is split over the tensor-parallel group.
-type SplitRule = dyn Fn(&str) -> bool + Send + Sync;
+/// How the parameter of this name is split over the tensor-parallel group (`None`: each tensor
+/// rank holds it whole).
+pub(crate) type SplitRule = dyn Fn(&str) -> Option<TensorSplit> + Send + Sync;
 
 impl ZeroOptimizer {
     /// A ZeRO optimizer over `comm` (the stage from `settings`; [`crate::initialize`] builds it
@@ -113,16 +115,17 @@ impl ZeroOptimizer {
     }
 
     /// The optimizer of a model split Megatron-style over `tensor` (each of its ranks holds a
-    /// slice of the parameters `split` names, by their names in the layout, and a copy of the
-    /// others), ZeRO running over this optimizer's data-parallel group: the global gradient
-    /// norm, and so clipping, covers the whole model (a split parameter's slices from every
-    /// tensor rank, a replicated one once). The state is then kept in host buffers. Every rank
-    /// of the tensor group trains the same batch (as the model's collectives require). Each
-    /// tensor rank's checkpoint and weights files go under a `tensor_rank_{t}` directory.
+    /// slice of the parameters `split` names, by their names in the layout, cut as it says, and a
+    /// copy of the others), ZeRO running over this optimizer's data-parallel group: the global
+    /// gradient norm, and so clipping, covers the whole model (a split parameter's slices from
+    /// every tensor rank, a replicated one once). The state is then kept in host buffers. Every
+    /// rank of the tensor group trains the same batch (as the model's collectives require). Each
+    /// tensor rank's checkpoint and weights files go under a `tensor_rank_{t}` directory; the
+    /// checkpoint records the split, so `zero to-fp32` merges the ranks into the whole model.
     pub fn with_tensor_parallel(
         mut self,
         tensor: zero_core::comm::SharedGroup,
-        split: impl Fn(&str) -> bool + Send + Sync + 'static,
+        split: impl Fn(&str) -> Option<TensorSplit> + Send + Sync + 'static,
     ) -> Self {
         self.settings.tensor_parallel_group = Some(tensor);
         self.tensor_split = Some(Arc::new(split));
@@ -323,7 +326,7 @@ impl ZeroOptimizer {
                             .into(),
                     )
                 })?;
-                host::count_over_tensor_ranks(&mut core, &self.comm, tensor, split);
+                host::split_over_tensor_ranks(&mut core, &self.comm, tensor, split);
             }
             State::Host(Box::new(core))
         });

@@ -153,6 +153,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 rng: None,
                 client_state: client_state.clone(),
                 model: self.core.settings.model.clone(),
+                tensor_parallel: None,
             };
             checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request).map(|_| ())
         } else {

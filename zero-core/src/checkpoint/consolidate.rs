@@ -12,6 +12,7 @@ use super::load::Checkpoint;
 use super::names::{NameMap, INTERNAL_NAMING};
 use super::reader::ShardReader;
 use super::reshard::param_sources;
+use super::tensor_parallel::TensorParallelCheckpoint;
 use super::writer::{HalfDtype, SafetensorsStream, TensorEntry};
 use crate::partition::PartitionLayout;
 use safetensors::tensor::Dtype;
@@ -115,6 +116,37 @@ fn exported_params(
     Ok(out)
 }
 
+/// Every shard file of `checkpoint`, opened, its length, header and tensors checked against the
+/// metadata's layout (the check a load makes).
+fn open_shards(checkpoint: &Checkpoint) -> Result<BTreeMap<usize, ShardReader>, CheckpointError> {
+    (0..checkpoint.meta.world_size)
+        .map(|rank| Ok((rank, checkpoint.open_shard(rank)?)))
+        .collect()
+}
+
+/// Reads parameter `p` of `checkpoint`'s layout, whole over its data-parallel ranks, into
+/// `values` (of its length).
+fn read_param(
+    checkpoint: &Checkpoint,
+    readers: &mut BTreeMap<usize, ShardReader>,
+    places: &[crate::partition::ParamPlace],
+    p: usize,
+    values: &mut [f32],
+) -> Result<(), CheckpointError> {
+    let layout = &checkpoint.meta.layout;
+    for piece in param_sources(layout, places, p, 0..values.len(), 0) {
+        let reader = readers.get_mut(&piece.file_rank).ok_or_else(|| {
+            CheckpointError::Usage(format!("no shard file of rank {} in the checkpoint", piece.file_rank))
+        })?;
+        reader.read_f32(
+            &super::format::master_tensor(piece.group),
+            piece.src,
+            &mut values[piece.dst],
+        )?;
+    }
+    Ok(())
+}
+
 /// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000000` (bytes).
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -150,37 +182,106 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// `model.safetensors.index.json`. `names` renames or drops parameters (see
 /// [`super::NameMap`]; dropping every one is an error). Nothing is written until every shard
 /// file has been opened and checked against the metadata's layout as a load checks it, and
-/// every chunk read is verified against the checkpoint's checksums.
+/// every chunk read is verified against the checkpoint's checksums. One tensor rank's part of a
+/// tensor-parallel checkpoint is refused: [`to_fp32_tensor_parallel`] converts them together.
 pub fn to_fp32(
     checkpoint: &Checkpoint,
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
     names: &dyn Fn(&str) -> Option<String>,
 ) -> Result<ConsolidateReport, CheckpointError> {
+    if let Some(tp) = checkpoint.meta.tensor_parallel.as_ref().filter(|tp| tp.size > 1) {
+        let whole = checkpoint
+            .tag_dir
+            .parent()
+            .and_then(Path::parent)
+            .unwrap_or(Path::new(".."));
+        return Err(CheckpointError::Usage(format!(
+            "{} is tensor rank {} of {}: its split parameters are slices; convert {}, which holds every tensor \
+             rank, and the slices are merged",
+            checkpoint.tag_dir.display(),
+            tp.rank,
+            tp.size,
+            whole.display()
+        )));
+    }
     let layout = &checkpoint.meta.layout;
     let params = exported_params(layout, names)?;
-    // Every shard file is opened, and its length, header and tensors checked against the
-    // metadata's layout (the check a load makes), before anything is written: a checkpoint
-    // the trainer would refuse is refused here too, and leaves no partial output behind.
-    let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
-    for rank in 0..checkpoint.meta.world_size {
-        readers.insert(rank, checkpoint.open_shard(rank)?);
-    }
-    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
+    // Checked before anything is written: a checkpoint the trainer would refuse is refused here
+    // too, and leaves no partial output behind.
+    let mut readers = open_shards(checkpoint)?;
+    let places = layout.places();
+    let tensors = params
+        .into_iter()
+        .map(|(p, name)| (p, name, layout.params[p].shape.clone()))
+        .collect();
+    write_export(out_dir, max_shard_bytes, tensors, &mut |p, values| {
+        read_param(checkpoint, &mut readers, &places, p, values)
+    })
+}
 
-    // Shards: consecutive tensors up to the size limit (a larger tensor gets a file of its own).
+/// [`to_fp32`] of a tensor-parallel checkpoint: every parameter whole, a split one merged from
+/// each tensor rank's slice ([`super::merge_slices`]), a replicated one from tensor rank 0.
+/// Holds one tensor and its slices at a time.
+pub fn to_fp32_tensor_parallel(
+    checkpoint: &TensorParallelCheckpoint,
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    names: &dyn Fn(&str) -> Option<String>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    let first = &checkpoint.ranks[0];
+    let layout = &first.meta.layout;
+    let params = exported_params(layout, names)?;
+    let mut readers = checkpoint
+        .ranks
+        .iter()
+        .map(open_shards)
+        .collect::<Result<Vec<_>, _>>()?;
+    let places: Vec<_> = checkpoint.ranks.iter().map(|c| c.meta.layout.places()).collect();
+    let tensors = params
+        .into_iter()
+        .map(|(p, name)| Ok((p, name, checkpoint.whole_shape(p)?)))
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    let splits = checkpoint.splits();
+    let mut slices: Vec<Vec<f32>> = vec![Vec::new(); checkpoint.ranks.len()];
+    write_export(out_dir, max_shard_bytes, tensors, &mut |p, values| {
+        let param = &layout.params[p];
+        let Some(split) = splits.get(&param.name) else {
+            return read_param(first, &mut readers[0], &places[0], p, values);
+        };
+        for (t, slice) in slices.iter_mut().enumerate() {
+            slice.clear();
+            slice.resize(param.numel(), 0.0);
+            read_param(&checkpoint.ranks[t], &mut readers[t], &places[t], p, slice)?;
+        }
+        let refs: Vec<&[f32]> = slices.iter().map(Vec::as_slice).collect();
+        super::merge_slices(&refs, &param.shape, *split, values);
+        Ok(())
+    })
+}
+
+/// Writes `tensors` (layout index, exported name, shape) into `out_dir` in order, cut into files
+/// of at most `max_shard_bytes` (a larger tensor gets a file of its own), each tensor's values
+/// from `fill` into a buffer of its length.
+fn write_export(
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    tensors: Vec<(usize, String, Vec<usize>)>,
+    fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
     let limit = max_shard_bytes.unwrap_or(u64::MAX);
-    let mut shards: Vec<Vec<(usize, String)>> = vec![Vec::new()];
+    let mut shards: Vec<Vec<(usize, String, Vec<usize>)>> = vec![Vec::new()];
     let mut size = 0u64;
-    for (p, name) in params {
-        let bytes = layout.params[p].numel() as u64 * 4;
+    for tensor in tensors {
+        let bytes = tensor.2.iter().product::<usize>() as u64 * 4;
         if size > 0 && size + bytes > limit {
             shards.push(Vec::new());
             size = 0;
         }
         size += bytes;
         if let Some(last) = shards.last_mut() {
-            last.push((p, name));
+            last.push(tensor);
         }
     }
     let count = shards.len();
@@ -191,8 +292,6 @@ pub fn to_fp32(
             format!("model-{:05}-of-{count:05}.safetensors", i + 1)
         }
     };
-
-    let old_places = layout.places();
     let mut report = ConsolidateReport {
         files: Vec::new(),
         index: None,
@@ -206,28 +305,19 @@ pub fn to_fp32(
         let path = out_dir.join(file_name(i));
         let entries: Vec<TensorEntry> = shard
             .iter()
-            .map(|(p, name)| TensorEntry {
+            .map(|(_, name, shape)| TensorEntry {
                 name: name.clone(),
                 dtype: Dtype::F32,
-                shape: layout.params[*p].shape.clone(),
+                shape: shape.clone(),
             })
             .collect();
         let mut stream = SafetensorsStream::create(&path, &entries, Some(format_metadata()))?;
-        for (p, name) in shard {
-            let n = layout.params[*p].numel();
+        for (p, name, shape) in shard {
+            let n: usize = shape.iter().product();
             // One buffer, reused: it grows to the largest tensor and no further.
             values.clear();
             values.resize(n, 0.0);
-            for piece in param_sources(layout, &old_places, *p, 0..n, 0) {
-                let reader = readers.get_mut(&piece.file_rank).ok_or_else(|| {
-                    CheckpointError::Usage(format!("no shard file of rank {} in the checkpoint", piece.file_rank))
-                })?;
-                reader.read_f32(
-                    &super::format::master_tensor(piece.group),
-                    piece.src,
-                    &mut values[piece.dst],
-                )?;
-            }
+            fill(*p, &mut values)?;
             stream.write_f32(&values)?;
             report.tensors += 1;
             report.value_bytes += n as u64 * 4;

@@ -100,6 +100,38 @@ pub struct ModelRecord {
     pub config: serde_json::Value,
 }
 
+/// How one parameter of a tensor-parallel model is cut over the tensor ranks: along `axis`,
+/// which holds `pieces` equal blocks (3 for a fused q|k|v projection, 1 otherwise), each block
+/// cut evenly over the ranks; rank `r` holds the `r`-th part of every block, in block order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TensorSplit {
+    /// The dimension that is cut.
+    pub axis: usize,
+    /// The equal blocks along it, each cut over the ranks.
+    pub pieces: usize,
+}
+
+impl TensorSplit {
+    /// Cut along `axis` in one block.
+    pub fn along(axis: usize) -> Self {
+        TensorSplit { axis, pieces: 1 }
+    }
+}
+
+/// What a checkpoint of one tensor-parallel rank holds: that rank's part of a model split over
+/// `size` tensor ranks (Megatron-style), under `tensor_rank_{rank}` of the checkpoint directory.
+/// The parameters `splits` names are that rank's slices; every other one is whole on every
+/// tensor rank.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TensorParallelRecord {
+    /// This tensor rank.
+    pub rank: usize,
+    /// The tensor ranks the model is split over.
+    pub size: usize,
+    /// The split parameters, by name, and how each is cut.
+    pub splits: std::collections::BTreeMap<String, TensorSplit>,
+}
+
 /// Everything about a checkpoint except the tensors.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointMeta {
@@ -138,6 +170,10 @@ pub struct CheckpointMeta {
     /// re-serialises to the bytes its checksum was computed over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelRecord>,
+    /// With tensor parallelism: which tensor rank saved, and how its parameters are split. Left
+    /// out of the file when `None`, as `model` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<TensorParallelRecord>,
     /// The shard files, by rank.
     pub files: Vec<FileRecord>,
     /// CRC-32 of this metadata serialised with this field `None`.

@@ -52,46 +52,29 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
         return Ok(t.to_string());
     }
     let latest = dir.join(LATEST_FILE);
-    let text = std::fs::read_to_string(&latest).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => CheckpointError::Tag {
-            path: latest.clone(),
-            detail: match tensor_rank_dirs(dir).as_slice() {
-                [] => "missing: no checkpoint was completed in this directory (pass a tag to load another)".into(),
-                ranks => format!(
-                    "missing: this directory holds a tensor-parallel checkpoint, one per tensor rank ({}); each \
-                     holds its rank's slices of the split layers: open one of them, or load the whole with the \
-                     same tensor_parallel.autotp_size ({})",
-                    ranks.join(", "),
+    let text =
+        std::fs::read_to_string(&latest).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => CheckpointError::Tag {
+                path: latest.clone(),
+                detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
+                    [] => "missing: no checkpoint was completed in this directory (pass a tag to load another)".into(),
+                    ranks => format!(
+                    "missing: this directory holds a tensor-parallel checkpoint, one per tensor rank ({}): load it \
+                     with the same tensor_parallel.autotp_size ({}), or convert it whole with `zero to-fp32`, \
+                     which merges the ranks' slices",
+                    ranks.iter().map(|t| format!("tensor_rank_{t}")).collect::<Vec<_>>().join(", "),
                     ranks.len()
                 ),
+                },
             },
-        },
-        _ => CheckpointError::io(&latest, "read", e),
-    })?;
+            _ => CheckpointError::io(&latest, "read", e),
+        })?;
     let t = text.trim();
     format::check_tag(dir, t).map_err(|_| CheckpointError::Tag {
         path: latest.clone(),
         detail: format!("names `{t}`, which is not a tag"),
     })?;
     Ok(t.to_string())
-}
-
-/// The `tensor_rank_{t}` directories under `dir`, in rank order: where a checkpoint of a model
-/// split over tensor ranks keeps each rank's part.
-fn tensor_rank_dirs(dir: &Path) -> Vec<String> {
-    let mut ranks: Vec<(usize, String)> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let t = name.strip_prefix("tensor_rank_")?.parse().ok()?;
-            Some((t, name))
-        })
-        .collect();
-    ranks.sort();
-    ranks.into_iter().map(|(_, name)| name).collect()
 }
 
 impl Checkpoint {

@@ -26,18 +26,23 @@ mod reader;
 mod recut;
 pub mod reshard;
 mod save;
+mod tensor_parallel;
 mod writer;
 
 pub use collective::agree;
 pub use consolidate::{
-    parse_size, to_fp32, write_model_config, ConsolidateReport, ExportNaming, GroupExport, CONFIG_FILE, INDEX_FILE,
-    SINGLE_FILE,
+    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, ConsolidateReport, ExportNaming, GroupExport,
+    CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
 };
 pub use error::{CheckpointError, RankFailure};
-pub use format::{CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, ParamRecord, LATEST_FILE, META_FILE};
+pub use format::{
+    CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, ParamRecord, TensorParallelRecord, TensorSplit,
+    LATEST_FILE, META_FILE,
+};
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
 pub use recut::recut;
 pub use save::{describe, save, GroupShard, SaveRequest};
+pub use tensor_parallel::{merge_slices, tensor_rank_dir, TensorParallelCheckpoint};
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

@@ -66,8 +66,9 @@ impl NameMap {
     }
 
     /// The rules that turn the GPT-2 zoo's names into HuggingFace `GPT2LMHeadModel` keys:
-    /// the chain's `ends.` and the sharded model's `embed.` → `transformer.`, `ln_f.` →
-    /// `transformer.ln_f.`, `blocks.` → `transformer.h.`, LayerNorm `gamma`/`beta` →
+    /// the chain's `ends.` and the sharded model's `embed.` → `transformer.`, the
+    /// tensor-parallel model's `wte.` and `wpe.` → `transformer.wte.` and `transformer.wpe.`,
+    /// `ln_f.` → `transformer.ln_f.`, `blocks.` → `transformer.h.`, LayerNorm `gamma`/`beta` →
     /// `weight`/`bias`. (The zoo's `Gpt2Config::param_shapes` lists the names this produces.)
     pub fn gpt2_huggingface() -> Self {
         let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
@@ -75,6 +76,8 @@ impl NameMap {
             rules: vec![
                 rule("ends.=transformer."),
                 rule("embed.=transformer."),
+                rule("wte.=transformer.wte."),
+                rule("wpe.=transformer.wpe."),
                 rule("ln_f.=transformer.ln_f."),
                 rule("blocks.=transformer.h."),
                 rule("*.gamma=.weight"),

@@ -23,7 +23,8 @@ use super::atomic;
 use super::collective::{agree, all_gather_bytes};
 use super::error::CheckpointError;
 use super::format::{
-    self, CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, FORMAT_VERSION, LATEST_FILE, META_FILE,
+    self, CheckpointMeta, FileRecord, ModelRecord, OptimizerRecord, TensorParallelRecord, FORMAT_VERSION, LATEST_FILE,
+    META_FILE,
 };
 use super::load::{resolve_tag, Checkpoint, LoadedGroup};
 use super::writer::{SafetensorsStream, TensorEntry};
@@ -79,6 +80,8 @@ pub struct SaveRequest<'a> {
     pub client_state: serde_json::Value,
     /// The model, for tools that export the checkpoint (`None`: names stay the engine's).
     pub model: Option<ModelRecord>,
+    /// With tensor parallelism: this tensor rank, and how the parameters are split.
+    pub tensor_parallel: Option<TensorParallelRecord>,
 }
 
 /// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
@@ -213,6 +216,7 @@ pub fn describe(req: &SaveRequest<'_>, world: usize, tag: &str) -> Result<Checkp
         rng: req.rng.clone(),
         client_state: req.client_state.clone(),
         model: req.model.clone(),
+        tensor_parallel: req.tensor_parallel.clone(),
         files: Vec::new(),
         meta_crc32: None,
     })
@@ -340,6 +344,7 @@ mod tests {
             rng: None,
             client_state: serde_json::json!({ "batch": 5 }),
             model: None,
+            tensor_parallel: None,
         };
         let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
         save(comm.as_ref(), &dir, "t", &request).expect("save");

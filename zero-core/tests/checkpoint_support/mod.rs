@@ -134,6 +134,7 @@ pub fn save_model(
             rng: None,
             client_state: serde_json::json!({ "data_position": step * 24 }),
             model: model.clone(),
+            tensor_parallel: None,
         };
         checkpoint::save(comm.as_ref(), &dir, &tag, &request).expect("save");
     });

@@ -336,29 +336,42 @@ struct RankStart<B: AutodiffBackend> {
     global: usize,
 }
 
+/// How a run cuts the model's layers over its ranks, beside ZeRO's partitioning.
+#[derive(Clone, Copy, PartialEq)]
+enum LayersCut {
+    /// Every rank runs every layer.
+    No,
+    /// Each block split over the tensor ranks.
+    Tensor,
+    /// Pipeline stages (each split over the tensor ranks, with tensor parallelism).
+    Pipeline,
+}
+
 /// Builds the model on `device` and the engine settings of the config resolved for the
-/// data-parallel ranks. With `layers_cut` (pipeline stages or tensor slices), the model is
-/// built whole on every rank, to be cut, and its checkpoints keep the cut layers' names.
+/// data-parallel ranks. A model whose layers are cut is built whole on every rank, to be cut;
+/// the checkpoints of a pipeline keep its layers' names, the others name the HuggingFace model
+/// they export to.
 fn rank_start<B: AutodiffBackend>(
     device: &B::Device,
     args: &TrainArgs,
     resolved: &ResolvedConfig,
     source: &ModelSource,
-    layers_cut: bool,
+    cut: LayersCut,
 ) -> Result<RankStart<B>, TrainError> {
     let mut settings = zero_burn::engine_settings(resolved)?;
     // Stage 3: every rank reads (or draws) the model unit by unit and keeps its shard of each,
     // so no rank ever holds the model whole (DeepSpeed's zero.Init).
-    let partitioned = settings.stage == Stage::Zero3 && !layers_cut;
+    let partitioned = settings.stage == Stage::Zero3 && cut == LayersCut::No;
     let (model, model_config) = if partitioned {
         (None, source.config()?)
     } else {
         let (model, config) = source.build_seeded::<B>(device, args.seed)?;
         (Some(model), config)
     };
-    if !layers_cut {
+    if cut != LayersCut::Pipeline {
         // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace
-        // directory (cut layers are named otherwise and export as they are).
+        // directory (merging the tensor ranks' slices); a pipeline's layers are named
+        // otherwise and export as they are.
         settings.model = Some(
             model_config
                 .model_record()

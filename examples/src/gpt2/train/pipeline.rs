@@ -7,7 +7,7 @@ use super::super::model::{same_weights_as_rank_0, ModelSource};
 use super::super::TrainError;
 use super::{
     checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, rank_start, resume_step, run_info, token_tensor,
-    RankStart, StepRecord, TrainArgs, TrainSummary,
+    LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary,
 };
 use burn::tensor::backend::AutodiffBackend;
 use std::time::Instant;
@@ -35,7 +35,7 @@ pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, resolved, source, true)?;
+    } = rank_start::<B>(&device, args, resolved, source, LayersCut::Pipeline)?;
     let model = model.ok_or_else(|| TrainError::Model("a pipelined run builds its model whole".into()))?;
     let method = match resolved.pipeline.partition.as_str() {
         // DeepSpeed's default; the layers here are balanced by parameters.

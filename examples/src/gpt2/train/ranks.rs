@@ -9,7 +9,7 @@ use super::super::timers::{StepTimers, TimedGroup};
 use super::super::TrainError;
 use super::{
     backward, caught, checkpoint_due, finish_run, mean_over_ranks, memory_of_all_ranks, nothing_to_train, rank_start,
-    resume_step, run_info, timed, token_tensor, Part, RankStart, StepRecord, TrainArgs, TrainSummary,
+    resume_step, run_info, timed, token_tensor, LayersCut, Part, RankStart, StepRecord, TrainArgs, TrainSummary,
 };
 use burn::module::AutodiffModule;
 use burn::optim::lr_scheduler::LrScheduler;
@@ -20,7 +20,7 @@ use burn::tensor::{Int, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 use zero_burn::sharded::{ShardBackend, UnitComm};
-use zero_burn::{ChainModel, EngineSettings, HostStaged, ZeroError};
+use zero_burn::{ChainModel, EngineSettings, HostStaged, TensorSplit, ZeroError};
 use zero_core::comm::{ProcessGroup, SharedGroup};
 use zero_core::config::ResolvedConfig;
 use zero_core::parallel::RankGroups;
@@ -75,8 +75,8 @@ pub(super) trait TrainedGpt2<B: AutodiffBackend>:
     /// The loss of `tokens` predicting themselves, on the model's copy without autodiff.
     fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError>;
 
-    /// Whether the parameter named `name` is split over the tensor ranks.
-    fn is_tensor_split(name: &str) -> bool;
+    /// How the parameter named `name` is split over the tensor ranks (`None`: held whole).
+    fn tensor_split(name: &str) -> Option<TensorSplit>;
 }
 
 impl<B: AutodiffBackend + ShardBackend> TrainedGpt2<B> for ShardedGpt2<B>
@@ -91,8 +91,8 @@ where
         Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
     }
 
-    fn is_tensor_split(_: &str) -> bool {
-        false
+    fn tensor_split(_: &str) -> Option<TensorSplit> {
+        None
     }
 }
 
@@ -108,8 +108,8 @@ where
         Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
     }
 
-    fn is_tensor_split(name: &str) -> bool {
-        TpGpt2::<B>::is_tensor_split(name)
+    fn tensor_split(name: &str) -> Option<TensorSplit> {
+        TpGpt2::<B>::tensor_split(name)
     }
 }
 
@@ -141,7 +141,17 @@ where
         micro,
         gas,
         global,
-    } = rank_start::<B>(&device, args, resolved, source, place.tensor.is_some())?;
+    } = rank_start::<B>(
+        &device,
+        args,
+        resolved,
+        source,
+        if place.tensor.is_some() {
+            LayersCut::Tensor
+        } else {
+            LayersCut::No
+        },
+    )?;
     let parameters = model_config.num_params() as usize;
     let lead = place.world_rank == 0;
     // wall_clock_breakdown: the collectives pass through a timing wrapper (rank 0 only prints,
@@ -168,7 +178,7 @@ where
     let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
     if let Some(tensor) = &place.tensor {
         // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
-        optim = optim.with_tensor_parallel(tensor.clone(), |name: &str| M::is_tensor_split(name));
+        optim = optim.with_tensor_parallel(tensor.clone(), |name: &str| M::tensor_split(name));
     }
     let first_step = match &args.load {
         Some(dir) => {

@@ -5,12 +5,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use zero_core::checkpoint::{parse_size, to_fp32, write_model_config, Checkpoint, ExportNaming, NameMap};
+use zero_core::checkpoint::{
+    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, Checkpoint, ExportNaming, NameMap,
+    TensorParallelCheckpoint,
+};
 
 /// Arguments of `zero to-fp32`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The checkpoint directory (the one holding `latest` and the tag directories).
+    /// The checkpoint directory (the one holding `latest` and the tag directories, or, for a
+    /// tensor-parallel model, the `tensor_rank_{t}` directories, whose slices are merged).
     pub checkpoint_dir: PathBuf,
     /// Output directory: receives `model.safetensors`, or numbered shards and
     /// `model.safetensors.index.json` when the weights exceed --max-shard-size.
@@ -68,23 +72,44 @@ fn convert(args: &Args) -> Result<String, String> {
         .map(parse_size)
         .transpose()
         .map_err(|e| format!("--max-shard-size {e}"))?;
-    let checkpoint = Checkpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?;
+    // A tensor-parallel checkpoint (one per tensor rank under tensor_rank_{t}) is converted
+    // whole: each split parameter merged from the ranks' slices.
+    let split = TensorParallelCheckpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?;
+    let (checkpoint, tensor_ranks) = match &split {
+        Some(tp) => (tp.ranks[0].clone(), tp.ranks.len()),
+        None => (
+            Checkpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?,
+            1,
+        ),
+    };
     if args.verify {
-        checkpoint.verify().map_err(|e| e.to_string())?;
+        match &split {
+            Some(tp) => tp.ranks.iter().try_for_each(Checkpoint::verify),
+            None => checkpoint.verify(),
+        }
+        .map_err(|e| e.to_string())?;
     }
     let naming = ExportNaming::resolve(&checkpoint.meta, args.names.as_deref()).map_err(|e| e.to_string())?;
     let mut map = naming.names;
     map.rules.extend(renames);
-    let report = to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)).map_err(|e| e.to_string())?;
+    let report = match &split {
+        Some(tp) => to_fp32_tensor_parallel(tp, &args.out, max, &|n| map.apply(n)),
+        None => to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)),
+    }
+    .map_err(|e| e.to_string())?;
     let config = naming
         .config
         .map(|config| write_model_config(&args.out, &config))
         .transpose()
         .map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
+    let ranks = match tensor_ranks {
+        1 => format!("{} ranks", meta.world_size),
+        t => format!("{t} tensor × {} data ranks", meta.world_size),
+    };
     let mut summary = format!(
-        "checkpoint {} (step {}, saved by {} ranks at stage {}): {} tensors, {} bytes of fp32 weights",
-        meta.tag, meta.global_step, meta.world_size, meta.stage, report.tensors, report.value_bytes
+        "checkpoint {} (step {}, saved by {ranks} at stage {}): {} tensors, {} bytes of fp32 weights",
+        meta.tag, meta.global_step, meta.stage, report.tensors, report.value_bytes
     );
     for f in &report.files {
         summary.push_str(&format!("\n  {}", f.display()));

@@ -1,0 +1,186 @@
+//! Checkpoints of a model split over tensor-parallel ranks: one complete checkpoint per tensor
+//! rank, under `tensor_rank_{t}` of the checkpoint directory, each recording how its parameters
+//! are cut ([`TensorParallelRecord`]). Opened together, they give back the whole model:
+//! [`TensorParallelCheckpoint`], and `to_fp32` of it merges each split parameter's slices.
+
+use super::error::CheckpointError;
+use super::format::{TensorParallelRecord, TensorSplit};
+use super::load::Checkpoint;
+use std::path::{Path, PathBuf};
+
+/// The directory of tensor rank `t` under a checkpoint directory.
+pub fn tensor_rank_dir(dir: &Path, t: usize) -> PathBuf {
+    dir.join(format!("tensor_rank_{t}"))
+}
+
+/// The tensor ranks whose directories (`tensor_rank_{t}`) are under `dir`, in rank order.
+pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
+    let mut ranks: Vec<usize> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("tensor_rank_")?.parse().ok())
+        .collect();
+    ranks.sort_unstable();
+    ranks
+}
+
+/// Every tensor rank's checkpoint of one save, checked to belong together.
+#[derive(Clone, Debug)]
+pub struct TensorParallelCheckpoint {
+    /// The checkpoint directory (holding the `tensor_rank_{t}` directories).
+    pub dir: PathBuf,
+    /// Tensor rank `t`'s checkpoint at index `t`.
+    pub ranks: Vec<Checkpoint>,
+}
+
+impl TensorParallelCheckpoint {
+    /// Opens the tensor ranks' checkpoints under `dir` (each at `tag`, or at the tag its own
+    /// `latest` names), or `None` when `dir` holds no `tensor_rank_{t}` directory. Fails unless
+    /// they are one save: tensor ranks 0 to T-1 each present once, each recording itself as
+    /// rank `t` of T, at the same step, with the same parameters split the same way.
+    pub fn open(dir: &Path, tag: Option<&str>) -> Result<Option<Self>, CheckpointError> {
+        let found = tensor_ranks_in(dir);
+        if found.is_empty() {
+            return Ok(None);
+        }
+        let size = found.len();
+        if found != (0..size).collect::<Vec<_>>() {
+            return Err(CheckpointError::Usage(format!(
+                "{}: the tensor ranks' directories are tensor_rank_{{{}}}, expected 0 to {}",
+                dir.display(),
+                found.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+                size - 1
+            )));
+        }
+        let ranks = (0..size)
+            .map(|t| Checkpoint::open(&tensor_rank_dir(dir, t), tag))
+            .collect::<Result<Vec<_>, _>>()?;
+        let first = &ranks[0];
+        for (t, c) in ranks.iter().enumerate() {
+            let differ = |what: &str| {
+                CheckpointError::Usage(format!(
+                    "{}: tensor rank {t}'s checkpoint {what} than tensor rank 0's ({}): they are not one save",
+                    c.tag_dir.display(),
+                    first.tag_dir.display()
+                ))
+            };
+            match &c.meta.tensor_parallel {
+                Some(TensorParallelRecord { rank, size: n, .. }) if *rank == t && *n == size => {}
+                Some(TensorParallelRecord { rank, size: n, .. }) => {
+                    return Err(CheckpointError::Metadata {
+                        path: c.meta_path(),
+                        detail: format!(
+                            "records tensor rank {rank} of {n}, but it is in tensor_rank_{t} beside {size} tensor ranks"
+                        ),
+                    })
+                }
+                None => {
+                    return Err(CheckpointError::Metadata {
+                        path: c.meta_path(),
+                        detail: "records no tensor-parallel split (saved before splits were recorded, or without \
+                                 tensor parallelism)"
+                            .into(),
+                    })
+                }
+            }
+            if c.meta.global_step != first.meta.global_step || c.meta.tag != first.meta.tag {
+                return Err(differ("is at another tag or step"));
+            }
+            let names = |k: &Checkpoint| k.meta.params.iter().map(|p| p.name.clone()).collect::<Vec<_>>();
+            if names(c) != names(first) {
+                return Err(differ("holds other parameters"));
+            }
+            let splits = |k: &Checkpoint| k.meta.tensor_parallel.as_ref().map(|r| r.splits.clone());
+            if splits(c) != splits(first) {
+                return Err(differ("splits its parameters otherwise"));
+            }
+        }
+        Ok(Some(TensorParallelCheckpoint {
+            dir: dir.to_path_buf(),
+            ranks,
+        }))
+    }
+
+    /// How the parameters are split (the same on every tensor rank).
+    pub fn splits(&self) -> &std::collections::BTreeMap<String, TensorSplit> {
+        // `open` refuses a rank without the record.
+        static NONE: std::collections::BTreeMap<String, TensorSplit> = std::collections::BTreeMap::new();
+        self.ranks[0].meta.tensor_parallel.as_ref().map_or(&NONE, |r| &r.splits)
+    }
+
+    /// The whole shape of parameter `p` (of rank 0's layout): its slice's shape, with the split
+    /// axis times the tensor ranks. Fails when a split does not fit the slice's shape.
+    pub fn whole_shape(&self, p: usize) -> Result<Vec<usize>, CheckpointError> {
+        let param = &self.ranks[0].meta.layout.params[p];
+        let mut shape = param.shape.clone();
+        if let Some(split) = self.splits().get(&param.name) {
+            let meta_path = self.ranks[0].meta_path();
+            match shape.get_mut(split.axis) {
+                Some(n) if split.pieces > 0 && *n % split.pieces == 0 => *n *= self.ranks.len(),
+                _ => {
+                    return Err(CheckpointError::Metadata {
+                        path: meta_path,
+                        detail: format!(
+                            "`{}` of shape {:?} cannot be split along axis {} in {} pieces",
+                            param.name, param.shape, split.axis, split.pieces
+                        ),
+                    })
+                }
+            }
+        }
+        Ok(shape)
+    }
+}
+
+/// Writes the whole tensor into `whole` from the tensor ranks' `slices` (rank order, each of
+/// shape `slice_shape`) of a parameter split as `split`: for every index before the axis, and
+/// every block along it, rank 0's part of the block, then rank 1's, and so on.
+pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit, whole: &mut [f32]) {
+    let ranks = slices.len();
+    let outer: usize = slice_shape[..split.axis].iter().product();
+    let inner: usize = slice_shape[split.axis + 1..].iter().product();
+    // One rank's part of one block, as contiguous elements (the axis and everything after it).
+    let part = slice_shape[split.axis] / split.pieces * inner;
+    let slice_row = slice_shape[split.axis] * inner;
+    let mut at = 0;
+    for o in 0..outer {
+        for block in 0..split.pieces {
+            for slice in slices {
+                let from = o * slice_row + block * part;
+                whole[at..at + part].copy_from_slice(&slice[from..from + part]);
+                at += part;
+            }
+        }
+    }
+    debug_assert_eq!(at, outer * slice_row * ranks);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `[2, 6]` matrix cut over 2 ranks along axis 1 in 3 blocks (q|k|v): each rank holds the
+    /// columns of its half of every block.
+    #[test]
+    fn merging_a_fused_column_split_restores_the_matrix() {
+        let whole: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        // Row r: [0..6) + 6r. Blocks of 2 columns; rank 0 takes each block's first column.
+        let rank0 = [0.0, 2.0, 4.0, 6.0, 8.0, 10.0];
+        let rank1 = [1.0, 3.0, 5.0, 7.0, 9.0, 11.0];
+        let mut out = vec![0.0; 12];
+        merge_slices(&[&rank0, &rank1], &[2, 3], TensorSplit { axis: 1, pieces: 3 }, &mut out);
+        assert_eq!(out, whole);
+    }
+
+    /// Rows cut over 3 ranks (a row-parallel weight, an embedding's vocabulary).
+    #[test]
+    fn merging_a_row_split_concatenates_the_rows() {
+        let slices: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32 * 10.0, r as f32 * 10.0 + 1.0]).collect();
+        let refs: Vec<&[f32]> = slices.iter().map(Vec::as_slice).collect();
+        let mut out = vec![0.0; 6];
+        merge_slices(&refs, &[1, 2], TensorSplit::along(0), &mut out);
+        assert_eq!(out, [0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
+    }
+}
