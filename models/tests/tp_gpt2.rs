@@ -305,13 +305,18 @@ fn assert_weights_close(label: &str, results: Vec<RankWeights>) {
     }
 }
 
-/// Trains the tensor-parallel model on a `dp × tp` layout with `ZeroOptimizer` in Burn's own
-/// loop over the data group (stages 0-2; `with_tensor_parallel` over the tensor group,
+/// Trains the tensor-parallel model on a `dp × tp` layout with `ZeroOptimizer` (its state as
+/// tensors or in host buffers, `tensors`) in Burn's own loop over the data group (stages 0-2; `with_tensor_parallel` over the tensor group,
 /// `TpGpt2::tensor_split` naming the split parameters), `gas` micro-batches per step (the
 /// global batch split in order across data-parallel ranks, then micro-batches) accumulated by
 /// Burn's `GradientsAccumulator`, and compares every rank's weights with its slice of the
 /// reference's.
-fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f64, reference: &[Vec<f32>]) {
+fn check_zero_optimizer(
+    (stage, dp, tp, gas): (Stage, usize, usize, usize),
+    clip: f64,
+    tensors: bool,
+    reference: &[Vec<f32>],
+) {
     use burn::optim::GradientsAccumulator;
     let results = on_layout(dp, tp, |groups| {
         let device = Default::default();
@@ -319,6 +324,7 @@ fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f6
         let mut model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
         let mut optim = ZeroOptimizer::new(settings(stage, clip), groups.data.clone())
             .unwrap()
+            .with_tensor_state(tensors)
             .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
         let per_micro = GLOBAL_BATCH / dp / gas;
         let d = groups.coords.data;
@@ -337,7 +343,7 @@ fn check_zero_optimizer(stage: Stage, dp: usize, tp: usize, gas: usize, clip: f6
         (groups.coords, values(&model), want)
     });
     assert_weights_close(
-        &format!("ZeroOptimizer stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip}"),
+        &format!("ZeroOptimizer stage {stage:?} dp {dp} tp {tp} gas {gas} clip {clip} tensor state {tensors}"),
         results,
     );
 }
@@ -364,14 +370,18 @@ fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_t
         (Stage::Zero2, 2, 2, 2),
         (Stage::Zero2, 1, 4, 1),
     ] {
-        check_zero_optimizer(stage, dp, tp, gas, 0.0, &reference);
+        check_zero_optimizer((stage, dp, tp, gas), 0.0, true, &reference);
     }
     // Clipped at 0.05 every step (the norm is above 1 here): a norm over one rank's slices
     // would scale the gradients differently and the weights would part.
     let clipped = reference_training(0.05);
     assert!(max_relative_error(&clipped, &reference) > 1e-3, "the clip engages");
-    for (stage, dp, tp, gas) in [(Stage::Zero1, 2, 2, 1), (Stage::Zero2, 1, 4, 2)] {
-        check_zero_optimizer(stage, dp, tp, gas, 0.05, &clipped);
+    // Both states: the tensors on the device (the default) and the host buffers (the state of
+    // an offloaded optimizer).
+    for layout in [(Stage::Zero1, 2, 2, 1), (Stage::Zero2, 1, 4, 2)] {
+        for tensors in [true, false] {
+            check_zero_optimizer(layout, 0.05, tensors, &clipped);
+        }
     }
 }
 
@@ -472,5 +482,62 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
             &format!("ZeroOptimizer stage 3 tp {tensor} dp {data} gas {gas} clip {clip}"),
             results,
         );
+    }
+}
+
+/// A non-finite loss on one rank of a 2 data × 2 tensor layout (data rank 1 of tensor rank 1:
+/// rank 3 of the four) decides the step on every rank, with the host state and with the
+/// tensor state: under `Skip` all four skip it and keep their weights; under the default
+/// `Error` all four fail, naming rank 3. A tensor rank that stepped beside one that skipped
+/// would hold slices of another model. Reference: each rank's weights before the step.
+#[test]
+fn a_non_finite_loss_on_one_tensor_rank_decides_the_step_on_every_rank() {
+    use zero_burn::NonFinitePolicy;
+    for tensors in [false, true] {
+        for policy in [NonFinitePolicy::Skip, NonFinitePolicy::Error] {
+            let results = on_layout(2, 2, |groups| {
+                let device = Default::default();
+                let model = TpGpt2::from_full(&full_model(&device), TpGroup::new(groups.tensor.clone())).unwrap();
+                let mut s = settings(Stage::Zero2, 1.0);
+                s.precision.non_finite = policy;
+                let mut optim = ZeroOptimizer::new(s, groups.data.clone())
+                    .unwrap()
+                    .with_tensor_state(tensors)
+                    .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
+                let per_rank = GLOBAL_BATCH / 2;
+                let d = groups.coords.data;
+                let mut model = model;
+                let mut outcome = Ok(());
+                let mut before = Vec::new();
+                for step in 0..2 {
+                    let batch = tokens(step, d * per_rank..(d + 1) * per_rank, &device);
+                    let loss = model.loss(batch.clone(), batch);
+                    if step == 1 && (groups.coords.data, groups.coords.tensor) == (1, 1) {
+                        optim.note_loss(f64::NAN);
+                    }
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    before = values(&model);
+                    match optim.try_step(LR, model.clone(), grads) {
+                        Ok(next) => model = next,
+                        Err(e) => outcome = Err(e.to_string()),
+                    }
+                }
+                let skipped = optim.last_step().is_some_and(|r| r.skipped);
+                (outcome, skipped, before == values(&model))
+            });
+            let label = format!("tensor state {tensors}, {policy:?}");
+            for (rank, (outcome, skipped, kept)) in results.into_iter().enumerate() {
+                match policy {
+                    NonFinitePolicy::Skip => {
+                        assert!(outcome.is_ok(), "{label}: rank {rank} failed: {outcome:?}");
+                        assert!(skipped && kept, "{label}: rank {rank} did not skip the step");
+                    }
+                    _ => {
+                        let e = outcome.expect_err(&format!("{label}: rank {rank} must fail"));
+                        assert!(e.contains("rank 3"), "{label}: rank {rank}: {e}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -116,6 +116,52 @@ impl Overflow {
     }
 }
 
+/// The ranks that agree on skipping (or failing) a step: reduced over each of `groups` in turn
+/// (groups that together span them: the data-parallel group, then the tensor-parallel one), this
+/// rank being `rank` of `world` among them.
+#[derive(Clone)]
+pub(crate) struct Agreement {
+    /// The groups the code is reduced over, in order.
+    pub groups: Vec<SharedGroup>,
+    /// This rank, among all the agreeing ranks.
+    pub rank: usize,
+    /// The agreeing ranks.
+    pub world: usize,
+}
+
+impl Agreement {
+    /// The ranks of `group`.
+    pub fn over(group: SharedGroup) -> Self {
+        Agreement {
+            rank: group.rank(),
+            world: group.world_size(),
+            groups: vec![group],
+        }
+    }
+
+    /// The data-parallel ranks of every tensor rank: rank `t × data + d`.
+    pub fn data_and_tensor(data: SharedGroup, tensor: SharedGroup) -> Self {
+        Agreement {
+            rank: tensor.rank() * data.world_size() + data.rank(),
+            world: data.world_size() * tensor.world_size(),
+            groups: vec![data, tensor],
+        }
+    }
+
+    /// The overflow every agreeing rank sees, from what this rank saw: the lowest rank that saw
+    /// one, and what it saw (one scalar maximum per group).
+    pub fn agree(&self, seen: Option<NonFiniteSeen>) -> Result<Option<Overflow>, ZeroError> {
+        let mine = seen.map(|seen| Overflow { rank: self.rank, seen });
+        let mut code = Overflow::code(mine, self.world);
+        for group in self.groups.iter().filter(|g| g.world_size() > 1) {
+            let mut buf = FlatBuffer::F32(vec![code]);
+            group.all_reduce(&mut buf, ReduceOp::Max)?;
+            code = buf.into_f32()[0];
+        }
+        Ok(Overflow::decode(code, self.world))
+    }
+}
+
 /// What a step does once every rank agreed whether any saw a non-finite loss or gradient
 /// (`agreed`, the lowest such rank; `mine`, what this rank saw): `true` to apply it, `false` to
 /// skip it (fp16's loss scaler backs off, or the skip policy), or the error of the fail policy
@@ -182,8 +228,9 @@ pub(crate) struct EngineCore {
     /// Replaces the norm over the data-parallel group when the model spans more ranks.
     pub grad_norm: Option<GradNormFn>,
     /// The ranks that must agree on skipping (or failing) a step, when more than `comm`'s: a
-    /// pipeline's whole world, so that every stage skips together.
-    pub overflow_group: Option<Arc<dyn ProcessGroup>>,
+    /// pipeline's whole world, so that every stage skips together, or every tensor rank's data
+    /// ranks.
+    pub overflow: Option<Agreement>,
     /// With tensor parallelism: this tensor rank and how the parameters are split, for the
     /// checkpoints.
     pub tensor_parallel: Option<zero_core::checkpoint::TensorParallelRecord>,
@@ -240,7 +287,7 @@ impl EngineCore {
             scaler,
             loss_non_finite: false,
             grad_norm: None,
-            overflow_group: None,
+            overflow: None,
             tensor_parallel: None,
             assembler,
             in_flight: Vec::new(),
@@ -413,7 +460,6 @@ impl EngineCore {
         let policy = self.settings.precision.non_finite;
         if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
             // What this rank saw; the code is shared so that every rank takes the same path.
-            let group = self.overflow_group.as_ref().unwrap_or(&self.comm);
             let seen = if self.loss_non_finite {
                 Some(NonFiniteSeen::Loss)
             } else if grads.iter().any(|g| has_overflow(g)) {
@@ -421,16 +467,15 @@ impl EngineCore {
             } else {
                 None
             };
+            let agreement = self
+                .overflow
+                .clone()
+                .unwrap_or_else(|| Agreement::over(self.comm.clone()));
             let mine = seen.map(|seen| Overflow {
-                rank: group.rank(),
+                rank: agreement.rank,
                 seen,
             });
-            let mut agreed = mine;
-            if group.world_size() > 1 {
-                let mut code = FlatBuffer::F32(vec![Overflow::code(mine, group.world_size())]);
-                group.all_reduce(&mut code, ReduceOp::Max)?;
-                agreed = Overflow::decode(code.into_f32()[0], group.world_size());
-            }
+            let agreed = agreement.agree(seen)?;
             if !decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }

@@ -101,7 +101,7 @@ impl<I: Backend> DeviceState<I> {
             rng: None,
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
-            tensor_parallel: None,
+            tensor_parallel: self.tensor_parallel(),
         }
     }
 

@@ -5,7 +5,7 @@
 
 use super::collective::DeviceCollective;
 use super::optim::DeviceOptimizer;
-use crate::core::{NonFiniteSeen, Overflow, StepReport};
+use crate::core::{Agreement, NonFiniteSeen, Overflow, StepReport};
 use crate::error::ZeroError;
 use crate::memory::MemoryTracker;
 use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy};
@@ -41,6 +41,21 @@ pub(crate) struct DeviceState<I: Backend> {
     scaler: Option<LossScaler>,
     /// Bytes of the gradients handed to the latest step.
     grad_bytes: usize,
+    /// With tensor parallelism: the tensor ranks and what each rank's norm counts.
+    tensor: Option<TensorRanks<I>>,
+}
+
+/// What the step needs of a model split over tensor ranks besides the data-parallel ones.
+struct TensorRanks<I: Backend> {
+    /// The tensor ranks: the norm's partial sums add over them after the data ranks.
+    group: Arc<dyn ProcessGroup>,
+    /// Per group, a 0/1 mask over the rank's owned range where the norm counts only some of its
+    /// parameters (a replicated parameter counts on tensor rank 0 alone); `None`: all of them.
+    masks: Vec<Option<Tensor<I, 1>>>,
+    /// Every tensor rank's data ranks skip an overflowed step together.
+    agreement: Agreement,
+    /// What the checkpoints record.
+    record: zero_core::checkpoint::TensorParallelRecord,
 }
 
 impl<I: Backend> DeviceState<I> {
@@ -94,7 +109,61 @@ impl<I: Backend> DeviceState<I> {
             skipped_steps: 0,
             scaler,
             grad_bytes: 0,
+            tensor: None,
         })
+    }
+
+    /// The model is split over `tensor` as `split` says: the gradient norm becomes the whole
+    /// model's (a split parameter counts on every tensor rank, a replicated one on tensor rank 0,
+    /// the partial sums added over the data ranks, then the tensor ranks), an overflow on any
+    /// rank of either skips the step on all, and the checkpoints record the rank and the splits.
+    pub(crate) fn split_over_tensor_ranks(
+        &mut self,
+        tensor: Arc<dyn ProcessGroup>,
+        split: &crate::optimizer::SplitRule,
+    ) {
+        let splits: std::collections::BTreeMap<_, _> = self
+            .layout
+            .params
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), split(&p.name)?)))
+            .collect();
+        let masks = (0..self.layout.groups.len())
+            .map(|g| {
+                if tensor.rank() == 0 {
+                    return None;
+                }
+                let rank = match self.layout.groups[g].placement {
+                    Placement::Replicated => 0,
+                    Placement::Sharded => self.comm.rank(),
+                };
+                let mut mask = vec![0f32; self.groups[g].master.dims()[0]];
+                for seg in self.layout.segments(g, rank) {
+                    if splits.contains_key(&self.layout.params[seg.param].name) {
+                        mask[seg.local].fill(1.0);
+                    }
+                }
+                Some(Tensor::from_data(
+                    burn::tensor::TensorData::new(mask.clone(), [mask.len()]),
+                    &self.device,
+                ))
+            })
+            .collect();
+        self.tensor = Some(TensorRanks {
+            agreement: Agreement::data_and_tensor(self.host.clone(), tensor.clone()),
+            record: zero_core::checkpoint::TensorParallelRecord {
+                rank: tensor.rank(),
+                size: tensor.world_size(),
+                splits,
+            },
+            group: tensor,
+            masks,
+        });
+    }
+
+    /// With tensor parallelism, this tensor rank and how the parameters are split.
+    pub(crate) fn tensor_parallel(&self) -> Option<zero_core::checkpoint::TensorParallelRecord> {
+        self.tensor.as_ref().map(|t| t.record.clone())
     }
 
     /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
@@ -236,26 +305,49 @@ impl<I: Backend> DeviceState<I> {
             } else {
                 None
             };
-            let mine = seen.map(|seen| Overflow {
-                rank: self.comm.rank(),
-                seen,
-            });
-            let mut agreed = mine;
-            if world > 1 {
-                let mut code = [Overflow::code(mine, world)];
-                self.comm.all_reduce_scalars(&mut code, ReduceOp::Max)?;
-                agreed = Overflow::decode(code[0], world);
-            }
+            let (mine, agreed) = match &self.tensor {
+                Some(tensor) => {
+                    let mine = seen.map(|seen| Overflow {
+                        rank: tensor.agreement.rank,
+                        seen,
+                    });
+                    (mine, tensor.agreement.agree(seen)?)
+                }
+                None => {
+                    let mine = seen.map(|seen| Overflow {
+                        rank: self.comm.rank(),
+                        seen,
+                    });
+                    let mut agreed = mine;
+                    if world > 1 {
+                        let mut code = [Overflow::code(mine, world)];
+                        self.comm.all_reduce_scalars(&mut code, ReduceOp::Max)?;
+                        agreed = Overflow::decode(code[0], world);
+                    }
+                    (mine, agreed)
+                }
+            };
             if !crate::core::decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }
         }
+        // Each group's sum of squares; under tensor parallelism, of the parameters this tensor
+        // rank counts.
+        let mut sums: Vec<f64> = stats.chunks_exact(width).map(|s| s[0]).collect();
+        if let Some(tensor) = self.tensor.as_ref().filter(|t| t.masks.iter().any(Option::is_some)) {
+            let counted: Vec<Tensor<I, 1>> = grads
+                .iter()
+                .zip(&tensor.masks)
+                .map(|(g, m)| m.as_ref().map_or_else(|| g.clone(), |m| g.clone() * m.clone()))
+                .collect();
+            sums = self.grad_stats(&counted, false);
+        }
         // Sharded groups' partial sums add over ranks; replicated groups are whole everywhere.
         let (mut sharded, mut replicated) = (0.0f64, 0.0f64);
-        for (gi, s) in stats.chunks_exact(width).enumerate() {
+        for (gi, s) in sums.into_iter().enumerate() {
             match self.layout.groups[gi].placement {
-                Placement::Sharded => sharded += s[0],
-                Placement::Replicated => replicated += s[0],
+                Placement::Sharded => sharded += s,
+                Placement::Replicated => replicated += s,
             }
         }
         // Only sharded groups have partial sums to add (none at stage 0).
@@ -265,8 +357,14 @@ impl<I: Backend> DeviceState<I> {
             self.comm.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
             sharded = total[0] as f64;
         }
+        let mut total = sharded + replicated;
+        if let Some(tensor) = self.tensor.as_ref().filter(|t| t.group.world_size() > 1) {
+            let mut b = zero_core::comm::FlatBuffer::F32(vec![total as f32]);
+            tensor.group.all_reduce(&mut b, ReduceOp::Sum)?;
+            total = b.into_f32()[0] as f64;
+        }
         let unscale = 1.0 / loss_scale;
-        let grad_norm = (sharded + replicated).sqrt() * unscale;
+        let grad_norm = total.sqrt() * unscale;
         let max_norm = self.settings.gradient_clipping;
         // torch.nn.utils.clip_grad_norm_'s rule: scale by max/(norm + 1e-6) when that is below 1.
         let ratio = max_norm / (grad_norm + 1e-6);

@@ -166,7 +166,8 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// Tells `core` that its parameters are split over `tensor` as `split` says: its gradient norm
 /// becomes the whole model's (a split parameter counts on every tensor rank, a replicated one on
 /// tensor rank 0, the partial sums added over the data-parallel ranks (`data`), then the tensor
-/// ranks), and its checkpoints record the rank and the splits.
+/// ranks), an overflow on any rank of either skips the step on all, and its checkpoints record
+/// the rank and the splits.
 pub(super) fn split_over_tensor_ranks(
     core: &mut EngineCore,
     data: &Arc<dyn ProcessGroup>,
@@ -192,6 +193,9 @@ pub(super) fn split_over_tensor_ranks(
         data.rank(),
         vec![data.clone(), tensor.clone()],
     ));
+    // Every tensor rank skips an overflowed step with its data ranks, or none does: a tensor
+    // rank that stepped beside one that skipped would hold slices of another model.
+    core.overflow = Some(crate::core::Agreement::data_and_tensor(data.clone(), tensor.clone()));
     core.tensor_parallel = Some(zero_core::checkpoint::TensorParallelRecord {
         rank: tensor.rank(),
         size: tensor.world_size(),

@@ -118,8 +118,10 @@ impl ZeroOptimizer {
     /// slice of the parameters `split` names, by their names in the layout, cut as it says, and a
     /// copy of the others), ZeRO running over this optimizer's data-parallel group: the global
     /// gradient norm, and so clipping, covers the whole model (a split parameter's slices from
-    /// every tensor rank, a replicated one once). The state is then kept in host buffers. Every
-    /// rank of the tensor group trains the same batch (as the model's collectives require). Each
+    /// every tensor rank, a replicated one once), and an overflow on any rank skips the step on
+    /// every rank. The state stays where it would be without tensor parallelism (on the device
+    /// unless offloaded). Every rank of the tensor group trains the same batch (as the model's
+    /// collectives require). Each
     /// tensor rank's checkpoint and weights files go under a `tensor_rank_{t}` directory; the
     /// checkpoint records the split, so `zero to-fp32` merges the ranks into the whole model.
     pub fn with_tensor_parallel(
@@ -150,13 +152,21 @@ impl ZeroOptimizer {
         self
     }
 
-    /// Whether the state is tensors on the device: no optimizer offload, tensors chosen
-    /// ([`ZeroOptimizer::with_tensor_state`]), and no tensor-parallel group (whose norm counts
-    /// replicated parameters once, which only the host state does).
+    /// Whether the state is tensors on the device: no optimizer offload, and tensors chosen
+    /// ([`ZeroOptimizer::with_tensor_state`]).
     fn on_device(&self) -> bool {
-        self.tensors
-            && self.settings.offload_optimizer == OptimizerOffload::None
-            && self.settings.tensor_parallel_group.is_none()
+        self.tensors && self.settings.offload_optimizer == OptimizerOffload::None
+    }
+
+    /// The rule of which parameters are split over the tensor-parallel group.
+    fn split_rule(&self) -> Result<&SplitRule, ZeroError> {
+        self.tensor_split.as_deref().ok_or_else(|| {
+            ZeroError::Usage(
+                "ZeroOptimizer: a tensor-parallel group without the rule of which parameters are split; use \
+                 ZeroOptimizer::with_tensor_parallel"
+                    .into(),
+            )
+        })
     }
 
     /// Rank 0's weights, on every rank, in the compute dtype (bf16 parameters under bf16). A
@@ -314,19 +324,16 @@ impl ZeroOptimizer {
                         )
                     })?,
             };
-            let state = device::build::<B, M>(module, built, &self.settings, collective, self.comm.clone(), memory)?;
+            let mut state =
+                device::build::<B, M>(module, built, &self.settings, collective, self.comm.clone(), memory)?;
+            if let Some(tensor) = &self.settings.tensor_parallel_group {
+                state.split_over_tensor_ranks(tensor.clone(), self.split_rule()?);
+            }
             State::Device(Box::new(state))
         } else {
             let mut core = host::build::<B, M>(module, built, &self.settings, self.comm.clone(), memory)?;
             if let Some(tensor) = &self.settings.tensor_parallel_group {
-                let split = self.tensor_split.as_deref().ok_or_else(|| {
-                    ZeroError::Usage(
-                        "ZeroOptimizer: a tensor-parallel group without the rule of which parameters are split; use \
-                         ZeroOptimizer::with_tensor_parallel"
-                            .into(),
-                    )
-                })?;
-                host::split_over_tensor_ranks(&mut core, &self.comm, tensor, split);
+                host::split_over_tensor_ranks(&mut core, &self.comm, tensor, self.split_rule()?);
             }
             State::Host(Box::new(core))
         });

@@ -287,7 +287,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         ));
         // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
         // whole world: every stage skips the step together, or fails together at once.
-        core.overflow_group = Some(groups.world.clone());
+        core.overflow = Some(crate::core::Agreement::over(groups.world.clone()));
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()

@@ -260,6 +260,9 @@ pub fn to_fp32_tensor_parallel(
     })
 }
 
+/// Fills a buffer with the values of the tensor of a layout index.
+type FillTensor<'a> = dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError> + 'a;
+
 /// Writes `tensors` (layout index, exported name, shape) into `out_dir` in order, cut into files
 /// of at most `max_shard_bytes` (a larger tensor gets a file of its own), each tensor's values
 /// from `fill` into a buffer of its length.
@@ -267,7 +270,7 @@ fn write_export(
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
     tensors: Vec<(usize, String, Vec<usize>)>,
-    fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError>,
+    fill: &mut FillTensor<'_>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
     let limit = max_shard_bytes.unwrap_or(u64::MAX);
