@@ -43,7 +43,12 @@ fn config() -> Gpt2Config {
 /// The full model with deterministic weights (no random generator: every thread builds the
 /// same one). LayerNorm scales stay near one, everything else is a smooth pseudo-random pattern.
 fn full_model(device: &Device<B>) -> Gpt2<B> {
-    let model = config().init::<B>(device);
+    full_model_of(&config(), device)
+}
+
+/// [`full_model`] of another shape.
+fn full_model_of(config: &Gpt2Config, device: &Device<B>) -> Gpt2<B> {
+    let model = config.init::<B>(device);
     let specs = describe::<B, _>(&model);
     write_values(model, device, true, |i| {
         let (name, n) = (&specs[i].1.name, specs[i].1.numel());
@@ -307,7 +312,7 @@ fn assert_weights_close(label: &str, results: Vec<RankWeights>) {
 
 /// Trains the tensor-parallel model on a `dp × tp` layout with `ZeroOptimizer` (its state as
 /// tensors or in host buffers, `tensors`) in Burn's own loop over the data group (stages 0-2; `with_tensor_parallel` over the tensor group,
-/// `TpGpt2::tensor_split` naming the split parameters), `gas` micro-batches per step (the
+/// `TpGpt2::tensor_splits` naming the split parameters), `gas` micro-batches per step (the
 /// global batch split in order across data-parallel ranks, then micro-batches) accumulated by
 /// Burn's `GradientsAccumulator`, and compares every rank's weights with its slice of the
 /// reference's.
@@ -325,7 +330,7 @@ fn check_zero_optimizer(
         let mut optim = ZeroOptimizer::new(settings(stage, clip), groups.data.clone())
             .unwrap()
             .with_tensor_state(tensors)
-            .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
+            .with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
         let per_micro = GLOBAL_BATCH / dp / gas;
         let d = groups.coords.data;
         for step in 0..STEPS {
@@ -351,10 +356,12 @@ fn check_zero_optimizer(
 #[test]
 fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_the_whole_norm() {
     let single = TpGroup::new(ThreadGroup::new_group(1).unwrap().remove(0));
-    let split: Vec<String> = describe::<B, _>(&TpGpt2::from_full(&full_model(&Default::default()), single).unwrap())
+    let model = TpGpt2::from_full(&full_model(&Default::default()), single).unwrap();
+    let rule = model.tensor_splits();
+    let split: Vec<String> = describe::<B, _>(&model)
         .into_iter()
         .map(|(_, s)| s.name)
-        .filter(|n| TpGpt2::<B>::tensor_split(n).is_some())
+        .filter(|n| rule(n).is_some())
         .collect();
     // wte, and per block c_attn (weight, bias), c_fc (weight, bias) and both c_proj weights.
     assert_eq!(split.len(), 1 + LAYERS * 6, "{split:?}");
@@ -399,7 +406,7 @@ fn a_tensor_parallel_zero_optimizer_checkpoint_resumes_bit_for_bit() {
             let mut model = TpGpt2::from_full(&full_model(&device), group).unwrap();
             let mut optim = ZeroOptimizer::new(settings(Stage::Zero1, 0.05), groups.data.clone())
                 .unwrap()
-                .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
+                .with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
             if load {
                 model = optim.load_checkpoint(&dir, None, model).unwrap().0;
             }
@@ -454,7 +461,7 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
                 zero_burn::initialize_settings(settings(Stage::Zero3, clip), model, groups.data.clone(), units)
                     .unwrap();
             assert!(model.blocks.iter().all(|b| b.is_sharded()), "the blocks are cut");
-            let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
+            let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
             let per_micro = GLOBAL_BATCH / data / gas;
             let d = groups.coords.data;
             for step in 0..STEPS {
@@ -503,7 +510,7 @@ fn a_non_finite_loss_on_one_tensor_rank_decides_the_step_on_every_rank() {
                 let mut optim = ZeroOptimizer::new(s, groups.data.clone())
                     .unwrap()
                     .with_tensor_state(tensors)
-                    .with_tensor_parallel(groups.tensor.clone(), TpGpt2::<B>::tensor_split);
+                    .with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
                 let per_rank = GLOBAL_BATCH / 2;
                 let d = groups.coords.data;
                 let mut model = model;
@@ -538,6 +545,101 @@ fn a_non_finite_loss_on_one_tensor_rank_decides_the_step_on_every_rank() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A vocabulary that does not split evenly (47 tokens over 2 and 4 ranks) is padded with zero
+/// rows on the last rank(s), as Megatron-LM pads it. Reference: the full model on one thread.
+/// Every rank's logits of its real tokens, the loss, and every gradient equal the full model's
+/// (the padding rows' gradient is 0); a step of `ZeroOptimizer` leaves the padding at 0, and the
+/// checkpoint records the vocabulary's whole length, which `zero to-fp32` cuts the merged table
+/// back to.
+#[test]
+fn an_uneven_vocabulary_is_padded_and_matches_the_full_model() {
+    let config = Gpt2Config::new(47, 16, EMBD, LAYERS, HEADS);
+    let device: Device<B> = Default::default();
+    let batch = |device: &Device<B>| {
+        let ids: Vec<i64> = (0..3 * SEQ).map(|i| ((i * 13 + 5) % 47) as i64).collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [3, SEQ]), device)
+    };
+    let full = full_model_of(&config, &device);
+    let want_logits = zero_burn::params::tensor_to_vec(full.forward(batch(&device)));
+    let want_loss = full.loss(batch(&device), batch(&device));
+    let mut grads = want_loss.backward();
+    let want_grads = gradients(&full, &mut grads);
+    let want_loss: f32 = want_loss.into_scalar();
+    for tp in [2, 4] {
+        let results = on_layout(1, tp, |groups| {
+            let device = Default::default();
+            let group = TpGroup::new(groups.tensor.clone());
+            let model = TpGpt2::from_full(&full_model_of(&config, &device), group.clone()).unwrap();
+            let logits = zero_burn::params::tensor_to_vec(model.forward(batch(&device)));
+            let loss = model.loss(batch(&device), batch(&device));
+            let mut grads = loss.backward();
+            let mut got = Vec::new();
+            take_grads::<B, _>(&model, &mut grads, |_, g| got.push(g.expect("a gradient")));
+            let sliced = write_values(config.init::<B>(&device), &device, false, |i| want_grads[i].clone());
+            let want = values(&TpGpt2::from_full(&sliced, group.clone()).unwrap());
+            // One step: the padding rows take no update.
+            let mut optim = ZeroOptimizer::new(settings(Stage::Zero1, 1.0), groups.data.clone())
+                .unwrap()
+                .with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
+            let split = model.tensor_splits()("wte.weight");
+            let step = optim
+                .try_step(LR, model.clone(), GradientsParams::from_grads(grads, &model))
+                .unwrap();
+            let rows = step.wte.weight.val();
+            let [local, _] = rows.dims();
+            let real = 47usize.saturating_sub(groups.coords.tensor * local).min(local);
+            let padding = if real < local {
+                zero_burn::params::tensor_to_vec(rows.narrow(0, real, local - real))
+            } else {
+                Vec::new()
+            };
+            group.check().unwrap();
+            (
+                groups.coords.tensor,
+                local,
+                logits,
+                loss.into_scalar(),
+                got,
+                want,
+                padding,
+                split,
+            )
+        });
+        for (rank, local, logits, loss, got, want, padding, split) in results {
+            let label = format!("vocab 47 over {tp}, rank {rank}");
+            assert_eq!(local, 47usize.div_ceil(tp), "{label}: rows per rank");
+            // This rank's columns of each row of the reference's [3, SEQ, 47] logits; padding
+            // columns past 47 are not tokens.
+            let start = rank * local;
+            for (row, want_row) in logits.chunks(local).zip(want_logits.chunks(47)) {
+                for (c, &v) in row.iter().enumerate().take(47usize.saturating_sub(start)) {
+                    let w = want_row[start + c];
+                    assert!(
+                        (v - w).abs() <= 1e-5 * w.abs().max(1.0),
+                        "{label}: logit {} {v} vs {w}",
+                        start + c
+                    );
+                }
+            }
+            assert!(
+                (loss - want_loss).abs() < 1e-5 * want_loss.abs(),
+                "{label}: loss {loss} vs {want_loss}"
+            );
+            let err = max_relative_error(&got, &want);
+            assert!(err < 1e-5, "{label}: gradients differ by {err:e}");
+            assert!(
+                padding.iter().all(|&v| v == 0.0),
+                "{label}: the padding moved: {padding:?}"
+            );
+            assert_eq!(
+                split,
+                Some(zero_burn::TensorSplit::padded(0, 47)),
+                "{label}: the recorded split"
+            );
         }
     }
 }

@@ -122,20 +122,33 @@ fn vocab_parallel_lookup_equals_the_full_embedding() {
     };
     let ids = [[0i64, 5, 11, 6], [3, 3, 9, 2]];
     let want = tensor_to_vec(table.forward(Tensor::from_ints(ids, &Default::default())));
-    let got = on_tp(3, |g| {
-        let emb = VocabParallelEmbedding::from_full(&table, g).unwrap();
-        tensor_to_vec(emb.forward(Tensor::from_ints(ids, &Default::default())))
-    });
-    for (r, y) in got.iter().enumerate() {
-        close(y, &want, &format!("rank {r}"));
+    // 12 rows over 3 ranks evenly, and over 5 ranks padded to 15 (rank 4 holds no token).
+    for tp in [3, 5] {
+        let got = on_tp(tp, |g| {
+            let emb = VocabParallelEmbedding::from_full(&table, g).unwrap();
+            assert_eq!(emb.local_vocab(), 12usize.div_ceil(tp));
+            tensor_to_vec(emb.forward(Tensor::from_ints(ids, &Default::default())))
+        });
+        for (r, y) in got.iter().enumerate() {
+            close(y, &want, &format!("tp {tp} rank {r}"));
+        }
     }
 }
 
+/// Against float64, on an even vocabulary (8 over 2 ranks) and on padded ones (7 over 2 and 3
+/// ranks: the last columns are padding, filled with a large logit that would dominate the
+/// softmax if it were counted): the loss, and each rank's logit gradients, 0 on padding.
 #[test]
 fn vocab_parallel_cross_entropy_matches_float64() {
-    let (rows, vocab, tp) = (5, 8, 2);
+    for (vocab, tp) in [(8, 2), (7, 2), (7, 3)] {
+        cross_entropy_against_float64(vocab, tp);
+    }
+}
+
+fn cross_entropy_against_float64(vocab: usize, tp: usize) {
+    let rows = 5;
     let logits = pattern(rows * vocab, 7).iter().map(|v| 3.0 * v).collect::<Vec<f32>>();
-    let targets = [1i64, 7, IGNORE_INDEX, 4, 0];
+    let targets = [1i64, 6, IGNORE_INDEX, 4, 0];
     // Reference in f64: mean over counted rows of log Σ exp z - z_t; gradient (softmax - onehot)
     // / counted for counted rows, zero for ignored ones.
     let counted = targets.iter().filter(|&&t| t != IGNORE_INDEX).count() as f64;
@@ -153,35 +166,36 @@ fn vocab_parallel_cross_entropy_matches_float64() {
             want_grad[r * vocab + c] = ((z[c] - lse).exp() - onehot) / counted;
         }
     }
+    let local = vocab.div_ceil(tp);
+    // Row r's column c of rank `rank`, or the padding's logit past the vocabulary.
+    let column = |row: &[f32], c: usize| row.get(c).copied().unwrap_or(50.0);
     let got = on_tp(tp, |g| {
-        let local = vocab / tp;
         let start = g.rank() * local;
         let mine: Vec<f32> = logits
             .chunks(vocab)
-            .flat_map(|row| row[start..start + local].to_vec())
+            .flat_map(|row| (start..start + local).map(|c| column(row, c)).collect::<Vec<_>>())
             .collect();
         let x = Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, local]), &Default::default()).require_grad();
         let t = Tensor::<B, 1, Int>::from_ints(targets, &Default::default());
-        let loss = vocab_parallel_cross_entropy(x.clone(), t, start, &g);
+        let loss = vocab_parallel_cross_entropy(x.clone(), t, start, vocab, &g);
         let grads = loss.backward();
         g.check().unwrap();
         (loss.into_scalar(), tensor_to_vec(x.grad(&grads).unwrap()))
     });
     for (r, (loss, grad)) in got.iter().enumerate() {
+        let label = format!("vocab {vocab} over {tp}, rank {r}");
         assert!(
             (*loss as f64 - want_loss).abs() < 1e-5,
-            "rank {r}: loss {loss} vs {want_loss}"
+            "{label}: loss {loss} vs {want_loss}"
         );
-        let local = vocab / tp;
         let want: Vec<f32> = want_grad
             .chunks(vocab)
             .flat_map(|row| {
-                row[r * local..(r + 1) * local]
-                    .iter()
-                    .map(|&v| v as f32)
+                (r * local..(r + 1) * local)
+                    .map(|c| row.get(c).map_or(0.0, |&v| v as f32))
                     .collect::<Vec<_>>()
             })
             .collect();
-        close(grad, &want, &format!("rank {r} logit gradient"));
+        close(grad, &want, &format!("{label} logit gradient"));
     }
 }

@@ -3,7 +3,6 @@
 
 use super::collectives::{copy_to_tp, reduce_from_tp, TpBackend};
 use super::group::TpGroup;
-use super::linear::check_divisible;
 use super::TpLoadError;
 use burn::module::{Module, Param};
 use burn::nn::Embedding;
@@ -11,7 +10,10 @@ use burn::prelude::*;
 use burn::tensor::module::embedding;
 
 /// An embedding table `[vocab, dim]` whose rows are split across the ranks: rank `r` holds
-/// token ids `r · vocab / tp .. (r + 1) · vocab / tp`.
+/// token ids `r · rows .. (r + 1) · rows`, `rows` being `vocab / tp` rounded up. A vocabulary
+/// that does not split evenly (GPT-2's 50257 tokens) is padded, as Megatron-LM pads it: the
+/// last rows of the last rank(s) are zeros that no token looks up, whose logits the
+/// cross-entropy leaves out, and which so never take a gradient.
 ///
 /// A lookup lets each rank embed the tokens it holds (zeros elsewhere) and sums the results over
 /// the group through `g`. As an output layer ([`logits`](Self::logits)) each rank computes the
@@ -19,29 +21,46 @@ use burn::tensor::module::embedding;
 /// takes without gathering the vocabulary.
 #[derive(Module, Debug)]
 pub struct VocabParallelEmbedding<B: Backend> {
-    /// This rank's rows, `[vocab / tp, dim]`.
+    /// This rank's rows, `[rows, dim]`, padding included.
     pub weight: Param<Tensor<B, 2>>,
     /// The first token id this rank holds.
     pub vocab_start: usize,
+    /// The whole vocabulary, without padding.
+    pub vocab: usize,
     /// The tensor-parallel group.
     pub group: TpGroup,
 }
 
 impl<B: TpBackend> VocabParallelEmbedding<B> {
-    /// This rank's rows of the full `table`.
+    /// This rank's rows of the full `table`, padded with zero rows to `vocab / tp` rounded up.
     pub fn from_full(table: &Embedding<B>, group: TpGroup) -> Result<Self, TpLoadError> {
-        let [vocab, _] = table.weight.dims();
-        check_divisible("the vocabulary", vocab, group.size())?;
-        let rows = vocab / group.size();
+        let [vocab, dim] = table.weight.dims();
+        let rows = vocab.div_ceil(group.size().max(1));
         let vocab_start = group.rank() * rows;
+        let real = vocab.saturating_sub(vocab_start).min(rows);
+        let table = table.weight.val().detach();
+        let mut parts = Vec::new();
+        if real > 0 {
+            parts.push(table.clone().narrow(0, vocab_start, real));
+        }
+        if real < rows {
+            let zeros: Tensor<B, 2> = Tensor::zeros([rows - real, dim], &table.device());
+            parts.push(zeros.cast(table.dtype()));
+        }
         Ok(VocabParallelEmbedding {
-            weight: Param::from_tensor(table.weight.val().narrow(0, vocab_start, rows).detach()),
+            weight: Param::from_tensor(Tensor::cat(parts, 0).detach()),
             vocab_start,
+            vocab,
             group,
         })
     }
 
-    /// Number of token ids this rank holds.
+    /// Rows every rank holds, padding included, for a vocabulary of `vocab` over `tp` ranks.
+    pub fn rows_per_rank(vocab: usize, tp: usize) -> usize {
+        vocab.div_ceil(tp.max(1))
+    }
+
+    /// Number of rows this rank holds, padding included.
     pub fn local_vocab(&self) -> usize {
         self.weight.dims()[0]
     }
@@ -54,8 +73,8 @@ impl<B: TpBackend> VocabParallelEmbedding<B> {
         reduce_from_tp(partial, &self.group)
     }
 
-    /// Logits of this rank's tokens, `h · W_rᵀ`: `[..., vocab / tp]` from replicated `h`
-    /// `[..., dim]` (which passes through `f`).
+    /// Logits of this rank's rows, `h · W_rᵀ`: `[..., rows]` from replicated `h` `[..., dim]`
+    /// (which passes through `f`); a padding row's logit is 0, and not a token's.
     pub fn logits<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
         let h = copy_to_tp(h, &self.group);
         h.matmul(self.weight.val().transpose().unsqueeze())

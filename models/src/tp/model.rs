@@ -23,7 +23,7 @@ use zero_burn::{ChainModel, TensorSplit};
 /// full [`Gpt2`] with [`TpGpt2::from_full`], each rank slicing its part.
 ///
 /// ZeRO over the data-parallel group: `ZeroOptimizer::with_tensor_parallel(tensor_group,
-/// TpGpt2::tensor_split)`, whose global norm (clipping) then covers the whole model.
+/// model.tensor_splits())`, whose global norm (clipping) then covers the whole model.
 #[derive(Module, Debug)]
 pub struct TpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.
@@ -37,8 +37,8 @@ pub struct TpGpt2<B: Backend> {
 }
 
 impl<B: TpBackend> TpGpt2<B> {
-    /// This rank's part of `full`. The vocabulary, the number of heads and the MLP's inner
-    /// size must be multiples of the group's size.
+    /// This rank's part of `full`. The number of heads and the MLP's inner size must be
+    /// multiples of the group's size; the vocabulary is padded when it is not one.
     pub fn from_full(full: &Gpt2<B>, group: TpGroup) -> Result<Self, TpLoadError> {
         Ok(TpGpt2 {
             wte: VocabParallelEmbedding::from_full(&full.wte, group.clone())?,
@@ -102,6 +102,7 @@ impl<B: TpBackend> TpGpt2<B> {
             logits.reshape([rows, local_vocab]),
             targets,
             self.wte.vocab_start,
+            self.wte.vocab,
             self.group(),
         )
     }
@@ -163,30 +164,49 @@ fn splits_in_a_block(name: &str) -> bool {
     name.contains("c_attn") || name.contains("c_fc") || (name.contains("c_proj") && name.ends_with("weight"))
 }
 
-impl<B: Backend> TpGpt2<B> {
-    /// How the parameter of [`TpGpt2`] named `name` (its module path, as `describe` and
-    /// `ZeroOptimizer`'s layout name it) is split over the tensor group, `None` where every
-    /// rank holds it whole: `wte`'s vocabulary rows (axis 0); the column-parallel `c_attn`
-    /// (its output axis, in 3 blocks q|k|v) and `c_fc`; the row-parallel projections' weights
-    /// (their input axis). The rule `ZeroOptimizer::with_tensor_parallel` takes.
-    pub fn tensor_split(name: &str) -> Option<TensorSplit> {
-        if name.starts_with("wte.") {
-            return Some(TensorSplit::along(0));
-        }
-        if !(name.starts_with("blocks.") && splits_in_a_block(name)) {
-            return None;
-        }
-        // Burn's Linear weight is [input, output]; a bias is [output].
-        let output = if name.ends_with("weight") { 1 } else { 0 };
-        Some(if name.contains("c_attn") {
-            TensorSplit {
-                axis: output,
-                pieces: 3,
-            }
-        } else if name.contains("c_fc") {
-            TensorSplit::along(output)
-        } else {
+/// How the parameter of the tensor-parallel GPT-2 named `name` (its module path, as `describe`
+/// and `ZeroOptimizer`'s layout name it) is split over `tp` ranks, `None` where every rank holds
+/// it whole: `wte`'s vocabulary rows (axis 0, padded past `vocab` when it does not split
+/// evenly); the column-parallel `c_attn` (its output axis, in 3 blocks q|k|v) and `c_fc`; the
+/// row-parallel projections' weights (their input axis).
+fn tensor_split(name: &str, vocab: usize, tp: usize) -> Option<TensorSplit> {
+    if name.starts_with("wte.") {
+        return Some(if vocab.is_multiple_of(tp.max(1)) {
             TensorSplit::along(0)
-        })
+        } else {
+            TensorSplit::padded(0, vocab)
+        });
+    }
+    if !(name.starts_with("blocks.") && splits_in_a_block(name)) {
+        return None;
+    }
+    // Burn's Linear weight is [input, output]; a bias is [output].
+    let output = if name.ends_with("weight") { 1 } else { 0 };
+    Some(if name.contains("c_attn") {
+        TensorSplit::blocks(output, 3)
+    } else if name.contains("c_fc") {
+        TensorSplit::along(output)
+    } else {
+        TensorSplit::along(0)
+    })
+}
+
+/// The rule of [`tensor_split`] for a model of `vocab` tokens over `tp` ranks.
+pub(crate) fn tensor_split_rule(
+    vocab: usize,
+    tp: usize,
+) -> impl Fn(&str) -> Option<TensorSplit> + Send + Sync + 'static {
+    move |name| tensor_split(name, vocab, tp)
+}
+
+impl<B: Backend> TpGpt2<B> {
+    /// How each parameter (by its module path, as `describe` and `ZeroOptimizer`'s layout name
+    /// it) is split over the tensor group, `None` where every rank holds it whole: `wte`'s
+    /// vocabulary rows (padded past the vocabulary when it does not split evenly), the
+    /// column-parallel `c_attn` (its output axis, in 3 blocks q|k|v) and `c_fc`, the
+    /// row-parallel projections' weights (their input axis). The rule
+    /// `ZeroOptimizer::with_tensor_parallel` takes.
+    pub fn tensor_splits(&self) -> impl Fn(&str) -> Option<TensorSplit> + Send + Sync + 'static {
+        tensor_split_rule(self.wte.vocab, self.wte.group.size())
     }
 }

@@ -55,6 +55,7 @@ impl<B: TpBackend> TpGpt2<B> {
         let head_wte = VocabParallelEmbedding {
             weight: Param::from_tensor(self.wte.weight.val().detach()),
             vocab_start: self.wte.vocab_start,
+            vocab: self.wte.vocab,
             group: self.wte.group.clone(),
         };
         let mut layers = vec![TpGpt2Layer::Embed(TpEmbed {
@@ -117,6 +118,7 @@ impl<B: AutodiffBackend + TpBackend> PipeLayer<B> for TpGpt2Layer<B> {
             logits.reshape([n, local_vocab]),
             targets,
             head.wte.vocab_start,
+            head.wte.vocab,
             &head.wte.group,
         )
     }

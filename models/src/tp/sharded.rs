@@ -18,7 +18,7 @@ use zero_burn::{ChainModel, ZeroError};
 /// [`TpGpt2`] whose blocks are `ZeroModule`s (cut by `zero_burn::initialize` at stage 3 over the
 /// data-parallel ranks); the embeddings and the final norm stay plain parameters (stage 3
 /// shards their optimizer state as stage 2 does). Train it with `ZeroOptimizer` and
-/// `with_tensor_parallel(tensor_group, TpGpt2::tensor_split)`.
+/// `with_tensor_parallel(tensor_group, model.tensor_splits())`.
 #[derive(Module, Debug)]
 pub struct ShardedTpGpt2<B: Backend> {
     /// Token embedding, this rank's vocabulary rows; also the LM head.
@@ -52,6 +52,12 @@ impl<B: TpBackend + ShardBackend> ShardedTpGpt2<B> {
             h = block.unshard(&h)?.forward(h);
         }
         Ok(self.ends().head_loss(h, labels))
+    }
+
+    /// How each parameter is split over the tensor group, as [`TpGpt2::tensor_splits`]: the
+    /// rule `ZeroOptimizer::with_tensor_parallel` takes.
+    pub fn tensor_splits(&self) -> impl Fn(&str) -> Option<zero_burn::TensorSplit> + Send + Sync + 'static {
+        super::model::tensor_split_rule(self.wte.vocab, self.wte.group.size())
     }
 
     /// The ends, as the unsharded model's (its embedding and head), without blocks.

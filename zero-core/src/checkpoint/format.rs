@@ -103,18 +103,45 @@ pub struct ModelRecord {
 /// How one parameter of a tensor-parallel model is cut over the tensor ranks: along `axis`,
 /// which holds `pieces` equal blocks (3 for a fused q|k|v projection, 1 otherwise), each block
 /// cut evenly over the ranks; rank `r` holds the `r`-th part of every block, in block order.
+/// With `len`, the slices were padded at the end of the axis (a vocabulary that does not split
+/// evenly): the whole parameter is the first `len` along it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TensorSplit {
     /// The dimension that is cut.
     pub axis: usize,
     /// The equal blocks along it, each cut over the ranks.
     pub pieces: usize,
+    /// The whole parameter's size along `axis` when the slices hold padding past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub len: Option<usize>,
 }
 
 impl TensorSplit {
     /// Cut along `axis` in one block.
     pub fn along(axis: usize) -> Self {
-        TensorSplit { axis, pieces: 1 }
+        TensorSplit {
+            axis,
+            pieces: 1,
+            len: None,
+        }
+    }
+
+    /// Cut along `axis` in `pieces` blocks.
+    pub fn blocks(axis: usize, pieces: usize) -> Self {
+        TensorSplit {
+            axis,
+            pieces,
+            len: None,
+        }
+    }
+
+    /// Cut along `axis` in one block, the slices padded past the whole parameter's `len`.
+    pub fn padded(axis: usize, len: usize) -> Self {
+        TensorSplit {
+            axis,
+            pieces: 1,
+            len: Some(len),
+        }
     }
 }
 

@@ -117,8 +117,15 @@ impl TensorParallelCheckpoint {
         let mut shape = param.shape.clone();
         if let Some(split) = self.splits().get(&param.name) {
             let meta_path = self.ranks[0].meta_path();
+            let ranks = self.ranks.len();
             match shape.get_mut(split.axis) {
-                Some(n) if split.pieces > 0 && *n % split.pieces == 0 => *n *= self.ranks.len(),
+                Some(n)
+                    if split.pieces > 0
+                        && *n % split.pieces == 0
+                        && split.len.is_none_or(|len| len <= *n * ranks && split.pieces == 1) =>
+                {
+                    *n = split.len.unwrap_or(*n * ranks)
+                }
                 _ => {
                     return Err(CheckpointError::Metadata {
                         path: meta_path,
@@ -136,7 +143,8 @@ impl TensorParallelCheckpoint {
 
 /// Writes the whole tensor into `whole` from the tensor ranks' `slices` (rank order, each of
 /// shape `slice_shape`) of a parameter split as `split`: for every index before the axis, and
-/// every block along it, rank 0's part of the block, then rank 1's, and so on.
+/// every block along it, rank 0's part of the block, then rank 1's, and so on; with
+/// `split.len`, only the first `len` along the axis (the padding past it left out).
 pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit, whole: &mut [f32]) {
     let ranks = slices.len();
     let outer: usize = slice_shape[..split.axis].iter().product();
@@ -144,17 +152,22 @@ pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit
     // One rank's part of one block, as contiguous elements (the axis and everything after it).
     let part = slice_shape[split.axis] / split.pieces * inner;
     let slice_row = slice_shape[split.axis] * inner;
+    // Elements of one whole row along the axis, padding left out.
+    let row = split.len.map_or(slice_row * ranks, |len| len * inner);
     let mut at = 0;
     for o in 0..outer {
+        let mut kept = 0;
         for block in 0..split.pieces {
             for slice in slices {
+                let n = part.min(row - kept);
                 let from = o * slice_row + block * part;
-                whole[at..at + part].copy_from_slice(&slice[from..from + part]);
-                at += part;
+                whole[at..at + n].copy_from_slice(&slice[from..from + n]);
+                at += n;
+                kept += n;
             }
         }
     }
-    debug_assert_eq!(at, outer * slice_row * ranks);
+    debug_assert_eq!(at, outer * row);
 }
 
 #[cfg(test)]
@@ -170,7 +183,7 @@ mod tests {
         let rank0 = [0.0, 2.0, 4.0, 6.0, 8.0, 10.0];
         let rank1 = [1.0, 3.0, 5.0, 7.0, 9.0, 11.0];
         let mut out = vec![0.0; 12];
-        merge_slices(&[&rank0, &rank1], &[2, 3], TensorSplit { axis: 1, pieces: 3 }, &mut out);
+        merge_slices(&[&rank0, &rank1], &[2, 3], TensorSplit::blocks(1, 3), &mut out);
         assert_eq!(out, whole);
     }
 
@@ -182,5 +195,15 @@ mod tests {
         let mut out = vec![0.0; 6];
         merge_slices(&refs, &[1, 2], TensorSplit::along(0), &mut out);
         assert_eq!(out, [0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
+    }
+
+    /// A vocabulary of 5 rows padded to 3 per rank over 2 ranks: the padding row is left out.
+    #[test]
+    fn merging_padded_rows_leaves_the_padding_out() {
+        let rank0 = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0];
+        let rank1 = [6.0, 7.0, 8.0, 9.0, -1.0, -1.0];
+        let mut out = vec![0.0; 10];
+        merge_slices(&[&rank0, &rank1], &[3, 2], TensorSplit::padded(0, 5), &mut out);
+        assert_eq!(out, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
     }
 }

@@ -25,7 +25,7 @@ use zero_core::comm::{ProcessGroup, SharedGroup};
 use zero_core::config::ResolvedConfig;
 use zero_core::parallel::RankGroups;
 use zero_models::gpt2::{Gpt2Batch, ShardedGpt2};
-use zero_models::tp::{ShardedTpGpt2, TpBackend, TpGpt2};
+use zero_models::tp::{ShardedTpGpt2, TpBackend};
 use zero_models::Gpt2;
 
 /// Where a rank of a run without a pipeline stands: its groups, and its index among the
@@ -64,6 +64,9 @@ impl RankPlace {
     }
 }
 
+/// How each parameter, by name, is split over the tensor ranks.
+type SplitRule = Box<dyn Fn(&str) -> Option<TensorSplit> + Send + Sync>;
+
 /// The models [`rank_loop`] trains: GPT-2 with its blocks `ZeroModule`s, whole on every rank
 /// ([`ShardedGpt2`]) or each rank's tensor slice of them ([`ShardedTpGpt2`]).
 pub(super) trait TrainedGpt2<B: AutodiffBackend>:
@@ -75,8 +78,8 @@ pub(super) trait TrainedGpt2<B: AutodiffBackend>:
     /// The loss of `tokens` predicting themselves, on the model's copy without autodiff.
     fn held_out_loss(&self, tokens: Tensor<B::InnerBackend, 2, Int>) -> Result<f64, ZeroError>;
 
-    /// How the parameter named `name` is split over the tensor ranks (`None`: held whole).
-    fn tensor_split(name: &str) -> Option<TensorSplit>;
+    /// How each parameter, by name, is split over the tensor ranks (`None`: held whole).
+    fn tensor_splits(&self) -> SplitRule;
 }
 
 impl<B: AutodiffBackend + ShardBackend> TrainedGpt2<B> for ShardedGpt2<B>
@@ -91,8 +94,8 @@ where
         Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
     }
 
-    fn tensor_split(_: &str) -> Option<TensorSplit> {
-        None
+    fn tensor_splits(&self) -> SplitRule {
+        Box::new(|_| None)
     }
 }
 
@@ -108,8 +111,8 @@ where
         Ok(self.valid().loss(tokens.clone(), tokens)?.into_scalar().elem::<f64>())
     }
 
-    fn tensor_split(name: &str) -> Option<TensorSplit> {
-        TpGpt2::<B>::tensor_split(name)
+    fn tensor_splits(&self) -> SplitRule {
+        Box::new(ShardedTpGpt2::tensor_splits(self))
     }
 }
 
@@ -178,7 +181,7 @@ where
     let (mut model, mut optim) = zero_burn::initialize_settings(settings, model, engine_group, units)?;
     if let Some(tensor) = &place.tensor {
         // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
-        optim = optim.with_tensor_parallel(tensor.clone(), |name: &str| M::tensor_split(name));
+        optim = optim.with_tensor_parallel(tensor.clone(), model.tensor_splits());
     }
     let first_step = match &args.load {
         Some(dir) => {
