@@ -16,10 +16,20 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary.
-    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, world: usize, stage: u8) -> Self {
+    /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary. The
+    /// header names the ranks by `layout`: (data, tensor, pipeline) degrees.
+    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, layout: [usize; 3], stage: u8) -> Self {
+        let [data, tensor, pipeline] = layout;
+        let world = data * tensor * pipeline;
+        let mut ranks = format!("{world} rank{}", if world == 1 { "" } else { "s" });
+        if tensor > 1 || pipeline > 1 {
+            let mut parts = vec![format!("{data} data")];
+            parts.extend((tensor > 1).then(|| format!("{tensor} tensor")));
+            parts.extend((pipeline > 1).then(|| format!("{pipeline} pipeline")));
+            ranks.push_str(&format!(" ({})", parts.join(" × ")));
+        }
         let header = format!(
-            "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {world} ranks",
+            "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {ranks}",
             parameters as f64 / 1e6
         );
         let bar = (lead && show).then(|| {

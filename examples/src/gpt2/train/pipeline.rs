@@ -118,7 +118,8 @@ impl PipelineRun<'_> {
         if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
             return Ok(done);
         }
-        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, world, self.zero_stage);
+        let layout = [Axis::Data, Axis::Tensor, Axis::Pipeline].map(|a| groups.layout.size(a));
+        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, layout, self.zero_stage);
         let mut metrics = match (&args.metrics, lead) {
             (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
             _ => None,

@@ -200,7 +200,7 @@ where
         !args.quiet,
         args.steps,
         parameters,
-        world,
+        [data_ranks, place.tensor.as_ref().map_or(1, |t| t.world_size()), 1],
         resolved.zero.stage as u8,
     );
     let mut metrics = match (&args.metrics, lead) {
