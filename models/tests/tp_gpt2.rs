@@ -461,6 +461,7 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
                 zero_burn::initialize_settings(settings(Stage::Zero3, clip), model, groups.data.clone(), units)
                     .unwrap();
             assert!(model.blocks.iter().all(|b| b.is_sharded()), "the blocks are cut");
+            assert!(model.embed.is_sharded(), "the embeddings are cut");
             let mut optim = optim.with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
             let per_micro = GLOBAL_BATCH / data / gas;
             let d = groups.coords.data;
@@ -476,10 +477,11 @@ fn zero_optimizer_at_stage_3_with_tensor_parallelism_trains_like_one_process() {
             }
             group.check().unwrap();
             let want = values(&TpGpt2::from_full(&model_from(&reference, &device), group.clone()).unwrap());
-            // The trained model whole: each block gathered.
+            // The trained model whole: each unit gathered.
+            let embed = model.embed.gathered().unwrap();
             let got = TpGpt2 {
-                wte: model.wte.clone(),
-                wpe: model.wpe.clone(),
+                wte: embed.wte,
+                wpe: embed.wpe,
                 blocks: model.blocks.iter().map(|b| b.gathered().unwrap()).collect(),
                 ln_f: model.ln_f.clone(),
             };

@@ -1,42 +1,51 @@
-//! Tensor parallelism with ZeRO stage 3: [`TpGpt2`] with each block a `ZeroModule`, so that
-//! each tensor rank's slice of a block is cut over the data-parallel ranks and gathered for its
-//! forward (Megatron combined with ZeRO-3). A [`ChainModel`] too, so that
+//! Tensor parallelism with ZeRO stage 3: [`TpGpt2`] with its embeddings and each block a
+//! `ZeroModule`, so that each tensor rank's slice of them is cut over the data-parallel ranks
+//! and gathered for its forward (Megatron combined with ZeRO-3). A [`ChainModel`] too, so that
 //! `zero_burn::checkpointed_grads` checkpoints its activations.
 
 use super::block::TpBlock;
 use super::collectives::TpBackend;
-use super::embedding::VocabParallelEmbedding;
 use super::model::TpGpt2;
+use super::pipeline::TpEmbed;
 use crate::gpt2::Gpt2Batch;
 use burn::module::Module;
-use burn::nn::{Embedding, LayerNorm};
+use burn::nn::LayerNorm;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use zero_burn::sharded::{ShardBackend, ZeroModule};
 use zero_burn::{ChainModel, ZeroError};
 
-/// [`TpGpt2`] whose blocks are `ZeroModule`s (cut by `zero_burn::initialize` at stage 3 over the
-/// data-parallel ranks); the embeddings and the final norm stay plain parameters (stage 3
-/// shards their optimizer state as stage 2 does). Train it with `ZeroOptimizer` and
+/// [`TpGpt2`] whose embeddings (this tensor rank's vocabulary rows of `wte`, which is also the
+/// LM head, and `wpe`) and blocks (this tensor rank's slice of each) are `ZeroModule`s, cut by
+/// `zero_burn::initialize` at stage 3 over the data-parallel ranks, as the zoo's `ShardedGpt2`
+/// is; the final norm stays a plain parameter (stage 3 shards its optimizer state as stage 2
+/// does). Train it with `ZeroOptimizer` and
 /// `with_tensor_parallel(tensor_group, model.tensor_splits())`.
 #[derive(Module, Debug)]
 pub struct ShardedTpGpt2<B: Backend> {
-    /// Token embedding, this rank's vocabulary rows; also the LM head.
-    pub wte: VocabParallelEmbedding<B>,
-    /// Position embedding (replicated).
-    pub wpe: Embedding<B>,
+    /// Token embedding (this rank's vocabulary rows; also the LM head) and position embedding.
+    pub embed: ZeroModule<B, TpEmbed<B>>,
     /// The blocks, each this tensor rank's slice as one unit.
     pub blocks: Vec<ZeroModule<B, TpBlock<B>>>,
     /// The final LayerNorm (replicated).
     pub ln_f: LayerNorm<B>,
+    /// The vocabulary, without padding.
+    pub vocab: usize,
+    /// The tensor ranks the model is split over.
+    pub tensor_ranks: usize,
 }
 
 impl<B: TpBackend + ShardBackend> TpGpt2<B> {
-    /// Each block a `ZeroModule` (whole until `zero_burn::initialize` cuts it at stage 3).
+    /// The embeddings and each block a `ZeroModule` (whole until `zero_burn::initialize` cuts
+    /// them at stage 3).
     pub fn into_sharded(self) -> ShardedTpGpt2<B> {
         ShardedTpGpt2 {
-            wte: self.wte,
-            wpe: self.wpe,
+            vocab: self.wte.vocab,
+            tensor_ranks: self.wte.group.size(),
+            embed: ZeroModule::new(TpEmbed {
+                wte: self.wte,
+                wpe: self.wpe,
+            }),
             blocks: self.blocks.into_iter().map(ZeroModule::new).collect(),
             ln_f: self.ln_f,
         }
@@ -44,27 +53,35 @@ impl<B: TpBackend + ShardBackend> TpGpt2<B> {
 }
 
 impl<B: TpBackend + ShardBackend> ShardedTpGpt2<B> {
-    /// Mean next-token cross-entropy, as [`TpGpt2::loss`], each block gathered for its
-    /// forward. Fails when a gather fails (a peer lost, a collective out of order).
+    /// Mean next-token cross-entropy, as [`TpGpt2::loss`], each unit gathered for its forward
+    /// (the embeddings again for the head). Fails when a gather fails (a peer lost, a collective
+    /// out of order).
     pub fn loss(&self, tokens: Tensor<B, 2, Int>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
-        let mut h = self.ends().embed(tokens);
+        let mut h = self.ends(self.embed.gathered()?).embed(tokens);
         for block in &self.blocks {
             h = block.unshard(&h)?.forward(h);
         }
-        Ok(self.ends().head_loss(h, labels))
+        self.head_loss(h, labels)
+    }
+
+    /// The loss from the last block's output: the final norm and the LM head tied to `wte`
+    /// (the embedding unit gathered again).
+    fn head_loss(&self, h: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>, ZeroError> {
+        let embed = self.embed.unshard(&h)?;
+        Ok(self.ends(embed).head_loss(h, labels))
     }
 
     /// How each parameter is split over the tensor group, as [`TpGpt2::tensor_splits`]: the
     /// rule `ZeroOptimizer::with_tensor_parallel` takes.
     pub fn tensor_splits(&self) -> impl Fn(&str) -> Option<zero_burn::TensorSplit> + Send + Sync + 'static {
-        super::model::tensor_split_rule(self.wte.vocab, self.wte.group.size())
+        super::model::tensor_split_rule(self.vocab, self.tensor_ranks)
     }
 
-    /// The ends, as the unsharded model's (its embedding and head), without blocks.
-    fn ends(&self) -> TpGpt2<B> {
+    /// The model without blocks from the gathered embeddings: its embedding and head.
+    fn ends(&self, embed: TpEmbed<B>) -> TpGpt2<B> {
         TpGpt2 {
-            wte: self.wte.clone(),
-            wpe: self.wpe.clone(),
+            wte: embed.wte,
+            wpe: embed.wpe,
             blocks: Vec::new(),
             ln_f: self.ln_f.clone(),
         }
@@ -72,8 +89,7 @@ impl<B: TpBackend + ShardBackend> ShardedTpGpt2<B> {
 }
 
 /// The chain `zero_burn::checkpointed_grads` runs: the ends are the model without its blocks
-/// (the vocabulary-parallel embedding, also the head, and the replicated norms), each block's
-/// slice a unit. Every tensor rank runs the same chain, so the tensor collectives inside each
+/// (the embeddings' unit, also the head's, and the final norm), each block's slice a unit. Every tensor rank runs the same chain, so the tensor collectives inside each
 /// block's forward and its recomputation meet in the same order on every rank.
 impl<B: AutodiffBackend + TpBackend + ShardBackend> ChainModel<B> for ShardedTpGpt2<B> {
     type Batch = Gpt2Batch<B>;
@@ -92,7 +108,7 @@ impl<B: AutodiffBackend + TpBackend + ShardBackend> ChainModel<B> for ShardedTpG
     }
 
     fn try_embed(ends: &Self, batch: &Self::Batch) -> Result<Tensor<B, 3>, ZeroError> {
-        Ok(ends.ends().embed(batch.0.clone()))
+        Ok(ends.ends(ends.embed.gathered()?).embed(batch.0.clone()))
     }
 
     fn try_block_forward(block: &Self::Block, x: Tensor<B, 3>) -> Result<Tensor<B, 3>, ZeroError> {
@@ -100,11 +116,11 @@ impl<B: AutodiffBackend + TpBackend + ShardBackend> ChainModel<B> for ShardedTpG
     }
 
     fn try_head_loss(ends: &Self, h: Tensor<B, 3>, batch: &Self::Batch) -> Result<Tensor<B, 1>, ZeroError> {
-        Ok(ends.ends().head_loss(h, batch.1.clone()))
+        ends.head_loss(h, batch.1.clone())
     }
 
     fn embed(ends: &Self, batch: &Self::Batch) -> Tensor<B, 3> {
-        ends.ends().embed(batch.0.clone())
+        Self::try_embed(ends, batch).unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn block_forward(block: &Self::Block, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -112,6 +128,6 @@ impl<B: AutodiffBackend + TpBackend + ShardBackend> ChainModel<B> for ShardedTpG
     }
 
     fn head_loss(ends: &Self, h: Tensor<B, 3>, batch: &Self::Batch) -> Tensor<B, 1> {
-        ends.ends().head_loss(h, batch.1.clone())
+        Self::try_head_loss(ends, h, batch).unwrap_or_else(|e| panic!("{e}"))
     }
 }
