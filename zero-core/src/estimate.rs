@@ -45,6 +45,14 @@ pub enum EstimateError {
         /// What was being computed.
         detail: String,
     },
+    /// The devices do not split into tensor-parallel groups of the size asked for.
+    #[error("{world} devices do not split into tensor-parallel groups of {tensor}")]
+    TensorParallel {
+        /// Devices in all.
+        world: u64,
+        /// The tensor-parallel degree.
+        tensor: u64,
+    },
 }
 
 /// `a × b`, or an overflow error blaming `input`.
@@ -160,6 +168,9 @@ pub struct EstimateInput {
     pub dtype: Dtype,
     /// How NVMe-offloaded optimizer state streams through host memory.
     pub nvme_streaming: NvmeStreaming,
+    /// Tensor-parallel degree T (1: none): `params` are then one tensor rank's, and ZeRO
+    /// partitions over the N / T data-parallel devices.
+    pub tensor_parallel: u64,
 }
 
 /// The host buffers an NVMe-offloaded optimizer step streams its state through: up to
@@ -219,15 +230,26 @@ impl EstimateInput {
             offload_param: None,
             dtype,
             nvme_streaming: NvmeStreaming::default(),
+            tensor_parallel: 1,
         }
     }
 
-    /// N: data-parallel devices in all.
+    /// Devices in all.
     pub fn world(&self) -> Result<u64, EstimateError> {
         let world = mul(self.gpus_per_node, self.nodes, "nodes", self.nodes, || {
             format!("{} devices per node × {} nodes", self.gpus_per_node, self.nodes)
         })?;
         Ok(world.max(1))
+    }
+
+    /// N: the data-parallel devices ZeRO partitions over (all of them, divided by the
+    /// tensor-parallel degree).
+    pub fn data_parallel(&self) -> Result<u64, EstimateError> {
+        let (world, tensor) = (self.world()?, self.tensor_parallel.max(1));
+        if !world.is_multiple_of(tensor) {
+            return Err(EstimateError::TensorParallel { world, tensor });
+        }
+        Ok(world / tensor)
     }
 }
 
@@ -312,7 +334,7 @@ fn share(bytes_per_param: u64, params: u64, n: u64) -> Result<u64, EstimateError
 /// Computes the estimate for `input` (see the module documentation for the formulas).
 pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
     let psi = input.params;
-    let n = input.world()?;
+    let n = input.data_parallel()?;
     let p = input.dtype.param_bytes();
     let k = input.dtype.optimizer_bytes();
     let stage = input.stage.min(3);
@@ -632,18 +654,54 @@ impl Gpt2Shape {
         self.checked_counts().map_or(u64::MAX, |(_, _, total)| total)
     }
 
-    /// `base` (stage, cluster, offload, dtype, prefetch budget) for this model: its
-    /// parameters, what stage 3 holds gathered at once (with the budget; none on one device,
-    /// where nothing is gathered ahead), and its largest partitioned group.
+    /// `base` (stage, cluster, offload, dtype, prefetch budget, tensor-parallel degree) for this
+    /// model: its parameters (one tensor rank's, with tensor parallelism), what stage 3 holds
+    /// gathered at once (with the budget; none on one data-parallel device, where nothing is
+    /// gathered ahead), and its largest partitioned group.
     pub fn input(&self, base: &EstimateInput) -> EstimateInput {
+        let rank = self.tensor_slice(base.tensor_parallel);
         EstimateInput {
-            params: self.num_params(),
-            gathered_at_once: Some(self.gathered_at_once(match base.world() {
+            params: rank.num_params(),
+            gathered_at_once: Some(rank.gathered_at_once(match base.data_parallel() {
                 Ok(w) if w > 1 => base.prefetch_bucket_size,
                 _ => 0,
             })),
-            largest_group: Some(self.block_params().max(self.ends_params())),
+            largest_group: Some(rank.block_params().max(rank.ends_params())),
             ..base.clone()
+        }
+    }
+
+    /// Whether the model splits over `tensor` ranks as the zoo's tensor-parallel GPT-2 splits
+    /// it: its heads and its MLP's inner size multiples of `tensor` (the vocabulary is padded).
+    pub fn splits_over(&self, tensor: u64) -> bool {
+        tensor > 0 && self.n_head.is_multiple_of(tensor) && self.n_inner.is_multiple_of(tensor)
+    }
+
+    /// What one of `tensor` ranks holds of the model as the zoo's tensor-parallel GPT-2 splits
+    /// it (`TpGpt2`): each block's q|k|v and MLP input columns, and its projections' rows,
+    /// divided by `tensor`, the layer norms and the projections' biases whole; the token
+    /// embedding's rows divided, rounded up (the vocabulary padded); the position embedding and
+    /// the final norm whole. `tensor` 1: the counts of the model itself.
+    pub fn tensor_slice(&self, tensor: u64) -> RankShape {
+        let t = tensor.max(1);
+        let (d, inner) = (self.n_embd, self.n_inner);
+        let whole = self.checked_counts();
+        let block = (|| {
+            let split = d
+                .checked_mul(3)?
+                .checked_mul(d)?
+                .checked_add(d.checked_mul(3)?)?
+                .checked_add(d.checked_mul(d)?)?
+                .checked_add(d.checked_mul(inner)?.checked_add(inner)?)?
+                .checked_add(inner.checked_mul(d)?)?;
+            split.checked_div(t)?.checked_add(d.checked_mul(6)?)
+        })();
+        let embed = (|| self.vocab.div_ceil(t).checked_add(self.n_positions)?.checked_mul(d))();
+        RankShape {
+            block: if t == 1 { whole.map(|c| c.0) } else { block },
+            embed,
+            n_layer: self.n_layer,
+            n_embd: d,
         }
     }
 
@@ -657,6 +715,48 @@ impl Gpt2Shape {
     /// embeddings and each block a unit, gathered one at a time; the final layer norm
     /// replicated), with a prefetch budget of `prefetch_bucket_size` elements (0: none): by
     /// [`gathered_with_prefetch`].
+    pub fn gathered_at_once(&self, prefetch_bucket_size: u64) -> u64 {
+        gathered_with_prefetch_counted(
+            &[(self.embed_params(), 1), (self.block_params(), self.n_layer)],
+            prefetch_bucket_size,
+        )
+    }
+}
+
+/// What one tensor rank holds of a GPT-2 ([`Gpt2Shape::tensor_slice`]): the counts stage 3's
+/// units and the estimate take. Counts that pass 2^64 saturate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankShape {
+    block: Option<u64>,
+    embed: Option<u64>,
+    n_layer: u64,
+    n_embd: u64,
+}
+
+impl RankShape {
+    /// Parameters of one block's slice.
+    pub fn block_params(&self) -> u64 {
+        self.block.unwrap_or(u64::MAX)
+    }
+
+    /// Parameters of the embeddings' slice (the first unit).
+    pub fn embed_params(&self) -> u64 {
+        self.embed.unwrap_or(u64::MAX)
+    }
+
+    /// Parameters outside the blocks: the embeddings and the final layer norm.
+    pub fn ends_params(&self) -> u64 {
+        self.embed_params().saturating_add(self.n_embd.saturating_mul(2))
+    }
+
+    /// Parameters the rank holds.
+    pub fn num_params(&self) -> u64 {
+        self.n_layer
+            .saturating_mul(self.block_params())
+            .saturating_add(self.ends_params())
+    }
+
+    /// [`Gpt2Shape::gathered_at_once`] of the slice.
     pub fn gathered_at_once(&self, prefetch_bucket_size: u64) -> u64 {
         gathered_with_prefetch_counted(
             &[(self.embed_params(), 1), (self.block_params(), self.n_layer)],

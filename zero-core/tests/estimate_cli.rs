@@ -275,3 +275,69 @@ fn the_stage_3_gathered_term_follows_the_prefetch_budget() {
         "{err}"
     );
 }
+
+/// `--tensor-parallel 2` on 8 devices: each device holds one tensor rank's slice of GPT-2
+/// small, ZeRO-2 over the 4 data-parallel devices. Reference, computed here from the shape:
+/// a block's q|k|v, projection and MLP weights (and the column-parallel biases) halved, its
+/// layer norms and projection biases whole; the token embedding's 50257 rows halved rounded up
+/// (25129, one row of padding); the position embedding and the final norm whole.
+#[test]
+fn tensor_parallelism_divides_the_split_parameters_and_zero_goes_over_the_rest() {
+    let (d, inner) = (768u64, 3072u64);
+    let split = 3 * d * d + 3 * d + d * d + d * inner + inner + inner * d;
+    let block = split / 2 + 6 * d;
+    let psi = 12 * block + (25129 + 1024) * d + 2 * d;
+    assert_eq!(psi, 62_641_920);
+    let (ok, out, err) = estimate(&[
+        "--preset",
+        "gpt2",
+        "--stage",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--tensor-parallel",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(bytes_on(&out, "per device"), 2 * psi + (14 * psi).div_ceil(4));
+    assert!(out.contains("each of 2 tensor ranks holds 62641920"), "{out}");
+    assert!(out.contains("N = 4 data-parallel, 2 tensor ranks each"), "{out}");
+
+    // What cannot be split is refused, naming the flag.
+    for (args, want) in [
+        (
+            vec!["--params", "1e9", "--stage", "1", "--tensor-parallel", "2"],
+            "give --preset",
+        ),
+        (
+            vec![
+                "--preset",
+                "gpt2",
+                "--stage",
+                "1",
+                "--gpus-per-node",
+                "3",
+                "--tensor-parallel",
+                "2",
+            ],
+            "--tensor-parallel 2",
+        ),
+        (
+            vec![
+                "--preset",
+                "gpt2",
+                "--stage",
+                "1",
+                "--gpus-per-node",
+                "5",
+                "--tensor-parallel",
+                "5",
+            ],
+            "12 heads",
+        ),
+    ] {
+        let (ok, _, err) = estimate(&args);
+        assert!(!ok, "{args:?} must be refused");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

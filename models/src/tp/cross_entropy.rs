@@ -55,10 +55,12 @@ pub fn vocab_parallel_cross_entropy<B: TpBackend>(
         .lower_elem(start)
         .bool_or(targets.clone().greater_equal_elem(end));
     let local = targets.clone().sub_scalar(start).mask_fill(outside.clone(), 0);
-    let picked = shifted.gather(1, local.unsqueeze_dim(1)) * outside.bool_not().float().unsqueeze_dim(1);
+    // Masks in the logits' dtype (bf16, fp16 training), not the backend's default float.
+    let dtype = shifted.dtype();
+    let picked = shifted.gather(1, local.unsqueeze_dim(1)) * outside.bool_not().float().cast(dtype).unsqueeze_dim(1);
     let target_logit = reduce_from_tp(picked, group);
 
     let per_row = (sum_exp.log() - target_logit).reshape([rows]);
-    let weights = targets.not_equal_elem(IGNORE_INDEX).float();
+    let weights = targets.not_equal_elem(IGNORE_INDEX).float().cast(dtype);
     (per_row * weights.clone()).sum() / weights.sum()
 }

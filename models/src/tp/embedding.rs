@@ -68,8 +68,10 @@ impl<B: TpBackend> VocabParallelEmbedding<B> {
     /// Embeds `tokens` `[batch, seq]`: `[batch, seq, dim]`, replicated on every rank.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let (local, outside) = self.localize(tokens);
-        let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
-        let partial = embedding(self.weight.val(), local) * keep;
+        let weight = self.weight.val();
+        // In the weights' dtype (bf16, fp16 training), not the backend's default float.
+        let keep = outside.bool_not().float().cast(weight.dtype()).unsqueeze_dim::<3>(2);
+        let partial = embedding(weight, local) * keep;
         reduce_from_tp(partial, &self.group)
     }
 

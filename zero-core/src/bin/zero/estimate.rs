@@ -58,6 +58,11 @@ pub struct Args {
     /// With --offload-optimizer nvme: elements per streamed chunk (`sub_group_size`; at most 4Mi).
     #[arg(long, default_value_t = 1_000_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub sub_group_size: u64,
+    /// Tensor-parallel degree T (`tensor_parallel.autotp_size`): each device holds its slice of
+    /// a GPT-2 split as the zoo's tensor-parallel model splits it, and ZeRO partitions over the
+    /// devices / T data-parallel ones. Needs a GPT-2 (--preset or --fit-host-memory).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tensor_parallel: u64,
 }
 
 /// Runs the subcommand: the estimate on stdout, or the error on stderr with exit status 2.
@@ -70,8 +75,11 @@ pub fn run(args: Args) -> ExitCode {
 
 /// The flag (and its value) an overflowing input came from, for the error.
 fn blame(args: &Args, e: &EstimateError) -> String {
-    let EstimateError::Overflow { input, .. } = e;
-    match *input {
+    let input = match e {
+        EstimateError::Overflow { input, .. } => *input,
+        EstimateError::TensorParallel { .. } => return format!("--tensor-parallel {}", args.tensor_parallel),
+    };
+    match input {
         "gpus_per_node" => format!("--gpus-per-node {}", args.gpus_per_node),
         "nodes" => format!("--nodes {}", args.nodes),
         _ => match (&args.params, &args.preset) {
@@ -194,15 +202,29 @@ fn report(args: &Args) -> Result<String, String> {
             buffer_count: args.buffer_count,
             chunk_elements: args.sub_group_size.min(zero_core::offload::MAX_CHUNK_ELEMENTS as u64),
         },
+        tensor_parallel: args.tensor_parallel,
     };
+    if args.tensor_parallel > 1 && args.params.is_some() {
+        return Err(format!(
+            "--tensor-parallel {} with --params: what a tensor rank holds depends on the model's shape; give \
+             --preset NAME (or --fit-host-memory)",
+            args.tensor_parallel
+        ));
+    }
+    input.data_parallel().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
     let describe = |name: &str, shape: &Gpt2Shape| {
+        let rank = shape.tensor_slice(args.tensor_parallel);
+        let slice = match args.tensor_parallel {
+            1 => String::new(),
+            t => format!("; each of {t} tensor ranks holds {} of them, in", rank.num_params()),
+        };
         format!(
-            "{name}: {} parameters ({} layers, hidden {}), units of {} (embeddings) and {} (a block) parameters",
+            "{name}: {} parameters ({} layers, hidden {}){slice} units of {} (embeddings) and {} (a block) parameters",
             shape.num_params(),
             shape.n_layer,
             shape.n_embd,
-            shape.embed_params(),
-            shape.block_params()
+            rank.embed_params(),
+            rank.block_params()
         )
     };
     let shape = match (&args.params, &args.preset, &args.fit_host_memory) {
@@ -258,6 +280,12 @@ fn report(args: &Args) -> Result<String, String> {
         (None, None, None) => return Err("give --params N, --preset NAME or --fit-host-memory BYTES".into()),
     };
     let what = match &shape {
+        Some((name, shape)) if !shape.splits_over(args.tensor_parallel) => {
+            return Err(format!(
+                "--tensor-parallel {}: {name} has {} heads and an MLP of {}, which must both be multiples of it",
+                args.tensor_parallel, shape.n_head, shape.n_inner
+            ))
+        }
         Some((name, shape)) => {
             if prefetch.is_none() {
                 input.prefetch_bucket_size = auto_prefetch(shape.n_embd);
@@ -268,9 +296,13 @@ fn report(args: &Args) -> Result<String, String> {
         None => format!("{} parameters", input.params),
     };
     let e = estimate(&input).map_err(|e| format!("{}: {e}", blame(args, &e)))?;
-    let world = input.world().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
+    let world = input.data_parallel().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
+    let tensor = match args.tensor_parallel {
+        1 => String::new(),
+        t => format!(", {t} tensor ranks each"),
+    };
     let mut out = format!(
-        "{what}\nstage {}, {:?}, {} node(s) × {} device(s) (N = {world})\n",
+        "{what}\nstage {}, {:?}, {} node(s) × {} device(s) (N = {world} data-parallel{tensor})\n",
         args.stage, dtype, args.nodes, args.gpus_per_node,
     );
     let mut section = |title: &str, b: &StateBytes| {
