@@ -324,7 +324,10 @@ fn report(args: &Args) -> Result<String, String> {
     section("per device", &e.per_device);
     section("per host", &e.per_host);
     section("per node on NVMe", &e.per_node_nvme);
-    out.push_str("formula (Ψ parameters, N devices, G devices per node):\n");
+    out.push_str(match args.tensor_parallel {
+        1 => "formula (Ψ parameters, N devices, G devices per node):\n",
+        _ => "formula (Ψ parameters of a tensor rank, N data-parallel devices, G devices per node):\n",
+    });
     for line in &e.formula {
         out.push_str(&format!("  {line}\n"));
     }
