@@ -198,6 +198,16 @@ where
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
     let data = Arc::new(data);
+    if stages > 1 && tensor > 1 && (args.save.is_some() || args.load.is_some()) {
+        // Refused before any step, not when the run's work is done and cannot be saved.
+        return Err(TrainError::Config(format!(
+            "{}: --save and --load with pipeline.stages {stages} × tensor_parallel.autotp_size {tensor}: the \
+             pipeline engine does not checkpoint tensor slices inside its stages yet; without a pipeline, \
+             tensor parallelism checkpoints (and zero to-fp32 merges the slices), and a pipeline without \
+             tensor parallelism checkpoints too",
+            args.config.display()
+        )));
+    }
     if stages > 1 {
         let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
             .map_err(|e| TrainError::Config(e.to_string()))?;
