@@ -8,7 +8,7 @@ mod support;
 
 use serde_json::Value;
 use std::path::Path;
-use support::fixture_args;
+use support::{fixture_args, fixture_shape};
 use zero_examples::gpt2::train;
 
 fn config(dir: &Path, extra_zero: &str) -> std::path::PathBuf {
@@ -151,15 +151,8 @@ fn with_nvme_offload_the_report_separates_host_buffers_from_the_swap_file() {
 /// `zero estimate` for the tiny fixture GPT-2 (models/tests/fixtures/gpt2-tiny/config.json) at
 /// stage 3, fp32, optimizer on NVMe with `buffer_count` buffers, on `devices` devices.
 fn fixture_estimate(devices: u64, buffer_count: u64) -> zero_core::estimate::Estimate {
-    use zero_core::estimate::{estimate, Dtype, EstimateInput, Gpt2Shape, OffloadTarget};
-    let shape = Gpt2Shape {
-        vocab: 512,
-        n_positions: 32,
-        n_embd: 64,
-        n_layer: 2,
-        n_head: 4,
-        n_inner: 256,
-    };
+    use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
+    let shape = fixture_shape();
     let mut base = EstimateInput::new(0, 3, devices, Dtype::Fp32);
     base.offload_optimizer = Some(OffloadTarget::Nvme);
     base.nvme_streaming.buffer_count = buffer_count;

@@ -212,7 +212,7 @@ fn a_tensor_parallel_run_at_stage_3_resumes_bit_for_bit() {
 /// held whole. Without the slicing the estimate would be twice the report.
 #[test]
 fn a_tensor_parallel_runs_memory_is_what_zero_estimate_predicts() {
-    use zero_core::estimate::{estimate, Dtype, EstimateInput, Gpt2Shape};
+    use zero_core::estimate::{estimate, Dtype, EstimateInput};
     let dir = tempfile::tempdir().expect("temp dir");
     let path = pipelined_config(dir.path(), 1, 2, 4, 3);
     let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -222,15 +222,7 @@ fn a_tensor_parallel_runs_memory_is_what_zero_estimate_predicts() {
     std::fs::write(&path, config.to_string()).unwrap();
     let summary = train(&fixture_args(&path, 1, 4)).expect("training runs");
 
-    // models/tests/fixtures/gpt2-tiny/config.json
-    let shape = Gpt2Shape {
-        vocab: 512,
-        n_positions: 32,
-        n_embd: 64,
-        n_layer: 2,
-        n_head: 4,
-        n_inner: 256,
-    };
+    let shape = fixture_shape();
     let mut base = EstimateInput::new(0, 3, 4, Dtype::Bf16);
     base.tensor_parallel = 2;
     let input = shape.input(&base);

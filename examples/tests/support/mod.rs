@@ -18,6 +18,18 @@ pub fn fixture_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/gpt2-tiny")
 }
 
+/// The tiny fixture's shape (models/tests/fixtures/gpt2-tiny/config.json), for `zero estimate`.
+pub fn fixture_shape() -> zero_core::estimate::Gpt2Shape {
+    zero_core::estimate::Gpt2Shape {
+        vocab: 512,
+        n_positions: 32,
+        n_embd: 64,
+        n_layer: 2,
+        n_head: 4,
+        n_inner: 256,
+    }
+}
+
 /// A copy of the tiny GPT-2 fixture in `dir` whose first value of the (F32) tensor `tensor` is
 /// `value`: NaN or an infinity makes a model whose loss is not finite. Returns `dir`.
 pub fn fixture_model_with_value(dir: &Path, tensor: &str, value: f32) -> PathBuf {
