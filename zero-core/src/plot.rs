@@ -72,6 +72,22 @@ pub struct RunInfo {
     pub world_size: usize,
     /// Compute precision: `fp32`, `bf16` or `fp16`.
     pub precision: String,
+    /// How the ranks are laid out when more than data-parallel (`2 data × 2 tensor`); left out
+    /// of the file otherwise, so older files read as they were written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+}
+
+/// `2 data × 2 tensor × 2 pipeline`: the layout of `data` × `tensor` × `pipeline` ranks, `None`
+/// when every rank is a data-parallel one.
+pub fn layout_label(data: usize, tensor: usize, pipeline: usize) -> Option<String> {
+    if tensor <= 1 && pipeline <= 1 {
+        return None;
+    }
+    let mut parts = vec![format!("{data} data")];
+    parts.extend((tensor > 1).then(|| format!("{tensor} tensor")));
+    parts.extend((pipeline > 1).then(|| format!("{pipeline} pipeline")));
+    Some(parts.join(" × "))
 }
 
 impl RunInfo {
@@ -85,13 +101,30 @@ impl RunInfo {
         format!("{}, {}, {}", self.model, count(self.parameters), self.setup())
     }
 
-    /// `ZeRO stage 3, 2 ranks, fp32`: what tells runs of one model apart.
+    /// `ZeRO stage 3, 2 ranks, fp32` (`4 ranks (2 data × 2 tensor)` with a layout): what tells
+    /// runs of one model apart.
     pub fn setup(&self) -> String {
         let ranks = if self.world_size == 1 { "rank" } else { "ranks" };
+        let layout = self.layout.as_ref().map(|l| format!(" ({l})")).unwrap_or_default();
         format!(
-            "ZeRO stage {}, {} {ranks}, {}",
+            "ZeRO stage {}, {} {ranks}{layout}, {}",
             self.stage, self.world_size, self.precision
         )
+    }
+}
+
+/// How many ticks the step axis from `lo` to `hi` asks for: at most one per step (a short run's
+/// ticks would otherwise fall between steps and print the same rounded step twice), at most 10.
+fn step_ticks(lo: u64, hi: u64) -> usize {
+    (hi.max(lo + 1) - lo + 1).min(10) as usize
+}
+
+/// A step axis tick's label: the step, or nothing for a position between two steps.
+fn step_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{x:.0}")
+    } else {
+        String::new()
     }
 }
 
@@ -302,7 +335,8 @@ pub fn draw(runs: &[Run], out: &Path) -> Result<(), PlotError> {
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .light_line_style(RGBColor(235, 235, 235))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_labels(step_ticks(x_lo, x_hi))
+        .x_label_formatter(&step_label)
         .y_label_formatter(&|y| format!("{y:.2}"))
         .draw()
         .map_err(|e| failed(&e))?;
@@ -373,4 +407,20 @@ pub fn draw(runs: &[Run], out: &Path) -> Result<(), PlotError> {
         .draw()
         .map_err(|e| failed(&e))?;
     root.present().map_err(|e| failed(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 4-step run once printed its step ticks as 1 2 2 2 3 4 4: ticks between steps, rounded.
+    #[test]
+    fn step_ticks_fall_on_whole_steps() {
+        assert_eq!(step_ticks(1, 4), 4);
+        assert_eq!(step_ticks(1, 1), 2);
+        assert_eq!(step_ticks(1, 120), 10);
+        assert_eq!(step_label(&2.0), "2");
+        assert_eq!(step_label(&2.5), "");
+        assert_eq!(step_label(&119.9999999), "120");
+    }
 }

@@ -97,6 +97,7 @@ fn tiny(stage: u8, precision: &str) -> RunInfo {
         stage,
         world_size: 2,
         precision: precision.into(),
+        layout: None,
     }
 }
 
@@ -184,4 +185,32 @@ fn bad_metrics_files_are_errors_that_name_the_line() {
     let err = draw(&[run], &png).unwrap_err().to_string();
     assert!(err.contains("no optimizer step with a finite loss"), "{err}");
     assert!(!png.exists());
+}
+
+/// A run laid out over tensor (or pipeline) ranks says so in its title and legend, and its
+/// header line carries the layout; a header written without one (a data-parallel run, or a
+/// file from before the field) reads back without it.
+#[test]
+fn a_layout_beyond_data_parallel_is_named_and_older_headers_still_read() {
+    let mut run = tiny(3, "bf16");
+    run.world_size = 4;
+    run.layout = zero_core::plot::layout_label(2, 2, 1);
+    assert_eq!(run.setup(), "ZeRO stage 3, 4 ranks (2 data × 2 tensor), bf16");
+    let line = run.header_line();
+    assert!(line.contains("\"layout\":\"2 data × 2 tensor\""), "{line}");
+
+    let plain = tiny(3, "bf16");
+    let line = plain.header_line();
+    assert!(
+        !line.contains("layout"),
+        "a data-parallel run's header stays as it was: {line}"
+    );
+    let back: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let read: RunInfo = serde_json::from_value(back["run"].clone()).unwrap();
+    assert_eq!(read, plain);
+    assert_eq!(zero_core::plot::layout_label(4, 1, 1), None);
+    assert_eq!(
+        zero_core::plot::layout_label(1, 2, 2).as_deref(),
+        Some("1 data × 2 tensor × 2 pipeline")
+    );
 }

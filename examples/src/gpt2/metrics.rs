@@ -22,11 +22,8 @@ impl Progress {
         let [data, tensor, pipeline] = layout;
         let world = data * tensor * pipeline;
         let mut ranks = format!("{world} rank{}", if world == 1 { "" } else { "s" });
-        if tensor > 1 || pipeline > 1 {
-            let mut parts = vec![format!("{data} data")];
-            parts.extend((tensor > 1).then(|| format!("{tensor} tensor")));
-            parts.extend((pipeline > 1).then(|| format!("{pipeline} pipeline")));
-            ranks.push_str(&format!(" ({})", parts.join(" × ")));
+        if let Some(label) = zero_core::plot::layout_label(data, tensor, pipeline) {
+            ranks.push_str(&format!(" ({label})"));
         }
         let header = format!(
             "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {ranks}",

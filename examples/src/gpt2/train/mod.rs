@@ -526,8 +526,10 @@ fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainErr
     Ok(buf.into_f32()[0] as f64)
 }
 
-/// What the metrics file's header says about the run (the loss plot's title and legend).
-fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, world: usize) -> RunInfo {
+/// What the metrics file's header says about the run (the loss plot's title and legend), on
+/// `layout`'s (data, tensor, pipeline) ranks.
+fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, layout: [usize; 3]) -> RunInfo {
+    let [data, tensor, pipeline] = layout;
     let model = match (&args.model, &args.preset) {
         (Some(dir), _) => format!(
             "GPT-2 from {}",
@@ -545,8 +547,9 @@ fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, worl
         model,
         parameters: parameters as u64,
         stage: resolved.zero.stage as u8,
-        world_size: world,
+        world_size: data * tensor * pipeline,
         precision: precision.into(),
+        layout: zero_core::plot::layout_label(data, tensor, pipeline),
     }
 }
 

@@ -60,7 +60,7 @@ pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
             args,
             resolved,
             model_config.num_params() as usize,
-            groups.world.world_size(),
+            [Axis::Data, Axis::Tensor, Axis::Pipeline].map(|a| groups.layout.size(a)),
         ),
         every: resolved.steps_per_print.max(1),
     };

@@ -195,18 +195,20 @@ where
         return Ok(done);
     }
 
+    // Data × tensor × pipeline ranks.
+    let layout = [data_ranks, place.tensor.as_ref().map_or(1, |t| t.world_size()), 1];
     let mut progress = Progress::new(
         lead,
         !args.quiet,
         args.steps,
         parameters,
-        [data_ranks, place.tensor.as_ref().map_or(1, |t| t.world_size()), 1],
+        layout,
         resolved.zero.stage as u8,
     );
     let mut metrics = match (&args.metrics, lead) {
         (Some(path), true) => Some(MetricsWriter::create(
             path,
-            &run_info(args, resolved, parameters, world),
+            &run_info(args, resolved, parameters, layout),
         )?),
         _ => None,
     };
