@@ -148,9 +148,9 @@ impl Agreement {
         }
     }
 
-    /// The overflow every agreeing rank sees, from what this rank saw: the lowest rank that saw
-    /// one, and what it saw (one scalar maximum per group).
-    pub fn agree(&self, seen: Option<NonFiniteSeen>) -> Result<Option<Overflow>, ZeroError> {
+    /// This rank's overflow (what it saw), and the one every agreeing rank sees: the lowest rank
+    /// that saw one, and what it saw (one scalar maximum per group).
+    pub fn agree(&self, seen: Option<NonFiniteSeen>) -> Result<(Option<Overflow>, Option<Overflow>), ZeroError> {
         let mine = seen.map(|seen| Overflow { rank: self.rank, seen });
         let mut code = Overflow::code(mine, self.world);
         for group in self.groups.iter().filter(|g| g.world_size() > 1) {
@@ -158,7 +158,7 @@ impl Agreement {
             group.all_reduce(&mut buf, ReduceOp::Max)?;
             code = buf.into_f32()[0];
         }
-        Ok(Overflow::decode(code, self.world))
+        Ok((mine, Overflow::decode(code, self.world)))
     }
 }
 
@@ -467,15 +467,10 @@ impl EngineCore {
             } else {
                 None
             };
-            let agreement = self
-                .overflow
-                .clone()
-                .unwrap_or_else(|| Agreement::over(self.comm.clone()));
-            let mine = seen.map(|seen| Overflow {
-                rank: agreement.rank,
-                seen,
-            });
-            let agreed = agreement.agree(seen)?;
+            let (mine, agreed) = match &self.overflow {
+                Some(agreement) => agreement.agree(seen)?,
+                None => Agreement::over(self.comm.clone()).agree(seen)?,
+            };
             if !decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }

@@ -122,12 +122,7 @@ impl<I: Backend> DeviceState<I> {
         tensor: Arc<dyn ProcessGroup>,
         split: &crate::optimizer::SplitRule,
     ) {
-        let splits: std::collections::BTreeMap<_, _> = self
-            .layout
-            .params
-            .iter()
-            .filter_map(|p| Some((p.name.clone(), split(&p.name)?)))
-            .collect();
+        let record = crate::optimizer::tensor_record(&self.layout, &tensor, split);
         let masks = (0..self.layout.groups.len())
             .map(|g| {
                 if tensor.rank() == 0 {
@@ -139,23 +134,20 @@ impl<I: Backend> DeviceState<I> {
                 };
                 let mut mask = vec![0f32; self.groups[g].master.dims()[0]];
                 for seg in self.layout.segments(g, rank) {
-                    if splits.contains_key(&self.layout.params[seg.param].name) {
+                    if record.splits.contains_key(&self.layout.params[seg.param].name) {
                         mask[seg.local].fill(1.0);
                     }
                 }
+                let len = mask.len();
                 Some(Tensor::from_data(
-                    burn::tensor::TensorData::new(mask.clone(), [mask.len()]),
+                    burn::tensor::TensorData::new(mask, [len]),
                     &self.device,
                 ))
             })
             .collect();
         self.tensor = Some(TensorRanks {
             agreement: Agreement::data_and_tensor(self.host.clone(), tensor.clone()),
-            record: zero_core::checkpoint::TensorParallelRecord {
-                rank: tensor.rank(),
-                size: tensor.world_size(),
-                splits,
-            },
+            record,
             group: tensor,
             masks,
         });
@@ -306,13 +298,7 @@ impl<I: Backend> DeviceState<I> {
                 None
             };
             let (mine, agreed) = match &self.tensor {
-                Some(tensor) => {
-                    let mine = seen.map(|seen| Overflow {
-                        rank: tensor.agreement.rank,
-                        seen,
-                    });
-                    (mine, tensor.agreement.agree(seen)?)
-                }
+                Some(tensor) => tensor.agreement.agree(seen)?,
                 None => {
                     let mine = seen.map(|seen| Overflow {
                         rank: self.comm.rank(),

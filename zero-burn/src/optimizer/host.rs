@@ -174,19 +174,13 @@ pub(super) fn split_over_tensor_ranks(
     tensor: &zero_core::comm::SharedGroup,
     split: &super::SplitRule,
 ) {
-    let splits: std::collections::BTreeMap<String, zero_core::checkpoint::TensorSplit> = core
-        .state
-        .layout
-        .params
-        .iter()
-        .filter_map(|p| Some((p.name.clone(), split(&p.name)?)))
-        .collect();
+    let record = super::tensor_record(&core.state.layout, tensor, split);
     let counted = core
         .state
         .layout
         .params
         .iter()
-        .map(|p| splits.contains_key(&p.name) || tensor.rank() == 0)
+        .map(|p| record.splits.contains_key(&p.name) || tensor.rank() == 0)
         .collect();
     core.grad_norm = Some(crate::core::counted_grad_norm(
         counted,
@@ -196,9 +190,5 @@ pub(super) fn split_over_tensor_ranks(
     // Every tensor rank skips an overflowed step with its data ranks, or none does: a tensor
     // rank that stepped beside one that skipped would hold slices of another model.
     core.overflow = Some(crate::core::Agreement::data_and_tensor(data.clone(), tensor.clone()));
-    core.tensor_parallel = Some(zero_core::checkpoint::TensorParallelRecord {
-        rank: tensor.rank(),
-        size: tensor.world_size(),
-        splits,
-    });
+    core.tensor_parallel = Some(record);
 }

@@ -93,6 +93,24 @@ pub struct ZeroOptimizer {
 /// rank holds it whole).
 pub(crate) type SplitRule = dyn Fn(&str) -> Option<TensorSplit> + Send + Sync;
 
+/// What a checkpoint of this tensor rank records: the rank, and how each of `layout`'s
+/// parameters that `split` names is cut. Both states build it the same way.
+pub(crate) fn tensor_record(
+    layout: &zero_core::partition::PartitionLayout,
+    tensor: &zero_core::comm::SharedGroup,
+    split: &SplitRule,
+) -> zero_core::checkpoint::TensorParallelRecord {
+    zero_core::checkpoint::TensorParallelRecord {
+        rank: tensor.rank(),
+        size: tensor.world_size(),
+        splits: layout
+            .params
+            .iter()
+            .filter_map(|p| Some((p.name.clone(), split(&p.name)?)))
+            .collect(),
+    }
+}
+
 impl ZeroOptimizer {
     /// A ZeRO optimizer over `comm` (the stage from `settings`; [`crate::initialize`] builds it
     /// from a config). The state is built at the first step, from the module passed to it.
