@@ -149,8 +149,10 @@ if has throughput; then
   bench() { # model batch stages
     local base=() torch="$cfgdir/torch-$1.md"
     if python3 -c 'import torch, transformers' 2> /dev/null; then
+      # Into a file, then shown: a pipe would run `step` in a subshell and lose its summary line.
       step "pytorch $1" 120 python3 tools/gpu/torch_gpt2_throughput.py --models "$1" --batch "$2" --seq "$seq" \
-        --steps "$steps" --device "$([ "$backend" = cuda ] && echo cuda || echo cpu)" | tee "$torch"
+        --steps "$steps" --device "$([ "$backend" = cuda ] && echo cuda || echo cpu)" > "$torch"
+      cat "$torch"
       [ -n "$(tps "$torch" "$1")" ] && base=(--baseline "pytorch=$(tps "$torch" "$1")")
     else
       echo "(no torch + transformers here: no PyTorch baseline)"
