@@ -32,7 +32,9 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/bin/test-" + name)
         print("staged", name)
 '
-strip .gpu/bin/*
+# Debug info goes; the symbols stay, so that a backtrace there names the functions (run.sh's
+# diagnosis of a failed launch reads one).
+strip --strip-debug .gpu/bin/*
 tar -C .gpu/bin -cf - . | xz -9 -T0 > .gpu/bin.tar.xz
 rm -rf .gpu/bin
 size=$(stat -c %s .gpu/bin.tar.xz)

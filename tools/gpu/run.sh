@@ -13,6 +13,8 @@
 #               world size 1, beside PyTorch + transformers measured in the same run
 #   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 1.5B
 #   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
+# If the tiny smoke run fails, it runs once more under `diagnose` (below), its log in
+# $OUT/diagnose.log.
 # Each step prints "== STEP: ok|FAILED rc N|TIMED OUT|SKIPPED (budget) (S s)"; the summary at the
 # end lists them all. Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log, the
 # summary to $OUT/summary.txt.
@@ -134,8 +136,22 @@ PY' _ .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --
     --steps "$n" --seq-len $((seq < 256 ? seq : 256)) --quiet --metrics "$metrics"
 }
 
+# diagnose NAME COMMAND...: COMMAND again with every kernel launch synchronous and checked
+# (cubecl's full profiling), so that a launch the driver refuses panics where it was made, and
+# the backtrace names the call (build.sh keeps the symbols). The log comes back whole.
+diagnose() {
+  local name=$1
+  shift
+  step "diagnose $name" 120 env CUBECL_DEBUG_LOG=stderr CUBECL_DEBUG_OPTION=profile-full RUST_BACKTRACE=1 \
+    "$@" > "$out/diagnose.log" 2>&1
+  grep -v '^ *at /rustc/' "$out/diagnose.log" | grep -m1 -B5 -A80 'panicked' || tail -40 "$out/diagnose.log"
+}
+
 if has train; then
-  train "train tiny smoke s3 bf16" 180 3 bf16 4 1 tiny 1 5
+  if ! train "train tiny smoke s3 bf16" 180 3 bf16 4 1 tiny 1 5; then
+    diagnose "tiny smoke" .gpu/gpt2 train --backend "$backend" --config "$(config 3 bf16 4 1)" --preset tiny \
+      --nproc 1 --steps 1 --seq-len 64 --quiet
+  fi
   for stage in 0 1 2 3; do
     train "train $small s$stage bf16" 90 "$stage" bf16 8 2 "$small" 1 "$steps"
   done

@@ -1,6 +1,7 @@
 //! Adam and AdamW on flat fp32 device tensors.
 
 use super::cpu::{with_slice, HostTensor};
+use super::flat::take;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -262,12 +263,6 @@ pub(super) fn load_buffer<B: Backend>(
         burn::tensor::TensorData::new(values.clone(), [n]),
         (device, DType::F32),
     ))
-}
-
-/// `t`'s value, leaving an empty tensor on the same device in its place.
-fn take<B: Backend>(t: &mut Tensor<B, 1>) -> Tensor<B, 1> {
-    let empty = Tensor::zeros([0], (&t.device(), DType::F32));
-    std::mem::replace(t, empty)
 }
 
 #[cfg(test)]

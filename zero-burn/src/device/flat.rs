@@ -74,6 +74,16 @@ pub(crate) fn write_flat<B: AutodiffBackend, M: Module<B>>(
     })
 }
 
+/// `t`'s value, with a one-element uninitialized tensor on its device left in its place, so
+/// that the value taken is the only handle to its buffer and the backend may update it in place.
+/// The stand-in is not empty: Burn's CUDA backend fills even an empty tensor with a kernel
+/// launched over no blocks, which CUDA refuses (`CUDA_ERROR_INVALID_VALUE`), failing the step.
+/// `empty` allocates and launches nothing.
+pub(crate) fn take<B: Backend>(t: &mut Tensor<B, 1>) -> Tensor<B, 1> {
+    let stand_in = Tensor::empty([1], (&t.device(), t.dtype()));
+    std::mem::replace(t, stand_in)
+}
+
 /// The concatenation of `parts` (already in `dtype`) followed by zeros up to `padded` elements.
 pub(crate) fn flatten<B: Backend>(
     mut parts: Vec<Tensor<B, 1>>,

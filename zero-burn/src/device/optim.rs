@@ -6,6 +6,7 @@
 use super::adam::{check_shard, load_buffer, DeviceAdam};
 use super::collective::DeviceCollective;
 use super::cpu::{is_cpu, with_slice, HostTensor};
+use super::flat::take;
 use super::lamb::DeviceLamb;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
@@ -258,8 +259,7 @@ impl<B: Backend> DeviceLion<B> {
     fn step_on_host(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
         let host = |t: Tensor<B, 1>| HostTensor::of(t).ok_or_else(|| not_host("Lion"));
         let mut p = host(params)?;
-        let empty = Tensor::zeros([0], (&self.exp_avg.device(), DType::F32));
-        let mut m = host(std::mem::replace(&mut self.exp_avg, empty))?;
+        let mut m = host(take(&mut self.exp_avg))?;
         let done = with_slice(&grads, |g| {
             optim::lion_update(
                 p.slice_mut(),
@@ -281,7 +281,7 @@ impl<B: Backend> DeviceLion<B> {
         let (b1, c1) = (self.spec.betas.0 as f32, (1.0 - self.spec.betas.0) as f32);
         let (b2, c2) = (self.spec.betas.1 as f32, (1.0 - self.spec.betas.1) as f32);
         let scale = (1.0 - lr * self.spec.weight_decay) as f32;
-        let m = std::mem::replace(&mut self.exp_avg, Tensor::zeros([0], (&params.device(), DType::F32)));
+        let m = take(&mut self.exp_avg);
         let c = m.clone().mul_scalar(b1) + grads.clone().mul_scalar(c1);
         let updated = params.mul_scalar(scale) - c.sign().mul_scalar(lr as f32);
         self.exp_avg = m.mul_scalar(b2) + grads.mul_scalar(c2);

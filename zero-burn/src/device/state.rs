@@ -172,7 +172,7 @@ impl<I: Backend> DeviceState<I> {
                 "flat group {group}: new master values {start}..{end} outside the {len} this rank holds"
             )));
         }
-        let master = std::mem::replace(&mut state.master, Tensor::zeros([0], (&self.device, DType::F32)));
+        let master = super::flat::take(&mut state.master);
         state.master = master.slice_assign(start..end, values.cast(DType::F32));
         Ok(())
     }
@@ -363,8 +363,7 @@ impl<I: Backend> DeviceState<I> {
             state.optimizer.check(&state.master, &grad)?;
             // Taken out, so that the optimizer may update the only handle in place (the check
             // above is all that could fail).
-            let empty = Tensor::zeros([0], (&self.device, DType::F32));
-            let master = std::mem::replace(&mut state.master, empty);
+            let master = super::flat::take(&mut state.master);
             state.master = state.optimizer.step(master, grad, lr, across)?;
         }
         Ok(Some(grad_norm))
