@@ -223,6 +223,11 @@ pub fn take_grads<B: AutodiffBackend, M: Module<B>>(
 
 /// The flattened f32 values of a tensor of any float dtype.
 pub fn tensor_to_vec<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    // Not read when empty (a `ZeroModule` skeleton's parameter): Burn's CUDA backend would copy
+    // it with a kernel over no blocks, which the driver refuses.
+    if tensor.shape().num_elements() == 0 {
+        return Vec::new();
+    }
     data_to_vec(tensor.into_data())
 }
 

@@ -22,7 +22,13 @@ pub(crate) fn read_flat<B: AutodiffBackend, M: Module<B>>(
             let stored = crate::sharded::stored_values(param.id, &value, n);
             let inner = value.inner();
             let device = inner.device();
-            let flat = inner.reshape([n]);
+            // A `ZeroModule` skeleton's parameter holds no value: not reshaped, which could
+            // copy it with a kernel over no elements (see [`zeros`]).
+            let flat = if n == 0 {
+                zeros(0, inner.dtype(), &device)
+            } else {
+                inner.reshape([n])
+            };
             self.0.push(match stored {
                 None => flat,
                 Some(Ok(data)) => {
@@ -74,11 +80,21 @@ pub(crate) fn write_flat<B: AutodiffBackend, M: Module<B>>(
     })
 }
 
+/// `len` zeros. An empty tensor is made without a kernel: Burn's CUDA backend fills (and copies)
+/// even an empty tensor with a kernel launched over no blocks, which the driver refuses
+/// (`CUDA_ERROR_INVALID_VALUE`), failing the step. No tensor of this crate's device paths
+/// should reach a kernel empty.
+pub(crate) fn zeros<B: Backend>(len: usize, dtype: DType, device: &B::Device) -> Tensor<B, 1> {
+    if len == 0 {
+        Tensor::empty([0], (device, dtype))
+    } else {
+        Tensor::zeros([len], (device, dtype))
+    }
+}
+
 /// `t`'s value, with a one-element uninitialized tensor on its device left in its place, so
 /// that the value taken is the only handle to its buffer and the backend may update it in place.
-/// The stand-in is not empty: Burn's CUDA backend fills even an empty tensor with a kernel
-/// launched over no blocks, which CUDA refuses (`CUDA_ERROR_INVALID_VALUE`), failing the step.
-/// `empty` allocates and launches nothing.
+/// The stand-in is not empty (see [`zeros`]); `empty` allocates and launches nothing.
 pub(crate) fn take<B: Backend>(t: &mut Tensor<B, 1>) -> Tensor<B, 1> {
     let stand_in = Tensor::empty([1], (&t.device(), t.dtype()));
     std::mem::replace(t, stand_in)
@@ -91,12 +107,15 @@ pub(crate) fn flatten<B: Backend>(
     dtype: DType,
     device: &B::Device,
 ) -> Tensor<B, 1> {
+    // Empty parts are left out of the concatenation, which would copy each with a kernel.
+    parts.retain(|p| p.dims()[0] > 0);
     let used: usize = parts.iter().map(|p| p.dims()[0]).sum();
     if padded > used {
         parts.push(Tensor::zeros([padded - used], (device, dtype)));
     }
-    if parts.len() == 1 {
-        return parts.remove(0);
+    match parts.len() {
+        0 => zeros(0, dtype, device),
+        1 => parts.remove(0),
+        _ => Tensor::cat(parts, 0),
     }
-    Tensor::cat(parts, 0)
 }

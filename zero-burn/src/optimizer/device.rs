@@ -66,7 +66,7 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
                     Some(v) => crate::device::cast(v, DType::F32),
                     None => {
                         missing.get_or_insert(p);
-                        Tensor::zeros([layout.params[p].numel()], (&device, DType::F32))
+                        crate::device::flat::zeros(layout.params[p].numel(), DType::F32, &device)
                     }
                 })
                 .collect();
@@ -144,7 +144,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
                 .iter()
                 .map(|&p| match grads[p].take() {
                     Some(grad) => crate::device::cast(grad, dtype),
-                    None => Tensor::zeros([layout.params[p].numel()], (&device, dtype)),
+                    None => crate::device::flat::zeros(layout.params[p].numel(), dtype, &device),
                 })
                 .collect();
             Some(flatten(parts, group.padded, dtype, &device))
