@@ -145,7 +145,13 @@ pub fn write_data_some<B: Backend, M: Module<B>>(
             self.index += 1;
             let Some(data) = data else { return param };
             let dtype = data.dtype;
-            let mut tensor = Tensor::<B, D>::from_data(data, (self.device, dtype));
+            // No upload of an empty tensor: Burn's CUDA backend gives a shape with a zero in it
+            // (a `ZeroModule` skeleton's [0, 0]) a zero stride, and the driver copy refuses it.
+            let mut tensor = if data.num_elements() == 0 {
+                Tensor::<B, D>::empty(data.shape.clone(), (self.device, dtype))
+            } else {
+                Tensor::<B, D>::from_data(data, (self.device, dtype))
+            };
             if require_grad {
                 tensor = tensor.require_grad();
             }

@@ -11,7 +11,6 @@ use crate::params::{tensor_to_vec, write_data_some};
 use crate::settings::{EngineSettings, Stage};
 use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::TensorData;
 use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup};
 
@@ -154,7 +153,9 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
                 None => Some(data),
             }
         }
-        Holding::Nothing => Some(TensorData::new(Vec::<f32>::new(), shape)),
+        // A `ZeroModule` skeleton's parameter: kept (an empty upload of its shape fails on CUDA,
+        // see `params::write_data_some`).
+        Holding::Nothing => None,
     });
     source.finish()?;
     match error {

@@ -27,13 +27,12 @@ use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::layout::broadcast_values;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::write_data;
+use crate::params::write_data_some;
 use crate::settings::{ComputeDtype, EngineSettings, OptimizerOffload, Stage};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
-use burn::tensor::TensorData;
 pub use lr::ZeroLr;
 pub use record::ZeroOptimizerRecord;
 use state::State;
@@ -200,11 +199,16 @@ impl ZeroOptimizer {
         let values = broadcast_values(values, &view.layout, self.comm.as_ref(), &own)?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
-        Ok(write_data(module, &device, true, |i, shape| match &view.held[i] {
-            Holding::Param(p) => half_buffer::f32_to_data(values[*p].clone(), shape, dtype),
-            Holding::Whole(params) => half_buffer::f32_to_data(values[params.clone()].concat(), shape, dtype),
-            Holding::Shard { .. } => half_buffer::f32_to_data(shards.remove(&i).unwrap_or_default(), shape, dtype),
-            Holding::Nothing => TensorData::new(Vec::<f32>::new(), shape),
+        Ok(write_data_some(module, &device, true, |i, shape| match &view.held[i] {
+            Holding::Param(p) => Some(half_buffer::f32_to_data(values[*p].clone(), shape, dtype)),
+            Holding::Whole(params) => Some(half_buffer::f32_to_data(values[params.clone()].concat(), shape, dtype)),
+            Holding::Shard { .. } => Some(half_buffer::f32_to_data(
+                shards.remove(&i).unwrap_or_default(),
+                shape,
+                dtype,
+            )),
+            // A `ZeroModule` skeleton's parameter: kept as it is.
+            Holding::Nothing => None,
         }))
     }
 
