@@ -1,6 +1,7 @@
 //! `ZeroOptimizer` in the ordinary Burn loop over a model of `ZeroModule`s and a replicated
 //! parameter: against Burn's AdamW and against itself on the unsharded model on one process, at
-//! worlds 1, 2 and 4 as threads; clipping, checkpoints at another world size, `synchronize`.
+//! worlds 1, 2 and 4 as threads; clipping, checkpoints at another world size, `synchronize`, and
+//! the `ZeroModule` skeletons it leaves alone.
 
 mod common;
 mod sharded_support;
@@ -307,4 +308,74 @@ fn synchronize_keeps_each_ranks_shards() {
         assert_eq!(after[units], vec![0.0; 3], "rank {rank}: the gain is rank 0's");
     }
     assert_ne!(runs[0].0[0], runs[1].0[0], "the ranks hold different halves");
+}
+
+/// `ZeroOptimizer` leaves a `ZeroModule`'s skeleton (its module's structure, every float
+/// parameter an empty tensor) as it is, in `synchronize` and in a step of either state: it used
+/// to write an empty `[0, 0]` tensor back into each, which Burn's CUDA backend refuses to upload
+/// (a zero stride), so that every CUDA run failed before its first step. The CPU backend accepts
+/// such an upload; what shows here is that the parameter was replaced, by a new leaf recording
+/// gradients where the skeleton's records none. Reference: the skeleton before the optimizer ran.
+#[test]
+fn the_optimizer_leaves_zero_module_skeletons_alone() {
+    use burn::module::{ModuleVisitor, Param};
+    use zero_burn::{EngineSettings, OptimizerOffload, Stage, ZeroOptimizer};
+    use zero_core::optim::OptimizerSpec;
+
+    /// Each skeleton parameter's element count and whether it records gradients.
+    #[derive(Default)]
+    struct Skeletons {
+        depth: usize,
+        inside: Option<usize>,
+        found: Vec<(usize, bool)>,
+    }
+    impl ModuleVisitor<AB> for Skeletons {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.depth += 1;
+            if name == "skeleton" && self.inside.is_none() {
+                self.inside = Some(self.depth);
+            }
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            if self.inside == Some(self.depth) {
+                self.inside = None;
+            }
+            self.depth -= 1;
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if self.inside.is_some() {
+                let value = param.val();
+                self.found.push((value.shape().num_elements(), value.is_require_grad()));
+            }
+        }
+    }
+    let skeletons = |model: &Gained<AB>| {
+        let mut visitor = Skeletons::default();
+        model.visit(&mut visitor);
+        visitor.found
+    };
+
+    for offload in [false, true] {
+        let mut settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+        if offload {
+            settings.offload_optimizer = OptimizerOffload::Cpu { threads: 1 };
+        }
+        let runs = on_ranks(1, |_, comm| {
+            let device = Default::default();
+            let group = zero_burn::DeviceCollective::<Flex>::host_group(comm.as_ref()).expect("a host group");
+            let model = Gained::new(comm, &device);
+            let before = skeletons(&model);
+            let mut optim = ZeroOptimizer::new(settings.clone(), group).unwrap();
+            let model = optim.synchronize(model).expect("synchronize");
+            let synchronized = skeletons(&model);
+            let model = model.step(&mut optim, 0, 1, 0);
+            assert_eq!(optim.tensor_state(), Some(!offload), "the state asked for ran");
+            (before, synchronized, skeletons(&model))
+        });
+        let (before, synchronized, stepped) = &runs[0];
+        assert!(!before.is_empty(), "the model has skeletons");
+        assert!(before.iter().all(|&(n, grad)| n == 0 && !grad), "{before:?}");
+        assert_eq!(synchronized, before, "offload {offload}: synchronize");
+        assert_eq!(stepped, before, "offload {offload}: a step");
+    }
 }
