@@ -10,28 +10,24 @@
 
 mod pipeline;
 mod ranks;
+mod shared;
 
 use super::data::DataSource;
-use super::metrics::{MetricsWriter, Progress};
 use super::model::{check_data, same_weights_as_rank_0, ModelSource};
-use super::timers::StepTimers;
 use super::TrainError;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
 use pipeline::pipeline_rank_loop;
 use ranks::{rank_loop, RankPlace};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 use zero_burn::sharded::ShardBackend;
 use zero_burn::{EngineSettings, InitOptions, MemoryReport, Stage};
-use zero_core::comm::{DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup};
-use zero_core::config::{DeepSpeedConfig, Precision, ResolvedConfig};
+use zero_core::comm::{DistEnv, TcpGroup};
+use zero_core::config::{DeepSpeedConfig, ResolvedConfig};
 use zero_core::parallel::{ParallelLayout, RankGroups};
-use zero_core::plot::RunInfo;
 use zero_models::tp::{TpBackend, TpGpt2, TpGroup};
 use zero_models::{Gpt2, Gpt2Config};
 
@@ -396,181 +392,6 @@ fn rank_start<B: AutodiffBackend>(
         model_config,
         settings,
     })
-}
-
-/// The parts of a step the timers of `wall_clock_breakdown` tell apart.
-#[derive(Clone, Copy)]
-enum Part {
-    Forward,
-    Backward,
-    Step,
-}
-
-/// `f()`, its time added to `part` of the step timers when there are timers.
-fn timed<T>(timers: &mut Option<StepTimers>, part: Part, f: impl FnOnce() -> T) -> T {
-    match (timers.as_mut(), part) {
-        (Some(t), Part::Forward) => t.forward(f),
-        (Some(t), Part::Backward) => t.backward(f),
-        (Some(t), Part::Step) => t.step(f),
-        (None, _) => f(),
-    }
-}
-
-/// The gradients of `loss`. A collective that fails inside backward (a unit's reduce-scatter
-/// or gather: a dead or diverging peer) ends Burn's backward with its error as a panic: it
-/// comes back here as the error it is.
-fn backward<B: AutodiffBackend>(loss: Tensor<B, 1>) -> Result<B::Gradients, TrainError> {
-    caught("backward", || loss.backward())
-}
-
-/// `f()`, or the panic it ended with (a collective failing inside Burn's backward) as an error
-/// naming `op`.
-fn caught<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, TrainError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
-        TrainError::Engine(zero_burn::ZeroError::Comm(
-            zero_core::comm::CommError::InvalidArgument {
-                op: op.into(),
-                message: crate::ranks::panic_message(&*payload).to_string(),
-            },
-        ))
-    })
-}
-
-/// The step to resume after, from a loaded checkpoint's client state; it must be the engine's
-/// optimizer step (a checkpoint whose data position and optimizer disagree is refused).
-fn resume_step(dir: &std::path::Path, client: &serde_json::Value, global_step: u64) -> Result<u64, TrainError> {
-    let step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(global_step);
-    if step != global_step {
-        return Err(TrainError::Config(format!(
-            "{}: the checkpoint's data position (step {step}) and optimizer step ({global_step}) disagree",
-            dir.display(),
-        )));
-    }
-    Ok(step)
-}
-
-/// When a resumed run's checkpoint is already at (or past) `--steps`, the total: says so (rank
-/// 0) and gives the empty summary, instead of a silent exit.
-fn nothing_to_train(
-    args: &TrainArgs,
-    first_step: u64,
-    lead: bool,
-    world: usize,
-    parameters: usize,
-) -> Option<TrainSummary> {
-    let (Some(dir), true) = (&args.load, first_step >= args.steps) else {
-        return None;
-    };
-    if lead {
-        super::metrics::say(format_args!(
-            "nothing to train: the checkpoint in {} is at step {first_step}, --steps is {} (the total, not the \
-             steps to add)",
-            dir.display(),
-            args.steps
-        ));
-    }
-    Some(TrainSummary {
-        steps: Vec::new(),
-        seconds: 0.0,
-        world_size: world,
-        parameters,
-    })
-}
-
-/// Where and with what client state to save after `step` (0-based), when `--save` (with
-/// `--save-every`, or at the last step) asks for a checkpoint then.
-fn checkpoint_due(args: &TrainArgs, step: u64) -> Option<(&PathBuf, serde_json::Value)> {
-    let dir = args.save.as_ref()?;
-    let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1).is_multiple_of(k));
-    (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed })))
-}
-
-/// The end of a rank's run: the summary, the progress bar's last line, the metrics file closed
-/// and the loss curve drawn beside it.
-fn finish_run(
-    args: &TrainArgs,
-    mut progress: Progress,
-    metrics: Option<MetricsWriter>,
-    records: Vec<StepRecord>,
-    started: Instant,
-    world: usize,
-    parameters: usize,
-) -> Result<TrainSummary, TrainError> {
-    let summary = TrainSummary {
-        steps: records,
-        seconds: started.elapsed().as_secs_f64(),
-        world_size: world,
-        parameters,
-    };
-    progress.finish(&summary);
-    if let (Some(m), Some(path)) = (metrics, &args.metrics) {
-        m.finish()?;
-        super::metrics::write_loss_curve(path)?;
-    }
-    Ok(summary)
-}
-
-/// Token ids `[rows, seq]` as an Int tensor.
-fn token_tensor<B: AutodiffBackend>(rows: &[Vec<u32>], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
-    let seq = rows.first().map(Vec::len).unwrap_or(0);
-    let ids: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
-    Tensor::from_data(TensorData::new(ids, [rows.len(), seq]), device)
-}
-
-/// The mean of `value` over the ranks.
-fn mean_over_ranks(group: &dyn ProcessGroup, value: f64) -> Result<f64, TrainError> {
-    let mut buf = FlatBuffer::F32(vec![value as f32]);
-    group
-        .all_reduce(&mut buf, ReduceOp::Avg)
-        .map_err(|e| TrainError::Engine(e.into()))?;
-    Ok(buf.into_f32()[0] as f64)
-}
-
-/// What the metrics file's header says about the run (the loss plot's title and legend), on
-/// `layout`'s (data, tensor, pipeline) ranks.
-fn run_info(args: &TrainArgs, resolved: &ResolvedConfig, parameters: usize, layout: [usize; 3]) -> RunInfo {
-    let [data, tensor, pipeline] = layout;
-    let model = match (&args.model, &args.preset) {
-        (Some(dir), _) => format!(
-            "GPT-2 from {}",
-            dir.file_name()
-                .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
-        ),
-        (None, preset) => format!("GPT-2 {}", preset.as_deref().unwrap_or("tiny")),
-    };
-    let precision = match resolved.precision {
-        Precision::Fp32 => "fp32",
-        Precision::Fp16(_) => "fp16",
-        Precision::Bf16(_) => "bf16",
-    };
-    RunInfo {
-        model,
-        parameters: parameters as u64,
-        stage: resolved.zero.stage as u8,
-        world_size: data * tensor * pipeline,
-        precision: precision.into(),
-        layout: zero_core::plot::layout_label(data, tensor, pipeline),
-    }
-}
-
-/// Every rank's memory report, whole (bytes by kind and by location), on every rank.
-fn memory_of_all_ranks(group: &dyn ProcessGroup, mine: MemoryReport) -> Result<Vec<MemoryReport>, TrainError> {
-    // A report of plain counts always serialises; one that arrives unreadable is a peer's fault.
-    let unreadable = |rank: usize, e: serde_json::Error| {
-        TrainError::Engine(zero_burn::ZeroError::Comm(
-            zero_core::comm::CommError::InvalidArgument {
-                op: "memory report".into(),
-                message: format!("rank {rank}'s report arrived unreadable: {e}"),
-            },
-        ))
-    };
-    let record = serde_json::to_vec(&mine).map_err(|e| unreadable(group.rank(), e))?;
-    zero_core::comm::all_gather_bytes(group, &record)
-        .map_err(|e| TrainError::Engine(e.into()))?
-        .iter()
-        .enumerate()
-        .map(|(rank, bytes)| serde_json::from_slice(bytes).map_err(|e| unreadable(rank, e)))
-        .collect()
 }
 
 /// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel degree

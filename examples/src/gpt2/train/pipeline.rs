@@ -5,10 +5,10 @@ use super::super::data::DataSource;
 use super::super::metrics::{MetricsWriter, Progress};
 use super::super::model::{same_weights_as_rank_0, ModelSource};
 use super::super::TrainError;
-use super::{
-    checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, rank_start, resume_step, run_info, token_tensor,
-    LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary,
+use super::shared::{
+    checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, resume_step, run_info, token_tensor,
 };
+use super::{rank_start, LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary};
 use burn::tensor::backend::AutodiffBackend;
 use std::time::Instant;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};

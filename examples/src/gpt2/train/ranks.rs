@@ -7,10 +7,11 @@ use super::super::model::ModelSource;
 use super::super::monitor::Monitors;
 use super::super::timers::{StepTimers, TimedGroup};
 use super::super::TrainError;
-use super::{
-    backward, caught, checkpoint_due, finish_run, mean_over_ranks, memory_of_all_ranks, nothing_to_train, rank_start,
-    resume_step, run_info, timed, token_tensor, LayersCut, Part, RankStart, StepRecord, TrainArgs, TrainSummary,
+use super::shared::{
+    backward, caught, checkpoint_due, finish_run, mean_over_ranks, memory_of_all_ranks, nothing_to_train, resume_step,
+    run_info, timed, token_tensor, Part,
 };
+use super::{rank_start, LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary};
 use burn::module::AutodiffModule;
 use burn::optim::lr_scheduler::LrScheduler;
 use burn::optim::{GradientsAccumulator, GradientsParams};
