@@ -166,9 +166,10 @@ fn splits_in_a_block(name: &str) -> bool {
 
 /// How the parameter of the tensor-parallel GPT-2 named `name` (its module path, as `describe`
 /// and `ZeroOptimizer`'s layout name it: `wte.` in [`TpGpt2`], `embed.wte.` in its sharded form)
-/// is split over `tp` ranks, `None` where every rank holds it whole: `wte`'s vocabulary rows (axis 0, padded past `vocab` when it does not split
-/// evenly); the column-parallel `c_attn` (its output axis, in 3 blocks q|k|v) and `c_fc`; the
-/// row-parallel projections' weights (their input axis).
+/// is split over `tp` ranks, `None` where every rank holds it whole: `wte`'s vocabulary rows
+/// (axis 0, padded past `vocab` when it does not split evenly); the column-parallel `c_attn`
+/// (its output axis, in 3 blocks q|k|v) and `c_fc`; the row-parallel projections' weights
+/// (their input axis).
 fn tensor_split(name: &str, vocab: usize, tp: usize) -> Option<TensorSplit> {
     if name.starts_with("wte.") || name.starts_with("embed.wte.") {
         return Some(if vocab.is_multiple_of(tp.max(1)) {
@@ -200,11 +201,8 @@ pub(crate) fn tensor_split_rule(
 }
 
 impl<B: Backend> TpGpt2<B> {
-    /// How each parameter (by its module path, as `describe` and `ZeroOptimizer`'s layout name
-    /// it) is split over the tensor group, `None` where every rank holds it whole: `wte`'s
-    /// vocabulary rows (padded past the vocabulary when it does not split evenly), the
-    /// column-parallel `c_attn` (its output axis, in 3 blocks q|k|v) and `c_fc`, the
-    /// row-parallel projections' weights (their input axis). The rule
+    /// How each parameter (by its module path) is split over the tensor group, as
+    /// [`tensor_split`] says for this model's vocabulary and group: the rule
     /// `ZeroOptimizer::with_tensor_parallel` takes.
     pub fn tensor_splits(&self) -> impl Fn(&str) -> Option<TensorSplit> + Send + Sync + 'static {
         tensor_split_rule(self.wte.vocab, self.wte.group.size())

@@ -47,6 +47,7 @@ pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
     let model = same_weights_as_rank_0(model, groups.world.as_ref(), &device)?;
     let stages = groups.layout.size(Axis::Pipeline);
     let stage = groups.coords.pipeline;
+    let layout = [Axis::Data, Axis::Tensor, Axis::Pipeline].map(|a| groups.layout.size(a));
     let run = PipelineRun {
         args,
         data,
@@ -56,12 +57,8 @@ pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
         global,
         zero_stage: resolved.zero.stage as u8,
         parameters: model_config.num_params() as usize,
-        run: run_info(
-            args,
-            resolved,
-            model_config.num_params() as usize,
-            [Axis::Data, Axis::Tensor, Axis::Pipeline].map(|a| groups.layout.size(a)),
-        ),
+        layout,
+        run: run_info(args, resolved, model_config.num_params() as usize, layout),
         every: resolved.steps_per_print.max(1),
     };
     if groups.layout.size(Axis::Tensor) > 1 {
@@ -94,6 +91,8 @@ struct PipelineRun<'a> {
     global: usize,
     zero_stage: u8,
     parameters: usize,
+    /// Data × tensor × pipeline ranks.
+    layout: [usize; 3],
     /// The metrics file's header.
     run: RunInfo,
     /// steps_per_print: how often the validation loss is computed.
@@ -118,8 +117,14 @@ impl PipelineRun<'_> {
         if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
             return Ok(done);
         }
-        let layout = [Axis::Data, Axis::Tensor, Axis::Pipeline].map(|a| groups.layout.size(a));
-        let mut progress = Progress::new(lead, !args.quiet, args.steps, self.parameters, layout, self.zero_stage);
+        let mut progress = Progress::new(
+            lead,
+            !args.quiet,
+            args.steps,
+            self.parameters,
+            self.layout,
+            self.zero_stage,
+        );
         let mut metrics = match (&args.metrics, lead) {
             (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
             _ => None,

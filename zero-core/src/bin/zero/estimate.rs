@@ -211,7 +211,8 @@ fn report(args: &Args) -> Result<String, String> {
             args.tensor_parallel
         ));
     }
-    input.data_parallel().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
+    // N, checked before any shape is looked at (the devices may not split into tensor groups).
+    let world = input.data_parallel().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
     let describe = |name: &str, shape: &Gpt2Shape| {
         let rank = shape.tensor_slice(args.tensor_parallel);
         let slice = match args.tensor_parallel {
@@ -296,7 +297,6 @@ fn report(args: &Args) -> Result<String, String> {
         None => format!("{} parameters", input.params),
     };
     let e = estimate(&input).map_err(|e| format!("{}: {e}", blame(args, &e)))?;
-    let world = input.data_parallel().map_err(|e| format!("{}: {e}", blame(args, &e)))?;
     let tensor = match args.tensor_parallel {
         1 => String::new(),
         t => format!(", {t} tensor ranks each"),
