@@ -9,9 +9,12 @@
 #   tests       the CUDA/NCCL tests; under ZERO_REQUIRE_CUDA=1 a missing GPU or NCCL fails them
 #   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M at stages 0-3 in
 #               bf16, stage 3 in fp16, and stage 3 with 2 ranks as threads on the one GPU
-#   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3) and 1.5B (stages 0 and 3), bf16,
-#               world size 1, beside PyTorch + transformers measured in the same run
-#   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 1.5B
+#   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8) and 1.5B (stages 0 and 3,
+#               batch LARGE_BATCH, default 2: PyTorch's eager attention runs out of an 80 GB
+#               GPU's memory at 4), bf16, world size 1, beside PyTorch + transformers measured
+#               in the same run
+#   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 124M,
+#               then 1.5B
 #   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
 # If the tiny smoke run fails, it runs once more under `diagnose` (below), its log in
 # $OUT/diagnose.log.
@@ -29,6 +32,7 @@ exec > >(tee "$out/gpu.log") 2>&1
 backend=${BACKEND:-cuda}
 small=${SMALL:-gpt2}
 large=${LARGE:-gpt2-xl}
+large_batch=${LARGE_BATCH:-2}
 seq=${SEQ:-1024}
 steps=${STEPS:-10}
 budget=${BUDGET:-420}
@@ -177,10 +181,12 @@ if has throughput; then
       --seq "$seq" --steps "$steps" --stages "$3" "${base[@]}"
   }
   bench "$small" 8 0,1,2,3
-  bench "$large" 4 0,3
+  bench "$large" "$large_batch" 0,3
 fi
 
 if has offload; then
+  step "offload $small" 120 .gpu/throughput --backend "$backend" --models "$small" --dtype bf16 \
+    --batch 8 --seq 512 --steps 3 --stages 3 --offload-optimizer cpu --offload-param cpu
   .gpu/zero estimate --preset "$large" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1,6p'
   step "offload $large" 180 /usr/bin/time -v .gpu/throughput --backend "$backend" --models "$large" --dtype bf16 \
     --batch 1 --seq 512 --steps 2 --stages 3 --offload-optimizer cpu --offload-param cpu
@@ -190,7 +196,9 @@ if has finetune; then
   # The trainer as a user runs it, with the shipped offload config (optimizer and parameters
   # on the CPU), from a directory `gpt2 init` wrote, to a checkpoint, its export and a score.
   ft=$(mktemp -d)
-  cp examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
+  # With wall_clock_breakdown: one line of forward / backward / step milliseconds at the end.
+  python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["wall_clock_breakdown"] = True; json.dump(c, open(sys.argv[2], "w"))' \
+    examples/configs/gpt2-10b-zero3-offload.json "$ft/config.json"
   step "finetune init" 60 .gpu/gpt2 init --preset "$small" --out "$ft/init" &&
     step "finetune train" 120 .gpu/gpt2 train --backend "$backend" --quiet --model "$ft/init" --config "$ft/config.json" \
       --nproc 1 --steps 4 --seq-len $((seq < 256 ? seq : 256)) --metrics "$out/finetune.jsonl" --save "$ft/ckpt" &&
