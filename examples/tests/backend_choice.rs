@@ -1,5 +1,6 @@
-//! `gpt2 train --backend`: a backend this build cannot run is refused before anything starts,
-//! with the flag, the value and what would be valid.
+//! `gpt2 train --backend` and `--collectives`: a backend this build cannot run, or collectives
+//! it cannot use, are refused before anything starts, with the flag, the value and what would
+//! be valid.
 
 mod support;
 
@@ -30,4 +31,48 @@ fn cuda_without_the_feature_names_the_feature() {
         err.contains("--backend cuda") && err.contains("--features cuda"),
         "{err}"
     );
+}
+
+#[test]
+fn unknown_collectives_are_refused_with_the_valid_ones() {
+    let err = train(&TrainArgs {
+        collectives: "mpi".into(),
+        ..args("cpu")
+    })
+    .expect_err("mpi is no choice")
+    .to_string();
+    assert!(
+        err.contains("--collectives mpi") && err.contains("auto, nccl, host"),
+        "{err}"
+    );
+}
+
+#[test]
+fn nccl_on_the_cpu_backend_is_refused() {
+    let err = train(&TrainArgs {
+        collectives: "nccl".into(),
+        ..args("cpu")
+    })
+    .expect_err("no NCCL on the CPU")
+    .to_string();
+    assert!(
+        err.contains("--collectives nccl") && err.contains("--backend cuda"),
+        "{err}"
+    );
+}
+
+#[test]
+fn host_collectives_train_on_the_cpu() {
+    let summary = train(&TrainArgs {
+        collectives: "host".into(),
+        // The config's batch is two ranks' of 4 × 2 sequences, drawn from the shipped corpus
+        // for the tiny preset.
+        nproc: 2,
+        tokens: None,
+        model: None,
+        preset: Some("tiny".into()),
+        ..args("cpu")
+    })
+    .expect("host collectives are the CPU's own");
+    assert_eq!(summary.steps.len(), 1);
 }

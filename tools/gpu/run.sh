@@ -8,7 +8,8 @@
 #   env         the GPU, the libraries the binaries load (libcuda, libnvrtc, libnccl), CUDA_PATH
 #   tests       the CUDA/NCCL tests; under ZERO_REQUIRE_CUDA=1 a missing GPU or NCCL fails them
 #   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M at stages 0-3 in
-#               bf16, stage 3 in fp16, and stage 3 with 2 ranks as threads on the one GPU
+#               bf16, stage 3 in fp16, stage 3 with 2 ranks as threads on the one GPU, and
+#               stage 3 with --collectives nccl (one rank), whose losses must be the host path's
 #   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8) and 1.5B (stages 0 and 3,
 #               batch LARGE_BATCH, default 2: PyTorch's eager attention runs out of an 80 GB
 #               GPU's memory at 4), bf16, world size 1, beside PyTorch + transformers measured
@@ -124,10 +125,10 @@ print(json.dumps({
 PY
   echo "$cfgdir/s$1-$2-m$3-a$4.json"
 }
-# train NAME LIMIT STAGE DTYPE MICRO ACCUM PRESET NPROC STEPS: the loss must fall (the trainer's
-# summary line names the first and last loss; the check reads the metrics file).
+# train NAME LIMIT STAGE DTYPE MICRO ACCUM PRESET NPROC STEPS [COLLECTIVES]: the loss must fall
+# (the trainer's summary line names the first and last loss; the check reads the metrics file).
 train() {
-  local name=$1 limit=$2 stage=$3 dtype=$4 micro=$5 accum=$6 preset=$7 nproc=$8 n=$9
+  local name=$1 limit=$2 stage=$3 dtype=$4 micro=$5 accum=$6 preset=$7 nproc=$8 n=$9 coll=${10:-auto}
   local cfg metrics="$cfgdir/$name.jsonl"
   cfg=$(config "$stage" "$dtype" "$micro" "$accum")
   step "$name" "$limit" bash -c '
@@ -137,7 +138,7 @@ losses = [json.loads(l)["loss"] for l in open(sys.argv[1]) if "\"loss\"" in l]
 print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} records")
 sys.exit(0 if losses[-1] < losses[0] else "the loss did not fall")
 PY' _ .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --nproc "$nproc" \
-    --steps "$n" --seq-len $((seq < 256 ? seq : 256)) --quiet --metrics "$metrics"
+    --steps "$n" --seq-len $((seq < 256 ? seq : 256)) --quiet --metrics "$metrics" --collectives "$coll"
 }
 
 # diagnose NAME COMMAND...: COMMAND again with every kernel launch synchronous and checked
@@ -161,6 +162,16 @@ if has train; then
   done
   train "train $small s3 fp16" 90 3 fp16 8 2 "$small" 1 "$steps"
   train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
+  # The trainer's NCCL path, at one rank (the one GPU): its losses must be the host path's.
+  if train "train $small s3 bf16 nccl" 90 3 bf16 8 2 "$small" 1 "$steps" nccl; then
+    step "nccl losses = host losses" 10 python3 - "$cfgdir/train $small s3 bf16.jsonl" "$cfgdir/train $small s3 bf16 nccl.jsonl" <<'PY'
+import json, sys
+host, nccl = ([json.loads(l)["loss"] for l in open(p) if "\"loss\"" in l] for p in sys.argv[1:])
+worst = max(abs(a - b) for a, b in zip(host, nccl))
+print(f"{len(nccl)} steps, largest loss difference {worst:.2e}")
+sys.exit(0 if len(host) == len(nccl) and worst <= 1e-4 else "the NCCL run's losses are not the host run's")
+PY
+  fi
 fi
 
 if has throughput; then

@@ -49,7 +49,7 @@ fn single_rank() -> Option<Arc<NcclGroup>> {
     };
     // World size 1 needs no rendezvous peer: the port is never opened.
     let ctrl = TcpGroup::connect(0, 1, "127.0.0.1", 1, options).expect("a one-rank TCP group");
-    match NcclGroup::over(ctrl, 0, Duration::from_secs(60)) {
+    match NcclGroup::over(Arc::new(ctrl), 0, Duration::from_secs(60)) {
         Ok(g) => Some(Arc::new(g)),
         Err(e) => {
             skip(format!("NCCL is unusable here: {e}"));

@@ -7,6 +7,7 @@ mod comm_support;
 
 use comm_support::{assert_close, exercise, input, reference, EXERCISE_COUNT};
 use cudarc::driver::CudaContext;
+use std::sync::Arc;
 use std::time::Duration;
 use zero_core::comm::{DType, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
 
@@ -36,7 +37,7 @@ fn single_rank() -> Option<NcclGroup> {
     };
     // World size 1 needs no rendezvous peer: the port is never opened.
     let ctrl = TcpGroup::connect(0, 1, "127.0.0.1", 1, options).expect("a one-rank TCP group");
-    match NcclGroup::over(ctrl, 0, Duration::from_secs(60)) {
+    match NcclGroup::over(Arc::new(ctrl), 0, Duration::from_secs(60)) {
         Ok(g) => Some(g),
         Err(e) => {
             skip(format!("NCCL is unusable here: {e}"));

@@ -142,7 +142,12 @@ fn run<B: AutodiffBackend + ShardBackend>(
     // Progress on stderr (the table stays on stdout): where a row that ran out of time was.
     let begun = Instant::now();
     let progress = |what: String| {
-        eprintln!("  [{} layers x {}, stage {}] {what}", config.n_layer, config.n_embd, stage.number())
+        eprintln!(
+            "  [{} layers x {}, stage {}] {what}",
+            config.n_layer,
+            config.n_embd,
+            stage.number()
+        )
     };
     let group = ThreadGroup::new_group(1).map_err(|e| e.to_string())?.remove(0) as SharedGroup;
     let ds = module_config(config, stage, o)?;
@@ -158,7 +163,10 @@ fn run<B: AutodiffBackend + ShardBackend>(
         config.init::<B>(&device).into_sharded()
     };
     let (model, mut optim) = zero_burn::initialize(&ds, model, group).map_err(|e| e.to_string())?;
-    progress(format!("model and optimizer ready in {:.1} s", begun.elapsed().as_secs_f64()));
+    progress(format!(
+        "model and optimizer ready in {:.1} s",
+        begun.elapsed().as_secs_f64()
+    ));
     let mut model = Some(model);
     let mut times = Vec::new();
     let mut loss = f32::NAN;
@@ -179,7 +187,11 @@ fn run<B: AutodiffBackend + ShardBackend>(
         if step >= 2 {
             times.push(start.elapsed().as_secs_f64());
         } else {
-            progress(format!("warm-up step {} in {:.2} s", step + 1, start.elapsed().as_secs_f64()));
+            progress(format!(
+                "warm-up step {} in {:.2} s",
+                step + 1,
+                start.elapsed().as_secs_f64()
+            ));
         }
     }
     times.sort_by(f64::total_cmp);

@@ -71,6 +71,7 @@ pub fn fixture_args(config: &Path, steps: u64, nproc: usize) -> TrainArgs {
         save_every: None,
         load: None,
         backend: "cpu".into(),
+        collectives: "auto".into(),
         quiet: true,
     }
 }

@@ -54,6 +54,8 @@ type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
 #[derive(Debug, Clone)]
 pub struct NcclDevice {
     group: Arc<NcclGroup>,
+    /// Whether the ranks are threads of one process (one GPU each).
+    threads: bool,
 }
 
 impl NcclDevice {
@@ -68,7 +70,14 @@ impl NcclDevice {
                 device.index
             )));
         }
-        Ok(NcclDevice { group })
+        Ok(NcclDevice { group, threads: false })
+    }
+
+    /// The same, for ranks that are threads of one process, each on its own GPU: their
+    /// autodiff graphs share burn 0.21's lock, which the units then keep in step around (see
+    /// [`DeviceCollective::ranks_may_share_a_process`]).
+    pub fn thread_ranks(self) -> Self {
+        NcclDevice { threads: true, ..self }
     }
 
     /// The NCCL group underneath.
@@ -326,9 +335,10 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBacke
         Ok(())
     }
 
-    /// NCCL ranks are one process per GPU, as the launcher starts them.
+    /// Ranks are processes, as the launcher starts them, unless built with
+    /// [`NcclDevice::thread_ranks`].
     fn ranks_may_share_a_process(&self) -> bool {
-        false
+        self.threads
     }
 
     fn host_group(&self) -> Option<Arc<dyn ProcessGroup>> {

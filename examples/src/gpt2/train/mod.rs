@@ -8,6 +8,7 @@
 //! pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one stage of
 //! the model's layers.
 
+mod collectives;
 mod pipeline;
 mod ranks;
 mod shared;
@@ -18,8 +19,9 @@ use super::TrainError;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
+use collectives::DeviceUnits;
 use pipeline::pipeline_rank_loop;
-use ranks::{rank_loop, RankPlace};
+use ranks::{rank_loop, RankDevice, RankPlace};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -83,6 +85,12 @@ pub struct TrainArgs {
     /// (threads) or the process of LOCAL_RANK r (launcher) uses GPU r modulo the GPUs visible.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// How the data-parallel ranks' collectives run on CUDA: nccl (NCCL on the GPUs' own
+    /// buffers; every rank needs a GPU of its own), host (through host memory, which ranks
+    /// sharing a GPU need), or auto: nccl when there are several ranks and each has a GPU of its
+    /// own, host otherwise. On the CPU backend, and with pipeline or tensor parallelism, host.
+    #[arg(long, default_value = "auto")]
+    pub collectives: String,
     /// No progress bar (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
@@ -127,13 +135,24 @@ pub struct TrainSummary {
 /// Runs the training on the backend `--backend` names; returns the summary of the first rank
 /// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
+    collectives::check(args)?;
     match args.backend.as_str() {
-        "cpu" => train_on::<Autodiff<Flex, BalancedCheckpointing>, Autodiff<Flex>>(args, 1),
+        "cpu" => {
+            if args.collectives == "nccl" {
+                return Err(TrainError::Config(
+                    "--collectives nccl: NCCL needs --backend cuda; the CPU backend's collectives are host ones".into(),
+                ));
+            }
+            train_on::<Autodiff<Flex, BalancedCheckpointing>, Autodiff<Flex>>(args, 1, None)
+        }
         #[cfg(feature = "cuda")]
         "cuda" => {
             let gpus = zero_burn::device::cuda_devices()
                 .map_err(|why| TrainError::Config(format!("--backend cuda: {why}")))?;
-            train_on::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>, Autodiff<burn::backend::Cuda>>(args, gpus)
+            let nccl = collectives::nccl_wanted(args, gpus)?.then_some(collectives::nccl_units as _);
+            train_on::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>, Autodiff<burn::backend::Cuda>>(
+                args, gpus, nccl,
+            )
         }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err(TrainError::Config(
@@ -146,8 +165,9 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
 /// Runs the training on backend `B`, whose ranks share `devices` devices. Every argument is
 /// checked against the config, the model's shape and the data before any rank starts.
 /// Data-parallel ranks train on `B` (stage 3 gathers a unit again in backward under its
-/// checkpointing strategy), pipelined ones on `P`.
-fn train_on<B, P>(args: &TrainArgs, devices: usize) -> Result<TrainSummary, TrainError>
+/// checkpointing strategy), pipelined ones on `P`. With `nccl`, the data-parallel ranks'
+/// collectives are the device ones it makes; otherwise they go through host memory.
+fn train_on<B, P>(args: &TrainArgs, devices: usize, nccl: Option<DeviceUnits<B>>) -> Result<TrainSummary, TrainError>
 where
     B: AutodiffBackend + ShardBackend + TpBackend,
     B::InnerBackend: ShardBackend + TpBackend,
@@ -204,6 +224,12 @@ where
             args.config.display()
         )));
     }
+    if (stages > 1 || tensor > 1) && nccl.is_some() && args.collectives == "nccl" {
+        return Err(TrainError::Config(format!(
+            "--collectives nccl with pipeline.stages {stages} × tensor_parallel.autotp_size {tensor}: NCCL runs \
+             the collectives of data-parallel runs only; leave --collectives out (auto) or give host"
+        )));
+    }
     if stages > 1 {
         let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
             .map_err(|e| TrainError::Config(e.to_string()))?;
@@ -219,7 +245,7 @@ where
             let place = RankPlace::of(&groups);
             rank_loop::<B, _>(
                 &place,
-                device,
+                RankDevice { device, units: None },
                 args,
                 &resolved,
                 &data,
@@ -236,11 +262,17 @@ where
         });
     }
     let args = Arc::new(args.clone());
-    let results = crate::ranks::run_ranks(args.nproc, move |rank, group| {
+    let threads = DistEnv::detect().is_err();
+    let results = crate::ranks::run_ranks_with(args.nproc, nccl.is_some(), move |rank, group, ctrl| {
         let place = RankPlace::data_only(rank, group);
+        let device = rank_device::<B>(rank, devices);
+        let units = match (nccl, ctrl) {
+            (Some(make), Some(ctrl)) => Some(make(ctrl, &device, threads)?),
+            _ => None,
+        };
         rank_loop::<B, _>(
             &place,
-            rank_device::<B>(rank, devices),
+            RankDevice { device, units },
             &args,
             &resolved,
             &data,

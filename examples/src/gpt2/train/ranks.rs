@@ -65,6 +65,15 @@ impl RankPlace {
     }
 }
 
+/// Where a rank computes, and how its units' tensors travel between the data ranks.
+pub(super) struct RankDevice<B: ShardBackend> {
+    /// The rank's device.
+    pub(super) device: B::Device,
+    /// The data ranks' device collective (NCCL), or `None` for the host path over the data
+    /// group.
+    pub(super) units: Option<UnitComm<B::Collective>>,
+}
+
 /// How each parameter, by name, is split over the tensor ranks.
 type SplitRule = Box<dyn Fn(&str) -> Option<TensorSplit> + Send + Sync>;
 
@@ -124,7 +133,7 @@ where
 /// units are cut over.
 pub(super) fn rank_loop<B, M>(
     place: &RankPlace,
-    device: B::Device,
+    RankDevice { device, units }: RankDevice<B>,
     args: &TrainArgs,
     resolved: &ResolvedConfig,
     data: &DataSource,
@@ -166,7 +175,7 @@ where
     } else {
         (place.data.clone(), None)
     };
-    let units: UnitComm<B::Collective> = Arc::new(HostStaged::new(engine_group.clone()));
+    let units: UnitComm<B::Collective> = units.unwrap_or_else(|| Arc::new(HostStaged::new(engine_group.clone())));
     let model = build(model, &device, &settings, units.clone())?;
     // The config's `activation_checkpointing`: each micro-batch through `checkpointed_grads`,
     // the ranks waiting for each other at its boundaries when asked; with

@@ -17,7 +17,7 @@ pub(super) struct NcclRank {
 
 impl BackendState for NcclRank {
     fn on_error(&mut self, _error: &CommError) {
-        // The TCP mesh tells the peers: their next header exchange fails.
+        // The control group tells the peers: their next header exchange fails.
     }
 
     fn on_exit(&mut self, _reason: &str) {}

@@ -3,11 +3,12 @@
 //! The NCCL library is loaded at run time (cudarc's dynamic loading), so this compiles on a
 //! machine without CUDA; creating a group there fails with a [`CommError::Setup`].
 //!
-//! Rendezvous reuses the TCP group: its mesh carries rank 0's NCCL unique id (128 bytes) to every
-//! rank, and afterwards every collective's header (op, sequence number, dtype, length), so that a
-//! rank calling a different collective than its peers is reported on every rank, as on the other
-//! backends, instead of deadlocking inside NCCL. A peer that dies is seen by the TCP mesh at the
-//! next header exchange; a collective that NCCL does not finish within the timeout aborts the
+//! Rendezvous goes through a control group of the same ranks (a TCP group for processes, a
+//! thread group for ranks as threads of one process, one GPU each): it carries rank 0's NCCL
+//! unique id (128 bytes) to every rank, and afterwards every collective's header (op, sequence
+//! number, dtype, length), so that a rank calling a different collective than its peers is
+//! reported on every rank, as on the other backends, instead of deadlocking inside NCCL. A peer
+//! that dies is seen by the control group at the next header exchange; a collective that NCCL does not finish within the timeout aborts the
 //! communicator and fails the group.
 //!
 //! Two kinds of entry points:
@@ -28,14 +29,14 @@ use super::env::{timeout_from_env, DistEnv};
 use super::op::{OpDesc, OpKind, DESC_BYTES};
 use super::reduce::Element;
 use super::worker::Worker;
-use super::{CommError, DType, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
+use super::{CommError, DType, FlatBuffer, ReduceOp, SharedGroup, TcpGroup, TcpOptions};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType};
 use host::NcclRank;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// One rank of an NCCL group: one process, one GPU.
+/// One rank of an NCCL group: one GPU, and a process or a thread of its own.
 pub struct NcclGroup {
     rank: usize,
     world: usize,
@@ -53,8 +54,9 @@ impl std::fmt::Debug for NcclGroup {
 struct Shared {
     rank: usize,
     world: usize,
-    /// The TCP mesh: rendezvous, headers, liveness.
-    ctrl: TcpGroup,
+    /// The control group: rendezvous, headers, liveness. Used by nothing else, so that its
+    /// collectives come in the same order on every rank.
+    ctrl: SharedGroup,
     timeout: Duration,
     state: Mutex<NcclState>,
 }
@@ -141,15 +143,18 @@ impl NcclGroup {
             ..TcpOptions::default()
         };
         let ctrl = TcpGroup::connect(env.rank, env.world_size, &env.master_addr, env.master_port, options)?;
-        Self::over(ctrl, env.local_rank, timeout)
+        Self::over(Arc::new(ctrl), env.local_rank, timeout)
     }
 
-    /// Builds the NCCL communicator over an established TCP group, on GPU `device`: rank 0
+    /// Builds the NCCL communicator over an established control group, on GPU `device`: rank 0
     /// creates the unique id and broadcasts it through `ctrl`, which then carries the headers.
+    /// `ctrl` must serve this group alone (a TCP group of its own, or one split off another;
+    /// for ranks as threads, a thread group of their own): another user's collectives on it
+    /// would interleave with the headers in an order the ranks need not share.
     ///
     /// A machine without the CUDA driver or the NCCL library gives a [`CommError::Setup`] that
     /// says which library is missing.
-    pub fn over(ctrl: TcpGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
+    pub fn over(ctrl: SharedGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
         let rank = ctrl.rank();
         // SAFETY: only probes whether the library can be loaded.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
@@ -175,7 +180,7 @@ impl NcclGroup {
         )
     }
 
-    fn build(ctrl: TcpGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
+    fn build(ctrl: SharedGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
         let (rank, world) = (ctrl.rank(), ctrl.world_size());
         let setup = |what: &str, e: &dyn std::fmt::Debug| CommError::Setup(format!("NCCL rank {rank}: {what}: {e:?}"));
         let ctx = CudaContext::new(device).map_err(|e| setup(&format!("cannot open GPU {device}"), &e))?;
@@ -357,7 +362,7 @@ impl Shared {
             .map_err(|_| CommError::Shutdown { op: op.to_string() })
     }
 
-    /// Numbers the collective and checks, through the TCP mesh, that every rank agrees on it.
+    /// Numbers the collective and checks, through the control group, that every rank agrees on it.
     fn begin(
         &self,
         st: &mut NcclState,
