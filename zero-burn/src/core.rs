@@ -2,6 +2,7 @@
 //! machinery that turns per-parameter gradients into reduced group gradients and updated
 //! weights back into per-parameter values.
 
+use crate::agreement::{decide_step, Agreement, GradNormFn, NonFiniteSeen};
 use crate::error::ZeroError;
 use crate::flat_state::{FlatState, GradFlow, StateDtypes};
 use crate::half_buffer;
@@ -12,8 +13,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::HashMap;
 use std::sync::Arc;
-use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, SharedGroup, Work};
-use zero_core::loss_scaler::{has_overflow, LossScaler, ScaleDecision};
+use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp, Work};
+use zero_core::loss_scaler::{has_overflow, LossScaler};
 use zero_core::partition::{ParamPlace, PartitionLayout, Placement};
 
 /// What one call to `step` did.
@@ -33,179 +34,6 @@ pub struct StepReport {
     pub skipped: bool,
     /// The loss scale this step's gradients were computed with (1 without fp16 loss scaling).
     pub loss_scale: f64,
-}
-
-/// The squared-and-summed gradient norm of a whole model when this engine holds only a piece
-/// of it (a pipeline stage): given the state and the owned, reduced gradients, the global norm.
-pub(crate) type GradNormFn = Box<dyn Fn(&FlatState, &[Vec<f32>]) -> Result<f64, ZeroError> + Send + Sync>;
-
-/// The gradient norm of a model spread over more ranks than the data-parallel group: each rank
-/// sums the squares of its `counted` parameters in its owned ranges (a replicated group only on
-/// data rank 0), and the partial sums are added over each of `groups` in turn (groups whose
-/// members hold disjoint parts: the data-parallel group, then the tensor-parallel group).
-pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Vec<SharedGroup>) -> GradNormFn {
-    Box::new(move |state: &FlatState, grads: &[Vec<f32>]| {
-        let mut sum = 0.0f64;
-        for (gi, grad) in grads.iter().enumerate() {
-            let rank = match state.layout.groups[gi].placement {
-                Placement::Replicated if data_rank != 0 => continue,
-                Placement::Replicated => 0,
-                Placement::Sharded => data_rank,
-            };
-            for seg in state.layout.segments(gi, rank) {
-                if counted[seg.param] {
-                    sum += grad[seg.local].iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
-                }
-            }
-        }
-        for group in &groups {
-            if group.world_size() > 1 {
-                let mut b = FlatBuffer::F32(vec![sum as f32]);
-                group.all_reduce(&mut b, ReduceOp::Sum)?;
-                sum = b.into_f32()[0] as f64;
-            }
-        }
-        Ok(sum.sqrt())
-    })
-}
-
-/// What a rank found infinite or NaN in a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum NonFiniteSeen {
-    /// A micro-batch loss.
-    Loss,
-    /// Its shard of the averaged gradient.
-    Gradient,
-}
-
-/// A rank that saw a non-finite value in a step, and what it saw.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Overflow {
-    /// The rank (in the group that agrees on the step).
-    pub rank: usize,
-    /// What it saw.
-    pub seen: NonFiniteSeen,
-}
-
-impl Overflow {
-    /// The one value this rank contributes to the step's overflow all-reduce (`ReduceOp::Max`):
-    /// 0 when it saw nothing, else a code that puts lower ranks above higher ones and, on one
-    /// rank, a loss above a gradient. The maximum over the ranks thus names the lowest rank that
-    /// saw one and what it saw, for the price of the one scalar the ranks exchange anyway to
-    /// agree on the step. Exact in f32 up to 2^23 ranks.
-    pub(crate) fn code(mine: Option<Overflow>, world: usize) -> f32 {
-        mine.map_or(0.0, |o| {
-            (2 * world.saturating_sub(o.rank) + usize::from(o.seen == NonFiniteSeen::Loss)) as f32
-        })
-    }
-
-    /// The reduced code back: `None` when no rank saw a non-finite value.
-    pub(crate) fn decode(code: f32, world: usize) -> Option<Overflow> {
-        if code.is_nan() || code < 1.0 {
-            return None;
-        }
-        let code = code as usize;
-        Some(Overflow {
-            rank: world.saturating_sub(code / 2),
-            seen: if code % 2 == 1 {
-                NonFiniteSeen::Loss
-            } else {
-                NonFiniteSeen::Gradient
-            },
-        })
-    }
-}
-
-/// The ranks that agree on skipping (or failing) a step: reduced over each of `groups` in turn
-/// (groups that together span them: the data-parallel group, then the tensor-parallel one), this
-/// rank being `rank` of `world` among them.
-#[derive(Clone)]
-pub(crate) struct Agreement {
-    /// The groups the code is reduced over, in order.
-    pub groups: Vec<SharedGroup>,
-    /// This rank, among all the agreeing ranks.
-    pub rank: usize,
-    /// The agreeing ranks.
-    pub world: usize,
-}
-
-impl Agreement {
-    /// The ranks of `group`.
-    pub fn over(group: SharedGroup) -> Self {
-        Agreement {
-            rank: group.rank(),
-            world: group.world_size(),
-            groups: vec![group],
-        }
-    }
-
-    /// The data-parallel ranks of every tensor rank: rank `t × data + d`.
-    pub fn data_and_tensor(data: SharedGroup, tensor: SharedGroup) -> Self {
-        Agreement {
-            rank: tensor.rank() * data.world_size() + data.rank(),
-            world: data.world_size() * tensor.world_size(),
-            groups: vec![data, tensor],
-        }
-    }
-
-    /// This rank's overflow (what it saw), and the one every agreeing rank sees: the lowest rank
-    /// that saw one, and what it saw (one scalar maximum per group).
-    pub fn agree(&self, seen: Option<NonFiniteSeen>) -> Result<(Option<Overflow>, Option<Overflow>), ZeroError> {
-        let mine = seen.map(|seen| Overflow { rank: self.rank, seen });
-        let mut code = Overflow::code(mine, self.world);
-        for group in self.groups.iter().filter(|g| g.world_size() > 1) {
-            let mut buf = FlatBuffer::F32(vec![code]);
-            group.all_reduce(&mut buf, ReduceOp::Max)?;
-            code = buf.into_f32()[0];
-        }
-        Ok((mine, Overflow::decode(code, self.world)))
-    }
-}
-
-/// What a step does once every rank agreed whether any saw a non-finite loss or gradient
-/// (`agreed`, the lowest such rank; `mine`, what this rank saw): `true` to apply it, `false` to
-/// skip it (fp16's loss scaler backs off, or the skip policy), or the error of the fail policy
-/// (naming what this rank saw, or else the rank that saw it) or of a loss scale that can fall no
-/// further.
-pub(crate) fn decide_step(
-    scaler: &mut Option<LossScaler>,
-    settings: &EngineSettings,
-    agreed: Option<Overflow>,
-    mine: Option<Overflow>,
-    step: u64,
-    loss_scale: f64,
-) -> Result<bool, ZeroError> {
-    if let Some(scaler) = scaler {
-        return match scaler.update(agreed.is_some()) {
-            Ok(ScaleDecision::Skip) => Ok(false),
-            Ok(ScaleDecision::Apply) => Ok(true),
-            Err(source) => Err(ZeroError::LossScale {
-                step,
-                scale: loss_scale,
-                source,
-            }),
-        };
-    }
-    let Some(seen) = mine.or(agreed) else {
-        return Ok(true);
-    };
-    if settings.precision.non_finite == NonFinitePolicy::Skip {
-        return Ok(false);
-    }
-    Err(ZeroError::NonFinite {
-        step,
-        what: match seen.seen {
-            NonFiniteSeen::Loss => "the loss",
-            NonFiniteSeen::Gradient => "the averaged gradient",
-        }
-        .to_string(),
-        rank: seen.rank,
-        dtype: match settings.precision.dtype {
-            ComputeDtype::F32 => "fp32",
-            ComputeDtype::Bf16 => "bf16",
-            ComputeDtype::F16 => "fp16",
-        },
-    })
 }
 
 /// The shared state and logic of the engines.
@@ -669,48 +497,5 @@ impl Assembler {
 
     fn is_empty(&self) -> bool {
         self.pending.is_empty()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_largest_overflow_code_names_the_lowest_rank_and_a_loss_before_a_gradient() {
-        let world = 4;
-        let seen = |rank, seen| Some(Overflow { rank, seen });
-        let codes = [
-            Overflow::code(None, world),
-            Overflow::code(seen(3, NonFiniteSeen::Loss), world),
-            Overflow::code(seen(1, NonFiniteSeen::Gradient), world),
-            Overflow::code(seen(2, NonFiniteSeen::Loss), world),
-        ];
-        let max = codes.iter().copied().fold(0.0f32, f32::max);
-        assert_eq!(Overflow::decode(max, world), seen(1, NonFiniteSeen::Gradient));
-        let with_loss = max.max(Overflow::code(seen(1, NonFiniteSeen::Loss), world));
-        assert_eq!(Overflow::decode(with_loss, world), seen(1, NonFiniteSeen::Loss));
-        assert_eq!(Overflow::decode(Overflow::code(None, world), world), None);
-        // Rank 0 of the largest world the f32 code holds exactly.
-        let big = 1 << 22;
-        let code = Overflow::code(seen(0, NonFiniteSeen::Loss), big);
-        assert_eq!(Overflow::decode(code, big), seen(0, NonFiniteSeen::Loss));
-    }
-
-    #[test]
-    fn fp32_fails_a_non_finite_step_by_default_naming_the_rank_that_saw_it() {
-        let settings = EngineSettings::new(Stage::Zero1, zero_core::optim::OptimizerSpec::adamw());
-        assert_eq!(settings.precision.non_finite, NonFinitePolicy::Error);
-        let agreed = Some(Overflow {
-            rank: 2,
-            seen: NonFiniteSeen::Loss,
-        });
-        let err = decide_step(&mut None, &settings, agreed, None, 1, 1.0).expect_err("fails");
-        let text = err.to_string();
-        assert!(
-            text.contains("step 1") && text.contains("the loss") && text.contains("rank 2") && text.contains("fp32"),
-            "{text}"
-        );
-        assert!(decide_step(&mut None, &settings, None, None, 1, 1.0).expect("no overflow"));
     }
 }

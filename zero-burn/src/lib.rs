@@ -50,6 +50,7 @@
 //! It is not a communication library (that is `zero_core::comm`) nor a model zoo (`zero-models`).
 
 mod activation_checkpointing;
+mod agreement;
 mod chain;
 mod checkpoint;
 mod core;

@@ -5,7 +5,8 @@
 
 use super::collective::DeviceCollective;
 use super::optim::DeviceOptimizer;
-use crate::core::{Agreement, NonFiniteSeen, Overflow, StepReport};
+use crate::agreement::{Agreement, NonFiniteSeen, Overflow};
+use crate::core::StepReport;
 use crate::error::ZeroError;
 use crate::memory::MemoryTracker;
 use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy};
@@ -313,7 +314,7 @@ impl<I: Backend> DeviceState<I> {
                     (mine, agreed)
                 }
             };
-            if !crate::core::decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
+            if !crate::agreement::decide_step(&mut self.scaler, &self.settings, agreed, mine, step, loss_scale)? {
                 return Ok(None);
             }
         }

@@ -183,13 +183,16 @@ pub(super) fn split_over_tensor_ranks(
         .iter()
         .map(|p| record.splits.contains_key(&p.name) || tensor.rank() == 0)
         .collect();
-    core.grad_norm = Some(crate::core::counted_grad_norm(
+    core.grad_norm = Some(crate::agreement::counted_grad_norm(
         counted,
         data.rank(),
         vec![data.clone(), tensor.clone()],
     ));
     // Every tensor rank skips an overflowed step with its data ranks, or none does: a tensor
     // rank that stepped beside one that skipped would hold slices of another model.
-    core.overflow = Some(crate::core::Agreement::data_and_tensor(data.clone(), tensor.clone()));
+    core.overflow = Some(crate::agreement::Agreement::data_and_tensor(
+        data.clone(),
+        tensor.clone(),
+    ));
     core.tensor_parallel = Some(record);
 }

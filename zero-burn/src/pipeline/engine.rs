@@ -280,14 +280,14 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 counted[c] = counted[c] && k == 0 && (tied_group.is_none() || stage == 0);
             }
         }
-        core.grad_norm = Some(crate::core::counted_grad_norm(
+        core.grad_norm = Some(crate::agreement::counted_grad_norm(
             counted,
             data.rank(),
             vec![groups.world.clone()],
         ));
         // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
         // whole world: every stage skips the step together, or fails together at once.
-        core.overflow = Some(crate::core::Agreement::over(groups.world.clone()));
+        core.overflow = Some(crate::agreement::Agreement::over(groups.world.clone()));
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()
