@@ -163,7 +163,7 @@ if has train; then
   train "train $small s3 fp16" 90 3 fp16 8 2 "$small" 1 "$steps"
   train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
   # The trainer's NCCL path, at one rank (the one GPU): its losses must be the host path's.
-  if train "train $small s3 bf16 nccl" 90 3 bf16 8 2 "$small" 1 "$steps" nccl; then
+  if [ "$backend" = cuda ] && train "train $small s3 bf16 nccl" 90 3 bf16 8 2 "$small" 1 "$steps" nccl; then
     step "nccl losses = host losses" 10 python3 - "$cfgdir/train $small s3 bf16.jsonl" "$cfgdir/train $small s3 bf16 nccl.jsonl" <<'PY'
 import json, sys
 host, nccl = ([json.loads(l)["loss"] for l in open(p) if "\"loss\"" in l] for p in sys.argv[1:])
