@@ -33,14 +33,19 @@ fn cuda_without_the_feature_names_the_feature() {
     );
 }
 
-#[test]
-fn unknown_collectives_are_refused_with_the_valid_ones() {
-    let err = train(&TrainArgs {
-        collectives: "mpi".into(),
+/// The error of training on the CPU with `--collectives collectives`.
+fn collectives_refusal(collectives: &str) -> String {
+    train(&TrainArgs {
+        collectives: collectives.into(),
         ..args("cpu")
     })
-    .expect_err("mpi is no choice")
-    .to_string();
+    .expect_err("refused")
+    .to_string()
+}
+
+#[test]
+fn unknown_collectives_are_refused_with_the_valid_ones() {
+    let err = collectives_refusal("mpi");
     assert!(
         err.contains("--collectives mpi") && err.contains("auto, nccl, host"),
         "{err}"
@@ -49,12 +54,7 @@ fn unknown_collectives_are_refused_with_the_valid_ones() {
 
 #[test]
 fn nccl_on_the_cpu_backend_is_refused() {
-    let err = train(&TrainArgs {
-        collectives: "nccl".into(),
-        ..args("cpu")
-    })
-    .expect_err("no NCCL on the CPU")
-    .to_string();
+    let err = collectives_refusal("nccl");
     assert!(
         err.contains("--collectives nccl") && err.contains("--backend cuda"),
         "{err}"
