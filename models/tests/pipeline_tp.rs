@@ -1,9 +1,11 @@
 //! Tensor and pipeline parallelism together: tensor-parallel GPT-2 cut into pipeline stages.
 //!
 //! Reference: zero-models' `Gpt2` trained by `ZeroOptimizer` on one rank, same initial weights (each
-//! tensor rank slices them with `TpGpt2::from_full`), same micro-batches, same SGD and clipping. TP 2 ×
-//! PP 2 (4 ranks as threads) must give the same per-step losses and gradient norms over 5 steps; every loss after the
-//! first depends on every weight, so a wrong update anywhere shows.
+//! tensor rank slices them with `TpGpt2::from_full`), same micro-batches, same optimizer (SGD, and
+//! LAMB, whose per-tensor trust ratios need a split tensor's norms summed over its slices) and
+//! clipping. TP 2 × PP 2 (4 ranks as threads) must give the same per-step losses and gradient
+//! norms over 5 steps; every loss after the first depends on every weight, so a wrong update
+//! anywhere shows.
 
 mod pipeline_support;
 
@@ -12,7 +14,7 @@ use pipeline_support::{micro_batch, B};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::{EngineSettings, Stage};
 use zero_core::comm::ThreadGroup;
-use zero_core::optim::{OptimizerSpec, SgdSpec};
+use zero_core::optim::{LambSpec, OptimizerSpec, SgdSpec};
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config};
 use zero_models::tp::{TpGpt2, TpGpt2Layer, TpGroup};
@@ -48,12 +50,34 @@ fn settings() -> EngineSettings {
     s
 }
 
+/// [`settings`] with LAMB (the paper's form, its clamps wide enough that every ratio shows).
+fn lamb_settings() -> EngineSettings {
+    let mut s = settings();
+    s.optimizer = OptimizerSpec::Lamb(LambSpec {
+        lr: 0.01,
+        weight_decay: 0.01,
+        max_coeff: 1e6,
+        min_coeff: 0.0,
+        ..LambSpec::default()
+    });
+    s
+}
+
 #[test]
 fn tensor_2_by_pipeline_2_matches_one_process() {
+    matches_one_process(settings());
+}
+
+#[test]
+fn tensor_2_by_pipeline_2_with_lamb_matches_one_process() {
+    matches_one_process(lamb_settings());
+}
+
+fn matches_one_process(settings: EngineSettings) {
     let device = Default::default();
     let group = ThreadGroup::new_group(1).unwrap().remove(0);
     let (reports, want, _) =
-        pipeline_support::zero_optimizer_run(settings(), full_model(&device), group, STEPS, |step, m| {
+        pipeline_support::zero_optimizer_run(settings.clone(), full_model(&device), group, STEPS, |step, m| {
             micro_batch(step, m, &device)
         });
     let want_norms: Vec<f64> = reports.iter().map(|r| r.grad_norm).collect();
@@ -63,6 +87,7 @@ fn tensor_2_by_pipeline_2_matches_one_process() {
         let handles: Vec<_> = ranks
             .into_iter()
             .map(|groups| {
+                let settings = settings.clone();
                 s.spawn(move || {
                     let device = Default::default();
                     let tp = TpGpt2::from_full(&full_model(&device), TpGroup::new(groups.tensor.clone())).unwrap();
@@ -73,7 +98,7 @@ fn tensor_2_by_pipeline_2_matches_one_process() {
                         groups.coords.pipeline,
                     )
                     .unwrap();
-                    let mut settings = settings();
+                    let mut settings = settings;
                     // Collectives run inside backward(): fence the stage's tensor ranks.
                     settings.backward_fence = Some(groups.tensor.clone());
                     let mut engine = PipelineEngine::<B, TpGpt2Layer<B>>::new(settings, module, &groups).unwrap();

@@ -645,3 +645,72 @@ fn an_uneven_vocabulary_is_padded_and_matches_the_full_model() {
         }
     }
 }
+
+/// LAMB's trust ratio is ‖p‖ / ‖u‖ of each whole parameter tensor. Under tensor parallelism a
+/// split tensor's norms are the sums over its slices, and a tensor every tensor rank holds whole
+/// counts once. Reference: the full model on one process, stepped by `ZeroOptimizer`'s LAMB at
+/// stage 0 (the host kernel, no tensor split). A ratio from one rank's slice alone moves the
+/// split weights by more than the tolerance.
+#[test]
+fn lamb_with_tensor_parallelism_trains_like_one_process() {
+    use zero_core::optim::{LambSpec, LambVariant};
+    let lamb = |stage| {
+        let mut s = settings(stage, 0.0);
+        s.optimizer = OptimizerSpec::Lamb(LambSpec {
+            lr: LR,
+            weight_decay: WEIGHT_DECAY,
+            eps: EPS,
+            // Clamps that do not bind here, so that every ratio shows.
+            max_coeff: 1e6,
+            min_coeff: 0.0,
+            variant: LambVariant::Paper,
+            ..LambSpec::default()
+        });
+        s
+    };
+    let reference = {
+        let device = Default::default();
+        let mut model = full_model(&device);
+        let group = ThreadGroup::new_group(1).unwrap().remove(0);
+        let mut optim = ZeroOptimizer::new(lamb(Stage::Zero0), group).unwrap();
+        for step in 0..STEPS {
+            let batch = tokens(step, 0..GLOBAL_BATCH, &device);
+            let grads = GradientsParams::from_grads(model.loss(batch.clone(), batch).backward(), &model);
+            model = optim.try_step(LR, model, grads).unwrap();
+        }
+        values(&model)
+    };
+    assert!(
+        max_relative_error(&values(&full_model(&Default::default())), &reference) > 1e-3,
+        "the reference trained"
+    );
+    for (stage, dp, tp, tensors) in [
+        (Stage::Zero0, 1, 2, true),
+        (Stage::Zero1, 2, 2, true),
+        (Stage::Zero2, 1, 4, false),
+        (Stage::Zero1, 2, 2, false),
+    ] {
+        let results = on_layout(dp, tp, |groups| {
+            let device = Default::default();
+            let group = TpGroup::new(groups.tensor.clone());
+            let mut model = TpGpt2::from_full(&full_model(&device), group.clone()).unwrap();
+            let mut optim = ZeroOptimizer::new(lamb(stage), groups.data.clone())
+                .unwrap()
+                .with_tensor_state(tensors)
+                .with_tensor_parallel(groups.tensor.clone(), model.tensor_splits());
+            let per_rank = GLOBAL_BATCH / dp;
+            let d = groups.coords.data;
+            for step in 0..STEPS {
+                let batch = tokens(step, d * per_rank..(d + 1) * per_rank, &device);
+                let grads = GradientsParams::from_grads(model.loss(batch.clone(), batch).backward(), &model);
+                model = optim.try_step(LR, model, grads).unwrap();
+            }
+            let want = values(&TpGpt2::from_full(&model_from(&reference, &device), group).unwrap());
+            (groups.coords, values(&model), want)
+        });
+        assert_weights_close(
+            &format!("LAMB stage {stage:?} dp {dp} tp {tp} tensor state {tensors}"),
+            results,
+        );
+    }
+}

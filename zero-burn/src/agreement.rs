@@ -5,9 +5,10 @@
 use crate::error::ZeroError;
 use crate::flat_state::FlatState;
 use crate::settings::{ComputeDtype, EngineSettings, NonFinitePolicy};
+use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ReduceOp, SharedGroup};
 use zero_core::loss_scaler::{LossScaler, ScaleDecision};
-use zero_core::partition::Placement;
+use zero_core::partition::{PartitionLayout, Placement};
 
 /// The squared-and-summed gradient norm of a whole model when this engine holds only a piece
 /// of it (a pipeline stage): given the state and the owned, reduced gradients, the global norm.
@@ -41,6 +42,64 @@ pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Ve
         }
         Ok(sum.sqrt())
     })
+}
+
+/// LAMB's per-tensor norms of a model split over tensor ranks: each optimizer group's partial
+/// sums (a pair per parameter of the group, already added over the data ranks) add over the
+/// tensor ranks too. A parameter split over them counts on every tensor rank; one that every
+/// tensor rank holds whole counts on tensor rank 0 alone, so that it counts once.
+#[derive(Clone)]
+pub(crate) struct TensorNorms {
+    group: SharedGroup,
+    /// Per optimizer group, per parameter of the group: whether it is split over the ranks.
+    split: Arc<Vec<Vec<bool>>>,
+}
+
+impl TensorNorms {
+    /// The norms of `layout`'s groups over `group`, `is_split(p)` telling whether `layout`'s
+    /// parameter `p` is split over the ranks.
+    pub(crate) fn new(group: SharedGroup, layout: &PartitionLayout, is_split: impl Fn(usize) -> bool) -> Self {
+        let split = layout
+            .groups
+            .iter()
+            .map(|g| g.params.iter().map(|&p| is_split(p)).collect())
+            .collect();
+        TensorNorms {
+            group,
+            split: Arc::new(split),
+        }
+    }
+
+    /// Whether there is more than one tensor rank to add over.
+    pub(crate) fn spans_ranks(&self) -> bool {
+        self.group.world_size() > 1
+    }
+
+    /// Adds optimizer group `gi`'s partial sums `values` over the tensor ranks, `param_of(k)`
+    /// being the parameter of the group that `values[k]` belongs to.
+    pub(crate) fn sum(
+        &self,
+        gi: usize,
+        values: &mut [f32],
+        param_of: impl Fn(usize) -> usize,
+    ) -> Result<(), ZeroError> {
+        if self.group.world_size() <= 1 {
+            return Ok(());
+        }
+        let split = &self.split[gi];
+        let mut counted: Vec<f32> = values.to_vec();
+        if self.group.rank() != 0 {
+            for (k, v) in counted.iter_mut().enumerate() {
+                if !split[param_of(k)] {
+                    *v = 0.0;
+                }
+            }
+        }
+        let mut buf = FlatBuffer::F32(counted);
+        self.group.all_reduce(&mut buf, ReduceOp::Sum)?;
+        values.copy_from_slice(&buf.into_f32());
+        Ok(())
+    }
 }
 
 /// What a rank found infinite or NaN in a step.

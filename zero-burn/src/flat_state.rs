@@ -7,6 +7,7 @@
 //! reduced to the rank's shard), then through the boundary reduction, the global-norm clip and
 //! the optimizer, into the master weights.
 
+use crate::agreement::TensorNorms;
 use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
@@ -85,6 +86,8 @@ pub(crate) struct FlatState {
     /// The parameter copies (`half`) are in host memory beside an offloaded optimizer's state
     /// (how the memory report counts them).
     copies_on_host: bool,
+    /// With tensor parallelism, LAMB's norms over the tensor ranks.
+    pub tensor_norms: Option<TensorNorms>,
 }
 
 impl FlatState {
@@ -231,6 +234,7 @@ impl FlatState {
             dtypes,
             offload: OffloadState { pool, nvme },
             copies_on_host: *offload != OptimizerOffload::None,
+            tensor_norms: None,
         })
     }
 
@@ -421,12 +425,12 @@ impl FlatState {
         }
         let groups = &mut self.groups;
         let OffloadState { pool, nvme } = &mut self.offload;
+        let norms = self.tensor_norms.as_ref();
         let mut run = || -> Result<(), ZeroError> {
             for gi in 0..groups.len() {
-                let one = std::slice::from_mut(&mut groups[gi]);
                 match nvme {
-                    None => step_in_memory(one, &grads[gi..=gi], lr, group_comm)?,
-                    Some(nvme) => step_swapped(one, nvme, gi, &grads[gi..=gi], lr)?,
+                    None => step_group_in_memory(&mut groups[gi], &grads[gi], lr, group_comm, norms.map(|n| (n, gi)))?,
+                    Some(nvme) => step_swapped(std::slice::from_mut(&mut groups[gi]), nvme, gi, &grads[gi..=gi], lr)?,
                 }
             }
             Ok(())
@@ -463,29 +467,22 @@ impl FlatState {
     }
 }
 
-/// One optimizer step of every group on in-memory masters and state.
-fn step_in_memory(
-    groups: &mut [GroupState],
-    grads: &[Vec<f32>],
-    lr: f64,
-    comm: &dyn ProcessGroup,
-) -> Result<(), ZeroError> {
-    for (g, grad) in groups.iter_mut().zip(grads) {
-        step_group_in_memory(g, grad, lr, comm)?;
-    }
-    Ok(())
-}
-
 /// One optimizer step of one group on in-memory masters and state (also writing the parameter
 /// shard kept apart from the masters, if any).
-fn step_group_in_memory(g: &mut GroupState, grad: &[f32], lr: f64, comm: &dyn ProcessGroup) -> Result<(), ZeroError> {
+fn step_group_in_memory(
+    g: &mut GroupState,
+    grad: &[f32],
+    lr: f64,
+    comm: &dyn ProcessGroup,
+    tensor: Option<(&TensorNorms, usize)>,
+) -> Result<(), ZeroError> {
     let out = match &mut g.half {
         None => HalfCopy::None,
         Some(FlatBuffer::BF16(h)) => HalfCopy::Bf16(h),
         Some(FlatBuffer::F16(h)) => HalfCopy::F16(h),
         Some(FlatBuffer::F32(_)) => HalfCopy::None,
     };
-    g.optimizer.step(&mut g.master, grad, lr, comm, out)?;
+    g.optimizer.step(&mut g.master, grad, lr, comm, tensor, out)?;
     // An fp32 shard kept apart from the masters (parameter offload) is their copy.
     if let Some(FlatBuffer::F32(h)) = &mut g.half {
         h.copy_from_slice(&g.master);

@@ -1,6 +1,7 @@
 //! The optimizer of one flat group: zero-core's shard optimizers, plus the cross-rank sum that
 //! LAMB's per-tensor trust ratio needs when a tensor is cut across ranks.
 
+use crate::agreement::TensorNorms;
 use crate::error::ZeroError;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::optim::{self, HalfCopy, NormPartials, OptimizerSpec, ShardOptimizer, ShardSegments};
@@ -86,12 +87,14 @@ pub(crate) struct GroupOptimizer {
 
 impl GroupOptimizer {
     /// One update of the owned masters, also written rounded into `out` (the 16-bit shard).
+    /// `tensor`: with tensor parallelism, the norms over the tensor ranks and this group's index.
     pub fn step(
         &mut self,
         params: &mut [f32],
         grads: &[f32],
         lr: f64,
         comm: &dyn ProcessGroup,
+        tensor: Option<(&TensorNorms, usize)>,
         out: HalfCopy<'_>,
     ) -> Result<(), ZeroError> {
         let err = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
@@ -106,6 +109,10 @@ impl GroupOptimizer {
             let mut buf = FlatBuffer::F32(std::mem::take(&mut partials.0));
             comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             partials = NormPartials(buf.into_f32());
+        }
+        if let Some((norms, gi)) = tensor {
+            // Pairs [‖p‖², ‖u‖²] per parameter.
+            norms.sum(gi, &mut partials.0, |k| k / 2)?;
         }
         self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
     }

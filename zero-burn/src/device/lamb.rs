@@ -6,6 +6,7 @@
 //! totals on the device. Nothing is read on the host.
 
 use super::collective::DeviceCollective;
+use crate::agreement::TensorNorms;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -75,13 +76,15 @@ impl<B: Backend> DeviceLamb<B> {
 
     /// One update of `params` from `grads` at `lr`. `across`: the ranks the group's parameter
     /// tensors are cut over, whose partial norms are summed (none when this rank holds every
-    /// tensor of the group whole).
+    /// tensor of the group whole). `tensor`: with tensor parallelism, the norms over the tensor
+    /// ranks too, and this group's index.
     pub(crate) fn step(
         &mut self,
         params: Tensor<B, 1>,
         grads: Tensor<B, 1>,
         lr: f64,
         across: Option<&dyn DeviceCollective<B>>,
+        tensor: Option<(&TensorNorms, usize)>,
     ) -> Result<Tensor<B, 1>, ZeroError> {
         let device = params.device();
         self.step += 1;
@@ -106,7 +109,8 @@ impl<B: Backend> DeviceLamb<B> {
         self.exp_avg = m;
         self.exp_avg_sq = v;
         let across = across.filter(|c| c.world_size() > 1);
-        if self.num_params == 0 || (self.segments.is_empty() && across.is_none()) {
+        let tensor = tensor.filter(|(n, _)| n.spans_ranks());
+        if self.num_params == 0 || (self.segments.is_empty() && across.is_none() && tensor.is_none()) {
             return Ok(params);
         }
         // The shard's ‖p‖² of every parameter, then its ‖u‖²: zero for a parameter it holds
@@ -140,6 +144,13 @@ impl<B: Backend> DeviceLamb<B> {
         // Every rank of the group joins the sum, one holding only padding too (with zeros).
         if let Some(ranks) = across {
             sums = ranks.all_reduce(sums, ReduceOp::Sum)?;
+        }
+        if let Some((norms, gi)) = tensor {
+            // 2·P scalars through the host: [‖p‖² of each parameter, then ‖u‖² of each].
+            let p = self.num_params;
+            let mut host = crate::params::tensor_to_vec(sums);
+            norms.sum(gi, &mut host, |k| k % p)?;
+            sums = Tensor::from_data(burn::tensor::TensorData::new(host, [2 * p]), (&device, DType::F32));
         }
         if self.segments.is_empty() {
             return Ok(params);
@@ -272,7 +283,7 @@ mod tests {
             for step in 0..STEPS {
                 let g = grads(step, initial.len(), &PADDING);
                 host.step(&mut want, &g, LR).expect("host step");
-                got = device.step(got, tensor(&g), LR, None).expect("device step");
+                got = device.step(got, tensor(&g), LR, None, None).expect("device step");
             }
             let got = values(got);
             assert_close(&format!("{variant:?}"), &got, &want);
@@ -340,7 +351,13 @@ mod tests {
                     for step in 0..STEPS {
                         let g = grads(step, n, &[]);
                         p = lamb
-                            .step(p, tensor(&g[half.clone()]), LR, Some(&comm as &dyn DeviceCollective<F>))
+                            .step(
+                                p,
+                                tensor(&g[half.clone()]),
+                                LR,
+                                Some(&comm as &dyn DeviceCollective<F>),
+                                None,
+                            )
                             .expect("step");
                     }
                     values(p)

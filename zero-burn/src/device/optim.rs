@@ -8,6 +8,7 @@ use super::collective::DeviceCollective;
 use super::cpu::{is_cpu, with_slice, HostTensor};
 use super::flat::take;
 use super::lamb::DeviceLamb;
+use crate::agreement::TensorNorms;
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -107,17 +108,19 @@ impl<B: Backend> DeviceOptimizer<B> {
 
     /// One update of the fp32 `params` from the fp32 `grads` at learning rate `lr`; returns the
     /// new parameters. `across`: the ranks the shard's parameter tensors are cut over (none
-    /// where this rank holds them whole), for LAMB's per-tensor norms.
+    /// where this rank holds them whole), and `tensor`, the tensor ranks and this group's index
+    /// with tensor parallelism: for LAMB's per-tensor norms.
     pub(crate) fn step(
         &mut self,
         params: Tensor<B, 1>,
         grads: Tensor<B, 1>,
         lr: f64,
         across: Option<&dyn DeviceCollective<B>>,
+        tensor: Option<(&TensorNorms, usize)>,
     ) -> Result<Tensor<B, 1>, ZeroError> {
         self.check(&params, &grads)?;
         Ok(match self {
-            DeviceOptimizer::Lamb(l) => l.step(params, grads, lr, across)?,
+            DeviceOptimizer::Lamb(l) => l.step(params, grads, lr, across, tensor)?,
             DeviceOptimizer::Adam(a) => a.step(params, grads, lr)?,
             DeviceOptimizer::Sgd(s) if is_cpu::<B>() => s.step_on_host(params, grads, lr)?,
             DeviceOptimizer::Sgd(s) => s.step_with_tensor_ops(params, grads, lr),
@@ -137,7 +140,7 @@ impl<B: Backend> DeviceOptimizer<B> {
             (DeviceOptimizer::Sgd(s), false) => s.step_with_tensor_ops(params, grads, lr),
             (DeviceOptimizer::Lion(l), true) => l.step_on_host(params, grads, lr).expect("lion"),
             (DeviceOptimizer::Lion(l), false) => l.step_with_tensor_ops(params, grads, lr),
-            (DeviceOptimizer::Lamb(l), _) => l.step(params, grads, lr, None).expect("lamb"),
+            (DeviceOptimizer::Lamb(l), _) => l.step(params, grads, lr, None, None).expect("lamb"),
         }
     }
 

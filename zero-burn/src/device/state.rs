@@ -5,7 +5,7 @@
 
 use super::collective::DeviceCollective;
 use super::optim::DeviceOptimizer;
-use crate::agreement::{Agreement, NonFiniteSeen, Overflow};
+use crate::agreement::{Agreement, NonFiniteSeen, Overflow, TensorNorms};
 use crate::core::StepReport;
 use crate::error::ZeroError;
 use crate::memory::MemoryTracker;
@@ -57,6 +57,8 @@ struct TensorRanks<I: Backend> {
     agreement: Agreement,
     /// What the checkpoints record.
     record: zero_core::checkpoint::TensorParallelRecord,
+    /// LAMB's per-tensor norms over the tensor ranks.
+    norms: TensorNorms,
 }
 
 impl<I: Backend> DeviceState<I> {
@@ -146,8 +148,12 @@ impl<I: Backend> DeviceState<I> {
                 ))
             })
             .collect();
+        let norms = TensorNorms::new(tensor.clone(), &self.layout, |p| {
+            record.splits.contains_key(&self.layout.params[p].name)
+        });
         self.tensor = Some(TensorRanks {
             agreement: Agreement::data_and_tensor(self.host.clone(), tensor.clone()),
+            norms,
             record,
             group: tensor,
             masks,
@@ -365,7 +371,8 @@ impl<I: Backend> DeviceState<I> {
             // Taken out, so that the optimizer may update the only handle in place (the check
             // above is all that could fail).
             let master = super::flat::take(&mut state.master);
-            state.master = state.optimizer.step(master, grad, lr, across)?;
+            let norms = self.tensor.as_ref().map(|t| (&t.norms, gi));
+            state.master = state.optimizer.step(master, grad, lr, across, norms)?;
         }
         Ok(Some(grad_norm))
     }

@@ -167,8 +167,8 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// Tells `core` that its parameters are split over `tensor` as `split` says: its gradient norm
 /// becomes the whole model's (a split parameter counts on every tensor rank, a replicated one on
 /// tensor rank 0, the partial sums added over the data-parallel ranks (`data`), then the tensor
-/// ranks), an overflow on any rank of either skips the step on all, and its checkpoints record
-/// the rank and the splits.
+/// ranks), LAMB's per-tensor norms add over the tensor ranks too, an overflow on any rank of
+/// either skips the step on all, and its checkpoints record the rank and the splits.
 pub(super) fn split_over_tensor_ranks(
     core: &mut EngineCore,
     data: &Arc<dyn ProcessGroup>,
@@ -176,6 +176,11 @@ pub(super) fn split_over_tensor_ranks(
     split: &super::SplitRule,
 ) {
     let record = super::tensor_record(&core.state.layout, tensor, split);
+    core.state.tensor_norms = Some(crate::agreement::TensorNorms::new(
+        tensor.clone(),
+        &core.state.layout,
+        |p| record.splits.contains_key(&core.state.layout.params[p].name),
+    ));
     let counted = core
         .state
         .layout

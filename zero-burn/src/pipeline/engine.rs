@@ -267,14 +267,15 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         // The norm counts each parameter once: the slices of a tensor-split parameter on every
         // tensor rank, a replicated one on tensor rank 0; a tied key on the first stage holding
         // it, its first copy.
-        let mut counted = vec![groups.coords.tensor == 0; core.state.layout.params.len()];
+        let mut split = vec![false; core.state.layout.params.len()];
         for (layer, params) in layers.iter().zip(&params_of) {
             for i in layer.tensor_split() {
                 if let Some(&p) = params.get(i) {
-                    counted[p] = true;
+                    split[p] = true;
                 }
             }
         }
+        let mut counted: Vec<bool> = split.iter().map(|&s| s || groups.coords.tensor == 0).collect();
         for copies in tied.values() {
             for (k, &c) in copies.iter().enumerate() {
                 counted[c] = counted[c] && k == 0 && (tied_group.is_none() || stage == 0);
@@ -288,6 +289,13 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         // fp16's overflow (and a non-finite gradient under bf16 or fp32) is decided over the
         // whole world: every stage skips the step together, or fails together at once.
         core.overflow = Some(crate::agreement::Agreement::over(groups.world.clone()));
+        // LAMB's per-tensor norms: a split tensor's add over its slices on the stage's tensor
+        // ranks.
+        core.state.tensor_norms = Some(crate::agreement::TensorNorms::new(
+            groups.tensor.clone(),
+            &core.state.layout,
+            |p| split[p],
+        ));
 
         let channel = |g: &Option<SharedGroup>, send: bool, what: String| -> Result<Option<Channel>, ZeroError> {
             g.clone()
