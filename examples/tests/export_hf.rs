@@ -110,7 +110,7 @@ fn a_tensor_parallel_checkpoint_exports_whole() {
     );
     assert_eq!(got.len(), want.len(), "the same tensors");
     assert!(got.keys().any(|n| n.contains("c_attn")));
-    // The tolerance of the other tensor-parallel tests (models/tests/tp_gpt2.rs): 1e-5 of the
+    // The tolerance of the other tensor-parallel tests (models/tests/tp_training.rs): 1e-5 of the
     // model's largest weight.
     let scale = want.values().flatten().fold(0f32, |m, v| m.max(v.abs()));
     for (name, w) in &want {
