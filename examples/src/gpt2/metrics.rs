@@ -17,13 +17,25 @@ pub struct Progress {
 
 impl Progress {
     /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary. The
-    /// header names the ranks by `layout`: (data, tensor, pipeline) degrees.
-    pub fn new(lead: bool, show: bool, steps: u64, parameters: usize, layout: [usize; 3], stage: u8) -> Self {
+    /// header names the ranks by `layout`: (data, tensor, pipeline) degrees, and `through`, the
+    /// device collectives when the ranks' collectives do not go through host memory (NCCL).
+    pub fn new(
+        lead: bool,
+        show: bool,
+        steps: u64,
+        parameters: usize,
+        layout: [usize; 3],
+        stage: u8,
+        through: Option<&str>,
+    ) -> Self {
         let [data, tensor, pipeline] = layout;
         let world = data * tensor * pipeline;
         let mut ranks = format!("{world} rank{}", if world == 1 { "" } else { "s" });
         if let Some(label) = zero_core::plot::layout_label(data, tensor, pipeline) {
             ranks.push_str(&format!(" ({label})"));
+        }
+        if let Some(collective) = through {
+            ranks.push_str(&format!(", collectives through {collective}"));
         }
         let header = format!(
             "GPT-2 {:.2}M parameters, ZeRO stage {stage}, {ranks}",

@@ -124,6 +124,7 @@ impl PipelineRun<'_> {
             self.parameters,
             self.layout,
             self.zero_stage,
+            None,
         );
         let mut metrics = match (&args.metrics, lead) {
             (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),

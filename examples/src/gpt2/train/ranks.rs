@@ -175,6 +175,8 @@ where
     } else {
         (place.data.clone(), None)
     };
+    // A device collective given is NCCL; otherwise the host path over the data group.
+    let through_nccl = units.is_some();
     let units: UnitComm<B::Collective> = units.unwrap_or_else(|| Arc::new(HostStaged::new(engine_group.clone())));
     let model = build(model, &device, &settings, units.clone())?;
     // The config's `activation_checkpointing`: each micro-batch through `checkpointed_grads`,
@@ -214,6 +216,7 @@ where
         parameters,
         layout,
         resolved.zero.stage as u8,
+        through_nccl.then_some("NCCL"),
     );
     let mut metrics = match (&args.metrics, lead) {
         (Some(path), true) => Some(MetricsWriter::create(
