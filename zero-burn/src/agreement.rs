@@ -83,7 +83,7 @@ impl TensorNorms {
         values: &mut [f32],
         param_of: impl Fn(usize) -> usize,
     ) -> Result<(), ZeroError> {
-        if self.group.world_size() <= 1 {
+        if !self.spans_ranks() {
             return Ok(());
         }
         let split = &self.split[gi];

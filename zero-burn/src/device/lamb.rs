@@ -3,7 +3,8 @@
 //! The trust ratio ‖p‖ / ‖u‖ is per parameter tensor, and a tensor may be cut between ranks: the
 //! shard's partial squared norms (one pair per parameter of the group) are summed over the ranks
 //! through the device collective, a tensor of 2·P elements, and the ratios computed from the
-//! totals on the device. Nothing is read on the host.
+//! totals on the device. Nothing is read on the host, but with tensor parallelism: those 2·P
+//! scalars then also add over the tensor ranks through their host group (`TensorNorms`).
 
 use super::collective::DeviceCollective;
 use crate::agreement::TensorNorms;
