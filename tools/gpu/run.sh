@@ -10,7 +10,8 @@
 #   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M at stages 0-3 in
 #               bf16, stage 3 in fp16, stage 3 with 2 ranks as threads on the one GPU, and
 #               stage 3 with --collectives nccl (one rank), whose losses must be the host path's
-#   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8) and 1.5B (stages 0 and 3,
+#   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8; stages 0 and 3 once more
+#               without Burn's fusion, against the fused stage 0) and 1.5B (stages 0 and 3,
 #               batch LARGE_BATCH, default 2: PyTorch's eager attention runs out of an 80 GB
 #               GPU's memory at 4), bf16, world size 1, beside PyTorch + transformers measured
 #               in the same run
@@ -188,10 +189,19 @@ if has throughput; then
     else
       echo "(no torch + transformers here: no PyTorch baseline)"
     fi
+    local ours="$cfgdir/ours-$1.md"
     step "throughput $1" 240 .gpu/throughput --backend "$backend" --models "$1" --dtype bf16 --batch "$2" \
-      --seq "$seq" --steps "$steps" --stages "$3" "${base[@]}"
+      --seq "$seq" --steps "$steps" --stages "$3" "${base[@]}" > "$ours"
+    cat "$ours"
   }
   bench "$small" 8 0,1,2,3
+  # What Burn's fusion brings: the same model on the unfused CubeBackend, against the fused
+  # stage 0 just measured.
+  if [ "$backend" = cuda ]; then
+    fused=$(awk -F'|' -v m="$small" '$2 ~ " "m" " && $4 ~ / 0 / {gsub(/ /, "", $7); print $7}' "$cfgdir/ours-$small.md")
+    step "throughput $small unfused" 120 .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 \
+      --batch 8 --seq "$seq" --steps "$steps" --stages 0,3 ${fused:+--baseline "fused-stage-0=$fused"}
+  fi
   bench "$large" "$large_batch" 0,3
 fi
 

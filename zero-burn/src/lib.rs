@@ -74,7 +74,7 @@ pub use activation_checkpointing::{checkpointed_grads, segments, ActivationCheck
 pub use chain::{ChainModel, Hidden};
 pub use core::StepReport;
 #[cfg(feature = "cuda")]
-pub use device::NcclDevice;
+pub use device::{CudaBuffers, NcclDevice};
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use error::ZeroError;
 pub use initialize::{

@@ -1,5 +1,6 @@
 //! `NcclDevice` on Burn's CUDA tensors, and `ZeroOptimizer`'s device state reducing through it
-//! on the CUDA backend, at world size 1 on GPU 0. Skipped, with a note, where no GPU or no NCCL
+//! on the CUDA backend, at world size 1 on GPU 0: on `burn::backend::Cuda` (fused) and on the
+//! unfused `CubeBackend` under it. Skipped, with a note, where no GPU or no NCCL
 //! is found (build with `--features cuda`).
 //!
 //! References: for the collectives, the input values themselves (one rank: a sum, a mean, a
@@ -14,15 +15,16 @@ mod common;
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use common::{adamw_eps4, batch, max_relative_error, values, Net, GLOBAL_BATCH};
 use std::sync::Arc;
 use std::time::Duration;
-use zero_burn::{DeviceCollective, EngineSettings, NcclDevice, OptimizerOffload, Stage, ZeroOptimizer};
+use zero_burn::{CudaBuffers, DeviceCollective, EngineSettings, NcclDevice, OptimizerOffload, Stage, ZeroOptimizer};
 use zero_core::comm::{NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
 
-type G = Cuda;
-type GA = Autodiff<Cuda>;
+/// Burn's CUDA backend without fusion.
+type Cube = burn_cubecl::CubeBackend<burn_cubecl::cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 /// Skips a test where there is no GPU or no NCCL, with the reason printed; fails instead under
 /// `ZERO_REQUIRE_CUDA=1` (tools/gpu/run.sh), where a skip would hide a broken CUDA setup.
@@ -58,13 +60,18 @@ fn single_rank() -> Option<Arc<NcclGroup>> {
     }
 }
 
-fn read(t: Tensor<G, 1>) -> Vec<f32> {
+fn read<G: Backend>(t: Tensor<G, 1>) -> Vec<f32> {
     zero_burn::params::tensor_to_vec(t)
 }
 
 #[test]
 fn collectives_on_burn_cuda_tensors_read_the_right_memory() {
     let Some(group) = single_rank() else { return };
+    collectives_read_the_right_memory::<Cuda>(group.clone());
+    collectives_read_the_right_memory::<Cube>(group);
+}
+
+fn collectives_read_the_right_memory<G: CudaBuffers>(group: Arc<NcclGroup>) {
     let device = CudaDevice::new(0);
     let nccl = NcclDevice::new(group, &device).expect("NCCL on GPU 0");
     let values: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin()).collect();
@@ -96,6 +103,11 @@ fn collectives_on_burn_cuda_tensors_read_the_right_memory() {
 #[test]
 fn device_state_on_cuda_through_nccl_matches_the_host_state() {
     let Some(group) = single_rank() else { return };
+    device_state_matches_the_host_state::<Cuda>(group.clone());
+    device_state_matches_the_host_state::<Cube>(group);
+}
+
+fn device_state_matches_the_host_state<G: CudaBuffers>(group: Arc<NcclGroup>) {
     let device = CudaDevice::new(0);
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         let mut settings = EngineSettings::new(stage, adamw_eps4(0.01));
@@ -113,27 +125,31 @@ fn device_state_on_cuda_through_nccl_matches_the_host_state() {
         // Five steps of two micro-batches, each loss averaged over them, summed by Burn's
         // accumulator.
         let train = |optim: &mut ZeroOptimizer| {
-            let mut model = Net::<GA>::new(&device, 3);
+            let mut model = Net::<Autodiff<G>>::new(&device, 3);
             for step in 0..5 {
                 let mut accumulator = GradientsAccumulator::new();
                 for micro in 0..2 {
                     let rows = micro * GLOBAL_BATCH / 2..(micro + 1) * GLOBAL_BATCH / 2;
-                    let (x, y) = batch::<GA>(step, rows, &device);
+                    let (x, y) = batch::<Autodiff<G>>(step, rows, &device);
                     let grads = model.loss(x, y).div_scalar(2.0).backward();
                     accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
                 }
                 model = optim.try_step(0.01, model, accumulator.grads()).expect("step");
             }
-            values::<GA, _>(&model)
+            values::<Autodiff<G>, _>(&model)
         };
         let got = train(&mut dev);
         let want = train(&mut host);
         assert_eq!(dev.tensor_state(), Some(true), "{stage:?}: the device state ran");
         assert_eq!(host.tensor_state(), Some(false), "{stage:?}: the host state ran");
         let err = max_relative_error(&got, &want);
-        println!("{stage:?}: max relative error {err:e}");
-        assert!(err < 1e-5, "{stage:?}: max relative error {err:e}");
-        let initial = values::<GA, _>(&Net::<GA>::new(&device, 3));
+        println!("{}, {stage:?}: max relative error {err:e}", std::any::type_name::<G>());
+        assert!(
+            err < 1e-5,
+            "{}, {stage:?}: max relative error {err:e}",
+            std::any::type_name::<G>()
+        );
+        let initial = values::<Autodiff<G>, _>(&Net::<Autodiff<G>>::new(&device, 3));
         assert!(max_relative_error(&initial, &want) > 1e-2, "the reference trained");
     }
 }

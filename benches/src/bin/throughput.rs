@@ -1,7 +1,9 @@
 //! Training throughput of GPT-2 under each ZeRO stage at world size 1: tokens per second and
-//! model FLOPs utilisation, on the CPU (Flex) or, built with `--features cuda`, on a CUDA GPU.
+//! model FLOPs utilisation, on the CPU (Flex) or, built with `--features cuda`, on a CUDA GPU
+//! (`cuda`: `burn::backend::Cuda`, which fuses element-wise operations; `cuda-unfused`: the
+//! `CubeBackend` under it, to measure what fusion brings).
 //!
-//! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda]
+//! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda|cuda-unfused]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
 //!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--offload-param cpu]
 //!  [--baseline NAME=TOKENS_PER_S]`
@@ -259,17 +261,32 @@ fn run_on(backend: &str, config: &Gpt2Config, stage: Stage, o: &Options) -> Resu
         }
         "cpu" => run::<Autodiff<burn::backend::Flex>>(Default::default(), config, stage, o),
         #[cfg(feature = "cuda")]
-        "cuda" => {
-            zero_burn::device::cuda_devices().map_err(|why| format!("--backend cuda: {why}"))?;
-            if stage == Stage::Zero3 {
-                run::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>>(Default::default(), config, stage, o)
-            } else {
-                run::<Autodiff<burn::backend::Cuda>>(Default::default(), config, stage, o)
-            }
-        }
+        "cuda" => run_on_cuda::<burn::backend::Cuda>(config, stage, o),
+        #[cfg(feature = "cuda")]
+        "cuda-unfused" => run_on_cuda::<CubeCuda>(config, stage, o),
         #[cfg(not(feature = "cuda"))]
-        "cuda" => Err("this binary was built without the `cuda` feature (cargo ... --features cuda)".into()),
-        other => Err(format!("--backend {other}: expected cpu or cuda")),
+        "cuda" | "cuda-unfused" => {
+            Err("this binary was built without the `cuda` feature (cargo ... --features cuda)".into())
+        }
+        other => Err(format!("--backend {other}: expected cpu, cuda or cuda-unfused")),
+    }
+}
+
+/// Burn's CUDA backend without its fusion of element-wise operations (`--backend cuda-unfused`),
+/// to measure what fusion brings.
+#[cfg(feature = "cuda")]
+type CubeCuda = burn_cubecl::CubeBackend<burn_cubecl::cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+#[cfg(feature = "cuda")]
+fn run_on_cuda<B>(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<Row, String>
+where
+    B: zero_burn::CudaBuffers + ShardBackend<Collective = B>,
+{
+    zero_burn::device::cuda_devices().map_err(|why| format!("--backend cuda: {why}"))?;
+    if stage == Stage::Zero3 {
+        run::<Autodiff<B, BalancedCheckpointing>>(Default::default(), config, stage, o)
+    } else {
+        run::<Autodiff<B>>(Default::default(), config, stage, o)
     }
 }
 
@@ -281,7 +298,9 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let peak = o.peak_tflops.unwrap_or(if o.backend == "cuda" { 989.0 } else { 0.0 });
+    let peak = o
+        .peak_tflops
+        .unwrap_or(if o.backend.starts_with("cuda") { 989.0 } else { 0.0 });
     println!(
         "backend {}, ZeroModule + ZeroOptimizer, {}, batch {} x seq {}, {} timed steps, optimizer offload: {}, \
          parameter offload (stage 3): {}",

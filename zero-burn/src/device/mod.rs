@@ -32,7 +32,7 @@ pub use adam::DeviceAdam;
 pub use collective::{DeviceCollective, HostStaged, Started};
 pub(crate) use cpu::{cast, own_buffer};
 #[cfg(feature = "cuda")]
-pub use nccl::NcclDevice;
+pub use nccl::{CudaBuffers, NcclDevice};
 
 /// The GPUs the CUDA driver sees, or why there are none (no driver library, a driver error, or
 /// no device visible), so that a program can refuse `--backend cuda` with a sentence before

@@ -1,7 +1,10 @@
 //! NCCL on the buffers Burn's CUDA backend already holds (feature `cuda`).
 //!
-//! A CUDA tensor of Burn 0.21 (`CubeBackend<CudaRuntime, ..>`, no fusion) is a `CubeTensor`: a
-//! cubecl compute client and a memory handle. The client's `get_resource(handle)` gives the
+//! A CUDA tensor of Burn 0.21 (`CubeBackend<CudaRuntime, ..>`) is a `CubeTensor`: a cubecl
+//! compute client and a memory handle. Under fusion (`Fusion<CubeBackend<..>>`, what
+//! `burn::backend::Cuda` is with Burn's default features) a tensor is an entry of the fusion
+//! server's graph: [`CudaBuffers`] resolves it to its `CubeTensor` (running the operations still
+//! queued for it) and registers a collective's output back as a fusion tensor. The client's `get_resource(handle)` gives the
 //! storage resource of the handle's bytes, whose `ptr` is the raw `CUdeviceptr` (with the
 //! handle's offset applied), and keeps the allocation reserved while the resource lives. That
 //! pointer is wrapped as a cudarc `CudaSlice` on the NCCL group's stream with
@@ -36,18 +39,68 @@
 use super::collective::{DeviceCollective, Started};
 use crate::error::ZeroError;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 use burn_cubecl::cubecl::cuda::{CudaDevice, CudaRuntime};
+use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use burn_fusion::stream::OperationStreams;
+use burn_fusion::{Fusion, FusionTensor, NoOp};
+use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use half::{bf16, f16};
 use std::sync::Arc;
 use zero_core::comm::{CommError, DeviceElement, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp};
 
-/// Burn's CUDA backend without fusion: what `burn::backend::Cuda` is with this workspace's
-/// features.
-type CudaBackend<F, I, BT> = CubeBackend<CudaRuntime, F, I, BT>;
+/// Burn's CUDA backends, whose float tensors [`NcclDevice`] lends to NCCL: `CubeBackend` over
+/// CUDA, and `Fusion` over it (`burn::backend::Cuda` with Burn's default features).
+pub trait CudaBuffers: Backend<Device = CudaDevice> {
+    /// The unfused backend underneath, which allocates the collectives' outputs.
+    type Cube: Backend<Device = CudaDevice, FloatTensorPrimitive = CubeTensor<CudaRuntime>>;
+
+    /// The CUDA buffer of `tensor`, once every operation that writes it has been issued.
+    fn to_cube(tensor: Self::FloatTensorPrimitive) -> CubeTensor<CudaRuntime>;
+
+    /// A buffer a collective wrote, as a float tensor of this backend.
+    fn from_cube(tensor: CubeTensor<CudaRuntime>) -> Self::FloatTensorPrimitive;
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> CudaBuffers for CubeBackend<CudaRuntime, F, I, BT> {
+    type Cube = Self;
+
+    fn to_cube(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
+        tensor
+    }
+
+    fn from_cube(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
+        tensor
+    }
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> CudaBuffers for Fusion<CubeBackend<CudaRuntime, F, I, BT>> {
+    type Cube = CubeBackend<CudaRuntime, F, I, BT>;
+
+    /// Runs the fused operations queued on the tensor's stream and takes its buffer.
+    fn to_cube(tensor: FusionTensor<FusionCubeRuntime<CudaRuntime>>) -> CubeTensor<CudaRuntime> {
+        tensor.client.clone().resolve_tensor_float::<Self::Cube>(tensor)
+    }
+
+    /// Registers the buffer with the device's fusion server, as Burn does for a tensor made from
+    /// data.
+    fn from_cube(tensor: CubeTensor<CudaRuntime>) -> FusionTensor<FusionCubeRuntime<CudaRuntime>> {
+        let client = burn_fusion::get_client::<Self::Cube>(&tensor.device);
+        let (shape, dtype) = (tensor.shape(), tensor.dtype);
+        let handle = <Self::Cube as BackendIr>::float_tensor_handle(tensor);
+        let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+        client
+            .register(
+                OperationStreams::default(),
+                OperationIr::Init(init),
+                NoOp::<Self::Cube>::new(),
+            )
+            .output()
+    }
+}
 
 /// [`DeviceCollective`] for Burn's CUDA tensors over an [`NcclGroup`]: no host copy of the
 /// tensors (see the module documentation for the ordering, which makes every call synchronous).
@@ -155,14 +208,17 @@ fn lend<T: DeviceElement>(
     })
 }
 
-/// The CUDA primitive of a float tensor, contiguous.
-fn primitive<F: FloatElement, I: IntElement, BT: BoolElement>(
-    tensor: Tensor<CudaBackend<F, I, BT>, 1>,
-    op: &str,
-) -> Result<CubeTensor<CudaRuntime>, ZeroError> {
+/// The CUDA buffer of a float tensor, contiguous.
+fn primitive<B: CudaBuffers>(tensor: Tensor<B, 1>, op: &str) -> Result<CubeTensor<CudaRuntime>, ZeroError> {
     match tensor.into_primitive() {
-        TensorPrimitive::Float(t) if t.is_contiguous() => Ok(t),
-        TensorPrimitive::Float(t) => Ok(burn_cubecl::kernel::into_contiguous(t)),
+        TensorPrimitive::Float(t) => {
+            let t = B::to_cube(t);
+            Ok(if t.is_contiguous() {
+                t
+            } else {
+                burn_cubecl::kernel::into_contiguous(t)
+            })
+        }
         TensorPrimitive::QFloat(_) => Err(ZeroError::Comm(CommError::InvalidArgument {
             op: op.to_string(),
             message: "quantized tensors cannot be reduced; dequantize first".into(),
@@ -179,9 +235,9 @@ fn wait(event: CudaEvent, op: &str) -> Result<(), ZeroError> {
 macro_rules! by_dtype {
     ($self:ident, $t:ident, $name:expr, $call:ident ( $($arg:expr),* )) => {
         match $t.dtype {
-            DType::F32 => $self.$call::<f32, F, I, BT>($t $(, $arg)*),
-            DType::F16 => $self.$call::<f16, F, I, BT>($t $(, $arg)*),
-            DType::BF16 => $self.$call::<bf16, F, I, BT>($t $(, $arg)*),
+            DType::F32 => $self.$call::<f32, B>($t $(, $arg)*),
+            DType::F16 => $self.$call::<f16, B>($t $(, $arg)*),
+            DType::BF16 => $self.$call::<bf16, B>($t $(, $arg)*),
             other => Err(ZeroError::Comm(CommError::InvalidArgument {
                 op: $name.into(),
                 message: format!("tensors of dtype {other:?} cannot be reduced by NCCL here (f32, f16 or bf16 only)"),
@@ -192,11 +248,11 @@ macro_rules! by_dtype {
 
 impl NcclDevice {
     /// Makes every kernel issued on `device` so far complete (step 2 of the module's ordering).
-    fn sync<F: FloatElement, I: IntElement, BT: BoolElement>(device: &CudaDevice, op: &str) -> Result<(), ZeroError> {
-        CudaBackend::<F, I, BT>::sync(device).map_err(|e| lend_error(op, e))
+    fn sync<B: CudaBuffers>(device: &CudaDevice, op: &str) -> Result<(), ZeroError> {
+        B::sync(device).map_err(|e| lend_error(op, e))
     }
 
-    fn all_reduce_typed<T: DeviceElement, F: FloatElement, I: IntElement, BT: BoolElement>(
+    fn all_reduce_typed<T: DeviceElement, B: CudaBuffers>(
         &self,
         input: CubeTensor<CudaRuntime>,
         op: ReduceOp,
@@ -207,14 +263,14 @@ impl NcclDevice {
         let out = if input.can_mut() { input } else { input.copy() };
         let stream = self.group.stream()?;
         let mut lent = lend::<T>(&out, n, &stream, name)?;
-        Self::sync::<F, I, BT>(&out.device, name)?;
+        Self::sync::<B>(&out.device, name)?;
         let event = self.group.all_reduce_device(lent.slice_mut(), op, None)?;
         wait(event, name)?;
         drop(lent);
         Ok(out)
     }
 
-    fn reduce_scatter_typed<T: DeviceElement, F: FloatElement, I: IntElement, BT: BoolElement>(
+    fn reduce_scatter_typed<T: DeviceElement, B: CudaBuffers>(
         &self,
         input: CubeTensor<CudaRuntime>,
         op: ReduceOp,
@@ -228,11 +284,11 @@ impl NcclDevice {
                 message: format!("{n} elements cannot be cut in {world} equal shards"),
             }));
         }
-        let out = empty::<F, I, BT>(n / world, input.dtype, &input.device);
+        let out = empty::<B::Cube>(n / world, input.dtype, &input.device);
         let stream = self.group.stream()?;
         let lent_in = lend::<T>(&input, n, &stream, name)?;
         let mut lent_out = lend::<T>(&out, n / world, &stream, name)?;
-        Self::sync::<F, I, BT>(&input.device, name)?;
+        Self::sync::<B>(&input.device, name)?;
         let event = self
             .group
             .reduce_scatter_device(lent_in.slice(), lent_out.slice_mut(), op, None)?;
@@ -244,50 +300,47 @@ impl NcclDevice {
     /// Enqueues the all-gather of `shard` on NCCL's stream after Burn's device has finished
     /// what writes it; the host waits for it in [`Started::wait`], so Burn's stream runs on in
     /// the meantime (a prefetch). The buffers stay lent, and the output unread, until then.
-    fn all_gather_start_typed<T: DeviceElement, F: FloatElement, I: IntElement, BT: BoolElement>(
+    fn all_gather_start_typed<T: DeviceElement, B: CudaBuffers>(
         &self,
         shard: CubeTensor<CudaRuntime>,
-    ) -> Result<Started<CudaBackend<F, I, BT>>, ZeroError> {
+    ) -> Result<Started<B>, ZeroError> {
         let name = "all_gather";
         let n = shard.meta.shape().num_elements();
         let world = self.group.world_size();
-        let out = empty::<F, I, BT>(n * world, shard.dtype, &shard.device);
+        let out = empty::<B::Cube>(n * world, shard.dtype, &shard.device);
         let stream = self.group.stream()?;
         let lent_in = lend::<T>(&shard, n, &stream, name)?;
         let mut lent_out = lend::<T>(&out, n * world, &stream, name)?;
-        Self::sync::<F, I, BT>(&shard.device, name)?;
+        Self::sync::<B>(&shard.device, name)?;
         let event = self
             .group
             .all_gather_device(lent_in.slice(), lent_out.slice_mut(), None)?;
         Ok(Started::pending(move || {
             wait(event, name)?;
             drop((lent_in, lent_out));
-            Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+            Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
         }))
     }
 
-    fn all_gather_start_any<F: FloatElement, I: IntElement, BT: BoolElement>(
-        &self,
-        shard: Tensor<CudaBackend<F, I, BT>, 1>,
-    ) -> Result<Started<CudaBackend<F, I, BT>>, ZeroError> {
+    fn all_gather_start_any<B: CudaBuffers>(&self, shard: Tensor<B, 1>) -> Result<Started<B>, ZeroError> {
         let t = primitive(shard, "all_gather")?;
         by_dtype!(self, t, "all_gather", all_gather_start_typed())
     }
 }
 
 /// A fresh, uninitialised 1-D buffer of `len` elements of `dtype` on `device`.
-fn empty<F: FloatElement, I: IntElement, BT: BoolElement>(
+fn empty<C: Backend<Device = CudaDevice, FloatTensorPrimitive = CubeTensor<CudaRuntime>>>(
     len: usize,
     dtype: DType,
     device: &CudaDevice,
 ) -> CubeTensor<CudaRuntime> {
-    match Tensor::<CudaBackend<F, I, BT>, 1>::empty([len], (device, dtype)).into_primitive() {
+    match Tensor::<C, 1>::empty([len], (device, dtype)).into_primitive() {
         TensorPrimitive::Float(t) => t,
         TensorPrimitive::QFloat(_) => unreachable!("a float creation gives a float primitive"),
     }
 }
 
-impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBackend<F, I, BT>> for NcclDevice {
+impl<B: CudaBuffers> DeviceCollective<B> for NcclDevice {
     fn rank(&self) -> usize {
         self.group.rank()
     }
@@ -296,34 +349,23 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> DeviceCollective<CudaBacke
         self.group.world_size()
     }
 
-    fn all_reduce(
-        &self,
-        tensor: Tensor<CudaBackend<F, I, BT>, 1>,
-        op: ReduceOp,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, ZeroError> {
+    fn all_reduce(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
         let t = primitive(tensor, "all_reduce")?;
         let out = by_dtype!(self, t, "all_reduce", all_reduce_typed(op))?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
     }
 
-    fn reduce_scatter(
-        &self,
-        tensor: Tensor<CudaBackend<F, I, BT>, 1>,
-        op: ReduceOp,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, ZeroError> {
+    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
         let t = primitive(tensor, "reduce_scatter")?;
         let out = by_dtype!(self, t, "reduce_scatter", reduce_scatter_typed(op))?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
     }
 
-    fn all_gather(
-        &self,
-        shard: Tensor<CudaBackend<F, I, BT>, 1>,
-    ) -> Result<Tensor<CudaBackend<F, I, BT>, 1>, ZeroError> {
+    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError> {
         self.all_gather_start_any(shard)?.wait()
     }
 
-    fn all_gather_start(&self, shard: Tensor<CudaBackend<F, I, BT>, 1>) -> Started<CudaBackend<F, I, BT>> {
+    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
         self.all_gather_start_any(shard)
             .unwrap_or_else(|e| Started::ready(Err(e)))
     }

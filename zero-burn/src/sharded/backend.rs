@@ -143,13 +143,9 @@ impl ShardBackend for Flex {
     }
 }
 
+/// Burn's CUDA backends, fused (`burn::backend::Cuda`) or not: collectives on their own tensors.
 #[cfg(feature = "cuda")]
-impl<F, I, BT> ShardBackend for burn_cubecl::CubeBackend<burn_cubecl::cubecl::cuda::CudaRuntime, F, I, BT>
-where
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-{
+impl<B: crate::device::CudaBuffers> ShardBackend for B {
     type Collective = Self;
 
     fn host_resident() -> bool {
