@@ -25,6 +25,7 @@ mod error;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod op;
+mod ready;
 mod reduce;
 mod tcp;
 mod threads;
@@ -37,6 +38,7 @@ pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
 #[cfg(feature = "cuda")]
 pub use nccl::{DeviceElement, NcclGroup};
+pub use ready::all_ready;
 pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;
 pub use work::Work;

@@ -8,8 +8,11 @@
 //! unique id (128 bytes) to every rank, and afterwards every collective's header (op, sequence
 //! number, dtype, length), so that a rank calling a different collective than its peers is
 //! reported on every rank, as on the other backends, instead of deadlocking inside NCCL. A peer
-//! that dies is seen by the control group at the next header exchange; a collective that NCCL does not finish within the timeout aborts the
-//! communicator and fails the group.
+//! that dies is seen by the control group at the next header exchange; a collective that NCCL
+//! does not finish within the timeout aborts the communicator and fails the group. At set-up, a
+//! rank that cannot open its GPU or stream is named by every other rank before any enters
+//! `ncclCommInitRank` ([`all_ready`](super::all_ready)), and a set-up that has not returned
+//! within the timeout ends the process with an error naming the rank.
 //!
 //! Two kinds of entry points:
 //! - [`ProcessGroup`] on host [`FlatBuffer`]s, staged through device buffers on the group's own
@@ -129,6 +132,27 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     }
 }
 
+/// Runs `f` (NCCL's communicator set-up, which waits for every rank with no deadline of its own);
+/// if it has not returned within `timeout` (a peer died inside it, or cannot be reached), the
+/// process ends with status 1 and a message naming this rank, rather than wait forever.
+fn exit_unless_done_within<T>(timeout: Duration, rank: usize, f: impl FnOnce() -> T) -> T {
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(timeout) {
+            eprintln!(
+                "error: NCCL rank {rank}: ncclCommInitRank has not returned after {} s: a peer rank \
+                 failed inside it or cannot be reached (the limit is ZERO_COMM_TIMEOUT_SECS); exiting",
+                timeout.as_secs()
+            );
+            std::process::exit(1);
+        }
+    });
+    let out = f();
+    drop(done);
+    let _ = watchdog.join();
+    out
+}
+
 impl NcclGroup {
     /// Joins the group the environment describes ([`DistEnv::detect`]) on GPU `LOCAL_RANK`.
     /// `timeout` overrides ZERO_COMM_TIMEOUT_SECS (default 300 s).
@@ -183,12 +207,22 @@ impl NcclGroup {
     fn build(ctrl: SharedGroup, device: usize, timeout: Duration) -> Result<Self, CommError> {
         let (rank, world) = (ctrl.rank(), ctrl.world_size());
         let setup = |what: &str, e: &dyn std::fmt::Debug| CommError::Setup(format!("NCCL rank {rank}: {what}: {e:?}"));
-        let ctx = CudaContext::new(device).map_err(|e| setup(&format!("cannot open GPU {device}"), &e))?;
-        let stream = ctx.new_stream().map_err(|e| setup("cannot create a stream", &e))?;
+        // Each rank's GPU and stream, and rank 0's unique id, are ready on every rank before any
+        // enters ncclCommInitRank, which waits for all of them with no deadline: a rank that
+        // failed here says so, and the others stop with an error naming it.
+        let prepared = (|| {
+            let ctx = CudaContext::new(device).map_err(|e| setup(&format!("cannot open GPU {device}"), &e))?;
+            let stream = ctx.new_stream().map_err(|e| setup("cannot create a stream", &e))?;
+            let id = match rank {
+                0 => Some(Id::new().map_err(|e| setup("cannot create the unique id", &e.0))?),
+                _ => None,
+            };
+            Ok((stream, id))
+        })();
+        let (stream, id) = super::all_ready(&*ctrl, "NCCL set-up", prepared)?;
         // The id travels as f32 bit patterns: the broadcast copies bytes, it computes nothing.
         let mut words = vec![0f32; 128 / 4];
-        if rank == 0 {
-            let id = Id::new().map_err(|e| setup("cannot create the unique id", &e.0))?;
+        if let Some(id) = id {
             for (w, b) in words.iter_mut().zip(id.internal().chunks_exact(4)) {
                 *w = f32::from_bits(u32::from_le_bytes([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8]));
             }
@@ -201,8 +235,12 @@ impl NcclGroup {
                 *d = b as std::ffi::c_char;
             }
         }
-        let comm = Comm::from_rank(stream.clone(), rank, world, Id::uninit(internal))
-            .map_err(|e| setup("ncclCommInitRank failed", &e.0))?;
+        let comm = exit_unless_done_within(timeout, rank, || {
+            Comm::from_rank(stream.clone(), rank, world, Id::uninit(internal))
+        })
+        .map_err(|e| setup("ncclCommInitRank failed", &e.0));
+        // A rank whose set-up returned an error tells the others, whose own may have succeeded.
+        let comm = super::all_ready(&*ctrl, "ncclCommInitRank", comm)?;
         let shared = Arc::new(Shared {
             rank,
             world,
