@@ -144,8 +144,8 @@ fn fifty_steps_on_4_ranks_keep_one_collective_order() {
 }
 
 /// bf16 and fp16 (fp32 masters; fp16 with DeepSpeed's dynamic loss scale from 2^16, whose
-/// first steps overflow and are skipped on every rank) follow the fp32 loss curve at stage 3 on
-/// 2 ranks. Reference: the same run in fp32; each 16-bit step is compared with the fp32 step
+/// first steps overflow and are skipped on every rank), and fp16 under activation checkpointing,
+/// follow the fp32 loss curve at stage 3 on 2 ranks. Reference: the same run in fp32; each 16-bit step is compared with the fp32 step
 /// taken after as many applied updates (the batch is the same every step), to 2% of the initial
 /// loss (the 16-bit rounding of weights and activations moves the loss by less; a wrong scale,
 /// a lost skip or an unapplied step by more).
@@ -170,15 +170,24 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve_at_stage_3() {
     assert!(fp32_runs[0].skipped.iter().all(|s| !s), "fp32 skips nothing");
     let fp32 = mean(&fp32_runs);
     assert!(fp32[STEPS - 1] < 0.9 * fp32[0], "fp32 trains: {fp32:?}");
-    // Each precision with the state as tensors (initialize's choice) and in host buffers.
-    for (name, precision, tensors) in [
-        ("bf16", r#""bf16": {"enabled": true},"#, None),
-        ("fp16", r#""fp16": {"enabled": true},"#, None),
-        ("bf16 host buffers", r#""bf16": {"enabled": true},"#, Some(false)),
-        ("fp16 host buffers", r#""fp16": {"enabled": true},"#, Some(false)),
+    // Each precision with the state as tensors (initialize's choice) and in host buffers, and
+    // fp16 with activation checkpointing (`checkpointed_grads` scales the loss itself).
+    let checkpointing = zero_burn::ActivationCheckpointing::default();
+    for (name, precision, tensors, checkpointed) in [
+        ("bf16", r#""bf16": {"enabled": true},"#, None, None),
+        ("fp16", r#""fp16": {"enabled": true},"#, None, None),
+        ("bf16 host buffers", r#""bf16": {"enabled": true},"#, Some(false), None),
+        ("fp16 host buffers", r#""fp16": {"enabled": true},"#, Some(false), None),
+        (
+            "fp16 checkpointed",
+            r#""fp16": {"enabled": true},"#,
+            None,
+            Some(&checkpointing),
+        ),
     ] {
         let options = RunOptions {
             tensors,
+            checkpointed,
             ..RunOptions::default()
         };
         let runs = train_zero_between(&config(precision), 2, 4, 1, &batch, STEPS, options);

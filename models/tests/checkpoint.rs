@@ -165,6 +165,29 @@ fn missing_and_unknown_keys_are_listed() {
     }
 }
 
+/// A config.json describing far more layers than the weights hold is refused before anything
+/// of its size is built (not after enumerating a billion layers' tensors).
+#[test]
+fn a_config_larger_than_its_weights_is_refused_at_once() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &fixture_tensors());
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["n_layer"] = serde_json::json!(1_000_000);
+    std::fs::write(&path, config.to_string()).unwrap();
+    match Gpt2::<B>::load_pretrained(dir.path(), &device) {
+        Err(e @ CheckpointError::Config { .. }) => {
+            let message = e.to_string();
+            assert!(
+                message.contains("config.json") && message.contains("weight files hold"),
+                "{message}"
+            );
+        }
+        other => panic!("expected the config to be refused, got {:?}", other.map(|_| ())),
+    }
+}
+
 #[test]
 fn a_different_head_or_shape_is_an_error() {
     let device = Default::default();

@@ -180,7 +180,8 @@ impl<H> Stored<H> {
 ///
 /// The result is what `(model.loss(batch) * loss_scale).backward()` would give, as
 /// [`GradientsParams`] for the optimizer (`optim.step(lr, model, grads)`; under fp16,
-/// `loss_scale` is `ZeroOptimizer::loss_scale()`), without keeping every block's activations
+/// `loss_scale` is `ZeroOptimizer::scale_for_backward()`, which tells the step that the
+/// gradients it gets are scaled), without keeping every block's activations
 /// alive between forward and backward; the loss is returned unscaled.
 pub fn checkpointed_grads<B, M>(
     model: &M,

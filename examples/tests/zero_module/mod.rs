@@ -149,7 +149,7 @@ pub fn train_zero_between(
             for chunk in mine.chunks(micro) {
                 let t = tokens(chunk);
                 if let Some(setting) = options.checkpointed {
-                    let scale = (optim.loss_scale() / gas as f64) as f32;
+                    let scale = (optim.scale_for_backward() / gas as f64) as f32;
                     let (value, grads) =
                         zero_burn::checkpointed_grads(&model, &(t.clone(), t), setting, scale).expect("checkpointed");
                     loss_sum += value as f64;

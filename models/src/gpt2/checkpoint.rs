@@ -10,7 +10,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
 use super::config::Gpt2Config;
-use super::error::CheckpointError;
+use super::error::{CheckpointError, Gpt2ConfigError};
 use super::hf_writer::{write_hf_dir, Shard};
 use super::model::Gpt2;
 use super::names::HF_PREFIX;
@@ -37,6 +37,7 @@ impl<B: Backend> Gpt2<B> {
         let config = read_config(dir)?;
 
         let (files, reported_path) = weight_files(dir)?;
+        room_for(&config, dir, &files)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
         let mut loaded: HashMap<String, TensorData> = HashMap::with_capacity(expected.len());
         let mut unexpected = Vec::new();
@@ -282,6 +283,27 @@ fn bytes_to_f32_data(
 }
 
 /// The GPT-2 configuration of a checkpoint directory.
+/// Refuses a config that describes more parameters than `files` can hold (2 bytes each, the
+/// smallest dtype read), before anything of the model's size is built from it.
+fn room_for(config: &Gpt2Config, dir: &Path, files: &[PathBuf]) -> Result<(), CheckpointError> {
+    let mut bytes = 0u64;
+    for path in files {
+        let meta = fs::metadata(path).map_err(|source| CheckpointError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        bytes = bytes.saturating_add(meta.len());
+    }
+    let params = config.num_params();
+    if params.saturating_mul(2) > bytes {
+        return Err(CheckpointError::Config {
+            path: dir.join(CONFIG_FILE),
+            source: Gpt2ConfigError::MoreThanTheWeights { params, bytes },
+        });
+    }
+    Ok(())
+}
+
 fn read_config(dir: &Path) -> Result<Gpt2Config, CheckpointError> {
     let config_path = dir.join(CONFIG_FILE);
     let json = read_to_string(&config_path)?;
@@ -319,6 +341,7 @@ impl TensorIndex {
     pub(crate) fn open(dir: &Path) -> Result<(Self, Gpt2Config), CheckpointError> {
         let config = read_config(dir)?;
         let (files, reported_path) = weight_files(dir)?;
+        room_for(&config, dir, &files)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
         let mut tensors = HashMap::with_capacity(expected.len());
         let mut unexpected = Vec::new();

@@ -159,6 +159,11 @@ impl Gpt2Config {
     /// Checks the sizes are consistent and every option is one this implementation computes
     /// exactly as HuggingFace does.
     pub fn validate(&self) -> Result<(), Gpt2ConfigError> {
+        // First, so that nothing below computes with sizes that overflow.
+        let params = self.params_u128();
+        if params > super::presets::MAX_PARAMS {
+            return Err(Gpt2ConfigError::TooLarge { params });
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("n_positions", self.n_positions),
@@ -274,6 +279,18 @@ mod tests {
         config.activation_function = "gelu_new".into();
         config.tie_word_embeddings = false;
         assert!(matches!(config.validate(), Err(Gpt2ConfigError::UntiedHead)));
+    }
+
+    #[test]
+    fn sizes_beyond_any_model_are_refused_without_overflow() {
+        // 4 * n_embd and n_embd^2 overflow 64 bits here: an error, not a panic.
+        let huge_width = Gpt2Config::new(100, 16, 1 << 62, 1, 1);
+        assert!(matches!(huge_width.validate(), Err(Gpt2ConfigError::TooLarge { .. })));
+        let deep = Gpt2Config::new(50257, 1024, 128, 1_000_000_000_000, 4);
+        let err = deep.validate().unwrap_err().to_string();
+        assert!(err.contains("n_layer") && err.contains("more than"), "{err}");
+        // GPT-2 10B is far inside the bound.
+        assert!(Gpt2Config::gpt2_10b().validate().is_ok());
     }
 
     #[test]

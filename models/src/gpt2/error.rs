@@ -31,6 +31,29 @@ pub enum Gpt2ConfigError {
     /// The configuration asks for an LM head separate from the token embedding.
     #[error("GPT-2 config: tie_word_embeddings = false is not supported (the LM head is wte)")]
     UntiedHead,
+    /// The sizes describe more parameters than any model this implementation holds.
+    #[error(
+        "GPT-2 config: vocab_size, n_positions, n_embd, n_inner and n_layer describe {params} parameters, \
+         more than {max} (2^50)",
+        max = super::presets::MAX_PARAMS
+    )]
+    TooLarge {
+        /// The count the sizes describe (saturated at `u128::MAX`).
+        params: u128,
+    },
+    /// The sizes describe more parameters than the checkpoint's weight files can hold (2 bytes
+    /// each, the smallest dtype read).
+    #[error(
+        "GPT-2 config: the sizes describe {params} parameters, at least {} bytes, but the weight files \
+         hold {bytes} bytes: the config does not belong to these weights",
+        2 * params
+    )]
+    MoreThanTheWeights {
+        /// The count the sizes describe.
+        params: u64,
+        /// The weight files' total size.
+        bytes: u64,
+    },
     /// A preset name that is not known.
     #[error(
         "unknown GPT-2 preset `{0}` (known: {known}, or gpt2-<layers>x<hidden> with hidden a multiple of 64)",

@@ -66,18 +66,40 @@ impl Gpt2Config {
     }
 
     /// Number of trainable parameters, counted by formula without building the model. The LM
-    /// head is tied to the token embedding and so adds nothing.
+    /// head is tied to the token embedding and so adds nothing. Sizes that
+    /// [`validate`](Self::validate) refuses may give `u64::MAX`.
     pub fn num_params(&self) -> u64 {
-        let d = self.n_embd as u64;
-        let inner = self.inner_size() as u64;
-        let layer_norm = 2 * d;
-        let attention = (d * 3 * d + 3 * d) + (d * d + d);
-        let mlp = (d * inner + inner) + (inner * d + d);
-        let block = 2 * layer_norm + attention + mlp;
-        let embeddings = (self.vocab_size as u64 + self.n_positions as u64) * d;
-        embeddings + self.n_layer as u64 * block + layer_norm
+        u64::try_from(self.params_u128()).unwrap_or(u64::MAX)
+    }
+
+    /// [`num_params`](Self::num_params) in saturating 128-bit arithmetic, for any sizes.
+    pub(crate) fn params_u128(&self) -> u128 {
+        let d = self.n_embd as u128;
+        let inner = self.n_inner.map_or(d.saturating_mul(4), |n| n as u128);
+        let layer_norm = d.saturating_mul(2);
+        let attention = d
+            .saturating_mul(d)
+            .saturating_mul(4)
+            .saturating_add(d.saturating_mul(4));
+        let mlp = d
+            .saturating_mul(inner)
+            .saturating_mul(2)
+            .saturating_add(inner)
+            .saturating_add(d);
+        let block = layer_norm
+            .saturating_mul(2)
+            .saturating_add(attention)
+            .saturating_add(mlp);
+        let embeddings = (self.vocab_size as u128 + self.n_positions as u128).saturating_mul(d);
+        embeddings
+            .saturating_add((self.n_layer as u128).saturating_mul(block))
+            .saturating_add(layer_norm)
     }
 }
+
+/// The most parameters a configuration may describe (2^50, about 10^15): far more than any
+/// model trained, and few enough that every size computed from them fits in 64 bits.
+pub const MAX_PARAMS: u128 = 1 << 50;
 
 #[cfg(test)]
 mod tests {

@@ -21,7 +21,9 @@ impl ZeroOptimizer {
 
     /// With a tensor-parallel group, refuses a checkpoint in `dir` saved over another number of
     /// tensor ranks (its slices are other shapes) or without tensor parallelism, saying what
-    /// works instead.
+    /// works instead, and one whose tensor ranks' checkpoints are not one save (a directory
+    /// missing, moved or from another run, naming it): every rank reads the same directories, so
+    /// every rank refuses, before any reads its own slices.
     fn check_tensor_degree(&self, dir: &std::path::Path, tag: Option<&str>) -> Result<(), ZeroError> {
         use zero_core::checkpoint::{Checkpoint, TensorParallelCheckpoint};
         let Some(tensor) = self
@@ -43,12 +45,12 @@ impl ZeroOptimizer {
         if !dir.join("tensor_rank_0").is_dir() && Checkpoint::open(dir, tag).is_ok() {
             return Err(refuse("without tensor parallelism".into()));
         }
-        if let Some(saved) = TensorParallelCheckpoint::open(dir, tag).ok().flatten() {
-            if saved.ranks.len() != tensor.world_size() {
-                return Err(refuse(format!("over {} tensor ranks", saved.ranks.len())));
+        match TensorParallelCheckpoint::open(dir, tag)? {
+            Some(saved) if saved.ranks.len() != tensor.world_size() => {
+                Err(refuse(format!("over {} tensor ranks", saved.ranks.len())))
             }
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the
@@ -62,6 +64,12 @@ impl ZeroOptimizer {
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<std::path::PathBuf, ZeroError> {
+        let split = self
+            .settings
+            .tensor_parallel_group
+            .as_ref()
+            .is_some_and(|t| t.world_size() > 1);
+        zero_core::checkpoint::check_same_kind(dir.as_ref(), split)?;
         let dir = self.own_dir(dir.as_ref());
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match guard.as_ref() {

@@ -235,6 +235,17 @@ impl ZeroOptimizer {
         loss.cast(burn::tensor::DType::F32).mul_scalar(self.loss_scale())
     }
 
+    /// The factor a backward that scales the loss itself must apply
+    /// ([`checkpointed_grads`](crate::checkpointed_grads)' `loss_scale`): fp16's loss scale, 1
+    /// otherwise. As after [`ZeroOptimizer::scale_loss`], the next step divides the gradients
+    /// by it.
+    pub fn scale_for_backward(&self) -> f64 {
+        if self.settings.precision.dtype == ComputeDtype::F16 {
+            self.scaled.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.loss_scale()
+    }
+
     /// Tells the next step one micro-batch's loss value (a loop that reads it anyway, to print
     /// it): a non-finite step is then reported as the loss's, the first thing that went wrong,
     /// rather than its gradient's.
@@ -374,8 +385,9 @@ impl ZeroOptimizer {
         if self.settings.precision.dtype == ComputeDtype::F16 && !scaled {
             return Err(ZeroError::Usage(
                 "fp16: the step's gradients come from a loss that ZeroOptimizer::scale_loss did not scale; call \
-                 `optim.scale_loss(loss).backward()` (a step divides the gradients by the loss scale), or train \
-                 in bf16, which needs no scale"
+                 `optim.scale_loss(loss).backward()` (a step divides the gradients by the loss scale), or give \
+                 `optim.scale_for_backward()` to a backward that scales the loss itself (checkpointed_grads), or \
+                 train in bf16, which needs no scale"
                     .into(),
             ));
         }

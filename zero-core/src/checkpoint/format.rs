@@ -280,6 +280,19 @@ impl CheckpointMeta {
     /// the file (and the checksum re-sealed) is found here, by every reader, unless every size
     /// that follows from it was edited too, in which case the shard headers no longer match.
     fn validate(&self) -> Result<(), String> {
+        if self.stage > 3 {
+            return Err(format!("ZeRO stage {} (0 to 3)", self.stage));
+        }
+        // Steps the optimizer applied, and the skipped ones, are among the engine's steps.
+        if self.optimizer.step > self.global_step || self.skipped_steps > self.global_step {
+            return Err(format!(
+                "the optimizer took {} steps and {} were skipped, of only {} (global_step)",
+                self.optimizer.step, self.skipped_steps, self.global_step
+            ));
+        }
+        if self.layout.alignment == 0 {
+            return Err("the layout's alignment is 0".into());
+        }
         if self.world_size == 0 || self.layout.world_size != self.world_size {
             return Err(format!(
                 "world size {} but the layout is cut for {}",

@@ -352,6 +352,28 @@ mod tests {
         (dir, meta)
     }
 
+    /// Metadata edited to something no run writes, and sealed again (its checksum matches): the
+    /// reader refuses it, naming what is impossible.
+    #[test]
+    fn sealed_metadata_that_no_run_writes_is_refused() {
+        let (dir, meta) = saved("impossible");
+        let path = dir.join("t").join(META_FILE);
+        let edits: [(&str, fn(&mut CheckpointMeta)); 4] = [
+            ("optimizer took", |m| m.optimizer.step = u64::MAX),
+            ("were skipped", |m| m.skipped_steps = 6),
+            ("stage 7", |m| m.stage = 7),
+            ("alignment is 0", |m| m.layout.alignment = 0),
+        ];
+        for (said, edit) in edits {
+            let mut bad = meta.clone();
+            edit(&mut bad);
+            let bytes = bad.to_bytes().expect("serialise");
+            let e = CheckpointMeta::from_bytes(&path, &bytes).expect_err(said).to_string();
+            assert!(e.contains(said) && e.contains(META_FILE), "{said}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     fn check(dir: &Path, record: &FileRecord, written: &CheckpointMeta) -> String {
         read_back(&dir.join("t"), 0, record, Some(written))
             .expect_err("must be found")

@@ -26,6 +26,29 @@ pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
     ranks
 }
 
+/// Refuses to save into `dir` a checkpoint of the other kind than it holds: one split over
+/// tensor ranks (`tensor_parallel`) beside a whole-model checkpoint (`dir/latest`), or a whole
+/// one beside tensor ranks' directories. Readers take the tensor ranks' directories first, so
+/// the later save would be silently passed over. Called before a run trains, and again by the
+/// save.
+pub fn check_same_kind(dir: &Path, tensor_parallel: bool) -> Result<(), CheckpointError> {
+    let ranks = tensor_ranks_in(dir);
+    let whole = dir.join(super::format::LATEST_FILE).is_file();
+    let (holds, saving) = match (tensor_parallel, whole, ranks.is_empty()) {
+        (true, true, _) => ("a checkpoint of the whole model (latest)", "split over tensor ranks"),
+        (false, _, false) => (
+            "a checkpoint split over tensor ranks (tensor_rank_*)",
+            "of the whole model",
+        ),
+        _ => return Ok(()),
+    };
+    Err(CheckpointError::Usage(format!(
+        "{} holds {holds}; a checkpoint {saving} cannot go beside it (a reader would take the other one): \
+         save into another directory",
+        dir.display()
+    )))
+}
+
 /// Every tensor rank's checkpoint of one save, checked to belong together.
 #[derive(Clone, Debug)]
 pub struct TensorParallelCheckpoint {
@@ -173,6 +196,26 @@ pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory holding one kind of checkpoint refuses the other kind, and takes its own.
+    #[test]
+    fn a_checkpoint_of_the_other_kind_is_refused_beside_one() {
+        let empty = tempfile::tempdir().unwrap();
+        check_same_kind(empty.path(), true).expect("an empty directory takes either");
+        check_same_kind(empty.path(), false).expect("an empty directory takes either");
+
+        let split = tempfile::tempdir().unwrap();
+        std::fs::create_dir(split.path().join("tensor_rank_0")).unwrap();
+        check_same_kind(split.path(), true).expect("another split save");
+        let e = check_same_kind(split.path(), false).unwrap_err().to_string();
+        assert!(e.contains("tensor_rank_*") && e.contains("another directory"), "{e}");
+
+        let whole = tempfile::tempdir().unwrap();
+        std::fs::write(whole.path().join("latest"), "global_step2").unwrap();
+        check_same_kind(whole.path(), false).expect("another whole save");
+        let e = check_same_kind(whole.path(), true).unwrap_err().to_string();
+        assert!(e.contains("whole model (latest)"), "{e}");
+    }
 
     /// A `[2, 6]` matrix cut over 2 ranks along axis 1 in 3 blocks (q|k|v): each rank holds the
     /// columns of its half of every block.

@@ -208,6 +208,10 @@ where
             "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
         )));
     }
+    if let (Some(dir), 1) = (&args.save, stages) {
+        zero_core::checkpoint::check_same_kind(dir, tensor > 1)
+            .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
+    }
     let options = InitOptions {
         hidden_size: Some(model_config.n_embd),
         ..Default::default()
@@ -355,12 +359,33 @@ fn rank_device<B: AutodiffBackend>(rank: usize, devices: usize) -> B::Device {
 
 /// Every rank's summary holds the same step records (losses are averaged over the ranks): the
 /// first this process hosts, after checking that no rank failed.
+///
+/// When ranks failed, the error returned is the first that is not only a consequence of
+/// another's (a peer gone, a wait timed out, a group shut down): the rank that failed first
+/// says why, where the others only say that it left.
 fn first_summary(results: Vec<Result<TrainSummary, TrainError>>) -> Result<TrainSummary, TrainError> {
-    let mut first = None;
-    for r in results {
-        first.get_or_insert(r?);
+    let (oks, errors): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    let mut errors: Vec<TrainError> = errors.into_iter().filter_map(Result::err).collect();
+    if let Some(cause) = errors.iter().position(|e| !peer_consequence(e)) {
+        return Err(errors.swap_remove(cause));
     }
-    first.ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
+    if let Some(e) = errors.into_iter().next() {
+        return Err(e);
+    }
+    oks.into_iter()
+        .find_map(Result::ok)
+        .ok_or_else(|| TrainError::Config("this process hosts no rank".into()))
+}
+
+/// Whether `e` only reports that another rank left or stopped answering.
+fn peer_consequence(e: &TrainError) -> bool {
+    use zero_core::comm::CommError;
+    matches!(
+        e,
+        TrainError::Engine(zero_burn::ZeroError::Comm(
+            CommError::PeerLost { .. } | CommError::Timeout { .. } | CommError::Shutdown { .. }
+        ))
+    )
 }
 
 /// What a rank starts from: its model (seeded; `None` where it is read partitioned),

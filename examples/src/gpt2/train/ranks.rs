@@ -245,7 +245,7 @@ where
             if let Some(ac) = &checkpointing {
                 // Forward and backward are one call (the blocks run again in backward): its
                 // time is the backward's.
-                let scale = (optim.loss_scale() / gas as f64) as f32;
+                let scale = (optim.scale_for_backward() / gas as f64) as f32;
                 let batch = (tokens.clone(), tokens);
                 let (value, grads) = timed(&mut timers, Part::Backward, || {
                     caught("checkpointed backward", || {
