@@ -358,7 +358,8 @@ mod tests {
     fn sealed_metadata_that_no_run_writes_is_refused() {
         let (dir, meta) = saved("impossible");
         let path = dir.join("t").join(META_FILE);
-        let edits: [(&str, fn(&mut CheckpointMeta)); 4] = [
+        type Edit = fn(&mut CheckpointMeta);
+        let edits: [(&str, Edit); 4] = [
             ("optimizer took", |m| m.optimizer.step = u64::MAX),
             ("were skipped", |m| m.skipped_steps = 6),
             ("stage 7", |m| m.stage = 7),
