@@ -73,6 +73,7 @@ pub fn fixture_args(config: &Path, steps: u64, nproc: usize) -> TrainArgs {
         backend: "cpu".into(),
         collectives: "auto".into(),
         quiet: true,
+        set: Vec::new(),
     }
 }
 

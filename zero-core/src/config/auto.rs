@@ -86,6 +86,21 @@ impl Overrides {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// The values of command-line assignments `KEY=JSON` (`--set`); a value that is not JSON is
+    /// taken as a string (`amp.opt_level=O1`).
+    pub fn from_assignments(items: &[String]) -> Result<Self, String> {
+        let mut overrides = Overrides::new();
+        for item in items {
+            let (key, value) = item
+                .split_once('=')
+                .filter(|(key, _)| !key.is_empty())
+                .ok_or_else(|| format!("--set {item}: expected KEY=JSON, e.g. train_micro_batch_size_per_gpu=4"))?;
+            let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
+            overrides.set(key, value);
+        }
+        Ok(overrides)
+    }
 }
 
 #[cfg(test)]

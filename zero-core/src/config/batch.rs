@@ -116,7 +116,8 @@ pub(crate) fn resolve_batch(
         }
         return Err(err(format!(
             "{TRAIN} or {MICRO} must be given (as a number, or \"auto\" with a value supplied at \
-             initialize through ResolveContext::overrides); {GAS} alone is not enough"
+             initialize: ResolveContext::overrides, or on the command line `--set {MICRO}=N`); {GAS} alone \
+             is not enough"
         )));
     }
     let Some(world) = world.map(|w| w as u64) else {

@@ -94,6 +94,12 @@ pub struct TrainArgs {
     /// No progress bar (the summary is still printed).
     #[arg(long)]
     pub quiet: bool,
+    /// A value for a key the config leaves "auto" (DeepSpeed's convention for what the training
+    /// script supplies), as `KEY=JSON` with a dotted key: `--set train_micro_batch_size_per_gpu=4
+    /// --set optimizer.params.lr=3e-4`. Repeatable; a key the file does not leave "auto" is
+    /// refused.
+    #[arg(long = "set", value_name = "KEY=JSON")]
+    pub set: Vec<String>,
 }
 
 /// One optimizer step, as the metrics file records it.
@@ -212,8 +218,18 @@ where
         zero_core::checkpoint::check_same_kind(dir, tensor > 1)
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
     }
+    let mut overrides = zero_core::config::Overrides::from_assignments(&args.set).map_err(TrainError::Config)?;
+    config
+        .check_overrides(&overrides)
+        .map_err(|e| TrainError::Config(format!("--set: {e}")))?;
+    // What the trainer itself knows, as a training script fills "auto": the schedule's length.
+    const TOTAL_STEPS: &str = "scheduler.params.total_num_steps";
+    if config.auto_keys().iter().any(|d| d.key == TOTAL_STEPS) && overrides.get(TOTAL_STEPS).is_none() {
+        overrides.set(TOTAL_STEPS, args.steps);
+    }
     let options = InitOptions {
         hidden_size: Some(model_config.n_embd),
+        overrides,
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);

@@ -34,15 +34,7 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn check(args: &Args) -> Result<String, String> {
-    let mut overrides = Overrides::new();
-    for item in &args.set {
-        let (key, value) = item
-            .split_once('=')
-            .ok_or_else(|| format!("--set {item}: expected KEY=JSON"))?;
-        // A bare word that is not JSON is taken as a string (`--set amp.opt_level=O1`).
-        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
-        overrides.set(key, value);
-    }
+    let overrides = Overrides::from_assignments(&args.set)?;
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
     for warning in &parsed.warnings {
         print_note(format_args!("warning: {warning}"));
