@@ -214,3 +214,21 @@ fn a_layout_beyond_data_parallel_is_named_and_older_headers_still_read() {
         Some("1 data × 2 tensor × 2 pipeline")
     );
 }
+
+/// `zero plot` never writes its image over a metrics file it reads (one named `.png`, whose
+/// default output is itself): refused with status 2, the file as it was.
+#[test]
+fn the_plot_never_overwrites_its_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("run.png");
+    write_metrics(&metrics, Some(&tiny(3, "fp32")), |s| 5.0 - s as f64 * 0.1, &[]);
+    let before = std::fs::read(&metrics).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["plot", metrics.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("overwrite its input"), "{stderr}");
+    assert_eq!(std::fs::read(&metrics).unwrap(), before, "the metrics are intact");
+}

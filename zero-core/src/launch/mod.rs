@@ -98,6 +98,10 @@ pub struct LaunchPlan {
     pub exit_grace: Duration,
 }
 
+/// The most processes started on one node: far more than any node's GPUs, few enough that a
+/// mistyped count does not fork until the system refuses.
+pub const MAX_PROCS_PER_NODE: usize = 1024;
+
 impl LaunchPlan {
     /// Resolves the options (reading the hostfile, finding this node, picking a port).
     pub fn resolve(opts: &LaunchOptions) -> Result<Self, LaunchError> {
@@ -156,6 +160,12 @@ impl LaunchPlan {
                 (node * nproc, nproc, nnodes * nproc, nnodes, "127.0.0.1".to_string())
             }
         };
+        if local > MAX_PROCS_PER_NODE {
+            return Err(LaunchError::Options(format!(
+                "{local} processes on this node: at most {MAX_PROCS_PER_NODE} are started on one node \
+                 (one per GPU is the usual count)"
+            )));
+        }
         let master_port = match (opts.master_port, nnodes) {
             (Some(p), _) if p != 0 => p,
             (_, 1) => free_port().map_err(|e| LaunchError::Io {
@@ -231,6 +241,17 @@ mod tests {
             ..opts
         };
         assert!(LaunchPlan::resolve(&no_port).is_err());
+    }
+
+    #[test]
+    fn a_process_count_beyond_any_node_is_refused_before_starting_any() {
+        let opts = LaunchOptions {
+            nproc_per_node: Some(100_000),
+            command: vec!["prog".into()],
+            ..Default::default()
+        };
+        let e = LaunchPlan::resolve(&opts).unwrap_err().to_string();
+        assert!(e.contains("100000 processes") && e.contains("at most 1024"), "{e}");
     }
 
     #[test]

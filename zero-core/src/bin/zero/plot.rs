@@ -21,6 +21,16 @@ pub struct Args {
 /// Runs the subcommand: the PNG's path on stdout, or the error on stderr with exit status 2.
 pub fn run(args: Args) -> ExitCode {
     let out = args.out.clone().unwrap_or_else(|| args.metrics.with_extension("png"));
+    // The image never replaces a metrics file it reads.
+    let same = |a: &PathBuf| {
+        a == &out || matches!((std::fs::canonicalize(a), std::fs::canonicalize(&out)), (Ok(x), Ok(y)) if x == y)
+    };
+    if let Some(input) = std::iter::once(&args.metrics).chain(&args.compare).find(|p| same(p)) {
+        return crate::print_error(format!(
+            "the plot would overwrite its input {}: give another output with -o",
+            input.display()
+        ));
+    }
     let drawn = std::iter::once(&args.metrics)
         .chain(&args.compare)
         .map(|path| Run::read(path))
