@@ -1,1 +1,3 @@
-//! zero-benches
+//! zero-benches: the benchmark binaries (src/bin) and the command-line reading they share.
+
+pub mod cli;

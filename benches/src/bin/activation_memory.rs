@@ -25,6 +25,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Barrier;
 use std::time::Instant;
+use zero_benches::cli::{Args, MAX_THREADS};
 use zero_burn::pipeline::{PartitionMethod, PipelineEngine, PipelineModule};
 use zero_burn::sharded::UnitComm;
 use zero_burn::{ActivationCheckpointing, EngineSettings, HostStaged, Stage};
@@ -86,6 +87,14 @@ struct Options {
     micro: usize,
 }
 
+/// What `--help` prints.
+const USAGE: &str =
+    "usage: activation_memory [--layers 8] [--embd 128] [--seq 256] [--batch 4] [--pipeline P --micro M]";
+
+/// Attention heads of the measured GPT-2: `--embd` must be a multiple of it.
+const HEADS: usize = 4;
+
+/// The options, every one checked before the model is built (a bad one exits with status 2).
 fn options() -> Options {
     let mut o = Options {
         layers: 8,
@@ -95,26 +104,50 @@ fn options() -> Options {
         pipeline: 0,
         micro: 4,
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for pair in args.chunks(2) {
-        let value: usize = pair.get(1).and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-            eprintln!("{} needs a number", pair[0]);
-            std::process::exit(2);
-        });
-        match pair[0].as_str() {
-            "--layers" => o.layers = value,
-            "--embd" => o.embd = value,
-            "--seq" => o.seq = value,
-            "--batch" => o.batch = value,
-            "--pipeline" => o.pipeline = value,
-            "--micro" => o.micro = value,
-            other => {
-                eprintln!("unknown option {other}");
-                std::process::exit(2);
-            }
+    let mut args = Args::new("activation_memory", USAGE);
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--layers" => o.layers = args.count(&flag, 1),
+            "--embd" => o.embd = args.multiple(&flag, HEADS, "the model's attention heads"),
+            "--seq" => o.seq = args.seq(&flag),
+            "--batch" => o.batch = args.count(&flag, 1),
+            "--pipeline" => o.pipeline = args.number(&flag, 0..=MAX_THREADS),
+            "--micro" => o.micro = args.count(&flag, 1),
+            other => args.unknown(other),
         }
     }
+    // The pipeline's layers: the embedding, each block, the head; each stage needs one.
+    if o.pipeline > o.layers + 2 {
+        args.fail(format_args!(
+            "--pipeline {}: expected at most {} (--layers {} blocks, the embedding and the head: one per stage)",
+            o.pipeline,
+            o.layers + 2,
+            o.layers
+        ));
+    }
+    // Without a pipeline, A and C are fitted from no checkpointing and one checkpoint per
+    // block: two distinct points only with two blocks or more.
+    if o.pipeline == 0 && o.layers < 2 {
+        args.fail(format_args!(
+            "--layers {}: expected at least 2 without --pipeline (with one block, no checkpointing and one \
+             checkpoint per block are the same point, and A cannot be told from C)",
+            o.layers
+        ));
+    }
+    args.check_tokens(("--batch", "--seq"), o.batch, o.seq);
+    if let Err(e) = config(&o).validate() {
+        args.fail(format_args!(
+            "--layers {} --embd {} --seq {}: {e}",
+            o.layers, o.embd, o.seq
+        ));
+    }
     o
+}
+
+/// The measured GPT-2. A small vocabulary keeps the logits (part of C) from hiding the blocks'
+/// share.
+fn config(o: &Options) -> Gpt2Config {
+    Gpt2Config::new(512, o.seq.max(64), o.embd, o.layers, HEADS)
 }
 
 /// Peak bytes above the resting level during forward + backward (median-free: the allocator's
@@ -239,8 +272,7 @@ fn mb(bytes: f64) -> f64 {
 
 fn main() {
     let o = options();
-    // A small vocabulary keeps the logits (part of C) from hiding the blocks' share.
-    let config = Gpt2Config::new(512, o.seq.max(64), o.embd, o.layers, 4);
+    let config = config(&o);
     if o.pipeline > 0 {
         println!(
             "GPT-2: {} layers, n_embd {}, vocab 512; batch {} x seq {}",

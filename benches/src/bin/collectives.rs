@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
+use zero_benches::cli::Args;
 use zero_core::comm::{CommError, DistEnv, FlatBuffer, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
 
 const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
@@ -223,27 +224,80 @@ fn processes(world: usize, program: &str, args: &[String], envs: &[(&str, &str)]
     )
 }
 
-fn list(arg: Option<&String>, default: &[usize]) -> Vec<usize> {
-    arg.map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-        .unwrap_or_else(|| default.to_vec())
+/// What `--help` prints.
+const USAGE: &str = "usage: collectives [--sizes 1,16,64,256] [--worlds 2,4] [--no-gloo] [--no-tcp] [--no-threads]
+  [--transports tcp,unix,pipes] [--socket-buffer BYTES]";
+
+/// The TCP group's transports, in the order they run.
+const TRANSPORTS: [&str; 3] = ["tcp", "unix", "pipes"];
+
+struct Options {
+    /// Buffer sizes in MiB.
+    sizes: Vec<usize>,
+    /// World sizes, each measured on every backend.
+    worlds: Vec<usize>,
+    /// torch's gloo measured beside (`--no-gloo`: the ANCHORS.md figures instead).
+    gloo: bool,
+    /// The TCP group runs (`--no-tcp`: not).
+    tcp: bool,
+    /// The threads backend runs (`--no-threads`: not).
+    threads: bool,
+    /// Which of [`TRANSPORTS`] run.
+    transports: Vec<String>,
+    /// SO_SNDBUF / SO_RCVBUF in bytes (0: kernel autotuning; `None`: `TcpOptions`' default).
+    socket_buffer: Option<usize>,
+    /// This process is one rank of the TCP group (the parent starts it so).
+    tcp_rank: bool,
+    /// The TCP rank's transport: `tcp` (loopback only) or `auto`.
+    transport: String,
+}
+
+/// The options, every one checked before anything runs (a bad one exits with status 2).
+fn options() -> Options {
+    let mut o = Options {
+        sizes: vec![1, 16, 64, 256],
+        worlds: vec![2, 4],
+        gloo: true,
+        tcp: true,
+        threads: true,
+        transports: TRANSPORTS.iter().map(|t| t.to_string()).collect(),
+        socket_buffer: None,
+        tcp_rank: false,
+        transport: "auto".into(),
+    };
+    let mut args = Args::new("collectives", USAGE);
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--sizes" => o.sizes = args.counts(&flag, 1),
+            "--worlds" => o.worlds = args.ranks_list(&flag),
+            "--no-gloo" => o.gloo = false,
+            "--no-tcp" => o.tcp = false,
+            "--no-threads" => o.threads = false,
+            "--transports" => o.transports = args.choices(&flag, &TRANSPORTS),
+            "--socket-buffer" => o.socket_buffer = Some(args.number(&flag, 0..=usize::MAX)),
+            "--tcp-rank" => o.tcp_rank = true,
+            "--transport" => o.transport = args.choice(&flag, &["tcp", "auto"]),
+            other => args.unknown(other),
+        }
+    }
+    o
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
-    let sizes = list(flag("--sizes"), &[1, 16, 64, 256]);
-    if args.iter().any(|a| a == "--tcp-rank") {
+    let o = options();
+    let sizes = o.sizes.clone();
+    if o.tcp_rank {
         let env = DistEnv::detect().unwrap_or_else(|e| {
             eprintln!("environment: {e}");
             std::process::exit(1)
         });
         // --socket-buffer BYTES (0: kernel autotuning), to compare socket settings.
-        let socket_buffer = match flag("--socket-buffer").and_then(|s| s.parse::<usize>().ok()) {
+        let socket_buffer = match o.socket_buffer {
             Some(0) => None,
             Some(n) => Some(n),
             None => TcpOptions::default().socket_buffer,
         };
-        let unix_on_same_host = flag("--transport").map(String::as_str) != Some("tcp");
+        let unix_on_same_host = o.transport != "tcp";
         let options = TcpOptions {
             timeout: Duration::from_secs(600),
             socket_buffer,
@@ -262,7 +316,7 @@ fn main() {
         }
         return;
     }
-    let worlds = list(flag("--worlds"), &[2, 4]);
+    let worlds = o.worlds.clone();
     let sizes_arg = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -274,7 +328,7 @@ fn main() {
     let mem2 = memcpy_bandwidth(2);
     println!("memory bandwidth (copy of 256 MiB, read+write bytes, best of 5): 1 thread {mem1:.1} GB/s, 2 threads {mem2:.1} GB/s");
 
-    let torch = !args.iter().any(|a| a == "--no-gloo")
+    let torch = o.gloo
         && Command::new("python3")
             .args(["-c", "import torch"])
             .stderr(Stdio::null())
@@ -295,7 +349,7 @@ fn main() {
     let mut rows: Vec<(String, usize, String, usize, f64, f64, String)> = Vec::new();
     for &world in &worlds {
         // --no-threads skips the in-process baseline (it takes both cores for a while).
-        let threads = if args.iter().any(|a| a == "--no-threads") {
+        let threads = if !o.threads {
             Vec::new()
         } else {
             threads_backend(world, &sizes)
@@ -314,13 +368,7 @@ fn main() {
         // TCP over loopback; Unix-domain sockets between ranks of this host; pipes fed by
         // vmsplice (the default between ranks of one host).
         // --transports tcp,unix,pipes picks which of them run (all by default).
-        let chosen: Vec<String> = flag("--transports")
-            .map(|s| s.split(',').map(|t| t.trim().to_string()).collect())
-            .unwrap_or_else(|| vec!["tcp".into(), "unix".into(), "pipes".into()]);
-        for transport in ["tcp", "unix", "pipes"]
-            .into_iter()
-            .filter(|t| chosen.iter().any(|c| c == t))
-        {
+        for transport in TRANSPORTS.into_iter().filter(|t| o.transports.iter().any(|c| c == t)) {
             let mut tcp_args = vec![
                 "--tcp-rank".to_string(),
                 "--sizes".into(),
@@ -329,10 +377,10 @@ fn main() {
                 if transport == "tcp" { "tcp" } else { "auto" }.into(),
             ];
             let pipes = if transport == "pipes" { "1" } else { "0" };
-            if let Some(b) = flag("--socket-buffer") {
-                tcp_args.extend(["--socket-buffer".to_string(), b.clone()]);
+            if let Some(b) = o.socket_buffer {
+                tcp_args.extend(["--socket-buffer".to_string(), b.to_string()]);
             }
-            if !args.iter().any(|a| a == "--no-tcp") {
+            if o.tcp {
                 let name = match transport {
                     "tcp" => "tcp group, tcp loopback",
                     "unix" => "tcp group, unix sockets",

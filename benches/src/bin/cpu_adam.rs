@@ -14,6 +14,7 @@
 use std::process::Command;
 use std::time::Instant;
 
+use zero_benches::cli::Args;
 use zero_core::optim::adam_kernel::{adam_step, bf16, f16, AdamScalars, HalfCopy, Isa};
 use zero_core::optim::CpuPool;
 
@@ -21,6 +22,12 @@ const LR: f64 = 1e-3;
 const WD: f64 = 0.01;
 const BYTES_PER_PARAM: f64 = 28.0;
 const WARMUP: usize = 2;
+
+/// What `--help` prints.
+const USAGE: &str = "usage: cpu_adam [--params N] [--steps S] [--no-torch]";
+
+/// The most parameters `--params` takes: the four buffers' byte counts stay far within 64 bits.
+const MAX_PARAMS: usize = 1 << 50;
 
 struct Buffers {
     p: Vec<f32>,
@@ -163,16 +170,13 @@ fn main() {
     let mut n: usize = 100_000_000;
     let mut steps = 7;
     let mut with_torch = true;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--params" => n = args.next().and_then(|s| s.parse().ok()).unwrap_or(n),
-            "--steps" => steps = args.next().and_then(|s| s.parse().ok()).unwrap_or(steps),
+    let mut args = Args::new("cpu_adam", USAGE);
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--params" => n = args.number(&flag, 1..=MAX_PARAMS),
+            "--steps" => steps = args.count(&flag, 1),
             "--no-torch" => with_torch = false,
-            other => {
-                eprintln!("unknown argument {other}; usage: cpu_adam [--params N] [--steps S] [--no-torch]");
-                std::process::exit(2);
-            }
+            other => args.unknown(other),
         }
     }
     let isas = Isa::available();

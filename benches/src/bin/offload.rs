@@ -14,6 +14,7 @@
 
 use std::path::PathBuf;
 use std::time::Instant;
+use zero_benches::cli;
 use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
 use zero_core::optim::{build, HalfCopy, OptimizerSpec, ShardSegments};
 
@@ -25,7 +26,15 @@ struct Args {
     steps: usize,
 }
 
-fn args() -> Result<Args, String> {
+/// What `--help` prints.
+const USAGE: &str = "usage: offload [--params 100000000] [--chunk 4194304] [--buffers 4] [--dir PATH] [--steps 3]";
+
+/// The most parameters `--params` takes: the swap file's 12 bytes per parameter stay far
+/// within 64 bits.
+const MAX_PARAMS: usize = 1 << 50;
+
+/// The options, every one checked before the file is written (a bad one exits with status 2).
+fn args() -> Args {
     let mut a = Args {
         params: 100_000_000,
         chunk: 1 << 22,
@@ -33,26 +42,18 @@ fn args() -> Result<Args, String> {
         dir: std::env::temp_dir().join("zero-offload-bench"),
         steps: 3,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let num = || {
-            value
-                .replace('_', "")
-                .parse::<f64>()
-                .map(|v| v as usize)
-                .map_err(|_| format!("{flag} {value}: not a number"))
-        };
+    let mut args = cli::Args::new("offload", USAGE);
+    while let Some(flag) = args.flag() {
         match flag.as_str() {
-            "--params" => a.params = num()?,
-            "--chunk" => a.chunk = num()?,
-            "--buffers" => a.buffers = num()?,
-            "--steps" => a.steps = num()?,
-            "--dir" => a.dir = PathBuf::from(value),
-            other => return Err(format!("unknown flag {other}")),
+            "--params" => a.params = args.number(&flag, 1..=MAX_PARAMS),
+            "--chunk" => a.chunk = args.count(&flag, 1),
+            "--buffers" => a.buffers = args.count(&flag, 1),
+            "--steps" => a.steps = args.count(&flag, 1),
+            "--dir" => a.dir = PathBuf::from(args.value(&flag, "a directory for the swap file")),
+            other => args.unknown(other),
         }
     }
-    Ok(a)
+    a
 }
 
 fn gbps(bytes: f64, secs: f64) -> f64 {
@@ -60,13 +61,7 @@ fn gbps(bytes: f64, secs: f64) -> f64 {
 }
 
 fn main() {
-    let a = match args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
+    let a = args();
     if let Err(e) = run(&a) {
         eprintln!("error: {e}");
         std::process::exit(1);

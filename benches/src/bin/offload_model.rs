@@ -27,6 +27,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+use zero_benches::cli::{self, MAX_THREADS};
 use zero_burn::{EngineSettings, OptimizerOffload, ParamOffload, PrecisionSettings, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_core::estimate::{estimate, human_bytes, Dtype, EstimateInput, Gpt2Shape, OffloadTarget};
@@ -49,7 +50,13 @@ struct Args {
     optimizer_threads: usize,
 }
 
-fn args() -> Result<Args, String> {
+/// What `--help` prints.
+const USAGE: &str = "usage: offload_model [--preset gpt2] [--seq 32] [--batch 1] [--world 1] [--steps 2]
+  [--dtype fp32|bf16] [--optimizer nvme|cpu|none] [--param nvme|cpu|none] [--dir PATH] [--max-host-gib 20]
+  [--optimizer-threads 0]";
+
+/// The options, every one checked before anything is allocated (a bad one exits with status 2).
+fn args() -> Args {
     let mut a = Args {
         preset: "gpt2".into(),
         seq: 32,
@@ -63,30 +70,40 @@ fn args() -> Result<Args, String> {
         max_host_gib: 20.0,
         optimizer_threads: 0,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let num = || {
-            value
-                .parse::<usize>()
-                .map_err(|_| format!("{flag} {value}: not a number"))
-        };
+    let mut args = cli::Args::new("offload_model", USAGE);
+    let mut config = Gpt2Config::gpt2();
+    while let Some(flag) = args.flag() {
         match flag.as_str() {
-            "--preset" => a.preset = value,
-            "--seq" => a.seq = num()?,
-            "--batch" => a.batch = num()?,
-            "--world" => a.world = num()?,
-            "--steps" => a.steps = num()?,
-            "--dtype" => a.dtype = value,
-            "--optimizer" => a.optimizer = value,
-            "--param" => a.param = value,
-            "--dir" => a.dir = PathBuf::from(value),
-            "--max-host-gib" => a.max_host_gib = value.parse().map_err(|_| format!("{flag} {value}: not a number"))?,
-            "--optimizer-threads" => a.optimizer_threads = num()?,
-            other => return Err(format!("unknown flag {other}")),
+            "--preset" => {
+                (a.preset, config) = args.preset(&flag);
+                if Gpt2Shape::preset(&a.preset).is_none() {
+                    args.fail(format_args!(
+                        "--preset {}: no `zero estimate` shape of that name",
+                        a.preset
+                    ));
+                }
+            }
+            "--seq" => a.seq = args.seq(&flag),
+            "--batch" => a.batch = args.count(&flag, 1),
+            "--world" => a.world = args.ranks(&flag),
+            "--steps" => a.steps = args.count(&flag, 1),
+            "--dtype" => a.dtype = args.choice(&flag, &["fp32", "bf16"]),
+            "--optimizer" => a.optimizer = args.choice(&flag, &["nvme", "cpu", "none"]),
+            "--param" => a.param = args.choice(&flag, &["nvme", "cpu", "none"]),
+            "--dir" => a.dir = PathBuf::from(args.value(&flag, "a directory for the swap files")),
+            "--max-host-gib" => a.max_host_gib = args.real(&flag, 0.0),
+            "--optimizer-threads" => a.optimizer_threads = args.number(&flag, 0..=MAX_THREADS),
+            other => args.unknown(other),
         }
     }
-    Ok(a)
+    if a.seq > config.n_positions {
+        args.fail(format_args!(
+            "--seq {}: expected at most {} (n_positions of --preset {})",
+            a.seq, config.n_positions, a.preset
+        ));
+    }
+    args.check_tokens(("--batch", "--seq"), a.batch, a.seq);
+    a
 }
 
 /// A field of /proc/self/status in bytes (`VmHWM`: peak resident set; `VmRSS`: now).
@@ -102,13 +119,7 @@ fn gib(bytes: u64) -> f64 {
 }
 
 fn main() {
-    let a = match args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
+    let a = args();
     if let Err(e) = run(&a) {
         eprintln!("error: {e}");
         std::process::exit(1);
@@ -134,7 +145,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     input.offload_param = target(&a.param)?;
     let predicted = estimate(&input)?;
     // Per process: every rank thread's device and host bytes (both are this machine's memory).
-    let host = (predicted.per_device.total() + predicted.per_host.total()) * a.world as u64;
+    let host = (predicted.per_device.total() + predicted.per_host.total()).saturating_mul(a.world as u64);
     println!(
         "{} ({:.0}M params), stage 3, {} rank thread(s), {}, optimizer {}, params {}, seq {} batch {}",
         a.preset,

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
+use zero_benches::cli::Args;
 use zero_burn::sharded::{shard_units, UnitComm};
 use zero_burn::HostStaged;
 use zero_core::comm::{ProcessGroup, ThreadGroup};
@@ -32,6 +33,11 @@ struct Options {
     mode: Option<String>,
 }
 
+/// What `--help` prints.
+const USAGE: &str =
+    "usage: partitioned_load [--model gpt2] [--world 4] [--dir <checkpoint dir; a temporary one by default>]";
+
+/// The options, every one checked before anything is written (a bad one exits with status 2).
 fn options() -> Options {
     let mut o = Options {
         model: "gpt2".into(),
@@ -39,15 +45,15 @@ fn options() -> Options {
         dir: None,
         mode: None,
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for pair in args.chunks(2) {
-        let value = pair.get(1).cloned().unwrap_or_default();
-        match pair[0].as_str() {
-            "--model" => o.model = value,
-            "--world" => o.world = value.parse().unwrap_or(o.world),
-            "--dir" => o.dir = Some(PathBuf::from(value)),
-            "--mode" => o.mode = Some(value),
-            other => fail(&format!("unknown option {other}")),
+    let mut args = Args::new("partitioned_load", USAGE);
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--model" => o.model = args.preset(&flag).0,
+            "--world" => o.world = args.ranks(&flag),
+            "--dir" => o.dir = Some(PathBuf::from(args.value(&flag, "the checkpoint's directory"))),
+            // Internal: what a child process of this binary does (see `spawn`).
+            "--mode" => o.mode = Some(args.choice(&flag, &["prepare", "full", "partitioned"])),
+            other => args.unknown(other),
         }
     }
     o

@@ -16,6 +16,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use std::time::Duration;
+use zero_benches::cli::Args;
 use zero_burn::pipeline::{PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 use zero_burn::{EngineSettings, Stage};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
@@ -44,13 +45,27 @@ impl<B: AutodiffBackend> PipeLayer<B> for Equal<B> {
     }
 }
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// What `--help` prints.
+const USAGE: &str = "usage: pipeline [--width 384] [--rows 256] [--steps 3]";
+
+/// The widest layer `--width` takes: its width × width weights stay within 2^32.
+const MAX_WIDTH: usize = 1 << 16;
+
+/// Width, rows and measured steps, every one checked before anything runs (a bad one exits
+/// with status 2).
+fn options() -> (usize, usize, usize) {
+    let (mut width, mut rows, mut steps) = (384, 256, 3);
+    let mut args = Args::new("pipeline", USAGE);
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--width" => width = args.number(&flag, 1..=MAX_WIDTH),
+            "--rows" => rows = args.count(&flag, 1),
+            "--steps" => steps = args.count(&flag, 1),
+            other => args.unknown(other),
+        }
+    }
+    args.check_product(("--rows", rows), ("--width", width), "elements per micro-batch");
+    (width, rows, steps)
 }
 
 /// Idle fraction of each stage, averaged over the measured steps.
@@ -127,9 +142,7 @@ fn measure(stages: usize, micro: usize, width: usize, rows: usize, steps: usize)
 }
 
 fn main() {
-    let width = arg("--width", 384);
-    let rows = arg("--rows", 256);
-    let steps = arg("--steps", 3).max(1);
+    let (width, rows, steps) = options();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "width {width}, rows {rows}, {steps} measured steps; load average {}",

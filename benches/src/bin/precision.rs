@@ -22,6 +22,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use zero_benches::cli;
 use zero_burn::sharded::UnitComm;
 use zero_burn::{EngineSettings, HostStaged, PrecisionSettings, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
@@ -46,7 +47,15 @@ struct Args {
     batch: usize,
 }
 
-fn parse() -> Result<Args, String> {
+/// What `--help` prints.
+const USAGE: &str = "usage: precision [--steps 8] [--world 1] [--stage 2] [--layers 4] [--hidden 256] [--vocab 8192]
+  [--seq 128] [--batch 4]";
+
+/// Attention heads of the measured GPT-2: `--hidden` must be a multiple of it.
+const HEADS: usize = 4;
+
+/// The options, every one checked before any precision runs (a bad one exits with status 2).
+fn parse() -> Args {
     let mut a = Args {
         only: None,
         steps: 8,
@@ -58,29 +67,35 @@ fn parse() -> Result<Args, String> {
         seq: 128,
         batch: 4,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        if flag == "--only" {
-            a.only = Some(value);
-            continue;
-        }
-        let n: usize = value
-            .parse()
-            .map_err(|_| format!("{flag}: `{value}` is not a number"))?;
+    let mut args = cli::Args::new("precision", USAGE);
+    while let Some(flag) = args.flag() {
         match flag.as_str() {
-            "--steps" => a.steps = n,
-            "--world" => a.world = n,
-            "--stage" => a.stage = n as u8,
-            "--layers" => a.layers = n,
-            "--hidden" => a.hidden = n,
-            "--vocab" => a.vocab = n,
-            "--seq" => a.seq = n,
-            "--batch" => a.batch = n,
-            other => return Err(format!("unknown flag {other}")),
+            // Internal: the precision this process runs (see the file's doc).
+            "--only" => a.only = Some(args.choice(&flag, &["fp32", "bf16", "fp16"])),
+            "--steps" => a.steps = args.count(&flag, 1),
+            "--world" => a.world = args.ranks(&flag),
+            "--stage" => a.stage = args.stage(&flag).number(),
+            "--layers" => a.layers = args.count(&flag, 1),
+            "--hidden" => a.hidden = args.multiple(&flag, HEADS, "the model's attention heads"),
+            "--vocab" => a.vocab = args.count(&flag, 1),
+            "--seq" => a.seq = args.seq(&flag),
+            "--batch" => a.batch = args.count(&flag, 1),
+            other => args.unknown(other),
         }
     }
-    Ok(a)
+    args.check_tokens(("--batch", "--seq"), a.batch, a.seq);
+    if let Err(e) = config(&a).validate() {
+        args.fail(format_args!(
+            "--layers {} --hidden {} --vocab {} --seq {}: {e}",
+            a.layers, a.hidden, a.vocab, a.seq
+        ));
+    }
+    a
+}
+
+/// The measured GPT-2.
+fn config(args: &Args) -> Gpt2Config {
+    Gpt2Config::new(args.vocab, args.seq.max(16), args.hidden, args.layers, HEADS)
 }
 
 /// Median step time, and the medians of its forward+backward and optimizer-step parts.
@@ -99,7 +114,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn run(args: &Args, precision: PrecisionSettings) -> Result<Timing, String> {
     let stage = Stage::from_number(args.stage).ok_or("--stage must be 0-3")?;
-    let config = Gpt2Config::new(args.vocab, args.seq.max(16), args.hidden, args.layers, 4);
+    let config = config(args);
     let groups = ThreadGroup::new_group(args.world).map_err(|e| e.to_string())?;
     let (steps, seq, batch, vocab) = (args.steps, args.seq, args.batch, args.vocab);
     let handles: Vec<_> = groups
@@ -187,13 +202,7 @@ fn child(args: &Args, name: &str) -> Result<(), String> {
 }
 
 fn main() {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("precision: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = parse();
     if let Some(name) = &args.only {
         if let Err(e) = child(&args, name) {
             eprintln!("precision {name}: {e}");
@@ -208,6 +217,7 @@ fn main() {
     let exe = std::env::current_exe().unwrap_or_else(|_| "precision".into());
     let passed: Vec<String> = std::env::args().skip(1).collect();
     let mut base: Option<f64> = None;
+    let mut failed = 0;
     for name in ["fp32", "bf16", "fp16"] {
         let out = std::process::Command::new(&exe)
             .args(&passed)
@@ -217,6 +227,7 @@ fn main() {
             Ok(o) => o,
             Err(e) => {
                 println!("{name}: could not start: {e}");
+                failed += 1;
                 continue;
             }
         };
@@ -227,11 +238,13 @@ fn main() {
                 "{name}: failed: {}",
                 err.lines().rev().take(3).collect::<Vec<_>>().join(" | ")
             );
+            failed += 1;
             continue;
         };
         let f: Vec<f64> = line.split_whitespace().skip(2).filter_map(|v| v.parse().ok()).collect();
         if f.len() < 4 {
             println!("{name}: unreadable result `{line}`");
+            failed += 1;
             continue;
         }
         let ratio = base.map(|b| f[0] / b).unwrap_or(1.0);
@@ -242,5 +255,11 @@ fn main() {
             "{name}: step {:8.1} ms (forward+backward {:8.1} ms, optimizer step {:6.1} ms)  x{ratio:.2} of fp32  last loss {:.3}",
             f[0], f[1], f[2], f[3]
         );
+    }
+    // A run with a failed precision measured less than it names: its caller must not read it
+    // as a success.
+    if failed > 0 {
+        eprintln!("precision: {failed} of 3 runs failed");
+        std::process::exit(1);
     }
 }

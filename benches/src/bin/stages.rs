@@ -25,6 +25,7 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 use std::time::Instant;
+use zero_benches::cli::Args;
 use zero_burn::{MemoryReport, Stage};
 use zero_core::comm::{ProcessGroup, ThreadGroup};
 use zero_models::Gpt2Config;
@@ -43,6 +44,11 @@ struct Options {
     prefetch: Option<usize>,
 }
 
+/// What `--help` prints.
+const USAGE: &str = "usage: stages [--models tiny,gpt2] [--worlds 1,2,4] [--steps 3] [--seq 64] [--micro 1]
+  [--paths module,buffers] [--stages 0,1,2,3] [--prefetch N]";
+
+/// The options, every one checked before anything trains (a bad one exits with status 2).
 fn options() -> Options {
     let mut o = Options {
         models: vec!["tiny".into(), "gpt2".into()],
@@ -54,28 +60,39 @@ fn options() -> Options {
         paths: vec!["module".into(), "buffers".into()],
         stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for pair in args.chunks(2) {
-        let value = pair.get(1).cloned().unwrap_or_default();
-        match pair[0].as_str() {
-            "--models" => o.models = value.split(',').map(String::from).collect(),
-            "--worlds" => o.worlds = value.split(',').filter_map(|v| v.parse().ok()).collect(),
-            "--steps" => o.steps = value.parse().unwrap_or(o.steps),
-            "--seq" => o.seq = value.parse().unwrap_or(o.seq),
-            "--micro" => o.micro = value.parse().unwrap_or(o.micro),
-            "--prefetch" => o.prefetch = value.parse().ok(),
-            "--paths" => o.paths = value.split(',').map(String::from).collect(),
-            "--stages" => {
-                o.stages = value
-                    .split(',')
-                    .filter_map(|v| v.parse().ok().and_then(Stage::from_number))
-                    .collect()
+    let mut args = Args::new("stages", USAGE);
+    let mut configs = vec![
+        ("tiny".to_string(), Gpt2Config::tiny()),
+        ("gpt2".to_string(), Gpt2Config::gpt2()),
+    ];
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--models" => {
+                configs = args.presets(&flag);
+                o.models = configs.iter().map(|(name, _)| name.clone()).collect();
             }
-            other => {
-                eprintln!("unknown option {other}");
-                std::process::exit(2);
-            }
+            "--worlds" => o.worlds = args.ranks_list(&flag),
+            "--steps" => o.steps = args.count(&flag, 1),
+            "--seq" => o.seq = args.seq(&flag),
+            "--micro" => o.micro = args.count(&flag, 1),
+            "--prefetch" => o.prefetch = Some(args.number(&flag, 0..=usize::MAX)),
+            "--paths" => o.paths = args.choices(&flag, &["module", "buffers"]),
+            "--stages" => o.stages = args.stages(&flag),
+            other => args.unknown(other),
         }
+    }
+    for (name, config) in &configs {
+        if o.seq > config.n_positions {
+            args.fail(format_args!(
+                "--seq {}: expected at most {} (n_positions of {name})",
+                o.seq, config.n_positions
+            ));
+        }
+    }
+    args.check_tokens(("--micro", "--seq"), o.micro, o.seq);
+    // The config's train_batch_size.
+    for &world in &o.worlds {
+        args.check_product(("--micro", o.micro), ("--worlds", world), "samples per step");
     }
     o
 }
@@ -135,14 +152,14 @@ where
 
 /// Median seconds per step (after one warm-up step) of the slowest rank, and rank 0's memory
 /// report: `ShardedGpt2` from `initialize` in Burn's own loop; the optimizer's state in host
-/// buffers unless `tensors`.
+/// buffers unless `tensors`. Fails when the DeepSpeed config the options make is refused.
 fn run_module<C: CheckpointStrategy + 'static>(
     config: &Gpt2Config,
     stage: Stage,
     world: usize,
     o: &Options,
     tensors: bool,
-) -> (f64, MemoryReport) {
+) -> Result<(f64, MemoryReport), String> {
     let ds = format!(
         r#"{{"train_batch_size": {}, "train_micro_batch_size_per_gpu": {}, "gradient_clipping": 0.0,
         "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
@@ -156,9 +173,9 @@ fn run_module<C: CheckpointStrategy + 'static>(
         prefetch_elements(config, o)
     );
     let ds = zero_core::config::DeepSpeedConfig::from_str(&ds, "stages.json")
-        .expect("config")
+        .map_err(|e| format!("the DeepSpeed config of stage {}, world {world}: {e}", stage.number()))?
         .config;
-    on_ranks(world, |rank, group, timed| {
+    Ok(on_ranks(world, |rank, group, timed| {
         let device = Default::default();
         let model = config.init::<Autodiff<Flex, C>>(&device).into_sharded();
         let (model, optim) = zero_burn::initialize(&ds, model, group).expect("initialize");
@@ -174,7 +191,7 @@ fn run_module<C: CheckpointStrategy + 'static>(
             });
         }
         optim.memory()
-    })
+    }))
 }
 
 /// `stage3_prefetch_bucket_size` for `config`: the option, or DeepSpeed's "auto".
@@ -208,7 +225,7 @@ fn main() {
             for &stage in &o.stages {
                 let mut module = None;
                 for path in &o.paths {
-                    let (time, m) = match (path.as_str(), stage) {
+                    let run = match (path.as_str(), stage) {
                         ("module" | "buffers", Stage::Zero3) => {
                             run_module::<BalancedCheckpointing>(&config, stage, world, &o, path != "buffers")
                         }
@@ -220,6 +237,10 @@ fn main() {
                             std::process::exit(2)
                         }
                     };
+                    let (time, m) = run.unwrap_or_else(|e| {
+                        eprintln!("stages: {e}");
+                        std::process::exit(1)
+                    });
                     let base = *baselines.entry(path.as_str()).or_insert(time);
                     let vs_module = match (path.as_str(), module) {
                         ("module", _) => {

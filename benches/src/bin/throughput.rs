@@ -40,6 +40,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use std::time::Instant;
+use zero_benches::cli::Args;
 use zero_burn::sharded::ShardBackend;
 use zero_burn::Stage;
 use zero_core::comm::{SharedGroup, ThreadGroup};
@@ -47,11 +48,17 @@ use zero_core::config::DeepSpeedConfig;
 use zero_models::gpt2::ShardedGpt2;
 use zero_models::Gpt2Config;
 
+/// What `--help` prints.
+const USAGE: &str =
+    "usage: throughput [--backend cpu|cuda|cuda-unfused] [--models tiny,gpt2,gpt2-xl] [--stages 0,1,2,3]
+  [--dtype bf16|fp16|fp32] [--batch 4] [--seq 64] [--steps 3] [--peak-tflops T] [--offload-optimizer cpu]
+  [--offload-param cpu] [--baseline NAME=TOKENS_PER_S]";
+
 #[derive(Clone, Debug)]
 struct Options {
     backend: String,
     models: Vec<String>,
-    stages: Vec<u8>,
+    stages: Vec<Stage>,
     dtype: String,
     batch: usize,
     seq: usize,
@@ -64,11 +71,12 @@ struct Options {
     baseline: Option<(String, f64)>,
 }
 
-fn options() -> Result<Options, String> {
+/// The options, every one checked before any model is built (a bad one exits with status 2).
+fn options() -> Options {
     let mut o = Options {
         backend: "cpu".into(),
         models: vec!["tiny".into()],
-        stages: vec![0, 1, 2, 3],
+        stages: vec![Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3],
         dtype: "fp32".into(),
         batch: 4,
         seq: 64,
@@ -78,49 +86,53 @@ fn options() -> Result<Options, String> {
         offload_param: false,
         baseline: None,
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for pair in args.chunks(2) {
-        let value = pair
-            .get(1)
-            .cloned()
-            .ok_or_else(|| format!("{} needs a value", pair[0]))?;
-        let number = |v: &str| {
-            v.parse::<usize>()
-                .map_err(|_| format!("{}: {v} is not a number", pair[0]))
-        };
-        match pair[0].as_str() {
-            "--backend" => o.backend = value,
-            "--models" => o.models = value.split(',').map(String::from).collect(),
-            "--stages" => {
-                o.stages = value
-                    .split(',')
-                    .map(|v| v.parse().map_err(|_| format!("--stages: {v} is not 0-3")))
-                    .collect::<Result<_, _>>()?
+    let mut args = Args::new("throughput", USAGE);
+    let mut configs = vec![("tiny".to_string(), Gpt2Config::tiny())];
+    while let Some(flag) = args.flag() {
+        match flag.as_str() {
+            "--backend" => o.backend = args.choice(&flag, &["cpu", "cuda", "cuda-unfused"]),
+            "--models" => {
+                configs = args.presets(&flag);
+                o.models = configs.iter().map(|(name, _)| name.clone()).collect();
             }
-            "--dtype" => o.dtype = value,
-            "--batch" => o.batch = number(&value)?,
-            "--seq" => o.seq = number(&value)?,
-            "--steps" => o.steps = number(&value)?.max(1),
-            "--peak-tflops" => {
-                o.peak_tflops = Some(
-                    value
-                        .parse()
-                        .map_err(|_| format!("--peak-tflops: {value} is not a number"))?,
-                )
+            "--stages" => o.stages = args.stages(&flag),
+            "--dtype" => o.dtype = args.choice(&flag, &["bf16", "fp16", "fp32"]),
+            "--batch" => o.batch = args.count(&flag, 1),
+            "--seq" => o.seq = args.seq(&flag),
+            "--steps" => o.steps = args.count(&flag, 1),
+            "--peak-tflops" => o.peak_tflops = Some(args.real(&flag, 0.0)),
+            "--offload-optimizer" => {
+                args.choice(&flag, &["cpu"]);
+                o.offload_cpu = true;
             }
-            "--offload-optimizer" if value == "cpu" => o.offload_cpu = true,
-            "--offload-param" if value == "cpu" => o.offload_param = true,
+            "--offload-param" => {
+                args.choice(&flag, &["cpu"]);
+                o.offload_param = true;
+            }
             "--baseline" => {
-                let (name, tps) = value
+                let expected = "NAME=TOKENS_PER_S, with a positive number of tokens per second";
+                let value = args.value(&flag, expected);
+                let baseline = value
                     .split_once('=')
                     .and_then(|(n, v)| Some((n.to_string(), v.parse::<f64>().ok()?)))
-                    .ok_or_else(|| format!("--baseline {value}: expected NAME=TOKENS_PER_S"))?;
-                o.baseline = Some((name, tps));
+                    .filter(|(_, tps)| tps.is_finite() && *tps > 0.0);
+                o.baseline = Some(baseline.unwrap_or_else(|| args.bad(&flag, &value, expected)));
             }
-            other => return Err(format!("unknown option {other} {value}")),
+            other => args.unknown(other),
         }
     }
-    Ok(o)
+    args.check_tokens(("--batch", "--seq"), o.batch, o.seq);
+    for (name, config) in configs {
+        // As `main` builds it: positions for the whole sequence.
+        let config = Gpt2Config {
+            n_positions: config.n_positions.max(o.seq),
+            ..config
+        };
+        if let Err(e) = config.validate() {
+            args.fail(format_args!("--models {name} with --seq {}: {e}", o.seq));
+        }
+    }
+    o
 }
 
 /// Training FLOPs per token (see the header).
@@ -291,13 +303,7 @@ where
 }
 
 fn main() {
-    let o = match options() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("throughput: {e}");
-            std::process::exit(2);
-        }
-    };
+    let o = options();
     let peak = o
         .peak_tflops
         .unwrap_or(if o.backend.starts_with("cuda") { 989.0 } else { 0.0 });
@@ -336,11 +342,8 @@ fn main() {
             }
         };
         let mut first_stage: Option<(u8, f64)> = None;
-        for &stage in &o.stages {
-            let Some(stage_kind) = Stage::from_number(stage) else {
-                eprintln!("throughput: stage {stage} is not 0-3");
-                std::process::exit(2);
-            };
+        for &stage_kind in &o.stages {
+            let stage = stage_kind.number();
             let params = format!("{:.1}M", config.num_params() as f64 / 1e6);
             match run_on(&o.backend, &config, stage_kind, &o) {
                 Ok(r) => {
