@@ -100,6 +100,21 @@ fn sharded_output_with_index_and_renamed_keys() {
     }
     let total: u64 = [0, 1, 3, 4, 5].iter().map(|&p| l.params[p].numel() as u64 * 4).sum();
     assert_eq!(index["metadata"]["total_size"], total);
+
+    // Exported again into the same directory in the other layout, and back: what the earlier
+    // export left (a single file loaders would take first, or an index and its shards) goes,
+    // and no temporary file stays.
+    let single = to_fp32(&c, &out, None, &|n| names.apply(n)).expect("single file");
+    assert_eq!(single.files, [out.join("model.safetensors")]);
+    let left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["model.safetensors"], "the index and its shards are gone");
+    to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("sharded again");
+    assert!(!out.join("model.safetensors").exists(), "the single file is gone");
+    assert_eq!(read_all(&out).len(), 5);
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -36,9 +36,15 @@ pub(crate) fn commit(tmp: &Path, file: File, path: &Path) -> Result<(), Checkpoi
 /// Writes `bytes` to `path` atomically.
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let (tmp, mut file) = create_temporary(path)?;
-    file.write_all(bytes)
-        .map_err(|e| CheckpointError::io(&tmp, "write", e))?;
-    commit(&tmp, file, path)
+    let written = file
+        .write_all(bytes)
+        .map_err(|e| CheckpointError::io(&tmp, "write", e))
+        .and_then(|()| commit(&tmp, file, path));
+    if written.is_err() {
+        // What failed to be written leaves nothing behind.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Flushes the directory holding `path`, so that a rename or a new entry in it is durable.

@@ -16,7 +16,7 @@ use super::tensor_parallel::TensorParallelCheckpoint;
 use super::writer::{HalfDtype, SafetensorsStream, TensorEntry};
 use crate::partition::PartitionLayout;
 use safetensors::tensor::Dtype;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 /// Name of the single consolidated file.
@@ -340,7 +340,39 @@ fn write_export(
         super::atomic::write_file(&path, &text)?;
         report.index = Some(path);
     }
+    remove_the_other_layout(out_dir, count > 1)?;
     Ok(report)
+}
+
+/// After an export into `out_dir`, removes what an earlier export of the other layout left there:
+/// a single `model.safetensors` beside a new index (loaders take the single file first, so the
+/// old weights would be read), or an index (and the shards it names) beside a new single file.
+fn remove_the_other_layout(out_dir: &Path, sharded: bool) -> Result<(), CheckpointError> {
+    let remove = |path: &Path| match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(CheckpointError::io(path, "remove the earlier export", e))
+        }
+        _ => Ok(()),
+    };
+    if sharded {
+        return remove(&out_dir.join(SINGLE_FILE));
+    }
+    let index = out_dir.join(INDEX_FILE);
+    if let Ok(text) = std::fs::read_to_string(&index) {
+        let named: BTreeSet<String> = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("weight_map")?.as_object().cloned())
+            .map(|m| m.values().filter_map(|f| f.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        for file in named {
+            // Only plain file names of this directory, never a path out of it.
+            if Path::new(&file).file_name().is_some_and(|n| n == file.as_str()) && file != SINGLE_FILE {
+                remove(&out_dir.join(&file))?;
+            }
+        }
+        remove(&index)?;
+    }
+    Ok(())
 }
 
 /// The `__metadata__` HuggingFace's loaders expect of a PyTorch-style weights file.

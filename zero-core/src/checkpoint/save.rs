@@ -105,21 +105,32 @@ pub fn save(
     });
     agree(comm, "save", prepared)?;
 
-    let written = write_shard(&staging, rank, request);
-    let record = agree(comm, "save", written)?;
-    let record_bytes = serde_json::to_vec(&record).unwrap_or_default();
-    let records = all_gather_bytes(comm, &record_bytes)?;
+    let staged = (|| {
+        let written = write_shard(&staging, rank, request);
+        let record = agree(comm, "save", written)?;
+        let record_bytes = serde_json::to_vec(&record).unwrap_or_default();
+        let records = all_gather_bytes(comm, &record_bytes)?;
 
-    let meta = if rank == 0 {
-        write_meta(tag, &staging, request, comm.world_size(), &records).map(Some)
-    } else {
-        Ok(None)
-    };
-    let meta = agree(comm, "save", meta)?;
+        let meta = if rank == 0 {
+            write_meta(tag, &staging, request, comm.world_size(), &records).map(Some)
+        } else {
+            Ok(None)
+        };
+        let meta = agree(comm, "save", meta)?;
 
-    let verified =
-        read_back(&staging, rank, &record, meta.as_ref()).map_err(|e| CheckpointError::ReadBack(Box::new(e)));
-    agree(comm, "save", verified)?;
+        let verified =
+            read_back(&staging, rank, &record, meta.as_ref()).map_err(|e| CheckpointError::ReadBack(Box::new(e)));
+        agree(comm, "save", verified)
+    })();
+    if let Err(e) = staged {
+        // Every rank has stopped writing (each failed at the same agreement): what was staged
+        // goes, rather than stay on a disk that may be full. The checkpoints before it are
+        // untouched.
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        return Err(e);
+    }
 
     let published = if rank == 0 { publish(dir, tag, &staging) } else { Ok(()) };
     agree(comm, "save", published)?;
@@ -350,6 +361,54 @@ mod tests {
         save(comm.as_ref(), &dir, "t", &request).expect("save");
         let meta = Checkpoint::open(&dir, None).expect("open").meta;
         (dir, meta)
+    }
+
+    /// A save that fails once ranks are writing removes what it staged, and leaves the
+    /// checkpoint before it as it was.
+    #[test]
+    fn a_failed_save_leaves_nothing_staged() {
+        let (dir, meta) = saved("failed");
+        let before = std::fs::read(dir.join("t").join(META_FILE)).unwrap();
+        let specs = vec![ParamSpec {
+            name: "w".into(),
+            shape: vec![3, 5],
+        }];
+        let mut b = LayoutBuilder::new(specs, 1, 4);
+        b.group(vec![0], Placement::Sharded);
+        let layout = b.finish();
+        // One element short of the rank's slice: refused while writing the shard.
+        let master = vec![0.5f32; layout.owned_len(0) - 1];
+        let request = SaveRequest {
+            layout: &layout,
+            groups: vec![GroupShard {
+                master: &master,
+                state: vec![],
+            }],
+            stage: 3,
+            global_step: 6,
+            skipped_steps: 0,
+            optimizer_name: "adamw".into(),
+            optimizer_step: 6,
+            lr_next: None,
+            loss_scaler: None,
+            rng: None,
+            client_state: serde_json::json!({}),
+            model: None,
+            tensor_parallel: None,
+        };
+        let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
+        let e = save(comm.as_ref(), &dir, "u", &request)
+            .expect_err("a short slice")
+            .to_string();
+        assert!(e.contains("owned slice"), "{e}");
+        assert!(!dir.join("u.partial").exists(), "nothing staged is left");
+        assert!(!dir.join("u").exists());
+        assert_eq!(std::fs::read(dir.join("t").join(META_FILE)).unwrap(), before);
+        assert_eq!(
+            Checkpoint::open(&dir, None).expect("the earlier one").meta.tag,
+            meta.tag
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// Metadata edited to something no run writes, and sealed again (its checksum matches): the

@@ -108,10 +108,25 @@ impl ChunkedCrc {
     }
 }
 
+/// A file written under a temporary name: removed when dropped unless it was renamed into place
+/// (`kept`), so that a write that fails or is abandoned leaves nothing behind.
+struct Temporary {
+    path: PathBuf,
+    kept: bool,
+}
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 /// Writes one safetensors file as a stream, under a temporary name until [`SafetensorsStream::finish`].
 pub struct SafetensorsStream {
     path: PathBuf,
-    tmp: PathBuf,
+    tmp: Temporary,
     out: BufWriter<File>,
     crc: ChunkedCrc,
     data_len: u64,
@@ -152,7 +167,7 @@ impl SafetensorsStream {
         let (tmp, file) = atomic::create_temporary(path)?;
         let mut stream = SafetensorsStream {
             path: path.to_path_buf(),
-            tmp,
+            tmp: Temporary { path: tmp, kept: false },
             out: BufWriter::with_capacity(1 << 20, file),
             crc: ChunkedCrc::new(),
             data_len: at as u64,
@@ -167,7 +182,7 @@ impl SafetensorsStream {
         self.crc.update(bytes);
         self.out
             .write_all(bytes)
-            .map_err(|e| CheckpointError::io(&self.tmp, "write", e))
+            .map_err(|e| CheckpointError::io(&self.tmp.path, "write", e))
     }
 
     /// Appends raw little-endian values of the current tensor(s).
@@ -214,7 +229,7 @@ impl SafetensorsStream {
 
     /// Checks that every announced value was written, flushes the file to disk, renames it to its
     /// final name and returns its checksums.
-    pub fn finish(self) -> Result<FileRecord, CheckpointError> {
+    pub fn finish(mut self) -> Result<FileRecord, CheckpointError> {
         if self.data_written != self.data_len {
             return Err(CheckpointError::Usage(format!(
                 "{}: {} bytes of values written, the header announces {}",
@@ -226,13 +241,61 @@ impl SafetensorsStream {
         let file = self
             .out
             .into_inner()
-            .map_err(|e| CheckpointError::io(&self.tmp, "write", e.into_error()))?;
-        atomic::commit(&self.tmp, file, &self.path)?;
+            .map_err(|e| CheckpointError::io(&self.tmp.path, "write", e.into_error()))?;
+        atomic::commit(&self.tmp.path, file, &self.path)?;
+        self.tmp.kept = true;
         let name = self
             .path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         Ok(self.crc.finish(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(n: usize) -> Vec<TensorEntry> {
+        vec![TensorEntry {
+            name: "w".into(),
+            dtype: Dtype::F32,
+            shape: vec![n],
+        }]
+    }
+
+    fn files_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A stream that fails, or is dropped before `finish`, leaves no temporary file; one that
+    /// finishes leaves only its file.
+    #[test]
+    fn only_a_finished_stream_leaves_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+
+        let mut abandoned = SafetensorsStream::create(&path, &entries(4), None).unwrap();
+        abandoned.write_f32(&[1.0, 2.0]).unwrap();
+        assert_eq!(files_in(dir.path()).len(), 1, "the temporary file while writing");
+        drop(abandoned);
+        assert!(files_in(dir.path()).is_empty(), "{:?}", files_in(dir.path()));
+
+        let mut short = SafetensorsStream::create(&path, &entries(4), None).unwrap();
+        short.write_f32(&[1.0]).unwrap();
+        assert!(short.finish().is_err(), "fewer values than announced");
+        assert!(files_in(dir.path()).is_empty(), "{:?}", files_in(dir.path()));
+
+        let mut whole = SafetensorsStream::create(&path, &entries(2), None).unwrap();
+        whole.write_f32(&[1.0, 2.0]).unwrap();
+        whole.finish().unwrap();
+        assert_eq!(files_in(dir.path()), ["model.safetensors"]);
     }
 }
