@@ -132,7 +132,8 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
 }
 
 /// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`; refused
-/// at stages 0-2, where every rank holds the whole model.
+/// at stages 0-2, where every rank holds the whole model (a parsed config has none there: the
+/// parser drops the section with a warning, as DeepSpeed ignores it).
 pub fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, ZeroError> {
     let Some(o) = config.zero.offload_param.as_ref() else {
         return Ok(ParamOffload::None);

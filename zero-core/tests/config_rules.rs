@@ -415,3 +415,39 @@ fn missing_file_names_the_path() {
         .to_string();
     assert!(e.contains("/nonexistent/ds_config.json"), "{e}");
 }
+
+/// `offload_param` below stage 3 is ignored with a warning (DeepSpeed reads it only at stage 3),
+/// so that what `zero check-config` says and what a run does agree: the resolved config has
+/// none.
+#[test]
+fn offload_param_below_stage_3_is_ignored_with_a_warning() {
+    let text = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#;
+    let parsed = parse(text);
+    assert!(
+        parsed
+            .warnings
+            .iter()
+            .any(|w| w.to_string().contains("ignored at stage 2")),
+        "{:?}",
+        parsed.warnings
+    );
+    assert!(resolve(text, 1).zero.offload_param.is_none());
+    let at_3 = text.replace("\"stage\": 2", "\"stage\": 3");
+    assert!(resolve(&at_3, 1).zero.offload_param.is_some());
+}
+
+/// Counts a run cannot use are refused by the parser, so that `zero check-config` says what a
+/// run would: no activation checkpoints, no pipeline stages.
+#[test]
+fn zero_checkpoints_and_zero_pipeline_stages_are_refused() {
+    let e = err(r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": 0}}"#);
+    assert!(
+        e.contains("activation_checkpointing.number_checkpoints") && e.contains("positive"),
+        "{e}"
+    );
+    let e = err(r#"{"train_batch_size": 8, "pipeline": {"stages": 0}}"#);
+    assert!(e.contains("pipeline.stages") && e.contains("positive"), "{e}");
+    parse(
+        r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": null}, "pipeline": {"stages": "auto"}}"#,
+    );
+}

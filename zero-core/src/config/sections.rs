@@ -194,7 +194,16 @@ pub(crate) fn read_activation_checkpointing(
         partition_activations: cx.get(&mut s, &["partition_activations"], false)?,
         cpu_checkpointing: cx.get(&mut s, &["cpu_checkpointing"], false)?,
         contiguous_memory_optimization: cx.get(&mut s, &["contiguous_memory_optimization"], false)?,
-        number_checkpoints: cx.get(&mut s, &["number_checkpoints"], None)?,
+        number_checkpoints: match cx.get::<Option<u64>>(&mut s, &["number_checkpoints"], None)? {
+            Some(0) => {
+                return Err(cx.invalid(
+                    "activation_checkpointing.number_checkpoints",
+                    &Value::from(0),
+                    "a positive number of checkpoints, or null (one per block)",
+                ))
+            }
+            n => n,
+        },
         synchronize_checkpoint_boundary: cx.get(&mut s, &["synchronize_checkpoint_boundary"], false)?,
         profile: cx.get(&mut s, &["profile"], false)?,
     };
@@ -206,7 +215,16 @@ pub(crate) fn read_pipeline(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Pi
     let mut s = top.child("pipeline", cx)?;
     let stages = match s.lookup(&["stages"], cx)? {
         Some((_, Value::String(v))) if v == "auto" => Auto::Auto,
-        Some((_, v)) => Auto::Value(cx.convert::<u64>("pipeline.stages", v)?),
+        Some((_, v)) => match cx.convert::<u64>("pipeline.stages", v)? {
+            0 => {
+                return Err(cx.invalid(
+                    "pipeline.stages",
+                    &Value::from(0),
+                    "\"auto\" or a positive number of stages",
+                ))
+            }
+            n => Auto::Value(n),
+        },
         None => Auto::Auto,
     };
     let mut c = PipelineConfig {

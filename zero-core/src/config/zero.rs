@@ -239,7 +239,8 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
         load_from_fp32_weights: cx.get(&mut s, &["load_from_fp32_weights"], true)?,
         elastic_checkpoint: cx.get(&mut s, &["elastic_checkpoint"], false)?,
         offload_optimizer,
-        offload_param,
+        // Ignored below stage 3, as the warning says (DeepSpeed reads it only at stage 3).
+        offload_param: offload_param.filter(|_| is3),
         sub_group_size: cx.get(&mut s, &["sub_group_size"], ELEMENTS_1E9)?,
         stage3_prefetch_bucket_size: cx.get(
             &mut s,
