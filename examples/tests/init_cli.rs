@@ -63,3 +63,43 @@ fn init_refuses_an_output_that_is_a_file_and_an_unknown_preset() {
         assert!(err.contains(says), "{err}");
     }
 }
+
+/// A directory that already holds files (a model) is refused, and left exactly as it was; an
+/// init that completes leaves only the new directory beside it, no staging directory.
+#[test]
+fn init_never_writes_into_a_directory_that_holds_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{\"kept\": true}").unwrap();
+    let made = gpt2()
+        .args(["init", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&made.stderr);
+    assert_eq!(made.status.code(), Some(1), "{err}");
+    assert!(err.contains("already holds files"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(model.join("config.json")).unwrap(),
+        "{\"kept\": true}"
+    );
+
+    // An empty directory is written into (replaced), and nothing else is left beside it.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let made = gpt2()
+        .args(["init", "--preset", "tiny", "--out"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(empty.join("config.json").is_file());
+    let mut beside: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    beside.sort();
+    assert_eq!(beside, ["empty", "model"]);
+}
