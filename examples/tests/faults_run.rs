@@ -229,3 +229,44 @@ fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
         .expect("run gpt2");
     assert_refused(&out, &["vocabulary of 512"]);
 }
+
+/// A micro-batch whose activations cannot fit this machine's memory is refused before any rank
+/// starts, naming the key and what to do, instead of being killed by the kernel in step 1.
+/// (The machine's memory is read from /proc/meminfo.)
+#[cfg(target_os = "linux")]
+#[test]
+fn a_micro_batch_beyond_the_machines_memory_is_refused_before_step_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("huge.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 1000000000, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 3}}"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args([
+            "train",
+            "--quiet",
+            "--preset",
+            "tiny",
+            "--nproc",
+            "1",
+            "--steps",
+            "1",
+            "--seq-len",
+            "16",
+        ])
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .expect("run gpt2");
+    assert_refused(
+        &out,
+        &[
+            "train_micro_batch_size_per_gpu 1000000000",
+            "more than this machine's",
+            "gradient_accumulation_steps",
+        ],
+    );
+}

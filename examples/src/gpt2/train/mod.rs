@@ -233,6 +233,11 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    if args.backend == "cpu" {
+        // Ranks as threads share this machine's memory; launched processes each count once.
+        let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
+        check_activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
+    }
     let data = Arc::new(data);
     if stages > 1 && tensor > 1 && (args.save.is_some() || args.load.is_some()) {
         // Refused before any step, not when the run's work is done and cannot be saved.
@@ -313,6 +318,38 @@ where
     // return the first this process hosts: rank 0's with threads, the process's own rank under
     // a launcher.
     first_summary(results)
+}
+
+/// Refuses, before any rank starts, a micro-batch whose activations cannot fit this machine's
+/// memory (rather than be killed by the kernel in the first step). The bound is a floor: one
+/// micro-batch holds at least its logits (micro × seq × vocab values) and each block's input
+/// (micro × seq × n_embd), at 2 bytes a value; what Burn's autodiff keeps is several times more
+/// (BENCHMARKS.md, "Activation checkpointing").
+fn check_activations_fit(model: &Gpt2Config, micro: u64, seq: usize, ranks: usize) -> Result<(), TrainError> {
+    let Some(total) = host_memory_bytes() else {
+        return Ok(());
+    };
+    let values_per_token = model.vocab_size as u128 + (model.n_layer as u128) * (model.n_embd as u128);
+    let floor = micro as u128 * seq as u128 * values_per_token * 2 * ranks as u128;
+    if floor <= total as u128 {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "train_micro_batch_size_per_gpu {micro} × --seq-len {seq} on {ranks} rank(s): the activations need at \
+         least {:.1} GB (the logits alone {:.1} GB), more than this machine's {:.1} GB of memory; lower the \
+         micro-batch and raise gradient_accumulation_steps",
+        floor as f64 / 1e9,
+        (micro as u128 * seq as u128 * model.vocab_size as u128 * 2 * ranks as u128) as f64 / 1e9,
+        total as f64 / 1e9
+    )))
+}
+
+/// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// The most ranks `--nproc` starts as threads of this process.
