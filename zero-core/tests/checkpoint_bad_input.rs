@@ -161,6 +161,20 @@ fn no_latest_and_unknown_tag() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A directory that does not exist, and a tag whose metadata file is gone, are said to be what
+/// they are (not "no checkpoint was completed", not a file the metadata lists).
+#[test]
+fn a_missing_directory_and_missing_metadata_say_so() {
+    let e = Checkpoint::open(Path::new("/nonexistent/zero/ckpt"), None).unwrap_err();
+    assert_names(&e, "/nonexistent/zero/ckpt", "is not a directory");
+    let (dir, tag) = fresh("no-meta");
+    std::fs::remove_file(tag.join("zero_meta.json")).unwrap();
+    let e = Checkpoint::open(&dir, None).unwrap_err();
+    assert!(matches!(e, CheckpointError::Metadata { .. }), "{e}");
+    assert_names(&e, "zero_meta.json", "holds no metadata");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A tensor-parallel checkpoint (one complete checkpoint per `tensor_rank_{t}`) opened whole
 /// by something that is not split the same way: the error names the tensor ranks' directories
 /// and what opens them, instead of saying that no checkpoint was completed.

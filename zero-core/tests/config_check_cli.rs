@@ -86,6 +86,12 @@ fn errors_exit_2_and_warnings_go_to_stderr() {
         err.contains("warning") && err.contains("did you mean `steps_per_print`?"),
         "{err}"
     );
+    // A hidden size or world of 0 would resolve "auto" buckets to 0: refused.
+    for flag in ["--hidden-size", "--world-size"] {
+        let (code, _, err) = check(r#"{"train_batch_size": 8}"#, &[flag, "0"]);
+        assert_eq!(code, 2, "{flag}: {err}");
+        assert!(err.contains(&format!("{flag} 0")), "{err}");
+    }
 }
 
 /// Runs `zero check-config FILE ARGS` with stdout on `stdout` (stderr captured).

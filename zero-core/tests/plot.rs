@@ -231,4 +231,18 @@ fn the_plot_never_overwrites_its_input() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("overwrite its input"), "{stderr}");
     assert_eq!(std::fs::read(&metrics).unwrap(), before, "the metrics are intact");
+
+    // An output that is a directory, or not a .png, is said to be so.
+    for (out, says) in [
+        (dir.path().to_path_buf(), "is a directory"),
+        (dir.path().join("plot"), "ending in .png"),
+    ] {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args(["plot", metrics.to_str().unwrap(), "-o", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+    }
 }

@@ -57,6 +57,7 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
             std::io::ErrorKind::NotFound => CheckpointError::Tag {
                 path: latest.clone(),
                 detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
+                    _ if !dir.is_dir() => format!("{} is not a directory", dir.display()),
                     [] => "missing: no checkpoint was completed in this directory (pass a tag to load another)".into(),
                     ranks => format!(
                     "missing: this directory holds a tensor-parallel checkpoint, one per tensor rank ({}): load it \
@@ -95,7 +96,16 @@ impl Checkpoint {
             }
         }
         let path = tag_dir.join(META_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, "open", e))?;
+        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+            // The metadata itself, not a file it lists.
+            std::io::ErrorKind::NotFound => CheckpointError::Metadata {
+                path: path.clone(),
+                detail: "missing: the tag's directory holds no metadata (the save did not finish, or it was \
+                         removed)"
+                    .into(),
+            },
+            _ => CheckpointError::io(&path, "read", e),
+        })?;
         let meta = CheckpointMeta::from_bytes(&path, &bytes)?;
         Ok(Checkpoint { tag_dir, meta })
     }

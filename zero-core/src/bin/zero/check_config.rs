@@ -34,6 +34,11 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn check(args: &Args) -> Result<String, String> {
+    for (flag, value) in [("--world-size", args.world_size), ("--hidden-size", args.hidden_size)] {
+        if value == Some(0) {
+            return Err(format!("{flag} 0: expected a positive count"));
+        }
+    }
     let overrides = Overrides::from_assignments(&args.set)?;
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
     for warning in &parsed.warnings {

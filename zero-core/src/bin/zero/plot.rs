@@ -21,6 +21,18 @@ pub struct Args {
 /// Runs the subcommand: the PNG's path on stdout, or the error on stderr with exit status 2.
 pub fn run(args: Args) -> ExitCode {
     let out = args.out.clone().unwrap_or_else(|| args.metrics.with_extension("png"));
+    if out.is_dir() {
+        return crate::print_error(format!(
+            "{} is a directory: give a .png file's path with -o",
+            out.display()
+        ));
+    }
+    if !out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")) {
+        return crate::print_error(format!(
+            "{}: the plot is a PNG image; give a path ending in .png",
+            out.display()
+        ));
+    }
     // The image never replaces a metrics file it reads.
     let same = |a: &PathBuf| {
         a == &out || matches!((std::fs::canonicalize(a), std::fs::canonicalize(&out)), (Ok(x), Ok(y)) if x == y)
