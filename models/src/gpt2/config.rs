@@ -186,6 +186,37 @@ impl Gpt2Config {
                 n_head: self.n_head,
             });
         }
+        let positive_finite = |v: f64| v.is_finite() && v > 0.0;
+        if !positive_finite(self.layer_norm_epsilon) {
+            return Err(Gpt2ConfigError::OutOfRange {
+                field: "layer_norm_epsilon",
+                value: self.layer_norm_epsilon.to_string(),
+                valid: "a positive number, such as 1e-5",
+            });
+        }
+        for (field, p) in [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(Gpt2ConfigError::OutOfRange {
+                    field,
+                    value: p.to_string(),
+                    valid: "a dropout probability, at least 0 and below 1",
+                });
+            }
+        }
+        match self.extra.get("model_type").and_then(|v| v.as_str()) {
+            Some(kind) if kind != "gpt2" => {
+                return Err(Gpt2ConfigError::OutOfRange {
+                    field: "model_type",
+                    value: kind.to_string(),
+                    valid: "this is a GPT-2 loader: \"gpt2\"",
+                })
+            }
+            _ => {}
+        }
         if Activation::from_hf_name(&self.activation_function).is_none() {
             return Err(Gpt2ConfigError::UnsupportedActivation(self.activation_function.clone()));
         }
@@ -289,6 +320,21 @@ mod tests {
         let deep = Gpt2Config::new(50257, 1024, 128, 1_000_000_000_000, 4);
         let err = deep.validate().unwrap_err().to_string();
         assert!(err.contains("n_layer") && err.contains("more than"), "{err}");
+        let mut bad = Gpt2Config::new(100, 16, 32, 1, 4);
+        bad.layer_norm_epsilon = -1.0;
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("layer_norm_epsilon = -1"));
+        bad.layer_norm_epsilon = 1e-5;
+        bad.attn_pdrop = 1.5;
+        assert!(bad.validate().unwrap_err().to_string().contains("attn_pdrop"));
+        bad.attn_pdrop = 0.1;
+        bad.extra.insert("model_type".into(), "llama".into());
+        assert!(bad.validate().unwrap_err().to_string().contains("model_type = llama"));
+        bad.extra.insert("model_type".into(), "gpt2".into());
+        assert!(bad.validate().is_ok());
         // GPT-2 10B is far inside the bound.
         assert!(Gpt2Config::gpt2_10b().validate().is_ok());
     }

@@ -54,6 +54,16 @@ pub enum Gpt2ConfigError {
         /// The weight files' total size.
         bytes: u64,
     },
+    /// A value outside what the model can compute with.
+    #[error("GPT-2 config: {field} = {value} ({valid})")]
+    OutOfRange {
+        /// The field's name in `config.json`.
+        field: &'static str,
+        /// The value found.
+        value: String,
+        /// What is valid.
+        valid: &'static str,
+    },
     /// A preset name that is not known.
     #[error(
         "unknown GPT-2 preset `{0}` (known: {known}, or gpt2-<layers>x<hidden> with hidden a multiple of 64)",
