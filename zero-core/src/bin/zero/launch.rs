@@ -114,6 +114,7 @@ fn seconds(text: &str) -> Result<Duration, String> {
     let secs: f64 = text
         .parse()
         .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
-    Duration::try_from_secs_f64(secs)
-        .map_err(|_| format!("{text}: expected a number of seconds, finite, ≥ 0 and below 2^64"))
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        format!("{text}: expected a number of seconds, finite, ≥ 0 and small enough to count (below about 1.8e19)")
+    })
 }
