@@ -129,7 +129,7 @@ fn parse_count(text: &str) -> Result<u64, String> {
     match clean.parse::<f64>() {
         Ok(v) if (1.0..1e18).contains(&v) => Ok(v.round() as u64),
         Ok(v) if v >= 1e18 => Err(format!(
-            "--params {text}: at most 1e18 parameters are estimated (a million times the largest models trained)"
+            "--params {text}: estimates stop below 1e18 parameters (a million times the largest models trained)"
         )),
         _ => Err(format!(
             "--params {text}: expected a positive count such as 124439808 or 1.5e9"
