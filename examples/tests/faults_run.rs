@@ -220,6 +220,18 @@ fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
             .expect("run gpt2");
         assert_refused(&out, &[want]);
     }
+    // A model whose weights hold an infinity (a damaged file: the format has no checksums) gives no
+    // score, rather than "loss NaN" and success.
+    let damaged = fixture_model_with_value(&dir.path().join("inf"), "ln_f.bias", f32::INFINITY);
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .arg("score")
+        .arg("--model")
+        .arg(&damaged)
+        .arg("--tokens")
+        .arg(fixture("train_tokens.json"))
+        .output()
+        .expect("run gpt2");
+    assert_refused(&out, &["the loss is", "non-finite"]);
     // GPT-2's tokenizer gives "hello" an id far past 512.
     let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
         .args(["generate", "--prompt", "hello"])

@@ -34,5 +34,14 @@ pub fn score(args: &ScoreArgs) -> Result<f64, TrainError> {
     let seq = batch[0].len();
     let ids: Vec<i64> = batch.iter().flatten().map(|&t| t as i64).collect();
     let tokens = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids, [batch.len(), seq]), &device);
-    Ok(model.loss(tokens.clone(), tokens).into_scalar() as f64)
+    let loss = model.loss(tokens.clone(), tokens).into_scalar() as f64;
+    if !loss.is_finite() {
+        // Not a score: the weights hold a NaN or an infinity (a damaged file; HuggingFace's
+        // format carries no checksums), or overflow.
+        return Err(TrainError::Model(format!(
+            "{}: the loss is {loss}: the model's weights hold non-finite values or overflow",
+            args.model.display()
+        )));
+    }
+    Ok(loss)
 }
