@@ -327,17 +327,22 @@ mod tests {
     use crate::comm::ThreadGroup;
     use crate::partition::{LayoutBuilder, ParamSpec, Placement};
 
-    /// A one-rank checkpoint under a fresh `DIR/t`; returns (DIR, the metadata as written).
-    fn saved(name: &str) -> (PathBuf, CheckpointMeta) {
-        let dir = std::env::temp_dir().join(format!("zero-readback-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+    /// The layout the tests save: one `[3, 5]` parameter, sharded over one rank.
+    fn one_matrix() -> PartitionLayout {
         let specs = vec![ParamSpec {
             name: "w".into(),
             shape: vec![3, 5],
         }];
         let mut b = LayoutBuilder::new(specs, 1, 4);
         b.group(vec![0], Placement::Sharded);
-        let layout = b.finish();
+        b.finish()
+    }
+
+    /// A one-rank checkpoint under a fresh `DIR/t`; returns (DIR, the metadata as written).
+    fn saved(name: &str) -> (PathBuf, CheckpointMeta) {
+        let dir = std::env::temp_dir().join(format!("zero-readback-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let layout = one_matrix();
         let master: Vec<f32> = (0..layout.owned_len(0)).map(|i| i as f32 / 3.0).collect();
         let request = SaveRequest {
             layout: &layout,
@@ -369,13 +374,7 @@ mod tests {
     fn a_failed_save_leaves_nothing_staged() {
         let (dir, meta) = saved("failed");
         let before = std::fs::read(dir.join("t").join(META_FILE)).unwrap();
-        let specs = vec![ParamSpec {
-            name: "w".into(),
-            shape: vec![3, 5],
-        }];
-        let mut b = LayoutBuilder::new(specs, 1, 4);
-        b.group(vec![0], Placement::Sharded);
-        let layout = b.finish();
+        let layout = one_matrix();
         // One element short of the rank's slice: refused while writing the shard.
         let master = vec![0.5f32; layout.owned_len(0) - 1];
         let request = SaveRequest {
