@@ -78,6 +78,39 @@ fn an_unwritable_save_target_is_refused_before_step_1() {
     set_mode(&read_only, 0o755);
 }
 
+/// An NVMe offload directory that cannot be written (under a file) is refused before step 1,
+/// naming the config key; one given for `device: cpu` (as many configs carry) is not touched.
+#[test]
+fn an_unwritable_nvme_path_is_refused_before_step_1_naming_its_key() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").expect("write");
+    let below = file.join("swap");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_config.json")).expect("config")).expect("json");
+    for (name, device) in [("nvme.json", "nvme"), ("cpu.json", "cpu")] {
+        config["zero_optimization"]["offload_optimizer"] =
+            serde_json::json!({ "device": device, "nvme_path": below.to_string_lossy() });
+        let path = dir.path().join(name);
+        std::fs::write(&path, config.to_string()).expect("write");
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args(["train", "--quiet", "--nproc", "4", "--steps", "1"])
+            .arg("--config")
+            .arg(&path)
+            .arg("--tokens")
+            .arg(fixture("train_tokens.json"))
+            .arg("--model")
+            .arg(fixture_model())
+            .output()
+            .expect("run gpt2");
+        if device == "nvme" {
+            assert_refused(&out, &["zero_optimization.offload_optimizer.nvme_path", "swap"]);
+        } else {
+            assert!(out.status.success(), "cpu offload ignores nvme_path: {}", stderr(&out));
+        }
+    }
+}
+
 fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");

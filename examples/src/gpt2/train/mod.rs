@@ -233,6 +233,28 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    // The NVMe directories are written at the first step: a run must not learn only then that
+    // it cannot.
+    use zero_core::config::OffloadDevice;
+    let nvme = [
+        (
+            "zero_optimization.offload_optimizer.nvme_path",
+            (resolved.zero.offload_optimizer.as_ref())
+                .filter(|o| o.device == OffloadDevice::Nvme)
+                .and_then(|o| o.nvme_path.as_ref()),
+        ),
+        (
+            "zero_optimization.offload_param.nvme_path",
+            (resolved.zero.offload_param.as_ref())
+                .filter(|o| o.device == OffloadDevice::Nvme)
+                .and_then(|o| o.nvme_path.as_ref()),
+        ),
+    ];
+    for (key, path) in nvme {
+        if let Some(path) = path {
+            check_writable(key, Path::new(path))?;
+        }
+    }
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
         let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
