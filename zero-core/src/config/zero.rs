@@ -223,7 +223,10 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
     if offload_param.is_some() && !is3 {
         cx.warning(
             "zero_optimization.offload_param",
-            format!("parameter offload applies to stage 3 only; ignored at stage {stage_value}"),
+            format!(
+                "parameter offload applies to stage 3 only (DeepSpeed ignores it at stage {stage_value}); a run \
+                 refuses it rather than train without the memory it would save: remove the section or use stage 3"
+            ),
         );
     }
 
@@ -239,8 +242,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
         load_from_fp32_weights: cx.get(&mut s, &["load_from_fp32_weights"], true)?,
         elastic_checkpoint: cx.get(&mut s, &["elastic_checkpoint"], false)?,
         offload_optimizer,
-        // Ignored below stage 3, as the warning says (DeepSpeed reads it only at stage 3).
-        offload_param: offload_param.filter(|_| is3),
+        offload_param,
         sub_group_size: cx.get(&mut s, &["sub_group_size"], ELEMENTS_1E9)?,
         stage3_prefetch_bucket_size: cx.get(
             &mut s,
