@@ -5,7 +5,7 @@
 
 use super::error::{CheckpointError, RankFailure};
 pub(crate) use crate::comm::all_gather_bytes;
-use crate::comm::{FlatBuffer, ProcessGroup, ReduceOp};
+use crate::comm::{gather_failures, ProcessGroup};
 
 /// Longest error message a rank sends to the others: far more than any real one, and a bound
 /// on what the gather moves.
@@ -21,38 +21,22 @@ pub fn agree<T>(
     action: &'static str,
     outcome: Result<T, CheckpointError>,
 ) -> Result<T, CheckpointError> {
-    let world = comm.world_size();
-    if world == 1 {
+    if comm.world_size() == 1 {
         return outcome;
     }
     let rank = comm.rank();
-    // One flag per rank (small integers are exact in f32): the maximum over ranks of
-    // `world - rank` for the failed ones names the lowest failed rank. Only when some rank
-    // failed do the messages travel, so a success costs one scalar all-reduce.
-    let mut buf = FlatBuffer::F32(vec![if outcome.is_err() { (world - rank) as f32 } else { 0.0 }]);
-    if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Max) {
-        // This rank's own error says more than the collective's.
-        return Err(outcome.err().unwrap_or(e.into()));
-    }
-    let worst = buf.into_f32().first().copied().unwrap_or(0.0) as usize;
-    if worst == 0 {
-        return outcome;
-    }
     let own = outcome.as_ref().err().map(|e| bounded(e.to_string()));
-    let failures: Vec<RankFailure> = match all_gather_bytes(comm, own.as_deref().unwrap_or("").as_bytes()) {
-        Ok(all) => all
+    let failures: Vec<RankFailure> = match gather_failures(comm, own.as_deref()) {
+        Ok(f) if f.is_empty() => return outcome,
+        Ok(f) => f
             .into_iter()
-            .enumerate()
-            .filter(|(_, m)| !m.is_empty())
-            .map(|(r, m)| RankFailure {
-                rank: r,
-                message: String::from_utf8_lossy(&m).into_owned(),
+            .map(|f| RankFailure {
+                rank: f.rank,
+                message: f.message,
             })
             .collect(),
-        Err(e) => vec![RankFailure {
-            rank: world - worst,
-            message: format!("(its error could not be collected: {e})"),
-        }],
+        // This rank's own error says more than the collective's.
+        Err(e) => return Err(outcome.err().unwrap_or(e.into())),
     };
     match outcome {
         Ok(_) => Err(CheckpointError::PeerFailed { action, failures }),

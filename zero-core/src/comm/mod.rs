@@ -38,7 +38,7 @@ pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
 #[cfg(feature = "cuda")]
 pub use nccl::{DeviceElement, NcclGroup};
-pub use ready::all_ready;
+pub use ready::{all_ready, gather_failures, Failure};
 pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;
 pub use work::Work;

@@ -4,41 +4,75 @@
 
 use super::{all_gather_bytes, CommError, FlatBuffer, ProcessGroup, ReduceOp};
 
-/// Every rank passes the outcome of its own preparation for `what`; when any rank failed, every
-/// rank fails: a failed rank with its own error, the others with [`CommError::Setup`] naming
-/// every failed rank and its error. Costs one all-reduce of one flag per rank when all succeed.
-pub fn all_ready<T>(group: &dyn ProcessGroup, what: &str, own: Result<T, CommError>) -> Result<T, CommError> {
+/// A failed rank's error message, as every rank learns it from [`gather_failures`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The rank that failed.
+    pub rank: usize,
+    /// Its error, as it wrote it.
+    pub message: String,
+}
+
+/// Every rank passes its own error message (`None` when it succeeded); every rank learns every
+/// failed rank's message, in rank order: empty when none failed, which costs one all-reduce of
+/// one flag per rank. A failed rank whose message could not be collected is still listed.
+pub fn gather_failures(group: &dyn ProcessGroup, own: Option<&str>) -> Result<Vec<Failure>, CommError> {
     let (rank, world) = (group.rank(), group.world_size());
     if world == 1 {
-        return own;
+        return Ok(own
+            .map(|m| Failure {
+                rank,
+                message: m.to_string(),
+            })
+            .into_iter()
+            .collect());
     }
     let mut flags = vec![0f32; world];
-    flags[rank] = if own.is_err() { 1.0 } else { 0.0 };
+    flags[rank] = if own.is_some() { 1.0 } else { 0.0 };
     let mut buffer = FlatBuffer::F32(flags);
-    if let Err(e) = group.all_reduce(&mut buffer, ReduceOp::Max) {
-        // This rank's own error says more than the collective's.
-        return Err(own.err().unwrap_or(e));
-    }
+    group.all_reduce(&mut buffer, ReduceOp::Max)?;
     let flags = buffer.into_f32();
     let failed: Vec<usize> = (0..world).filter(|&r| flags.get(r).is_some_and(|&f| f > 0.0)).collect();
     if failed.is_empty() {
-        return own;
+        return Ok(Vec::new());
     }
-    let message = own.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
-    let messages = all_gather_bytes(group, message.as_bytes()).unwrap_or_default();
+    let messages = all_gather_bytes(group, own.unwrap_or("").as_bytes())
+        .map_err(|e| format!("(its error could not be collected: {e})"));
+    Ok(failed
+        .into_iter()
+        .map(|r| Failure {
+            rank: r,
+            message: match &messages {
+                Ok(all) => String::from_utf8_lossy(all.get(r).map_or(&[][..], Vec::as_slice)).into_owned(),
+                Err(e) => e.clone(),
+            },
+        })
+        .collect())
+}
+
+/// Every rank passes the outcome of its own preparation for `what`; when any rank failed, every
+/// rank fails: a failed rank with its own error, the others with [`CommError::Setup`] naming
+/// every failed rank and its error ([`gather_failures`]).
+pub fn all_ready<T>(group: &dyn ProcessGroup, what: &str, own: Result<T, CommError>) -> Result<T, CommError> {
+    let message = own.as_ref().err().map(|e| e.to_string());
+    let failures = match gather_failures(group, message.as_deref()) {
+        // This rank's own error says more than the collective's.
+        Err(e) => return Err(own.err().unwrap_or(e)),
+        Ok(f) => f,
+    };
     match own {
         Err(e) => Err(e),
+        Ok(value) if failures.is_empty() => Ok(value),
         Ok(_) => {
-            let said: Vec<String> = failed
+            let ranks: Vec<usize> = failures.iter().map(|f| f.rank).collect();
+            let said: Vec<String> = failures
                 .iter()
-                .map(|&r| match messages.get(r) {
-                    Some(m) if !m.is_empty() => format!("rank {r}: {}", String::from_utf8_lossy(m)),
-                    _ => format!("rank {r} (its error could not be collected)"),
-                })
+                .map(|f| format!("rank {}: {}", f.rank, f.message))
                 .collect();
             Err(CommError::Setup(format!(
-                "{what}: rank {rank} stops because {} failed to prepare: {}",
-                plural_ranks(&failed),
+                "{what}: rank {} stops because {} failed to prepare: {}",
+                group.rank(),
+                plural_ranks(&ranks),
                 said.join("; ")
             )))
         }

@@ -8,6 +8,7 @@
 //! pipeline and run [`pipeline_rank_loop`] instead: each holds its tensor slice of one stage of
 //! the model's layers.
 
+mod checks;
 mod collectives;
 mod pipeline;
 mod ranks;
@@ -23,7 +24,7 @@ use collectives::DeviceUnits;
 use pipeline::pipeline_rank_loop;
 use ranks::{rank_loop, RankDevice, RankPlace};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use zero_burn::sharded::ShardBackend;
 use zero_burn::{EngineSettings, InitOptions, MemoryReport, Stage};
@@ -179,7 +180,7 @@ where
     B::InnerBackend: ShardBackend + TpBackend,
     P: AutodiffBackend + TpBackend,
 {
-    check_counts(args)?;
+    checks::counts(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {w}");
@@ -203,7 +204,7 @@ where
     };
     check_data(&data, &model_config)?;
     if let Some(dir) = &args.save {
-        check_writable("--save", dir)?;
+        checks::writable("--save", dir)?;
     }
     // The world: the launcher's, or the rank threads'; resolved once for every rank, so that a
     // batch size the ranks cannot share is refused before any starts.
@@ -233,32 +234,11 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
-    // The NVMe directories are written at the first step: a run must not learn only then that
-    // it cannot.
-    use zero_core::config::OffloadDevice;
-    let nvme = [
-        (
-            "zero_optimization.offload_optimizer.nvme_path",
-            (resolved.zero.offload_optimizer.as_ref())
-                .filter(|o| o.device == OffloadDevice::Nvme)
-                .and_then(|o| o.nvme_path.as_ref()),
-        ),
-        (
-            "zero_optimization.offload_param.nvme_path",
-            (resolved.zero.offload_param.as_ref())
-                .filter(|o| o.device == OffloadDevice::Nvme)
-                .and_then(|o| o.nvme_path.as_ref()),
-        ),
-    ];
-    for (key, path) in nvme {
-        if let Some(path) = path {
-            check_writable(key, Path::new(path))?;
-        }
-    }
+    checks::nvme_paths_writable(&resolved)?;
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
         let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
-        check_activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
+        checks::activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
     }
     let data = Arc::new(data);
     if stages > 1 && tensor > 1 && (args.save.is_some() || args.load.is_some()) {
@@ -340,87 +320,6 @@ where
     // return the first this process hosts: rank 0's with threads, the process's own rank under
     // a launcher.
     first_summary(results)
-}
-
-/// Refuses, before any rank starts, a micro-batch whose activations cannot fit this machine's
-/// memory (rather than be killed by the kernel in the first step). The bound is a floor: one
-/// micro-batch holds at least its logits (micro × seq × vocab values) and each block's input
-/// (micro × seq × n_embd), at 2 bytes a value; what Burn's autodiff keeps is several times more
-/// (BENCHMARKS.md, "Activation checkpointing").
-fn check_activations_fit(model: &Gpt2Config, micro: u64, seq: usize, ranks: usize) -> Result<(), TrainError> {
-    let Some(total) = host_memory_bytes() else {
-        return Ok(());
-    };
-    let values_per_token = model.vocab_size as u128 + (model.n_layer as u128) * (model.n_embd as u128);
-    let floor = micro as u128 * seq as u128 * values_per_token * 2 * ranks as u128;
-    if floor <= total as u128 {
-        return Ok(());
-    }
-    Err(TrainError::Config(format!(
-        "train_micro_batch_size_per_gpu {micro} × --seq-len {seq} on {ranks} rank(s): the activations need at \
-         least {:.1} GB (the logits alone {:.1} GB), more than this machine's {:.1} GB of memory; lower the \
-         micro-batch and raise gradient_accumulation_steps",
-        floor as f64 / 1e9,
-        (micro as u128 * seq as u128 * model.vocab_size as u128 * 2 * ranks as u128) as f64 / 1e9,
-        total as f64 / 1e9
-    )))
-}
-
-/// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
-fn host_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
-/// The most ranks `--nproc` starts as threads of this process.
-const MAX_THREAD_RANKS: usize = 1024;
-
-/// Refuses counts that cannot mean anything, before any work; each error names the flag and
-/// what it takes. (`--seq-len` is checked against the model and the text when the text is
-/// read.)
-fn check_counts(args: &TrainArgs) -> Result<(), TrainError> {
-    if args.steps == 0 {
-        return Err(TrainError::Config(
-            "--steps 0: nothing to train; --steps is the total number of optimizer steps, at least 1".into(),
-        ));
-    }
-    if args.nproc == 0 {
-        return Err(TrainError::Config("--nproc 0: at least 1 rank is needed".into()));
-    }
-    if args.nproc > MAX_THREAD_RANKS && DistEnv::detect().is_err() {
-        return Err(TrainError::Config(format!(
-            "--nproc {}: at most {MAX_THREAD_RANKS} ranks run as threads of one process (each builds its \
-             model); start more with zero launch, one process per rank",
-            args.nproc
-        )));
-    }
-    match (args.save_every, &args.save) {
-        (Some(0), _) => Err(TrainError::Config(
-            "--save-every 0: expected at least 1 step (leave it out to save only at the end)".into(),
-        )),
-        (Some(k), None) => Err(TrainError::Config(format!(
-            "--save-every {k} without --save: give the directory to save into"
-        ))),
-        _ => Ok(()),
-    }
-}
-
-/// Fails unless `dir` (the value of `flag`) is a directory this process can write into:
-/// created when missing, then a probe file created and removed. A run must not learn that it
-/// cannot save only when its work is done.
-fn check_writable(flag: &str, dir: &Path) -> Result<(), TrainError> {
-    let refuse = |why: String| TrainError::Config(format!("{flag} {}: {why}", dir.display()));
-    if dir.exists() && !dir.is_dir() {
-        return Err(refuse("not a directory".into()));
-    }
-    std::fs::create_dir_all(dir).map_err(|e| refuse(format!("cannot create the directory: {e}")))?;
-    // One probe per process: ranks launched as processes may share the directory.
-    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"").map_err(|e| refuse(format!("cannot write into the directory: {e}")))?;
-    std::fs::remove_file(&probe)
-        .map_err(|e| refuse(format!("cannot remove a file written there ({}): {e}", probe.display())))
 }
 
 /// The device of the rank with world rank `rank`: the one of index `local` modulo `devices`,

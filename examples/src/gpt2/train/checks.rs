@@ -1,0 +1,116 @@
+//! What `gpt2 train` refuses before any rank starts: counts that mean nothing, directories it
+//! could not write at the end (or at the first step), a micro-batch the machine's memory cannot
+//! hold. A run must not learn of these only when its work is done.
+
+use super::{TrainArgs, TrainError};
+use std::path::Path;
+use zero_core::comm::DistEnv;
+use zero_core::config::{OffloadDevice, ResolvedConfig};
+use zero_models::Gpt2Config;
+
+/// Refuses an NVMe offload directory (`device: nvme`) this process cannot write, naming its
+/// key: the swap files are written at the first step.
+pub(super) fn nvme_paths_writable(resolved: &ResolvedConfig) -> Result<(), TrainError> {
+    let zero = &resolved.zero;
+    let nvme = [
+        (
+            "zero_optimization.offload_optimizer.nvme_path",
+            (zero.offload_optimizer.as_ref())
+                .filter(|o| o.device == OffloadDevice::Nvme)
+                .and_then(|o| o.nvme_path.as_ref()),
+        ),
+        (
+            "zero_optimization.offload_param.nvme_path",
+            (zero.offload_param.as_ref())
+                .filter(|o| o.device == OffloadDevice::Nvme)
+                .and_then(|o| o.nvme_path.as_ref()),
+        ),
+    ];
+    for (key, path) in nvme {
+        if let Some(path) = path {
+            writable(key, Path::new(path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Refuses, before any rank starts, a micro-batch whose activations cannot fit this machine's
+/// memory (rather than be killed by the kernel in the first step). The bound is a floor: one
+/// micro-batch holds at least its logits (micro × seq × vocab values) and each block's input
+/// (micro × seq × n_embd), at 2 bytes a value; what Burn's autodiff keeps is several times more
+/// (BENCHMARKS.md, "Activation checkpointing").
+pub(super) fn activations_fit(model: &Gpt2Config, micro: u64, seq: usize, ranks: usize) -> Result<(), TrainError> {
+    let Some(total) = host_memory_bytes() else {
+        return Ok(());
+    };
+    let values_per_token = model.vocab_size as u128 + (model.n_layer as u128) * (model.n_embd as u128);
+    let floor = micro as u128 * seq as u128 * values_per_token * 2 * ranks as u128;
+    if floor <= total as u128 {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "train_micro_batch_size_per_gpu {micro} × --seq-len {seq} on {ranks} rank(s): the activations need at \
+         least {:.1} GB (the logits alone {:.1} GB), more than this machine's {:.1} GB of memory; lower the \
+         micro-batch and raise gradient_accumulation_steps",
+        floor as f64 / 1e9,
+        (micro as u128 * seq as u128 * model.vocab_size as u128 * 2 * ranks as u128) as f64 / 1e9,
+        total as f64 / 1e9
+    )))
+}
+
+/// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The most ranks `--nproc` starts as threads of this process.
+const MAX_THREAD_RANKS: usize = 1024;
+
+/// Refuses counts that cannot mean anything, before any work; each error names the flag and
+/// what it takes. (`--seq-len` is checked against the model and the text when the text is
+/// read.)
+pub(super) fn counts(args: &TrainArgs) -> Result<(), TrainError> {
+    if args.steps == 0 {
+        return Err(TrainError::Config(
+            "--steps 0: nothing to train; --steps is the total number of optimizer steps, at least 1".into(),
+        ));
+    }
+    if args.nproc == 0 {
+        return Err(TrainError::Config("--nproc 0: at least 1 rank is needed".into()));
+    }
+    if args.nproc > MAX_THREAD_RANKS && DistEnv::detect().is_err() {
+        return Err(TrainError::Config(format!(
+            "--nproc {}: at most {MAX_THREAD_RANKS} ranks run as threads of one process (each builds its \
+             model); start more with zero launch, one process per rank",
+            args.nproc
+        )));
+    }
+    match (args.save_every, &args.save) {
+        (Some(0), _) => Err(TrainError::Config(
+            "--save-every 0: expected at least 1 step (leave it out to save only at the end)".into(),
+        )),
+        (Some(k), None) => Err(TrainError::Config(format!(
+            "--save-every {k} without --save: give the directory to save into"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Fails unless `dir` (the value of `flag`) is a directory this process can write into:
+/// created when missing, then a probe file created and removed. A run must not learn that it
+/// cannot save only when its work is done.
+pub(super) fn writable(flag: &str, dir: &Path) -> Result<(), TrainError> {
+    let refuse = |why: String| TrainError::Config(format!("{flag} {}: {why}", dir.display()));
+    if dir.exists() && !dir.is_dir() {
+        return Err(refuse("not a directory".into()));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| refuse(format!("cannot create the directory: {e}")))?;
+    // One probe per process: ranks launched as processes may share the directory.
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| refuse(format!("cannot write into the directory: {e}")))?;
+    std::fs::remove_file(&probe)
+        .map_err(|e| refuse(format!("cannot remove a file written there ({}): {e}", probe.display())))
+}
