@@ -59,8 +59,8 @@ pub fn agree<T>(
     }
 }
 
-/// `message`, cut (at a character boundary) to [`MAX_MESSAGE_BYTES`]; a failed rank's message
-/// is never empty, since an empty one means success in the gather.
+/// `message`, cut (at a character boundary) to [`MAX_MESSAGE_BYTES`], and never empty, so that a
+/// failed rank always says something.
 fn bounded(mut message: String) -> String {
     if message.len() > MAX_MESSAGE_BYTES {
         let mut end = MAX_MESSAGE_BYTES;
