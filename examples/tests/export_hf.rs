@@ -93,9 +93,35 @@ fn a_trained_checkpoint_exports_as_a_huggingface_directory_by_default() {
 #[test]
 fn a_tensor_parallel_checkpoint_exports_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let untouched = export(dir.path(), 2, 4, 0.0);
+    let untouched = export(dir.path(), 2, 1, 4, 0.0);
+    matches_fixture(&untouched);
+
+    let (got, want) = (
+        read_all(&export(dir.path(), 2, 1, 4, 1e-3)),
+        read_all(&export(dir.path(), 1, 1, 2, 1e-3)),
+    );
+    agree_to_rounding(&got, &want);
+}
+
+/// The same with the tensor-parallel ranks cut into pipeline stages (2 tensor × 2 pipeline
+/// ranks, ZeRO 1): each stage's first data rank writes the slices of its tensor index for every
+/// stage, and the export merges them. References as above: the fixture bit for bit with a
+/// learning rate of 0, the trained run without tensor parallelism nor pipeline to rounding.
+#[test]
+fn a_pipelined_tensor_parallel_checkpoint_exports_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let untouched = export(dir.path(), 2, 2, 4, 0.0);
+    matches_fixture(&untouched);
+    agree_to_rounding(
+        &read_all(&export(dir.path(), 2, 2, 4, 1e-3)),
+        &read_all(&export(dir.path(), 1, 1, 2, 1e-3)),
+    );
+}
+
+/// The export in `dir` holds the HuggingFace fixture the runs start from, bit for bit.
+fn matches_fixture(dir: &Path) {
     let want = read_file(&support::fixture_model().join("model.safetensors"));
-    let got = read_all(&untouched);
+    let got = read_all(dir);
     assert_eq!(got.len(), want.len(), "the same tensors");
     for (name, values) in &want {
         assert!(
@@ -103,17 +129,17 @@ fn a_tensor_parallel_checkpoint_exports_whole() {
             "{name}: the merged export differs from the fixture"
         );
     }
+}
 
-    let (got, want) = (
-        read_all(&export(dir.path(), 2, 4, 1e-3)),
-        read_all(&export(dir.path(), 1, 2, 1e-3)),
-    );
+/// `got` (merged from tensor-parallel slices) against `want` (trained without them), to the
+/// rounding of sums taken in another order.
+fn agree_to_rounding(got: &HashMap<String, Vec<f32>>, want: &HashMap<String, Vec<f32>>) {
     assert_eq!(got.len(), want.len(), "the same tensors");
     assert!(got.keys().any(|n| n.contains("c_attn")));
     // The tolerance of the other tensor-parallel tests (models/tests/tp_training.rs): 1e-5 of the
     // model's largest weight.
     let scale = want.values().flatten().fold(0f32, |m, v| m.max(v.abs()));
-    for (name, w) in &want {
+    for (name, w) in want {
         let g = &got[name];
         assert_eq!(g.len(), w.len(), "{name}");
         let bias_k = name.ends_with("c_attn.bias").then(|| w.len() / 3..2 * w.len() / 3);
@@ -134,17 +160,19 @@ fn a_tensor_parallel_checkpoint_exports_whole() {
     }
 }
 
-/// Trains the fixture 4 steps at ZeRO 3 with learning rate `lr` over `tensor` tensor ranks (of
-/// `nproc`), saves, and exports the checkpoint as `zero to-fp32 DIR OUT` does; returns OUT.
-fn export(dir: &Path, tensor: usize, nproc: usize, lr: f64) -> std::path::PathBuf {
+/// Trains the fixture 4 steps with learning rate `lr` over `tensor` tensor ranks × `stages`
+/// pipeline stages (of `nproc` ranks; ZeRO 3, or 1 with a pipeline, which refuses 3), saves,
+/// and exports the checkpoint as `zero to-fp32 DIR OUT` does; returns OUT.
+fn export(dir: &Path, tensor: usize, stages: usize, nproc: usize, lr: f64) -> std::path::PathBuf {
     use zero_core::checkpoint::{to_fp32_tensor_parallel, TensorParallelCheckpoint};
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(support::fixture("train_config.json")).unwrap()).unwrap();
-    config["gradient_accumulation_steps"] = serde_json::json!(8 / (nproc / tensor));
-    config["zero_optimization"] = serde_json::json!({ "stage": 3 });
+    config["gradient_accumulation_steps"] = serde_json::json!(8 / (nproc / (tensor * stages)));
+    config["zero_optimization"] = serde_json::json!({ "stage": if stages > 1 { 1 } else { 3 } });
     config["tensor_parallel"] = serde_json::json!({ "autotp_size": tensor });
+    config["pipeline"] = serde_json::json!({ "stages": stages, "partition": "uniform" });
     config["optimizer"]["params"]["lr"] = serde_json::json!(lr);
-    let name = format!("tp{tensor}-lr{lr}");
+    let name = format!("tp{tensor}-pp{stages}-lr{lr}");
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, config.to_string()).unwrap();
     let save = dir.join(format!("ckpt-{name}"));

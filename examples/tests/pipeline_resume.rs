@@ -1,5 +1,6 @@
 //! `gpt2 train` with `pipeline.stages` 2: `--save` after 2 steps, then `--load` to step 4,
-//! against one uninterrupted 4-step run (PP 2, and PP 2 × DP 2 under ZeRO 1); and the
+//! against one uninterrupted 4-step run (PP 2, PP 2 × DP 2 under ZeRO 1, and PP 2 × TP 2, whose
+//! tensor ranks each save their slices under `tensor_rank_{t}`); and the
 //! validation loss of a pipelined run against the same run without a pipeline.
 //!
 //! References: the uninterrupted pipelined run (resuming must reproduce its steps 3 and 4 bit
@@ -14,8 +15,8 @@ use support::*;
 use std::path::{Path, PathBuf};
 use zero_examples::gpt2::{train, TrainArgs};
 
-fn config(dir: &Path, stages: usize, nproc: usize, zero_stage: u64) -> PathBuf {
-    let data = nproc / stages;
+fn config(dir: &Path, stages: usize, tensor: usize, nproc: usize, zero_stage: u64) -> PathBuf {
+    let data = nproc / (stages * tensor);
     let config = serde_json::json!({
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
@@ -25,9 +26,10 @@ fn config(dir: &Path, stages: usize, nproc: usize, zero_stage: u64) -> PathBuf {
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0002, "warmup_max_lr": 0.001, "warmup_num_steps": 4}},
         "zero_optimization": {"stage": zero_stage},
-        "pipeline": {"stages": stages, "partition": "uniform"}
+        "pipeline": {"stages": stages, "partition": "uniform"},
+        "tensor_parallel": {"autotp_size": tensor}
     });
-    let path = dir.join(format!("pp{stages}_dp{data}.json"));
+    let path = dir.join(format!("pp{stages}_tp{tensor}_dp{data}.json"));
     std::fs::write(&path, config.to_string()).expect("config written");
     path
 }
@@ -57,10 +59,10 @@ fn shards(tag_dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-fn resume(stages: usize, nproc: usize, zero_stage: u64) {
-    let label = format!("PP {stages} on {nproc} ranks, ZeRO {zero_stage}");
+fn resume(stages: usize, tensor: usize, nproc: usize, zero_stage: u64) {
+    let label = format!("PP {stages} × TP {tensor} on {nproc} ranks, ZeRO {zero_stage}");
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = config(dir.path(), stages, nproc, zero_stage);
+    let config = config(dir.path(), stages, tensor, nproc, zero_stage);
     let whole_dir = dir.path().join("whole");
     let split_dir = dir.path().join("split");
     let whole = train(&args(&config, nproc, 4, Some(&whole_dir), None)).expect("4-step run");
@@ -78,22 +80,39 @@ fn resume(stages: usize, nproc: usize, zero_stage: u64) {
         assert_eq!(r.lr, w.lr, "{label}, step {}: LR schedule position", r.step);
     }
     assert!(whole.steps[3].loss < whole.steps[0].loss, "{label}: the run trained");
-    let a = shards(&whole_dir.join("global_step4"));
-    let b = shards(&split_dir.join("global_step4"));
-    assert_eq!(a.len(), nproc / stages, "{label}: one shard file per data rank");
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        assert!(x == y, "{label}: {name} differs between the runs");
+    // Each tensor index's stage-0 data ranks write its slices of every stage.
+    let tensor_dirs: Vec<PathBuf> = match tensor {
+        1 => vec![PathBuf::new()],
+        _ => (0..tensor).map(|t| PathBuf::from(format!("tensor_rank_{t}"))).collect(),
+    };
+    for t in &tensor_dirs {
+        let a = shards(&whole_dir.join(t).join("global_step4"));
+        let b = shards(&split_dir.join(t).join("global_step4"));
+        assert_eq!(
+            a.len(),
+            nproc / (stages * tensor),
+            "{label}: one shard file per data rank in {}",
+            t.display()
+        );
+        for ((name, x), (_, y)) in a.iter().zip(&b) {
+            assert!(x == y, "{label}: {} {name} differs between the runs", t.display());
+        }
     }
 }
 
 #[test]
 fn two_stages_resume_bit_for_bit() {
-    resume(2, 2, 0);
+    resume(2, 1, 2, 0);
 }
 
 #[test]
 fn two_stages_times_two_data_ranks_resume_bit_for_bit() {
-    resume(2, 4, 1);
+    resume(2, 1, 4, 1);
+}
+
+#[test]
+fn two_stages_times_two_tensor_ranks_resume_bit_for_bit() {
+    resume(2, 2, 4, 1);
 }
 
 /// Text data (which has a held-out part): the validation loss every steps_per_print steps.
@@ -108,7 +127,7 @@ fn validation_loss_matches_the_run_without_a_pipeline() {
     let text = dir.path().join("corpus.txt");
     std::fs::write(&text, body).expect("corpus written");
     let run = |stages: usize| {
-        let mut a = args(&config(dir.path(), stages, 2, 0), 2, 4, None, None);
+        let mut a = args(&config(dir.path(), stages, 1, 2, 0), 2, 4, None, None);
         a.tokens = None;
         a.data = Some(text.clone());
         train(&a).expect("training on the letters")

@@ -252,22 +252,3 @@ fn a_tensor_parallel_runs_memory_is_what_zero_estimate_predicts() {
         }
     }
 }
-
-/// A pipeline with tensor slices inside its stages cannot checkpoint yet: `--save` is refused
-/// before the first step, naming the keys and what does checkpoint, instead of failing when
-/// the run's work is done.
-#[test]
-fn checkpoints_of_tensor_slices_inside_a_pipeline_are_refused_before_training() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let config = pipelined_config(dir.path(), 2, 2, 4, 1);
-    let args = zero_examples::gpt2::TrainArgs {
-        save: Some(dir.path().join("ckpt")),
-        metrics: Some(dir.path().join("run.jsonl")),
-        ..fixture_args(&config, 2, 4)
-    };
-    let err = train(&args).expect_err("refused").to_string();
-    for want in ["--save", "pipeline.stages 2", "autotp_size 2", "without a pipeline"] {
-        assert!(err.contains(want), "{want:?} missing from: {err}");
-    }
-    assert!(!dir.path().join("run.jsonl").exists(), "no step ran");
-}

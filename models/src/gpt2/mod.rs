@@ -14,6 +14,7 @@ mod model;
 mod names;
 mod partitioned;
 mod pipeline;
+pub(crate) use pipeline::LayerKind;
 mod presets;
 mod sharded;
 

@@ -149,12 +149,33 @@ impl<B: AutodiffBackend> PipeLayer<B> for Gpt2Layer<B> {
     /// pipelined checkpoint consolidates into the whole model; the head's copy of `wte` is
     /// `lm_head.weight` (HuggingFace's name for the tied head, equal to `wte.weight`).
     fn param_name(&self, index: usize, visited: &str) -> String {
+        let kind = match self {
+            Gpt2Layer::Embed(_) => LayerKind::Embed,
+            Gpt2Layer::Block(_) => LayerKind::Block,
+            Gpt2Layer::Head(_) => LayerKind::Head,
+        };
+        kind.param_name(index, visited)
+    }
+}
+
+/// Which of GPT-2's pipeline layers a layer is: what its parameters' names follow from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LayerKind {
+    Embed,
+    Block,
+    Head,
+}
+
+impl LayerKind {
+    /// The single model's name of the parameter Burn's visitor calls `visited` in the model's
+    /// layer `index`: [`PipeLayer::param_name`] of GPT-2's layers, plain or tensor-parallel.
+    pub(crate) fn param_name(self, index: usize, visited: &str) -> String {
         // Burn's visitor names the enum's variant first.
         let inner = visited.split_once('.').map_or(visited, |(_, rest)| rest);
         match self {
-            Gpt2Layer::Embed(_) => inner.to_string(),
-            Gpt2Layer::Block(_) => format!("blocks.{}.{inner}", index.saturating_sub(1)),
-            Gpt2Layer::Head(_) => match inner.strip_prefix("wte.") {
+            LayerKind::Embed => inner.to_string(),
+            LayerKind::Block => format!("blocks.{}.{inner}", index.saturating_sub(1)),
+            LayerKind::Head => match inner.strip_prefix("wte.") {
                 Some(rest) => format!("lm_head.{rest}"),
                 None => inner.to_string(),
             },

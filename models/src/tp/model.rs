@@ -148,37 +148,33 @@ impl<B: AutodiffBackend + TpBackend> ChainModel<B> for TpGpt2<B> {
     }
 }
 
-/// The parameters of a block split over the tensor group: the column-parallel `c_attn` and
-/// `c_fc` (weights and biases) and the row-parallel projections' weights (their biases are
-/// added once, replicated).
-pub(crate) fn tensor_split_params<B: Backend>(block: &TpBlock<B>) -> Vec<usize> {
+/// The parameters of a block split over the tensor group, by index in visit order, and how
+/// each is cut: the column-parallel `c_attn` and `c_fc` (weights and biases) and the
+/// row-parallel projections' weights (their biases are added once, replicated).
+pub(crate) fn tensor_split_params<B: Backend>(block: &TpBlock<B>) -> Vec<(usize, TensorSplit)> {
     describe::<B, _>(block)
         .iter()
         .enumerate()
-        .filter(|(_, (_, spec))| splits_in_a_block(&spec.name))
-        .map(|(i, _)| i)
+        .filter_map(|(i, (_, spec))| Some((i, block_split(&spec.name)?)))
         .collect()
 }
 
-fn splits_in_a_block(name: &str) -> bool {
-    name.contains("c_attn") || name.contains("c_fc") || (name.contains("c_proj") && name.ends_with("weight"))
+/// How `wte`'s vocabulary rows are cut over `tp` ranks: evenly, or padded past `vocab` when it
+/// does not split evenly.
+pub(crate) fn wte_split(vocab: usize, tp: usize) -> TensorSplit {
+    if vocab.is_multiple_of(tp.max(1)) {
+        TensorSplit::along(0)
+    } else {
+        TensorSplit::padded(0, vocab)
+    }
 }
 
-/// How the parameter of the tensor-parallel GPT-2 named `name` (its module path, as `describe`
-/// and `ZeroOptimizer`'s layout name it: `wte.` in [`TpGpt2`], `embed.wte.` in its sharded form)
-/// is split over `tp` ranks, `None` where every rank holds it whole: `wte`'s vocabulary rows
-/// (axis 0, padded past `vocab` when it does not split evenly); the column-parallel `c_attn`
-/// (its output axis, in 3 blocks q|k|v) and `c_fc`; the row-parallel projections' weights
-/// (their input axis).
-fn tensor_split(name: &str, vocab: usize, tp: usize) -> Option<TensorSplit> {
-    if name.starts_with("wte.") || name.starts_with("embed.wte.") {
-        return Some(if vocab.is_multiple_of(tp.max(1)) {
-            TensorSplit::along(0)
-        } else {
-            TensorSplit::padded(0, vocab)
-        });
-    }
-    if !(name.starts_with("blocks.") && splits_in_a_block(name)) {
+/// How a block's parameter (`name` its path inside the block or the model) is split, `None`
+/// where every rank holds it whole: the column-parallel `c_attn` (its output axis, in 3 blocks
+/// q|k|v) and `c_fc`; the row-parallel projections' weights (their input axis).
+fn block_split(name: &str) -> Option<TensorSplit> {
+    let column = name.contains("c_attn") || name.contains("c_fc");
+    if !(column || (name.contains("c_proj") && name.ends_with("weight"))) {
         return None;
     }
     // Burn's Linear weight is [input, output]; a bias is [output].
@@ -190,6 +186,21 @@ fn tensor_split(name: &str, vocab: usize, tp: usize) -> Option<TensorSplit> {
     } else {
         TensorSplit::along(0)
     })
+}
+
+/// How the parameter of the tensor-parallel GPT-2 named `name` (its module path, as `describe`
+/// and `ZeroOptimizer`'s layout name it: `wte.` in [`TpGpt2`], `embed.wte.` in its sharded form)
+/// is split over `tp` ranks, `None` where every rank holds it whole: `wte` as [`wte_split`], a
+/// block's as [`block_split`].
+fn tensor_split(name: &str, vocab: usize, tp: usize) -> Option<TensorSplit> {
+    if name.starts_with("wte.") || name.starts_with("embed.wte.") {
+        return Some(wte_split(vocab, tp));
+    }
+    if name.starts_with("blocks.") {
+        block_split(name)
+    } else {
+        None
+    }
 }
 
 /// The rule of [`tensor_split`] for a model of `vocab` tokens over `tp` ranks.

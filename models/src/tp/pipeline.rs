@@ -10,12 +10,13 @@ use super::collectives::TpBackend;
 use super::cross_entropy::vocab_parallel_cross_entropy;
 use super::embedding::VocabParallelEmbedding;
 use super::model::TpGpt2;
-use crate::gpt2::{Gpt2Batch, TIED_WTE};
+use crate::gpt2::{Gpt2Batch, LayerKind, TIED_WTE};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use zero_burn::pipeline::{PipeLayer, TiedWeight};
+use zero_burn::TensorSplit;
 
 /// Token (vocab-parallel) and position (replicated) embeddings: the first layer.
 #[derive(Module, Debug)]
@@ -136,10 +137,24 @@ impl<B: AutodiffBackend + TpBackend> PipeLayer<B> for TpGpt2Layer<B> {
     /// `wte`'s rows; in a block the column-parallel layers (weight and bias) and the
     /// row-parallel layers' weights. Position embedding, LayerNorms and row-parallel biases are
     /// replicated.
-    fn tensor_split(&self) -> Vec<usize> {
+    fn tensor_split(&self) -> Vec<(usize, TensorSplit)> {
+        let wte = |e: &VocabParallelEmbedding<B>| vec![(0, super::model::wte_split(e.vocab, e.group.size()))];
         match self {
-            TpGpt2Layer::Embed(_) | TpGpt2Layer::Head(_) => vec![0],
+            TpGpt2Layer::Embed(embed) => wte(&embed.wte),
+            TpGpt2Layer::Head(head) => wte(&head.wte),
             TpGpt2Layer::Block(block) => super::model::tensor_split_params::<B>(block),
         }
+    }
+
+    /// The names of the single [`Gpt2`](crate::gpt2::Gpt2)'s pipeline layers
+    /// ([`Gpt2Layer`](crate::gpt2::Gpt2Layer)), which are this model's too, so that a pipelined
+    /// tensor-parallel checkpoint merges into the whole model.
+    fn param_name(&self, index: usize, visited: &str) -> String {
+        let kind = match self {
+            TpGpt2Layer::Embed(_) => LayerKind::Embed,
+            TpGpt2Layer::Block(_) => LayerKind::Block,
+            TpGpt2Layer::Head(_) => LayerKind::Head,
+        };
+        kind.param_name(index, visited)
     }
 }

@@ -19,38 +19,15 @@ impl ZeroOptimizer {
         }
     }
 
-    /// With a tensor-parallel group, refuses a checkpoint in `dir` saved over another number of
-    /// tensor ranks (its slices are other shapes) or without tensor parallelism, saying what
-    /// works instead, and one whose tensor ranks' checkpoints are not one save (a directory
-    /// missing, moved or from another run, naming it): every rank reads the same directories, so
-    /// every rank refuses, before any reads its own slices.
+    /// With a tensor-parallel group, refuses a checkpoint `dir` holds that this run cannot take
+    /// slice by slice ([`zero_core::checkpoint::check_tensor_degree`]).
     fn check_tensor_degree(&self, dir: &std::path::Path, tag: Option<&str>) -> Result<(), ZeroError> {
-        use zero_core::checkpoint::{Checkpoint, TensorParallelCheckpoint};
-        let Some(tensor) = self
+        let ranks = self
             .settings
             .tensor_parallel_group
             .as_ref()
-            .filter(|t| t.world_size() > 1)
-        else {
-            return Ok(());
-        };
-        let refuse = |saved: String| {
-            ZeroError::Usage(format!(
-                "the checkpoint in {} was saved {saved}, and this run splits the model over {} tensor ranks: \
-                 convert it whole with `zero to-fp32` and start from the export",
-                dir.display(),
-                tensor.world_size()
-            ))
-        };
-        if !dir.join("tensor_rank_0").is_dir() && Checkpoint::open(dir, tag).is_ok() {
-            return Err(refuse("without tensor parallelism".into()));
-        }
-        match TensorParallelCheckpoint::open(dir, tag)? {
-            Some(saved) if saved.ranks.len() != tensor.world_size() => {
-                Err(refuse(format!("over {} tensor ranks", saved.ranks.len())))
-            }
-            _ => Ok(()),
-        }
+            .map_or(1, |t| t.world_size());
+        Ok(zero_core::checkpoint::check_tensor_degree(dir, tag, ranks)?)
     }
 
     /// Saves the optimizer's state (every rank's fp32 master shard and optimizer buffers, the

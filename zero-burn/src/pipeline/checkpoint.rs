@@ -13,8 +13,10 @@
 //! that hold them. Every step of both is agreed over the whole world, so a failure on one rank
 //! fails every rank, and a failed load leaves every engine as it was.
 //!
-//! Not yet: tensor parallelism inside the stages (each tensor rank holds different slices under
-//! the same names) and state offloaded to NVMe; both are refused.
+//! With tensor parallelism inside the stages, each tensor rank holds other slices under the
+//! same names: the ranks of tensor index `t` save and load as above under `tensor_rank_{t}` of
+//! the directory, recording how each parameter is cut, as a tensor-parallel run without a
+//! pipeline does; `zero to-fp32` merges the slices. Not yet: state offloaded to NVMe (refused).
 
 use super::engine::PipelineEngine;
 use super::layer::PipeLayer;
@@ -28,6 +30,7 @@ use zero_core::checkpoint::format::shard_holds;
 use zero_core::checkpoint::reshard::plan_rank;
 use zero_core::checkpoint::{
     self, agree, Checkpoint, CheckpointError, CheckpointMeta, GroupShard, LoadedGroup, SaveRequest,
+    TensorParallelRecord, TensorSplit,
 };
 use zero_core::comm::{FlatBuffer, ProcessGroup};
 use zero_core::partition::PartitionLayout;
@@ -54,7 +57,18 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.core.global_step));
         self.ready_for("save_checkpoint")?;
+        let split = self.tensor.size > 1;
+        agree(self.world.as_ref(), "save", checkpoint::check_same_kind(dir, split))?;
         let whole = whole_layout(&self.core.state.layout, self.pipeline_group.as_ref())?;
+        let tensor_parallel = if split {
+            Some(TensorParallelRecord {
+                splits: whole_splits(&self.tensor.splits, self.pipeline_group.as_ref())?,
+                ..self.tensor.clone()
+            })
+        } else {
+            None
+        };
+        let dir = &self.own_dir(dir);
         let data_rank = self.core.comm.rank();
         let names: Vec<&str> = self
             .core
@@ -153,7 +167,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 rng: None,
                 client_state: client_state.clone(),
                 model: self.core.settings.model.clone(),
-                tensor_parallel: None,
+                tensor_parallel,
             };
             checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request).map(|_| ())
         } else {
@@ -173,10 +187,15 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     ) -> Result<serde_json::Value, ZeroError> {
         let dir = dir.as_ref();
         self.ready_for("load_checkpoint")?;
+        agree(
+            self.world.as_ref(),
+            "load",
+            checkpoint::check_tensor_degree(dir, tag, self.tensor.size),
+        )?;
         let whole = whole_layout(&self.core.state.layout, self.pipeline_group.as_ref())?;
         let data_rank = self.core.comm.rank();
         let mine = whole.groups[self.stage].clone();
-        let read = read_stage(dir, tag, &whole.layout, mine.clone(), data_rank);
+        let read = read_stage(&self.own_dir(dir), tag, &whole.layout, mine.clone(), data_rank);
         let read = agree(self.world.as_ref(), "load", read);
         let (meta, loaded) = read?;
 
@@ -240,11 +259,6 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 "{what} in the middle of a step ({} micro-batches absorbed): call it between train_batch calls",
                 self.core.micro_steps
             ))
-        } else if self.tensor_size > 1 {
-            Err(format!(
-                "{what} with tensor parallelism inside the stages ({} tensor ranks) is not supported yet",
-                self.tensor_size
-            ))
         } else if self.core.state.swapped() {
             Err(format!(
                 "{what} of a pipeline with its state offloaded to NVMe is not supported yet"
@@ -259,6 +273,33 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             ready,
         )?)
     }
+}
+
+impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
+    /// Where this rank's tensor index saves and loads under `dir`: `dir` itself without tensor
+    /// parallelism, `tensor_rank_{t}` of it with.
+    fn own_dir(&self, dir: &Path) -> PathBuf {
+        if self.tensor.size > 1 {
+            checkpoint::tensor_rank_dir(dir, self.tensor.rank)
+        } else {
+            dir.to_path_buf()
+        }
+    }
+}
+
+/// Every stage's split parameters (over the pipeline group), by name: the whole model's.
+fn whole_splits(
+    own: &BTreeMap<String, TensorSplit>,
+    pipeline: &dyn ProcessGroup,
+) -> Result<BTreeMap<String, TensorSplit>, ZeroError> {
+    let bytes = serde_json::to_vec(own).map_err(|e| ZeroError::Usage(format!("the stage's splits as JSON: {e}")))?;
+    let mut whole = BTreeMap::new();
+    for (s, part) in gather_bytes(pipeline, &bytes)?.iter().enumerate() {
+        let splits: BTreeMap<String, TensorSplit> = serde_json::from_slice(part)
+            .map_err(|e| ZeroError::Usage(format!("stage {s}'s tensor splits arrived unreadable: {e}")))?;
+        whole.extend(splits);
+    }
+    Ok(whole)
 }
 
 /// Reads data rank `rank`'s owned slices of the groups `mine` of `whole` from the checkpoint.

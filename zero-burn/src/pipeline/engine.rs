@@ -20,6 +20,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use zero_core::checkpoint::TensorParallelRecord;
 use zero_core::comm::{FlatBuffer, ReduceOp, SharedGroup};
 use zero_core::parallel::{Axis, RankGroups};
 use zero_core::partition::{LayoutBuilder, ParamSpec, Placement};
@@ -102,8 +103,9 @@ pub struct PipelineEngine<B: AutodiffBackend, L: PipeLayer<B>> {
     tied_shards: Vec<usize>,
     /// Every rank of the job: checkpoints and the overflow decision are agreed over it.
     pub(super) world: SharedGroup,
-    /// Ranks of the tensor group.
-    pub(super) tensor_size: usize,
+    /// This rank's place in the tensor group and how this stage's split parameters are cut,
+    /// by name (what its checkpoints record); size 1 without tensor parallelism.
+    pub(super) tensor: TensorParallelRecord,
     pub(super) device: B::Device,
     timeline: Vec<OpSpan>,
 }
@@ -268,10 +270,16 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         // tensor rank, a replicated one on tensor rank 0; a tied key on the first stage holding
         // it, its first copy.
         let mut split = vec![false; core.state.layout.params.len()];
+        let mut tensor = TensorParallelRecord {
+            rank: groups.coords.tensor,
+            size: groups.layout.size(Axis::Tensor),
+            splits: BTreeMap::new(),
+        };
         for (layer, params) in layers.iter().zip(&params_of) {
-            for i in layer.tensor_split() {
+            for (i, how) in layer.tensor_split() {
                 if let Some(&p) = params.get(i) {
                     split[p] = true;
+                    tensor.splits.insert(core.state.layout.params[p].name.clone(), how);
                 }
             }
         }
@@ -342,7 +350,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             pipeline_group: groups.pipeline.clone(),
             tied_shards,
             world: groups.world.clone(),
-            tensor_size: groups.layout.size(Axis::Tensor),
+            tensor,
             device,
             timeline: Vec::new(),
         })

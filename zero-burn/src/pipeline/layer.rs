@@ -4,6 +4,7 @@ use crate::chain::Hidden;
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
+use zero_core::checkpoint::TensorSplit;
 
 /// One layer of a pipelined model. All layers of a model share one type (an enum of the kinds
 /// of layers, in Burn's style), so that any contiguous run of them can make a stage.
@@ -31,9 +32,10 @@ pub trait PipeLayer<B: AutodiffBackend>: Module<B> {
         Vec::new()
     }
     /// Under tensor parallelism, the indices (in visit order) of this layer's parameters that
-    /// are split over the tensor group, each tensor rank holding a different slice. The others
-    /// are taken as replicated over it, and the global gradient norm counts them once.
-    fn tensor_split(&self) -> Vec<usize> {
+    /// are split over the tensor group, each tensor rank holding a different slice, and how
+    /// each is cut (what a checkpoint records, so that `zero to-fp32` merges the slices). The
+    /// others are taken as replicated over it, and the global gradient norm counts them once.
+    fn tensor_split(&self) -> Vec<(usize, TensorSplit)> {
         Vec::new()
     }
     /// The name, in the whole model, of this layer's parameter that Burn's visitor calls

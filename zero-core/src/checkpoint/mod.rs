@@ -44,5 +44,7 @@ pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
 pub use recut::recut;
 pub use save::{describe, save, GroupShard, SaveRequest};
-pub use tensor_parallel::{check_same_kind, merge_slices, tensor_rank_dir, TensorParallelCheckpoint};
+pub use tensor_parallel::{
+    check_same_kind, check_tensor_degree, merge_slices, tensor_rank_dir, TensorParallelCheckpoint,
+};
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

@@ -74,6 +74,9 @@ impl NameMap {
         let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
         NameMap {
             rules: vec![
+                // A pipeline's head holds a copy of the tied `wte` under this name; HuggingFace
+                // ties the head to `transformer.wte.weight` and stores no copy.
+                rule("!lm_head."),
                 rule("ends.=transformer."),
                 rule("embed.=transformer."),
                 rule("wte.=transformer.wte."),
@@ -143,6 +146,8 @@ mod tests {
         // ShardedGpt2's names.
         assert_eq!(m.apply("embed.wpe.weight").as_deref(), Some("transformer.wpe.weight"));
         assert_eq!(m.apply("ln_f.gamma").as_deref(), Some("transformer.ln_f.weight"));
+        // A pipeline head's copy of the tied embedding.
+        assert_eq!(m.apply("lm_head.weight"), None);
     }
 
     #[test]

@@ -49,6 +49,35 @@ pub fn check_same_kind(dir: &Path, tensor_parallel: bool) -> Result<(), Checkpoi
     )))
 }
 
+/// Refuses, before a run that splits the model over `tensor_ranks` (> 1) tensor ranks reads
+/// anything, a checkpoint in `dir` it cannot take slice by slice: one saved without tensor
+/// parallelism, or over another number of tensor ranks (its slices are other shapes), saying
+/// what works instead; and one whose tensor ranks' checkpoints are not one save (a directory
+/// missing, moved or from another run, naming it). Every rank reads the same directories, so
+/// every rank refuses alike. With one tensor rank there is nothing to check here: reading a
+/// split checkpoint whole fails on its own, saying so ([`resolve_tag`](super::resolve_tag)).
+pub fn check_tensor_degree(dir: &Path, tag: Option<&str>, tensor_ranks: usize) -> Result<(), CheckpointError> {
+    if tensor_ranks <= 1 {
+        return Ok(());
+    }
+    let refuse = |saved: String| {
+        CheckpointError::Usage(format!(
+            "the checkpoint in {} was saved {saved}, and this run splits the model over {tensor_ranks} tensor \
+             ranks: convert it whole with `zero to-fp32` and start from the export",
+            dir.display()
+        ))
+    };
+    if !tensor_rank_dir(dir, 0).is_dir() && Checkpoint::open(dir, tag).is_ok() {
+        return Err(refuse("without tensor parallelism".into()));
+    }
+    match TensorParallelCheckpoint::open(dir, tag)? {
+        Some(saved) if saved.ranks.len() != tensor_ranks => {
+            Err(refuse(format!("over {} tensor ranks", saved.ranks.len())))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Every tensor rank's checkpoint of one save, checked to belong together.
 #[derive(Clone, Debug)]
 pub struct TensorParallelCheckpoint {

@@ -128,10 +128,10 @@ pub(crate) fn resolve_batch(
     }
     let sizes = match (train, micro, gas) {
         (Some(t), Some(m), Some(g)) => {
-            let product = product(&[(MICRO, m), (GAS, g), ("world size", world)], &err)?;
+            let product = product(&[(MICRO, m), (GAS, g), ("data-parallel world size", world)], &err)?;
             if t != product {
                 return Err(err(format!(
-                    "{TRAIN} = {t} but {MICRO} ({m}) × {GAS} ({g}) × world size ({world}) = {product}; \
+                    "{TRAIN} = {t} but {MICRO} ({m}) × {GAS} ({g}) × data-parallel world size ({world}) = {product}; \
                      set {TRAIN} to {product}, or change {MICRO} or {GAS} so that the product is {t}, \
                      or drop one of the three to have it derived"
                 )));
@@ -143,9 +143,9 @@ pub(crate) fn resolve_batch(
             m,
             divide(
                 t,
-                product(&[(MICRO, m), ("world size", world)], &err)?,
+                product(&[(MICRO, m), ("data-parallel world size", world)], &err)?,
                 TRAIN,
-                &format!("{MICRO} ({m}) × world size ({world})"),
+                &format!("{MICRO} ({m}) × data-parallel world size ({world})"),
                 GAS,
                 &err,
             )?,
@@ -154,21 +154,32 @@ pub(crate) fn resolve_batch(
             t,
             divide(
                 t,
-                product(&[(GAS, g), ("world size", world)], &err)?,
+                product(&[(GAS, g), ("data-parallel world size", world)], &err)?,
                 TRAIN,
-                &format!("{GAS} ({g}) × world size ({world})"),
+                &format!("{GAS} ({g}) × data-parallel world size ({world})"),
                 MICRO,
                 &err,
             )?,
             g,
         ),
-        (None, Some(m), Some(g)) => (product(&[(MICRO, m), (GAS, g), ("world size", world)], &err)?, m, g),
+        (None, Some(m), Some(g)) => (
+            product(&[(MICRO, m), (GAS, g), ("data-parallel world size", world)], &err)?,
+            m,
+            g,
+        ),
         (Some(t), None, None) => (
             t,
-            divide(t, world, TRAIN, &format!("the world size ({world})"), MICRO, &err)?,
+            divide(
+                t,
+                world,
+                TRAIN,
+                &format!("the data-parallel world size ({world})"),
+                MICRO,
+                &err,
+            )?,
             1,
         ),
-        (None, Some(m), None) => (product(&[(MICRO, m), ("world size", world)], &err)?, m, 1),
+        (None, Some(m), None) => (product(&[(MICRO, m), ("data-parallel world size", world)], &err)?, m, 1),
         (None, None, _) => unreachable!("checked above"),
     };
     Ok((

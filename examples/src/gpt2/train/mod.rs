@@ -215,7 +215,7 @@ where
             "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
         )));
     }
-    if let (Some(dir), 1) = (&args.save, stages) {
+    if let Some(dir) = &args.save {
         zero_core::checkpoint::check_same_kind(dir, tensor > 1)
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
     }
@@ -241,16 +241,6 @@ where
         checks::activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
     }
     let data = Arc::new(data);
-    if stages > 1 && tensor > 1 && (args.save.is_some() || args.load.is_some()) {
-        // Refused before any step, not when the run's work is done and cannot be saved.
-        return Err(TrainError::Config(format!(
-            "{}: --save and --load with pipeline.stages {stages} × tensor_parallel.autotp_size {tensor}: the \
-             pipeline engine does not checkpoint tensor slices inside its stages yet; without a pipeline, \
-             tensor parallelism checkpoints (and zero to-fp32 merges the slices), and a pipeline without \
-             tensor parallelism checkpoints too",
-            args.config.display()
-        )));
-    }
     if (stages > 1 || tensor > 1) && nccl.is_some() && args.collectives == "nccl" {
         return Err(TrainError::Config(format!(
             "--collectives nccl with pipeline.stages {stages} × tensor_parallel.autotp_size {tensor}: NCCL runs \
@@ -405,16 +395,13 @@ fn rank_start<B: AutodiffBackend>(
         let (model, config) = source.build_seeded::<B>(device, args.seed)?;
         (Some(model), config)
     };
-    if cut != LayersCut::Pipeline {
-        // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace
-        // directory (merging the tensor ranks' slices); a pipeline's layers are named
-        // otherwise and export as they are.
-        settings.model = Some(
-            model_config
-                .model_record()
-                .map_err(|e| TrainError::Config(e.to_string()))?,
-        );
-    }
+    // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace directory
+    // (merging the tensor ranks' slices; a pipeline's layers carry the single model's names).
+    settings.model = Some(
+        model_config
+            .model_record()
+            .map_err(|e| TrainError::Config(e.to_string()))?,
+    );
     Ok(RankStart {
         micro: resolved.micro_batch_size as usize,
         gas: resolved.gradient_accumulation_steps as usize,
