@@ -131,9 +131,9 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
     })
 }
 
-/// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`; refused
-/// at stages 0-2, where every rank holds the whole model (DeepSpeed ignores it there; a run
-/// that asked for it expects memory it would not get). The parser warns of the same.
+/// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`. The
+/// parser drops the section below stage 3 (with a warning, as DeepSpeed ignores it there);
+/// one set on a `ResolvedConfig` by hand at stages 0-2 is refused.
 pub fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, ZeroError> {
     let Some(o) = config.zero.offload_param.as_ref() else {
         return Ok(ParamOffload::None);

@@ -348,8 +348,10 @@ fn config_sections_become_param_offload_settings() {
             max_in_cpu: 1000
         }
     );
-    let err = settings(2, r#"{"device": "cpu"}"#).expect_err("stage 2");
-    assert!(err.to_string().contains("stage 3"), "{err}");
+    // Below stage 3 every rank holds the whole parameters: the section is ignored (as DeepSpeed
+    // does; the parser warns), and the run trains.
+    let whole = settings(2, r#"{"device": "cpu"}"#).expect("stage 2 runs");
+    assert_eq!(whole.offload_param, ParamOffload::None);
 }
 
 #[test]

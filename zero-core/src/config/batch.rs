@@ -95,7 +95,7 @@ pub(crate) fn resolve_batch(
     };
     if train.is_none() && micro.is_none() {
         let resolved_by = if spec.train_batch_size.is_some() || spec.train_micro_batch_size_per_gpu.is_some() {
-            "values the training script supplies (ResolveContext::overrides; --set)"
+            "the training script"
         } else {
             "nothing: the file gives neither train_batch_size nor train_micro_batch_size_per_gpu"
         };

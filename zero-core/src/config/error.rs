@@ -75,7 +75,7 @@ pub enum ConfigError {
         key: String,
         /// What the key accepts.
         expected: String,
-        /// The value found, as JSON.
+        /// The value found, as JSON (for a usable value in quotes, also how to write it).
         found: String,
     },
     /// A value of the right type that is not one of the accepted ones.
@@ -126,7 +126,10 @@ pub enum ConfigError {
         written: Option<String>,
     },
     /// A value left as "auto" that nothing could resolve.
-    #[error("{source_name}: `{key}` is \"auto\" and cannot be resolved here: {hint}")]
+    #[error(
+        "{source_name}: `{key}` is \"auto\" and cannot be resolved here: it comes from {hint}; supply it \
+         (`--set {key}=VALUE` on a command line, `ResolveContext` in code) or write a value in the file"
+    )]
     UnresolvedAuto {
         /// File or source name.
         source_name: String,

@@ -17,7 +17,8 @@ use std::collections::{BTreeMap, BTreeSet};
 pub struct Deferred {
     /// The dotted key.
     pub key: String,
-    /// What resolves it (the model's hidden size, the world size, a caller-supplied value).
+    /// What resolves it, as a noun phrase ("the model's hidden size", "the training script",
+    /// "the other batch keys and the world size").
     pub resolved_by: String,
 }
 
@@ -43,11 +44,9 @@ fn fill_hint(key: &str) -> Option<String> {
         "amp.opt_level",
     ];
     if super::resolved::FROM_HIDDEN.contains(&key) {
-        Some("derived from the model's hidden size at initialize (ResolveContext::hidden_size)".into())
+        Some("the model's hidden size".into())
     } else if CALLER.contains(&key) || key.starts_with("optimizer.params.") || key.starts_with("scheduler.params.") {
-        Some(format!(
-            "a value the training script supplies (ResolveContext::overrides[\"{key}\"]; --set)"
-        ))
+        Some("the training script".into())
     } else {
         None
     }
@@ -151,11 +150,23 @@ impl<'a> Cx<'a> {
                 return Err(placeholder_error(self.source, &(s.clone(), line), &[]));
             }
         }
-        T::from_value(v).ok_or_else(|| ConfigError::InvalidType {
-            source_name: self.source.to_string(),
-            key: key.to_string(),
-            expected: T::EXPECTED.to_string(),
-            found: v.to_string(),
+        T::from_value(v).ok_or_else(|| {
+            // A value that would do, written in quotes ("8", "true"): say so, not just the type.
+            let unquoted = match v {
+                Value::String(s) => serde_json::from_str::<Value>(s.trim())
+                    .ok()
+                    .filter(|inner| !inner.is_string() && T::from_value(inner).is_some()),
+                _ => None,
+            };
+            ConfigError::InvalidType {
+                source_name: self.source.to_string(),
+                key: key.to_string(),
+                expected: T::EXPECTED.to_string(),
+                found: match unquoted {
+                    Some(inner) => format!("{v}, a string: write {inner} without the quotes"),
+                    None => v.to_string(),
+                },
+            }
         })
     }
 
@@ -312,7 +323,10 @@ impl<'v> Section<'v> {
                     });
                 }
                 UnknownKeys::Warn => {
-                    let message = match suggestion {
+                    // A ZeRO setting written at the top level instead of inside its section.
+                    let misplaced = (self.path.is_empty() && ZERO_SECTION_KEYS.contains(&key.as_str()))
+                        .then(|| format!("zero_optimization.{key}"));
+                    let message = match suggestion.or(misplaced) {
                         Some(s) => format!("unknown key, ignored (did you mean `{s}`?)"),
                         None => "unknown key, ignored".to_string(),
                     };
@@ -323,6 +337,27 @@ impl<'v> Section<'v> {
         Ok(())
     }
 }
+
+/// Keys of `zero_optimization` that a config may put at the top level by mistake.
+const ZERO_SECTION_KEYS: &[&str] = &[
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "round_robin_gradients",
+    "cpu_offload",
+];
 
 /// The known key nearest to `key` by edit distance, if it is close enough to be a misspelling.
 pub(crate) fn nearest(key: &str, known: &[&str]) -> Option<String> {

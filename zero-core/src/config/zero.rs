@@ -62,7 +62,7 @@ pub struct OffloadOptimizerConfig {
     pub device: OffloadDevice,
     /// Directory on the NVMe device (required for `nvme`).
     pub nvme_path: Option<String>,
-    /// Page-locked host buffers (default true).
+    /// Page-locked host buffers (default false, as DeepSpeed).
     pub pin_memory: bool,
     /// Buffers in the NVMe swap pool (default 4).
     pub buffer_count: u64,
@@ -87,7 +87,7 @@ pub struct OffloadParamConfig {
     pub device: OffloadDevice,
     /// Directory on the NVMe device (required for `nvme`).
     pub nvme_path: Option<String>,
-    /// Page-locked host buffers (default true).
+    /// Page-locked host buffers (default false, as DeepSpeed).
     pub pin_memory: bool,
     /// Buffers in the NVMe swap pool (default 5).
     pub buffer_count: u64,
@@ -220,15 +220,22 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
             });
         }
     }
-    if offload_param.is_some() && !is3 {
+    // DeepSpeed reads the section at stage 3 only, and configs written for it carry one at
+    // stages 1-2 (RLHF recipes switch the stage and keep the rest): the same file trains here,
+    // and the warning, the resolved config and the memory report say the parameters stay whole.
+    let offload_param = if offload_param.is_some() && !is3 {
         cx.warning(
             "zero_optimization.offload_param",
             format!(
-                "parameter offload applies to stage 3 only (DeepSpeed ignores it at stage {stage_value}); a run \
-                 refuses it rather than train without the memory it would save: remove the section or use stage 3"
+                "parameter offload applies to stage 3 only; at stage {stage_value} every rank holds the whole \
+                 parameters, so the section is ignored (as DeepSpeed does): remove it, or use stage 3 to \
+                 partition and offload them"
             ),
         );
-    }
+        None
+    } else {
+        offload_param
+    };
 
     let config = ZeroConfig {
         stage,
@@ -429,7 +436,7 @@ fn read_offload_optimizer(z: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option
     let config = OffloadOptimizerConfig {
         device: device.unwrap_or(OffloadDevice::Cpu),
         nvme_path,
-        pin_memory: cx.get(&mut s, &["pin_memory"], true)?,
+        pin_memory: cx.get(&mut s, &["pin_memory"], false)?,
         buffer_count: cx.get(&mut s, &["buffer_count"], 4)?,
         pipeline_read: cx.get(&mut s, &["pipeline_read"], false)?,
         pipeline_write: cx.get(&mut s, &["pipeline_write"], false)?,
@@ -449,7 +456,7 @@ fn read_offload_param(z: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Option<Off
     let config = OffloadParamConfig {
         device: device.unwrap_or(OffloadDevice::Cpu),
         nvme_path,
-        pin_memory: cx.get(&mut s, &["pin_memory"], true)?,
+        pin_memory: cx.get(&mut s, &["pin_memory"], false)?,
         buffer_count: cx.get(&mut s, &["buffer_count"], 5)?,
         buffer_size: cx.get(&mut s, &["buffer_size"], 100_000_000)?,
         max_in_cpu: cx.get(&mut s, &["max_in_cpu"], ELEMENTS_1E9)?,
@@ -477,7 +484,11 @@ fn legacy_offload_flags(
         }
         cx.warning(
             "zero_optimization.cpu_offload",
-            "deprecated; use offload_optimizer: {\"device\": \"cpu\"}",
+            if flag {
+                "deprecated; use offload_optimizer: {\"device\": \"cpu\"}"
+            } else {
+                "deprecated; false is the default (no offload): remove the key"
+            },
         );
         if flag {
             optimizer = Some(cpu_optimizer_offload());
@@ -489,13 +500,17 @@ fn legacy_offload_flags(
         }
         cx.warning(
             "zero_optimization.cpu_offload_param",
-            "deprecated; use offload_param: {\"device\": \"cpu\"}",
+            if flag {
+                "deprecated; use offload_param: {\"device\": \"cpu\"}"
+            } else {
+                "deprecated; false is the default (no offload): remove the key"
+            },
         );
         if flag {
             param = Some(OffloadParamConfig {
                 device: OffloadDevice::Cpu,
                 nvme_path: None,
-                pin_memory: true,
+                pin_memory: false,
                 buffer_count: 5,
                 buffer_size: 100_000_000,
                 max_in_cpu: ELEMENTS_1E9,
@@ -515,7 +530,7 @@ fn cpu_optimizer_offload() -> OffloadOptimizerConfig {
     OffloadOptimizerConfig {
         device: OffloadDevice::Cpu,
         nvme_path: None,
-        pin_memory: true,
+        pin_memory: false,
         buffer_count: 4,
         pipeline_read: false,
         pipeline_write: false,

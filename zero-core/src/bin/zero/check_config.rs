@@ -1,6 +1,7 @@
 //! `zero check-config`: parse a DeepSpeed config, print it resolved (defaults filled in) or the
 //! error. Values that only the run can settle (the model's hidden size, the world size, values
-//! supplied by the training script) are printed as "auto (resolved at initialize: ...)".
+//! supplied by the training script) are printed as "(resolved at initialize from ...)"; `--set`
+//! and `--hidden-size` settle them here.
 
 use crate::{print_error, print_note, print_output};
 use serde_json::Value;
@@ -62,7 +63,7 @@ fn check(args: &Args) -> Result<String, String> {
             ));
             continue;
         }
-        let marker = Value::String(format!("auto: resolved at initialize from {}", deferred.resolved_by));
+        let marker = Value::String(format!("(resolved at initialize from {})", deferred.resolved_by));
         match pointer_for(&json, &deferred.key) {
             Some(pointer) => {
                 if let Some(slot) = json.pointer_mut(&pointer) {
