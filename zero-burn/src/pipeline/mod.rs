@@ -18,6 +18,7 @@
 //!   stage's middle layers keep only their segments' inputs between a micro-batch's forward and
 //!   its backward, and rerun in backward.
 
+mod build;
 mod channel;
 mod checkpoint;
 mod engine;
