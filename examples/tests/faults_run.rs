@@ -189,11 +189,10 @@ fn a_non_finite_loss_fails_the_first_step_naming_it_in_fp32_and_bf16() {
     bf16["bf16"] = serde_json::json!({ "enabled": true });
     let bf16_config = dir.path().join("bf16.json");
     std::fs::write(&bf16_config, bf16.to_string()).expect("write");
-    for (dtype, config, value) in [
-        ("fp32", fixture("train_config.json"), f32::NAN),
-        ("bf16", bf16_config, f32::INFINITY),
-    ] {
-        let model = fixture_model_with_value(&dir.path().join(dtype), "h.0.attn.c_attn.weight", value);
+    // A weight at f32's largest value loads (it is finite) and overflows in the first forward
+    // (bf16 rounds it to infinity).
+    for (dtype, config) in [("fp32", fixture("train_config.json")), ("bf16", bf16_config)] {
+        let model = fixture_model_with_value(&dir.path().join(dtype), "h.0.attn.c_attn.weight", f32::MAX);
         let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
             .args(["train", "--quiet", "--nproc", "4", "--steps", "3"])
             .arg("--config")
@@ -253,18 +252,23 @@ fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
             .expect("run gpt2");
         assert_refused(&out, &[want]);
     }
-    // A model whose weights hold an infinity (a damaged file: the format has no checksums) gives no
-    // score, rather than "loss NaN" and success.
+    // A model whose weights hold an infinity (a damaged file: the format has no checksums) is
+    // refused as it loads, naming the tensor; one whose finite weights overflow gives no score,
+    // rather than "loss inf" and success.
+    let score = |model: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .arg("score")
+            .arg("--model")
+            .arg(model)
+            .arg("--tokens")
+            .arg(fixture("train_tokens.json"))
+            .output()
+            .expect("run gpt2")
+    };
     let damaged = fixture_model_with_value(&dir.path().join("inf"), "ln_f.bias", f32::INFINITY);
-    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .arg("score")
-        .arg("--model")
-        .arg(&damaged)
-        .arg("--tokens")
-        .arg(fixture("train_tokens.json"))
-        .output()
-        .expect("run gpt2");
-    assert_refused(&out, &["the loss is", "non-finite"]);
+    assert_refused(&score(&damaged), &["ln_f.bias", "holds inf"]);
+    let overflowing = fixture_model_with_value(&dir.path().join("max"), "ln_f.bias", f32::MAX);
+    assert_refused(&score(&overflowing), &["the loss is", "non-finite"]);
     // GPT-2's tokenizer gives "hello" an id far past 512.
     let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
         .args(["generate", "--prompt", "hello"])

@@ -215,6 +215,33 @@ fn a_different_head_or_shape_is_an_error() {
     }
 }
 
+/// A NaN or an infinity in any tensor (a run that diverged, a damaged file) is refused, naming
+/// the tensor, in whatever dtype it is stored, by both loaders.
+#[test]
+fn non_finite_weights_are_refused() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    for (key, bad) in [
+        ("transformer.h.0.attn.c_attn.weight", f32::NAN),
+        ("transformer.ln_f.weight", f32::INFINITY),
+    ] {
+        let mut tensors = fixture_tensors();
+        let (dtype, shape, mut bytes) = tensors[key].clone();
+        assert_eq!(dtype, Dtype::F32);
+        let at = bytes.len() / 2 / 4 * 4;
+        bytes[at..at + 4].copy_from_slice(&bad.to_le_bytes());
+        tensors.insert(key.to_string(), (dtype, shape, bytes));
+        write_checkpoint(dir.path(), &tensors);
+        match Gpt2::<B>::load_pretrained(dir.path(), &device) {
+            Err(e @ CheckpointError::NonFinite { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(key) && text.contains(&bad.to_string()), "{text}");
+            }
+            other => panic!("{key}: expected a non-finite refusal, got {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn a_directory_without_weights_is_an_error() {
     let device = Default::default();

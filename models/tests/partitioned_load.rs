@@ -114,6 +114,33 @@ fn a_corrupt_header_is_an_error_not_a_panic() {
     assert!(err.expect("must fail").contains("model.safetensors"));
 }
 
+/// A NaN in the weights (the file's last element) is refused by the sharded loader too, naming
+/// the file.
+#[test]
+fn a_nan_weight_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    saved_model(dir.path(), usize::MAX);
+    let file = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&file).expect("read");
+    let end = bytes.len();
+    bytes[end - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, bytes).expect("write");
+    let path = dir.path().to_path_buf();
+    let err = on_ranks(1, move |comm| {
+        Gpt2::<Flex>::load_pretrained_sharded(&path, &Default::default(), comm, THRESHOLD).expect_err("must fail")
+    })
+    .remove(0);
+    match err {
+        PartitionedLoadError::Checkpoint(e @ CheckpointError::NonFinite { .. }) => {
+            assert!(
+                e.to_string().contains("model.safetensors") && e.to_string().contains("NaN"),
+                "{e}"
+            );
+        }
+        other => panic!("expected a non-finite refusal, got {other}"),
+    }
+}
+
 /// `Gpt2Config::init_sharded` on 2 ranks, each seeded alike and drawing one rank at a time (as
 /// the trainer's rank threads do): every rank's units equal `init` from the same seed, then
 /// `into_sharded` and the cut.

@@ -30,8 +30,9 @@ pub enum ZeroError {
     /// A loss or gradient was infinite or NaN in bf16 or fp32 training (on some rank).
     #[error(
         "step {step}: {what} is infinite or NaN on rank {rank} ({dtype} training); the step was not \
-         applied. From the first step, the weights or the data hold NaN or Inf; later, training diverged \
-         (lower the learning rate or clip gradients). To skip such steps instead of failing: \
+         applied. From the first step, the weights or the data hold NaN or Inf, or values the forward \
+         overflows on; later, training diverged (lower the learning rate or clip gradients). To skip \
+         such steps instead of failing: \
          PrecisionSettings::non_finite = NonFinitePolicy::Skip (InitOptions::non_finite)"
     )]
     NonFinite {

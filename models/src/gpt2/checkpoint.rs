@@ -246,7 +246,8 @@ fn to_f32_data(path: &Path, key: &str, view: &TensorView<'_>) -> Result<TensorDa
     bytes_to_f32_data(path, key, view.dtype(), view.shape().to_vec(), view.data())
 }
 
-/// Converts the little-endian bytes of a stored float tensor to f32 `TensorData`.
+/// Converts the little-endian bytes of a stored float tensor to f32 `TensorData`; refuses a
+/// value that is not finite (or an f64 too large for f32).
 fn bytes_to_f32_data(
     path: &Path,
     key: &str,
@@ -279,6 +280,13 @@ fn bytes_to_f32_data(
             })
         }
     };
+    if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+        return Err(CheckpointError::NonFinite {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            value: v.to_string(),
+        });
+    }
     Ok(TensorData::new(values, shape))
 }
 

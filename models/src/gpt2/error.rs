@@ -169,6 +169,21 @@ pub enum CheckpointError {
         /// The dtype found.
         dtype: String,
     },
+    /// A tensor holds NaN or an infinity: what a run that diverged leaves, or a damaged file.
+    /// The model would compute with it silently (Burn's CPU attention treats a NaN score as
+    /// masked), so it is refused.
+    #[error(
+        "{}: tensor `{key}` holds {value}: these weights are not usable (a run that diverged, or a damaged file)",
+        path.display()
+    )]
+    NonFinite {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor's name.
+        key: String,
+        /// The first non-finite value found ("NaN", "inf", "-inf").
+        value: String,
+    },
     /// `lm_head.weight` is stored and differs from the token embedding.
     #[error("{}: lm_head.weight differs from wte.weight, but the model ties them", path.display())]
     UntiedHead {
