@@ -151,3 +151,36 @@ fn validation_loss_matches_the_run_without_a_pipeline() {
     }
     assert!(piped.steps.iter().any(|s| s.valid_loss.is_some()), "validation ran");
 }
+
+/// A checkpoint crosses between a pipeline and none, both ways: saved after 2 steps by PP 2
+/// (its head holding a tied copy of `wte` as `lm_head.weight`), resumed to step 4 without a
+/// pipeline at ZeRO 3 over 2 data ranks (whose `embed.wte.weight` is that tensor), and back.
+/// Reference: the uninterrupted 4-step run of the resuming layout; equal to fp32 rounding (the
+/// two layouts sum in other orders), and every resumed step's loss moves as that run's did.
+#[test]
+fn a_checkpoint_resumes_with_a_pipeline_or_without_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let piped = config(dir.path(), 2, 1, 2, 1);
+    let plain = config(dir.path(), 1, 1, 2, 3);
+    for (from, to, label) in [
+        (&piped, &plain, "pipeline to none"),
+        (&plain, &piped, "none to pipeline"),
+    ] {
+        let save = dir.path().join(label.replace(' ', "-"));
+        train(&args(from, 2, 2, Some(&save), None)).expect("2-step run");
+        let resumed = train(&args(to, 2, 4, None, Some(&save))).expect("resumed run");
+        let whole = train(&args(to, 2, 4, None, None)).expect("uninterrupted run");
+        let steps: Vec<u64> = resumed.steps.iter().map(|r| r.step).collect();
+        assert_eq!(steps, [3, 4], "{label}: the resumed run takes steps 3 and 4 only");
+        for (r, w) in resumed.steps.iter().zip(&whole.steps[2..]) {
+            assert!(
+                (r.loss - w.loss).abs() <= 1e-5 * w.loss.abs(),
+                "{label}, step {}: resumed loss {} vs uninterrupted {}",
+                r.step,
+                r.loss,
+                w.loss
+            );
+            assert_eq!(r.lr, w.lr, "{label}, step {}: LR schedule position", r.step);
+        }
+    }
+}

@@ -72,6 +72,7 @@ fn sharded_output_with_index_and_renamed_keys() {
             .iter()
             .map(|r| NameMap::parse_rule(r).unwrap())
             .collect(),
+        tied: Vec::new(),
     };
     let c = Checkpoint::open(&dir, None).unwrap();
     let report = to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("to_fp32");

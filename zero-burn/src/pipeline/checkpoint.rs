@@ -1,6 +1,7 @@
 //! Saving and restoring a pipeline: one checkpoint of the whole model, in the project's sharded
-//! format, that `zero to-fp32` consolidates like any other and that a pipeline of the same cut
-//! (at any data-parallel size) resumes from bit for bit.
+//! format, that `zero to-fp32` consolidates like any other, that a pipeline of the same cut (at
+//! any data-parallel size) resumes from bit for bit, and that another cut, or a run without a
+//! pipeline, resumes too (the parameters matched by name: `CheckpointMeta::param_sources`).
 //!
 //! Every stage's layout is laid end to end into the whole model's layout (the stages' parameters
 //! carry the model's own names, see [`PipeLayer::param_name`]). The ranks of stage 0 write the
@@ -311,8 +312,8 @@ fn read_stage(
     rank: usize,
 ) -> Result<(CheckpointMeta, Vec<LoadedGroup>), CheckpointError> {
     let ckpt = Checkpoint::open(dir, tag)?;
-    ckpt.meta.check_model(&ckpt.meta_path(), &whole.params)?;
-    let plan = plan_rank(&ckpt.meta.layout, whole, rank);
+    let sources = ckpt.meta.param_sources(&ckpt.meta_path(), &whole.params)?;
+    let plan = plan_rank(&ckpt.meta.layout, whole, rank, Some(&sources));
     let mut readers = BTreeMap::new();
     for p in plan[mine.clone()].iter().flatten() {
         if let std::collections::btree_map::Entry::Vacant(slot) = readers.entry(p.file_rank) {

@@ -148,11 +148,12 @@ impl Checkpoint {
     }
 
     /// Reads `rank`'s owned slices of every group of `layout` (the caller's layout, at any world
-    /// size and grouping over the same parameters, which [`CheckpointMeta::check_model`]
-    /// checks). Only the needed shard files are opened, and of them only the needed chunks read.
+    /// size and grouping over the same parameters, or another layout of the same model, which
+    /// [`CheckpointMeta::param_sources`] matches). Only the needed shard files are opened, and of
+    /// them only the needed chunks read.
     pub fn read_rank(&self, layout: &PartitionLayout, rank: usize) -> Result<Vec<LoadedGroup>, CheckpointError> {
-        self.meta.check_model(&self.meta_path(), &layout.params)?;
-        let plan = plan_rank(&self.meta.layout, layout, rank);
+        let sources = self.meta.param_sources(&self.meta_path(), &layout.params)?;
+        let plan = plan_rank(&self.meta.layout, layout, rank, Some(&sources));
         // Open (length, header, tensor list) every needed file before reading any value.
         let mut readers: BTreeMap<usize, ShardReader> = BTreeMap::new();
         for p in plan.iter().flatten() {

@@ -36,11 +36,17 @@ pub const INTERNAL_NAMING: &str = "internal";
 /// HuggingFace `GPT2LMHeadModel` keys ([`NameMap::gpt2_huggingface`]).
 pub const GPT2_HF_NAMING: &str = "gpt2-hf";
 
-/// Ordered renaming rules (empty: names unchanged).
+/// Ordered renaming rules (empty: names unchanged), and the tied copies a model's layouts may
+/// hold under names of their own.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NameMap {
     /// The rules, applied in order.
     pub rules: Vec<NameRule>,
+    /// `(copy, of)` prefixes: a parameter named `{copy}{rest}` is a tied copy of `{of}{rest}`
+    /// (GPT-2's pipeline head holds `lm_head.weight`, a copy of `wte.weight`). An export
+    /// leaves copies to the rules (usually dropped); [`NameMap::canonical`] names a copy as its
+    /// original, so that checkpoints of different layouts of one model match.
+    pub tied: Vec<(String, String)>,
 }
 
 impl NameMap {
@@ -73,9 +79,10 @@ impl NameMap {
     pub fn gpt2_huggingface() -> Self {
         let rule = |s: &str| Self::parse_rule(s).unwrap_or(NameRule::Drop(String::new()));
         NameMap {
+            // A pipeline's head holds a copy of the tied `wte` under this name; HuggingFace
+            // ties the head to `transformer.wte.weight` and stores no copy.
+            tied: vec![("lm_head.".into(), "wte.".into())],
             rules: vec![
-                // A pipeline's head holds a copy of the tied `wte` under this name; HuggingFace
-                // ties the head to `transformer.wte.weight` and stores no copy.
                 rule("!lm_head."),
                 rule("ends.=transformer."),
                 rule("embed.=transformer."),
@@ -97,6 +104,18 @@ impl NameMap {
             GPT2_HF_NAMING => Ok(NameMap::gpt2_huggingface()),
             other => Err(format!("unknown naming `{other}` (known: {})", NAMINGS.join(", "))),
         }
+    }
+
+    /// The name `name` has in the exported model, a tied copy named as its original: equal
+    /// for the same parameter in any layout of the model (`embed.wte.weight` of the sharded
+    /// GPT-2, `wte.weight` and its copy `lm_head.weight` of the pipelined one). `None` when the
+    /// rules drop it.
+    pub fn canonical(&self, name: &str) -> Option<String> {
+        let original = self
+            .tied
+            .iter()
+            .find_map(|(copy, of)| name.strip_prefix(copy.as_str()).map(|rest| format!("{of}{rest}")));
+        self.apply(original.as_deref().unwrap_or(name))
     }
 
     /// The new name of `name`, or `None` when a rule drops it.
@@ -146,8 +165,14 @@ mod tests {
         // ShardedGpt2's names.
         assert_eq!(m.apply("embed.wpe.weight").as_deref(), Some("transformer.wpe.weight"));
         assert_eq!(m.apply("ln_f.gamma").as_deref(), Some("transformer.ln_f.weight"));
-        // A pipeline head's copy of the tied embedding.
+        // A pipeline head's copy of the tied embedding: left out of an export, named as the
+        // embedding when layouts are matched.
         assert_eq!(m.apply("lm_head.weight"), None);
+        assert_eq!(m.canonical("lm_head.weight").as_deref(), Some("transformer.wte.weight"));
+        assert_eq!(
+            m.canonical("embed.wte.weight").as_deref(),
+            Some("transformer.wte.weight")
+        );
     }
 
     #[test]
@@ -165,6 +190,7 @@ mod tests {
                 .iter()
                 .map(|r| NameMap::parse_rule(r).unwrap())
                 .collect(),
+            tied: Vec::new(),
         };
         assert_eq!(m.apply("model.body.w").as_deref(), Some("body.weight"));
         assert_eq!(m.apply("model.head.w"), None);

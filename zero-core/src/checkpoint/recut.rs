@@ -34,7 +34,8 @@ pub fn recut(
     }
     let rank = comm.rank();
     let old = &meta.layout;
-    let plan = plan_rank(old, layout, rank);
+    let sources = meta.param_sources(Path::new(what), &layout.params)?;
+    let plan = plan_rank(old, layout, rank, Some(&sources));
     let names = &meta.optimizer.state_names;
     let mut out: Vec<LoadedGroup> = (0..layout.groups.len())
         .map(|g| {
@@ -98,7 +99,7 @@ fn check(
             comm.rank()
         )));
     }
-    meta.check_model(Path::new(what), &layout.params)?;
+    meta.param_sources(Path::new(what), &layout.params)?;
     if mine.len() != meta.layout.groups.len() {
         return Err(CheckpointError::Usage(format!(
             "{what} holds {} groups where its layout has {}",

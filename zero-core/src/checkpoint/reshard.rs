@@ -66,15 +66,28 @@ pub fn param_sources(
 }
 
 /// For every group of the `new` layout, the pieces that fill `rank`'s owned slice of it
-/// (padding is left out: it stays zero). Parameters are matched by index: the caller has
-/// checked that both layouts list the same parameters.
-pub fn plan_rank(old: &PartitionLayout, new: &PartitionLayout, rank: usize) -> Vec<Vec<Piece>> {
+/// (padding is left out: it stays zero). `sources[p]` is the `old` parameter that the `new`
+/// parameter `p` is read from ([`CheckpointMeta::param_sources`](super::CheckpointMeta::param_sources),
+/// which checks the shapes); `None`: the same index.
+pub fn plan_rank(
+    old: &PartitionLayout,
+    new: &PartitionLayout,
+    rank: usize,
+    sources: Option<&[usize]>,
+) -> Vec<Vec<Piece>> {
     let old_places = old.places();
+    let source = |p: usize| sources.and_then(|s| s.get(p).copied()).unwrap_or(p);
     (0..new.groups.len())
         .map(|g| {
             let mut pieces: Vec<Piece> = Vec::new();
             for seg in new.segments(g, rank) {
-                for piece in param_sources(old, &old_places, seg.param, seg.in_param.clone(), seg.local.start) {
+                for piece in param_sources(
+                    old,
+                    &old_places,
+                    source(seg.param),
+                    seg.in_param.clone(),
+                    seg.local.start,
+                ) {
                     // Consecutive parameters usually stay consecutive: one read instead of many.
                     match pieces.last_mut() {
                         Some(last)
@@ -146,7 +159,7 @@ mod tests {
                 let new = layout(new_world, 40, Placement::Sharded);
                 let shards = old_shards(&old);
                 for rank in 0..new_world {
-                    let plan = plan_rank(&old, &new, rank);
+                    let plan = plan_rank(&old, &new, rank, None);
                     for (g, pieces) in plan.iter().enumerate() {
                         let mut got = vec![0.0f32; new.owned_len(g)];
                         for p in pieces {
@@ -171,7 +184,7 @@ mod tests {
     #[test]
     fn same_layout_reads_each_group_in_one_piece() {
         let l = layout(2, 1000, Placement::Sharded);
-        let plan = plan_rank(&l, &l, 1);
+        let plan = plan_rank(&l, &l, 1, None);
         assert_eq!(plan.len(), 1);
         assert_eq!(plan[0].len(), 1, "a contiguous slice must be one read: {:?}", plan[0]);
         assert_eq!(plan[0][0].file_rank, 1);
