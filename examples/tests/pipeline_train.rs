@@ -42,15 +42,7 @@ fn run_against_pytorch_with(stages: usize, tensor: usize, nproc: usize, zero_sta
 /// Trains `config` on `nproc` ranks and compares each step's loss and gradient norm with the
 /// PyTorch reference.
 fn check_against_pytorch(config: &std::path::Path, nproc: usize, label: &str) {
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
-            .expect("json");
-    let losses: Vec<f64> = serde_json::from_value(reference["losses"].clone()).expect("losses");
-    let norms: Vec<f64> = serde_json::from_value(reference["grad_norms"].clone()).expect("norms");
-    let args = fixture_args(config, losses.len() as u64, nproc);
-    let summary = train(&args).expect("training runs");
-    assert_eq!(summary.world_size, nproc);
-    assert_eq!(summary.steps.len(), losses.len());
+    let summary = train_reference_steps(config, nproc);
     // Every rank reports its memory, and each holds only part of the model's parameters.
     let parameters: Vec<usize> = summary.steps[0].memory.iter().map(|m| m.parameters.current).collect();
     assert_eq!(parameters.len(), nproc);
@@ -60,6 +52,32 @@ fn check_against_pytorch(config: &std::path::Path, nproc: usize, label: &str) {
         "{parameters:?} bytes per rank of a {}-parameter model",
         summary.parameters
     );
+    assert_follows_pytorch(&summary, label);
+}
+
+/// Trains `config` on `nproc` ranks for as many steps as the PyTorch reference has.
+fn train_reference_steps(config: &std::path::Path, nproc: usize) -> zero_examples::gpt2::TrainSummary {
+    let args = fixture_args(config, reference().0.len() as u64, nproc);
+    let summary = train(&args).expect("training runs");
+    assert_eq!(summary.world_size, nproc);
+    summary
+}
+
+/// The PyTorch reference's losses and gradient norms, step by step.
+fn reference() -> (Vec<f64>, Vec<f64>) {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_reference.json")).expect("fixture"))
+            .expect("json");
+    (
+        serde_json::from_value(reference["losses"].clone()).expect("losses"),
+        serde_json::from_value(reference["grad_norms"].clone()).expect("norms"),
+    )
+}
+
+/// Each step's loss and gradient norm against the PyTorch reference.
+fn assert_follows_pytorch(summary: &zero_examples::gpt2::TrainSummary, label: &str) {
+    let (losses, norms) = reference();
+    assert_eq!(summary.steps.len(), losses.len());
     for (record, (&want_loss, &want_norm)) in summary.steps.iter().zip(losses.iter().zip(&norms)) {
         let loss_err = (record.loss - want_loss).abs() / want_loss.abs();
         let norm_err = (record.grad_norm - want_norm).abs() / want_norm.abs();
@@ -250,5 +268,28 @@ fn a_tensor_parallel_runs_memory_is_what_zero_estimate_predicts() {
                 "rank {rank}, {what}: the run holds {got} bytes, zero estimate says {want}"
             );
         }
+    }
+}
+
+/// NVMe-offloaded optimizer state on ranks that share a data-parallel index (two pipeline
+/// stages, two tensor ranks: data rank 0 each), all threads of one process writing to one
+/// `nvme_path`: each keeps a swap file of its own, and the run follows PyTorch as the
+/// in-memory one does. (They once shared one file, each truncating and overwriting the
+/// other's state: the pipeline's held-out loss went NaN, the tensor-parallel run trained to
+/// another loss, silently.)
+#[test]
+fn nvme_offload_on_ranks_sharing_a_data_index_follows_pytorch() {
+    for (stages, tensor) in [(2, 1), (1, 2)] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = pipelined_config(dir.path(), stages, tensor, 2, 1);
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+        config["zero_optimization"]["offload_optimizer"] =
+            serde_json::json!({ "device": "nvme", "nvme_path": dir.path().join("nvme") });
+        std::fs::write(&path, config.to_string()).expect("write config");
+        let summary = train_reference_steps(&path, 2);
+        assert_follows_pytorch(&summary, &format!("PP {stages} × TP {tensor}, NVMe offload"));
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("nvme")).expect("nvme dir").collect();
+        assert!(left.is_empty(), "the swap files are removed at the end: {left:?}");
     }
 }

@@ -166,6 +166,18 @@ impl EngineCore {
         meta: checkpoint::CheckpointMeta,
         groups: Vec<LoadedGroup>,
     ) -> Result<serde_json::Value, ZeroError> {
+        let comm = self.comm.clone();
+        self.load_groups_over(meta, groups, comm.as_ref())
+    }
+
+    /// [`EngineCore::load_groups`], the state replaced only when every rank of `over` succeeded
+    /// (a pipeline's whole world, whose stages are engines of their own).
+    pub(crate) fn load_groups_over(
+        &mut self,
+        meta: checkpoint::CheckpointMeta,
+        groups: Vec<LoadedGroup>,
+        over: &dyn ProcessGroup,
+    ) -> Result<serde_json::Value, ZeroError> {
         self.require_boundary("load")?;
         let rank = self.comm.rank();
         let factory = OptimizerFactory {
@@ -222,7 +234,7 @@ impl EngineCore {
             }
             Ok(optimizers)
         })();
-        let optimizers = all_ranks_or_none(self.comm.as_ref(), rebuilt)?;
+        let optimizers = all_ranks_or_none(over, rebuilt)?;
         for (gi, (loaded, (optimizer, order))) in groups.into_iter().zip(optimizers).enumerate() {
             let state = match order {
                 None => None,

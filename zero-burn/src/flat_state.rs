@@ -115,7 +115,7 @@ impl FlatState {
                 chunk_elements,
                 threads,
             } => {
-                let file = SwapFile::create(path, &format!("zero_optimizer_rank{rank}.swap"))?;
+                let file = SwapFile::create(path, &format!("zero_optimizer_rank{rank}"))?;
                 (
                     Some(*threads),
                     Some((file, (*buffer_count).max(1), (*chunk_elements).max(1))),

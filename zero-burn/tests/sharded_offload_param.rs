@@ -202,7 +202,7 @@ fn the_shards_are_in_the_file_while_the_model_holds_placeholders() {
                 .find(|e| {
                     e.file_name()
                         .to_string_lossy()
-                        .starts_with(&format!("zero_params_rank{rank}_"))
+                        .starts_with(&format!("zero_params_rank{rank}-"))
                 })
                 .expect("this rank's parameter file");
             let len = file.metadata().expect("metadata").len() as usize;

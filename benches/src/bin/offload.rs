@@ -72,7 +72,7 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let width = 3; // master, exp_avg, exp_avg_sq
     let region = SwapRegion::new(0, a.params, width, a.chunk);
     let bytes = region.elements() as f64 * 4.0;
-    let file = SwapFile::create(&a.dir, "bench.swap")?;
+    let file = SwapFile::create(&a.dir, "bench")?;
     println!(
         "{} parameters, file {:.2} GB, chunks of {} elements × {width} buffers, {} host buffers, dir {}",
         a.params,

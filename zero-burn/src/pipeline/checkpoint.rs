@@ -17,12 +17,12 @@
 //! With tensor parallelism inside the stages, each tensor rank holds other slices under the
 //! same names: the ranks of tensor index `t` save and load as above under `tensor_rank_{t}` of
 //! the directory, recording how each parameter is cut, as a tensor-parallel run without a
-//! pipeline does; `zero to-fp32` merges the slices. Not yet: state offloaded to NVMe (refused).
+//! pipeline does; `zero to-fp32` merges the slices. State offloaded to NVMe is read from and
+//! written to the swap files, as an engine without a pipeline does.
 
 use super::engine::PipelineEngine;
 use super::layer::PipeLayer;
 use crate::error::ZeroError;
-use crate::optimizer_bridge::OptimizerFactory;
 use burn::tensor::backend::AutodiffBackend;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -86,9 +86,28 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 .map(|g| whole.layout.owned_len(g) * (1 + names.len()))
                 .sum()
         };
+        // State offloaded to NVMe is read back from the swap file (master, then the buffers in
+        // the optimizer's order); every rank learns whether every rank could.
+        let swapped = (0..self.core.state.groups.len())
+            .map(|j| self.core.state.read_swapped_group(j))
+            .collect::<Result<Vec<_>, ZeroError>>()
+            .map_err(|e| CheckpointError::Usage(format!("stage {}: {e}", self.stage)));
+        let swapped = agree(self.world.as_ref(), "save", swapped)?;
         let mut own = Vec::with_capacity(held_len(self.stage));
         for (j, g) in self.core.state.groups.iter().enumerate() {
             if !shard_holds(&self.core.state.layout, j, data_rank) {
+                continue;
+            }
+            if let Some(buffers) = &swapped[j] {
+                if buffers.len() != 1 + names.len() {
+                    return Err(ZeroError::Optimizer(format!(
+                        "stage {}: group {j}'s swap file holds {} buffers, the optimizer has {}",
+                        self.stage,
+                        buffers.len().saturating_sub(1),
+                        names.len()
+                    )));
+                }
+                buffers.iter().for_each(|b| own.extend_from_slice(b));
                 continue;
             }
             own.extend_from_slice(&g.master);
@@ -199,57 +218,11 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
         let read = read_stage(&self.own_dir(dir), tag, &whole.layout, mine.clone(), data_rank);
         let read = agree(self.world.as_ref(), "load", read);
         let (meta, loaded) = read?;
-
-        let factory = OptimizerFactory {
-            spec: self.core.settings.optimizer.clone(),
-        };
-        let rebuilt = (|| {
-            let mut optimizers = Vec::with_capacity(loaded.len());
-            for (j, g) in loaded.iter().enumerate() {
-                let mut opt = factory.build(&self.core.state.layout, j, data_rank)?;
-                if opt.inner.name() != meta.optimizer.name {
-                    return Err(ZeroError::Config(format!(
-                        "the checkpoint's optimizer is `{}` but the engine's is `{}`",
-                        meta.optimizer.name,
-                        opt.inner.name()
-                    )));
-                }
-                let buffers: Vec<(&str, &[f32])> = g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
-                opt.inner.load_state(meta.optimizer.step, &buffers).map_err(|e| {
-                    ZeroError::Optimizer(format!(
-                        "stage {}: restoring group {j} from the checkpoint `{}`: {e}",
-                        self.stage, meta.tag
-                    ))
-                })?;
-                optimizers.push(opt);
-            }
-            Ok(optimizers)
-        })();
-        let agreed = agree(
-            self.world.as_ref(),
-            "load",
-            rebuilt
-                .as_ref()
-                .map(|_| ())
-                .map_err(|e| CheckpointError::Usage(e.to_string())),
-        );
-        let optimizers = match (rebuilt, agreed) {
-            (Ok(o), Ok(())) => o,
-            (Err(e), _) => return Err(e),
-            (Ok(_), Err(e)) => return Err(e.into()),
-        };
-        for (j, (group, optimizer)) in loaded.into_iter().zip(optimizers).enumerate() {
-            self.core.state.restore_group(j, group.master, optimizer, None)?;
-        }
-        self.core.state.reset_accumulators();
-        self.core.micro_steps = 0;
-        self.core.global_step = meta.global_step;
-        self.core.skipped_steps = meta.skipped_steps;
-        if let (Some(scaler), Some(state)) = (self.core.scaler.as_mut(), meta.loss_scaler) {
-            scaler.load_state(state);
-        }
+        // The optimizers are rebuilt (into the swap file, with NVMe offload) and the state
+        // replaced only when every rank of every stage succeeded.
+        let client_state = self.core.load_groups_over(meta, loaded, self.world.as_ref())?;
         self.refresh_layers()?;
-        Ok(meta.client_state)
+        Ok(client_state)
     }
 
     /// Whether this rank can take part in a save or load, agreed over the world so that every
@@ -259,10 +232,6 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             Err(format!(
                 "{what} in the middle of a step ({} micro-batches absorbed): call it between train_batch calls",
                 self.core.micro_steps
-            ))
-        } else if self.core.state.swapped() {
-            Err(format!(
-                "{what} of a pipeline with its state offloaded to NVMe is not supported yet"
             ))
         } else {
             Ok(())

@@ -176,12 +176,9 @@ impl Stash {
         let place = match &self.place {
             ParamPlace::Nvme { path, .. } if self.host_left < len => {
                 if self.file.is_none() {
-                    // One file per process and rank; several cuts in one process (tests, two
-                    // models) each get their own.
-                    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let name = format!("zero_params_rank{}_{}_{n}.swp", self.rank, std::process::id());
-                    let file = SwapFile::create(path, &name)
+                    // A file of its own (SwapFile names each uniquely): several cuts in one
+                    // process (tests, two models, tensor ranks) never share one.
+                    let file = SwapFile::create(path, &format!("zero_params_rank{}", self.rank))
                         .map_err(|e| ZeroError::Config(format!("zero_optimization.offload_param.nvme_path: {e}")))?;
                     self.file = Some((Arc::new(file), 0));
                 }

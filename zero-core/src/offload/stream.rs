@@ -157,7 +157,7 @@ mod tests {
 
     fn scratch(name: &str) -> (std::path::PathBuf, SwapFile) {
         let dir = std::env::temp_dir().join(format!("zero-stream-unit-{}-{name}", std::process::id()));
-        let file = SwapFile::create(&dir, "s.swap").expect("create");
+        let file = SwapFile::create(&dir, "s").expect("create");
         (dir, file)
     }
 

@@ -5,6 +5,7 @@ use crate::comm::{DType, FlatBuffer};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A scratch file of f32 elements. Reads and writes are positional, so several threads may use
 /// one file at once on disjoint ranges. The file is deleted when the value is dropped: it holds
@@ -16,9 +17,14 @@ pub struct SwapFile {
 }
 
 impl SwapFile {
-    /// Creates (or truncates) `dir/name`, creating `dir` if needed.
-    pub fn create(dir: &Path, name: &str) -> Result<Self, OffloadError> {
-        let path = dir.join(name);
+    /// Creates a new file in `dir` (creating `dir` if needed), named `{stem}-{process}-{n}.swap`
+    /// with a number no other swap file of this process has: ranks that share a data-parallel
+    /// index (pipeline stages, tensor ranks, threads of one process) and jobs that share a
+    /// directory each get their own file, and none replaces a file that is there.
+    pub fn create(dir: &Path, stem: &str) -> Result<Self, OffloadError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{stem}-{}-{n}.swap", std::process::id()));
         let io = |source| OffloadError::Io {
             op: "create",
             path: path.clone(),
@@ -29,8 +35,7 @@ impl SwapFile {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .open(&path)
             .map_err(io)?;
         Ok(SwapFile { file, path })
@@ -210,10 +215,28 @@ impl Drop for SwapFile {
 mod tests {
     use super::*;
 
+    /// Two engines of one rank index in one directory (pipeline stages, tensor ranks) each get
+    /// a file of their own: one's writes never reach the other's reads.
+    #[test]
+    fn files_of_one_stem_are_distinct() {
+        let dir = std::env::temp_dir().join(format!("zero-swap-stem-{}", std::process::id()));
+        let a = SwapFile::create(&dir, "zero_optimizer_rank0").expect("create a");
+        let b = SwapFile::create(&dir, "zero_optimizer_rank0").expect("create b");
+        assert_ne!(a.path(), b.path());
+        let region = SwapRegion::new(0, 4, 1, 4);
+        a.write_region(&region, &[&[1.0, 2.0, 3.0, 4.0]]).expect("write a");
+        b.write_region(&region, &[&[-1.0, -2.0, -3.0, -4.0]]).expect("write b");
+        assert_eq!(a.read_region(&region).expect("read a"), vec![vec![1.0, 2.0, 3.0, 4.0]]);
+        let (pa, pb) = (a.path().to_path_buf(), b.path().to_path_buf());
+        drop((a, b));
+        assert!(!pa.exists() && !pb.exists(), "removed when dropped");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn region_round_trips_through_the_file() {
         let dir = std::env::temp_dir().join(format!("zero-swap-unit-{}", std::process::id()));
-        let file = SwapFile::create(&dir, "rt.swap").expect("create");
+        let file = SwapFile::create(&dir, "rt").expect("create");
         let a: Vec<f32> = (0..11).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..11).map(|i| -(i as f32) * 0.5).collect();
         let region = SwapRegion::new(7, 11, 2, 4);
