@@ -10,7 +10,7 @@ use zero_core::comm::ReduceOp;
 /// Mean cross-entropy of `logits` `[rows, local]` (this rank's columns, which start at token id
 /// `vocab_start`) against `targets` `[rows]`, leaving out targets equal to [`IGNORE_INDEX`] and
 /// the columns of ids at or past `vocab` (a padded vocabulary's). Every rank returns the same
-/// loss, shape `[1]`.
+/// loss, shape `[1]`, in f32 whatever the logits' dtype.
 ///
 /// Per row: the maximum over the whole vocabulary is all-reduced first (a constant for the
 /// gradient, as the loss does not depend on it), then the sum of `exp(z - max)` and the target's
@@ -24,6 +24,10 @@ pub fn vocab_parallel_cross_entropy<B: TpBackend>(
     vocab: usize,
     group: &TpGroup,
 ) -> Tensor<B, 1> {
+    // In f32 whatever the logits' dtype, as the whole model's loss (and HuggingFace's) is: a
+    // bf16 or fp16 sum over the vocabulary would round the loss to a few digits and skew its
+    // gradient.
+    let logits = logits.cast(burn::tensor::DType::F32);
     let [rows, local_vocab] = logits.dims();
     // The columns of real tokens: all of them unless the vocabulary was padded into this rank.
     let real = vocab.saturating_sub(vocab_start).min(local_vocab);
@@ -55,7 +59,7 @@ pub fn vocab_parallel_cross_entropy<B: TpBackend>(
         .lower_elem(start)
         .bool_or(targets.clone().greater_equal_elem(end));
     let local = targets.clone().sub_scalar(start).mask_fill(outside.clone(), 0);
-    // Masks in the logits' dtype (bf16, fp16 training), not the backend's default float.
+    // Masks in f32, not the backend's default float (a 16-bit run may make that its own).
     let dtype = shifted.dtype();
     let picked = shifted.gather(1, local.unsqueeze_dim(1)) * outside.bool_not().float().cast(dtype).unsqueeze_dim(1);
     let target_logit = reduce_from_tp(picked, group);
