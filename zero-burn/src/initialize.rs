@@ -17,7 +17,7 @@ use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext,
+    AllreduceOp, CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext,
     ResolvedConfig, SchedulerConfig,
 };
 use zero_core::loss_scaler::LossScalerConfig;
@@ -64,6 +64,13 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     let offload_optimizer = optimizer_offload(config)?;
     let offload_param = param_offload(config, stage)?;
     let optimizer = optimizer_spec(config.optimizer.as_ref())?;
+    if config.gradient_allreduce_op == AllreduceOp::Sum {
+        return Err(ZeroError::Config(
+            "gradient_allreduce_op \"sum\": gradients are averaged over the data-parallel ranks here (\"mean\", \
+             DeepSpeed's default), never summed; remove the key or set it to \"mean\""
+                .into(),
+        ));
+    }
     let lr_schedule = match &config.scheduler {
         None => None,
         Some(s) => Some(lr_schedule(s, optimizer.lr())?),
@@ -284,8 +291,10 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
 /// (NCCL on CUDA).
 ///
 /// ```ignore
-/// let config = DeepSpeedConfig::from_file("ds_config.json")?.config;
-/// let (mut model, mut optim) = zero_burn::initialize(&config, model, group)?;
+/// let parsed = DeepSpeedConfig::from_file("ds_config.json")?;
+/// // What the file asks for that is read differently or not done here, and what happens instead.
+/// parsed.warnings.iter().for_each(|w| eprintln!("warning: {w}"));
+/// let (mut model, mut optim) = zero_burn::initialize(&parsed.config, model, group)?;
 /// let mut lr = optim.lr_scheduler();
 /// for batch in batches {
 ///     let loss = model.forward(batch);

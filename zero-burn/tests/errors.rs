@@ -119,3 +119,18 @@ fn sixteen_bit_masters_are_refused_not_ignored() {
         assert!(err.to_string().contains(key), "{err}");
     }
 }
+
+/// Gradients are averaged over the ranks: a config asking for their sum is refused, not trained
+/// with the mean.
+#[test]
+fn summed_gradients_are_refused_not_averaged() {
+    let text = r#"{"train_micro_batch_size_per_gpu": 2, "gradient_allreduce_op": "sum",
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}"#;
+    let resolved = zero_burn::resolve(&config(text), 2, &Default::default()).expect("resolves");
+    let err = zero_burn::engine_settings(&resolved).expect_err("must be refused");
+    assert!(matches!(err, ZeroError::Config(_)));
+    assert!(err.to_string().contains("gradient_allreduce_op"), "{err}");
+    let mean = text.replace("\"sum\"", "\"mean\"");
+    let resolved = zero_burn::resolve(&config(&mean), 2, &Default::default()).expect("resolves");
+    zero_burn::engine_settings(&resolved).expect("the mean is what the engine does");
+}

@@ -14,6 +14,9 @@
 //!   anywhere else, a JSON error with its line and column.
 //! - Unknown keys: an error inside `zero_optimization` (and its offload sections) and in an
 //!   optimizer's or scheduler's `params`, as in DeepSpeed; a warning elsewhere.
+//! - Read, not acted on: a feature DeepSpeed has and this project does not (ZeRO++ quantization,
+//!   MiCS, Apex AMP, progressive layer drop, ...), set in the file, is a warning that says what
+//!   happens instead; DeepSpeed's own tuning knobs that change no result are named together in one.
 //! - "auto": the batch triad is derived; `reduce_bucket_size`, `stage3_prefetch_bucket_size`
 //!   and `stage3_param_persistence_threshold` follow from the hidden size; the values
 //!   HuggingFace's Trainer fills (optimizer and scheduler params, `gradient_clipping`,
@@ -48,6 +51,7 @@ mod resolved;
 mod scheduler;
 mod sections;
 mod text;
+mod unacted;
 mod zero;
 
 pub use auto::{Auto, Overrides};
@@ -160,6 +164,7 @@ impl DeepSpeedConfig {
         cx.text = text;
         cx.warn = true;
         let (draft, batch) = resolved::build(&raw, &mut cx, None)?;
+        cx.warnings.extend(unacted::notices(&draft));
         let auto_keys = cx.deferred.into_iter().filter(|d| d.key != "world_size").collect();
         Ok(Parsed {
             config: DeepSpeedConfig {
