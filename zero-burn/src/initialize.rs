@@ -357,11 +357,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
     let plan = UnitPlan {
         min_numel: settings.param_persistence_threshold,
         keep_gathered: settings.stage == Stage::Zero2,
-        prefetch: if settings.overlap_comm && stage3 {
-            settings.prefetch_bucket_size.min(settings.max_live_parameters)
-        } else {
-            0
-        },
+        prefetch: settings.prefetch_budget(),
         grad_dtype: settings.precision.communication_dtype.map(ComputeDtype::burn),
         offload_param: match &settings.offload_param {
             ParamOffload::None => None,

@@ -275,6 +275,16 @@ impl std::fmt::Debug for EngineSettings {
 }
 
 impl EngineSettings {
+    /// Stage 3 with `overlap_comm`: the elements of whole units that may be gathered ahead of
+    /// their use, `prefetch_bucket_size` cut to `max_live_parameters`; 0 otherwise (no prefetch).
+    pub fn prefetch_budget(&self) -> usize {
+        if self.overlap_comm && self.stage == Stage::Zero3 {
+            self.prefetch_bucket_size.min(self.max_live_parameters)
+        } else {
+            0
+        }
+    }
+
     /// Settings for `stage` with DeepSpeed's defaults and the given optimizer.
     pub fn new(stage: Stage, optimizer: OptimizerSpec) -> Self {
         EngineSettings {

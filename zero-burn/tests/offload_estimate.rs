@@ -208,3 +208,24 @@ fn estimate_matches_the_memory_report_with_the_parameters_on_nvme() {
         assert_eq!(l.parameters.host, 0, "{label}: no copy of the shards in host memory");
     }
 }
+
+/// With prefetching, the gathered bound is the prefetch rule's for the budget the schedule
+/// runs with: `stage3_prefetch_bucket_size` cut to `stage3_max_live_parameters`. Reference:
+/// `gathered_with_prefetch` (the rule `zero estimate` prints) of the padded units for that
+/// budget, one block here, not the ten the bucket alone would allow.
+#[test]
+fn the_prefetch_bound_is_cut_to_the_live_parameters() {
+    let world = 2;
+    let mut s = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
+    s.precision = PrecisionSettings::bf16();
+    s.param_persistence_threshold = 0;
+    s.overlap_comm = true;
+    s.prefetch_bucket_size = 10 * BLOCK_ELEMENTS;
+    s.max_live_parameters = BLOCK_ELEMENTS;
+    let r = unit_net_report(&s, world, BLOCKS);
+    let unit = (shard_len(BLOCK_ELEMENTS, world) * world * 2) as u64;
+    let want = zero_core::estimate::gathered_with_prefetch(&vec![unit; BLOCKS], (BLOCK_ELEMENTS * 2) as u64);
+    assert_eq!(r.gathered.current as u64, want);
+    let uncut = zero_core::estimate::gathered_with_prefetch(&vec![unit; BLOCKS], (10 * BLOCK_ELEMENTS * 2) as u64);
+    assert!(uncut > want, "the cut must matter here: {uncut} vs {want}");
+}

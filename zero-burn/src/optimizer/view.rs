@@ -306,8 +306,8 @@ impl ModuleView {
             memory.add_parameters(all);
         } else if keeps_gathered {
             memory.add_gathered(all);
-        } else if settings.overlap_comm && settings.prefetch_bucket_size > 0 && world > 1 {
-            let budget = settings.prefetch_bucket_size.saturating_mul(dtype.size());
+        } else if settings.prefetch_budget() > 0 && world > 1 {
+            let budget = settings.prefetch_budget().saturating_mul(dtype.size());
             // zero estimate's rule, in bytes.
             let units: Vec<u64> = gathers.iter().map(|&b| b as u64).collect();
             let most = zero_core::estimate::gathered_with_prefetch(&units, budget as u64);
