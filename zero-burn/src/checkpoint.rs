@@ -31,6 +31,10 @@ use zero_core::checkpoint::{
 };
 use zero_core::comm::ProcessGroup;
 
+/// Each group's master and optimizer buffers read back from the swap file for a save (`None`
+/// for a group whose state is in memory): [`EngineCore::saved_state`].
+pub(crate) struct SavedState(Vec<Option<Vec<Vec<f32>>>>);
+
 /// What a rank rebuilt from a loaded checkpoint, once every rank knows that every rank
 /// succeeded (so that all ranks replace their state, or none does); otherwise this rank's
 /// error, or the error naming the rank that failed.
@@ -87,49 +91,56 @@ impl EngineCore {
         })
     }
 
-    /// `f` of what a save of this state is: the layout, each group's owned slices (read back
-    /// from the swap file with NVMe offload; every rank learns whether every rank could) and the
-    /// scalar state.
+    /// The state a save writes, with NVMe offload read back from the swap file chunk by chunk,
+    /// group by group (the checkpoint is the same as an in-memory engine's). Every rank of
+    /// `over` learns whether every rank could before any rank writes; `who` names this rank in
+    /// the error (`rank 3`, `stage 1`).
+    pub(crate) fn saved_state(&self, over: &dyn ProcessGroup, who: &str) -> Result<SavedState, ZeroError> {
+        let swapped = (0..self.state.groups.len())
+            .map(|gi| self.state.read_swapped_group(gi))
+            .collect::<Result<Vec<_>, ZeroError>>()
+            .map_err(|e| CheckpointError::Usage(format!("{who}: {e}")));
+        Ok(SavedState(agree(over, "save", swapped)?))
+    }
+
+    /// Group `gi`'s owned master and optimizer buffers, by name: read back in `saved` (NVMe
+    /// offload), else those in memory.
+    pub(crate) fn group_shard<'a>(&'a self, saved: &'a SavedState, gi: usize) -> Result<GroupShard<'a>, ZeroError> {
+        let g = &self.state.groups[gi];
+        let names = g.optimizer.inner.state().into_iter().map(|(name, _)| name);
+        Ok(match &saved.0[gi] {
+            None => GroupShard {
+                master: &g.master,
+                state: g.optimizer.inner.state(),
+            },
+            Some(buffers) => {
+                if buffers.len() != 1 + names.len() {
+                    return Err(ZeroError::Optimizer(format!(
+                        "group {gi}'s swap file holds {} buffers, the optimizer has {}",
+                        buffers.len().saturating_sub(1),
+                        names.len()
+                    )));
+                }
+                GroupShard {
+                    master: &buffers[0],
+                    state: names.zip(buffers[1..].iter().map(Vec::as_slice)).collect(),
+                }
+            }
+        })
+    }
+
+    /// `f` of what a save of this state is: the layout, each group's owned slices
+    /// ([`EngineCore::saved_state`]) and the scalar state.
     fn with_request<R>(
         &self,
         client_state: &serde_json::Value,
         f: impl FnOnce(&SaveRequest<'_>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
-        // Swapped state (NVMe offload) is read back from the swap file, chunk by chunk, group
-        // by group; the checkpoint is the same as an in-memory engine's.
-        let swapped = (0..self.state.groups.len())
-            .map(|gi| self.state.read_swapped_group(gi))
-            .collect::<Result<Vec<_>, ZeroError>>();
-        // Every rank learns whether every swap file could be read before any rank writes.
-        let swapped = agree(
-            self.comm.as_ref(),
-            "save",
-            swapped.map_err(|e| CheckpointError::Usage(format!("rank {}: {e}", self.comm.rank()))),
-        )?;
-        let groups = self
-            .state
-            .groups
-            .iter()
-            .zip(&swapped)
-            .map(|(g, read)| match read {
-                None => GroupShard {
-                    master: &g.master,
-                    state: g.optimizer.inner.state(),
-                },
-                Some(buffers) => GroupShard {
-                    master: &buffers[0],
-                    state: g
-                        .optimizer
-                        .inner
-                        .state()
-                        .iter()
-                        .map(|(name, _)| *name)
-                        .zip(buffers[1..].iter().map(Vec::as_slice))
-                        .collect(),
-                },
-            })
-            .collect();
+        let saved = self.saved_state(self.comm.as_ref(), &format!("rank {}", self.comm.rank()))?;
+        let groups = (0..self.state.groups.len())
+            .map(|gi| self.group_shard(&saved, gi))
+            .collect::<Result<Vec<_>, ZeroError>>()?;
         let request = SaveRequest {
             layout: &self.state.layout,
             groups,

@@ -86,41 +86,27 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 .map(|g| whole.layout.owned_len(g) * (1 + names.len()))
                 .sum()
         };
-        // State offloaded to NVMe is read back from the swap file (master, then the buffers in
-        // the optimizer's order); every rank learns whether every rank could.
-        let swapped = (0..self.core.state.groups.len())
-            .map(|j| self.core.state.read_swapped_group(j))
-            .collect::<Result<Vec<_>, ZeroError>>()
-            .map_err(|e| CheckpointError::Usage(format!("stage {}: {e}", self.stage)));
-        let swapped = agree(self.world.as_ref(), "save", swapped)?;
+        // State offloaded to NVMe is read back from the swap file; every rank learns whether
+        // every rank could.
+        let saved = self
+            .core
+            .saved_state(self.world.as_ref(), &format!("stage {}", self.stage))?;
         let mut own = Vec::with_capacity(held_len(self.stage));
-        for (j, g) in self.core.state.groups.iter().enumerate() {
+        for j in 0..self.core.state.groups.len() {
             if !shard_holds(&self.core.state.layout, j, data_rank) {
                 continue;
             }
-            if let Some(buffers) = &swapped[j] {
-                if buffers.len() != 1 + names.len() {
-                    return Err(ZeroError::Optimizer(format!(
-                        "stage {}: group {j}'s swap file holds {} buffers, the optimizer has {}",
-                        self.stage,
-                        buffers.len().saturating_sub(1),
-                        names.len()
-                    )));
-                }
-                buffers.iter().for_each(|b| own.extend_from_slice(b));
-                continue;
-            }
-            own.extend_from_slice(&g.master);
-            let state = g.optimizer.inner.state();
-            if state.len() != names.len() {
+            let shard = self.core.group_shard(&saved, j)?;
+            if shard.state.len() != names.len() {
                 return Err(ZeroError::Optimizer(format!(
                     "stage {}: group {j} has {} optimizer buffers, group 0 has {}",
                     self.stage,
-                    state.len(),
+                    shard.state.len(),
                     names.len()
                 )));
             }
-            for (_, b) in state {
+            own.extend_from_slice(shard.master);
+            for (_, b) in shard.state {
                 own.extend_from_slice(b);
             }
         }
