@@ -191,17 +191,21 @@ fn unknown_keys_error_in_zero_and_warn_at_top_level() {
             .any(|w| w.contains("gradient_clippping") && w.contains("did you mean `gradient_clipping`?")),
         "{w:?}"
     );
-    // A ZeRO setting at the top level: pointed to its section.
-    let w: Vec<String> = parse(r#"{"train_batch_size": 8, "offload_optimizer": {"device": "cpu"}}"#)
-        .warnings
-        .iter()
-        .map(|w| w.to_string())
-        .collect();
-    assert!(
-        w.iter()
-            .any(|w| w.contains("did you mean `zero_optimization.offload_optimizer`?")),
-        "{w:?}"
-    );
+    // A ZeRO setting at the top level: pointed to its section, whichever of the section's keys
+    // it is (the section's reader says which it reads).
+    for key in [
+        "offload_optimizer",
+        "zero_hpz_partition_size",
+        "stage3_max_live_parameters",
+    ] {
+        let w: Vec<String> = parse(&format!(r#"{{"train_batch_size": 8, "{key}": {{"device": "cpu"}}}}"#))
+            .warnings
+            .iter()
+            .map(|w| w.to_string())
+            .collect();
+        let hint = format!("did you mean `zero_optimization.{key}`?");
+        assert!(w.iter().any(|w| w.contains(&hint)), "{key}: {w:?}");
+    }
     // A known section we do not act on is kept, silently.
     let c = p
         .config

@@ -69,6 +69,9 @@ pub(crate) struct Cx<'a> {
     /// Dotted keys written "auto" (as written and in their current spelling): the keys a
     /// caller's override can fill.
     pub written_auto: BTreeSet<String>,
+    /// The keys `zero_optimization` reads (once it has been read): a top-level key among them
+    /// is a ZeRO setting written outside its section.
+    pub zero_keys: Vec<&'static str>,
 }
 
 impl<'a> Cx<'a> {
@@ -83,6 +86,7 @@ impl<'a> Cx<'a> {
             warnings: Vec::new(),
             deferred: Vec::new(),
             written_auto: BTreeSet::new(),
+            zero_keys: Vec::new(),
         }
     }
 
@@ -301,6 +305,11 @@ impl<'v> Section<'v> {
         self.map.and_then(|m| m.get(name))
     }
 
+    /// The keys asked for so far (every spelling).
+    pub fn asked(&self) -> &[&'static str] {
+        &self.asked
+    }
+
     /// Reports the keys that were never asked for, as `policy` says.
     pub fn finish(self, cx: &mut Cx<'_>, policy: UnknownKeys) -> Result<(), ConfigError> {
         let Some(map) = self.map else { return Ok(()) };
@@ -324,7 +333,7 @@ impl<'v> Section<'v> {
                 }
                 UnknownKeys::Warn => {
                     // A ZeRO setting written at the top level instead of inside its section.
-                    let misplaced = (self.path.is_empty() && ZERO_SECTION_KEYS.contains(&key.as_str()))
+                    let misplaced = (self.path.is_empty() && cx.zero_keys.contains(&key.as_str()))
                         .then(|| format!("zero_optimization.{key}"));
                     let message = match suggestion.or(misplaced) {
                         Some(s) => format!("unknown key, ignored (did you mean `{s}`?)"),
@@ -337,27 +346,6 @@ impl<'v> Section<'v> {
         Ok(())
     }
 }
-
-/// Keys of `zero_optimization` that a config may put at the top level by mistake.
-const ZERO_SECTION_KEYS: &[&str] = &[
-    "stage",
-    "offload_optimizer",
-    "offload_param",
-    "overlap_comm",
-    "contiguous_gradients",
-    "reduce_scatter",
-    "reduce_bucket_size",
-    "allgather_partitions",
-    "allgather_bucket_size",
-    "sub_group_size",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "round_robin_gradients",
-    "cpu_offload",
-];
 
 /// The known key nearest to `key` by edit distance, if it is close enough to be a misspelling.
 pub(crate) fn nearest(key: &str, known: &[&str]) -> Option<String> {

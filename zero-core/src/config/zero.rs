@@ -316,6 +316,7 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
             "elastic checkpoints are not supported at stage 3; use universal checkpoints",
         );
     }
+    cx.zero_keys = s.asked().to_vec();
     s.finish(cx, UnknownKeys::Error)?;
     Ok(config)
 }
