@@ -26,6 +26,7 @@ mod reader;
 mod recut;
 pub mod reshard;
 mod save;
+mod sources;
 mod tensor_parallel;
 mod writer;
 
