@@ -487,3 +487,17 @@ fn quoted_numbers_and_booleans_are_named_as_strings() {
     let e = err(r#"{"train_batch_size": 8, "gradient_accumulation_steps": "eight"}"#);
     assert!(!e.contains("without the quotes"), "{e}");
 }
+
+/// An integer too large for its key is named as out of range, not as a non-integer.
+#[test]
+fn an_integer_beyond_its_range_is_named_so() {
+    for text in [
+        r#"{"train_batch_size": 100000000000000000000}"#,
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 1e20}}"#,
+    ] {
+        let e = err(text);
+        assert!(e.contains("1e+20, out of range"), "{e}");
+    }
+    let e = err(r#"{"train_batch_size": 8.5}"#);
+    assert!(e.contains("found 8.5") && !e.contains("out of range"), "{e}");
+}

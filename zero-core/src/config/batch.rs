@@ -115,9 +115,13 @@ pub(crate) fn resolve_batch(
             return Ok((stand_in, deferred));
         }
         return Err(err(format!(
-            "{TRAIN} or {MICRO} must be given (as a number, or \"auto\" with a value supplied at \
-             initialize: ResolveContext::overrides, or on the command line `--set {MICRO}=N`); {GAS} alone \
-             is not enough"
+            "{TRAIN} or {MICRO} must be given: write one in the file, as a number, or as \"auto\" with the \
+             value supplied when the run starts (on the command line, `--set {MICRO}=N`){}",
+            if gas.is_some() {
+                format!("; {GAS} alone is not enough")
+            } else {
+                String::new()
+            }
         )));
     }
     let Some(world) = world.map(|w| w as u64) else {

@@ -200,7 +200,9 @@ impl DeepSpeedConfig {
             return Err(ConfigError::Batch {
                 source_name: self.source_name.clone(),
                 message: "the file gives neither train_batch_size nor \
-                          train_micro_batch_size_per_gpu; DeepSpeed needs at least one of them"
+                          train_micro_batch_size_per_gpu; DeepSpeed needs at least one of them: add one \
+                          to the file (a value given on the command line only fills one the file writes \
+                          \"auto\")"
                     .into(),
             });
         }

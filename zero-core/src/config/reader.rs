@@ -168,6 +168,8 @@ impl<'a> Cx<'a> {
                 expected: T::EXPECTED.to_string(),
                 found: match unquoted {
                     Some(inner) => format!("{v}, a string: write {inner} without the quotes"),
+                    // An integer of the right kind, but too large (or below the range).
+                    None if v.is_i64() || v.is_u64() || integral(v).is_some() => format!("{v}, out of range"),
                     None => v.to_string(),
                 },
             }
