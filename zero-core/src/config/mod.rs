@@ -44,6 +44,7 @@
 mod auto;
 mod batch;
 mod error;
+mod offload;
 mod optimizer;
 mod precision;
 mod reader;
