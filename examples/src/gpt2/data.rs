@@ -140,6 +140,18 @@ impl DataSource {
     }
 }
 
+/// The held-out sequences data-parallel rank `index` of `ranks` scores: an equal share of
+/// `validation`, or all of them on every rank when there are fewer than ranks (each then
+/// computes the same loss, and the mean over the ranks is that loss).
+pub fn validation_share(validation: &[Vec<u32>], ranks: usize, index: usize) -> &[Vec<u32>] {
+    let per = validation.len() / ranks.max(1);
+    if per == 0 {
+        validation
+    } else {
+        &validation[index * per..(index + 1) * per]
+    }
+}
+
 /// A well-mixed 64-bit hash of three integers (splitmix64 finalizer over a combined key).
 fn mix(seed: u64, step: u64, index: u64) -> u64 {
     let mut z = seed
@@ -154,6 +166,15 @@ fn mix(seed: u64, step: u64, index: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every rank scores a share, or, with fewer sequences than ranks, all of them.
+    #[test]
+    fn every_rank_scores_some_held_out_sequences() {
+        let v: Vec<Vec<u32>> = (0..5).map(|i| vec![i]).collect();
+        assert_eq!(validation_share(&v, 2, 1), &v[2..4]);
+        assert_eq!(validation_share(&v[..1], 4, 3), &v[..1]);
+        assert_eq!(validation_share(&v, 1, 0), &v[..]);
+    }
 
     #[test]
     fn sampled_batches_are_deterministic_and_differ_by_step() {

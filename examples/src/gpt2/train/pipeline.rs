@@ -135,8 +135,7 @@ impl PipelineRun<'_> {
         // rows as one micro-batch, forward only through the stages.
         let dp = groups.layout.size(Axis::Data);
         let validation = data.validation(global.max(dp));
-        let per = validation.len() / dp;
-        let valid_rows = &validation[(d * per).min(validation.len())..((d + 1) * per).min(validation.len())];
+        let valid_rows = crate::gpt2::data::validation_share(&validation, dp, d);
         let started = Instant::now();
         let mut records = Vec::new();
         for step in first_step..args.steps {
@@ -151,7 +150,7 @@ impl PipelineRun<'_> {
                 })
                 .collect();
             let out = engine.train_batch(&micro_batches)?;
-            let valid_loss = if per > 0 && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
+            let valid_loss = if !valid_rows.is_empty() && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
                 let tokens = token_tensor(valid_rows, device);
                 Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
             } else {

@@ -323,9 +323,7 @@ fn validate<B: AutodiffBackend, M: TrainedGpt2<B>>(
     validation: &[Vec<u32>],
     device: &burn::tensor::Device<B>,
 ) -> Result<f64, TrainError> {
-    let per = validation.len() / group.world_size();
-    let rank = group.rank();
-    let rows = &validation[rank * per..(rank + 1) * per];
+    let rows = crate::gpt2::data::validation_share(validation, group.world_size(), group.rank());
     let loss = model.held_out_loss(token_tensor::<B>(rows, device).inner())?;
     mean_over_ranks(group, loss)
 }
