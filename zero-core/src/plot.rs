@@ -49,6 +49,16 @@ pub enum PlotError {
         /// The metrics file (the first one, for several).
         path: PathBuf,
     },
+    /// The losses span more than a float can: nothing sensible to draw.
+    #[error("{}: the losses run from {lo:e} to {hi:e}, a range too wide to draw", path.display())]
+    Range {
+        /// The metrics file (the first one, for several).
+        path: PathBuf,
+        /// The lowest finite loss.
+        lo: f64,
+        /// The highest.
+        hi: f64,
+    },
     /// The drawing library failed.
     #[error("{}: drawing the loss curve failed: {detail}", path.display())]
     Draw {
@@ -116,7 +126,15 @@ impl RunInfo {
 /// How many ticks the step axis from `lo` to `hi` asks for: at most one per step (a short run's
 /// ticks would otherwise fall between steps and print the same rounded step twice), at most 10.
 fn step_ticks(lo: u64, hi: u64) -> usize {
-    (hi.max(lo + 1) - lo + 1).min(10) as usize
+    (hi.max(lo.saturating_add(1)) - lo).saturating_add(1).min(10) as usize
+}
+
+/// At most 60 characters of `text`, for quoting a line in an error.
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(60) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_string(),
+    }
 }
 
 /// A step axis tick's label: the step, or nothing for a position between two steps.
@@ -212,8 +230,19 @@ impl Run {
             if line.trim().is_empty() {
                 continue;
             }
-            let value: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| bad(format!("not a JSON line: {e}")))?;
+            let value: serde_json::Value = match serde_json::from_str(line) {
+                Ok(v) => v,
+                // The last line of a run that stopped while writing it: the steps before it
+                // are still the run's.
+                Err(_) if !bytes.ends_with(b"\n") && !run.steps.is_empty() => break,
+                Err(e) => return Err(bad(format!("not a JSON line: {e}"))),
+            };
+            if !value.is_object() {
+                return Err(bad(format!(
+                    "not a step record: a JSON object with `step` and `loss` is expected, found {}",
+                    clip(&value.to_string())
+                )));
+            }
             if let Some(header) = value.get("run") {
                 let info = serde_json::from_value(header.clone())
                     .map_err(|e| bad(format!("the run header is not readable: {e}")))?;
@@ -310,8 +339,31 @@ pub fn draw(runs: &[Run], out: &Path) -> Result<(), PlotError> {
     if x_lo > x_hi {
         return Err(PlotError::Empty { path: first });
     }
+    // A run given to be compared that has nothing to draw is named, not left out.
+    if let Some(empty) = runs.iter().find(|r| {
+        !r.steps
+            .iter()
+            .any(|s| finite(s.loss) || s.valid_loss.is_some_and(finite))
+    }) {
+        return Err(PlotError::Empty {
+            path: empty.path.clone(),
+        });
+    }
+    if !(y_hi - y_lo).is_finite() {
+        return Err(PlotError::Range {
+            path: first,
+            lo: y_lo,
+            hi: y_hi,
+        });
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(PlotError::Io {
+            path: dir.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory for the image"),
+        });
+    }
     register_fonts();
-    let x_range = x_lo as f64..(x_hi.max(x_lo + 1)) as f64;
+    let x_range = x_lo as f64..(x_hi.max(x_lo.saturating_add(1))) as f64;
     let pad = ((y_hi - y_lo) * 0.05).max(1e-3);
     let y_range = (y_lo - pad)..(y_hi + pad);
 

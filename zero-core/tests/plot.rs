@@ -166,9 +166,22 @@ fn runs_are_overlaid_and_files_without_a_header_are_named_by_file() {
 fn bad_metrics_files_are_errors_that_name_the_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.jsonl");
-    std::fs::write(&path, "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo").unwrap();
+    std::fs::write(
+        &path,
+        "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo\n{\"step\": 3, \"loss\": 1.0}\n",
+    )
+    .unwrap();
     let err = Run::read(&path).unwrap_err().to_string();
     assert!(err.contains("bad.jsonl, line 2"), "{err}");
+    // A JSON line that is not an object (serde would read `[1, 2]` as step 1, loss 2).
+    std::fs::write(&path, "{\"step\": 1, \"loss\": 2.0}\n[1, 2]\n").unwrap();
+    let err = Run::read(&path).unwrap_err().to_string();
+    assert!(err.contains("line 2: not a step record"), "{err}");
+    // The last line of a run that stopped while writing it is left out; the steps before it
+    // are drawn.
+    std::fs::write(&path, "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo").unwrap();
+    let run = Run::read(&path).unwrap();
+    assert_eq!(run.steps.len(), 1);
 
     // A file that is no metrics file (no line ends) is refused after one capped line, not read
     // into memory whole.
@@ -245,4 +258,38 @@ fn the_plot_never_overwrites_its_input() {
         assert_eq!(run.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(says), "{stderr}");
     }
+}
+
+/// Inputs at the edges of the numbers draw or are refused by name, never panic or spin: the
+/// last step a u64 holds, losses whose range overflows a float, a compared run with nothing to
+/// draw, an image in a directory that does not exist.
+#[test]
+fn extreme_inputs_are_drawn_or_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        Run::read(&path).unwrap()
+    };
+    let png = dir.path().join("out.png");
+    let last = write(
+        "last.jsonl",
+        "{\"step\": 0, \"loss\": 1}\n{\"step\": 18446744073709551615, \"loss\": 2}\n",
+    );
+    draw(&[last.clone()], &png).expect("the whole step range draws");
+    let only = write("only.jsonl", "{\"step\": 18446744073709551615, \"loss\": 2}\n");
+    draw(&[only], &png).expect("one step at the end of the range draws");
+    let wide = write(
+        "wide.jsonl",
+        "{\"step\": 1, \"loss\": 1e308}\n{\"step\": 2, \"loss\": -1e308}\n",
+    );
+    let err = draw(&[wide], &png).unwrap_err().to_string();
+    assert!(err.contains("wide.jsonl") && err.contains("too wide to draw"), "{err}");
+    let empty = write("empty.jsonl", "");
+    let err = draw(&[last.clone(), empty], &png).unwrap_err().to_string();
+    assert!(err.contains("empty.jsonl: no optimizer step"), "{err}");
+    let err = draw(&[last], &dir.path().join("missing").join("out.png"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing: no such directory"), "{err}");
 }
