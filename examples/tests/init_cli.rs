@@ -42,6 +42,59 @@ fn init_writes_a_directory_that_scores_like_a_random_gpt2() {
         (loss - uniform).abs() < 0.1,
         "loss {loss}, a random GPT-2 gives about {uniform}"
     );
+
+    // `generate` prints the prompt and its continuation, as they come: a reader that stops
+    // after a few bytes ends a generation asked for a million tokens at once (it would run for
+    // hours if it printed only at the end).
+    let told = gpt2()
+        .args([
+            "generate",
+            "--prompt",
+            "Hello there",
+            "--max-new-tokens",
+            "5",
+            "--model",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(told.status.success(), "{}", String::from_utf8_lossy(&told.stderr));
+    let text = String::from_utf8_lossy(&told.stdout);
+    assert!(
+        text.starts_with("Hello there") && text.len() > "Hello there\n".len(),
+        "{text:?}"
+    );
+    assert!(text.ends_with('\n'), "{text:?}");
+    let mut child = gpt2()
+        .args([
+            "generate",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "1000000",
+            "--model",
+        ])
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut head = [0u8; 24];
+    std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut head).expect("text streams out");
+    assert!(head.starts_with(b"Hello"));
+    drop(child.stdout.take());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("generate went on after its reader left");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
 }
 
 #[test]

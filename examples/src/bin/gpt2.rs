@@ -29,7 +29,8 @@ fn main() -> ExitCode {
     let outcome = match Cli::parse().command {
         Command::Train(args) => train(&args).map(|_| None),
         Command::Score(args) => score(&args).map(|loss| Some(format!("loss {loss}"))),
-        Command::Generate(args) => generate(&args).map(Some),
+        // The text is written as it is generated; the result line only ends it.
+        Command::Generate(args) => generate(&args, &mut std::io::stdout()).map(|_| Some(String::new())),
         Command::Init(args) => init(&args).map(Some),
     };
     match outcome {

@@ -3,6 +3,7 @@
 use super::TrainError;
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
+use std::io::{ErrorKind, Write};
 use std::path::PathBuf;
 use zero_models::{Gpt2, Gpt2Tokenizer};
 
@@ -15,13 +16,18 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     pub prompt: String,
-    /// Tokens to add.
+    /// Tokens to add (printed as they come; past the model's n_positions each one is predicted
+    /// from the last n_positions tokens).
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
 }
 
-/// The prompt followed by the model's most likely continuation (greedy, within n_positions).
-pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
+/// The prompt followed by the model's most likely continuation (greedy, within n_positions),
+/// written to `out` as it grows: the prompt, then each new token's text
+/// (a token that ends inside a character waits for the next). A reader that went away
+/// (`gpt2 generate ... | head -c 100`) ends the generation: it has what it wanted. Returns the
+/// whole text.
+pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<String, TrainError> {
     let device = Default::default();
     let (model, config) =
         Gpt2::<Flex>::load_pretrained(&args.model, &device).map_err(|e| TrainError::Model(e.to_string()))?;
@@ -38,6 +44,38 @@ pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
             config.vocab_size
         )));
     }
+    if ids.len() > config.n_positions {
+        eprintln!(
+            "gpt2: the prompt is {} tokens and the model sees {} (n_positions): it continues from the last {}",
+            ids.len(),
+            config.n_positions,
+            config.n_positions
+        );
+    }
+    let decode = |ids: &[u32]| tokenizer.decode(ids).map_err(|e| TrainError::Model(e.to_string()));
+    let stdout = |source: std::io::Error| TrainError::Io {
+        path: "standard output".into(),
+        source,
+    };
+    let mut shown = String::new();
+    // Writes what `text` adds to what is shown; false once the reader has gone.
+    let mut show = |text: String, out: &mut dyn Write| -> Result<bool, TrainError> {
+        // A token ending inside a multi-byte character decodes to a replacement character
+        // until the next completes it.
+        if !text.starts_with(shown.as_str()) || text.ends_with('\u{fffd}') {
+            return Ok(true);
+        }
+        let written = out.write_all(text[shown.len()..].as_bytes()).and_then(|()| out.flush());
+        shown = text;
+        match written {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::BrokenPipe => Ok(false),
+            Err(e) => Err(stdout(e)),
+        }
+    };
+    if !show(decode(&ids)?, out)? {
+        return decode(&ids);
+    }
     for _ in 0..args.max_new_tokens {
         let window = &ids[ids.len().saturating_sub(config.n_positions)..];
         let input: Vec<i64> = window.iter().map(|&t| t as i64).collect();
@@ -48,6 +86,14 @@ pub fn generate(args: &GenerateArgs) -> Result<String, TrainError> {
         let last = logits.slice([0..1, n - 1..n]).reshape([vocab]);
         let next = last.argmax(0).into_scalar() as u32;
         ids.push(next);
+        if !show(decode(&ids)?, out)? {
+            break;
+        }
     }
-    tokenizer.decode(&ids).map_err(|e| TrainError::Model(e.to_string()))
+    let text = decode(&ids)?;
+    // What a last incomplete character held back.
+    if let Some(rest) = text.strip_prefix(shown.as_str()) {
+        let _ = out.write_all(rest.as_bytes());
+    }
+    Ok(text)
 }
