@@ -319,3 +319,53 @@ fn a_micro_batch_beyond_the_machines_memory_is_refused_before_step_1() {
         ],
     );
 }
+
+/// A model whose states cannot fit this machine's memory is refused before any rank starts,
+/// with `zero estimate`'s bytes (each rank's and the process's), instead of aborting in an
+/// allocation (exit 134). Reference: the estimate, 16 bytes per parameter at stage 0 in fp32
+/// (4 each for the parameters, their gradients, Adam's two moments), for GPT-2 `1x1000000`,
+/// about 12 trillion parameters.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_model_beyond_the_machines_memory_is_refused_before_step_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("plain.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args([
+            "train",
+            "--quiet",
+            "--preset",
+            "gpt2-1x1000000",
+            "--nproc",
+            "1",
+            "--steps",
+            "1",
+        ])
+        .args(["--seq-len", "16", "--config"])
+        .arg(&config)
+        .output()
+        .expect("run gpt2");
+    assert_refused(
+        &out,
+        &[
+            "ZeRO stage 0 over 1 data-parallel rank",
+            "more than this machine's",
+            "zero estimate",
+        ],
+    );
+    let err = stderr(&out);
+    let each: f64 = err
+        .split(" GB each")
+        .next()
+        .and_then(|s| s.rsplit('(').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no per-rank bytes in {err}"));
+    let params = 50257.0 * 1e6 + 1024.0 * 1e6 + 12.0 * 1e12 + 13.0 * 1e6;
+    assert!((each / (16.0 * params / 1e9) - 1.0).abs() < 0.01, "{each} GB: {err}");
+}

@@ -58,6 +58,73 @@ pub(super) fn activations_fit(model: &Gpt2Config, micro: u64, seq: usize, ranks:
     )))
 }
 
+/// Refuses, before any rank starts, a model whose states cannot fit this machine's memory on
+/// the CPU backend (rather than abort in an allocation): `zero estimate`'s bytes for the run's
+/// stage, precision and offload, per rank times the `ranks` of this process, plus what
+/// `offload_optimizer: cpu` puts beside them (NVMe offload counts nothing here). `data` is the
+/// data-parallel size ZeRO partitions over, `split` the pieces tensor and pipeline parallelism
+/// cut the model into (each rank holds one).
+pub(super) fn model_states_fit(
+    model: &Gpt2Config,
+    resolved: &ResolvedConfig,
+    data: usize,
+    split: usize,
+    ranks: usize,
+) -> Result<(), TrainError> {
+    use zero_core::config::Precision;
+    use zero_core::estimate::{estimate, Dtype, EstimateInput, OffloadTarget};
+    let Some(total) = host_memory_bytes() else {
+        return Ok(());
+    };
+    let dtype = match resolved.precision {
+        Precision::Fp32 => Dtype::Fp32,
+        Precision::Fp16(_) => Dtype::Fp16,
+        Precision::Bf16(_) => Dtype::Bf16,
+    };
+    let target = |d: OffloadDevice| match d {
+        OffloadDevice::Cpu => OffloadTarget::Cpu,
+        OffloadDevice::Nvme => OffloadTarget::Nvme,
+    };
+    let mut input = EstimateInput::new(
+        model.num_params() / split.max(1) as u64,
+        resolved.zero.stage.number(),
+        data.max(1) as u64,
+        dtype,
+    );
+    input.offload_optimizer = resolved.zero.offload_optimizer.as_ref().map(|o| target(o.device));
+    input.offload_param = resolved.zero.offload_param.as_ref().map(|o| target(o.device));
+    let Ok(e) = estimate(&input) else {
+        // Beyond what 64 bits count: far beyond any machine.
+        return Err(TrainError::Config(format!(
+            "the model's {} parameters: their states are beyond counting in bytes, let alone this machine's \
+             {:.1} GB of memory",
+            model.num_params(),
+            total as f64 / 1e9
+        )));
+    };
+    // Per host: every device's offloaded share; this process hosts `ranks` of the `data` devices.
+    let host = e.per_host.total() as u128 * ranks as u128 / data.max(1) as u128;
+    let need = e.per_device.total() as u128 * ranks as u128 + host;
+    if need <= total as u128 {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "the model's {:.2}B parameters at ZeRO stage {} over {data} data-parallel rank(s): the {ranks} rank(s) of \
+         this process hold {:.1} GB of model states ({:.1} GB each{}), more than this machine's {:.1} GB of memory; \
+         `zero estimate` shows the terms: a higher stage, more ranks, or offload to NVMe lowers them",
+        model.num_params() as f64 / 1e9,
+        resolved.zero.stage.number(),
+        need as f64 / 1e9,
+        e.per_device.total() as f64 / 1e9,
+        if host > 0 {
+            format!(", and {:.1} GB offloaded beside them", host as f64 / 1e9)
+        } else {
+            String::new()
+        },
+        total as f64 / 1e9
+    )))
+}
+
 /// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
 fn host_memory_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

@@ -238,6 +238,13 @@ where
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
         let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
+        checks::model_states_fit(
+            &model_config,
+            &resolved,
+            world / (stages * tensor),
+            stages * tensor,
+            local,
+        )?;
         checks::activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
     }
     let data = Arc::new(data);
