@@ -156,3 +156,42 @@ fn init_never_writes_into_a_directory_that_holds_files() {
     beside.sort();
     assert_eq!(beside, ["empty", "model"]);
 }
+
+/// What an init that did not finish left beside its output (a directory named for its process,
+/// which is gone) is removed by the next init of that output, which says so; a model whose
+/// largest unit cannot be drawn in this machine's memory is refused before anything is written.
+#[cfg(target_os = "linux")]
+#[test]
+fn init_cleans_what_an_interrupted_init_left_and_refuses_what_cannot_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    // Above any pid_max Linux allows (2^22): no such process.
+    let stale = dir.path().join(".tiny.partial99999999");
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("model-00001-of-00003.safetensors"), "half").unwrap();
+    let made = gpt2()
+        .args(["init", "--preset", "tiny", "--out"])
+        .arg(dir.path().join("tiny"))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(!stale.exists(), "the stale directory is still there");
+    assert!(String::from_utf8_lossy(&made.stderr).contains("did not finish"));
+
+    let huge = gpt2()
+        .args(["init", "--preset", "gpt2-1x1000000", "--out"])
+        .arg(dir.path().join("huge"))
+        .output()
+        .unwrap();
+    assert_eq!(huge.status.code(), Some(1), "{huge:?}");
+    let err = String::from_utf8_lossy(&huge.stderr);
+    assert!(
+        err.contains("one block") && err.contains("more than this machine's"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("tiny")], "nothing else written");
+}

@@ -21,3 +21,11 @@ pub use score::{score, ScoreArgs};
 pub use tensorboard::EventWriter;
 pub use timers::{Breakdown, CommClock, StepTimers, TimedGroup};
 pub use train::{train, StepRecord, TrainArgs, TrainSummary};
+
+/// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
+pub(crate) fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}

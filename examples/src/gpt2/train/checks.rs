@@ -3,6 +3,7 @@
 //! hold. A run must not learn of these only when its work is done.
 
 use super::{TrainArgs, TrainError};
+use crate::gpt2::host_memory_bytes;
 use std::path::Path;
 use zero_core::comm::DistEnv;
 use zero_core::config::{OffloadDevice, ResolvedConfig};
@@ -123,14 +124,6 @@ pub(super) fn model_states_fit(
         },
         total as f64 / 1e9
     )))
-}
-
-/// The machine's memory (`MemTotal` of /proc/meminfo), where the system says.
-fn host_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 /// The most ranks `--nproc` starts as threads of this process.
