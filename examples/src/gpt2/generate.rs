@@ -65,7 +65,9 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<String, Trai
         if !text.starts_with(shown.as_str()) || text.ends_with('\u{fffd}') {
             return Ok(true);
         }
-        let written = out.write_all(&text.as_bytes()[shown.len()..]).and_then(|()| out.flush());
+        let written = out
+            .write_all(&text.as_bytes()[shown.len()..])
+            .and_then(|()| out.flush());
         shown = text;
         match written {
             Ok(()) => Ok(true),

@@ -81,18 +81,36 @@ pub fn hostname() -> Option<String> {
     String::from_utf8(buf[..end].to_vec()).ok()
 }
 
-/// The index of `name` among `hosts`, comparing full names, then the part before the first dot.
+/// The index of `name` among `hosts`, comparing full names, then the part before the first dot;
+/// else the host named `localhost` (or a loopback address), which is whatever machine reads the
+/// file (DeepSpeed's single-node hostfiles say `localhost slots=8`).
 pub fn find_host(hosts: &[Host], name: &str) -> Option<usize> {
     let short = |s: &str| s.split('.').next().unwrap_or(s).to_string();
+    let loopback = |s: &str| s == "localhost" || s.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     hosts
         .iter()
         .position(|h| h.name == name)
         .or_else(|| hosts.iter().position(|h| short(&h.name) == short(name)))
+        .or_else(|| hosts.iter().position(|h| loopback(&h.name)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `localhost` (and a loopback address) is the machine reading the file, whatever its name.
+    #[test]
+    fn localhost_is_this_host() {
+        for name in ["localhost", "127.0.0.1", "::1"] {
+            let hosts = parse_hostfile(&format!("{name} slots=2\n"), "hf").unwrap();
+            assert_eq!(find_host(&hosts, "vm"), Some(0), "{name}");
+        }
+        let hosts = parse_hostfile("worker-1 slots=2\nlocalhost slots=2\n", "hf").unwrap();
+        assert_eq!(find_host(&hosts, "worker-1"), Some(0));
+        assert_eq!(find_host(&hosts, "worker-9"), Some(1));
+        let hosts = parse_hostfile("worker-1 slots=2\n", "hf").unwrap();
+        assert_eq!(find_host(&hosts, "vm"), None);
+    }
 
     #[test]
     fn parses_deepspeed_hostfiles() {
