@@ -127,7 +127,9 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
     let save = dir.path().join("ckpt").to_string_lossy().into_owned();
     // Each case gives --steps 1 (but the one about --steps), so that a flag let through costs
     // one step, not the default hundred.
-    let cases: [(&[&str], &[&str]); 9] = [
+    let cases: [(&[&str], &[&str]); 10] = [
+        // The fixture's token file (given by `train`) holds sequences of 16.
+        (&["--steps", "1", "--seq-len", "4"], &["--seq-len 4", "16 tokens long"]),
         (
             &["--steps", "1", "--data", &text, "--seq-len", "0"],
             &["--seq-len 0", "2..=32"],

@@ -62,7 +62,7 @@ pub fn fixture_args(config: &Path, steps: u64, nproc: usize) -> TrainArgs {
         preset: None,
         data: None,
         tokens: Some(fixture("train_tokens.json")),
-        seq_len: 16,
+        seq_len: None,
         steps,
         nproc,
         seed: 0,

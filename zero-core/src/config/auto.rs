@@ -96,6 +96,9 @@ impl Overrides {
                 .split_once('=')
                 .filter(|(key, _)| !key.is_empty())
                 .ok_or_else(|| format!("--set {item}: expected KEY=JSON, e.g. train_micro_batch_size_per_gpu=4"))?;
+            if overrides.get(key).is_some() {
+                return Err(format!("--set {key}: given twice; give each key once"));
+            }
             let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
             overrides.set(key, value);
         }
@@ -113,6 +116,16 @@ mod tests {
         assert_eq!(serde_json::to_value(Auto::Value(4u64)).unwrap(), 4);
         assert!(Auto::<u8>::Auto.is_auto());
         assert_eq!(Auto::Value(3).value(), Some(&3));
+    }
+
+    /// A key given twice on the command line is refused, not settled by the last.
+    #[test]
+    fn a_key_assigned_twice_is_refused() {
+        let twice = ["optimizer.params.lr=1".to_string(), "optimizer.params.lr=2".to_string()];
+        let err = Overrides::from_assignments(&twice).unwrap_err();
+        assert!(err.contains("optimizer.params.lr") && err.contains("twice"), "{err}");
+        let once = ["optimizer.params.lr=1".to_string(), "gradient_clipping=2".to_string()];
+        assert!(Overrides::from_assignments(&once).is_ok());
     }
 
     #[test]

@@ -57,9 +57,10 @@ pub struct TrainArgs {
     /// batch of every step, split in order across ranks and micro-batches.
     #[arg(long)]
     pub tokens: Option<PathBuf>,
-    /// Tokens per sequence when sampling from text.
-    #[arg(long, default_value_t = 64)]
-    pub seq_len: usize,
+    /// Tokens per sequence when sampling from text (default 64). With --tokens the file's
+    /// sequences are as long as they are: a --seq-len given must say the same.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// Total optimizer steps.
     #[arg(long, default_value_t = 100)]
     pub steps: u64,
@@ -101,6 +102,13 @@ pub struct TrainArgs {
     /// refused.
     #[arg(long = "set", value_name = "KEY=JSON")]
     pub set: Vec<String>,
+}
+
+impl TrainArgs {
+    /// Tokens per sequence sampled from text: `--seq-len`, or 64.
+    pub fn seq_len_or_default(&self) -> usize {
+        self.seq_len.unwrap_or(64)
+    }
 }
 
 /// One optimizer step, as the metrics file records it.
@@ -194,13 +202,33 @@ where
     let model_config = source.config()?;
     let n_positions = model_config.n_positions;
     let data = match (&args.tokens, &args.data) {
-        (Some(path), _) => DataSource::from_tokens_file(path)?,
+        (Some(path), _) => {
+            let data = DataSource::from_tokens_file(path)?;
+            if let Some(n) = args.seq_len.filter(|&n| n != data.seq_len()) {
+                return Err(TrainError::Config(format!(
+                    "--seq-len {n}: the sequences of --tokens {} are {} tokens long; leave --seq-len out",
+                    path.display(),
+                    data.seq_len()
+                )));
+            }
+            data
+        }
         (None, Some(path)) => {
             let text =
                 std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
-            DataSource::from_text(&text, &path.display().to_string(), args.seq_len, n_positions)?
+            DataSource::from_text(
+                &text,
+                &path.display().to_string(),
+                args.seq_len_or_default(),
+                n_positions,
+            )?
         }
-        (None, None) => DataSource::from_text(SHIPPED_CORPUS, "the shipped corpus", args.seq_len, n_positions)?,
+        (None, None) => DataSource::from_text(
+            SHIPPED_CORPUS,
+            "the shipped corpus",
+            args.seq_len_or_default(),
+            n_positions,
+        )?,
     };
     check_data(&data, &model_config)?;
     if let Some(dir) = &args.save {
@@ -245,7 +273,7 @@ where
             stages * tensor,
             local,
         )?;
-        checks::activations_fit(&model_config, resolved.micro_batch_size, args.seq_len, local)?;
+        checks::activations_fit(&model_config, resolved.micro_batch_size, data.seq_len(), local)?;
     }
     let data = Arc::new(data);
     if (stages > 1 || tensor > 1) && nccl.is_some() && args.collectives == "nccl" {
