@@ -91,4 +91,16 @@ fn stage_3_resume_after_3_steps_matches_an_uninterrupted_5_step_run() {
     for ((path, x), (_, y)) in a.iter().zip(&b) {
         assert!(x == y, "{}: differs between the runs", path.display());
     }
+
+    // One tag named by its own directory (`--load DIR/TAG`, here the step-3 save, no longer
+    // `latest`) resumes the same way.
+    let by_tag = train(&args(
+        &config_path,
+        5,
+        &dir.path().join("by_tag"),
+        Some(&split_dir.join("global_step3")),
+    ))
+    .expect("resumed from the tag's directory");
+    let losses = |s: &[zero_examples::gpt2::StepRecord]| s.iter().map(|r| (r.step, r.loss)).collect::<Vec<_>>();
+    assert_eq!(losses(&by_tag.steps), losses(&resumed.steps));
 }

@@ -161,6 +161,23 @@ fn no_latest_and_unknown_tag() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Without `latest`: a save that never finished names the tags that are there; a tag's own
+/// directory, opened as the checkpoint directory, says to give the one above it.
+#[test]
+fn without_latest_the_tags_there_are_named() {
+    let (dir, tag) = fresh("no-latest");
+    std::fs::remove_file(dir.join("latest")).unwrap();
+    let e = Checkpoint::open(&dir, None).unwrap_err();
+    assert_names(&e, "latest", "the tags here are t");
+    let e = Checkpoint::open(&tag, None).unwrap_err();
+    assert_names(
+        &e,
+        "the directory of one checkpoint, tag `t`",
+        &dir.display().to_string(),
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A directory that does not exist, and a tag whose metadata file is gone, are said to be what
 /// they are (not "no checkpoint was completed", not a file the metadata lists).
 #[test]

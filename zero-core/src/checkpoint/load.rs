@@ -58,7 +58,7 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
                 path: latest.clone(),
                 detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
                     _ if !dir.is_dir() => format!("{} is not a directory", dir.display()),
-                    [] => "missing: no checkpoint was completed in this directory (pass a tag to load another)".into(),
+                    [] => no_latest(dir),
                     ranks => format!(
                     "missing: this directory holds a tensor-parallel checkpoint, one per tensor rank ({}): load it \
                      with the same tensor_parallel.autotp_size ({}), or convert it whole with `zero to-fp32`, \
@@ -76,6 +76,41 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
         detail: format!("names `{t}`, which is not a tag"),
     })?;
     Ok(t.to_string())
+}
+
+/// Why `dir` has no `latest`, and what to give instead: its parent when it is a tag's own
+/// directory, else the tags it holds (saves that never wrote `latest`), if any.
+fn no_latest(dir: &Path) -> String {
+    if dir.join(META_FILE).is_file() {
+        let tag = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let parent = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        return format!(
+            "missing: this is the directory of one checkpoint, tag `{tag}`; give the directory above it ({})",
+            parent.display()
+        );
+    }
+    let mut tags: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join(META_FILE).is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    tags.sort();
+    if tags.is_empty() {
+        "missing: no checkpoint was completed in this directory".into()
+    } else {
+        format!(
+            "missing: no save here finished (`latest` is written last); the tags here are {}: name the one to load",
+            tags.join(", ")
+        )
+    }
 }
 
 impl Checkpoint {

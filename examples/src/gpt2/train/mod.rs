@@ -77,7 +77,8 @@ pub struct TrainArgs {
     /// Checkpoint every this many steps (with --save).
     #[arg(long)]
     pub save_every: Option<u64>,
-    /// Resume from this checkpoint directory's latest tag; --steps stays the total.
+    /// Resume from this checkpoint directory's latest tag, or from one tag given by its own
+    /// directory (DIR/TAG); --steps stays the total.
     #[arg(long)]
     pub load: Option<PathBuf>,
     /// Write one JSON line per optimizer step here.
@@ -105,6 +106,28 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The checkpoint `--load` names: its directory and tag (`None`: the one `latest` names).
+    /// A tag's own directory (holding the checkpoint's metadata) is its parent and its name.
+    pub fn load_target(&self) -> Option<(PathBuf, Option<String>)> {
+        let dir = self.load.as_ref()?;
+        let tag = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+        match (
+            dir.join(zero_core::checkpoint::format::META_FILE).is_file(),
+            dir.parent(),
+            tag,
+        ) {
+            (true, Some(parent), Some(tag)) => {
+                let parent = if parent.as_os_str().is_empty() {
+                    std::path::Path::new(".")
+                } else {
+                    parent
+                };
+                Some((parent.to_path_buf(), Some(tag)))
+            }
+            _ => Some((dir.clone(), None)),
+        }
+    }
+
     /// Tokens per sequence sampled from text: `--seq-len`, or 64.
     pub fn seq_len_or_default(&self) -> usize {
         self.seq_len.unwrap_or(64)

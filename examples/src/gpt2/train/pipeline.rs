@@ -110,8 +110,12 @@ impl PipelineRun<'_> {
         let (micro, gas, global) = (self.micro, self.gas, self.global);
         let world = groups.layout.world_size();
         let lead = groups.world.rank() == 0;
-        let first_step = match &args.load {
-            Some(dir) => resume_step(dir, &engine.load_checkpoint(dir, None)?, engine.global_step())?,
+        let first_step = match args.load_target() {
+            Some((dir, tag)) => resume_step(
+                &dir,
+                &engine.load_checkpoint(&dir, tag.as_deref())?,
+                engine.global_step(),
+            )?,
             None => 0,
         };
         if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {

@@ -195,11 +195,11 @@ where
         // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
         optim = optim.with_tensor_parallel(tensor.clone(), model.tensor_splits());
     }
-    let first_step = match &args.load {
-        Some(dir) => {
-            let (loaded, client) = optim.load_checkpoint(dir, None, model)?;
+    let first_step = match args.load_target() {
+        Some((dir, tag)) => {
+            let (loaded, client) = optim.load_checkpoint(&dir, tag.as_deref(), model)?;
             model = loaded;
-            resume_step(dir, &client, optim.global_step())?
+            resume_step(&dir, &client, optim.global_step())?
         }
         None => 0,
     };
