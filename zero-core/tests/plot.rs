@@ -276,7 +276,7 @@ fn extreme_inputs_are_drawn_or_named() {
         "last.jsonl",
         "{\"step\": 0, \"loss\": 1}\n{\"step\": 18446744073709551615, \"loss\": 2}\n",
     );
-    draw(&[last.clone()], &png).expect("the whole step range draws");
+    draw(std::slice::from_ref(&last), &png).expect("the whole step range draws");
     let only = write("only.jsonl", "{\"step\": 18446744073709551615, \"loss\": 2}\n");
     draw(&[only], &png).expect("one step at the end of the range draws");
     let wide = write(
