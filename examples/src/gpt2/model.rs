@@ -87,18 +87,19 @@ impl ModelSource {
     }
 }
 
-/// Whether the data fits the model's vocabulary and positions.
-pub fn check_data(data: &DataSource, model_config: &Gpt2Config) -> Result<(), TrainError> {
+/// Whether the data (`what`, as errors name it: `--tokens batch.json`) fits the model's
+/// vocabulary and positions.
+pub fn check_data(data: &DataSource, what: &str, model_config: &Gpt2Config) -> Result<(), TrainError> {
     if data.max_token() as usize >= model_config.vocab_size {
         return Err(TrainError::Data(format!(
-            "token id {} is outside the model's vocabulary of {}",
+            "{what}: token id {} is outside the model's vocabulary of {}",
             data.max_token(),
             model_config.vocab_size
         )));
     }
     if data.seq_len() > model_config.n_positions {
         return Err(TrainError::Data(format!(
-            "the token file's sequences of {} tokens exceed the model's n_positions {}",
+            "{what}: sequences of {} tokens exceed the model's n_positions {}",
             data.seq_len(),
             model_config.n_positions
         )));

@@ -27,7 +27,7 @@ pub fn score(args: &ScoreArgs) -> Result<f64, TrainError> {
     let data = DataSource::from_tokens_file(&args.tokens)?;
     // Ids past the vocabulary or sequences past n_positions would index out of the model's
     // tables.
-    check_data(&data, &config)?;
+    check_data(&data, &format!("--tokens {}", args.tokens.display()), &config)?;
     let DataSource::Fixed(batch) = data else {
         unreachable!("a tokens file is a fixed batch")
     };

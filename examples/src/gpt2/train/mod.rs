@@ -253,7 +253,12 @@ where
             n_positions,
         )?,
     };
-    check_data(&data, &model_config)?;
+    let what = match (&args.tokens, &args.data) {
+        (Some(path), _) => format!("--tokens {}", path.display()),
+        (None, Some(path)) => format!("--data {}", path.display()),
+        (None, None) => "the shipped corpus".to_string(),
+    };
+    check_data(&data, &what, &model_config)?;
     if let Some(dir) = &args.save {
         checks::writable("--save", dir)?;
     }
