@@ -97,6 +97,17 @@ fn bad_arguments_are_refused_with_a_reason() {
             vec!["--params", "1e9", "--stage", "1", "--dtype", "int8"],
             "--dtype int8",
         ),
+        // Flags that only mean something with another, given without it: refused, not ignored.
+        (
+            vec!["--params", "1e9", "--stage", "3", "--fit-device-memory", "1GiB"],
+            "--fit-host-memory",
+        ),
+        (vec!["--params", "1e9", "--stage", "3", "--hidden", "64"], "--hidden 64"),
+        (
+            vec!["--params", "1e9", "--stage", "3", "--prefetch-bucket-size", "5"],
+            "--prefetch-bucket-size",
+        ),
+        (vec!["--params", "1.5", "--stage", "1"], "whole count"),
     ] {
         let (ok, _, err) = estimate(&args);
         assert!(!ok, "{args:?} must fail");

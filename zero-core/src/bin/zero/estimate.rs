@@ -25,9 +25,9 @@ pub struct Args {
     /// With --fit-host-memory: the memory per device it must also fit (default: no limit).
     #[arg(long, value_name = "BYTES", requires = "fit_host_memory")]
     pub fit_device_memory: Option<String>,
-    /// With --fit-host-memory: the hidden size of the GPT-2 searched.
-    #[arg(long, default_value_t = 4096, requires = "fit_host_memory")]
-    pub hidden: u64,
+    /// With --fit-host-memory: the hidden size of the GPT-2 searched (default 4096).
+    #[arg(long, requires = "fit_host_memory")]
+    pub hidden: Option<u64>,
     /// ZeRO stage, 0-3.
     #[arg(long)]
     pub stage: u8,
@@ -48,9 +48,10 @@ pub struct Args {
     pub dtype: String,
     /// Stage 3: elements gathered ahead of their use (`stage3_prefetch_bucket_size`: a count
     /// such as 5e7, 0 for none, or `auto`, 0.9 × hidden², as a config's "auto" resolves). The
-    /// gathered term is one unit and what may be in flight beside it.
-    #[arg(long, default_value = "5e7", value_name = "ELEMENTS")]
-    pub prefetch_bucket_size: String,
+    /// gathered term is one unit and what may be in flight beside it. Default 5e7. Needs the
+    /// model's units: --preset or --fit-host-memory.
+    #[arg(long, value_name = "ELEMENTS", conflicts_with = "params")]
+    pub prefetch_bucket_size: Option<String>,
     /// With --offload-optimizer nvme: host buffers the state streams through
     /// (`offload_optimizer.buffer_count`).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
@@ -63,6 +64,13 @@ pub struct Args {
     /// devices / T data-parallel ones. Needs a GPT-2 (--preset or --fit-host-memory).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_parallel: u64,
+}
+
+impl Args {
+    /// `--hidden`, or 4096.
+    fn hidden(&self) -> u64 {
+        self.hidden.unwrap_or(4096)
+    }
 }
 
 /// Runs the subcommand: the estimate on stdout, or the error on stderr with exit status 2.
@@ -85,7 +93,7 @@ fn blame(args: &Args, e: &EstimateError) -> String {
         _ => match (&args.params, &args.preset) {
             (Some(p), _) => format!("--params {p}"),
             (None, Some(name)) => format!("--preset {name}"),
-            (None, None) => format!("--hidden {}", args.hidden),
+            (None, None) => format!("--hidden {}", args.hidden()),
         },
     }
 }
@@ -127,7 +135,8 @@ fn parse_count(text: &str) -> Result<u64, String> {
         Err(_) => {}
     }
     match clean.parse::<f64>() {
-        Ok(v) if (1.0..1e18).contains(&v) => Ok(v.round() as u64),
+        Ok(v) if (1.0..1e18).contains(&v) && v.fract() == 0.0 => Ok(v as u64),
+        Ok(v) if (1.0..1e18).contains(&v) => Err(format!("--params {text}: expected a whole count of parameters")),
         Ok(v) if v >= 1e18 => Err(format!(
             "--params {text}: estimates stop below 1e18 parameters (a million times the largest models trained)"
         )),
@@ -189,7 +198,17 @@ fn report(args: &Args) -> Result<String, String> {
             args.stage
         ));
     }
-    let prefetch = prefetch_budget(&args.prefetch_bucket_size)?;
+    if args.fit_host_memory.is_none() {
+        if args.fit_device_memory.is_some() {
+            return Err("--fit-device-memory bounds the search of --fit-host-memory; give both, or neither".into());
+        }
+        if let Some(h) = args.hidden {
+            return Err(format!(
+                "--hidden {h} sets the width --fit-host-memory searches at; a --preset names its own, --params has none"
+            ));
+        }
+    }
+    let prefetch = prefetch_budget(args.prefetch_bucket_size.as_deref().unwrap_or("5e7"))?;
     let mut input = EstimateInput {
         params: 0,
         gathered_at_once: None,
@@ -262,12 +281,13 @@ fn report(args: &Args) -> Result<String, String> {
                 }
             );
             if prefetch.is_none() {
-                input.prefetch_bucket_size = auto_prefetch(args.hidden);
+                input.prefetch_bucket_size = auto_prefetch(args.hidden());
             }
-            let shape = Gpt2Shape::deepest_fitting(args.hidden, &input, host, device).map_err(|e| match e {
+            let shape = Gpt2Shape::deepest_fitting(args.hidden(), &input, host, device).map_err(|e| match e {
                 FitError::NothingFits { .. } => format!(
                     "no GPT-2 of hidden {} fits in {limits} at stage {}; {e}",
-                    args.hidden, args.stage
+                    args.hidden(),
+                    args.stage
                 ),
                 FitError::Unbounded => format!(
                     "--fit-host-memory {}: at stage {} with this offload the model states hold nothing in host \
@@ -276,7 +296,7 @@ fn report(args: &Args) -> Result<String, String> {
                     human_bytes(host),
                     args.stage
                 ),
-                FitError::BadHidden(_) => format!("--hidden {}: {e}", args.hidden),
+                FitError::BadHidden(_) => format!("--hidden {}: {e}", args.hidden()),
                 FitError::Estimate(e) => format!("{}: {e}", blame(args, &e)),
             })?;
             Some((format!("deepest fitting: {}", shape.shaped_name()), shape))
