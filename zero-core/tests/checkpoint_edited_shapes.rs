@@ -151,3 +151,23 @@ fn a_renaming_that_leaves_no_tensor_is_an_error() {
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A rename rule that meets no tensor name (a misspelt prefix) is refused, naming the rule and
+/// some of the names it could have met, and nothing is written; a drop rule that meets none
+/// leaves out nothing, as it asks.
+#[test]
+fn a_rename_that_matches_no_name_is_an_error() {
+    let (dir, _) = fresh("rename-unused");
+    let out = dir.join("renamed");
+    let run = to_fp32(&dir, &out, &["--rename", "layr=block"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--rename layr=block") && stderr.contains("layer0"),
+        "{stderr}"
+    );
+    assert!(!out.join("model.safetensors").exists());
+    let run = to_fp32(&dir, &out, &["--rename", "layer=block", "--rename", "!absent"]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -122,25 +122,47 @@ impl NameMap {
     pub fn apply(&self, name: &str) -> Option<String> {
         let mut name = name.to_string();
         for rule in &self.rules {
-            match rule {
-                NameRule::Prefix { from, to } => {
-                    if let Some(rest) = name.strip_prefix(from.as_str()) {
-                        name = format!("{to}{rest}");
-                    }
-                }
-                NameRule::Suffix { from, to } => {
-                    if let Some(rest) = name.strip_suffix(from.as_str()) {
-                        name = format!("{rest}{to}");
-                    }
-                }
-                NameRule::Drop(prefix) => {
-                    if name.starts_with(prefix.as_str()) {
-                        return None;
-                    }
-                }
+            match rule.rewrite(&name) {
+                Some(Some(new)) => name = new,
+                Some(None) => return None,
+                None => {}
             }
         }
         Some(name)
+    }
+
+    /// The rules (by index) that no name of `names` meets on its way through the rules before
+    /// them: rules that change nothing (a misspelt prefix, usually).
+    pub fn unused_rules<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Vec<usize> {
+        let mut used = vec![false; self.rules.len()];
+        for name in names {
+            let mut name = name.to_string();
+            for (i, rule) in self.rules.iter().enumerate() {
+                match rule.rewrite(&name) {
+                    Some(new) => {
+                        used[i] = true;
+                        match new {
+                            Some(new) => name = new,
+                            None => break,
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+        (0..used.len()).filter(|&i| !used[i]).collect()
+    }
+}
+
+impl NameRule {
+    /// What the rule makes of `name`: `None` when it does not apply to it, `Some(None)` when it
+    /// drops it, `Some(Some(new))` when it renames it.
+    pub fn rewrite(&self, name: &str) -> Option<Option<String>> {
+        match self {
+            NameRule::Prefix { from, to } => name.strip_prefix(from.as_str()).map(|rest| Some(format!("{to}{rest}"))),
+            NameRule::Suffix { from, to } => name.strip_suffix(from.as_str()).map(|rest| Some(format!("{rest}{to}"))),
+            NameRule::Drop(prefix) => name.starts_with(prefix.as_str()).then_some(None),
+        }
     }
 }
 

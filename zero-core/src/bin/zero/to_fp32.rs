@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use zero_core::checkpoint::{
-    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, Checkpoint, ExportNaming, NameMap,
+    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, Checkpoint, ExportNaming, NameMap, NameRule,
     TensorParallelCheckpoint,
 };
 
@@ -91,7 +91,33 @@ fn convert(args: &Args) -> Result<String, String> {
     }
     let naming = ExportNaming::resolve(&checkpoint.meta, args.names.as_deref()).map_err(|e| e.to_string())?;
     let mut map = naming.names;
+    let first_own = map.rules.len();
     map.rules.extend(renames);
+    // A --rename rule that renames no name changes nothing: a misspelt prefix would go out as
+    // the names it meant to replace. Refused, naming a few of the names it could have met. (A
+    // drop rule that meets nothing leaves out nothing, which is what it asks.)
+    if let Some(&unused) = map
+        .unused_rules(checkpoint.meta.params.iter().map(|p| p.name.as_str()))
+        .iter()
+        .find(|&&i| i >= first_own && !matches!(map.rules[i], NameRule::Drop(_)))
+    {
+        let before = NameMap {
+            rules: map.rules[..unused].to_vec(),
+            tied: Vec::new(),
+        };
+        let seen: Vec<String> = checkpoint
+            .meta
+            .params
+            .iter()
+            .filter_map(|p| before.apply(&p.name))
+            .take(3)
+            .collect();
+        return Err(format!(
+            "--rename {}: no tensor name matches it (the names it sees begin {}, ...)",
+            args.rename[unused - first_own],
+            seen.join(", ")
+        ));
+    }
     let report = match &split {
         Some(tp) => to_fp32_tensor_parallel(tp, &args.out, max, &|n| map.apply(n)),
         None => to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)),
