@@ -501,3 +501,24 @@ fn an_integer_beyond_its_range_is_named_so() {
     let e = err(r#"{"train_batch_size": 8.5}"#);
     assert!(e.contains("found 8.5") && !e.contains("out of range"), "{e}");
 }
+
+/// A supplied value for an "auto" key that is of the wrong kind is named as the supplied one,
+/// not blamed on the file.
+#[test]
+fn a_wrong_supplied_value_is_named_as_supplied() {
+    let parsed = parse(r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#);
+    let overrides = zero_core::config::Overrides::from_assignments(&["optimizer.params.lr=abc".to_string()]).unwrap();
+    let e = parsed
+        .config
+        .resolve(&ResolveContext {
+            world_size: 1,
+            overrides,
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("optimizer.params.lr (the value supplied for its \"auto\")") && e.contains("\"abc\""),
+        "{e}"
+    );
+}

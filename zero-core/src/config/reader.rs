@@ -181,7 +181,21 @@ impl<'a> Cx<'a> {
     /// fill) a deferral or an error.
     pub fn resolve_auto<T: Scalar>(&mut self, key: &str, canonical: &str, default: T) -> Result<T, ConfigError> {
         if let Some(v) = self.overrides.get(key).or_else(|| self.overrides.get(canonical)) {
-            return self.convert(key, v);
+            // The value is the caller's (`--set`), not the file's: the error says so.
+            return self.convert(key, v).map_err(|e| match e {
+                ConfigError::InvalidType {
+                    source_name,
+                    key,
+                    expected,
+                    found,
+                } => ConfigError::InvalidType {
+                    source_name,
+                    key: format!("{key} (the value supplied for its \"auto\")"),
+                    expected,
+                    found,
+                },
+                other => other,
+            });
         }
         if let Some(v) = self.derived.get(canonical).cloned() {
             return self.convert(key, &v);
