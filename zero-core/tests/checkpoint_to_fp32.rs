@@ -295,3 +295,21 @@ fn a_checkpoint_from_before_model_records_loads_and_exports_as_before() {
     assert!(!out.join("config.json").exists());
     std::fs::remove_dir_all(&out).ok();
 }
+
+/// The one size parser every tool's size flag goes through. Reference: the units' definitions
+/// (powers of 1000 and 1024) and 2^64.
+#[test]
+fn sizes_are_read_with_units_exponents_and_bounds() {
+    use zero_core::checkpoint::parse_size;
+    assert_eq!(parse_size("1000000"), Ok(1_000_000));
+    assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+    assert_eq!(parse_size("5gb"), Ok(5_000_000_000));
+    assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+    assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+    assert_eq!(parse_size("120e9"), Ok(120_000_000_000));
+    assert_eq!(parse_size("1_000 MB"), Ok(1_000_000_000));
+    assert!(parse_size("1e30").unwrap_err().contains("2^64"));
+    assert!(parse_size("64 parsecs").unwrap_err().contains("unknown unit `parsecs`"));
+    assert!(parse_size("0").unwrap_err().contains("positive size"));
+    assert!(parse_size("-5GB").unwrap_err().contains("positive size"));
+}

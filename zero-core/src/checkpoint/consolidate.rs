@@ -147,14 +147,17 @@ fn read_param(
     Ok(())
 }
 
-/// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000000` (bytes).
+/// Parses a size in bytes: a count (`1000000`, `120e9`, `1_000_000`) with an optional unit,
+/// B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), in any case.
+/// Every size a tool takes (`zero to-fp32 --max-shard-size`, `zero estimate --fit-host-memory`)
+/// is read here.
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (number, unit) = t.split_at(digits);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("`{text}` is not a size (e.g. 5GB, 500MB, 1000000)"))?;
+    let clean = text.trim().replace(['_', ','], "");
+    // The unit starts at the first letter that is not an exponent's.
+    let split = clean
+        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        .unwrap_or(clean.len());
+    let (number, unit) = clean.split_at(split);
     let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1.0,
         "KB" => 1e3,
@@ -164,17 +167,22 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "KIB" => 1024.0,
         "MIB" => 1024.0 * 1024.0,
         "GIB" => 1024.0 * 1024.0 * 1024.0,
+        "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
         _ => {
             return Err(format!(
-                "`{text}`: unknown unit `{unit}` (B, KB, MB, GB, TB, KiB, MiB, GiB)"
+                "{text}: unknown unit `{}` (B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)",
+                unit.trim()
             ))
         }
     };
-    let bytes = value * scale;
-    if bytes < 1.0 {
-        return Err(format!("`{text}` is not a positive size"));
+    // Below 2^64 (1.8e19) the cast is exact enough; at or above it, it would saturate.
+    match number.trim().parse::<f64>().map(|v| v * scale) {
+        Ok(bytes) if (1.0..1.8e19).contains(&bytes) => Ok(bytes as u64),
+        Ok(bytes) if bytes >= 1.8e19 && bytes.is_finite() => Err(format!(
+            "{text}: more than 2^64 bytes (16 EiB), more than any machine holds"
+        )),
+        _ => Err(format!("{text}: expected a positive size such as 5GB, 128GiB or 120e9")),
     }
-    Ok(bytes as u64)
 }
 
 /// Writes the checkpoint's fp32 weights, whole, into `out_dir`: `model.safetensors`, or, when

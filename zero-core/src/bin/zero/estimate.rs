@@ -146,40 +146,9 @@ fn parse_count(text: &str) -> Result<u64, String> {
     }
 }
 
-/// A byte size: a count, with an optional unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB,
-/// GiB, TiB powers of 1024).
+/// A byte size (`zero_core::checkpoint::parse_size`), the flag named in its error.
 fn parse_bytes(flag: &str, text: &str) -> Result<u64, String> {
-    let clean = text.trim().replace(['_', ','], "");
-    let split = clean
-        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
-        .unwrap_or(clean.len());
-    let (number, unit) = clean.split_at(split);
-    let scale: f64 = match unit.trim() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
-        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => {
-            return Err(format!(
-                "--{flag} {text}: unknown unit (expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
-            ))
-        }
-    };
-    // Below 2^64 (1.8e19) the cast is exact enough; at or above it, it would saturate.
-    match number.trim().parse::<f64>() {
-        Ok(v) if v > 0.0 && (v * scale) < 1.8e19 => Ok((v * scale) as u64),
-        Ok(v) if v > 0.0 && (v * scale).is_finite() => Err(format!(
-            "--{flag} {text}: more than 2^64 bytes (16 EiB), more than any machine holds"
-        )),
-        _ => Err(format!(
-            "--{flag} {text}: expected a positive size such as 128GiB or 120e9"
-        )),
-    }
+    zero_core::checkpoint::parse_size(text).map_err(|e| format!("--{flag} {e}"))
 }
 
 fn report(args: &Args) -> Result<String, String> {
