@@ -130,6 +130,7 @@ fn validation_loss_matches_the_run_without_a_pipeline() {
         let mut a = args(&config(dir.path(), stages, 1, 2, 0), 2, 4, None, None);
         a.tokens = None;
         a.data = Some(text.clone());
+        a.seq_len = Some(16);
         train(&a).expect("training on the letters")
     };
     let piped = run(2);
