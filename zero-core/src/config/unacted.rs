@@ -95,8 +95,8 @@ const FEATURES: &[(&str, &str, &str)] = &[
     (
         "memory_breakdown",
         "false",
-        "the memory breakdown is not printed each step; the per-rank memory report at the start (and `zero \
-         estimate` before the launch) give the model states",
+        "the memory breakdown is not printed each step; the optimizer's per-rank memory report (which `gpt2 \
+         train` prints at its end) and `zero estimate` before the launch give the model states",
     ),
     ("dump_state", "false", "the engine's state is not printed at the start"),
     (

@@ -28,7 +28,7 @@ pub enum LaunchError {
     #[error("{0}")]
     Options(String),
     /// A hostfile line cannot be used.
-    #[error("{file}:{line}: {message}")]
+    #[error("{file}{}: {message}", if *line > 0 { format!(":{line}") } else { String::new() })]
     Hostfile {
         /// The hostfile.
         file: String,

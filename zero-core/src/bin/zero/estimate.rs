@@ -12,7 +12,7 @@ use zero_core::estimate::{
 #[derive(clap::Args)]
 pub struct Args {
     /// Trainable parameters (e.g. 1500000000, 1.5e9).
-    #[arg(long, conflicts_with_all = ["preset", "fit_host_memory"], required_unless_present_any = ["preset", "fit_host_memory"])]
+    #[arg(long, conflicts_with_all = ["preset", "fit_host_memory"])]
     pub params: Option<String>,
     /// A GPT-2 preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape
     /// `gpt2-<layers>x<hidden>` (e.g. gpt2-40x4096).
