@@ -22,7 +22,9 @@ fn one_shard_per_unit_that_loads_back_with_gpt2_initialization() {
     let dir = tempfile::tempdir().unwrap();
     let config = config();
     let device = Default::default();
-    config.write_random_pretrained::<B>(dir.path(), &device).unwrap();
+    config
+        .write_random_pretrained::<B>(dir.path(), &device, |_, _| {})
+        .unwrap();
 
     // The embeddings and each of the 3 blocks in a shard of its own, and the index.
     let mut files: Vec<String> = std::fs::read_dir(dir.path())
@@ -73,7 +75,9 @@ fn a_sharded_write_replaces_a_single_file_checkpoint_in_the_same_directory() {
     let config = config();
     let old = config.init::<B>(&device);
     old.save_pretrained(dir.path(), &config).unwrap();
-    config.write_random_pretrained::<B>(dir.path(), &device).unwrap();
+    config
+        .write_random_pretrained::<B>(dir.path(), &device, |_, _| {})
+        .unwrap();
     // A reader takes model.safetensors before the index: left behind, it would load the old
     // weights instead of the new ones.
     assert!(!dir.path().join("model.safetensors").exists());

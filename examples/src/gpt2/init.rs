@@ -58,13 +58,21 @@ pub fn init(args: &InitArgs) -> Result<String, TrainError> {
     let device = Default::default();
     Flex::seed(&device, args.seed);
     let written = config
-        .write_random_pretrained::<Flex>(&staging, &device)
+        .write_random_pretrained::<Flex>(&staging, &device, |done, units| {
+            // On a terminal, a line that counts the units (a 10B model takes minutes).
+            if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+                eprint!("\rgpt2 init: {done} of {units} units written");
+            }
+        })
         .map_err(|e| TrainError::Model(e.to_string()))
         .and_then(|()| {
             // An empty directory named by --out is replaced.
             let _ = std::fs::remove_dir(&args.out);
             std::fs::rename(&staging, &args.out).map_err(|e| refuse(format!("cannot move the model into place: {e}")))
         });
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprint!("\r\x1b[2K");
+    }
     if written.is_err() {
         let _ = std::fs::remove_dir_all(&staging);
     }

@@ -142,11 +142,13 @@ impl Gpt2Config {
     /// (`config.json`, one shard for the embeddings and one per transformer block, and the
     /// index), building one unit at a time: the most it holds is one block (or the embeddings),
     /// never the model. The initialization is [`init`](Self::init)'s; seed the backend first
-    /// for a reproducible directory.
+    /// for a reproducible directory. `progress(done, units)` is called before each unit is
+    /// drawn, with the units written so far.
     pub fn write_random_pretrained<B: Backend>(
         &self,
         dir: impl AsRef<Path>,
         device: &B::Device,
+        mut progress: impl FnMut(usize, usize),
     ) -> Result<(), CheckpointError> {
         self.validate().map_err(|e| CheckpointError::TensorData {
             key: CONFIG_FILE.into(),
@@ -155,6 +157,7 @@ impl Gpt2Config {
         let d = self.n_embd;
         let layers = self.n_layer;
         let shards = (0..=layers).map(|unit| -> Result<Shard, CheckpointError> {
+            progress(unit, layers + 1);
             if unit == 0 {
                 let wte = normal_embedding::<B>(self.vocab_size, d, self.initializer_range, device);
                 let wpe = normal_embedding::<B>(self.n_positions, d, self.initializer_range, device);
