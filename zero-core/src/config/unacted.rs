@@ -217,6 +217,8 @@ const TUNING: &[(&str, &str)] = &[
     ("zero_optimization.allgather_bucket_size", "500000000"),
     ("zero_optimization.round_robin_gradients", "false"),
     ("zero_optimization.legacy_stage1", "false"),
+    // Units stay gathered between uses only within the prefetch window here.
+    ("zero_optimization.stage3_max_reuse_distance", "1000000000"),
     ("zero_optimization.stage3_module_granularity_threshold", "0"),
     ("zero_optimization.stage3_use_all_reduce_for_fetch_params", "false"),
     ("zero_optimization.stage3_allgather_sequential", "false"),
