@@ -3,7 +3,8 @@
 
 use super::auto::{Auto, Overrides};
 use super::error::ConfigError;
-use super::reader::{Cx, Deferred, Scalar, Section};
+use super::reader::{Cx, Deferred, Section};
+use super::scalar::Scalar;
 use serde::Serialize;
 use serde_json::Value;
 

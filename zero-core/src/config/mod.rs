@@ -49,6 +49,7 @@ mod optimizer;
 mod precision;
 mod reader;
 mod resolved;
+mod scalar;
 mod scheduler;
 mod sections;
 mod text;

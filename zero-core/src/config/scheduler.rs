@@ -4,7 +4,8 @@
 //! typed; names of torch's schedulers, which DeepSpeed also accepts, are kept with their params.
 
 use super::error::ConfigError;
-use super::reader::{nearest, Cx, Scalar, Section, UnknownKeys};
+use super::reader::{nearest, Cx, Section, UnknownKeys};
+use super::scalar::Scalar;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
