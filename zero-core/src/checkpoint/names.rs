@@ -138,15 +138,12 @@ impl NameMap {
         for name in names {
             let mut name = name.to_string();
             for (i, rule) in self.rules.iter().enumerate() {
-                match rule.rewrite(&name) {
-                    Some(new) => {
-                        used[i] = true;
-                        match new {
-                            Some(new) => name = new,
-                            None => break,
-                        }
+                if let Some(new) = rule.rewrite(&name) {
+                    used[i] = true;
+                    match new {
+                        Some(new) => name = new,
+                        None => break,
                     }
-                    None => {}
                 }
             }
         }
