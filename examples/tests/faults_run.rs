@@ -281,37 +281,31 @@ fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
     assert_refused(&out, &["vocabulary of 512"]);
 }
 
+/// One step of `gpt2 train --preset PRESET` on one rank thread, sequences of 16, under the
+/// config `text` (written to a file of its own).
+fn train_preset(preset: &str, text: &str) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, text).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["train", "--quiet", "--preset", preset, "--nproc", "1", "--steps", "1"])
+        .args(["--seq-len", "16", "--config"])
+        .arg(&config)
+        .output()
+        .expect("run gpt2")
+}
+
 /// A micro-batch whose activations cannot fit this machine's memory is refused before any rank
 /// starts, naming the key and what to do, instead of being killed by the kernel in step 1.
 /// (The machine's memory is read from /proc/meminfo.)
 #[cfg(target_os = "linux")]
 #[test]
 fn a_micro_batch_beyond_the_machines_memory_is_refused_before_step_1() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("huge.json");
-    std::fs::write(
-        &config,
+    let out = train_preset(
+        "tiny",
         r#"{"train_micro_batch_size_per_gpu": 1000000000, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 3}}"#,
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args([
-            "train",
-            "--quiet",
-            "--preset",
-            "tiny",
-            "--nproc",
-            "1",
-            "--steps",
-            "1",
-            "--seq-len",
-            "16",
-        ])
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .expect("run gpt2");
+    );
     assert_refused(
         &out,
         &[
@@ -330,29 +324,11 @@ fn a_micro_batch_beyond_the_machines_memory_is_refused_before_step_1() {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_model_beyond_the_machines_memory_is_refused_before_step_1() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("plain.json");
-    std::fs::write(
-        &config,
+    let out = train_preset(
+        "gpt2-1x1000000",
         r#"{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#,
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args([
-            "train",
-            "--quiet",
-            "--preset",
-            "gpt2-1x1000000",
-            "--nproc",
-            "1",
-            "--steps",
-            "1",
-        ])
-        .args(["--seq-len", "16", "--config"])
-        .arg(&config)
-        .output()
-        .expect("run gpt2");
+    );
     assert_refused(
         &out,
         &[
