@@ -65,7 +65,7 @@ pub fn fixture_args(config: &Path, steps: u64, nproc: usize) -> TrainArgs {
         seq_len: None,
         steps,
         nproc,
-        seed: 0,
+        seed: Some(0),
         metrics: None,
         save: None,
         save_every: None,

@@ -68,9 +68,10 @@ pub struct TrainArgs {
     /// one rank).
     #[arg(long, default_value_t = 2)]
     pub nproc: usize,
-    /// Seed of the model's initialisation and of the data sampler.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// Seed of the model's initialisation and of the data sampler (default: the config's
+    /// `seed`, else 42).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Write a checkpoint into this directory at the end (and every --save-every steps).
     #[arg(long)]
     pub save: Option<PathBuf>,
@@ -126,6 +127,12 @@ impl TrainArgs {
             }
             _ => Some((dir.clone(), None)),
         }
+    }
+
+    /// The run's seed: `--seed`, or 42 (`train` fills in the config's `seed` when the flag is
+    /// not given).
+    pub fn seed(&self) -> u64 {
+        self.seed.unwrap_or(42)
     }
 
     /// Tokens per sequence sampled from text: `--seq-len`, or 64.
@@ -217,6 +224,16 @@ where
         eprintln!("warning: {w}");
     }
     let config = parsed.config;
+    // The config's `seed` when the command line gives none.
+    let seeded = TrainArgs {
+        seed: args.seed.or_else(|| {
+            // The parser took `seed` as a non-negative integer (`7` or `7.0`).
+            let v = config.raw().get("seed")?;
+            v.as_u64().or_else(|| v.as_f64().map(|f| f as u64))
+        }),
+        ..args.clone()
+    };
+    let args = &seeded;
     let source = match (&args.model, &args.preset) {
         (Some(dir), _) => ModelSource::Pretrained(dir.clone()),
         (None, Some(name)) => ModelSource::Preset(name.clone()),
@@ -361,7 +378,7 @@ where
                 Some(model) => Ok(model.into_sharded()),
                 None => Ok(source.build_sharded_seeded::<B>(
                     device,
-                    args.seed,
+                    args.seed(),
                     units,
                     settings.param_persistence_threshold,
                 )?),
@@ -455,7 +472,7 @@ fn rank_start<B: AutodiffBackend>(
     let (model, model_config) = if partitioned {
         (None, source.config()?)
     } else {
-        let (model, config) = source.build_seeded::<B>(device, args.seed)?;
+        let (model, config) = source.build_seeded::<B>(device, args.seed())?;
         (Some(model), config)
     };
     // Checkpoints say which model they hold, so `zero to-fp32` writes a HuggingFace directory

@@ -144,7 +144,7 @@ impl PipelineRun<'_> {
         let mut records = Vec::new();
         for step in first_step..args.steps {
             let t0 = Instant::now();
-            let batch = data.global_batch(step, global, args.seed)?;
+            let batch = data.global_batch(step, global, args.seed())?;
             let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
             let micro_batches: Vec<_> = mine
                 .chunks(micro)

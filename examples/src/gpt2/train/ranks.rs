@@ -236,7 +236,7 @@ where
     let mut records = Vec::new();
     for step in first_step..args.steps {
         let t0 = Instant::now();
-        let batch = data.global_batch(step, global, args.seed)?;
+        let batch = data.global_batch(step, global, args.seed())?;
         let mine = &batch[rank * micro * gas..(rank + 1) * micro * gas];
         let mut loss_sum = 0.0f64;
         let mut accumulator = GradientsAccumulator::new();

@@ -102,7 +102,7 @@ pub(super) fn nothing_to_train(
 pub(super) fn checkpoint_due(args: &TrainArgs, step: u64) -> Option<(&PathBuf, serde_json::Value)> {
     let dir = args.save.as_ref()?;
     let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1).is_multiple_of(k));
-    (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed })))
+    (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed() })))
 }
 
 /// The end of a rank's run: the summary, the progress bar's last line, the metrics file closed
