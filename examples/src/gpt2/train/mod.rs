@@ -221,7 +221,7 @@ where
     checks::counts(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}: {w}", args.config.display());
     }
     let config = parsed.config;
     // The config's `seed` when the command line gives none.

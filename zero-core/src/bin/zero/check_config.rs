@@ -43,7 +43,7 @@ fn check(args: &Args) -> Result<String, String> {
     let overrides = Overrides::from_assignments(&args.set)?;
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
     for warning in &parsed.warnings {
-        print_note(format_args!("warning: {warning}"));
+        print_note(format_args!("warning: {}: {warning}", args.file.display()));
     }
     // A --set that fills nothing is a mistake the user should hear of, not a silent no-op.
     parsed
