@@ -522,3 +522,43 @@ fn a_wrong_supplied_value_is_named_as_supplied() {
         "{e}"
     );
 }
+
+/// A misspelt key in `pipeline` or `tensor_parallel` (whose other keys are kept as written) is
+/// a warning with the key meant: a run without the pipeline it asked for is said.
+#[test]
+fn misspelt_layout_keys_are_named() {
+    let w: Vec<String> =
+        parse(r#"{"train_batch_size": 8, "pipeline": {"stage": 2}, "tensor_parallel": {"autotp_sise": 2}}"#)
+            .warnings
+            .iter()
+            .map(|w| w.to_string())
+            .collect();
+    assert!(
+        w.iter().any(|w| w.contains("pipeline.stage") && w.contains("`stages`")),
+        "{w:?}"
+    );
+    assert!(
+        w.iter()
+            .any(|w| w.contains("tensor_parallel.autotp_sise") && w.contains("`autotp_size`")),
+        "{w:?}"
+    );
+}
+
+/// OneCycle cycles the momentum in DeepSpeed (cycle_momentum, default true), not here: said,
+/// unless the config turns it off.
+#[test]
+fn one_cycle_momentum_is_said_not_cycled() {
+    let with = |extra: &str| {
+        parse(&format!(
+            r#"{{"train_batch_size": 8, "optimizer": {{"type": "Adam", "params": {{"lr": 1e-3}}}},
+            "scheduler": {{"type": "OneCycle", "params": {{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3{extra}}}}}}}"#
+        ))
+        .warnings
+        .into_iter()
+        .filter(|w| w.key == "scheduler.params.cycle_momentum")
+        .count()
+    };
+    assert_eq!(with(""), 1);
+    assert_eq!(with(r#", "cycle_momentum": true"#), 1);
+    assert_eq!(with(r#", "cycle_momentum": false"#), 0);
+}

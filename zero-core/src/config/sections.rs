@@ -247,6 +247,8 @@ pub(crate) fn read_pipeline(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<Pi
             "grad_partitioned",
         ],
     );
+    // A misspelt key (`stage` for `stages`) would leave the run without a pipeline unsaid.
+    s.finish(cx, UnknownKeys::Warn)?;
     Ok(c)
 }
 
@@ -257,6 +259,7 @@ pub(crate) fn read_tensor_parallel(
     let mut s = top.child("tensor_parallel", cx)?;
     let autotp_size = cx.get(&mut s, &["autotp_size"], 0)?;
     let tp_overlap_comm = cx.get(&mut s, &["tp_overlap_comm"], false)?;
+    s.finish(cx, UnknownKeys::Warn)?;
     Ok(TensorParallelConfig {
         autotp_size,
         tp_overlap_comm,

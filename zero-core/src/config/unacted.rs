@@ -11,6 +11,7 @@
 
 use super::error::ConfigWarning;
 use super::resolved::ResolvedConfig;
+use super::scheduler::SchedulerConfig;
 use serde_json::Value;
 
 /// A feature of DeepSpeed's that this project does not have: the dotted key (in the resolved
@@ -283,6 +284,16 @@ pub(crate) fn notices(config: &ResolvedConfig) -> Vec<ConfigWarning> {
                     "sequence parallelism is not available: every rank sees whole sequences, and the data-parallel \
                      world size is the whole world, not the world over {size}"
                 ),
+            ));
+        }
+    }
+    if let Some(SchedulerConfig::OneCycle(p)) = &config.scheduler {
+        if p.cycle_momentum {
+            out.push(ConfigWarning::new(
+                "scheduler.params.cycle_momentum",
+                "the optimizer's momentum is not cycled here: betas[0] (SGD's momentum) keeps its configured value \
+                 while the learning rate cycles; DeepSpeed cycles it between cycle_max_mom and cycle_min_mom (false \
+                 says the run is as here)",
             ));
         }
     }
