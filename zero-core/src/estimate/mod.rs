@@ -101,7 +101,7 @@ pub enum Dtype {
     Bf16,
     /// IEEE half parameters and gradients, fp32 masters.
     Fp16,
-    /// fp32 everywhere; the parameters are the masters.
+    /// fp32 everywhere (the optimizer's masters a copy of the parameters).
     Fp32,
 }
 
@@ -114,13 +114,12 @@ impl Dtype {
         }
     }
 
-    /// K: optimizer-state bytes per parameter (Adam): fp32 masters and two moments in mixed
-    /// precision (12), the two moments alone in fp32 (8).
+    /// K: optimizer-state bytes per parameter (Adam): the fp32 masters and two moments, 12 in
+    /// every dtype. In fp32 too the optimizer keeps its masters apart from the model's
+    /// parameters (it writes the model's from them after each step), where DeepSpeed's fp32
+    /// layout updates the parameters themselves (8): the estimate is of this engine.
     pub fn optimizer_bytes(self) -> u64 {
-        match self {
-            Dtype::Bf16 | Dtype::Fp16 => 12,
-            Dtype::Fp32 => 8,
-        }
+        12
     }
 
     /// The dtype from its name (`bf16`, `fp16`, `fp32`).
@@ -383,9 +382,8 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
             OffloadTarget::Cpu => (&mut host, &mut host_terms),
             OffloadTarget::Nvme => (&mut nvme, &mut nvme_terms),
         };
-        // fp32 masters travel with the offloaded moments (the device's parameters are no
-        // longer the masters the step updates): 12 bytes whatever the dtype.
-        let k_off = if input.dtype == Dtype::Fp32 { 12 } else { k };
+        // fp32 masters travel with the offloaded moments: 12 bytes whatever the dtype.
+        let k_off = k;
         place.optimizer_state = share(k_off, psi, n_opt)?;
         terms.push(format!("optimizer {k_off}Ψ{}", frac(n_opt)));
         device.optimizer_state = 0;

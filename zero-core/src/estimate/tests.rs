@@ -128,15 +128,17 @@ fn paper_example() {
     assert!((gb(3) - 1.875).abs() < 0.001, "{}", gb(3));
 }
 
+/// Reference: what the optimizer's memory report counts for an fp32 run (BENCHMARKS.md's
+/// "+ master" column: the masters are a copy beside the parameters).
 #[test]
-fn fp32_is_4_4_8() {
+fn fp32_is_4_4_12() {
     let e = estimate(&EstimateInput::new(1000, 0, 1, Dtype::Fp32)).unwrap();
     assert_eq!(
         e.per_device,
         StateBytes {
             parameters: 4000,
             gradients: 4000,
-            optimizer_state: 8000,
+            optimizer_state: 12000,
             gathered: 0
         }
     );
@@ -189,9 +191,9 @@ fn fp32_offload_moves_masters_with_the_moments() {
     assert_eq!(e.per_node_nvme.parameters, 6_230_444_800);
     // What stays on the device: the fp32 gradient shard, from backward until the step.
     assert_eq!(e.per_device.total(), 4 * psi);
-    // Without offload the fp32 parameters are the masters: 8 bytes of moments.
+    // Without offload the masters and moments stay on the device: 12 bytes.
     let plain = estimate(&EstimateInput::new(psi, 3, 1, Dtype::Fp32)).unwrap();
-    assert_eq!(plain.per_device.optimizer_state, 8 * psi);
+    assert_eq!(plain.per_device.optimizer_state, 12 * psi);
 }
 
 // Reference: GPT2LMHeadModel(GPT2Config(...)).num_parameters() in transformers (tied head).
