@@ -1,5 +1,6 @@
 //! The config's `monitors`: `csv_monitor` and `tensorboard` write under
-//! `output_path/job_name/`; `wandb` needs the network and is not supported (a warning says so).
+//! `output_path/job_name/`; `wandb` and `comet` need their services and are not written (the
+//! config's parse warnings say so).
 //!
 //! As DeepSpeed's engine does, the scalars are tagged `Train/Samples/...` and recorded against the
 //! number of samples trained so far (step × train_batch_size), not against the step.
@@ -29,15 +30,6 @@ impl Monitors {
         };
         if !lead {
             return Ok(none);
-        }
-        if config.wandb.enabled {
-            eprintln!(
-                "warning: wandb is enabled in the config but not supported by this trainer (it needs \
-                 the wandb service); use csv_monitor or tensorboard. Training goes on without it."
-            );
-        }
-        if config.comet.is_some() {
-            eprintln!("warning: the comet monitor is not supported; training goes on without it.");
         }
         Ok(Monitors {
             csv: config

@@ -111,6 +111,12 @@ const FEATURES: &[(&str, &str, &str)] = &[
         "FLOPs are not profiled; the step's wall-clock breakdown is printed instead",
     ),
     (
+        "wandb.enabled",
+        "false",
+        "Weights & Biases is not reached from here (it needs its service): csv_monitor or tensorboard write the \
+         same values",
+    ),
+    (
         "dataloader_drop_last",
         "false",
         "there is no DeepSpeed data loader here: the training loop batches its own data",
@@ -286,6 +292,13 @@ pub(crate) fn notices(config: &ResolvedConfig) -> Vec<ConfigWarning> {
                 ),
             ));
         }
+    }
+    if config.monitors.comet.as_ref().is_some_and(enabled) {
+        out.push(ConfigWarning::new(
+            "comet.enabled",
+            "the Comet monitor is not reached from here (it needs its service): csv_monitor or tensorboard write \
+             the same values",
+        ));
     }
     if let Some(SchedulerConfig::OneCycle(p)) = &config.scheduler {
         if p.cycle_momentum {
