@@ -455,13 +455,15 @@ mod tests {
         let off = json!({"train_batch_size": 8,
             "elasticity": {"enabled": false},
             "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": false}}},
-            "sequence_parallel_size": 1});
+            "sequence_parallel_size": 1,
+            "comet": {"enabled": false}});
         assert!(warnings(off).is_empty());
         let on = json!({"train_batch_size": 8,
             "elasticity": {"enabled": true},
             "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": true}}},
             "sparse_attention": {"mode": "fixed"},
-            "sequence_parallel_size": 4});
+            "sequence_parallel_size": 4,
+            "comet": {"enabled": true}});
         let keys: Vec<String> = warnings(on).into_iter().map(|w| w.key).collect();
         assert_eq!(
             keys,
@@ -469,7 +471,8 @@ mod tests {
                 "elasticity",
                 "compression_training",
                 "sparse_attention",
-                "sequence_parallel_size"
+                "sequence_parallel_size",
+                "comet.enabled"
             ]
         );
     }
