@@ -347,3 +347,52 @@ fn a_model_beyond_the_machines_memory_is_refused_before_step_1() {
     let params = 50257.0 * 1e6 + 1024.0 * 1e6 + 12.0 * 1e12 + 13.0 * 1e6;
     assert!((each / (20.0 * params / 1e9) - 1.0).abs() < 0.01, "{each} GB: {err}");
 }
+
+/// A resumed run whose schedule is not the saved run's length (`total_num_steps: "auto"` is
+/// --steps, which a resume raises) is told that its learning rate follows the new length; with
+/// the length written in the config, the resume is the same schedule and says nothing.
+#[test]
+fn a_resume_with_another_schedule_length_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |total: &str, steps: &str, extra: &[&str]| {
+        let config = dir.path().join(format!("config-{total}.json"));
+        std::fs::write(
+            &config,
+            format!(
+                r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
+                "scheduler": {{"type": "WarmupDecayLR", "params": {{"warmup_max_lr": 0.001, "warmup_num_steps": 2,
+                    "total_num_steps": {total}}}}}}}"#
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args([
+                "train",
+                "--quiet",
+                "--preset",
+                "tiny",
+                "--nproc",
+                "2",
+                "--seq-len",
+                "16",
+                "--steps",
+                steps,
+            ])
+            .arg("--config")
+            .arg(&config)
+            .args(extra)
+            .output()
+            .expect("run gpt2");
+        assert!(out.status.success(), "{}", stderr(&out));
+        stderr(&out)
+    };
+    for total in ["\"auto\"", "6"] {
+        let ckpt = dir.path().join(format!("ckpt-{}", total.trim_matches('"')));
+        let ckpt = ckpt.to_str().unwrap();
+        run(total, "2", &["--save", ckpt]);
+        let said = run(total, "3", &["--load", ckpt]);
+        let warned = said.contains("the saved run's schedule was 2 steps long") && said.contains("is 3");
+        assert_eq!(warned, total == "\"auto\"", "total_num_steps {total}: {said}");
+    }
+}

@@ -32,6 +32,17 @@ pub enum SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// The schedule's length, for the schedules that have one (WarmupDecayLR, WarmupCosineLR).
+    pub fn total_num_steps(&self) -> Option<u64> {
+        match self {
+            SchedulerConfig::WarmupDecayLR(p) => Some(p.total_num_steps),
+            SchedulerConfig::WarmupCosineLR(p) => Some(p.total_num_steps),
+            _ => None,
+        }
+    }
+}
+
+impl SchedulerConfig {
     /// The schedule's name, in DeepSpeed's spelling.
     pub fn name(&self) -> &str {
         match self {

@@ -60,6 +60,7 @@ pub(super) fn pipeline_rank_loop<B: AutodiffBackend + TpBackend>(
         layout,
         run: run_info(args, resolved, model_config.num_params() as usize, layout),
         every: resolved.steps_per_print.max(1),
+        schedule: resolved.scheduler.as_ref().and_then(|s| s.total_num_steps()),
     };
     if groups.layout.size(Axis::Tensor) > 1 {
         let tp = TpGpt2::from_full(&model, TpGroup::new(groups.tensor.clone()))
@@ -97,6 +98,8 @@ struct PipelineRun<'a> {
     run: RunInfo,
     /// steps_per_print: how often the validation loss is computed.
     every: u64,
+    /// The schedule's length, recorded in checkpoints.
+    schedule: Option<u64>,
 }
 
 impl PipelineRun<'_> {
@@ -115,6 +118,8 @@ impl PipelineRun<'_> {
                 &dir,
                 &engine.load_checkpoint(&dir, tag.as_deref())?,
                 engine.global_step(),
+                self.schedule,
+                lead,
             )?,
             None => 0,
         };
@@ -177,7 +182,7 @@ impl PipelineRun<'_> {
                 m.write(&record)?;
             }
             records.push(record);
-            if let Some((dir, client)) = checkpoint_due(args, step) {
+            if let Some((dir, client)) = checkpoint_due(args, step, self.schedule) {
                 engine.save_checkpoint(dir, None, &client)?;
             }
         }

@@ -195,11 +195,12 @@ where
         // The gradient norm (and so clipping) over the whole model; checkpoints per tensor rank.
         optim = optim.with_tensor_parallel(tensor.clone(), model.tensor_splits());
     }
+    let schedule_len = resolved.scheduler.as_ref().and_then(|s| s.total_num_steps());
     let first_step = match args.load_target() {
         Some((dir, tag)) => {
             let (loaded, client) = optim.load_checkpoint(&dir, tag.as_deref(), model)?;
             model = loaded;
-            resume_step(&dir, &client, optim.global_step())?
+            resume_step(&dir, &client, optim.global_step(), schedule_len, lead)?
         }
         None => 0,
     };
@@ -308,7 +309,7 @@ where
             }
         }
         records.push(record);
-        if let Some((dir, client)) = checkpoint_due(args, step) {
+        if let Some((dir, client)) = checkpoint_due(args, step, schedule_len) {
             optim.save_checkpoint(dir, None, &client)?;
         }
     }

@@ -54,10 +54,15 @@ pub(super) fn caught<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, TrainError
 
 /// The step to resume after, from a loaded checkpoint's client state; it must be the engine's
 /// optimizer step (a checkpoint whose data position and optimizer disagree is refused).
+///
+/// A schedule whose length (`total_num_steps`, `schedule`) is not the saved run's goes on with
+/// the new length, which the uninterrupted run would not have: rank 0 (`lead`) says so.
 pub(super) fn resume_step(
     dir: &std::path::Path,
     client: &serde_json::Value,
     global_step: u64,
+    schedule: Option<u64>,
+    lead: bool,
 ) -> Result<u64, TrainError> {
     let step = client.get("step").and_then(|v| v.as_u64()).unwrap_or(global_step);
     if step != global_step {
@@ -65,6 +70,18 @@ pub(super) fn resume_step(
             "{}: the checkpoint's data position (step {step}) and optimizer step ({global_step}) disagree",
             dir.display(),
         )));
+    }
+    let saved = client.get("total_num_steps").and_then(|v| v.as_u64());
+    if let (Some(saved), Some(now), true) = (saved, schedule, lead) {
+        if saved != now {
+            eprintln!(
+                "warning: {}: the saved run's schedule was {saved} steps long (scheduler.params.total_num_steps, \
+                 --steps when the config writes \"auto\"), this one is {now}: the learning rate from step {} on \
+                 follows the new length, not the saved run's",
+                dir.display(),
+                step + 1
+            );
+        }
     }
     Ok(step)
 }
@@ -99,10 +116,22 @@ pub(super) fn nothing_to_train(
 
 /// Where and with what client state to save after `step` (0-based), when `--save` (with
 /// `--save-every`, or at the last step) asks for a checkpoint then.
-pub(super) fn checkpoint_due(args: &TrainArgs, step: u64) -> Option<(&PathBuf, serde_json::Value)> {
+/// The client state records the schedule's length (`schedule`), which a resumed run compares
+/// with its own.
+pub(super) fn checkpoint_due(
+    args: &TrainArgs,
+    step: u64,
+    schedule: Option<u64>,
+) -> Option<(&PathBuf, serde_json::Value)> {
     let dir = args.save.as_ref()?;
     let periodic = args.save_every.is_some_and(|k| k > 0 && (step + 1).is_multiple_of(k));
-    (periodic || step + 1 == args.steps).then(|| (dir, serde_json::json!({ "step": step + 1, "seed": args.seed() })))
+    (periodic || step + 1 == args.steps).then(|| {
+        let mut client = serde_json::json!({ "step": step + 1, "seed": args.seed() });
+        if let Some(total) = schedule {
+            client["total_num_steps"] = total.into();
+        }
+        (dir, client)
+    })
 }
 
 /// The end of a rank's run: the summary, the progress bar's last line, the metrics file closed
