@@ -76,9 +76,9 @@ fn main() {
         r#"{{"train_batch_size": 32, "zero_optimization": {{"stage": {stage}}},
             "optimizer": {{"type": "Adam", "params": {{"lr": 1e-2}}}}}}"#
     );
-    let config = DeepSpeedConfig::from_str(&text, "inline config")
-        .expect("valid config")
-        .config;
+    let parsed = DeepSpeedConfig::from_str(&text, "inline config").expect("valid config");
+    parsed.warnings.iter().for_each(|w| eprintln!("warning: {w}"));
+    let config = parsed.config;
     println!("SimpleModel, ZeRO stage {stage}, 2 ranks");
     let losses = run_ranks(2, move |rank, group| train(&config, rank, group));
     println!("final losses by rank: {:?}", losses.expect("ranks ran"));
