@@ -158,3 +158,36 @@ fn fixture_estimate(devices: u64, buffer_count: u64) -> zero_core::estimate::Est
     base.nvme_streaming.buffer_count = buffer_count;
     estimate(&shape.input(&base)).unwrap()
 }
+
+/// A resumed run's metrics file holds the whole run: the steps up to the checkpoint it resumed
+/// from (as the first run wrote them; a step the first run took past that checkpoint is written
+/// again, by the resumed run) and then its own. Reference: the first run's lines.
+#[test]
+fn a_resumed_run_keeps_the_steps_before_its_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "");
+    let metrics = dir.path().join("m.jsonl");
+    let ckpt = dir.path().join("ckpt");
+    let first = zero_examples::gpt2::TrainArgs {
+        metrics: Some(metrics.clone()),
+        save: Some(ckpt.clone()),
+        save_every: Some(2),
+        ..fixture_args(&cfg, 3, 2)
+    };
+    train(&first).expect("first run");
+    let before = read_lines(&metrics);
+    let steps = |lines: &[Value]| lines.iter().filter_map(|l| l.get("step")?.as_u64()).collect::<Vec<_>>();
+    assert_eq!(steps(&before), [1, 2, 3]);
+    // Resume from the step-2 save, as after a crash in step 3's save.
+    let resumed = zero_examples::gpt2::TrainArgs {
+        metrics: Some(metrics.clone()),
+        load: Some(ckpt.join("global_step2")),
+        ..fixture_args(&cfg, 4, 2)
+    };
+    train(&resumed).expect("resumed run");
+    let after = read_lines(&metrics);
+    assert!(after[0].get("run").is_some(), "the header comes first");
+    assert_eq!(steps(&after), [1, 2, 3, 4]);
+    assert_eq!(after[1..3], before[1..3], "steps 1 and 2 as the first run wrote them");
+    assert_eq!(after[3]["loss"], before[3]["loss"], "step 3 again, the same");
+}

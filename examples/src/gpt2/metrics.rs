@@ -159,13 +159,35 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// Creates (truncates) the file and writes its header line, what `zero plot` titles the
-    /// curve with.
-    pub fn create(path: &Path, run: &RunInfo) -> Result<Self, TrainError> {
+    /// Opens the file for a run that starts after optimizer step `first_step` and writes its
+    /// header line, what `zero plot` titles the curve with. A fresh run (`first_step` 0)
+    /// creates (truncates) it; a resumed run keeps the steps up to the checkpoint it resumed
+    /// from (a run that went past it before it stopped wrote later ones, which this run
+    /// writes again), so that the file and its curve hold the whole run.
+    pub fn create(path: &Path, run: &RunInfo, first_step: u64) -> Result<Self, TrainError> {
+        let kept: Vec<String> = if first_step == 0 {
+            Vec::new()
+        } else {
+            std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|line| {
+                    serde_json::from_str::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+                        .is_some_and(|step| step <= first_step)
+                })
+                .map(str::to_string)
+                .collect()
+        };
         let file = std::fs::File::create(path)
             .map_err(|e| TrainError::Config(format!("--metrics {}: cannot create the file: {e}", path.display())))?;
         let mut file = std::io::BufWriter::new(file);
         writeln!(file, "{}", run.header_line()).map_err(|source| io(path, source))?;
+        for line in kept {
+            writeln!(file, "{line}").map_err(|source| io(path, source))?;
+        }
+        file.flush().map_err(|source| io(path, source))?;
         Ok(MetricsWriter {
             file,
             path: path.to_path_buf(),

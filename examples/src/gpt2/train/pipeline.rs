@@ -136,7 +136,7 @@ impl PipelineRun<'_> {
             None,
         );
         let mut metrics = match (&args.metrics, lead) {
-            (Some(path), true) => Some(MetricsWriter::create(path, &self.run)?),
+            (Some(path), true) => Some(MetricsWriter::create(path, &self.run, first_step)?),
             _ => None,
         };
         let d = groups.coords.data;

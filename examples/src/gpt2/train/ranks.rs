@@ -223,6 +223,7 @@ where
         (Some(path), true) => Some(MetricsWriter::create(
             path,
             &run_info(args, resolved, parameters, layout),
+            first_step,
         )?),
         _ => None,
     };
