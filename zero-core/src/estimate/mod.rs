@@ -382,17 +382,16 @@ pub fn estimate(input: &EstimateInput) -> Result<Estimate, EstimateError> {
             OffloadTarget::Cpu => (&mut host, &mut host_terms),
             OffloadTarget::Nvme => (&mut nvme, &mut nvme_terms),
         };
-        // fp32 masters travel with the offloaded moments: 12 bytes whatever the dtype.
-        let k_off = k;
-        place.optimizer_state = share(k_off, psi, n_opt)?;
-        terms.push(format!("optimizer {k_off}Ψ{}", frac(n_opt)));
+        // The fp32 masters travel with the offloaded moments.
+        place.optimizer_state = share(k, psi, n_opt)?;
+        terms.push(format!("optimizer {k}Ψ{}", frac(n_opt)));
         device.optimizer_state = 0;
         device_terms.retain(|t| !t.starts_with("optimizer"));
         if target == OffloadTarget::Nvme {
             // On NVMe, the state passes through host buffers of a chunk of every state buffer,
             // sized by the largest group a rank owns: at stage 3 a block's or the embeddings'
             // shard, otherwise, at most, the rank's whole shard.
-            let width = k_off / 4;
+            let width = k / 4;
             let unit = input.largest_group.filter(|_| stage == 3).unwrap_or(psi).min(psi);
             let group = unit.div_ceil(n_opt);
             host.optimizer_state =

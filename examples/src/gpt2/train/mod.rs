@@ -224,16 +224,6 @@ where
         eprintln!("warning: {}: {w}", args.config.display());
     }
     let config = parsed.config;
-    // The config's `seed` when the command line gives none.
-    let seeded = TrainArgs {
-        seed: args.seed.or_else(|| {
-            // The parser took `seed` as a non-negative integer (`7` or `7.0`).
-            let v = config.raw().get("seed")?;
-            v.as_u64().or_else(|| v.as_f64().map(|f| f as u64))
-        }),
-        ..args.clone()
-    };
-    let args = &seeded;
     let source = match (&args.model, &args.preset) {
         (Some(dir), _) => ModelSource::Pretrained(dir.clone()),
         (None, Some(name)) => ModelSource::Preset(name.clone()),
@@ -307,6 +297,12 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    // The config's `seed` when the command line gives none.
+    let seeded = TrainArgs {
+        seed: args.seed.or(resolved.seed),
+        ..args.clone()
+    };
+    let args = &seeded;
     checks::nvme_paths_writable(&resolved)?;
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
