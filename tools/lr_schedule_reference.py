@@ -2,8 +2,8 @@
 """Reference learning rates from DeepSpeed's own deepspeed.runtime.lr_schedules.
 
 Builds each schedule on a torch optimizer exactly as the DeepSpeed engine does (the config's
-params as keyword arguments), records the rate (and β1 where the schedule cycles it) before the
-first scheduler step and after each of N steps, and writes
+params as keyword arguments), records the rate and the optimizer's betas (which OneCycle sets
+when it cycles the momentum) before the first scheduler step and after each of N steps, and writes
 zero-core/tests/fixtures/lr_schedule/deepspeed_reference.json.
 
 Regenerate (needs torch and deepspeed):
@@ -45,18 +45,20 @@ def main():
         opt = torch.optim.Adam([p], lr=OPTIMIZER_LR)
         sched = getattr(lr_schedules, kind)(opt, **params)
         group = opt.param_groups[0]
-        lrs, moms = [float(group["lr"])], [float(group["betas"][0])]
+        lrs, moms, beta2s = [float(group["lr"])], [float(group["betas"][0])], [float(group["betas"][1])]
         for _ in range(steps):
             sched.step()
             lrs.append(float(group["lr"]))
             moms.append(float(group["betas"][0]))
-        cases.append({"name": name, "type": kind, "params": params, "lrs": lrs, "beta1": moms})
+            beta2s.append(float(group["betas"][1]))
+        cases.append({"name": name, "type": kind, "params": params, "lrs": lrs, "beta1": moms, "beta2": beta2s})
     doc = {
         "generator": "tools/lr_schedule_reference.py",
         "deepspeed_version": deepspeed.__version__,
         "optimizer_lr": OPTIMIZER_LR,
         "optimizer_beta1": 0.9,
-        "note": "lrs[0] and beta1[0] are the values before the first scheduler step (last_batch_iteration = -1); lrs[k] after k steps",
+        "optimizer_beta2": 0.999,
+        "note": "lrs[0], beta1[0] and beta2[0] are the values before the first scheduler step (last_batch_iteration = -1); lrs[k] after k steps",
         "cases": cases,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -237,6 +237,9 @@ impl EngineCore {
         // The schedule advances only with applied steps (DeepSpeed does not step its LR
         // scheduler on an overflow).
         let lr = self.settings.lr_at(self.global_step - self.skipped_steps);
+        if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
+            self.state.set_betas(betas);
+        }
         let loss_scale = self.current_loss_scale();
         let grads = self.state.take_owned_grads();
         // The f32 copy of 16-bit gradients lives for the step (for f32 it is the accumulator).

@@ -452,6 +452,14 @@ impl FlatState {
         }
     }
 
+    /// Sets every group's optimizer betas for the steps to come (a schedule that cycles the
+    /// momentum).
+    pub fn set_betas(&mut self, betas: (f64, f64)) {
+        for g in &mut self.groups {
+            g.optimizer.set_betas(betas);
+        }
+    }
+
     /// Zeroes the accumulators and gives AccumulateThenReduce groups back their whole-group
     /// length (the boundary reduction shrank them to the owned slice).
     pub fn reset_accumulators(&mut self) {

@@ -8,7 +8,8 @@ use crate::device::HostStaged;
 use crate::error::ZeroError;
 use crate::optimizer::ZeroOptimizer;
 use crate::settings::{
-    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
+    BetasFn, ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings,
+    Stage,
 };
 use crate::sharded::{contains_zero_module, shard_units_with, ParamPlace, ShardBackend, UnitComm, UnitPlan};
 use crate::ActivationCheckpointing;
@@ -71,9 +72,9 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
                 .into(),
         ));
     }
-    let lr_schedule = match &config.scheduler {
-        None => None,
-        Some(s) => Some(lr_schedule(s, optimizer.lr())?),
+    let (lr_schedule, betas_schedule) = match &config.scheduler {
+        None => (None, None),
+        Some(s) => (Some(lr_schedule(s, optimizer.lr())?), betas_schedule(s, &optimizer)?),
     };
     let mut settings = EngineSettings::new(stage, optimizer);
     settings.gradient_accumulation_steps = config.gradient_accumulation_steps as usize;
@@ -83,6 +84,7 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.param_persistence_threshold = config.zero.stage3_param_persistence_threshold as usize;
     settings.gradient_clipping = config.gradient_clipping;
     settings.lr_schedule = lr_schedule;
+    settings.betas_schedule = betas_schedule;
     settings.precision = precision;
     settings.offload_optimizer = offload_optimizer;
     settings.offload_param = offload_param;
@@ -256,6 +258,46 @@ pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec,
 
 /// The learning rate by optimizer step for the config's `scheduler` section.
 pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, ZeroError> {
+    let schedule = build_schedule(config, optimizer_lr)?;
+    // Step k (0-based) runs at the rate the scheduler holds after k advances.
+    Ok(Arc::new(move |step| {
+        if step == 0 {
+            schedule.initial_lr()
+        } else {
+            schedule.lr_at(step - 1)
+        }
+    }))
+}
+
+/// The optimizer's betas by optimizer step where the config's `scheduler` cycles the momentum
+/// (OneCycle with `cycle_momentum`): as DeepSpeed's OneCycle sets them, (momentum, 0.99), β2
+/// replaced too. `None` where the schedule does not cycle it, or the optimizer has no betas
+/// (SGD: DeepSpeed turns the cycling off for it, and so does this).
+pub fn betas_schedule(config: &SchedulerConfig, optimizer: &OptimizerSpec) -> Result<Option<BetasFn>, ZeroError> {
+    let schedule = build_schedule(config, optimizer.lr())?;
+    if optimizer.betas().is_none() || schedule.initial_momentum().is_none() {
+        return Ok(None);
+    }
+    let beta2 = zero_core::lr_schedule::CYCLED_BETA2;
+    // Step k (0-based) runs with the momentum the scheduler holds after k advances.
+    Ok(Some(Arc::new(move |step| {
+        let momentum = if step == 0 {
+            schedule.initial_momentum()
+        } else {
+            schedule.momentum_at(step - 1)
+        };
+        (
+            momentum.unwrap_or_else(|| unreachable!("the schedule cycles the momentum")),
+            beta2,
+        )
+    })))
+}
+
+/// The schedule the config's `scheduler` section names.
+fn build_schedule(
+    config: &SchedulerConfig,
+    optimizer_lr: f64,
+) -> Result<Arc<dyn zero_core::lr_schedule::LrSchedule>, ZeroError> {
     if let SchedulerConfig::Other { name, .. } = config {
         return Err(ZeroError::Config(format!(
             "scheduler.type \"{name}\" is not available; choose WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
@@ -265,18 +307,10 @@ pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, 
     let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
     let spec: LrScheduleSpec =
         serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
-    let schedule: Arc<dyn zero_core::lr_schedule::LrSchedule> = Arc::from(
+    Ok(Arc::from(
         spec.build(optimizer_lr)
             .map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?,
-    );
-    // Step k (0-based) runs at the rate the scheduler holds after k advances.
-    Ok(Arc::new(move |step| {
-        if step == 0 {
-            schedule.initial_lr()
-        } else {
-            schedule.lr_at(step - 1)
-        }
-    }))
+    ))
 }
 
 /// ZeRO for a model written for Burn, from a DeepSpeed config: the model (its `ZeroModule`s cut

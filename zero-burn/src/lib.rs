@@ -78,15 +78,17 @@ pub use device::{CudaBuffers, NcclDevice};
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use error::ZeroError;
 pub use initialize::{
-    activation_checkpointing, engine_settings, initialize, initialize_on, initialize_settings, initialize_with,
-    lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve, InitOptions,
+    activation_checkpointing, betas_schedule, engine_settings, initialize, initialize_on, initialize_settings,
+    initialize_with, lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve,
+    InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer, ZeroOptimizerRecord};
 pub use pipeline::{LayerSpec, PartitionMethod, PipeLayer, PipelineEngine, PipelineModule};
 pub use sequential::{Layer, Sequential};
 pub use settings::{
-    ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings, Stage,
+    BetasFn, ComputeDtype, EngineSettings, LrFn, NonFinitePolicy, OptimizerOffload, ParamOffload, PrecisionSettings,
+    Stage,
 };
 pub use tiled_linear::{LinearTile, ShardedTiledLinear, TiledLinear, TiledLinearConfig};
 /// How a parameter is cut over tensor-parallel ranks ([`ZeroOptimizer::with_tensor_parallel`]).

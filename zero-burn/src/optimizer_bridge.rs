@@ -117,6 +117,18 @@ impl GroupOptimizer {
         self.inner.finish_step(params, grads, lr, &partials, out).map_err(err)
     }
 
+    /// Sets the betas for the steps to come (a schedule that cycles the momentum), in the
+    /// optimizer and in what builds a swapped step's chunk optimizers; SGD keeps its momentum.
+    pub fn set_betas(&mut self, betas: (f64, f64)) {
+        self.inner.set_betas(betas);
+        for o in &mut self.chunked {
+            o.set_betas(betas);
+        }
+        if let Some(spec) = &mut self.chunk_spec {
+            spec.set_betas(betas);
+        }
+    }
+
     /// Bytes of optimizer state.
     pub fn state_bytes(&self) -> usize {
         self.inner.state_bytes() + self.chunked.iter().map(|o| o.state_bytes()).sum::<usize>()

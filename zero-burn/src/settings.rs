@@ -33,6 +33,9 @@ impl Stage {
 /// A learning rate as a function of the optimizer step (0-based).
 pub type LrFn = std::sync::Arc<dyn Fn(u64) -> f64 + Send + Sync>;
 
+/// The optimizer's (β1, β2) as a function of the optimizer step (0-based).
+pub type BetasFn = std::sync::Arc<dyn Fn(u64) -> (f64, f64) + Send + Sync>;
+
 /// The engine's settings, resolved from a DeepSpeed config (see [`crate::initialize`]).
 #[derive(Clone)]
 pub struct EngineSettings {
@@ -54,6 +57,10 @@ pub struct EngineSettings {
     pub optimizer: OptimizerSpec,
     /// Learning rate by step; `None` keeps the optimizer's `lr`.
     pub lr_schedule: Option<LrFn>,
+    /// The optimizer's betas by step, for a schedule that cycles the momentum (OneCycle with
+    /// `cycle_momentum`); `None` keeps the optimizer's own. SGD, which has no betas, keeps its
+    /// momentum either way.
+    pub betas_schedule: Option<BetasFn>,
     /// Flat shards are multiples of this many elements (per rank).
     pub alignment: usize,
     /// The dtype the model computes in, loss scaling, and the gradients' communication dtype.
@@ -265,6 +272,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("gradient_clipping", &self.gradient_clipping)
             .field("optimizer", &self.optimizer)
             .field("lr_schedule", &self.lr_schedule.is_some())
+            .field("betas_schedule", &self.betas_schedule.is_some())
             .field("alignment", &self.alignment)
             .field("precision", &self.precision)
             .field("offload_optimizer", &self.offload_optimizer)
@@ -297,6 +305,7 @@ impl EngineSettings {
             gradient_clipping: 0.0,
             optimizer,
             lr_schedule: None,
+            betas_schedule: None,
             alignment: 16,
             precision: PrecisionSettings::fp32(),
             offload_optimizer: OptimizerOffload::None,
@@ -307,6 +316,11 @@ impl EngineSettings {
             max_live_parameters: 1_000_000_000,
             model: None,
         }
+    }
+
+    /// The optimizer's betas for optimizer step `step`, where a schedule cycles them.
+    pub fn betas_at(&self, step: u64) -> Option<(f64, f64)> {
+        self.betas_schedule.as_ref().map(|f| f(step))
     }
 
     /// The learning rate of optimizer step `step`.

@@ -544,21 +544,36 @@ fn misspelt_layout_keys_are_named() {
     );
 }
 
-/// OneCycle cycles the momentum in DeepSpeed (cycle_momentum, default true), not here: said,
-/// unless the config turns it off.
+/// OneCycle's `cycle_momentum` (default true) cycles β1 and sets β2 to 0.99, as DeepSpeed's
+/// does: said when the optimizer's own β2 is another value (Adam's default 0.999), and when the
+/// optimizer (SGD) has no betas to cycle; silent when it is off or changes nothing.
 #[test]
-fn one_cycle_momentum_is_said_not_cycled() {
-    let with = |extra: &str| {
+fn one_cycle_momentum_says_what_it_replaces() {
+    let warnings = |optimizer: &str, extra: &str| {
         parse(&format!(
-            r#"{{"train_batch_size": 8, "optimizer": {{"type": "Adam", "params": {{"lr": 1e-3}}}},
+            r#"{{"train_batch_size": 8, "optimizer": {optimizer},
             "scheduler": {{"type": "OneCycle", "params": {{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3{extra}}}}}}}"#
         ))
         .warnings
         .into_iter()
         .filter(|w| w.key == "scheduler.params.cycle_momentum")
-        .count()
+        .map(|w| w.to_string())
+        .collect::<Vec<_>>()
     };
-    assert_eq!(with(""), 1);
-    assert_eq!(with(r#", "cycle_momentum": true"#), 1);
-    assert_eq!(with(r#", "cycle_momentum": false"#), 0);
+    let adam = r#"{"type": "Adam", "params": {"lr": 1e-3}}"#;
+    let said = warnings(adam, "");
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains("0.99") && said[0].contains("betas[1] = 0.999"),
+        "{said:?}"
+    );
+    assert_eq!(warnings(adam, r#", "cycle_momentum": true"#).len(), 1);
+    assert!(warnings(adam, r#", "cycle_momentum": false"#).is_empty());
+    let adam_099 = r#"{"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}}"#;
+    assert!(warnings(adam_099, "").is_empty());
+    let sgd = r#"{"type": "SGD", "params": {"lr": 1e-3, "momentum": 0.9}}"#;
+    let said = warnings(sgd, "");
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].contains("SGD has no betas"), "{said:?}");
+    assert!(warnings(sgd, r#", "cycle_momentum": false"#).is_empty());
 }

@@ -130,18 +130,37 @@ fn every_optimizer_writes_the_16_bit_copy() {
     }
 }
 
+/// Every optimizer with betas takes new ones (a momentum-cycling schedule's) and steps with
+/// them: the same as one built with those betas, not as one with its own; SGD has none.
 #[test]
 fn momentum_can_be_cycled() {
     let n = 8;
-    let mut a = build(&OptimizerSpec::adam(), n, ShardSegments::single(n)).unwrap();
-    let mut b = build(&OptimizerSpec::adam(), n, ShardSegments::single(n)).unwrap();
-    assert!(b.set_momentum(0.85));
-    let (mut pa, mut pb) = (data(n, 1), data(n, 1));
-    for t in 0..2 {
-        a.step(&mut pa, &data(n, 5 + t), 1e-2).unwrap();
-        b.step(&mut pb, &data(n, 5 + t), 1e-2).unwrap();
+    let cycled = (0.85, 0.99);
+    let specs = [
+        OptimizerSpec::adam(),
+        OptimizerSpec::Lamb(LambSpec::default()),
+        OptimizerSpec::Lion(LionSpec::default()),
+    ];
+    for spec in specs {
+        let mut with_cycled = spec.clone();
+        assert!(with_cycled.set_betas(cycled));
+        assert_eq!(with_cycled.betas(), Some(cycled));
+        let mut own = build(&spec, n, ShardSegments::single(n)).unwrap();
+        let mut set = build(&spec, n, ShardSegments::single(n)).unwrap();
+        let mut built = build(&with_cycled, n, ShardSegments::single(n)).unwrap();
+        assert!(set.set_betas(cycled));
+        let (mut po, mut ps, mut pb) = (data(n, 1), data(n, 1), data(n, 1));
+        // Each gradient -0.01 times the last: Lion's sign of β1·m + (1 - β1)·g turns between
+        // betas (0.9, 0.999) and (0.85, 0.99) at the second step.
+        for t in 0..3 {
+            let g: Vec<f32> = data(n, 5 + t as u32).iter().map(|x| x * (-0.01f32).powi(t)).collect();
+            own.step(&mut po, &g, 1e-2).unwrap();
+            set.step(&mut ps, &g, 1e-2).unwrap();
+            built.step(&mut pb, &g, 1e-2).unwrap();
+        }
+        assert_eq!(ps, pb, "{}: set betas step as built ones", own.name());
+        assert_ne!(ps, po, "{}: set betas are used", own.name());
     }
-    assert_ne!(pa, pb);
     let mut plain = build(&OptimizerSpec::Sgd(SgdSpec::default()), n, ShardSegments::single(n)).unwrap();
-    assert!(!plain.set_momentum(0.9));
+    assert!(!plain.set_betas((0.9, 0.99)));
 }

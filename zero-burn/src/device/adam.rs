@@ -18,7 +18,6 @@ use zero_core::optim::{self, AdamSpec, OptimizerSpec, ShardSegments};
 #[derive(Debug)]
 pub struct DeviceAdam<B: Backend> {
     spec: AdamSpec,
-    beta1: f64,
     step: u64,
     exp_avg: Tensor<B, 1>,
     exp_avg_sq: Tensor<B, 1>,
@@ -34,7 +33,6 @@ impl<B: Backend> DeviceAdam<B> {
             .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
         let zeros = || Tensor::<B, 1>::zeros([len], (device, DType::F32));
         Ok(DeviceAdam {
-            beta1: spec.betas.0,
             max_exp_avg_sq: spec.amsgrad.then(zeros),
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
@@ -88,9 +86,9 @@ impl<B: Backend> DeviceAdam<B> {
         self.step
     }
 
-    /// Sets β1 for the next steps (momentum-cycling schedules).
-    pub fn set_momentum(&mut self, beta1: f64) {
-        self.beta1 = beta1;
+    /// Sets (β1, β2) for the next steps (momentum-cycling schedules).
+    pub fn set_betas(&mut self, betas: (f64, f64)) {
+        self.spec.betas = betas;
     }
 
     /// The state tensors by PyTorch's names: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`
@@ -133,7 +131,7 @@ impl<B: Backend> DeviceAdam<B> {
         self.step += 1;
         AdamScalars::new(
             lr,
-            self.beta1,
+            self.spec.betas.0,
             self.spec.betas.1,
             self.spec.eps,
             self.spec.weight_decay,

@@ -30,6 +30,11 @@ pub(crate) struct DeviceLamb<B: Backend> {
 }
 
 impl<B: Backend> DeviceLamb<B> {
+    /// Sets (β1, β2) for the next steps (momentum-cycling schedules).
+    pub(crate) fn set_betas(&mut self, betas: (f64, f64)) {
+        self.spec.betas = betas;
+    }
+
     /// An optimizer for a shard of `len` elements cut into `segments` (already validated
     /// against `len`), with zeroed moments on `device`.
     pub(crate) fn new(spec: LambSpec, len: usize, segments: &ShardSegments, device: &B::Device) -> Self {

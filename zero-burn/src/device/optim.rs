@@ -55,6 +55,17 @@ impl<B: Backend> DeviceOptimizer<B> {
         })
     }
 
+    /// Sets the betas for the steps to come (a schedule that cycles the momentum); SGD has none
+    /// and keeps its momentum, as under DeepSpeed's OneCycle.
+    pub(crate) fn set_betas(&mut self, betas: (f64, f64)) {
+        match self {
+            DeviceOptimizer::Adam(a) => a.set_betas(betas),
+            DeviceOptimizer::Sgd(_) => {}
+            DeviceOptimizer::Lion(l) => l.spec.betas = betas,
+            DeviceOptimizer::Lamb(l) => l.set_betas(betas),
+        }
+    }
+
     /// The optimizer's name in checkpoints, as the host optimizer's.
     pub(crate) fn name(&self) -> &'static str {
         match self {

@@ -212,6 +212,12 @@ impl<I: Backend> DeviceState<I> {
     ) -> Result<StepReport, ZeroError> {
         let step = self.global_step + 1;
         let loss_scale = self.loss_scale();
+        // A cycled momentum follows the schedule's position: the applied steps, as the rate.
+        if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
+            for g in &mut self.groups {
+                g.optimizer.set_betas(betas);
+            }
+        }
         // The gradients Burn's backward left, from one backward to the next step: counted as
         // the latest step's.
         let bytes: usize = grads.iter().flatten().map(|g| g.dims()[0] * g.dtype().size()).sum();

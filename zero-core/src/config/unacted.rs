@@ -12,6 +12,7 @@
 use super::error::ConfigWarning;
 use super::resolved::ResolvedConfig;
 use super::scheduler::SchedulerConfig;
+use crate::lr_schedule::CYCLED_BETA2;
 use serde_json::Value;
 
 /// A feature of DeepSpeed's that this project does not have: the dotted key (in the resolved
@@ -301,13 +302,26 @@ pub(crate) fn notices(config: &ResolvedConfig) -> Vec<ConfigWarning> {
         ));
     }
     if let Some(SchedulerConfig::OneCycle(p)) = &config.scheduler {
-        if p.cycle_momentum {
-            out.push(ConfigWarning::new(
+        let betas = config
+            .optimizer
+            .as_ref()
+            .and_then(|o| o.shard_spec())
+            .map(|s| s.betas());
+        match betas {
+            Some(None) if p.cycle_momentum => out.push(ConfigWarning::new(
                 "scheduler.params.cycle_momentum",
-                "the optimizer's momentum is not cycled here: betas[0] (SGD's momentum) keeps its configured value \
-                 while the learning rate cycles; DeepSpeed cycles it between cycle_max_mom and cycle_min_mom (false \
-                 says the run is as here)",
-            ));
+                "SGD has no betas, so its momentum is not cycled (DeepSpeed turns cycle_momentum off for it too): \
+                 the learning rate cycles, the momentum keeps its configured value",
+            )),
+            Some(Some((_, beta2))) if p.cycle_momentum && beta2 != CYCLED_BETA2 => out.push(ConfigWarning::new(
+                "scheduler.params.cycle_momentum",
+                format!(
+                    "OneCycle sets the optimizer's betas to (momentum, {CYCLED_BETA2}) at every step, as DeepSpeed's \
+                     does: betas[1] = {beta2} from optimizer.params is not used (cycle_momentum false keeps the \
+                     optimizer's betas)"
+                ),
+            )),
+            _ => {}
         }
     }
     let tuned: Vec<&str> = TUNING

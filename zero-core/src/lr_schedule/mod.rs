@@ -36,6 +36,11 @@ pub use warmup::{WarmupLr, WarmupLrParams, WarmupType};
 pub use warmup_cosine::{WarmupCosineLr, WarmupCosineLrParams};
 pub use warmup_decay::{WarmupDecayLr, WarmupDecayLrParams};
 
+/// β2 while a schedule cycles the momentum: DeepSpeed's OneCycle sets an optimizer's betas to
+/// (momentum, 0.99) at construction and at every step, whatever `betas` the optimizer was
+/// given.
+pub const CYCLED_BETA2: f64 = 0.99;
+
 /// A learning-rate (and optionally momentum) schedule.
 pub trait LrSchedule: Send + Sync + std::fmt::Debug {
     /// The learning rate at `last_batch_iteration = iteration` (0 after the first step).

@@ -9,7 +9,6 @@ use super::{check_len, AdamSpec, OptimError, ShardOptimizer};
 #[derive(Debug)]
 pub struct Adam {
     spec: AdamSpec,
-    beta1: f64,
     isa: Isa,
     step: u64,
     exp_avg: Vec<f32>,
@@ -24,7 +23,6 @@ impl Adam {
         spec.validate()?;
         let max_exp_avg_sq = if spec.amsgrad { vec![0.0; len] } else { Vec::new() };
         Ok(Adam {
-            beta1: spec.betas.0,
             spec,
             isa: Isa::detect(),
             step: 0,
@@ -56,7 +54,7 @@ impl Adam {
     fn scalars(&self, lr: f64) -> AdamScalars {
         AdamScalars::new(
             lr,
-            self.beta1,
+            self.spec.betas.0,
             self.spec.betas.1,
             self.spec.eps,
             self.spec.weight_decay,
@@ -122,8 +120,8 @@ impl ShardOptimizer for Adam {
         result
     }
 
-    fn set_momentum(&mut self, momentum: f64) -> bool {
-        self.beta1 = momentum;
+    fn set_betas(&mut self, betas: (f64, f64)) -> bool {
+        self.spec.betas = betas;
         true
     }
 

@@ -20,7 +20,6 @@ const CHUNK: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Lamb {
     spec: LambSpec,
-    beta1: f64,
     segments: ShardSegments,
     step: u64,
     exp_avg: Vec<f32>,
@@ -53,7 +52,6 @@ impl Lamb {
         spec.validate()?;
         segments.validate(len)?;
         Ok(Lamb {
-            beta1: spec.betas.0,
             spec,
             segments,
             step: 0,
@@ -67,7 +65,7 @@ impl Lamb {
     fn bias_corrections(&self) -> (f64, f64) {
         if self.spec.bias_correction {
             let t = self.step.min(i32::MAX as u64) as i32;
-            (1.0 - self.beta1.powi(t), 1.0 - self.spec.betas.1.powi(t))
+            (1.0 - self.spec.betas.0.powi(t), 1.0 - self.spec.betas.1.powi(t))
         } else {
             (1.0, 1.0)
         }
@@ -134,8 +132,8 @@ impl ShardOptimizer for Lamb {
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
         self.step += 1;
-        let (b1, b2) = (self.beta1 as f32, self.spec.betas.1 as f32);
-        let (c1, c2) = ((1.0 - self.beta1) as f32, (1.0 - self.spec.betas.1) as f32);
+        let (b1, b2) = (self.spec.betas.0 as f32, self.spec.betas.1 as f32);
+        let (c1, c2) = ((1.0 - self.spec.betas.0) as f32, (1.0 - self.spec.betas.1) as f32);
         let dir = self.direction();
         let mut sums = vec![0.0_f64; 2 * self.segments.num_params];
         for seg in &self.segments.segments {
@@ -206,8 +204,8 @@ impl ShardOptimizer for Lamb {
         adam_kernel::copy_to_half(params, out)
     }
 
-    fn set_momentum(&mut self, momentum: f64) -> bool {
-        self.beta1 = momentum;
+    fn set_betas(&mut self, betas: (f64, f64)) -> bool {
+        self.spec.betas = betas;
         true
     }
 

@@ -18,7 +18,6 @@ const CHUNK: usize = 1 << 16;
 #[derive(Debug)]
 pub struct Lion {
     spec: LionSpec,
-    beta1: f64,
     step: u64,
     exp_avg: Vec<f32>,
 }
@@ -28,7 +27,6 @@ impl Lion {
     pub fn new(spec: LionSpec, len: usize) -> Result<Self, OptimError> {
         spec.validate()?;
         Ok(Lion {
-            beta1: spec.betas.0,
             spec,
             step: 0,
             exp_avg: vec![0.0; len],
@@ -88,14 +86,20 @@ impl ShardOptimizer for Lion {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
         check_len("params", self.len(), params.len())?;
         check_len("grads", self.len(), grads.len())?;
-        let betas = (self.beta1, self.spec.betas.1);
-        lion_update(params, grads, &mut self.exp_avg, betas, self.spec.weight_decay, lr);
+        lion_update(
+            params,
+            grads,
+            &mut self.exp_avg,
+            self.spec.betas,
+            self.spec.weight_decay,
+            lr,
+        );
         self.step += 1;
         Ok(())
     }
 
-    fn set_momentum(&mut self, momentum: f64) -> bool {
-        self.beta1 = momentum;
+    fn set_betas(&mut self, betas: (f64, f64)) -> bool {
+        self.spec.betas = betas;
         true
     }
 

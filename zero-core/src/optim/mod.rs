@@ -106,11 +106,12 @@ pub trait ShardOptimizer: Send + std::fmt::Debug {
         self.step_with_copy(params, grads, lr, out)
     }
 
-    /// Sets β1 for the next steps (Adam, LAMB, Lion), for schedules that cycle the momentum.
-    /// Returns false where there is no β1: like DeepSpeed's OneCycle, which cycles only
-    /// optimizers with `betas`, SGD's momentum is left alone.
-    fn set_momentum(&mut self, momentum: f64) -> bool {
-        let _ = momentum;
+    /// Sets (β1, β2) for the next steps (Adam, LAMB, Lion), for schedules that cycle the
+    /// momentum; bias correction then uses the new values. Returns false, changing nothing,
+    /// where there are no betas: like DeepSpeed's OneCycle, which cycles only optimizers with
+    /// `betas`, SGD's momentum is left alone.
+    fn set_betas(&mut self, betas: (f64, f64)) -> bool {
+        let _ = betas;
         false
     }
 

@@ -41,6 +41,28 @@ impl OptimizerSpec {
         }
     }
 
+    /// The `betas` (Adam, AdamW, LAMB, Lion); `None` for SGD, which has none.
+    pub fn betas(&self) -> Option<(f64, f64)> {
+        match self {
+            OptimizerSpec::Adam(s) => Some(s.betas),
+            OptimizerSpec::Sgd(_) => None,
+            OptimizerSpec::Lamb(s) => Some(s.betas),
+            OptimizerSpec::Lion(s) => Some(s.betas),
+        }
+    }
+
+    /// Sets the `betas` for the steps to come (a schedule that cycles the momentum); false,
+    /// changing nothing, for SGD, which has none.
+    pub fn set_betas(&mut self, betas: (f64, f64)) -> bool {
+        match self {
+            OptimizerSpec::Adam(s) => s.betas = betas,
+            OptimizerSpec::Sgd(_) => return false,
+            OptimizerSpec::Lamb(s) => s.betas = betas,
+            OptimizerSpec::Lion(s) => s.betas = betas,
+        }
+        true
+    }
+
     /// The base learning rate (what a schedule scales, and the rate when there is none).
     pub fn lr(&self) -> f64 {
         match self {
