@@ -18,11 +18,10 @@ use burn::tensor::backend::AutodiffBackend;
 use std::sync::Arc;
 use zero_core::comm::ProcessGroup;
 use zero_core::config::{
-    AllreduceOp, CommDataType, DeepSpeedConfig, OffloadDevice, OptimizerConfig, Overrides, Precision, ResolveContext,
-    ResolvedConfig, SchedulerConfig,
+    CommDataType, DeepSpeedConfig, OffloadDevice, Overrides, Precision, ResolveContext, ResolvedConfig, Unsupported,
 };
 use zero_core::loss_scaler::LossScalerConfig;
-use zero_core::lr_schedule::LrScheduleSpec;
+use zero_core::lr_schedule::LrSchedule;
 use zero_core::optim::OptimizerSpec;
 
 /// What the config may leave to be known at initialize.
@@ -39,6 +38,10 @@ pub struct InitOptions {
     pub non_finite: Option<NonFinitePolicy>,
     /// The model, recorded in the engine's checkpoints ([`EngineSettings::model`]).
     pub model: Option<zero_core::checkpoint::ModelRecord>,
+    /// The optimizer, for a config that names none (as a training script hands its own to
+    /// DeepSpeed's `initialize`, HuggingFace's Trainer among them). A config that names one as
+    /// well is an error: which of the two was meant is not for the engine to guess.
+    pub optimizer: Option<OptimizerSpec>,
 }
 
 /// Resolves `config` for `world_size` ranks.
@@ -56,25 +59,45 @@ pub fn resolve(
         .map_err(|e| ZeroError::Config(e.to_string()))
 }
 
-/// The engine's settings from a resolved config. Parts of the config this engine does not do yet
-/// are errors that say so, never silently ignored.
+/// The engine's settings from a resolved config. Parts of the config this engine does not do
+/// are errors that say so ([`ResolvedConfig::unsupported`], every one of them), never silently
+/// ignored. The config must name the optimizer; [`InitOptions::optimizer`] gives one to a
+/// config that does not.
 pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroError> {
+    settings_for(config, None)
+}
+
+/// [`engine_settings`] with the program's optimizer (`client`) for a config that names none.
+fn settings_for(config: &ResolvedConfig, client: Option<&OptimizerSpec>) -> Result<EngineSettings, ZeroError> {
+    let refused = config.unsupported();
+    if !refused.is_empty() {
+        let each: Vec<String> = refused.iter().map(ToString::to_string).collect();
+        return Err(ZeroError::Config(each.join("; ")));
+    }
+    let unsupported = |e: Unsupported| ZeroError::Config(e.to_string());
     let stage = Stage::from_number(config.zero.stage as u8)
         .ok_or_else(|| ZeroError::Config(format!("zero_optimization.stage {:?} is not 0-3", config.zero.stage)))?;
-    let precision = precision_settings(config)?;
-    let offload_optimizer = optimizer_offload(config)?;
-    let offload_param = param_offload(config, stage)?;
-    let optimizer = optimizer_spec(config.optimizer.as_ref())?;
-    if config.gradient_allreduce_op == AllreduceOp::Sum {
-        return Err(ZeroError::Config(
-            "gradient_allreduce_op \"sum\": gradients are averaged over the data-parallel ranks here (\"mean\", \
-             DeepSpeed's default), never summed; remove the key or set it to \"mean\""
+    let optimizer = match (config.shard_optimizer().map_err(unsupported)?, client) {
+        (Some(named), None) => named,
+        (None, Some(given)) => given.clone(),
+        (Some(_), Some(_)) => {
+            return Err(ZeroError::Config(
+                "optimizer: the config names an optimizer and InitOptions::optimizer gives another; keep one".into(),
+            ))
+        }
+        (None, None) => return Err(ZeroError::Config(
+            "optimizer: the config names no optimizer; add e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}, \
+                 or give one to initialize_with (InitOptions::optimizer)"
                 .into(),
-        ));
-    }
-    let (lr_schedule, betas_schedule) = match &config.scheduler {
+        )),
+    };
+    let schedule = config.lr_schedule(optimizer.lr()).map_err(unsupported)?;
+    let (lr_schedule, betas_schedule) = match schedule {
         None => (None, None),
-        Some(s) => (Some(lr_schedule(s, optimizer.lr())?), betas_schedule(s, &optimizer)?),
+        Some(schedule) => {
+            let schedule: Arc<dyn LrSchedule> = Arc::from(schedule);
+            (Some(lr_by_step(schedule.clone())), betas_by_step(schedule, &optimizer))
+        }
     };
     let mut settings = EngineSettings::new(stage, optimizer);
     settings.gradient_accumulation_steps = config.gradient_accumulation_steps as usize;
@@ -85,9 +108,9 @@ pub fn engine_settings(config: &ResolvedConfig) -> Result<EngineSettings, ZeroEr
     settings.gradient_clipping = config.gradient_clipping;
     settings.lr_schedule = lr_schedule;
     settings.betas_schedule = betas_schedule;
-    settings.precision = precision;
-    settings.offload_optimizer = offload_optimizer;
-    settings.offload_param = offload_param;
+    settings.precision = precision_settings(config);
+    settings.offload_optimizer = optimizer_offload(config)?;
+    settings.offload_param = param_offload(config, stage)?;
     settings.activation_checkpointing = activation_checkpointing(config);
     settings.max_live_parameters = config.zero.stage3_max_live_parameters as usize;
     Ok(settings)
@@ -110,18 +133,11 @@ pub fn activation_checkpointing(config: &ResolvedConfig) -> Option<ActivationChe
 }
 
 /// The optimizer's placement from `zero_optimization.offload_optimizer` (and `sub_group_size`,
-/// the elements of one chunk streamed from NVMe). Partial offload is refused, not ignored.
-pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroError> {
+/// the elements of one chunk streamed from NVMe); partial offload was refused before.
+fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroError> {
     let Some(o) = config.zero.offload_optimizer.as_ref() else {
         return Ok(OptimizerOffload::None);
     };
-    if o.ratio < 1.0 {
-        return Err(ZeroError::Config(format!(
-            "zero_optimization.offload_optimizer.ratio {}: partial offload is not available; every rank's optimizer \
-             state is offloaded whole (remove the key or set it to 1)",
-            o.ratio
-        )));
-    }
     Ok(match o.device {
         OffloadDevice::Cpu => OptimizerOffload::Cpu { threads: 0 },
         OffloadDevice::Nvme => {
@@ -143,7 +159,7 @@ pub fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, Ze
 /// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`. The
 /// parser drops the section below stage 3 (with a warning, as DeepSpeed ignores it there);
 /// one set on a `ResolvedConfig` by hand at stages 0-2 is refused.
-pub fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, ZeroError> {
+fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, ZeroError> {
     let Some(o) = config.zero.offload_param.as_ref() else {
         return Ok(ParamOffload::None);
     };
@@ -169,49 +185,19 @@ pub fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOfflo
 }
 
 /// The compute dtype, loss scaler and communication dtype from the `fp16`/`bf16` sections and
-/// `communication_data_type`. Settings that change what is stored in 16 bits beyond the
-/// parameters and gradients are refused, not ignored.
-pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, ZeroError> {
+/// `communication_data_type` (settings that would store more in 16 bits were refused before).
+fn precision_settings(config: &ResolvedConfig) -> PrecisionSettings {
     let mut precision = match &config.precision {
         Precision::Fp32 => PrecisionSettings::fp32(),
-        Precision::Fp16(fp16) => {
-            if fp16.fp16_master_weights_and_grads {
-                return Err(ZeroError::Config(
-                    "fp16.fp16_master_weights_and_grads: the master weights and optimizer state are always fp32 here; \
-                     remove the key or set it to false"
-                        .into(),
-                ));
-            }
-            let hysteresis = u32::try_from(fp16.hysteresis).map_err(|_| {
-                ZeroError::Config(format!(
-                    "fp16.hysteresis {} is too large (at most {})",
-                    fp16.hysteresis,
-                    u32::MAX
-                ))
-            })?;
-            PrecisionSettings::fp16(LossScalerConfig {
-                loss_scale: fp16.loss_scale,
-                initial_scale_power: fp16.initial_scale_power,
-                loss_scale_window: fp16.loss_scale_window,
-                hysteresis,
-                consecutive_hysteresis: fp16.consecutive_hysteresis,
-                min_loss_scale: fp16.min_loss_scale,
-            })
-        }
+        Precision::Fp16(fp16) => PrecisionSettings::fp16(LossScalerConfig {
+            loss_scale: fp16.loss_scale,
+            initial_scale_power: fp16.initial_scale_power,
+            loss_scale_window: fp16.loss_scale_window,
+            hysteresis: u32::try_from(fp16.hysteresis).unwrap_or(u32::MAX),
+            consecutive_hysteresis: fp16.consecutive_hysteresis,
+            min_loss_scale: fp16.min_loss_scale,
+        }),
         Precision::Bf16(bf16) => {
-            if bf16.bf16_master_weights_and_grads || bf16.bf16_optimizer_states {
-                return Err(ZeroError::Config(
-                    "bf16.bf16_master_weights_and_grads: the master weights and optimizer state are always fp32 here; \
-                     remove the key or set it to false"
-                        .into(),
-                ));
-            }
-            if bf16.immediate_grad_update {
-                return Err(ZeroError::Config(
-                    "bf16.immediate_grad_update: gradients are applied at the step here; remove the key or set it to false"
-                        .into(),
-                ));
-            }
             let mut p = PrecisionSettings::bf16();
             if !bf16.check_grad_overflow {
                 p.non_finite = NonFinitePolicy::Ignore;
@@ -224,12 +210,12 @@ pub fn precision_settings(config: &ResolvedConfig) -> Result<PrecisionSettings, 
         CommDataType::Fp16 => ComputeDtype::F16,
         CommDataType::Bf16 => ComputeDtype::Bf16,
     });
-    Ok(precision)
+    precision
 }
 
 /// [`engine_settings`] with the options that only the caller gives.
 fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<EngineSettings, ZeroError> {
-    let mut settings = engine_settings(config)?;
+    let mut settings = settings_for(config, options.optimizer.as_ref())?;
     if let Some(policy) = options.non_finite {
         if settings.precision.dtype != ComputeDtype::F16 {
             settings.precision.non_finite = policy;
@@ -239,78 +225,34 @@ fn settings_with(config: &ResolvedConfig, options: &InitOptions) -> Result<Engin
     Ok(settings)
 }
 
-/// The shard optimizer for the config's `optimizer` section.
-pub fn optimizer_spec(config: Option<&OptimizerConfig>) -> Result<OptimizerSpec, ZeroError> {
-    let Some(config) = config else {
-        return Err(ZeroError::Config(
-            "optimizer: the config names no optimizer; add e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}"
-                .into(),
-        ));
-    };
-    // The config's parser already checked the settings against the optimizer's own rules.
-    config.shard_spec().ok_or_else(|| {
-        ZeroError::Config(format!(
-            "optimizer.type \"{}\" has no shard optimizer here; choose Adam, AdamW, SGD, Lamb or Lion",
-            config.name()
-        ))
-    })
-}
-
-/// The learning rate by optimizer step for the config's `scheduler` section.
-pub fn lr_schedule(config: &SchedulerConfig, optimizer_lr: f64) -> Result<LrFn, ZeroError> {
-    let schedule = build_schedule(config, optimizer_lr)?;
-    // Step k (0-based) runs at the rate the scheduler holds after k advances.
-    Ok(Arc::new(move |step| {
+/// The learning rate by optimizer step: step k (0-based) runs at the rate the scheduler holds
+/// after k advances.
+fn lr_by_step(schedule: Arc<dyn LrSchedule>) -> LrFn {
+    Arc::new(move |step| {
         if step == 0 {
             schedule.initial_lr()
         } else {
             schedule.lr_at(step - 1)
         }
-    }))
+    })
 }
 
-/// The optimizer's betas by optimizer step where the config's `scheduler` cycles the momentum
-/// (OneCycle with `cycle_momentum`): as DeepSpeed's OneCycle sets them, (momentum, 0.99), β2
-/// replaced too. `None` where the schedule does not cycle it, or the optimizer has no betas
-/// (SGD: DeepSpeed turns the cycling off for it, and so does this).
-pub fn betas_schedule(config: &SchedulerConfig, optimizer: &OptimizerSpec) -> Result<Option<BetasFn>, ZeroError> {
-    let schedule = build_schedule(config, optimizer.lr())?;
-    if optimizer.betas().is_none() || schedule.initial_momentum().is_none() {
-        return Ok(None);
-    }
+/// The optimizer's betas by optimizer step where `schedule` cycles the momentum (OneCycle with
+/// `cycle_momentum`): as DeepSpeed's OneCycle sets them, (momentum, 0.99), β2 replaced too.
+/// `None` where the schedule does not cycle it, or the optimizer has no betas (SGD: DeepSpeed
+/// turns the cycling off for it, and so does this).
+fn betas_by_step(schedule: Arc<dyn LrSchedule>, optimizer: &OptimizerSpec) -> Option<BetasFn> {
+    let first = schedule.initial_momentum()?;
+    optimizer.betas()?;
     let beta2 = zero_core::lr_schedule::CYCLED_BETA2;
     // Step k (0-based) runs with the momentum the scheduler holds after k advances.
-    Ok(Some(Arc::new(move |step| {
-        let momentum = if step == 0 {
-            schedule.initial_momentum()
-        } else {
-            schedule.momentum_at(step - 1)
+    Some(Arc::new(move |step| {
+        let momentum = match step {
+            0 => Some(first),
+            _ => schedule.momentum_at(step - 1),
         };
-        (
-            momentum.unwrap_or_else(|| unreachable!("the schedule cycles the momentum")),
-            beta2,
-        )
-    })))
-}
-
-/// The schedule the config's `scheduler` section names.
-fn build_schedule(
-    config: &SchedulerConfig,
-    optimizer_lr: f64,
-) -> Result<Arc<dyn zero_core::lr_schedule::LrSchedule>, ZeroError> {
-    if let SchedulerConfig::Other { name, .. } = config {
-        return Err(ZeroError::Config(format!(
-            "scheduler.type \"{name}\" is not available; choose WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
-        )));
-    }
-    // Both sides speak DeepSpeed's key names: the resolved section is the schedule's spec.
-    let value = serde_json::to_value(config).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
-    let spec: LrScheduleSpec =
-        serde_json::from_value(value).map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?;
-    Ok(Arc::from(
-        spec.build(optimizer_lr)
-            .map_err(|e| ZeroError::Config(format!("scheduler: {e}")))?,
-    ))
+        (momentum.unwrap_or(first), beta2)
+    }))
 }
 
 /// ZeRO for a model written for Burn, from a DeepSpeed config: the model (its `ZeroModule`s cut

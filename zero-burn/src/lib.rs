@@ -78,9 +78,8 @@ pub use device::{CudaBuffers, NcclDevice};
 pub use device::{DeviceAdam, DeviceCollective, HostStaged};
 pub use error::ZeroError;
 pub use initialize::{
-    activation_checkpointing, betas_schedule, engine_settings, initialize, initialize_on, initialize_settings,
-    initialize_with, lr_schedule, optimizer_offload, optimizer_spec, param_offload, precision_settings, resolve,
-    InitOptions,
+    activation_checkpointing, engine_settings, initialize, initialize_on, initialize_settings, initialize_with,
+    resolve, InitOptions,
 };
 pub use memory::{Bytes, LocationSplit, Locations, MemoryReport};
 pub use optimizer::{ZeroLr, ZeroOptimizer, ZeroOptimizerRecord};

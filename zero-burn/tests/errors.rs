@@ -134,3 +134,42 @@ fn summed_gradients_are_refused_not_averaged() {
     let resolved = zero_burn::resolve(&config(&mean), 2, &Default::default()).expect("resolves");
     zero_burn::engine_settings(&resolved).expect("the mean is what the engine does");
 }
+
+/// A config that names no optimizer trains with the one the program gives
+/// (`InitOptions::optimizer`, DeepSpeed's client optimizer), exactly as with the same optimizer
+/// named in the config; with neither, or with both, initialize says so.
+#[test]
+fn a_config_without_optimizer_takes_the_programs() {
+    let without =
+        config(r#"{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}"#);
+    let with = config(
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "eps": 1e-4, "weight_decay": 0.01}}}"#,
+    );
+    let client = adamw_eps4(0.01);
+    let run = |cfg: &DeepSpeedConfig, optimizer: Option<OptimizerSpec>| {
+        on_ranks(2, |rank, group| {
+            let device = Default::default();
+            let options = zero_burn::InitOptions {
+                optimizer: optimizer.clone(),
+                ..Default::default()
+            };
+            let (mut model, mut optim) =
+                zero_burn::initialize_with(cfg, UnitNet::<B>::new(&device, 2), group, &options)?;
+            for step in 0..3 {
+                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.try_step(0.01, model, grads)?;
+            }
+            Ok::<_, ZeroError>(model.weights())
+        })
+        .remove(0)
+    };
+    let given = run(&without, Some(client.clone())).expect("the program's optimizer");
+    let named = run(&with, None).expect("the config's optimizer");
+    assert_eq!(given, named, "the program's AdamW trains as the config's");
+    let neither = run(&without, None).expect_err("no optimizer anywhere");
+    assert!(neither.to_string().contains("names no optimizer"), "{neither}");
+    let both = run(&with, Some(client)).expect_err("two optimizers");
+    assert!(both.to_string().contains("InitOptions::optimizer"), "{both}");
+}

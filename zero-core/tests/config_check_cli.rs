@@ -132,7 +132,8 @@ fn write_config(name: &str, text: &str) -> std::path::PathBuf {
 fn a_closed_or_full_stdout_ends_the_tool_without_a_panic() {
     let file = write_config(
         "ds_config.json",
-        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3}}"#,
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}"#,
     );
     let out = check_to(&file, &["--world-size", "1"], closed_pipe());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -309,4 +310,54 @@ fn set_fills_only_values_written_auto() {
     let (code, _, err) = check(cfg, &["--world-size", "1", "--set", "optimizer.params.lr=-1"]);
     assert_eq!(code, 2);
     assert!(err.contains("`optimizer.params.lr`") && err.contains(">= 0"), "{err}");
+}
+
+/// What DeepSpeed would run but initialize refuses is said by check-config, every setting with
+/// its key, exit 2; a config with no optimizer is valid (the program gives one), with a note.
+/// Reference: the refusals of zero_burn::engine_settings (the same `ResolvedConfig::unsupported`).
+#[test]
+fn settings_initialize_refuses_are_said_every_one() {
+    let cfg = r#"{"train_batch_size": 8,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 10}},
+        "bf16": {"enabled": true, "immediate_grad_update": true},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#;
+    let (code, v, err) = check(cfg, &["--world-size", "2"]);
+    assert_eq!(code, 2, "{v}");
+    assert_eq!(v, serde_json::Value::Null, "no config printed: {v}");
+    for key in [
+        "`optimizer.type`: \"OneBitAdam\"",
+        "`scheduler.type`: \"StepLR\"",
+        "`bf16.immediate_grad_update`",
+        "`zero_optimization.offload_optimizer.ratio`: 0.3",
+    ] {
+        assert!(err.contains(key), "{key} not said: {err}");
+    }
+    assert!(
+        err.contains("ds_config.json") && err.contains("initialize refuses"),
+        "{err}"
+    );
+    // Summed gradients: valid for DeepSpeed below stage 3, refused by the engine at any stage.
+    let sum = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 1}}"#;
+    let (code, _, err) = check(sum, &["--world-size", "2"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("`gradient_allreduce_op`"), "{err}");
+    // A schedule whose params cannot build is named by its param.
+    let bad_schedule = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}"#;
+    let (code, _, err) = check(bad_schedule, &["--world-size", "1"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("`scheduler.params.warmup_num_steps`"), "{err}");
+    // ... unless the value is left "auto" for the training script to give.
+    let auto_schedule = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 10}}}"#;
+    let (code, v, err) = check(auto_schedule, &["--world-size", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(v.is_object(), "{v}");
+    // No optimizer: printed, with a note that the program gives it.
+    let (code, v, err) = check(r#"{"train_batch_size": 8}"#, &["--world-size", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(v.is_object(), "{v}");
+    assert!(err.contains("names no optimizer"), "{err}");
 }

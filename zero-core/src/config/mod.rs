@@ -52,6 +52,7 @@ mod resolved;
 mod scalar;
 mod scheduler;
 mod sections;
+mod support;
 mod text;
 mod unacted;
 mod zero;
@@ -70,6 +71,7 @@ pub use sections::{
     ActivationCheckpointingConfig, AioConfig, CheckpointConfig, CommDataType, CommsLoggerConfig, FileMonitorConfig,
     FlopsProfilerConfig, MonitorConfig, PipelineConfig, TagValidation, TensorParallelConfig, WandbConfig,
 };
+pub use support::Unsupported;
 pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig, ZeroStage};
 
 use reader::Cx;

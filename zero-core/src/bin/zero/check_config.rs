@@ -1,5 +1,5 @@
 //! `zero check-config`: parse a DeepSpeed config, print it resolved (defaults filled in) or the
-//! error. Values that only the run can settle (the model's hidden size, the world size, values
+//! error, including the settings DeepSpeed would run that `initialize` refuses here. Values that only the run can settle (the model's hidden size, the world size, values
 //! supplied by the training script) are printed as "(resolved at initialize from ...)"; `--set`
 //! and `--hidden-size` settle them here.
 
@@ -54,6 +54,29 @@ fn check(args: &Args) -> Result<String, String> {
         .config
         .resolve_partial(args.world_size, args.hidden_size, &overrides)
         .map_err(|e| e.to_string())?;
+    // What DeepSpeed would run but this engine refuses at initialize, said now, every one.
+    let deferred: Vec<&str> = partial.deferred.iter().map(|d| d.key.as_str()).collect();
+    let refused = partial.config.unsupported_except(&deferred);
+    if !refused.is_empty() {
+        let each: Vec<String> = refused.iter().map(|u| format!("\n  {u}")).collect();
+        return Err(format!(
+            "{}: a valid DeepSpeed config, but initialize refuses {}:{}",
+            args.file.display(),
+            if refused.len() == 1 {
+                "this setting"
+            } else {
+                "these settings"
+            },
+            each.concat()
+        ));
+    }
+    if partial.config.optimizer.is_none() {
+        print_note(format_args!(
+            "note: {}: the config names no optimizer: the program gives it (zero_burn::InitOptions::optimizer, as a \
+             training script hands its own to DeepSpeed's initialize)",
+            args.file.display()
+        ));
+    }
     let mut json = serde_json::to_value(&partial.config).map_err(|e| e.to_string())?;
     for deferred in &partial.deferred {
         if deferred.key == "world_size" {
