@@ -323,23 +323,30 @@ impl EngineCore {
     }
 
     /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
-    /// `start`, and into their 16-bit copy: values set in the module between steps
-    /// (`ZeroModule::modify`), which the next update starts from.
+    /// `start`, and into their 16-bit copy: values set in the module (`ZeroModule::modify`, a
+    /// parameter that does not train), which the next update starts from. Masters swapped to
+    /// NVMe are read, changed and written back.
     pub fn write_masters(&mut self, group: usize, start: usize, values: &[f32]) -> Result<(), ZeroError> {
+        let end = start + values.len();
+        let owned = self.state.layout.owned_len(group);
+        if end > owned {
+            return Err(ZeroError::Usage(format!(
+                "flat group {group}: new master values {start}..{end} outside the {owned} this rank holds"
+            )));
+        }
+        if let Some(mut buffers) = self.state.read_swapped_group(group)? {
+            buffers[0][start..end].copy_from_slice(values);
+            let views: Vec<&[f32]> = buffers.iter().map(Vec::as_slice).collect();
+            self.state.write_swapped_group(group, &views)?;
+        }
         let state = self
             .state
             .groups
             .get_mut(group)
             .ok_or_else(|| ZeroError::Model(format!("no flat group {group}")))?;
-        let end = start + values.len();
-        if end > state.master.len() {
-            return Err(ZeroError::Usage(format!(
-                "flat group {group}: new master values {start}..{end} outside the {} this rank holds (masters \
-                 swapped to NVMe cannot be written between steps)",
-                state.master.len()
-            )));
+        if let Some(master) = state.master.get_mut(start..end) {
+            master.copy_from_slice(values);
         }
-        state.master[start..end].copy_from_slice(values);
         if let Some(half) = state.half.as_mut().filter(|h| h.len() >= end) {
             crate::half_buffer::write_rounded(half, start, values);
         }

@@ -99,6 +99,20 @@ pub fn try_read_values<B: Backend, M: Module<B>>(
     }
 }
 
+/// Whether each float parameter (visit order) trains: `require_grad` is on (off for a frozen
+/// parameter and for running statistics, which Burn shows as parameters).
+pub fn trains<B: Backend, M: Module<B>>(module: &M) -> Vec<bool> {
+    struct Flags(Vec<bool>);
+    impl<B: Backend> ModuleVisitor<B> for Flags {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.is_require_grad());
+        }
+    }
+    let mut flags = Flags(Vec::new());
+    module.visit(&mut flags);
+    flags.0
+}
+
 /// Replaces every float parameter's value with `source(index)` (the parameter's flattened
 /// values), keeping its id. The new tensors are f32 and record gradients when `require_grad` is
 /// set. Lazy parameters are replaced without being materialised.
@@ -129,18 +143,39 @@ pub fn write_data_some<B: Backend, M: Module<B>>(
     module: M,
     device: &B::Device,
     require_grad: bool,
+    source: impl FnMut(usize, Shape) -> Option<TensorData>,
+) -> M {
+    write_with(module, device, Some(require_grad), source)
+}
+
+/// [`write_data_some`] keeping each parameter's own `require_grad`: the optimizer's write-back,
+/// which leaves a frozen parameter frozen (as Burn's optimizers do).
+pub(crate) fn rewrite_data_some<B: Backend, M: Module<B>>(
+    module: M,
+    device: &B::Device,
+    source: impl FnMut(usize, Shape) -> Option<TensorData>,
+) -> M {
+    write_with(module, device, None, source)
+}
+
+/// Writes `source`'s data into the float parameters; `require_grad`: set it on every new
+/// tensor, or (`None`) keep each parameter's.
+fn write_with<B: Backend, M: Module<B>>(
+    module: M,
+    device: &B::Device,
+    require_grad: Option<bool>,
     mut source: impl FnMut(usize, Shape) -> Option<TensorData>,
 ) -> M {
     struct Write<'a, F, B: Backend> {
         index: usize,
         source: &'a mut F,
         device: &'a B::Device,
-        require_grad: bool,
+        require_grad: Option<bool>,
     }
     impl<B: Backend, F: FnMut(usize, Shape) -> Option<TensorData>> ModuleMapper<B> for Write<'_, F, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let shape = param.lazy_shape();
-            let require_grad = self.require_grad;
+            let require_grad = self.require_grad.unwrap_or_else(|| param.is_require_grad());
             let data = (self.source)(self.index, shape);
             self.index += 1;
             let Some(data) = data else { return param };

@@ -70,7 +70,8 @@ pub(crate) fn write_flat<B: AutodiffBackend, M: Module<B>>(
             self.index += 1;
             let Some(flat) = flat else { return param };
             let dims: [usize; D] = shape.dims::<D>();
-            let tensor = Tensor::<B, D>::from_inner(flat.reshape(dims)).require_grad();
+            // Each parameter keeps its own `require_grad` (a frozen one stays frozen).
+            let tensor = Tensor::<B, D>::from_inner(flat.reshape(dims)).set_require_grad(param.is_require_grad());
             Param::initialized(param.id, tensor)
         }
     }

@@ -1,13 +1,21 @@
-//! Values set in the module between steps: the units `ZeroModule::modify` changed become the
-//! optimizer's fp32 masters before the next update (the optimizer's moments are kept).
+//! Values set in the module, not by the update: the units `ZeroModule::modify` changed become
+//! the optimizer's fp32 masters before the next update (the optimizer's moments are kept), and
+//! the parameters that do not train (frozen, or a BatchNorm's running statistics) keep the
+//! module's values through every update.
 
 use super::state::State;
 use super::view::{Holding, ModuleView};
+use crate::core::EngineCore;
 use crate::device::flat::read_flat;
+use crate::device::state::DeviceState;
 use crate::error::ZeroError;
 use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use std::ops::Range;
+
+/// A write of module values into the masters: (group, offset in the owned range, the held
+/// float parameter, the range of its flat values to write there).
+type Write = (usize, usize, usize, Range<usize>);
 
 /// Writes the values `module` holds for the units whose flat parameters are `modified` into
 /// `state`'s masters on `rank`: a cut unit's shard is its group's owned masters; a unit held
@@ -23,50 +31,80 @@ pub(super) fn adopt<B: AutodiffBackend, M: AutodiffModule<B>>(
         .iter()
         .filter_map(|id| view.ids.iter().position(|i| i == id))
         .collect();
-    if held.is_empty() {
+    match state {
+        State::Host(core) => adopt_host::<B, M>(core, view, module, &held, rank),
+        state @ State::Device(_) => adopt_device::<B, M>(state.device::<B::InnerBackend>()?, view, module, &held, rank),
+    }
+}
+
+/// Writes the values `module` holds in its float parameters `held` (visit order) into the host
+/// state's masters on `rank`.
+pub(super) fn adopt_host<B: AutodiffBackend, M: AutodiffModule<B>>(
+    core: &mut EngineCore,
+    view: &ModuleView,
+    module: &M,
+    held: &[usize],
+    rank: usize,
+) -> Result<(), ZeroError> {
+    let writes = writes(view, held, rank);
+    if writes.is_empty() {
         return Ok(());
     }
-    // (group, offset in the owned range, source: the held float parameter and the range of its
-    // flat values to write there).
-    let mut writes: Vec<(usize, usize, usize, Range<usize>)> = Vec::new();
-    for &i in &held {
-        match &view.held[i] {
-            Holding::Shard { group, .. } => writes.push((*group, 0, i, 0..view.layout.owned_len(*group))),
-            Holding::Whole(params) => {
-                // The unit's flat vector is its parameters one after the other.
-                let mut at = 0;
-                for p in params.clone() {
-                    for (g, group) in view.layout.groups.iter().enumerate() {
-                        if !group.params.contains(&p) {
-                            continue;
-                        }
-                        for seg in view.layout.segments(g, rank).into_iter().filter(|s| s.param == p) {
-                            let from = at + seg.in_param.start..at + seg.in_param.end;
-                            writes.push((g, seg.local.start, i, from));
-                        }
-                    }
-                    at += view.layout.params[p].numel();
-                }
-            }
-            Holding::Param(_) | Holding::Nothing => {}
-        }
-    }
-    match state {
-        State::Host(core) => {
-            let mut flat: Vec<Vec<f32>> = Vec::new();
-            crate::params::try_read_values::<B, M>(module, |_, v| flat.push(v))?;
-            for (group, start, i, from) in writes {
-                core.write_masters(group, start, &flat[i][from])?;
-            }
-        }
-        state @ State::Device(_) => {
-            let state = state.device::<B::InnerBackend>()?;
-            let flat = read_flat::<B, M>(module)?;
-            for (group, start, i, from) in writes {
-                let values = flat[i].clone().narrow(0, from.start, from.len());
-                state.write_masters(group, start, values)?;
-            }
-        }
+    let mut flat: Vec<Vec<f32>> = Vec::new();
+    crate::params::try_read_values::<B, M>(module, |_, v| flat.push(v))?;
+    for (group, start, i, from) in writes {
+        core.write_masters(group, start, &flat[i][from])?;
     }
     Ok(())
+}
+
+/// [`adopt_host`] for the device state.
+pub(super) fn adopt_device<B: AutodiffBackend, M: AutodiffModule<B>>(
+    state: &mut DeviceState<B::InnerBackend>,
+    view: &ModuleView,
+    module: &M,
+    held: &[usize],
+    rank: usize,
+) -> Result<(), ZeroError> {
+    let writes = writes(view, held, rank);
+    if writes.is_empty() {
+        return Ok(());
+    }
+    let flat = read_flat::<B, M>(module)?;
+    for (group, start, i, from) in writes {
+        let values = flat[i].clone().narrow(0, from.start, from.len());
+        state.write_masters(group, start, values)?;
+    }
+    Ok(())
+}
+
+/// Where the values of the module's float parameters `held` go in the masters of `rank`.
+fn writes(view: &ModuleView, held: &[usize], rank: usize) -> Vec<Write> {
+    let mut writes = Vec::new();
+    for &i in held {
+        let params = match &view.held[i] {
+            Holding::Shard { group, .. } => {
+                writes.push((*group, 0, i, 0..view.layout.owned_len(*group)));
+                continue;
+            }
+            Holding::Whole(params) => params.clone(),
+            Holding::Param(p) => *p..*p + 1,
+            Holding::Nothing => continue,
+        };
+        // A unit's flat vector is its parameters one after the other.
+        let mut at = 0;
+        for p in params {
+            for (g, group) in view.layout.groups.iter().enumerate() {
+                if !group.params.contains(&p) {
+                    continue;
+                }
+                for seg in view.layout.segments(g, rank).into_iter().filter(|s| s.param == p) {
+                    let from = at + seg.in_param.start..at + seg.in_param.end;
+                    writes.push((g, seg.local.start, i, from));
+                }
+            }
+            at += view.layout.params[p].numel();
+        }
+    }
+    writes
 }

@@ -109,6 +109,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     loss_non_finite: bool,
     mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
+    frozen: super::Frozen<'_>,
 ) -> Result<(M, StepReport), ZeroError> {
     view.check_unchanged(&state.layout)?;
     let layout = &view.layout;
@@ -151,6 +152,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
         })
         .collect();
     let report = state.step(by_group, lr, loss_non_finite)?;
+    super::adopt::adopt_device::<B, M>(state, view, &module, frozen.held, frozen.rank)?;
     Ok((write_back::<B, M>(state, module, view)?, report))
 }
 

@@ -7,7 +7,7 @@ use crate::error::ZeroError;
 use crate::flat_state::GradFlow;
 use crate::half_buffer;
 use crate::memory::MemoryTracker;
-use crate::params::{tensor_to_vec, write_data_some};
+use crate::params::{rewrite_data_some, tensor_to_vec};
 use crate::settings::{EngineSettings, Stage};
 use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
@@ -81,6 +81,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     loss_non_finite: bool,
     mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
+    frozen: super::Frozen<'_>,
 ) -> Result<(M, StepReport), ZeroError> {
     // Burn's loop owns the schedule: use its learning rate for this step.
     core.settings.lr_schedule = Some(Arc::new(move |_| lr));
@@ -110,6 +111,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
         core.note_non_finite_loss();
     }
     let report = core.update()?;
+    super::adopt::adopt_host::<B, M>(core, view, &module, frozen.held, frozen.rank)?;
     let device = super::view::first_device::<B, M>(&module)?;
     let module = write_back::<B, M>(core, module, &device, &view.held)?;
     // The model holds the new values now: the state's copies of them go until the next step.
@@ -130,7 +132,7 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     let dtype = core.settings.precision.dtype;
     // An offloaded unit's new shard goes straight to its store, never to the device.
     let stores = crate::sharded::stores_in_place::<B, M>(&module);
-    let module = write_data_some(module, device, true, |i, shape| match &held[i] {
+    let module = rewrite_data_some(module, device, |i, shape| match &held[i] {
         Holding::Param(p) => Some(source.take_data(*p)),
         Holding::Whole(params) => {
             let flat: Vec<f32> = params.clone().flat_map(|p| source.take(p)).collect();

@@ -27,7 +27,7 @@ use crate::error::ZeroError;
 use crate::half_buffer;
 use crate::layout::broadcast_values;
 use crate::memory::{MemoryReport, MemoryTracker};
-use crate::params::write_data_some;
+use crate::params::rewrite_data_some;
 use crate::settings::{ComputeDtype, EngineSettings, OptimizerOffload, Stage};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
@@ -199,7 +199,7 @@ impl ZeroOptimizer {
         let values = broadcast_values(values, &view.layout, self.comm.as_ref(), &own)?;
         let device = first_device::<B, M>(&module)?;
         let dtype = self.settings.precision.dtype;
-        Ok(write_data_some(module, &device, true, |i, shape| match &view.held[i] {
+        Ok(rewrite_data_some(module, &device, |i, shape| match &view.held[i] {
             Holding::Param(p) => Some(half_buffer::f32_to_data(values[*p].clone(), shape, dtype)),
             Holding::Whole(params) => Some(half_buffer::f32_to_data(values[params.clone()].concat(), shape, dtype)),
             Holding::Shard { .. } => Some(half_buffer::f32_to_data(
@@ -403,11 +403,17 @@ impl ZeroOptimizer {
             adopt::adopt::<B, M>(state, &view, &module, &modified, self.comm.rank())?;
         }
         let loss_non_finite = self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed);
+        // Parameters that do not train keep the module's values through the update.
+        let frozen = view::not_trained::<B, M>(&module, &view);
+        let step = Frozen {
+            held: &frozen,
+            rank: self.comm.rank(),
+        };
         let (module, report) = match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
-            State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take)?,
+            State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take, step)?,
             state @ State::Device(_) => {
                 let state = state.device::<B::InnerBackend>()?;
-                device::step::<B, M>(state, &view, lr, module, loss_non_finite, take)?
+                device::step::<B, M>(state, &view, lr, module, loss_non_finite, take, step)?
             }
         };
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
@@ -415,6 +421,14 @@ impl ZeroOptimizer {
         // gather at stage 3.
         crate::sharded::after_step::<B, M>(module)
     }
+}
+
+/// The float parameters (visit order) of the stepped module that do not train, on `rank`:
+/// written back into the masters from the module after the update.
+#[derive(Clone, Copy)]
+pub(super) struct Frozen<'a> {
+    pub(super) held: &'a [usize],
+    pub(super) rank: usize,
 }
 
 /// Stage 3 over a model without `ZeroModule`s: nothing to partition.

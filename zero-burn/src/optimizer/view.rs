@@ -44,6 +44,22 @@ pub(super) struct ModuleView {
     pub(super) held: Vec<Holding>,
 }
 
+/// The float parameters (visit order) of `module` that `view` holds and that do not train:
+/// frozen (`require_grad` off), or a BatchNorm's running statistics (which Burn shows as
+/// parameters). Their values are the module's, never the update's. Each running statistic's
+/// last forward is synced in first (Burn keeps it per thread until the module's record is read).
+pub(super) fn not_trained<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, view: &ModuleView) -> Vec<usize> {
+    let trains = crate::params::trains::<B, M>(module);
+    // A unit's skeleton holds nothing (its emptied parameters never train).
+    let frozen: Vec<usize> = (0..trains.len().min(view.held.len()))
+        .filter(|&i| !trains[i] && !matches!(view.held[i], Holding::Nothing))
+        .collect();
+    if !frozen.is_empty() {
+        drop(module.clone().into_record());
+    }
+    frozen
+}
+
 impl ModuleView {
     /// The view of `module` at `settings`' stage over `world` ranks: [`stage_layout`] with each
     /// sharded unit's parameters one sharded group, cut as the unit cut its shards.

@@ -159,6 +159,8 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
             }
             let len = shard_len(unit.numel, world);
             let id = param.id;
+            // A frozen unit stays frozen.
+            let trained = param.is_require_grad();
             // Cut on the host, once: ops on the tracked whole vector would leave autodiff
             // nodes (and, under checkpointing, their inputs) alive.
             let device = param.lazy_device();
@@ -203,7 +205,8 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 mine.require_grad()
             };
             self.join(&unit);
-            Param::initialized(id, Tensor::<B, D>::from_primitive(shard.into_primitive()))
+            let shard = Tensor::<B, D>::from_primitive(shard.into_primitive());
+            Param::initialized(id, if trained { shard } else { shard.set_require_grad(false) })
         }
     }
     let prefetcher =
@@ -270,9 +273,12 @@ pub(crate) fn after_step<B: Backend, M: Module<B>>(module: M) -> Result<M, ZeroE
                 return param;
             }
             let value = param.val();
+            let trained = param.is_require_grad();
             match (hook.0)(param.id, &value as &dyn Any) {
                 Ok(Some(new)) => match new.downcast::<Param<Tensor<B, D>>>() {
-                    Ok(new) => *new,
+                    // A frozen unit stays frozen.
+                    Ok(new) if trained => *new,
+                    Ok(new) => new.set_require_grad(false),
                     Err(_) => param,
                 },
                 Ok(None) => param,

@@ -130,6 +130,9 @@ pub(super) struct Unit {
     /// The unit's values were changed by [`ZeroModule::modify`] since the optimizer last
     /// looked ([`take_modified`](super::take_modified)).
     pub(super) modified: std::sync::atomic::AtomicBool,
+    /// The names of the module's parameters that did not train when it was wrapped, where
+    /// others did: a unit trains whole or not at all, so its forward refuses.
+    partly_frozen: Vec<String>,
 }
 
 impl std::fmt::Debug for Kept {
@@ -206,15 +209,28 @@ where
     pub fn new(module: M) -> Self {
         let mut values = Vec::new();
         read_values::<B, _>(&module, |_, v| values.extend(v));
-        let shapes: Vec<Vec<usize>> = crate::params::describe::<B, _>(&module)
-            .into_iter()
-            .map(|(_, spec)| spec.shape)
+        let described = crate::params::describe::<B, _>(&module);
+        let shapes: Vec<Vec<usize>> = described.iter().map(|(_, spec)| spec.shape.clone()).collect();
+        // The unit trains whole, or not at all: the names of the parameters that do not train
+        // (frozen, or running statistics), when others do.
+        let trains = crate::params::trains::<B, _>(&module);
+        let frozen: Vec<String> = described
+            .iter()
+            .zip(&trains)
+            .filter(|(_, &t)| !t)
+            .map(|((_, spec), _)| spec.name.clone())
             .collect();
+        let all_frozen = !trains.is_empty() && frozen.len() == trains.len();
         let device = module.devices().into_iter().next().unwrap_or_default();
         let numel = values.len();
         let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [numel]), &device);
         let skeleton = module.map(&mut Emptied);
         let shard = Param::from_tensor(flat);
+        let shard = if all_frozen {
+            shard.set_require_grad(false)
+        } else {
+            shard
+        };
         static NEXT_UNIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let unit = Arc::new(Unit {
             id: NEXT_UNIT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -223,6 +239,7 @@ where
             sharding: std::sync::OnceLock::new(),
             kept: std::sync::Mutex::new(None),
             modified: std::sync::atomic::AtomicBool::new(false),
+            partly_frozen: if all_frozen { Vec::new() } else { frozen },
         });
         let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
         // Units whose models are gone leave dead entries: drop them as the registry doubles.
@@ -266,12 +283,28 @@ where
     /// unit gathers every rank's shard (under autodiff, the input orders the gradient's
     /// reduce-scatter right after the unit's backward).
     pub fn unshard<const D: usize>(&self, input: &Tensor<B, D>) -> Result<M, ZeroError> {
+        self.check_trains_whole()?;
         self.whole(Some(input))
+    }
+
+    /// A unit trains whole: one whose module had some parameters frozen (or running statistics,
+    /// a BatchNorm's) would train them through its flat parameter, or lose their updates.
+    fn check_trains_whole(&self) -> Result<(), ZeroError> {
+        if self.unit.partly_frozen.is_empty() {
+            return Ok(());
+        }
+        Err(ZeroError::Usage(format!(
+            "a ZeroModule holds parameters that do not train ({}) beside ones that do: a unit trains whole. \
+             Freeze the whole unit (`unit.no_grad()`), or keep those layers (frozen ones, BatchNorm) outside \
+             ZeroModule",
+            self.unit.partly_frozen.join(", ")
+        )))
     }
 
     /// [`ZeroModule::unshard`] for a unit whose forward starts from no float tensor (token ids,
     /// the model's first unit): its gradient is reduce-scattered when the backward reaches it.
     pub fn gathered(&self) -> Result<M, ZeroError> {
+        self.check_trains_whole()?;
         self.whole::<1>(None)
     }
 
@@ -367,6 +400,12 @@ where
                 }
             }
             _ => Param::initialized(id, B::from_collective(on_device(values))),
+        };
+        // A frozen unit stays frozen.
+        let shard = if self.shard.is_require_grad() {
+            shard
+        } else {
+            shard.set_require_grad(false)
         };
         self.unit.modified.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(ZeroModule {
