@@ -111,7 +111,8 @@ fn device_entry_points_match_the_reference() {
     let done = g
         .all_gather_device(&part, &mut gathered, Some(&ready))
         .expect("all_gather_device");
-    compute.wait(&done).expect("wait");
+    // Waited for on the host this time, under the group's timeout.
+    g.wait_device(&done).expect("wait_device");
     let got = compute.clone_dtoh(&gathered).expect("download");
     compute.synchronize().expect("sync");
     assert_eq!(got, host, "all_gather_device at world size 1 returns the shard");

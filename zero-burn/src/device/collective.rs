@@ -71,7 +71,8 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
 }
 
 /// A collective in flight ([`DeviceCollective::all_gather_start`]). Dropping it without waiting
-/// does not cancel it: the ranks still run it, and its result is freed.
+/// does not cancel it: the ranks still run it, and its result is freed once it is done (the drop
+/// may block until then).
 #[must_use = "a started collective's result is only seen through wait()"]
 pub struct Started<B: Backend>(Box<dyn FnOnce() -> Result<Tensor<B, 1>, ZeroError> + Send>);
 

@@ -23,14 +23,17 @@
 //!    before this thread's stream), then Burn's device is synchronised: every kernel that
 //!    writes the input, or last read the output's memory, has finished.
 //! 3. The collective is enqueued on the group's stream with no ready event (nothing is pending)
-//!    and the host waits for the event it returns.
+//!    and the host waits for the event it returns, at most the group's timeout
+//!    (`NcclGroup::wait_device`, which aborts the group when it expires).
 //! 4. The slices are leaked (not freed) and the resources dropped; the output tensor owns its
-//!    buffer, and Burn may reuse the input's.
+//!    buffer, and Burn may reuse the input's. If the wait failed, the resources are leaked too:
+//!    NCCL may still touch that memory, which cubecl must not hand to another tensor.
 //!
 //! So one collective costs a device synchronisation and a host wait: the gradients do not go
 //! through host memory, but a blocking collective does not overlap compute. An all-gather
 //! started with `all_gather_start` (a prefetch) returns after step 3's enqueue and waits for
-//! its event when its result is asked for, so the kernels Burn issues meanwhile run beside it;
+//! its event when its result is asked for, or when it is dropped unasked (its buffers are only
+//! released once NCCL is done with them), so the kernels Burn issues meanwhile run beside it;
 //! making Burn's own stream wait on NCCL's event instead of the host would need cubecl's stream
 //! handle, which cubecl 0.10 does not expose.
 //!
@@ -47,10 +50,10 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use burn_fusion::stream::OperationStreams;
 use burn_fusion::{Fusion, FusionTensor, NoOp};
 use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream};
 use half::{bf16, f16};
 use std::sync::Arc;
-use zero_core::comm::{CommError, DeviceElement, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp};
+use zero_core::comm::{CommError, DeviceElement, DeviceWork, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp};
 
 /// Burn's CUDA backends, whose float tensors [`NcclDevice`] lends to NCCL: `CubeBackend` over
 /// CUDA, and `Fusion` over it (`burn::backend::Cuda` with Burn's default features).
@@ -226,9 +229,50 @@ fn primitive<B: CudaBuffers>(tensor: Tensor<B, 1>, op: &str) -> Result<CubeTenso
     }
 }
 
-/// Waits on the host for the collective's end event.
-fn wait(event: CudaEvent, op: &str) -> Result<(), ZeroError> {
-    event.synchronize().map_err(|e| lend_error(op, e))
+/// Waits on the host for `work`'s end (at most the group's timeout, which aborts the group), and
+/// gives back `lent`, the buffers it uses. If the wait failed, NCCL may still touch them: they
+/// are leaked, never handed back to cubecl for the next tensor; the group is broken by then.
+fn wait<L>(group: &NcclGroup, work: &DeviceWork, lent: L) -> Result<L, ZeroError> {
+    match group.wait_device(work) {
+        Ok(()) => Ok(lent),
+        Err(e) => {
+            std::mem::forget(lent);
+            Err(e.into())
+        }
+    }
+}
+
+/// An all-gather in flight: its buffers stay lent, and its output unread, until its end has
+/// been waited for: by [`Started::wait`], or on drop when the prefetch is dropped unwaited
+/// (freeing the buffers earlier would let cubecl give memory NCCL still writes to a new tensor).
+struct Gathering<L> {
+    group: Arc<NcclGroup>,
+    work: DeviceWork,
+    /// The lent buffers and the output; `None` once waited for.
+    pending: Option<(L, CubeTensor<CudaRuntime>)>,
+}
+
+impl<L> Gathering<L> {
+    /// Waits for the gather and returns its output.
+    fn finish(mut self) -> Result<CubeTensor<CudaRuntime>, ZeroError> {
+        let pending = self
+            .pending
+            .take()
+            .unwrap_or_else(|| unreachable!("taken only here and on drop"));
+        let (lent, out) = wait(&self.group, &self.work, pending)?;
+        drop(lent);
+        Ok(out)
+    }
+}
+
+impl<L> Drop for Gathering<L> {
+    fn drop(&mut self) {
+        if let Some(pending) = self.pending.take() {
+            // Unwaited: the error, if any, is the group's from now on, and reported by its next
+            // collective.
+            let _ = wait(&self.group, &self.work, pending);
+        }
+    }
 }
 
 /// Dispatches on the tensor's dtype to the element type NCCL reduces.
@@ -264,9 +308,8 @@ impl NcclDevice {
         let stream = self.group.stream()?;
         let mut lent = lend::<T>(&out, n, &stream, name)?;
         Self::sync::<B>(&out.device, name)?;
-        let event = self.group.all_reduce_device(lent.slice_mut(), op, None)?;
-        wait(event, name)?;
-        drop(lent);
+        let work = self.group.all_reduce_device(lent.slice_mut(), op, None)?;
+        drop(wait(&self.group, &work, lent)?);
         Ok(out)
     }
 
@@ -289,11 +332,10 @@ impl NcclDevice {
         let lent_in = lend::<T>(&input, n, &stream, name)?;
         let mut lent_out = lend::<T>(&out, n / world, &stream, name)?;
         Self::sync::<B>(&input.device, name)?;
-        let event = self
+        let work = self
             .group
             .reduce_scatter_device(lent_in.slice(), lent_out.slice_mut(), op, None)?;
-        wait(event, name)?;
-        drop((lent_in, lent_out));
+        drop(wait(&self.group, &work, (lent_in, lent_out))?);
         Ok(out)
     }
 
@@ -312,12 +354,16 @@ impl NcclDevice {
         let lent_in = lend::<T>(&shard, n, &stream, name)?;
         let mut lent_out = lend::<T>(&out, n * world, &stream, name)?;
         Self::sync::<B>(&shard.device, name)?;
-        let event = self
+        let work = self
             .group
             .all_gather_device(lent_in.slice(), lent_out.slice_mut(), None)?;
+        let gathering = Gathering {
+            group: self.group.clone(),
+            work,
+            pending: Some(((lent_in, lent_out), out)),
+        };
         Ok(Started::pending(move || {
-            wait(event, name)?;
-            drop((lent_in, lent_out));
+            let out = gathering.finish()?;
             Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
         }))
     }

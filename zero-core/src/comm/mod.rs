@@ -37,7 +37,7 @@ pub use bytes::all_gather_bytes;
 pub use env::{DistEnv, EnvError, Launcher};
 pub use error::CommError;
 #[cfg(feature = "cuda")]
-pub use nccl::{DeviceElement, NcclGroup};
+pub use nccl::{DeviceElement, DeviceWork, NcclGroup};
 pub use ready::{all_ready, gather_failures, Failure};
 pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;

@@ -23,8 +23,9 @@
 //!   on its compute stream after the kernels that write the input (`ready`); the group's stream
 //!   waits on it before the collective. The method returns an event recorded on the group's
 //!   stream after the collective; the caller makes its compute stream wait on it
-//!   (`stream.wait(&event)`) before it reads the result or writes the buffers again. 16-bit
-//!   device buffers are reduced with NCCL's own 16-bit arithmetic.
+//!   (`stream.wait(&event)`) before it reads the result or writes the buffers again, or waits
+//!   on the host with [`NcclGroup::wait_device`], which has the group's timeout. 16-bit device
+//!   buffers are reduced with NCCL's own 16-bit arithmetic.
 
 mod host;
 
@@ -86,6 +87,36 @@ impl NcclState {
             (None, Some(cause)) => Err(cause.clone()),
             (None, None) => Err(CommError::Shutdown { op: "nccl".into() }),
         }
+    }
+}
+
+/// A collective enqueued on the group's stream by a `*_device` method: the event recorded after
+/// it (what [`DeviceWork::event`] and `Deref` give, for `stream.wait(&work)`), and which
+/// collective it is, for [`NcclGroup::wait_device`]'s errors.
+#[derive(Debug)]
+pub struct DeviceWork {
+    event: CudaEvent,
+    kind: OpKind,
+    seq: u64,
+}
+
+impl DeviceWork {
+    /// The event that marks the collective's end on the group's stream.
+    pub fn event(&self) -> &CudaEvent {
+        &self.event
+    }
+
+    /// The collective's sequence number in the group (the `#` of its errors).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl std::ops::Deref for DeviceWork {
+    type Target = CudaEvent;
+
+    fn deref(&self) -> &CudaEvent {
+        &self.event
     }
 }
 
@@ -297,13 +328,13 @@ impl NcclGroup {
     }
 
     /// Enqueues an all-reduce of `buf` in place on the group's stream, after `ready` (see the
-    /// module's stream-ordering contract); returns the event that marks its end.
+    /// module's stream-ordering contract); returns its end ([`DeviceWork`]).
     pub fn all_reduce_device<T: DeviceElement>(
         &self,
         buf: &mut CudaSlice<T>,
         op: ReduceOp,
         ready: Option<&CudaEvent>,
-    ) -> Result<CudaEvent, CommError> {
+    ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::AllReduce;
         self.device_op(kind, T::DTYPE, buf.len(), Some(op), 0, |st, seq| {
             wait_ready(st, kind, seq, ready)?;
@@ -312,19 +343,19 @@ impl NcclGroup {
                     .all_reduce_in_place(buf, &nccl_op(op))
                     .map_err(|e| nccl(kind, seq, e))?;
             }
-            record(st, kind, seq)
+            record_work(st, kind, seq)
         })
     }
 
     /// Enqueues a reduce-scatter of `input` (world size × `out.len()` elements) into `out`, after
-    /// `ready`; returns the event that marks its end.
+    /// `ready`; returns its end ([`DeviceWork`]).
     pub fn reduce_scatter_device<T: DeviceElement>(
         &self,
         input: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
         op: ReduceOp,
         ready: Option<&CudaEvent>,
-    ) -> Result<CudaEvent, CommError> {
+    ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::ReduceScatter;
         if input.len() != out.len() * self.world {
             return Err(CommError::InvalidArgument {
@@ -345,18 +376,18 @@ impl NcclGroup {
                     .reduce_scatter(input, out, &nccl_op(op))
                     .map_err(|e| nccl(kind, seq, e))?;
             }
-            record(st, kind, seq)
+            record_work(st, kind, seq)
         })
     }
 
     /// Enqueues an all-gather of every rank's `shard` into `out` (world size × `shard.len()`
-    /// elements, in rank order), after `ready`; returns the event that marks its end.
+    /// elements, in rank order), after `ready`; returns its end ([`DeviceWork`]).
     pub fn all_gather_device<T: DeviceElement>(
         &self,
         shard: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
         ready: Option<&CudaEvent>,
-    ) -> Result<CudaEvent, CommError> {
+    ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::AllGather;
         if out.len() != shard.len() * self.world {
             return Err(CommError::InvalidArgument {
@@ -375,8 +406,50 @@ impl NcclGroup {
             if !shard.is_empty() {
                 st.comm()?.all_gather(shard, out).map_err(|e| nccl(kind, seq, e))?;
             }
-            record(st, kind, seq)
+            record_work(st, kind, seq)
         })
+    }
+
+    /// Waits on the host until `work` (a `*_device` collective of this group) is done, at most
+    /// the group's timeout. On a timeout, or a driver error, the communicator is aborted, as for
+    /// a host collective (NCCL cannot say which peer it waits for), and the group fails from
+    /// then on; the error names the collective and this rank.
+    pub fn wait_device(&self, work: &DeviceWork) -> Result<(), CommError> {
+        let failed = match wait_until(&work.event, self.shared.timeout) {
+            Ok(true) => return Ok(()),
+            Ok(false) => CommError::Timeout {
+                seq: work.seq,
+                op: work.kind.name().to_string(),
+                // NCCL does not tell which peer is missing: the error names this rank.
+                peer: self.rank,
+                seconds: self.shared.timeout.as_secs_f64(),
+            },
+            Err(e) => driver(work.kind, work.seq, e),
+        };
+        let mut st = self.shared.lock(work.kind.name())?;
+        Err(self.shared.break_comm(&mut st, failed))
+    }
+}
+
+/// Polls `event` until it completes (`true`) or `timeout` has passed (`false`). The first
+/// milliseconds yield between polls, as CUDA's own wait spins, so that a short collective is
+/// not waited for much longer than it runs; then short sleeps.
+fn wait_until(event: &CudaEvent, timeout: Duration) -> Result<bool, DriverError> {
+    let start = Instant::now();
+    let spin = Duration::from_millis(5);
+    loop {
+        if event.try_is_complete()? {
+            return Ok(true);
+        }
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Ok(false);
+        }
+        if waited < spin {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 }
 
@@ -391,6 +464,15 @@ fn wait_ready(st: &NcclState, kind: OpKind, seq: u64, ready: Option<&CudaEvent>)
 /// An event at the current end of the group's stream.
 fn record(st: &NcclState, kind: OpKind, seq: u64) -> Result<CudaEvent, CommError> {
     st.stream.record_event(None).map_err(|e| driver(kind, seq, e))
+}
+
+/// The end of the device collective `kind` #`seq`, just enqueued.
+fn record_work(st: &NcclState, kind: OpKind, seq: u64) -> Result<DeviceWork, CommError> {
+    Ok(DeviceWork {
+        event: record(st, kind, seq)?,
+        kind,
+        seq,
+    })
 }
 
 impl Shared {
@@ -452,15 +534,9 @@ impl Shared {
     /// communicator is aborted, since NCCL cannot say which peer it waits for.
     fn finish(&self, st: &mut NcclState, kind: OpKind, seq: u64) -> Result<(), CommError> {
         let event = record(st, kind, seq)?;
-        let deadline = Instant::now() + self.timeout;
-        let mut pause = Duration::from_micros(20);
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(self.break_comm(st, driver(kind, seq, e))),
-            }
-            if Instant::now() >= deadline {
+        match wait_until(&event, self.timeout) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
                 let e = CommError::Timeout {
                     seq,
                     op: kind.name().to_string(),
@@ -468,10 +544,9 @@ impl Shared {
                     peer: self.rank,
                     seconds: self.timeout.as_secs_f64(),
                 };
-                return Err(self.break_comm(st, e));
+                Err(self.break_comm(st, e))
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
+            Err(e) => Err(self.break_comm(st, driver(kind, seq, e))),
         }
     }
 
