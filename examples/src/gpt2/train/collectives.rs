@@ -36,6 +36,11 @@ pub(super) fn check(args: &TrainArgs) -> Result<(), TrainError> {
 
 /// Whether a CUDA run on `gpus` visible GPUs takes NCCL (see [`choose`]): its ranks on this
 /// node are the launcher's LOCAL_WORLD_SIZE processes, or the `--nproc` rank threads.
+///
+/// This is one rank's wish. Without LOCAL_WORLD_SIZE (Slurm, Open MPI) a rank counts the ranks
+/// up to its own, so the ranks of a node may wish differently under `auto`: they agree before
+/// the NCCL group is made (`crate::ranks::run_ranks_with`), and take NCCL only if every rank
+/// can.
 #[cfg(feature = "cuda")]
 pub(super) fn nccl_wanted(args: &TrainArgs, gpus: usize) -> Result<bool, TrainError> {
     use zero_core::comm::DistEnv;
