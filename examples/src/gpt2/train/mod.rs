@@ -297,6 +297,23 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    // What initialize would refuse, said once, before any rank starts.
+    let refused = resolved.unsupported();
+    if !refused.is_empty() {
+        let each: Vec<String> = refused.iter().map(|u| format!("\n  {u}")).collect();
+        return Err(TrainError::Config(format!(
+            "{}: initialize refuses:{}",
+            args.config.display(),
+            each.concat()
+        )));
+    }
+    if resolved.optimizer.is_none() {
+        return Err(TrainError::Config(format!(
+            "{}: the config names no optimizer, and gpt2 train brings none of its own; add a section, e.g. \
+             \"optimizer\": {{\"type\": \"AdamW\", \"params\": {{\"lr\": 3e-4}}}}",
+            args.config.display()
+        )));
+    }
     // The config's `seed` when the command line gives none.
     let seeded = TrainArgs {
         seed: args.seed.or(resolved.seed),
