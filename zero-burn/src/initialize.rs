@@ -346,6 +346,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
     };
     // Stage 2 on one rank would hold each unit twice (the whole and a shard of all of it).
     let cut = stage3 || (settings.stage == Stage::Zero2 && group.world_size() > 1);
+    agree_on_settings(&settings, group.as_ref())?;
     let optimizer = ZeroOptimizer::new(settings, group)?.with_collective(collective.clone());
     optimizer.set_keeps_gathered(!B::frees_gathered());
     let mut model = optimizer.synchronize(model)?;
@@ -365,6 +366,72 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
 }
 
 /// Once per process: stage 3 on an autodiff backend without a checkpointing strategy.
+/// Every rank must train with the same settings: ranks whose optimizer, schedule, clipping,
+/// precision or stage differ would each step its shard its own way (and the gathered model
+/// would mix them) or fail later at a collective. One all-gather of a fingerprint per setting
+/// finds them at initialize, naming the settings and the ranks.
+fn agree_on_settings(settings: &EngineSettings, group: &dyn ProcessGroup) -> Result<(), ZeroError> {
+    if group.world_size() < 2 {
+        return Ok(());
+    }
+    let steps = [0u64, 1, 2, 10, 100, 1_000, 10_000, 100_000];
+    let offload = |o: &dyn std::fmt::Debug| format!("{o:?}").split([' ', '{', '(']).next().map(str::to_string);
+    let described: [(&str, String); 8] = [
+        ("zero_optimization.stage", format!("{:?}", settings.stage)),
+        ("optimizer", format!("{:?}", settings.optimizer)),
+        (
+            "scheduler (learning rate)",
+            format!("{:?}", steps.map(|s| settings.lr_at(s))),
+        ),
+        (
+            "scheduler (momentum)",
+            format!("{:?}", steps.map(|s| settings.betas_at(s))),
+        ),
+        ("gradient_clipping", format!("{:?}", settings.gradient_clipping)),
+        ("fp16 / bf16", format!("{:?}", settings.precision)),
+        (
+            "zero_optimization.offload_optimizer",
+            format!("{:?}", offload(&settings.offload_optimizer)),
+        ),
+        (
+            "zero_optimization.offload_param",
+            format!("{:?}", offload(&settings.offload_param)),
+        ),
+    ];
+    // 24 bits of each description's hash: exact in an f32.
+    let mine: Vec<f32> = described
+        .iter()
+        .map(|(_, text)| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            text.hash(&mut h);
+            (h.finish() & 0xFF_FFFF) as f32
+        })
+        .collect();
+    let all = group
+        .all_gather(zero_core::comm::FlatBuffer::F32(mine.clone()))?
+        .into_f32();
+    let n = mine.len();
+    let mut differ = Vec::new();
+    for (k, (name, _)) in described.iter().enumerate() {
+        let ranks: Vec<String> = (1..group.world_size())
+            .filter(|r| all[r * n + k] != all[k])
+            .map(|r| r.to_string())
+            .collect();
+        if !ranks.is_empty() {
+            differ.push(format!("{name} (rank {} against rank 0)", ranks.join(", ")));
+        }
+    }
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(ZeroError::Config(format!(
+        "rank {} was given other settings than rank 0: {}; give every rank the same config",
+        group.rank(),
+        differ.join("; ")
+    )))
+}
+
 fn warn_keeps_gathered() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {

@@ -173,3 +173,73 @@ fn a_config_without_optimizer_takes_the_programs() {
     let both = run(&with, Some(client)).expect_err("two optimizers");
     assert!(both.to_string().contains("InitOptions::optimizer"), "{both}");
 }
+
+/// Ranks given different optimizer settings would each step its shard its own way: initialize
+/// refuses, naming the setting and the rank, on every rank.
+#[test]
+fn ranks_given_other_settings_are_named_at_initialize() {
+    let errors = on_ranks(2, |rank, group| {
+        let lr = if rank == 0 { 0.01 } else { 0.02 };
+        let cfg = config(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {{"stage": 1}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": {lr}}}}}}}"#
+        ));
+        let device = Default::default();
+        zero_burn::initialize::<B, _>(&cfg, UnitNet::<B>::new(&device, 2), group)
+            .map(|_| ())
+            .expect_err("settings differ")
+    });
+    for err in errors {
+        let text = err.to_string();
+        assert!(
+            text.contains("optimizer") && text.contains("rank 1 against rank 0"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("gradient_clipping"),
+            "only what differs is named: {text}"
+        );
+    }
+    // The same settings pass.
+    let cfg = config(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+    );
+    on_ranks(2, |_, group| {
+        let device = Default::default();
+        zero_burn::initialize::<B, _>(&cfg, UnitNet::<B>::new(&device, 2), group).expect("the same settings");
+    });
+}
+
+/// A step whose gradients hold none of the model's parameters (another model's, or none) would
+/// still move every parameter by weight decay: refused, and the optimizer goes on.
+#[test]
+fn a_step_without_the_models_gradients_is_refused() {
+    let cfg = config(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}}"#,
+    );
+    on_ranks(1, |_, group| {
+        let device = Default::default();
+        let (model, mut optim) =
+            zero_burn::initialize::<B, _>(&cfg, UnitNet::<B>::new(&device, 2), group).expect("init");
+        let before = values::<B, _>(&model);
+        let err = optim
+            .try_step(0.01, model.clone(), GradientsParams::new())
+            .map(|_| ())
+            .expect_err("no gradients");
+        assert!(err.to_string().contains("none of the model's parameters"), "{err}");
+        // Gradients of another instance of the model.
+        let other = UnitNet::<B>::new(&device, 2);
+        let (x, y) = batch::<B>(0, 0..2, &device);
+        let foreign = GradientsParams::from_grads(other.loss(x.clone(), y.clone()).backward(), &other);
+        let err = optim
+            .try_step(0.01, model.clone(), foreign)
+            .map(|_| ())
+            .expect_err("another model's");
+        assert!(err.to_string().contains("another model"), "{err}");
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        let model = optim.try_step(0.01, model, grads).expect("the model's own gradients");
+        assert_ne!(values::<B, _>(&model), before);
+    });
+}

@@ -277,6 +277,9 @@ impl ZeroOptimizer {
         mut grads: GradientsParams,
     ) -> Result<M, ZeroError> {
         let mut by_id = collect_grads::<B, M>(&module, &mut grads);
+        if by_id.is_empty() {
+            return Err(no_gradients());
+        }
         self.step_with::<B, M>(lr, module, |id| by_id.remove(&id))
     }
 
@@ -431,6 +434,16 @@ pub(super) struct Frozen<'a> {
     pub(super) rank: usize,
 }
 
+/// A step whose gradients hold none of the module's parameters: refused, where an update would
+/// still move every parameter (weight decay, momentum).
+fn no_gradients() -> ZeroError {
+    ZeroError::Usage(
+        "the step's gradients hold none of the model's parameters: they come from another model (another instance, \
+         or the model before initialize or the last step returned a new one), or every parameter is frozen"
+            .into(),
+    )
+}
+
 /// Stage 3 over a model without `ZeroModule`s: nothing to partition.
 pub(crate) fn no_units_at_stage_3() -> ZeroError {
     ZeroError::Config(
@@ -467,6 +480,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Optimizer<M, B> for ZeroOptimizer
                 };
                 summed.insert(id, v);
             }
+        }
+        if summed.is_empty() {
+            panic!("ZeRO optimizer step failed: {}", no_gradients());
         }
         match self.step_with::<B, M>(lr, module, |id| summed.remove(&id)) {
             Ok(m) => m,
