@@ -243,3 +243,79 @@ fn a_step_without_the_models_gradients_is_refused() {
         assert_ne!(values::<B, _>(&model), before);
     });
 }
+
+/// A Burn record loaded into a model of `ZeroModule`s gives each unit the record's parameter
+/// ids, which no unit of this process answers to: initialize says so instead of leaving the
+/// units uncut (every rank holding them whole at stage 3) or crossing ranks' units.
+#[test]
+fn a_record_loaded_into_units_before_initialize_is_refused() {
+    use burn::module::Module;
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder
+        .record(UnitNet::<B>::new(&Default::default(), 2).into_record(), ())
+        .expect("record");
+    let cfg = config(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+    );
+    let errors = on_ranks(2, |_, group| {
+        let device = Default::default();
+        let record = recorder.load(bytes.clone(), &device).expect("load");
+        let model = UnitNet::<B>::new(&device, 2).load_record(record);
+        zero_burn::initialize::<B, _>(&cfg, model, group)
+            .map(|_| ())
+            .expect_err("units with another model's ids")
+    });
+    for err in errors {
+        assert!(
+            err.to_string().contains("blocks.0") && err.to_string().contains("ZeroModule::new"),
+            "{err}"
+        );
+    }
+}
+
+/// Units do not nest: a `ZeroModule` inside another's module is refused, at the cut (stage 3)
+/// and at the forward (stages 0-2), not a panic on an emptied parameter.
+#[test]
+fn nested_units_are_refused() {
+    use burn::module::Module;
+    use burn::tensor::backend::Backend;
+    use zero_burn::sharded::ZeroModule;
+    #[derive(Module, Debug)]
+    struct Outer<B: Backend> {
+        lin: burn::nn::Linear<B>,
+        inner: ZeroModule<B, Block<B>>,
+    }
+    #[derive(Module, Debug)]
+    struct Nested<B: Backend> {
+        outer: ZeroModule<B, Outer<B>>,
+    }
+    let build = |device: &burn::tensor::Device<B>| Nested {
+        outer: ZeroModule::new(Outer {
+            lin: LinearConfig::new(HIDDEN, HIDDEN).init(device),
+            inner: ZeroModule::new(Net::<B>::new(device, 1).blocks.remove(0)),
+        }),
+    };
+    for stage in [1, 3] {
+        let cfg = config(&format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {{"stage": {stage}}},
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}}"#
+        ));
+        let errors = on_ranks(2, |_, group| {
+            let device = Default::default();
+            let x = Tensor::<B, 2>::zeros([2, HIDDEN], &device);
+            match zero_burn::initialize::<B, _>(&cfg, build(&device), group) {
+                Err(e) => e,
+                Ok((model, _)) => model
+                    .outer
+                    .unshard(&x)
+                    .map(|_| ())
+                    .expect_err("a nested unit's forward"),
+            }
+        });
+        for err in errors {
+            assert!(err.to_string().contains("do not nest"), "stage {stage}: {err}");
+        }
+    }
+}

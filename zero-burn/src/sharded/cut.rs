@@ -174,6 +174,11 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                     return param;
                 }
             };
+            // A unit inside another unit's module: the outer skeleton emptied its parameter.
+            if whole.len() != unit.numel {
+                self.error.get_or_insert(nested_unit());
+                return param;
+            }
             let rank = self.comm.rank();
             // In the dtype the unit was given (16-bit after `initialize` under bf16 or fp16).
             let on_device = |v: Vec<f32>| {
@@ -247,6 +252,15 @@ fn of_rank<B: Backend, const D: usize>(param: Param<Tensor<B, 1>>) -> Result<Par
         .downcast::<Param<Tensor<B, D>>>()
         .map(|p| *p)
         .map_err(|_| ZeroError::Model(format!("a ZeroModule's flat parameter has {D} dimensions, not 1")))
+}
+
+/// A `ZeroModule` whose module holds another: refused (each unit is one flat parameter).
+pub(super) fn nested_unit() -> ZeroError {
+    ZeroError::Usage(
+        "a ZeroModule holds another ZeroModule: units do not nest (each is one flat parameter); wrap the inner \
+         module's siblings one by one, or only the outer module"
+            .into(),
+    )
 }
 
 /// `module` after a step wrote its units' new shards: at stage 2 each unit's whole vector is

@@ -118,6 +118,40 @@ pub fn held_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, HeldPa
     visit.out
 }
 
+/// The paths of `module`'s `ZeroModule`s whose flat parameter this process does not know as a
+/// unit's: a Burn record loaded into the model before `initialize` gave it the record's id.
+/// Such a unit would be neither cut nor gathered as one.
+pub(crate) fn unknown_units<B: Backend, M: Module<B>>(module: &M) -> Vec<String> {
+    struct Find {
+        path: Vec<String>,
+        in_shard: bool,
+        unknown: Vec<String>,
+    }
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Find {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.in_shard = container_type == "Struct:ZeroModule" && name == "shard";
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+            self.in_shard = false;
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.in_shard && unit(param.id).is_none() {
+                let unit_path = &self.path[..self.path.len().saturating_sub(1)];
+                self.unknown.push(unit_path.join("."));
+            }
+        }
+    }
+    let mut find = Find {
+        path: Vec::new(),
+        in_shard: false,
+        unknown: Vec::new(),
+    };
+    module.visit(&mut find);
+    find.unknown
+}
+
 /// Whether `module` holds a [`ZeroModule`](super::ZeroModule) anywhere inside it.
 pub fn contains_zero_module<B: Backend, M: Module<B>>(module: &M) -> bool {
     struct Find(bool);

@@ -133,6 +133,8 @@ pub(super) struct Unit {
     /// The names of the module's parameters that did not train when it was wrapped, where
     /// others did: a unit trains whole or not at all, so its forward refuses.
     partly_frozen: Vec<String>,
+    /// The module holds a `ZeroModule`: units do not nest, so its forward refuses.
+    nested: bool,
 }
 
 impl std::fmt::Debug for Kept {
@@ -221,6 +223,7 @@ where
             .map(|((_, spec), _)| spec.name.clone())
             .collect();
         let all_frozen = !trains.is_empty() && frozen.len() == trains.len();
+        let nested = super::contains_zero_module::<B, _>(&module);
         let device = module.devices().into_iter().next().unwrap_or_default();
         let numel = values.len();
         let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [numel]), &device);
@@ -240,6 +243,7 @@ where
             kept: std::sync::Mutex::new(None),
             modified: std::sync::atomic::AtomicBool::new(false),
             partly_frozen: if all_frozen { Vec::new() } else { frozen },
+            nested,
         });
         let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
         // Units whose models are gone leave dead entries: drop them as the registry doubles.
@@ -290,6 +294,9 @@ where
     /// A unit trains whole: one whose module had some parameters frozen (or running statistics,
     /// a BatchNorm's) would train them through its flat parameter, or lose their updates.
     fn check_trains_whole(&self) -> Result<(), ZeroError> {
+        if self.unit.nested {
+            return Err(super::cut::nested_unit());
+        }
         if self.unit.partly_frozen.is_empty() {
             return Ok(());
         }
