@@ -361,3 +361,56 @@ fn settings_initialize_refuses_are_said_every_one() {
     assert!(v.is_object(), "{v}");
     assert!(err.contains("names no optimizer"), "{err}");
 }
+
+/// SGD's Nesterov rule names the setting that breaks it (momentum 0, or a dampening), with its
+/// value as written.
+#[test]
+fn nesterov_names_the_setting_that_breaks_it() {
+    for (params, key, shown) in [
+        (
+            r#"{"lr": 0.01, "momentum": 0.9, "nesterov": true, "dampening": 0.1}"#,
+            "optimizer.params.dampening",
+            "0.1",
+        ),
+        (r#"{"lr": 0.01, "nesterov": true}"#, "optimizer.params.momentum", "0"),
+    ] {
+        let cfg = format!(r#"{{"train_batch_size": 8, "optimizer": {{"type": "SGD", "params": {params}}}}}"#);
+        let (code, _, err) = check(&cfg, &["--world-size", "1"]);
+        assert_eq!(code, 2, "{params}");
+        assert!(
+            err.contains(&format!("`{key}` = {shown}")) && err.contains("nesterov"),
+            "{params}: {err}"
+        );
+    }
+}
+
+/// `--world-size` counts every rank; the batch sizes are over the data-parallel ones, the world
+/// divided by pipeline.stages × tensor_parallel.autotp_size, as `gpt2 train` lays them out.
+/// Reference: DeepSpeed's batch rule, train_batch_size = micro × accumulation × data-parallel ranks.
+#[test]
+fn world_size_is_cut_by_pipeline_and_tensor_parallel_degrees() {
+    let cfg = r#"{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "tensor_parallel": {"autotp_size": 2}}"#;
+    // 4 ranks: 2 data-parallel, 4 = 2 × 1 × 2.
+    let (code, v, err) = check(cfg, &["--world-size", "4"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["train_batch_size"], 4, "{v}");
+    assert!(err.contains("2 data-parallel"), "{err}");
+    // 2 ranks: 1 data-parallel, and 4 ≠ 2 × 1 × 1.
+    let (code, _, err) = check(cfg, &["--world-size", "2"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("train_batch_size"), "{err}");
+    // 3 ranks cannot be cut in tensor-parallel pairs.
+    let (code, _, err) = check(cfg, &["--world-size", "3"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("tensor_parallel.autotp_size 2") && err.contains("multiple of 2"),
+        "{err}"
+    );
+    let pipeline = cfg.replace(
+        r#""tensor_parallel": {"autotp_size": 2}"#,
+        r#""pipeline": {"stages": 2}"#,
+    );
+    let (code, _, err) = check(&pipeline, &["--world-size", "4"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -255,6 +255,44 @@ impl DeepSpeedConfig {
         &self.raw
     }
 
+    /// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel
+    /// degree (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for: the ranks are
+    /// laid out data × pipeline × tensor, so the data-parallel world size (which the batch sizes
+    /// are over) is the world's divided by their product.
+    pub fn model_parallel_degrees(&self) -> Result<(usize, usize), String> {
+        let stages = match self.raw.pointer("/pipeline/stages") {
+            None | Some(Value::Null) => 1,
+            Some(Value::String(s)) if s == "auto" => 1,
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("pipeline.stages: {v} is not \"auto\" nor a positive integer"))?
+                as usize,
+        };
+        let tensor = match self.raw.pointer("/tensor_parallel/autotp_size") {
+            None | Some(Value::Null) => 1,
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| format!("tensor_parallel.autotp_size: {v} is not an integer"))?
+                .max(1) as usize,
+        };
+        Ok((stages, tensor))
+    }
+
+    /// The data-parallel world size of `world` ranks under [`DeepSpeedConfig::model_parallel_degrees`];
+    /// an error naming both keys where the ranks cannot be cut so.
+    pub fn data_parallel_size(&self, world: usize) -> Result<usize, String> {
+        let (stages, tensor) = self.model_parallel_degrees()?;
+        if world == 0 || !world.is_multiple_of(stages * tensor) {
+            return Err(format!(
+                "{world} ranks cannot be cut into pipeline.stages {stages} × tensor_parallel.autotp_size {tensor}: the \
+                 world size must be a positive multiple of {}",
+                stages * tensor
+            ));
+        }
+        Ok(world / (stages * tensor))
+    }
+
     /// The batch keys as written.
     pub fn batch(&self) -> &BatchSpec {
         &self.batch

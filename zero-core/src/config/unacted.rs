@@ -210,6 +210,24 @@ const PASSTHROUGH_FEATURES: &[(&str, On, &str)] = &[
         "the Nebula checkpoint service is not available: checkpoints are written in this project's own format",
     ),
     (
+        "compile",
+        On::Present,
+        "DeepSpeed's compilation (torch.compile, DeepCompile) is not available: the model runs on Burn's backend \
+         as written (its fusion and autotuning, on CUDA, are Burn's own)",
+    ),
+    (
+        "timers",
+        On::AnyPart,
+        "DeepSpeed's throughput timers are not kept: wall_clock_breakdown times the step's parts, and gpt2 train \
+         prints tokens/s",
+    ),
+    (
+        "data_types",
+        On::Present,
+        "data_types.grad_accum_dtype is not acted on: gradients accumulate in the dtype Burn's backward gives them \
+         (the compute dtype; Burn's GradientsAccumulator sums them), and the optimizer steps in fp32",
+    ),
+    (
         "datastates",
         On::Present,
         "the DataStates checkpoint engine is not available: checkpoints are written in this project's own format",
@@ -470,12 +488,16 @@ mod tests {
             "elasticity": {"enabled": false},
             "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": false}}},
             "sequence_parallel_size": 1,
+            "timers": {"throughput": {"enabled": false}},
             "comet": {"enabled": false}});
         assert!(warnings(off).is_empty());
         let on = json!({"train_batch_size": 8,
             "elasticity": {"enabled": true},
             "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": true}}},
             "sparse_attention": {"mode": "fixed"},
+            "compile": {"deepcompile": true},
+            "timers": {"throughput": {"enabled": true}},
+            "data_types": {"grad_accum_dtype": "bf16"},
             "sequence_parallel_size": 4,
             "comet": {"enabled": true}});
         let keys: Vec<String> = warnings(on).into_iter().map(|w| w.key).collect();
@@ -485,6 +507,9 @@ mod tests {
                 "elasticity",
                 "compression_training",
                 "sparse_attention",
+                "compile",
+                "timers",
+                "data_types",
                 "sequence_parallel_size",
                 "comet.enabled"
             ]

@@ -165,11 +165,19 @@ impl SgdSpec {
         check_lr(self.lr)?;
         check_non_negative("momentum", self.momentum)?;
         check_non_negative("weight_decay", self.weight_decay)?;
-        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+        // The setting that breaks Nesterov's rule is the one named.
+        if self.nesterov && self.momentum <= 0.0 {
             return Err(OptimError::InvalidSetting {
-                name: "nesterov",
-                value: 1.0,
-                reason: "Nesterov momentum requires momentum > 0 and dampening = 0",
+                name: "momentum",
+                value: self.momentum,
+                reason: "must be > 0 with nesterov",
+            });
+        }
+        if self.nesterov && self.dampening != 0.0 {
+            return Err(OptimError::InvalidSetting {
+                name: "dampening",
+                value: self.dampening,
+                reason: "must be 0 with nesterov",
             });
         }
         Ok(())

@@ -272,12 +272,9 @@ where
     // The world: the launcher's, or the rank threads'; resolved once for every rank, so that a
     // batch size the ranks cannot share is refused before any starts.
     let world = DistEnv::detect().map_or(args.nproc, |env| env.world_size);
-    let (stages, tensor) = model_parallel_degrees(&config)?;
-    if !world.is_multiple_of(stages * tensor) {
-        return Err(TrainError::Config(format!(
-            "{world} ranks cannot be cut into pipeline.stages {stages} × autotp_size {tensor}"
-        )));
-    }
+    let in_config = |e: String| TrainError::Config(format!("{}: {e}", args.config.display()));
+    let (stages, tensor) = config.model_parallel_degrees().map_err(in_config)?;
+    config.data_parallel_size(world).map_err(in_config)?;
     if let Some(dir) = &args.save {
         zero_core::checkpoint::check_same_kind(dir, tensor > 1)
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
@@ -503,28 +500,6 @@ fn rank_start<B: AutodiffBackend>(
         model_config,
         settings,
     })
-}
-
-/// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel degree
-/// (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for.
-fn model_parallel_degrees(config: &DeepSpeedConfig) -> Result<(usize, usize), TrainError> {
-    let raw = config.raw();
-    let stages =
-        match raw.pointer("/pipeline/stages") {
-            None | Some(serde_json::Value::Null) => 1,
-            Some(serde_json::Value::String(s)) if s == "auto" => 1,
-            Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
-                TrainError::Config(format!("pipeline.stages: {v} is not \"auto\" nor a positive integer"))
-            })? as usize,
-        };
-    let tensor = match raw.pointer("/tensor_parallel/autotp_size") {
-        None | Some(serde_json::Value::Null) => 1,
-        Some(v) => v
-            .as_u64()
-            .ok_or_else(|| TrainError::Config(format!("tensor_parallel.autotp_size: {v} is not an integer")))?
-            .max(1) as usize,
-    };
-    Ok((stages, tensor))
 }
 
 /// Runs `body` on the ranks of `layout` this process hosts, each with its groups and device:

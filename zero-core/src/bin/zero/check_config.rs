@@ -50,9 +50,24 @@ fn check(args: &Args) -> Result<String, String> {
         .config
         .check_overrides(&overrides)
         .map_err(|e| format!("--set: {e}"))?;
+    // The batch sizes are over the data-parallel ranks: the world's, less pipeline and tensor
+    // parallelism.
+    let data_parallel = args
+        .world_size
+        .map(|world| parsed.config.data_parallel_size(world))
+        .transpose()
+        .map_err(|e| format!("{}: --world-size {e}", args.file.display()))?;
+    if let (Some(world), Some(data)) = (args.world_size, data_parallel) {
+        if data != world {
+            print_note(format_args!(
+                "note: {} ranks are {data} data-parallel (pipeline.stages × tensor_parallel.autotp_size take the rest)",
+                world
+            ));
+        }
+    }
     let partial = parsed
         .config
-        .resolve_partial(args.world_size, args.hidden_size, &overrides)
+        .resolve_partial(data_parallel, args.hidden_size, &overrides)
         .map_err(|e| e.to_string())?;
     // What DeepSpeed would run but this engine refuses at initialize, said now, every one.
     let deferred: Vec<&str> = partial.deferred.iter().map(|d| d.key.as_str()).collect();
