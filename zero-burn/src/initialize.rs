@@ -378,8 +378,8 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
 /// Once per process: stage 3 on an autodiff backend without a checkpointing strategy.
 /// Every rank must train with the same settings: ranks whose optimizer, schedule, clipping,
 /// precision or stage differ would each step its shard its own way (and the gathered model
-/// would mix them) or fail later at a collective. One all-gather of a fingerprint per setting
-/// finds them at initialize, naming the settings and the ranks.
+/// would mix them) or fail later at a collective. Rank 0's fingerprint of each setting, broadcast,
+/// finds them at initialize: each differing rank names its settings, and every rank stops.
 fn agree_on_settings(settings: &EngineSettings, group: &dyn ProcessGroup) -> Result<(), ZeroError> {
     if group.world_size() < 2 {
         return Ok(());
@@ -418,28 +418,34 @@ fn agree_on_settings(settings: &EngineSettings, group: &dyn ProcessGroup) -> Res
             (h.finish() & 0xFF_FFFF) as f32
         })
         .collect();
-    let all = group
-        .all_gather(zero_core::comm::FlatBuffer::F32(mine.clone()))?
-        .into_f32();
-    let n = mine.len();
-    let mut differ = Vec::new();
-    for (k, (name, _)) in described.iter().enumerate() {
-        let ranks: Vec<String> = (1..group.world_size())
-            .filter(|r| all[r * n + k] != all[k])
-            .map(|r| r.to_string())
-            .collect();
-        if !ranks.is_empty() {
-            differ.push(format!("{name} (rank {} against rank 0)", ranks.join(", ")));
-        }
+    // Rank 0's fingerprints to every rank; each names what it was given otherwise.
+    let mut zeroth = zero_core::comm::FlatBuffer::F32(mine.clone());
+    group.broadcast(&mut zeroth, 0)?;
+    let zeroth = zeroth.into_f32();
+    let differ: Vec<&str> = described
+        .iter()
+        .zip(mine.iter().zip(&zeroth))
+        .filter(|(_, (a, b))| a != b)
+        .map(|((name, _), _)| *name)
+        .collect();
+    // Every rank learns whether any differs (the highest such rank), so that all stop.
+    let mut flag = zero_core::comm::FlatBuffer::F32(vec![if differ.is_empty() { 0.0 } else { group.rank() as f32 }]);
+    group.all_reduce(&mut flag, zero_core::comm::ReduceOp::Max)?;
+    let highest = flag.into_f32()[0] as usize;
+    if !differ.is_empty() {
+        return Err(ZeroError::Config(format!(
+            "rank {} was given other settings than rank 0: {}; give every rank the same config",
+            group.rank(),
+            differ.join(", ")
+        )));
     }
-    if differ.is_empty() {
-        return Ok(());
+    if highest > 0 {
+        return Err(ZeroError::Config(format!(
+            "rank {highest} was given other settings than rank 0 (its error names them); give every rank the same \
+             config"
+        )));
     }
-    Err(ZeroError::Config(format!(
-        "rank {} was given other settings than rank 0: {}; give every rank the same config",
-        group.rank(),
-        differ.join("; ")
-    )))
+    Ok(())
 }
 
 fn warn_keeps_gathered() {
