@@ -62,15 +62,29 @@ pub fn read_values<B: Backend, M: Module<B>>(module: &M, sink: impl FnMut(usize,
 /// values handed to `sink` after it are those of the other parameters).
 pub fn try_read_values<B: Backend, M: Module<B>>(
     module: &M,
+    sink: impl FnMut(usize, Vec<f32>),
+) -> Result<(), crate::ZeroError> {
+    read_values_of::<B, M>(module, None, sink)
+}
+
+/// [`try_read_values`] of the float parameters `wanted` (visit order) alone, or of all.
+pub(crate) fn read_values_of<B: Backend, M: Module<B>>(
+    module: &M,
+    wanted: Option<&[usize]>,
     mut sink: impl FnMut(usize, Vec<f32>),
 ) -> Result<(), crate::ZeroError> {
-    struct Read<'a, F> {
+    struct Read<'a, 'w, F> {
         index: usize,
+        wanted: Option<&'w [usize]>,
         sink: &'a mut F,
         error: Option<crate::ZeroError>,
     }
-    impl<B: Backend, F: FnMut(usize, Vec<f32>)> ModuleVisitor<B> for Read<'_, F> {
+    impl<B: Backend, F: FnMut(usize, Vec<f32>)> ModuleVisitor<B> for Read<'_, '_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.wanted.is_some_and(|w| !w.contains(&self.index)) {
+                self.index += 1;
+                return;
+            }
             let value = param.val();
             let numel = value.shape().num_elements();
             let values = match crate::sharded::stored_values(param.id, &value, numel) {
@@ -89,6 +103,7 @@ pub fn try_read_values<B: Backend, M: Module<B>>(
     }
     let mut read = Read {
         index: 0,
+        wanted,
         sink: &mut sink,
         error: None,
     };

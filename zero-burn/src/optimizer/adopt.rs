@@ -50,10 +50,16 @@ pub(super) fn adopt_host<B: AutodiffBackend, M: AutodiffModule<B>>(
     if writes.is_empty() {
         return Ok(());
     }
-    let mut flat: Vec<Vec<f32>> = Vec::new();
-    crate::params::try_read_values::<B, M>(module, |_, v| flat.push(v))?;
+    // Only the parameters written are read (the rest of the model is not copied).
+    let mut flat: std::collections::HashMap<usize, Vec<f32>> = std::collections::HashMap::new();
+    crate::params::read_values_of::<B, M>(module, Some(held), |i, v| {
+        flat.insert(i, v);
+    })?;
     for (group, start, i, from) in writes {
-        core.write_masters(group, start, &flat[i][from])?;
+        let values = flat
+            .get(&i)
+            .ok_or_else(|| ZeroError::Model(format!("float parameter {i} of the module was not read")))?;
+        core.write_masters(group, start, &values[from])?;
     }
     Ok(())
 }
