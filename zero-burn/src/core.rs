@@ -322,20 +322,22 @@ impl EngineCore {
         Ok(Some(grad_norm))
     }
 
-    /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
-    /// `start`, and into their 16-bit copy: values set in the module (`ZeroModule::modify`, a
-    /// parameter that does not train), which the next update starts from. Masters swapped to
-    /// NVMe are read, changed and written back.
-    pub fn write_masters(&mut self, group: usize, start: usize, values: &[f32]) -> Result<(), ZeroError> {
-        let end = start + values.len();
+    /// Writes each `(start, values)` of `writes` into the rank's fp32 masters of `group` from
+    /// the owned range's offset `start`, and into their 16-bit copy: values set in the module
+    /// (`ZeroModule::modify`, a parameter that does not train), which the next update starts
+    /// from. Masters swapped to NVMe are read, changed and written back once for all of them.
+    pub fn write_masters(&mut self, group: usize, writes: &[(usize, &[f32])]) -> Result<(), ZeroError> {
         let owned = self.state.layout.owned_len(group);
-        if end > owned {
+        if let Some(&(start, values)) = writes.iter().find(|(start, values)| start + values.len() > owned) {
             return Err(ZeroError::Usage(format!(
-                "flat group {group}: new master values {start}..{end} outside the {owned} this rank holds"
+                "flat group {group}: new master values {start}..{} outside the {owned} this rank holds",
+                start + values.len()
             )));
         }
         if let Some(mut buffers) = self.state.read_swapped_group(group)? {
-            buffers[0][start..end].copy_from_slice(values);
+            for &(start, values) in writes {
+                buffers[0][start..start + values.len()].copy_from_slice(values);
+            }
             let views: Vec<&[f32]> = buffers.iter().map(Vec::as_slice).collect();
             self.state.write_swapped_group(group, &views)?;
         }
@@ -344,11 +346,14 @@ impl EngineCore {
             .groups
             .get_mut(group)
             .ok_or_else(|| ZeroError::Model(format!("no flat group {group}")))?;
-        if let Some(master) = state.master.get_mut(start..end) {
-            master.copy_from_slice(values);
-        }
-        if let Some(half) = state.half.as_mut().filter(|h| h.len() >= end) {
-            crate::half_buffer::write_rounded(half, start, values);
+        for &(start, values) in writes {
+            let end = start + values.len();
+            if let Some(master) = state.master.get_mut(start..end) {
+                master.copy_from_slice(values);
+            }
+            if let Some(half) = state.half.as_mut().filter(|h| h.len() >= end) {
+                crate::half_buffer::write_rounded(half, start, values);
+            }
         }
         Ok(())
     }

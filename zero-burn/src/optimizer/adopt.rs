@@ -55,11 +55,16 @@ pub(super) fn adopt_host<B: AutodiffBackend, M: AutodiffModule<B>>(
     crate::params::read_values_of::<B, M>(module, Some(held), |i, v| {
         flat.insert(i, v);
     })?;
+    // One write per group (a swapped group is read and written back once).
+    let mut by_group: std::collections::BTreeMap<usize, Vec<(usize, &[f32])>> = Default::default();
     for (group, start, i, from) in writes {
         let values = flat
             .get(&i)
             .ok_or_else(|| ZeroError::Model(format!("float parameter {i} of the module was not read")))?;
-        core.write_masters(group, start, &values[from])?;
+        by_group.entry(group).or_default().push((start, &values[from]));
+    }
+    for (group, writes) in by_group {
+        core.write_masters(group, &writes)?;
     }
     Ok(())
 }

@@ -47,14 +47,22 @@ pub(super) struct ModuleView {
 /// The float parameters (visit order) of `module` that `view` holds and that do not train:
 /// frozen (`require_grad` off), or a BatchNorm's running statistics (which Burn shows as
 /// parameters). Their values are the module's, never the update's. Each running statistic's
-/// last forward is synced in first (Burn keeps it per thread until the module's record is read).
+/// last forward is synced in first (Burn keeps it per thread until the module's record is read),
+/// except in a model whose unit shards are offloaded (`offload_param`): its record would read
+/// every shard back from where it is kept, at every step, so there the statistics kept are one
+/// forward behind the module's.
 pub(super) fn not_trained<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, view: &ModuleView) -> Vec<usize> {
     let trains = crate::params::trains::<B, M>(module);
     // A unit's skeleton holds nothing (its emptied parameters never train).
     let frozen: Vec<usize> = (0..trains.len().min(view.held.len()))
         .filter(|&i| !trains[i] && !matches!(view.held[i], Holding::Nothing))
         .collect();
-    if !frozen.is_empty() {
+    let offloaded = || {
+        crate::sharded::stores_in_place::<B, M>(module)
+            .iter()
+            .any(Option::is_some)
+    };
+    if !frozen.is_empty() && !offloaded() {
         drop(module.clone().into_record());
     }
     frozen
