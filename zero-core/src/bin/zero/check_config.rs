@@ -1,7 +1,9 @@
 //! `zero check-config`: parse a DeepSpeed config, print it resolved (defaults filled in) or the
-//! error, including the settings DeepSpeed would run that `initialize` refuses here. Values that only the run can settle (the model's hidden size, the world size, values
-//! supplied by the training script) are printed as "(resolved at initialize from ...)"; `--set`
-//! and `--hidden-size` settle them here.
+//! error, including the settings DeepSpeed would run that `initialize` refuses here. Values
+//! that only the run can settle (the model's hidden size, the world size, values supplied by
+//! the training script) are printed as "(resolved at initialize from ...)"; `--set` and
+//! `--hidden-size` settle them here. `--world-size` counts every rank: the batch sizes are over
+//! the data-parallel ones.
 
 use crate::{print_error, print_note, print_output};
 use serde_json::Value;
