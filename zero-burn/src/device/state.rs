@@ -184,6 +184,11 @@ impl<I: Backend> DeviceState<I> {
         Ok(())
     }
 
+    /// This rank's place in the device collective.
+    pub(crate) fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
     /// Ranks of the device collective.
     pub(crate) fn comm_world(&self) -> usize {
         self.comm.world_size()

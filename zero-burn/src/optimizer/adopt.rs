@@ -18,35 +18,33 @@ use std::ops::Range;
 type Write = (usize, usize, usize, Range<usize>);
 
 /// Writes the values `module` holds for the units whose flat parameters are `modified` into
-/// `state`'s masters on `rank`: a cut unit's shard is its group's owned masters; a unit held
+/// `state`'s masters (this rank's): a cut unit's shard is its group's owned masters; a unit held
 /// whole writes the owned pieces of each of its parameters.
 pub(super) fn adopt<B: AutodiffBackend, M: AutodiffModule<B>>(
     state: &mut State,
     view: &ModuleView,
     module: &M,
     modified: &[ParamId],
-    rank: usize,
 ) -> Result<(), ZeroError> {
     let held: Vec<usize> = modified
         .iter()
         .filter_map(|id| view.ids.iter().position(|i| i == id))
         .collect();
     match state {
-        State::Host(core) => adopt_host::<B, M>(core, view, module, &held, rank),
-        state @ State::Device(_) => adopt_device::<B, M>(state.device::<B::InnerBackend>()?, view, module, &held, rank),
+        State::Host(core) => adopt_host::<B, M>(core, view, module, &held),
+        state @ State::Device(_) => adopt_device::<B, M>(state.device::<B::InnerBackend>()?, view, module, &held),
     }
 }
 
 /// Writes the values `module` holds in its float parameters `held` (visit order) into the host
-/// state's masters on `rank`.
+/// state's masters (this rank's).
 pub(super) fn adopt_host<B: AutodiffBackend, M: AutodiffModule<B>>(
     core: &mut EngineCore,
     view: &ModuleView,
     module: &M,
     held: &[usize],
-    rank: usize,
 ) -> Result<(), ZeroError> {
-    let writes = writes(view, held, rank);
+    let writes = writes(view, held, core.comm.rank());
     if writes.is_empty() {
         return Ok(());
     }
@@ -75,9 +73,8 @@ pub(super) fn adopt_device<B: AutodiffBackend, M: AutodiffModule<B>>(
     view: &ModuleView,
     module: &M,
     held: &[usize],
-    rank: usize,
 ) -> Result<(), ZeroError> {
-    let writes = writes(view, held, rank);
+    let writes = writes(view, held, state.rank());
     if writes.is_empty() {
         return Ok(());
     }

@@ -109,7 +109,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     loss_non_finite: bool,
     mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
-    frozen: super::Frozen<'_>,
+    frozen: &[usize],
 ) -> Result<(M, StepReport), ZeroError> {
     view.check_unchanged(&state.layout)?;
     let layout = &view.layout;
@@ -152,7 +152,8 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
         })
         .collect();
     let report = state.step(by_group, lr, loss_non_finite)?;
-    super::adopt::adopt_device::<B, M>(state, view, &module, frozen.held, frozen.rank)?;
+    // Parameters that do not train (`frozen`, visit order) keep the module's values.
+    super::adopt::adopt_device::<B, M>(state, view, &module, frozen)?;
     Ok((write_back::<B, M>(state, module, view)?, report))
 }
 

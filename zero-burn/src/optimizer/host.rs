@@ -81,7 +81,7 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: M,
     loss_non_finite: bool,
     mut take: impl FnMut(ParamId) -> Option<FlatGrad<B>>,
-    frozen: super::Frozen<'_>,
+    frozen: &[usize],
 ) -> Result<(M, StepReport), ZeroError> {
     // Burn's loop owns the schedule: use its learning rate for this step.
     core.settings.lr_schedule = Some(Arc::new(move |_| lr));
@@ -111,7 +111,8 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
         core.note_non_finite_loss();
     }
     let report = core.update()?;
-    super::adopt::adopt_host::<B, M>(core, view, &module, frozen.held, frozen.rank)?;
+    // Parameters that do not train (`frozen`, visit order) keep the module's values.
+    super::adopt::adopt_host::<B, M>(core, view, &module, frozen)?;
     let device = super::view::first_device::<B, M>(&module)?;
     let module = write_back::<B, M>(core, module, &device, &view.held)?;
     // The model holds the new values now: the state's copies of them go until the next step.

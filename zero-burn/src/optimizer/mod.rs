@@ -403,20 +403,16 @@ impl ZeroOptimizer {
         let modified = crate::sharded::take_modified::<B, M>(&module);
         if !built && !modified.is_empty() {
             let state = guard.as_mut().unwrap_or_else(|| unreachable!("built before"));
-            adopt::adopt::<B, M>(state, &view, &module, &modified, self.comm.rank())?;
+            adopt::adopt::<B, M>(state, &view, &module, &modified)?;
         }
         let loss_non_finite = self.loss_non_finite.swap(false, std::sync::atomic::Ordering::Relaxed);
         // Parameters that do not train keep the module's values through the update.
         let frozen = view::not_trained::<B, M>(&module, &view);
-        let step = Frozen {
-            held: &frozen,
-            rank: self.comm.rank(),
-        };
         let (module, report) = match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
-            State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take, step)?,
+            State::Host(core) => host::step::<B, M>(core, &view, lr, module, loss_non_finite, take, &frozen)?,
             state @ State::Device(_) => {
                 let state = state.device::<B::InnerBackend>()?;
-                device::step::<B, M>(state, &view, lr, module, loss_non_finite, take, step)?
+                device::step::<B, M>(state, &view, lr, module, loss_non_finite, take, &frozen)?
             }
         };
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
@@ -424,14 +420,6 @@ impl ZeroOptimizer {
         // gather at stage 3.
         crate::sharded::after_step::<B, M>(module)
     }
-}
-
-/// The float parameters (visit order) of the stepped module that do not train, on `rank`:
-/// written back into the masters from the module after the update.
-#[derive(Clone, Copy)]
-pub(super) struct Frozen<'a> {
-    pub(super) held: &'a [usize],
-    pub(super) rank: usize,
 }
 
 /// A step whose gradients hold none of the module's parameters: refused, where an update would
