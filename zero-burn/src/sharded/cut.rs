@@ -204,7 +204,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                     self.join(&unit);
                     return param.unwrap_or_else(|e| {
                         self.error.get_or_insert(e);
-                        Param::initialized(id, Tensor::<B, D>::empty(super::module::vacant_shape::<D>(), &device))
+                        Param::initialized(id, Tensor::<B, D>::empty(super::skeleton::vacant_shape::<D>(), &device))
                     });
                 }
                 mine.require_grad()

@@ -12,6 +12,7 @@ mod held;
 mod module;
 mod offload;
 mod prefetch;
+mod skeleton;
 
 pub use backend::{ShardBackend, ShardComm};
 pub(crate) use cut::after_step;
