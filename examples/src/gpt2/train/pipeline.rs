@@ -141,7 +141,7 @@ impl PipelineRun<'_> {
         };
         let d = groups.coords.data;
         // Validation as without a pipeline: each data index evaluates its share of the held-out
-        // rows as one micro-batch, forward only through the stages.
+        // rows, forward only through the stages, in micro-batches of the training's size.
         let dp = groups.layout.size(Axis::Data);
         let validation = data.validation(global.max(dp));
         let valid_rows = crate::gpt2::data::validation_share(&validation, dp, d);
@@ -160,8 +160,7 @@ impl PipelineRun<'_> {
                 .collect();
             let out = engine.train_batch(&micro_batches)?;
             let valid_loss = if !valid_rows.is_empty() && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
-                let tokens = token_tensor(valid_rows, device);
-                Some(engine.eval_batch(&[(tokens.clone(), tokens)])? as f64)
+                Some(held_out(&mut engine, valid_rows, micro, device)?)
             } else {
                 None
             };
@@ -188,4 +187,32 @@ impl PipelineRun<'_> {
         }
         finish_run(args, progress, metrics, records, started, world, self.parameters)
     }
+}
+
+/// The mean loss over `rows` of the held-out sequences, forward only through the stages:
+/// the whole micro-batches of `micro` sequences in one pipelined pass, the remainder in another
+/// (each pass's loss is the mean over its micro-batches, which are then all the same size).
+fn held_out<B: AutodiffBackend, L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
+    engine: &mut PipelineEngine<B, L>,
+    rows: &[Vec<u32>],
+    micro: usize,
+    device: &B::Device,
+) -> Result<f64, TrainError> {
+    let micro = micro.max(1);
+    let whole = rows.len() / micro * micro;
+    let mut sum = 0.0;
+    for (part, size) in [(&rows[..whole], micro), (&rows[whole..], rows.len() - whole)] {
+        if part.is_empty() {
+            continue;
+        }
+        let batches: Vec<_> = part
+            .chunks(size)
+            .map(|chunk| {
+                let tokens = token_tensor(chunk, device);
+                (tokens.clone(), tokens)
+            })
+            .collect();
+        sum += engine.eval_batch(&batches)? as f64 * part.len() as f64;
+    }
+    Ok(sum / rows.len() as f64)
 }

@@ -282,7 +282,7 @@ where
             .ok_or_else(|| TrainError::Config("the optimizer reported no step".into()))?;
         let loss = mean_over_ranks(place.data.as_ref(), loss_sum / gas as f64)?;
         let valid_loss = if !validation.is_empty() && ((step + 1) % every == 0 || step + 1 == args.steps) {
-            Some(validate(&model, place.data.as_ref(), &validation, &device)?)
+            Some(validate(&model, place.data.as_ref(), &validation, micro, &device)?)
         } else {
             None
         };
@@ -318,14 +318,20 @@ where
 }
 
 /// Held-out loss: each data-parallel rank (of `group`) scores its share of the validation
-/// sequences, without autodiff.
+/// sequences, without autodiff, `micro` sequences at a time (the share is the rank's whole
+/// batch, `gradient_accumulation_steps` micro-batches: at once it would need that many
+/// micro-batches' logits).
 fn validate<B: AutodiffBackend, M: TrainedGpt2<B>>(
     model: &M,
     group: &dyn ProcessGroup,
     validation: &[Vec<u32>],
+    micro: usize,
     device: &burn::tensor::Device<B>,
 ) -> Result<f64, TrainError> {
     let rows = crate::gpt2::data::validation_share(validation, group.world_size(), group.rank());
-    let loss = model.held_out_loss(token_tensor::<B>(rows, device).inner())?;
-    mean_over_ranks(group, loss)
+    let mut sum = 0.0;
+    for chunk in rows.chunks(micro.max(1)) {
+        sum += model.held_out_loss(token_tensor::<B>(chunk, device).inner())? * chunk.len() as f64;
+    }
+    mean_over_ranks(group, sum / rows.len() as f64)
 }
