@@ -323,16 +323,7 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
     if stage3 && !contains_zero_module::<B, M>(&model) {
         return Err(crate::optimizer::no_units_at_stage_3());
     }
-    let unknown = crate::sharded::unknown_units::<B, M>(&model);
-    if !unknown.is_empty() {
-        return Err(ZeroError::Usage(format!(
-            "the ZeroModules at {} carry parameter ids of another model (a Burn record loaded into the model \
-             gives each unit the record's ids), so they could be neither cut nor gathered as units: load a record \
-             into each module before wrapping it (ZeroModule::new(block.load_record(record))), or resume with \
-             ZeroOptimizer::load_checkpoint",
-            unknown.join(", ")
-        )));
-    }
+    crate::sharded::check_units::<B, M>(&model)?;
     let mut settings = settings;
     if settings.offload_param == ParamOffload::Cpu && B::host_resident() {
         // The shards already live in host memory.

@@ -175,8 +175,17 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 }
             };
             // A unit inside another unit's module: the outer skeleton emptied its parameter.
-            if whole.len() != unit.numel {
+            if whole.is_empty() && unit.numel > 0 {
                 self.error.get_or_insert(nested_unit());
+                return param;
+            }
+            if whole.len() != unit.numel {
+                self.error.get_or_insert(super::module::wrong_length(
+                    "a ZeroModule",
+                    whole.len(),
+                    unit.numel,
+                    None,
+                ));
                 return param;
             }
             let rank = self.comm.rank();

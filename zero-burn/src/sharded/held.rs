@@ -1,6 +1,7 @@
 //! What each float parameter of a model holding `ZeroModule`s is, as an optimizer sees it.
 
-use super::module::{shard_len, unit};
+use super::module::{shard_len, unit, wrong_length};
+use crate::error::ZeroError;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -118,14 +119,16 @@ pub fn held_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, HeldPa
     visit.out
 }
 
-/// The paths of `module`'s `ZeroModule`s whose flat parameter this process does not know as a
-/// unit's: a Burn record loaded into the model before `initialize` gave it the record's id.
-/// Such a unit would be neither cut nor gathered as one.
-pub(crate) fn unknown_units<B: Backend, M: Module<B>>(module: &M) -> Vec<String> {
+/// Whether every `ZeroModule` of `module` is one `initialize` can take: its flat parameter is
+/// one this process knows as a unit's (a module mapper that gave it a new one leaves a unit
+/// that could be neither cut nor gathered as one; a loaded Burn record keeps the unit's id), and
+/// it holds what its unit can hold (a Burn record of another cut loaded into it does not).
+pub(crate) fn check_units<B: Backend, M: Module<B>>(module: &M) -> Result<(), ZeroError> {
     struct Find {
         path: Vec<String>,
         in_shard: bool,
         unknown: Vec<String>,
+        misfit: Option<ZeroError>,
     }
     impl<B: Backend> burn::module::ModuleVisitor<B> for Find {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -137,9 +140,24 @@ pub(crate) fn unknown_units<B: Backend, M: Module<B>>(module: &M) -> Vec<String>
             self.in_shard = false;
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.in_shard && unit(param.id).is_none() {
-                let unit_path = &self.path[..self.path.len().saturating_sub(1)];
-                self.unknown.push(unit_path.join("."));
+            if !self.in_shard {
+                return;
+            }
+            let unit_path = self.path[..self.path.len().saturating_sub(1)].join(".");
+            let Some(unit) = unit(param.id) else {
+                self.unknown.push(unit_path);
+                return;
+            };
+            let held = param.lazy_shape().num_elements();
+            let world = unit.sharding.get().map(|s| s.world);
+            let fits = held == unit.numel || world.is_some_and(|w| held == shard_len(unit.numel, w));
+            if !fits && self.misfit.is_none() {
+                // Emptied by the skeleton of a unit it sits in.
+                self.misfit = Some(if held == 0 {
+                    super::cut::nested_unit()
+                } else {
+                    wrong_length(&format!("the ZeroModule at {unit_path}"), held, unit.numel, world)
+                });
             }
         }
     }
@@ -147,9 +165,18 @@ pub(crate) fn unknown_units<B: Backend, M: Module<B>>(module: &M) -> Vec<String>
         path: Vec::new(),
         in_shard: false,
         unknown: Vec::new(),
+        misfit: None,
     };
     module.visit(&mut find);
-    find.unknown
+    if !find.unknown.is_empty() {
+        return Err(ZeroError::Usage(format!(
+            "the ZeroModules at {} hold parameters no unit of this process was made with (a module mapper that \
+             replaced their flat parameter with a new one), so they could be neither cut nor gathered as units: \
+             change a unit's values with ZeroModule::modify, or map the module before wrapping it",
+            find.unknown.join(", ")
+        )));
+    }
+    find.misfit.map_or(Ok(()), Err)
 }
 
 /// Whether `module` holds a [`ZeroModule`](super::ZeroModule) anywhere inside it.

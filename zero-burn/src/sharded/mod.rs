@@ -13,12 +13,13 @@ mod module;
 mod offload;
 mod prefetch;
 mod skeleton;
+mod unit_param;
 
 pub use backend::{ShardBackend, ShardComm};
 pub(crate) use cut::after_step;
 pub use cut::{shard_units, shard_units_with, UnitPlan};
 pub use gather::UnitComm;
-pub(crate) use held::unknown_units;
+pub(crate) use held::check_units;
 pub use held::{contains_zero_module, held_params, HeldParam};
 pub(crate) use module::take_modified;
 pub use module::{shard_len, UnitLayout, ZeroModule, UNIT_ALIGNMENT};

@@ -10,6 +10,7 @@ use super::gather::UnitGather;
 use super::offload::{placeholder, ParamStore};
 use super::prefetch::{Phase, Prefetcher};
 use super::skeleton::{Emptied, Filled};
+use super::unit_param::UnitParam;
 use crate::error::ZeroError;
 use crate::params::read_values;
 use burn::module::{Module, Param, ParamId};
@@ -196,8 +197,8 @@ pub struct ZeroModule<B: Backend, M> {
     /// `M` with every float parameter an empty tensor.
     skeleton: M,
     /// The unit's flat parameters, or this rank's shard of them once sharded: the only
-    /// parameter that holds values (and gets a gradient).
-    shard: Param<Tensor<B, 1>>,
+    /// parameter that holds values (and gets a gradient). A loaded record keeps its id.
+    shard: UnitParam<B>,
     #[module(skip)]
     unit: Arc<Unit>,
 }
@@ -253,7 +254,11 @@ where
         }
         registry.insert(shard.id, Arc::downgrade(&unit));
         drop(registry);
-        ZeroModule { skeleton, shard, unit }
+        ZeroModule {
+            skeleton,
+            shard: UnitParam(shard),
+            unit,
+        }
     }
 
     /// The unit's flat parameters, or this rank's shard of them once sharded.
@@ -293,10 +298,17 @@ where
     }
 
     /// A unit trains whole: one whose module had some parameters frozen (or running statistics,
-    /// a BatchNorm's) would train them through its flat parameter, or lose their updates.
+    /// a BatchNorm's) would train them through its flat parameter, or lose their updates. And it
+    /// holds what its unit can hold: its whole vector, or this rank's shard once cut (a Burn
+    /// record of another world size or cut loaded into it holds neither).
     fn check_trains_whole(&self) -> Result<(), ZeroError> {
         if self.unit.nested {
             return Err(super::cut::nested_unit());
+        }
+        let held = self.shard.lazy_shape().num_elements();
+        let world = self.unit.sharding.get().map(|s| s.world);
+        if held != self.unit.numel && world.is_none_or(|w| held != shard_len(self.unit.numel, w)) {
+            return Err(wrong_length("a ZeroModule", held, self.unit.numel, world));
         }
         if self.unit.partly_frozen.is_empty() {
             return Ok(());
@@ -333,6 +345,7 @@ where
     /// })?;
     /// ```
     pub fn modify(&self, modifier_rank: usize, change: impl FnOnce(M) -> M) -> Result<Self, ZeroError> {
+        self.check_trains_whole()?;
         self.register();
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let numel = self.unit.numel;
@@ -418,7 +431,7 @@ where
         self.unit.modified.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(ZeroModule {
             skeleton: self.skeleton.clone(),
-            shard,
+            shard: UnitParam(shard),
             unit: self.unit.clone(),
         })
     }
@@ -445,6 +458,21 @@ where
     }
 }
 
+/// `what`, a unit of `numel` elements (cut over `world` ranks, if it is) whose parameter holds
+/// `held`: a Burn record saved from another state of the unit was loaded into it.
+pub(super) fn wrong_length(what: &str, held: usize, numel: usize, world: Option<usize>) -> ZeroError {
+    let expected = match world {
+        Some(w) => format!("{numel} (whole) or {} (this rank's shard of {w})", shard_len(numel, w)),
+        None => format!("{numel} (whole)"),
+    };
+    ZeroError::Usage(format!(
+        "{what} holds {held} elements where its unit holds {expected}: a Burn record of a ZeroModule holds \
+         what the unit held when it was saved (once cut at stage 3, one rank's shard at that world size), so it \
+         loads into the same rank at the same world size. Load weights into the module before wrapping it, or \
+         resume with ZeroOptimizer::load_checkpoint, which re-cuts the shards for any world size"
+    ))
+}
+
 impl Unit {
     /// Keeps `whole` (this unit's whole vector, every rank's shard in rank order) between steps,
     /// and returns rank `rank`'s shard as a view of it (no copy where the backend slices by
@@ -467,9 +495,9 @@ where
     B: ShardBackend,
     M: Module<B>,
 {
-    /// Makes the registry find this unit by its flat parameter's id: a Burn record loaded into
-    /// the module (`load_record`) gives the parameter the record's id, which the registry has
-    /// not seen.
+    /// Makes the registry find this unit by its flat parameter's id: a module mapper that gave
+    /// the parameter a new id leaves one the registry has not seen (a loaded Burn record keeps
+    /// the unit's, [`UnitParam`]).
     fn register(&self) {
         let id = self.shard.id;
         let mut registry = units().lock().unwrap_or_else(|e| e.into_inner());
