@@ -137,6 +137,8 @@ impl EngineCore {
         f: impl FnOnce(&SaveRequest<'_>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
+        // A group that has not trained yet (frozen) has taken no step: the count is the others'.
+        let steps = self.state.groups.iter().map(|g| g.optimizer.inner.step_count()).max();
         let saved = self.saved_state(self.comm.as_ref(), &format!("rank {}", self.comm.rank()))?;
         let groups = (0..self.state.groups.len())
             .map(|gi| self.group_shard(&saved, gi))
@@ -148,7 +150,7 @@ impl EngineCore {
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
-            optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
+            optimizer_step: steps.unwrap_or(0),
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             // The engine keeps neither a loss scaler nor a random generator of its own yet.
             loss_scaler: self.scaler.as_ref().map(|s| s.state()),

@@ -88,6 +88,10 @@ pub(crate) struct FlatState {
     copies_on_host: bool,
     /// With tensor parallelism, LAMB's norms over the tensor ranks.
     pub tensor_norms: Option<TensorNorms>,
+    /// By group, whether any of its parameters trains (empty: every group does). A group that
+    /// does not is neither reduced nor stepped: its masters and optimizer state stay as they
+    /// are (Adam's moments at zero, its step count at 0, until its first gradient).
+    pub trains: Vec<bool>,
 }
 
 impl FlatState {
@@ -235,7 +239,13 @@ impl FlatState {
             offload: OffloadState { pool, nvme },
             copies_on_host: *offload != OptimizerOffload::None,
             tensor_norms: None,
+            trains: Vec::new(),
         })
+    }
+
+    /// Whether group `group` trains this step ([`FlatState::trains`]).
+    pub fn group_trains(&self, group: usize) -> bool {
+        self.trains.get(group).copied().unwrap_or(true)
     }
 
     /// Whether the masters and optimizer state are in a swap file.
@@ -351,7 +361,7 @@ impl FlatState {
     pub fn reduce_at_boundary(&mut self, group_comm: &dyn ProcessGroup) -> Result<(), ZeroError> {
         let world = group_comm.world_size();
         for gi in 0..self.groups.len() {
-            if self.groups[gi].flow != GradFlow::AccumulateThenReduce || world == 1 {
+            if self.groups[gi].flow != GradFlow::AccumulateThenReduce || world == 1 || !self.group_trains(gi) {
                 continue;
             }
             let accumulated = std::mem::replace(&mut self.groups[gi].grad, FlatBuffer::F32(Vec::new()));
@@ -371,12 +381,16 @@ impl FlatState {
 
     /// Takes every group's reduced gradient of the owned range out of the accumulators, as f32
     /// (valid after [`FlatState::reduce_at_boundary`]; [`FlatState::reset_accumulators`] gives
-    /// the accumulators back).
+    /// the accumulators back); none for a group that does not train.
     pub fn take_owned_grads(&mut self) -> Vec<Vec<f32>> {
+        let trains: Vec<bool> = (0..self.groups.len()).map(|g| self.group_trains(g)).collect();
         self.groups
             .iter_mut()
             .enumerate()
             .map(|(gi, g)| {
+                if !trains[gi] {
+                    return Vec::new();
+                }
                 let grad = std::mem::replace(&mut g.grad, FlatBuffer::F32(Vec::new())).into_f32();
                 debug_assert_eq!(grad.len(), self.layout.owned_len(gi), "gradient not reduced yet");
                 grad
@@ -405,8 +419,8 @@ impl FlatState {
     }
 
     /// Multiplies the gradients by `coef` (unscaling and clipping in one pass), runs the
-    /// optimizer on every group (refreshing the 16-bit shards in the same pass), and gives the
-    /// accumulators back.
+    /// optimizer on every group that trains (refreshing the 16-bit shards in the same pass), and
+    /// gives the accumulators back.
     pub fn apply(
         &mut self,
         mut grads: Vec<Vec<f32>>,
@@ -415,7 +429,8 @@ impl FlatState {
         group_comm: &dyn ProcessGroup,
         memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
-        for gi in 0..self.groups.len() {
+        let trains: Vec<bool> = (0..self.groups.len()).map(|g| self.group_trains(g)).collect();
+        for gi in (0..self.groups.len()).filter(|&g| trains[g]) {
             self.restore_param_copy(gi, memory);
         }
         for grad in &mut grads {
@@ -427,7 +442,7 @@ impl FlatState {
         let OffloadState { pool, nvme } = &mut self.offload;
         let norms = self.tensor_norms.as_ref();
         let mut run = || -> Result<(), ZeroError> {
-            for gi in 0..groups.len() {
+            for gi in (0..groups.len()).filter(|&g| trains[g]) {
                 match nvme {
                     None => step_group_in_memory(&mut groups[gi], &grads[gi], lr, group_comm, norms.map(|n| (n, gi)))?,
                     Some(nvme) => step_swapped(std::slice::from_mut(&mut groups[gi]), nvme, gi, &grads[gi..=gi], lr)?,

@@ -8,10 +8,13 @@ use zero_core::partition::{LayoutBuilder, ParamSpec, PartitionLayout, Placement}
 
 /// `specs` (in visit order) in buckets of about `reduce_bucket_size`, replicated at stage 0 and
 /// sharded at stages 1-2, except the parameters of `units` (disjoint ranges, each a sharded
-/// `ZeroModule`'s parameters): each unit is a sharded group of its own.
+/// `ZeroModule`'s parameters): each unit is a sharded group of its own. A bucket holds
+/// parameters that train (`trains`, by spec) or ones that do not, never both: a group of frozen
+/// parameters is neither reduced nor stepped, and needs no optimizer state.
 pub(crate) fn stage_layout(
     specs: Vec<ParamSpec>,
     units: &[std::ops::Range<usize>],
+    trains: &[bool],
     alignment: usize,
     settings: &EngineSettings,
     world: usize,
@@ -24,8 +27,12 @@ pub(crate) fn stage_layout(
     } else {
         Placement::Sharded
     };
+    let trains = |i: usize| trains.get(i).copied().unwrap_or(true);
     let mut builder = LayoutBuilder::new(specs, world, alignment);
-    builder.buckets(&bucketed, settings.reduce_bucket_size.max(1), placement);
+    // Runs of parameters that all train or all do not, each bucketed on its own.
+    for run in bucketed.chunk_by(|&a, &b| trains(a) == trains(b)) {
+        builder.buckets(run, settings.reduce_bucket_size.max(1), placement);
+    }
     for unit in units {
         builder.group(unit.clone().collect(), Placement::Sharded);
     }

@@ -152,6 +152,9 @@ impl MemoryTracker {
     pub(crate) fn add_optimizer(&self, bytes: usize) {
         self.optimizer.add(bytes)
     }
+    pub(crate) fn sub_optimizer(&self, bytes: usize) {
+        self.optimizer.sub(bytes)
+    }
     pub(crate) fn add_gathered(&self, bytes: usize) {
         self.gathered.add(bytes)
     }

@@ -27,7 +27,8 @@ impl<I: Backend> DeviceState<I> {
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
         let groups = self.host_copy();
-        let request = self.request(&groups, client_state);
+        let zeros = self.zeros_for(&groups);
+        let request = self.request(&groups, &zeros, client_state);
         Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
     }
 
@@ -64,20 +65,24 @@ impl<I: Backend> DeviceState<I> {
     }
 
     /// This rank's owned slices and their description, in host memory (the optimizer's record).
+    /// A group without optimizer state yet (its parameters have not trained) holds no buffers.
     pub(crate) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         let groups = self.host_copy();
-        let request = self.request(&groups, &serde_json::Value::Null);
+        let zeros = self.zeros_for(&groups);
+        let request = self.request(&groups, &zeros, &serde_json::Value::Null);
         let meta = checkpoint::describe(&request, self.host_group().world_size(), "record")?;
         Ok((meta, groups))
     }
 
-    /// Every group's master shard and optimizer buffers, copied to the host.
+    /// Every group's master shard and optimizer buffers (none for a group without optimizer
+    /// state), copied to the host.
     fn host_copy(&self) -> Vec<LoadedGroup> {
         self.shards()
             .map(|(master, optimizer)| LoadedGroup {
                 master: tensor_to_vec(master.clone()),
                 state: optimizer
-                    .state()
+                    .map(DeviceOptimizer::state)
+                    .unwrap_or_default()
                     .into_iter()
                     .map(|(name, t)| (name.to_string(), tensor_to_vec(t.clone())))
                     .collect(),
@@ -85,17 +90,58 @@ impl<I: Backend> DeviceState<I> {
             .collect()
     }
 
-    /// What a save of `groups` (this state's, copied to the host) is.
-    fn request<'a>(&'a self, groups: &'a [LoadedGroup], client_state: &serde_json::Value) -> SaveRequest<'a> {
-        let first = self.shards().next().map(|(_, o)| o);
+    /// The optimizer's buffer names, and zeros as long as the longest of `groups` without
+    /// buffers: what a save writes for those (an optimizer's state before any gradient).
+    fn zeros_for(&self, groups: &[LoadedGroup]) -> (Vec<&'static str>, Vec<f32>) {
+        let names = self
+            .empty_optimizer()
+            .map(|o| o.state().into_iter().map(|(name, _)| name).collect())
+            .unwrap_or_default();
+        let longest = groups
+            .iter()
+            .filter(|g| g.state.is_empty())
+            .map(|g| g.master.len())
+            .max()
+            .unwrap_or(0);
+        (names, if longest > 0 { vec![0.0; longest] } else { Vec::new() })
+    }
+
+    /// The settings' optimizer over no elements: its name and its buffers' names.
+    fn empty_optimizer(&self) -> Result<DeviceOptimizer<I>, ZeroError> {
+        let none = zero_core::optim::ShardSegments::single(0);
+        DeviceOptimizer::from_spec(&self.settings.optimizer, 0, &none, self.device())
+    }
+
+    /// What a save of `groups` (this state's, copied to the host) is; `zeros`, the buffers of a
+    /// group without optimizer state ([`DeviceState::zeros_for`]).
+    fn request<'a>(
+        &'a self,
+        groups: &'a [LoadedGroup],
+        zeros: &'a (Vec<&'static str>, Vec<f32>),
+        client_state: &serde_json::Value,
+    ) -> SaveRequest<'a> {
+        // A group made late (unfrozen since) has taken fewer steps: the count is the most.
+        let steps = self
+            .shards()
+            .filter_map(|(_, o)| o)
+            .map(DeviceOptimizer::step_count)
+            .max();
+        let (names, zeros) = zeros;
+        let shard = |g: &'a LoadedGroup| {
+            let mut shard = g.as_shard();
+            if g.state.is_empty() {
+                shard.state = names.iter().map(|&n| (n, &zeros[..g.master.len()])).collect();
+            }
+            shard
+        };
         SaveRequest {
             layout: &self.layout,
-            groups: groups.iter().map(LoadedGroup::as_shard).collect(),
+            groups: groups.iter().map(shard).collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,
-            optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
-            optimizer_step: first.map(DeviceOptimizer::step_count).unwrap_or(0),
+            optimizer_name: self.empty_optimizer().map(|o| o.name().to_string()).unwrap_or_default(),
+            optimizer_step: steps.unwrap_or(0),
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             loss_scaler: self.scaler_state(),
             rng: None,
@@ -124,6 +170,18 @@ impl<I: Backend> DeviceState<I> {
     ) -> Result<serde_json::Value, ZeroError> {
         let group = self.host_group().clone();
         let device = self.device().clone();
+        // A group whose buffers are all zero (or absent) on every rank has not trained: its
+        // state is made at its first step, as before the save. Every rank decides alike.
+        let mut trained = zero_core::comm::FlatBuffer::F32(
+            loaded
+                .iter()
+                .map(|g| f32::from(g.state.iter().any(|(_, b)| b.iter().any(|&x| x != 0.0))))
+                .collect(),
+        );
+        if group.world_size() > 1 {
+            group.all_reduce(&mut trained, zero_core::comm::ReduceOp::Max)?;
+        }
+        let trained = trained.into_f32();
         let rebuilt = (|| {
             let mut out = Vec::with_capacity(loaded.len());
             for (gi, g) in loaded.iter().enumerate() {
@@ -131,18 +189,35 @@ impl<I: Backend> DeviceState<I> {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let n = g.master.len();
-                let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
-                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;
-                if optimizer.name() != meta.optimizer.name {
+                let name = self.empty_optimizer()?.name();
+                if name != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
-                        "the checkpoint's optimizer is `{}` but this one is `{}`",
+                        "the checkpoint's optimizer is `{}` but this one is `{name}`",
                         meta.optimizer.name,
-                        optimizer.name()
                     )));
                 }
-                optimizer
-                    .load_state(meta.optimizer.step, &g.state, &device)
-                    .map_err(restoring)?;
+                let optimizer = if trained[gi] > 0.0 {
+                    let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
+                    let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;
+                    // This rank's slice may hold no buffers (zeros) where another's does.
+                    let zeros: Vec<(String, Vec<f32>)>;
+                    let buffers = if g.state.is_empty() {
+                        zeros = optimizer
+                            .state()
+                            .iter()
+                            .map(|(name, _)| (name.to_string(), vec![0.0; n]))
+                            .collect();
+                        &zeros
+                    } else {
+                        &g.state
+                    };
+                    optimizer
+                        .load_state(meta.optimizer.step, buffers, &device)
+                        .map_err(restoring)?;
+                    Some(optimizer)
+                } else {
+                    None
+                };
                 let master = Tensor::from_data(TensorData::new(g.master.clone(), [n]), (&device, DType::F32));
                 out.push((master, optimizer));
             }

@@ -21,7 +21,10 @@ use zero_core::partition::{PartitionLayout, Placement};
 struct GroupState<I: Backend> {
     /// fp32 master weights of the rank's owned range.
     master: Tensor<I, 1>,
-    optimizer: DeviceOptimizer<I>,
+    /// Made at the group's first step: a group whose parameters do not train (frozen, running
+    /// statistics) holds none, as a PyTorch optimizer holds no state for a parameter without
+    /// gradients.
+    optimizer: Option<DeviceOptimizer<I>>,
     /// A `ZeroModule`'s sharded unit: its gradient arrives as the owned shard, already averaged
     /// over the ranks (the unit's backward reduce-scattered it), and the module holds the shard.
     unit: bool,
@@ -64,7 +67,7 @@ struct TensorRanks<I: Backend> {
 impl<I: Backend> DeviceState<I> {
     /// The state of `layout`'s groups, group `g` starting from the fp32 masters of the rank's
     /// owned range that `group(g)` gives, with whether the group is a `ZeroModule`'s sharded
-    /// unit.
+    /// unit. A group's optimizer state is made at its first step.
     pub(crate) fn new(
         settings: EngineSettings,
         comm: Arc<dyn DeviceCollective<I>>,
@@ -80,6 +83,13 @@ impl<I: Backend> DeviceState<I> {
             }
             _ => None,
         };
+        // The settings' checks, before any step.
+        DeviceOptimizer::<I>::from_spec(
+            &settings.optimizer,
+            0,
+            &zero_core::optim::ShardSegments::single(0),
+            &device,
+        )?;
         let mut groups = Vec::with_capacity(layout.groups.len());
         for g in 0..layout.groups.len() {
             let (master, unit) = group(g);
@@ -90,13 +100,10 @@ impl<I: Backend> DeviceState<I> {
                     layout.owned_len(g)
                 )));
             }
-            let segments = crate::optimizer_bridge::shard_segments(&layout, g, comm.rank());
-            let optimizer = DeviceOptimizer::from_spec(&settings.optimizer, len, &segments, &device)?;
             memory.add_master(len * 4);
-            memory.add_optimizer(optimizer.state_bytes());
             groups.push(GroupState {
                 master,
-                optimizer,
+                optimizer: None,
                 unit,
             });
         }
@@ -207,11 +214,13 @@ impl<I: Backend> DeviceState<I> {
     /// One optimizer step at learning rate `lr` from each group's gradient (`None`: no
     /// parameter of the group took part in the loss): a unit's owned shard, already averaged;
     /// any other group's whole padded vector, averaged here over the ranks (all-reduced when
-    /// replicated, reduce-scattered to the owned range when sharded). `loss_non_finite`: a
-    /// micro-batch of this step had a non-finite loss.
+    /// replicated, reduce-scattered to the owned range when sharded). A group none of whose
+    /// parameters trains (`trains`, by group; the same on every rank) is neither reduced nor
+    /// stepped. `loss_non_finite`: a micro-batch of this step had a non-finite loss.
     pub(crate) fn step(
         &mut self,
         grads: Vec<Option<Tensor<I, 1>>>,
+        trains: &[bool],
         lr: f64,
         loss_non_finite: bool,
     ) -> Result<StepReport, ZeroError> {
@@ -219,8 +228,8 @@ impl<I: Backend> DeviceState<I> {
         let loss_scale = self.loss_scale();
         // A cycled momentum follows the schedule's position: the applied steps, as the rate.
         if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
-            for g in &mut self.groups {
-                g.optimizer.set_betas(betas);
+            for g in self.groups.iter_mut().filter_map(|g| g.optimizer.as_mut()) {
+                g.set_betas(betas);
             }
         }
         // The gradients Burn's backward left, from one backward to the next step: counted as
@@ -230,7 +239,7 @@ impl<I: Backend> DeviceState<I> {
         self.memory.add_grads(bytes);
         self.grad_bytes = bytes;
         let outcome = self
-            .reduce(grads)
+            .reduce(grads, trains)
             .and_then(|grads| self.apply_or_skip(grads, step, lr, loss_scale, loss_non_finite));
         self.global_step += 1;
         let grad_norm = match outcome {
@@ -253,13 +262,22 @@ impl<I: Backend> DeviceState<I> {
         })
     }
 
-    /// Every group's data-parallel mean gradient of its owned range, in fp32.
-    fn reduce(&self, grads: Vec<Option<Tensor<I, 1>>>) -> Result<Vec<Tensor<I, 1>>, ZeroError> {
+    /// Every training group's data-parallel mean gradient of its owned range, in fp32 (`None`
+    /// for a group that does not train).
+    fn reduce(
+        &self,
+        grads: Vec<Option<Tensor<I, 1>>>,
+        trains: &[bool],
+    ) -> Result<Vec<Option<Tensor<I, 1>>>, ZeroError> {
         let world = self.comm.world_size();
         let dtype = self.settings.precision.dtype.burn();
         let comm_dtype = self.settings.precision.comm_dtype().burn();
         let mut out = Vec::with_capacity(self.groups.len());
         for (gi, (state, grad)) in self.groups.iter().zip(grads).enumerate() {
+            if !trains.get(gi).copied().unwrap_or(true) {
+                out.push(None);
+                continue;
+            }
             let g = &self.layout.groups[gi];
             let expected = if state.unit {
                 self.layout.owned_len(gi)
@@ -285,7 +303,7 @@ impl<I: Backend> DeviceState<I> {
                     .comm
                     .reduce_scatter(super::cpu::cast(grad, comm_dtype), ReduceOp::Avg)?,
             };
-            out.push(super::cpu::cast(reduced, DType::F32));
+            out.push(Some(super::cpu::cast(reduced, DType::F32)));
         }
         Ok(out)
     }
@@ -294,7 +312,7 @@ impl<I: Backend> DeviceState<I> {
     /// decides to skip it (`None`), by the host engines' rules.
     fn apply_or_skip(
         &mut self,
-        grads: Vec<Tensor<I, 1>>,
+        grads: Vec<Option<Tensor<I, 1>>>,
         step: u64,
         lr: f64,
         loss_scale: f64,
@@ -306,6 +324,9 @@ impl<I: Backend> DeviceState<I> {
         // One host read for the whole step: each group's sum of squares and, when overflow is
         // checked, its count of non-finite elements.
         let width = if check { 2 } else { 1 };
+        // The groups that train, and their gradients.
+        let (trained, grads): (Vec<usize>, Vec<Tensor<I, 1>>) =
+            grads.into_iter().enumerate().filter_map(|(g, t)| Some((g, t?))).unzip();
         let stats = self.grad_stats(&grads, check);
         if check {
             let seen = if loss_non_finite {
@@ -341,14 +362,18 @@ impl<I: Backend> DeviceState<I> {
         if let Some(tensor) = self.tensor.as_ref().filter(|t| t.masks.iter().any(Option::is_some)) {
             let counted: Vec<Tensor<I, 1>> = grads
                 .iter()
-                .zip(&tensor.masks)
-                .map(|(g, m)| m.as_ref().map_or_else(|| g.clone(), |m| g.clone() * m.clone()))
+                .zip(&trained)
+                .map(|(g, &gi)| {
+                    tensor.masks[gi]
+                        .as_ref()
+                        .map_or_else(|| g.clone(), |m| g.clone() * m.clone())
+                })
                 .collect();
             sums = self.grad_stats(&counted, false);
         }
         // Sharded groups' partial sums add over ranks; replicated groups are whole everywhere.
         let (mut sharded, mut replicated) = (0.0f64, 0.0f64);
-        for (gi, s) in sums.into_iter().enumerate() {
+        for (&gi, s) in trained.iter().zip(sums) {
             match self.layout.groups[gi].placement {
                 Placement::Sharded => sharded += s,
                 Placement::Replicated => replicated += s,
@@ -374,16 +399,28 @@ impl<I: Backend> DeviceState<I> {
         let ratio = max_norm / (grad_norm + 1e-6);
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         let coef = (unscale * clip) as f32;
-        for (gi, (state, grad)) in self.groups.iter_mut().zip(grads).enumerate() {
+        for (gi, grad) in trained.into_iter().zip(grads) {
             // A sharded group's tensors may be cut between ranks (LAMB sums their norms).
             let across = (self.layout.groups[gi].placement == Placement::Sharded).then_some(self.comm.as_ref());
             let grad = if coef != 1.0 { grad.mul_scalar(coef) } else { grad };
-            state.optimizer.check(&state.master, &grad)?;
+            let state = &mut self.groups[gi];
+            if state.optimizer.is_none() {
+                let len = state.master.dims()[0];
+                let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, self.comm.rank());
+                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, len, &segments, &self.device)?;
+                if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
+                    optimizer.set_betas(betas);
+                }
+                self.memory.add_optimizer(optimizer.state_bytes());
+                state.optimizer = Some(optimizer);
+            }
+            let optimizer = state.optimizer.as_mut().unwrap_or_else(|| unreachable!("made above"));
+            optimizer.check(&state.master, &grad)?;
             // Taken out, so that the optimizer may update the only handle in place (the check
             // above is all that could fail).
             let master = super::flat::take(&mut state.master);
             let norms = self.tensor.as_ref().map(|t| (&t.norms, gi));
-            state.master = state.optimizer.step(master, grad, lr, across, norms)?;
+            state.master = optimizer.step(master, grad, lr, across, norms)?;
         }
         Ok(Some(grad_norm))
     }
@@ -418,18 +455,23 @@ impl<I: Backend> DeviceState<I> {
             .collect()
     }
 
-    /// Every group's values in the compute dtype, for the module: a unit's owned shard; any
-    /// other group whole (its masters gathered over the ranks when sharded), padding included.
-    pub(crate) fn values(&self) -> Result<Vec<Tensor<I, 1>>, ZeroError> {
+    /// The values of the groups `wanted` marks (by group; `None` for the others) in the
+    /// compute dtype, for the module: a unit's owned shard; any other group whole (its masters
+    /// gathered over the ranks when sharded), padding included.
+    pub(crate) fn values(&self, wanted: &[bool]) -> Result<Vec<Option<Tensor<I, 1>>>, ZeroError> {
         let world = self.comm.world_size();
         let dtype = self.settings.precision.dtype.burn();
         let mut out = Vec::with_capacity(self.groups.len());
         for (gi, state) in self.groups.iter().enumerate() {
+            if !wanted.get(gi).copied().unwrap_or(true) {
+                out.push(None);
+                continue;
+            }
             let shard = super::cpu::cast(state.master.clone(), dtype);
-            out.push(match self.layout.groups[gi].placement {
+            out.push(Some(match self.layout.groups[gi].placement {
                 Placement::Sharded if world > 1 && !state.unit => self.comm.all_gather(shard)?,
                 _ => shard,
-            });
+            }));
         }
         Ok(out)
     }
@@ -444,9 +486,10 @@ impl<I: Backend> DeviceState<I> {
         &self.device
     }
 
-    /// Every group's fp32 master shard and optimizer, in group order.
-    pub(crate) fn shards(&self) -> impl Iterator<Item = (&Tensor<I, 1>, &DeviceOptimizer<I>)> {
-        self.groups.iter().map(|g| (&g.master, &g.optimizer))
+    /// Every group's fp32 master shard and optimizer (none before the group's first step), in
+    /// group order.
+    pub(crate) fn shards(&self) -> impl Iterator<Item = (&Tensor<I, 1>, Option<&DeviceOptimizer<I>>)> {
+        self.groups.iter().map(|g| (&g.master, g.optimizer.as_ref()))
     }
 
     /// fp16's loss-scaler state, for a checkpoint.
@@ -458,12 +501,15 @@ impl<I: Backend> DeviceState<I> {
     /// counts (all, and skipped) and the loss scaler's state.
     pub(crate) fn restore(
         &mut self,
-        groups: Vec<(Tensor<I, 1>, DeviceOptimizer<I>)>,
+        groups: Vec<(Tensor<I, 1>, Option<DeviceOptimizer<I>>)>,
         global_step: u64,
         skipped_steps: u64,
         scaler: Option<zero_core::loss_scaler::LossScalerState>,
     ) {
         for (state, (master, optimizer)) in self.groups.iter_mut().zip(groups) {
+            let bytes = |o: &Option<DeviceOptimizer<I>>| o.as_ref().map_or(0, DeviceOptimizer::state_bytes);
+            self.memory.sub_optimizer(bytes(&state.optimizer));
+            self.memory.add_optimizer(bytes(&optimizer));
             (state.master, state.optimizer) = (master, optimizer);
         }
         self.global_step = global_step;

@@ -151,21 +151,24 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
             Some(flatten(parts, group.padded, dtype, &device))
         })
         .collect();
-    let report = state.step(by_group, lr, loss_non_finite)?;
+    let trains = view.group_trains();
+    let report = state.step(by_group, &trains, lr, loss_non_finite)?;
     // Parameters that do not train (`frozen`, visit order) keep the module's values.
     super::adopt::adopt_device::<B, M>(state, view, &module, frozen)?;
-    Ok((write_back::<B, M>(state, module, view)?, report))
+    // The groups that did not train keep the module's values as they are.
+    Ok((write_back::<B, M>(state, module, view, &trains)?, report))
 }
 
-/// `module` with the state's values, as tensors on the device: a parameter cut from its
-/// group's whole values, a unit kept whole as its parameters put together, a unit's shard the
-/// rank's shard.
+/// `module` with the state's values of the groups `groups` marks, as tensors on the device: a
+/// parameter cut from its group's whole values, a unit kept whole as its parameters put
+/// together, a unit's shard the rank's shard. The parameters of the other groups keep theirs.
 pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     state: &DeviceState<Inner<B>>,
     module: M,
     view: &ModuleView,
+    groups: &[bool],
 ) -> Result<M, ZeroError> {
-    let values = state.values()?;
+    let values = state.values(groups)?;
     // An offloaded unit's new shard goes to its store; the parameter keeps its placeholder.
     let stores = crate::sharded::stores_in_place::<B, M>(&module);
     let mut error = None;
@@ -175,25 +178,25 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     let dtype = state.settings.precision.dtype.burn();
     let param = |p: usize| {
         let place = places[p];
-        values[place.group]
-            .clone()
-            .narrow(0, place.offset, layout.params[p].numel())
+        let value = values[place.group].clone()?;
+        Some(value.narrow(0, place.offset, layout.params[p].numel()))
     };
     let module = write_flat::<B, M>(module, |i, shape| {
         let value = match &view.held[i] {
-            Holding::Param(p) => param(*p),
+            Holding::Param(p) => param(*p)?,
             Holding::Whole(params) => {
-                let parts = params.clone().map(param).collect();
+                let parts = params.clone().map(param).collect::<Option<Vec<_>>>()?;
                 flatten(parts, shape.num_elements(), dtype, &device)
             }
             Holding::Shard { group, .. } => {
+                let value = values[*group].clone()?;
                 if let Some(store) = stores.get(i).cloned().flatten() {
-                    if let Err(e) = store.write(values[*group].clone().into_data()) {
+                    if let Err(e) = store.write(value.into_data()) {
                         error.get_or_insert(e);
                     }
                     return None;
                 }
-                values[*group].clone()
+                value
             }
             Holding::Nothing => return None,
         };

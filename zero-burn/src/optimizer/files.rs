@@ -117,13 +117,18 @@ impl ZeroOptimizer {
             State::Host(core) => {
                 let client = core.load_checkpoint(&dir, tag)?;
                 let device = first_device::<B, M>(&module)?;
-                Ok((host::write_back::<B, M>(core, module, &device, &view.held)?, client))
+                let every = vec![true; view.layout.groups.len()];
+                Ok((
+                    host::write_back::<B, M>(core, module, &device, &view.held, &every)?,
+                    client,
+                ))
             }
             state @ State::Device(_) => {
                 let state = state.device::<B::InnerBackend>()?;
                 view.check_unchanged(&state.layout)?;
                 let client = state.load_checkpoint(&dir, tag)?;
-                Ok((device::write_back::<B, M>(state, module, &view)?, client))
+                let every = vec![true; view.layout.groups.len()];
+                Ok((device::write_back::<B, M>(state, module, &view, &every)?, client))
             }
         }
     }

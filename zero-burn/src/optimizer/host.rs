@@ -110,35 +110,44 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     if loss_non_finite {
         core.note_non_finite_loss();
     }
+    let trains = view.group_trains();
+    core.state.trains = trains.clone();
     let report = core.update()?;
     // Parameters that do not train (`frozen`, visit order) keep the module's values.
     super::adopt::adopt_host::<B, M>(core, view, &module, frozen)?;
     let device = super::view::first_device::<B, M>(&module)?;
-    let module = write_back::<B, M>(core, module, &device, &view.held)?;
+    // The groups that did not train keep the module's values as they are.
+    let module = write_back::<B, M>(core, module, &device, &view.held, &trains)?;
     // The model holds the new values now: the state's copies of them go until the next step.
     core.state.release_param_copies(&core.memory);
     Ok((module, report))
 }
 
-/// `module` with the state's values: replicated parameters whole (gathered where sharded), a
-/// unit kept whole as its flat vector, a unit's shard this rank's slice of it.
+/// `module` with the state's values of the groups `groups` marks (by group): replicated
+/// parameters whole (gathered where sharded), a unit kept whole as its flat vector, a unit's
+/// shard this rank's slice of it. The parameters of the other groups keep theirs.
 pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     core: &EngineCore,
     module: M,
     device: &B::Device,
     held: &[Holding],
+    groups: &[bool],
 ) -> Result<M, ZeroError> {
     let mut source = core.value_source();
     let mut error = None;
     let dtype = core.settings.precision.dtype;
+    let wanted = |p: usize| groups.get(core.places[p].group).copied().unwrap_or(true);
     // An offloaded unit's new shard goes straight to its store, never to the device.
     let stores = crate::sharded::stores_in_place::<B, M>(&module);
     let module = rewrite_data_some(module, device, |i, shape| match &held[i] {
+        Holding::Param(p) if !wanted(*p) => None,
         Holding::Param(p) => Some(source.take_data(*p)),
+        Holding::Whole(params) if !params.clone().any(wanted) => None,
         Holding::Whole(params) => {
             let flat: Vec<f32> = params.clone().flat_map(|p| source.take(p)).collect();
             Some(half_buffer::f32_to_data(flat, shape, dtype))
         }
+        Holding::Shard { group, .. } if !groups.get(*group).copied().unwrap_or(true) => None,
         Holding::Shard { group, .. } => {
             let len = core.state.layout.owned_len(*group);
             let shard = core.shard_buffer(*group).unwrap_or_else(|e| {

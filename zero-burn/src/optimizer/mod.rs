@@ -190,7 +190,7 @@ impl ZeroOptimizer {
     /// sharded `ZeroModule` keeps its own shard (the ranks' shards are different parts of one
     /// unit, cut from one model).
     pub fn synchronize<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
-        let view = ModuleView::of::<B, M>(&module, &self.settings, self.comm.world_size());
+        let view = ModuleView::of::<B, M>(&module, &self.settings, self.comm.world_size(), None);
         let mut own = vec![false; view.layout.groups.len()];
         for group in view.unit_groups() {
             own[group] = true;
@@ -329,7 +329,7 @@ impl ZeroOptimizer {
         module: &M,
     ) -> Result<ModuleView, ZeroError> {
         let world = self.comm.world_size();
-        let view = ModuleView::of::<B, M>(module, &self.settings, world);
+        let view = ModuleView::of::<B, M>(module, &self.settings, world, guard.as_ref().map(State::layout));
         if guard.is_some() {
             return Ok(view);
         }

@@ -42,6 +42,8 @@ pub(super) struct ModuleView {
     pub(super) layout: PartitionLayout,
     pub(super) ids: Vec<ParamId>,
     pub(super) held: Vec<Holding>,
+    /// By layout parameter, whether it trains now (`require_grad`).
+    pub(super) trains: Vec<bool>,
 }
 
 /// The float parameters (visit order) of `module` that `view` holds and that do not train:
@@ -70,18 +72,25 @@ pub(super) fn not_trained<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, 
 
 impl ModuleView {
     /// The view of `module` at `settings`' stage over `world` ranks: [`stage_layout`] with each
-    /// sharded unit's parameters one sharded group, cut as the unit cut its shards.
+    /// sharded unit's parameters one sharded group, cut as the unit cut its shards, and the
+    /// parameters that do not train now grouped apart from those that do. With `built`, the
+    /// layout a state was built with: its groups are kept while the parameters are the same
+    /// (a parameter frozen or unfrozen since stays in its group).
     pub(super) fn of<B: AutodiffBackend, M: AutodiffModule<B>>(
         module: &M,
         settings: &EngineSettings,
         world: usize,
+        built: Option<&PartitionLayout>,
     ) -> Self {
         let mut specs = Vec::new();
         let mut ids = Vec::new();
         let mut held = Vec::new();
         let mut sharded = Vec::new();
-        for (id, param) in held_params::<B, M>(module) {
+        let mut spec_trains = Vec::new();
+        let module_trains = crate::params::trains::<B, M>(module);
+        for (i, (id, param)) in held_params::<B, M>(module).into_iter().enumerate() {
             ids.push(id);
+            let before = specs.len();
             held.push(match param {
                 HeldParam::Plain(spec) => {
                     specs.push(spec);
@@ -104,20 +113,40 @@ impl ModuleView {
                 }
                 HeldParam::Skeleton => Holding::Nothing,
             });
+            let trains = module_trains.get(i).copied().unwrap_or(true);
+            spec_trains.resize(specs.len().max(before), trains);
         }
         let alignment = if sharded.is_empty() {
             settings.alignment
         } else {
             UNIT_ALIGNMENT
         };
-        let layout = stage_layout(specs, &sharded, alignment, settings, world);
+        let layout = match built.filter(|b| b.params == specs) {
+            Some(built) => built.clone(),
+            None => stage_layout(specs, &sharded, &spec_trains, alignment, settings, world),
+        };
         let places = layout.places();
         for h in &mut held {
             if let Holding::Shard { params, group } = h {
                 *group = places[params.start].group;
             }
         }
-        ModuleView { layout, ids, held }
+        ModuleView {
+            layout,
+            ids,
+            held,
+            trains: spec_trains,
+        }
+    }
+
+    /// By flat group, whether any of its parameters trains now: a group that does not is
+    /// neither reduced nor stepped.
+    pub(super) fn group_trains(&self) -> Vec<bool> {
+        self.layout
+            .groups
+            .iter()
+            .map(|g| g.params.iter().any(|&p| self.trains.get(p).copied().unwrap_or(true)))
+            .collect()
     }
 
     /// With `offload_param` on NVMe, every cut unit's shard must be in a store: the cut does it

@@ -75,8 +75,8 @@ pub fn recut(
     Ok(out)
 }
 
-/// That `mine` is a full set of owned slices of `meta`'s layout at this world size, and that
-/// `layout` holds the same parameters.
+/// That `mine` is a full set of owned slices of `meta`'s layout at this world size (a group's
+/// optimizer buffers all there, or none), and that `layout` holds the same parameters.
 fn check(
     comm: &dyn ProcessGroup,
     what: &str,
@@ -116,8 +116,9 @@ fn check(
                 comm.rank()
             )));
         }
+        // No buffers: an optimizer state not made yet (parameters that have not trained).
         let names = group.state.iter().map(|(n, _)| n);
-        if !names.eq(meta.optimizer.state_names.iter()) {
+        if !group.state.is_empty() && !names.eq(meta.optimizer.state_names.iter()) {
             return Err(CheckpointError::Usage(format!(
                 "{what}: group {g}'s optimizer buffers are not the {:?} its description names",
                 meta.optimizer.state_names

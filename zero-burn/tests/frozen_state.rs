@@ -1,0 +1,260 @@
+//! What frozen parameters cost under `ZeroOptimizer`'s device state: nothing beyond their
+//! values. A PyTorch optimizer keeps no state for a parameter that gets no gradient, and
+//! DeepSpeed puts only trained parameters in its optimizer; here a flat group of parameters
+//! that do not train holds no optimizer moments, is neither reduced nor stepped, and its
+//! parameters keep the module's values. A parameter unfrozen later gets its moments at its first
+//! gradient, as Burn's own AdamW makes them (the reference: plain Burn on one thread over the
+//! whole global batch, with the same parts frozen and unfrozen at the same step). A checkpoint
+//! of a partly frozen model loads back exactly.
+
+mod common;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use common::counting::Counting;
+use common::*;
+use std::sync::Arc;
+use zero_burn::{DeviceCollective, EngineSettings, HostStaged, OptimizerOffload, Stage, ZeroOptimizer};
+
+type Inner = burn::backend::Flex;
+
+const BLOCKS: usize = 3;
+const LR: f64 = 0.01;
+
+fn burn_adamw() -> AdamWConfig {
+    AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(1e-4)
+        .with_weight_decay(0.01)
+}
+
+/// `Net` with its blocks but the last frozen: a fine-tune of the head.
+fn frozen_net(device: &burn::tensor::Device<B>) -> Net<B> {
+    let mut net = Net::<B>::new(device, BLOCKS);
+    net.ends.input = net.ends.input.no_grad();
+    for block in &mut net.blocks[..BLOCKS - 1] {
+        *block = block.clone().no_grad();
+    }
+    net
+}
+
+/// `net` with every parameter training again.
+fn unfrozen(net: Net<B>) -> Net<B> {
+    struct Unfreeze;
+    impl burn::module::ModuleMapper<B> for Unfreeze {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<burn::tensor::Tensor<B, D>>,
+        ) -> burn::module::Param<burn::tensor::Tensor<B, D>> {
+            param.set_require_grad(true)
+        }
+    }
+    net.map(&mut Unfreeze)
+}
+
+/// Elements of `net`'s parameters that train, and of all of them.
+fn elements(net: &Net<B>) -> (usize, usize) {
+    let trains = zero_burn::params::trains::<B, _>(net);
+    let sizes: Vec<usize> = values::<B, _>(net).iter().map(Vec::len).collect();
+    let trained = sizes.iter().zip(&trains).filter(|(_, &t)| t).map(|(n, _)| n).sum();
+    (trained, sizes.iter().sum())
+}
+
+fn settings(stage: Stage) -> EngineSettings {
+    let mut s = EngineSettings::new(stage, adamw_eps4(LR));
+    // Small buckets: several groups, frozen and trained apart.
+    s.reduce_bucket_size = 100;
+    s
+}
+
+/// At stages 0-2 over 2 ranks the optimizer's moments are the trained parameters' alone (AdamW:
+/// two fp32 moments an element, over the ranks at stages 1-2), and the reductions of a step
+/// carry the trained parameters' gradients alone.
+#[test]
+fn frozen_groups_hold_no_moments_and_are_not_reduced() {
+    let (trained, total) = elements(&frozen_net(&Default::default()));
+    assert!(
+        trained * 2 < total,
+        "most of the model is frozen ({trained} of {total})"
+    );
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        let (moments, reduced) = on_ranks(2, |rank, group| {
+            let device = Default::default();
+            let counting = Arc::new(Counting::new(HostStaged::new(group.clone())));
+            let collective: Arc<dyn DeviceCollective<Inner>> = counting.clone();
+            let mut optim = ZeroOptimizer::new(settings(stage), group)
+                .expect("optimizer")
+                .with_collective(collective);
+            let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
+            for step in 0..2 {
+                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                counting.take();
+                model = optim.try_step(LR, model, grads).expect("step");
+            }
+            assert_eq!(optim.tensor_state(), Some(true), "the device state ran");
+            let reduced: usize = counting
+                .take()
+                .iter()
+                .filter(|(op, _, _)| matches!(*op, "all_reduce" | "reduce_scatter"))
+                .map(|(_, len, _)| len)
+                .sum();
+            (optim.memory().optimizer_state.current, reduced)
+        })
+        .remove(0);
+        let share = if stage == Stage::Zero0 {
+            trained
+        } else {
+            trained.div_ceil(2)
+        };
+        // Groups are padded to a multiple of the ranks (and their alignment) when sharded.
+        let slack = if stage == Stage::Zero0 { 0 } else { 64 };
+        assert!(
+            moments >= share * 8 && moments <= (share + slack) * 8,
+            "{stage:?}: {moments} bytes of moments for {trained} trained elements of {total}"
+        );
+        assert!(
+            reduced >= trained && reduced <= trained + 2 * slack + 8,
+            "{stage:?}: the step reduced {reduced} elements for {trained} trained of {total}"
+        );
+    }
+}
+
+/// Two steps with most of the model frozen, then every parameter unfrozen for two more: the
+/// same weights as Burn's AdamW, whose state for the unfrozen parameters starts at their first
+/// gradient. At stages 0-2 over 2 ranks, with the state on the device, in host buffers, and
+/// offloaded to the CPU and to NVMe.
+#[test]
+fn a_part_unfrozen_later_trains_as_burn_does() {
+    let want = {
+        let device = Default::default();
+        let mut model = frozen_net(&device);
+        let mut optim = burn_adamw().init();
+        for step in 0..4 {
+            if step == 2 {
+                model = unfrozen(model);
+            }
+            let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            model = optim.step(LR, model, grads);
+        }
+        values::<B, _>(&model)
+    };
+    let swap = std::env::temp_dir().join(format!("zero-unfrozen-{}", std::process::id()));
+    let nvme = OptimizerOffload::Nvme {
+        path: swap.clone(),
+        buffer_count: 2,
+        chunk_elements: 29,
+        threads: 1,
+    };
+    // (stage, the device state or host buffers, offload)
+    let cases = [
+        (Stage::Zero0, true, OptimizerOffload::None),
+        (Stage::Zero1, true, OptimizerOffload::None),
+        (Stage::Zero2, true, OptimizerOffload::None),
+        (Stage::Zero0, false, OptimizerOffload::None),
+        (Stage::Zero2, false, OptimizerOffload::Cpu { threads: 1 }),
+        (Stage::Zero1, false, nvme),
+    ];
+    for (stage, tensors, offload) in cases {
+        let label = format!("{stage:?}, tensor state {tensors}, {offload:?}");
+        let got = on_ranks(2, |rank, group| {
+            let device = Default::default();
+            let mut s = settings(stage);
+            s.offload_optimizer = offload.clone();
+            let mut optim = ZeroOptimizer::new(s, group)
+                .expect("optimizer")
+                .with_tensor_state(tensors);
+            let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
+            for step in 0..4 {
+                if step == 2 {
+                    model = unfrozen(model);
+                }
+                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.try_step(LR, model, grads).expect("step");
+            }
+            assert_eq!(
+                optim.tensor_state(),
+                Some(tensors && offload == OptimizerOffload::None),
+                "{label}"
+            );
+            values::<B, _>(&model)
+        })
+        .remove(0);
+        assert_close(&label, &got, &want, 1e-5);
+    }
+    let _ = std::fs::remove_dir_all(&swap);
+}
+
+/// A sharded checkpoint of a partly frozen model, saved after two steps and loaded into a fresh
+/// optimizer and a model of other weights: the next two steps are the uninterrupted run's, bit
+/// for bit, and the frozen parameters come back with their values. In either state.
+#[test]
+fn a_partly_frozen_checkpoint_resumes_exactly() {
+    let dir = std::env::temp_dir().join(format!("zero-frozen-state-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let source = frozen_net(&Default::default());
+    let bytes = {
+        use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+        Recorder::<B>::record(
+            &BinBytesRecorder::<FullPrecisionSettings>::default(),
+            source.into_record(),
+            (),
+        )
+        .expect("record")
+    };
+    let start = |device: &burn::tensor::Device<B>| {
+        use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+        let record = Recorder::<B>::load(
+            &BinBytesRecorder::<FullPrecisionSettings>::default(),
+            bytes.clone(),
+            device,
+        )
+        .expect("record");
+        frozen_net(device).load_record(record)
+    };
+    let run = |save: bool, resume: bool, tensors: bool| {
+        on_ranks(2, |rank, group| {
+            let device = Default::default();
+            let mut optim = ZeroOptimizer::new(settings(Stage::Zero1), group)
+                .expect("optimizer")
+                .with_tensor_state(tensors);
+            let mut model = if resume {
+                // Other weights, frozen alike: the checkpoint brings the saved ones back.
+                let fresh = frozen_net(&device);
+                let (model, _) = optim.load_checkpoint::<B, _>(dir.as_path(), None, fresh).expect("load");
+                model
+            } else {
+                optim.synchronize::<B, _>(start(&device)).expect("synchronize")
+            };
+            let steps = if resume {
+                2..4
+            } else if save {
+                0..2
+            } else {
+                0..4
+            };
+            for step in steps {
+                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.try_step(LR, model, grads).expect("step");
+            }
+            if save {
+                optim
+                    .save_checkpoint(dir.as_path(), None, &serde_json::Value::Null)
+                    .expect("save");
+            }
+            values::<B, _>(&model)
+        })
+        .remove(0)
+    };
+    for tensors in [true, false] {
+        let whole = run(false, false, tensors);
+        run(true, false, tensors);
+        let resumed = run(false, true, tensors);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(resumed, whole, "tensor state {tensors}");
+    }
+}
