@@ -21,7 +21,8 @@ pub(crate) type GradNormFn = Box<dyn Fn(&FlatState, &[Vec<f32>]) -> Result<f64, 
 pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Vec<SharedGroup>) -> GradNormFn {
     Box::new(move |state: &FlatState, grads: &[Vec<f32>]| {
         let mut sum = 0.0f64;
-        for (gi, grad) in grads.iter().enumerate() {
+        // A group that does not train has no gradient.
+        for (gi, grad) in grads.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
             let rank = match state.layout.groups[gi].placement {
                 Placement::Replicated if data_rank != 0 => continue,
                 Placement::Replicated => 0,

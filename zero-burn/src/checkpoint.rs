@@ -32,17 +32,28 @@ use zero_core::checkpoint::{
 use zero_core::comm::ProcessGroup;
 
 /// Each group's master and optimizer buffers read back from the swap file for a save (`None`
-/// for a group whose state is in memory): [`EngineCore::saved_state`].
-pub(crate) struct SavedState(Vec<Option<Vec<Vec<f32>>>>);
+/// for a group whose state is in memory), and zeros as long as the longest group whose
+/// optimizer is dormant (its buffers, as an optimizer's before its first step):
+/// [`EngineCore::saved_state`].
+pub(crate) struct SavedState(Vec<Option<Vec<Vec<f32>>>>, Vec<f32>);
 
 /// What a rank rebuilt from a loaded checkpoint, once every rank knows that every rank
 /// succeeded (so that all ranks replace their state, or none does); otherwise this rank's
 /// error, or the error naming the rank that failed.
 pub(crate) fn all_ranks_or_none<T>(comm: &dyn ProcessGroup, rebuilt: Result<T, ZeroError>) -> Result<T, ZeroError> {
+    all_ranks_or_none_of(comm, "load", rebuilt)
+}
+
+/// [`all_ranks_or_none`] for `action` (`load`, `initialize`), as errors name it.
+pub(crate) fn all_ranks_or_none_of<T>(
+    comm: &dyn ProcessGroup,
+    action: &'static str,
+    rebuilt: Result<T, ZeroError>,
+) -> Result<T, ZeroError> {
     let failed = rebuilt.as_ref().err().map(|e| e.to_string());
     let agreed = agree(
         comm,
-        "load",
+        action,
         match failed {
             Some(m) => Err(CheckpointError::Usage(m)),
             None => Ok(()),
@@ -100,7 +111,9 @@ impl EngineCore {
             .map(|gi| self.state.read_swapped_group(gi))
             .collect::<Result<Vec<_>, ZeroError>>()
             .map_err(|e| CheckpointError::Usage(format!("{who}: {e}")));
-        Ok(SavedState(agree(over, "save", swapped)?))
+        let dormant = self.state.groups.iter().filter(|g| g.optimizer.is_dormant());
+        let longest = dormant.map(|g| g.master.len()).max().unwrap_or(0);
+        Ok(SavedState(agree(over, "save", swapped)?, vec![0.0; longest]))
     }
 
     /// Group `gi`'s owned master and optimizer buffers, by name: read back in `saved` (NVMe
@@ -109,6 +122,10 @@ impl EngineCore {
         let g = &self.state.groups[gi];
         let names = g.optimizer.inner.state().into_iter().map(|(name, _)| name);
         Ok(match &saved.0[gi] {
+            None if g.optimizer.is_dormant() => GroupShard {
+                master: &g.master,
+                state: names.map(|name| (name, &saved.1[..g.master.len()])).collect(),
+            },
             None => GroupShard {
                 master: &g.master,
                 state: g.optimizer.inner.state(),
@@ -137,8 +154,14 @@ impl EngineCore {
         f: impl FnOnce(&SaveRequest<'_>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
-        // A group that has not trained yet (frozen) has taken no step: the count is the others'.
-        let steps = self.state.groups.iter().map(|g| g.optimizer.inner.step_count()).max();
+        // A group that has not trained yet (frozen) has taken no step: each group's count, and
+        // the most of them.
+        let group_steps: Vec<u64> = self
+            .state
+            .groups
+            .iter()
+            .map(|g| g.optimizer.inner.step_count())
+            .collect();
         let saved = self.saved_state(self.comm.as_ref(), &format!("rank {}", self.comm.rank()))?;
         let groups = (0..self.state.groups.len())
             .map(|gi| self.group_shard(&saved, gi))
@@ -150,7 +173,8 @@ impl EngineCore {
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,
             optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
-            optimizer_step: steps.unwrap_or(0),
+            optimizer_step: group_steps.iter().copied().max().unwrap_or(0),
+            group_steps,
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             // The engine keeps neither a loss scaler nor a random generator of its own yet.
             loss_scaler: self.scaler.as_ref().map(|s| s.state()),
@@ -198,6 +222,9 @@ impl EngineCore {
         };
         let layout = &self.state.layout;
         let swapped = self.state.swapped();
+        // Each group's steps: 0 for one whose parameters had not trained when saved (in
+        // memory its optimizer stays dormant until its first gradient, as before the save).
+        let steps = meta.group_steps(layout);
         let rebuilt = (|| {
             let mut optimizers = Vec::with_capacity(groups.len());
             for (gi, g) in groups.iter().enumerate() {
@@ -206,8 +233,10 @@ impl EngineCore {
                 };
                 let mut opt = if swapped {
                     factory.build_chunked(gi)?
-                } else {
+                } else if steps[gi] > 0 {
                     factory.build(layout, gi, rank)?
+                } else {
+                    factory.build_dormant()?
                 };
                 if opt.inner.name() != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
@@ -216,11 +245,28 @@ impl EngineCore {
                         opt.inner.name()
                     )));
                 }
+                if opt.is_dormant() {
+                    optimizers.push((opt, None));
+                    continue;
+                }
+                // A record of a group without optimizer state holds no buffers: zeros.
+                let zeros: Vec<(String, Vec<f32>)>;
+                let state = if g.state.is_empty() {
+                    let n = g.master.len();
+                    zeros = opt
+                        .inner
+                        .state()
+                        .iter()
+                        .map(|(name, _)| (name.to_string(), vec![0.0; n]))
+                        .collect();
+                    &zeros
+                } else {
+                    &g.state
+                };
                 if !swapped {
-                    let buffers: Vec<(&str, &[f32])> =
-                        g.state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+                    let buffers: Vec<(&str, &[f32])> = state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
                     opt.inner
-                        .load_state(meta.optimizer.step, &buffers)
+                        .load_state(steps[gi], &buffers)
                         .map_err(|e| restoring(e.to_string()))?;
                     optimizers.push((opt, None));
                     continue;
@@ -228,35 +274,28 @@ impl EngineCore {
                 // Swapped: the buffers go to the swap file in the chunk optimizer's order.
                 let mut order = Vec::new();
                 for (name, _) in opt.inner.state() {
-                    let i = g
-                        .state
+                    let (_, buffer) = state
                         .iter()
-                        .position(|(n, _)| n == name)
+                        .find(|(n, _)| n == name)
                         .ok_or_else(|| restoring(format!("no `{name}` buffer in the checkpoint")))?;
-                    if g.state[i].1.len() != g.master.len() {
+                    if buffer.len() != g.master.len() {
                         return Err(restoring(format!(
                             "`{name}` has {} elements, the masters {}",
-                            g.state[i].1.len(),
+                            buffer.len(),
                             g.master.len()
                         )));
                     }
-                    order.push(i);
+                    order.push(buffer.clone());
                 }
-                opt.set_swapped_steps(meta.optimizer.step);
+                opt.set_swapped_steps(steps[gi]);
                 optimizers.push((opt, Some(order)));
             }
             Ok(optimizers)
         })();
         let optimizers = all_ranks_or_none(over, rebuilt)?;
-        for (gi, (loaded, (optimizer, order))) in groups.into_iter().zip(optimizers).enumerate() {
-            let state = match order {
-                None => None,
-                Some(order) => {
-                    let mut buffers: Vec<Option<Vec<f32>>> = loaded.state.into_iter().map(|(_, b)| Some(b)).collect();
-                    Some(order.iter().filter_map(|&i| buffers[i].take()).collect())
-                }
-            };
-            self.state.restore_group(gi, loaded.master, optimizer, state)?;
+        for (gi, (loaded, (optimizer, state))) in groups.into_iter().zip(optimizers).enumerate() {
+            self.state
+                .restore_group(gi, loaded.master, optimizer, state, &self.memory)?;
         }
         self.state.reset_accumulators();
         self.micro_steps = 0;

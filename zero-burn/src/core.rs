@@ -74,6 +74,7 @@ impl EngineCore {
         flows: impl Fn(usize) -> GradFlow,
         values: impl FnMut(usize) -> Vec<f32>,
         memory: Arc<MemoryTracker>,
+        trains: Vec<bool>,
     ) -> Result<Self, ZeroError> {
         let factory = OptimizerFactory {
             spec: settings.optimizer.clone(),
@@ -100,6 +101,7 @@ impl EngineCore {
             &memory,
             dtypes,
             &settings.offload_optimizer,
+            trains,
         )?;
         let places = state.layout.places();
         let assembler = Assembler::new(&state.layout);
@@ -129,6 +131,10 @@ impl EngineCore {
         let place = self.places[param];
         let group = &self.state.layout.groups[place.group];
         let n = self.state.layout.params[param].numel();
+        // A group that does not train is not reduced: its parameters have no gradients.
+        if !self.state.group_trains(place.group) {
+            return Ok(());
+        }
         if let Some(g) = &grad {
             if g.len() != n {
                 let spec = &self.state.layout.params[param];

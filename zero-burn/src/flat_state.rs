@@ -39,7 +39,8 @@ pub(crate) struct GroupState {
     pub grad: FlatBuffer,
     /// How gradients arrive.
     pub flow: GradFlow,
-    /// Optimizer over `master`.
+    /// Optimizer over `master`: dormant (no state) for a group in memory whose parameters have
+    /// not trained yet, made whole at its first gradient.
     pub optimizer: GroupOptimizer,
     /// The owned masters in the 16-bit compute dtype, written by the optimizer step in the same
     /// pass (`None` when parameters are not sharded or are fp32). With the masters on NVMe it
@@ -89,14 +90,19 @@ pub(crate) struct FlatState {
     /// With tensor parallelism, LAMB's norms over the tensor ranks.
     pub tensor_norms: Option<TensorNorms>,
     /// By group, whether any of its parameters trains (empty: every group does). A group that
-    /// does not is neither reduced nor stepped: its masters and optimizer state stay as they
-    /// are (Adam's moments at zero, its step count at 0, until its first gradient).
-    pub trains: Vec<bool>,
+    /// does not is neither reduced nor stepped and holds no gradient accumulator; its masters
+    /// and optimizer state stay as they are (in memory, a dormant optimizer until its first
+    /// gradient). Set with [`FlatState::set_trains`].
+    trains: Vec<bool>,
+    /// What makes a dormant group's optimizer, and this rank's place.
+    factory: OptimizerFactory,
+    rank: usize,
 }
 
 impl FlatState {
     /// Builds the state from the full initial values of every parameter (`values(i)`), keeping
-    /// only the owned ranges.
+    /// only the owned ranges. `trains`: by group, whether its parameters train (empty: all do);
+    /// one that does not gets no accumulator and, in memory, a dormant optimizer.
     // Each argument is a separate part of the engine's setup, passed once at construction.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -108,6 +114,7 @@ impl FlatState {
         memory: &MemoryTracker,
         dtypes: StateDtypes,
         offload: &OptimizerOffload,
+        trains: Vec<bool>,
     ) -> Result<Self, ZeroError> {
         let mut groups = Vec::with_capacity(layout.groups.len());
         let (pool_threads, swap) = match offload {
@@ -152,14 +159,20 @@ impl FlatState {
                 pending[p] = None;
             }
             let flow = flows(gi);
+            let trained = trains.get(gi).copied().unwrap_or(true);
             let grad_len = match flow {
+                _ if !trained => 0,
                 GradFlow::AccumulateThenReduce => layout.groups[gi].padded,
                 GradFlow::ReduceThenAccumulate => owned.len(),
             };
             memory.add_grads(grad_len * dtypes.accumulate.size());
             let (master, optimizer, half) = match &swap {
                 None => {
-                    let optimizer = factory.build(&layout, gi, rank)?;
+                    let optimizer = if trained {
+                        factory.build(&layout, gi, rank)?
+                    } else {
+                        factory.build_dormant()?
+                    };
                     memory.add_master(master.len() * 4);
                     memory.add_optimizer(optimizer.state_bytes());
                     let half = dtypes.half_shard.map(|d| FlatBuffer::from_f32(&master, d.flat()));
@@ -239,8 +252,32 @@ impl FlatState {
             offload: OffloadState { pool, nvme },
             copies_on_host: *offload != OptimizerOffload::None,
             tensor_norms: None,
-            trains: Vec::new(),
+            trains,
+            factory: factory.clone(),
+            rank,
         })
+    }
+
+    /// Which groups train from now on (by group; see [`FlatState::trains`]): a group that
+    /// starts training gets its accumulator (its optimizer state comes at its first step); one
+    /// that stops gives its accumulator back and keeps its optimizer state. Call it at a
+    /// boundary (the accumulators empty).
+    pub fn set_trains(&mut self, trains: Vec<bool>, memory: &MemoryTracker) {
+        for gi in 0..self.groups.len() {
+            let (was, now) = (self.group_trains(gi), trains.get(gi).copied().unwrap_or(true));
+            if was == now {
+                continue;
+            }
+            let bytes = self.accumulator_len(gi) * self.dtypes.accumulate.size();
+            let len = if now { self.accumulator_len(gi) } else { 0 };
+            self.groups[gi].grad = half_buffer::zeros(self.dtypes.accumulate, len);
+            if now {
+                memory.add_grads(bytes);
+            } else {
+                memory.sub_grads(bytes);
+            }
+        }
+        self.trains = trains;
     }
 
     /// Whether group `group` trains this step ([`FlatState::trains`]).
@@ -324,11 +361,21 @@ impl FlatState {
         master: Vec<f32>,
         optimizer: GroupOptimizer,
         swapped_state: Option<Vec<Vec<f32>>>,
+        memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
         let g = &mut self.groups[group];
         if let Some(half) = &mut g.half {
+            // A copy released since the step is held again: counted again.
+            let released = half.is_empty();
             *half = FlatBuffer::from_f32(&master, half.dtype());
+            if released && self.copies_on_host {
+                memory.add_host_parameters(half.byte_len());
+            } else if released {
+                memory.add_parameters(half.byte_len());
+            }
         }
+        memory.sub_optimizer(g.optimizer.state_bytes());
+        memory.add_optimizer(optimizer.state_bytes());
         g.optimizer = optimizer;
         match swapped_state {
             None => g.master = master,
@@ -431,6 +478,13 @@ impl FlatState {
     ) -> Result<(), ZeroError> {
         let trains: Vec<bool> = (0..self.groups.len()).map(|g| self.group_trains(g)).collect();
         for gi in (0..self.groups.len()).filter(|&g| trains[g]) {
+            // A dormant optimizer (its parameters had not trained) gets its state, all zero, as
+            // an optimizer's before its first step.
+            if self.groups[gi].optimizer.is_dormant() {
+                let optimizer = self.factory.build(&self.layout, gi, self.rank)?;
+                memory.add_optimizer(optimizer.state_bytes());
+                self.groups[gi].optimizer = optimizer;
+            }
             self.restore_param_copy(gi, memory);
         }
         for grad in &mut grads {
@@ -483,9 +537,13 @@ impl FlatState {
         }
     }
 
-    /// [`FlatState::reset_accumulators`] for one group.
+    /// [`FlatState::reset_accumulators`] for one group (none for a group that does not train).
     fn reset_accumulator(&mut self, group: usize) {
-        let len = self.accumulator_len(group);
+        let len = if self.group_trains(group) {
+            self.accumulator_len(group)
+        } else {
+            0
+        };
         self.groups[group].grad = half_buffer::zeros(self.dtypes.accumulate, len);
     }
 }

@@ -323,7 +323,9 @@ pub fn initialize_settings<B: AutodiffBackend + ShardBackend, M: AutodiffModule<
     if stage3 && !contains_zero_module::<B, M>(&model) {
         return Err(crate::optimizer::no_units_at_stage_3());
     }
-    crate::sharded::check_units::<B, M>(&model)?;
+    // A rank's own model (a record it loaded) may be the only one amiss: every rank learns it.
+    let checked = crate::sharded::check_units::<B, M>(&model);
+    crate::checkpoint::all_ranks_or_none_of(group.as_ref(), "initialize", checked)?;
     let mut settings = settings;
     if settings.offload_param == ParamOffload::Cpu && B::host_resident() {
         // The shards already live in host memory.

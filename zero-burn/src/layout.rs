@@ -27,12 +27,12 @@ pub(crate) fn stage_layout(
     } else {
         Placement::Sharded
     };
-    let trains = |i: usize| trains.get(i).copied().unwrap_or(true);
+    let trains = |i: &usize| trains.get(*i).copied().unwrap_or(true);
+    let (trained, frozen): (Vec<usize>, Vec<usize>) = bucketed.into_iter().partition(trains);
     let mut builder = LayoutBuilder::new(specs, world, alignment);
-    // Runs of parameters that all train or all do not, each bucketed on its own.
-    for run in bucketed.chunk_by(|&a, &b| trains(a) == trains(b)) {
-        builder.buckets(run, settings.reduce_bucket_size.max(1), placement);
-    }
+    // The parameters that train, then those that do not, each in visit order.
+    builder.buckets(&trained, settings.reduce_bucket_size.max(1), placement);
+    builder.buckets(&frozen, settings.reduce_bucket_size.max(1), placement);
     for unit in units {
         builder.group(unit.clone().collect(), Placement::Sharded);
     }

@@ -46,6 +46,21 @@ impl OptimizerFactory {
         })
     }
 
+    /// The optimizer of a group whose parameters do not train (yet): no state (its name, buffer
+    /// names and a step count of 0), made whole by [`OptimizerFactory::build`] at the group's
+    /// first gradient ([`GroupOptimizer::is_dormant`]).
+    pub fn build_dormant(&self) -> Result<GroupOptimizer, ZeroError> {
+        let inner =
+            optim::build(&self.spec, 0, ShardSegments::single(0)).map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        Ok(GroupOptimizer {
+            inner,
+            sharded: false,
+            chunked: Vec::new(),
+            swapped_steps: 0,
+            chunk_spec: None,
+        })
+    }
+
     /// The optimizer for a shard whose state is swapped: `inner` holds no elements (the state
     /// buffers' names and the step count come from it), and [`GroupOptimizer::step_chunk`]
     /// updates chunks one after the other through a scratch optimizer of a chunk's length that
@@ -86,6 +101,11 @@ pub(crate) struct GroupOptimizer {
 }
 
 impl GroupOptimizer {
+    /// Whether this is [`OptimizerFactory::build_dormant`]'s: no state, not swapped.
+    pub fn is_dormant(&self) -> bool {
+        self.inner.is_empty() && self.chunk_spec.is_none()
+    }
+
     /// One update of the owned masters, also written rounded into `out` (the 16-bit shard).
     /// `tensor`: with tensor parallelism, the norms over the tensor ranks and this group's index.
     pub fn step(

@@ -5,7 +5,8 @@
 //! parameters keep the module's values. A parameter unfrozen later gets its moments at its first
 //! gradient, as Burn's own AdamW makes them (the reference: plain Burn on one thread over the
 //! whole global batch, with the same parts frozen and unfrozen at the same step). A checkpoint
-//! of a partly frozen model loads back exactly.
+//! or a record of a partly frozen model loads back exactly (the reference: the uninterrupted
+//! run).
 
 mod common;
 
@@ -69,8 +70,10 @@ fn settings(stage: Stage) -> EngineSettings {
 }
 
 /// At stages 0-2 over 2 ranks the optimizer's moments are the trained parameters' alone (AdamW:
-/// two fp32 moments an element, over the ranks at stages 1-2), and the reductions of a step
-/// carry the trained parameters' gradients alone.
+/// two fp32 moments an element, over the ranks at stages 1-2), with the state on the device, in
+/// host buffers or offloaded to the CPU; on the device the reductions of a step carry the
+/// trained parameters' gradients alone, and in host buffers the gradient accumulators are the
+/// trained parameters' alone.
 #[test]
 fn frozen_groups_hold_no_moments_and_are_not_reduced() {
     let (trained, total) = elements(&frozen_net(&Default::default()));
@@ -78,14 +81,26 @@ fn frozen_groups_hold_no_moments_and_are_not_reduced() {
         trained * 2 < total,
         "most of the model is frozen ({trained} of {total})"
     );
-    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
-        let (moments, reduced) = on_ranks(2, |rank, group| {
+    let cases = [
+        (Stage::Zero0, true, OptimizerOffload::None),
+        (Stage::Zero1, true, OptimizerOffload::None),
+        (Stage::Zero2, true, OptimizerOffload::None),
+        (Stage::Zero0, false, OptimizerOffload::None),
+        (Stage::Zero1, false, OptimizerOffload::None),
+        (Stage::Zero2, false, OptimizerOffload::Cpu { threads: 1 }),
+    ];
+    for (stage, tensors, offload) in cases {
+        let label = format!("{stage:?}, tensor state {tensors}, {offload:?}");
+        let (report, reduced) = on_ranks(2, |rank, group| {
             let device = Default::default();
             let counting = Arc::new(Counting::new(HostStaged::new(group.clone())));
             let collective: Arc<dyn DeviceCollective<Inner>> = counting.clone();
-            let mut optim = ZeroOptimizer::new(settings(stage), group)
+            let mut s = settings(stage);
+            s.offload_optimizer = offload.clone();
+            let mut optim = ZeroOptimizer::new(s, group)
                 .expect("optimizer")
-                .with_collective(collective);
+                .with_collective(collective)
+                .with_tensor_state(tensors);
             let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
             for step in 0..2 {
                 let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
@@ -93,14 +108,13 @@ fn frozen_groups_hold_no_moments_and_are_not_reduced() {
                 counting.take();
                 model = optim.try_step(LR, model, grads).expect("step");
             }
-            assert_eq!(optim.tensor_state(), Some(true), "the device state ran");
             let reduced: usize = counting
                 .take()
                 .iter()
                 .filter(|(op, _, _)| matches!(*op, "all_reduce" | "reduce_scatter"))
                 .map(|(_, len, _)| len)
                 .sum();
-            (optim.memory().optimizer_state.current, reduced)
+            (optim.memory(), reduced)
         })
         .remove(0);
         let share = if stage == Stage::Zero0 {
@@ -110,14 +124,26 @@ fn frozen_groups_hold_no_moments_and_are_not_reduced() {
         };
         // Groups are padded to a multiple of the ranks (and their alignment) when sharded.
         let slack = if stage == Stage::Zero0 { 0 } else { 64 };
+        let moments = report.optimizer_state.current;
         assert!(
             moments >= share * 8 && moments <= (share + slack) * 8,
-            "{stage:?}: {moments} bytes of moments for {trained} trained elements of {total}"
+            "{label}: {moments} bytes of moments for {trained} trained elements of {total}"
         );
-        assert!(
-            reduced >= trained && reduced <= trained + 2 * slack + 8,
-            "{stage:?}: the step reduced {reduced} elements for {trained} trained of {total}"
-        );
+        if tensors && offload == OptimizerOffload::None {
+            assert!(
+                reduced >= trained && reduced <= trained + 2 * slack + 8,
+                "{label}: the step reduced {reduced} elements for {trained} trained of {total}"
+            );
+        } else {
+            // The model's gradients (the trained parameters') and the state's accumulators:
+            // the trained groups whole (stages 0-1) or their shards (stage 2).
+            let accumulated = report.gradients.current / 4;
+            let whole = trained + if stage == Stage::Zero2 { share } else { trained };
+            assert!(
+                accumulated >= whole && accumulated <= whole + 2 * slack,
+                "{label}: {accumulated} accumulated gradient elements for {trained} trained of {total}"
+            );
+        }
     }
 }
 
@@ -188,73 +214,113 @@ fn a_part_unfrozen_later_trains_as_burn_does() {
     let _ = std::fs::remove_dir_all(&swap);
 }
 
-/// A sharded checkpoint of a partly frozen model, saved after two steps and loaded into a fresh
-/// optimizer and a model of other weights: the next two steps are the uninterrupted run's, bit
-/// for bit, and the frozen parameters come back with their values. In either state.
+/// How a resumed run gets its state back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Resume {
+    /// `save_checkpoint` / `load_checkpoint`.
+    Checkpoint,
+    /// Burn's records of the model and of the optimizer (`to_record` / `load_record`).
+    Records,
+}
+
+fn to_bytes<R: burn::record::Record<B>>(record: R) -> Vec<u8> {
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    Recorder::<B>::record(&BinBytesRecorder::<FullPrecisionSettings>::default(), record, ()).expect("record")
+}
+
+fn from_bytes<R: burn::record::Record<B>>(bytes: &[u8]) -> R {
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    Recorder::<B>::load(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        bytes.to_vec(),
+        &Default::default(),
+    )
+    .expect("load")
+}
+
+/// Most of the model frozen for two steps, then unfrozen; saved after three steps (the
+/// unfrozen part has stepped once, the rest three times) and resumed into a fresh optimizer
+/// and a model of other weights, every part training: the next two steps are the
+/// uninterrupted run's, bit for bit (each group's step count comes back as it was). Through a
+/// sharded checkpoint and through Burn's records, with the state on the device, in host
+/// buffers and on NVMe.
 #[test]
-fn a_partly_frozen_checkpoint_resumes_exactly() {
+fn a_part_unfrozen_before_a_save_resumes_exactly() {
     let dir = std::env::temp_dir().join(format!("zero-frozen-state-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let source = frozen_net(&Default::default());
-    let bytes = {
-        use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-        Recorder::<B>::record(
-            &BinBytesRecorder::<FullPrecisionSettings>::default(),
-            source.into_record(),
-            (),
-        )
-        .expect("record")
+    let swap = std::env::temp_dir().join(format!("zero-frozen-state-swap-{}", std::process::id()));
+    let source = to_bytes(frozen_net(&Default::default()).into_record());
+    let nvme = OptimizerOffload::Nvme {
+        path: swap.clone(),
+        buffer_count: 2,
+        chunk_elements: 29,
+        threads: 1,
     };
-    let start = |device: &burn::tensor::Device<B>| {
-        use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-        let record = Recorder::<B>::load(
-            &BinBytesRecorder::<FullPrecisionSettings>::default(),
-            bytes.clone(),
-            device,
-        )
-        .expect("record");
-        frozen_net(device).load_record(record)
-    };
-    let run = |save: bool, resume: bool, tensors: bool| {
-        on_ranks(2, |rank, group| {
-            let device = Default::default();
-            let mut optim = ZeroOptimizer::new(settings(Stage::Zero1), group)
-                .expect("optimizer")
-                .with_tensor_state(tensors);
-            let mut model = if resume {
-                // Other weights, frozen alike: the checkpoint brings the saved ones back.
-                let fresh = frozen_net(&device);
-                let (model, _) = optim.load_checkpoint::<B, _>(dir.as_path(), None, fresh).expect("load");
-                model
-            } else {
-                optim.synchronize::<B, _>(start(&device)).expect("synchronize")
-            };
-            let steps = if resume {
-                2..4
-            } else if save {
-                0..2
-            } else {
-                0..4
-            };
-            for step in steps {
-                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-                model = optim.try_step(LR, model, grads).expect("step");
-            }
-            if save {
-                optim
-                    .save_checkpoint(dir.as_path(), None, &serde_json::Value::Null)
-                    .expect("save");
-            }
-            values::<B, _>(&model)
-        })
-        .remove(0)
-    };
-    for tensors in [true, false] {
-        let whole = run(false, false, tensors);
-        run(true, false, tensors);
-        let resumed = run(false, true, tensors);
+    let cases = [
+        (Resume::Checkpoint, true, OptimizerOffload::None),
+        (Resume::Checkpoint, false, OptimizerOffload::None),
+        (Resume::Checkpoint, false, nvme.clone()),
+        (Resume::Records, true, OptimizerOffload::None),
+        (Resume::Records, false, nvme),
+    ];
+    for (how, tensors, offload) in cases {
+        let label = format!("{how:?}, tensor state {tensors}, {offload:?}");
         let _ = std::fs::remove_dir_all(&dir);
-        assert_eq!(resumed, whole, "tensor state {tensors}");
+        // (steps, resumed from) -> (rank 0's values, each rank's model and optimizer records)
+        let run = |steps: std::ops::Range<usize>, resumed: Option<&Vec<(Vec<u8>, Vec<u8>)>>| {
+            on_ranks(2, |rank, group| {
+                let device = Default::default();
+                let mut s = settings(Stage::Zero1);
+                s.offload_optimizer = offload.clone();
+                // One bucket for all that trains, one for all that does not: a layout built
+                // with every part training would put them in one group.
+                s.reduce_bucket_size = 100_000;
+                let mut optim = ZeroOptimizer::new(s, group)
+                    .expect("optimizer")
+                    .with_tensor_state(tensors);
+                // Other weights than the source's, every part training: what is resumed brings
+                // the saved weights back.
+                let fresh = || unfrozen(frozen_net(&device));
+                let mut model = match (resumed, how) {
+                    (None, _) => optim
+                        .synchronize::<B, _>(frozen_net(&device).load_record(from_bytes(&source)))
+                        .expect("synchronize"),
+                    (Some(_), Resume::Checkpoint) => {
+                        optim
+                            .load_checkpoint::<B, _>(dir.as_path(), None, fresh())
+                            .expect("load")
+                            .0
+                    }
+                    (Some(records), Resume::Records) => {
+                        let (model, optimizer) = &records[rank];
+                        optim = Optimizer::<Net<B>, B>::load_record(optim, from_bytes(optimizer));
+                        fresh().load_record(from_bytes(model))
+                    }
+                };
+                for step in steps.clone() {
+                    if step == 2 {
+                        model = unfrozen(model);
+                    }
+                    let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                    let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                    model = optim.try_step(LR, model, grads).expect("step");
+                }
+                if how == Resume::Checkpoint && resumed.is_none() && steps.end == 3 {
+                    optim
+                        .save_checkpoint(dir.as_path(), None, &serde_json::Value::Null)
+                        .expect("save");
+                }
+                let records = (
+                    to_bytes(model.clone().into_record()),
+                    to_bytes(Optimizer::<Net<B>, B>::to_record(&optim)),
+                );
+                (values::<B, _>(&model), records)
+            })
+        };
+        let whole = run(0..5, None).remove(0).0;
+        let saved: Vec<(Vec<u8>, Vec<u8>)> = run(0..3, None).into_iter().map(|(_, r)| r).collect();
+        let resumed = run(3..5, Some(&saved)).remove(0).0;
+        assert_eq!(resumed, whole, "{label}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&swap);
 }

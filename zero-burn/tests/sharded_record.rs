@@ -167,17 +167,33 @@ fn a_record_of_another_cut_is_refused() {
     }) {
         check(err);
     }
-    // Into units cut over 3 ranks.
-    for err in on_ranks(3, |rank, group| {
-        let model = UnitNet::<B>::new(&Default::default(), BLOCKS);
-        let (model, _) = zero_burn::initialize::<B, _>(&cfg, model, group).expect("initialize");
-        let model = model.load_record(from_bytes(&shards[rank % WORLD]));
-        let (x, _) = batch::<B>(0, rows(rank, 3, 2, 1), &Default::default());
-        model.blocks[0]
-            .unshard(&x)
-            .map(|_| ())
-            .expect_err("a shard of 2 ranks into a unit of 3")
-    }) {
-        check(err);
+    // Into units cut over 3 ranks, their shards in host memory or in files (`offload_param`:
+    // the store would refuse the shard of another length with a panic).
+    let swap = std::env::temp_dir().join(format!("zero-record-cut-{}", std::process::id()));
+    let offloaded = {
+        let text = format!(
+            r#"{{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+            "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+            "offload_param": {{"device": "nvme", "nvme_path": "{}"}}}}}}"#,
+            swap.display()
+        );
+        DeepSpeedConfig::from_str(&text, "ds_config.json")
+            .expect("config")
+            .config
+    };
+    for cfg in [&cfg, &offloaded] {
+        for err in on_ranks(3, |rank, group| {
+            let model = UnitNet::<B>::new(&Default::default(), BLOCKS);
+            let (model, _) = zero_burn::initialize::<B, _>(cfg, model, group).expect("initialize");
+            let model = model.load_record(from_bytes(&shards[rank % WORLD]));
+            let (x, _) = batch::<B>(0, rows(rank, 3, 2, 1), &Default::default());
+            model.blocks[0]
+                .unshard(&x)
+                .map(|_| ())
+                .expect_err("a shard of 2 ranks into a unit of 3")
+        }) {
+            check(err);
+        }
     }
+    let _ = std::fs::remove_dir_all(&swap);
 }

@@ -96,6 +96,7 @@ fn meta(world: usize, lr_next: Option<f64>, scale: f64, rng: Value, client: Valu
             name: "adamw".into(),
             step: 7,
             state_names: vec!["exp_avg".into(), "exp_avg_sq".into()],
+            param_steps: Vec::new(),
         },
         lr_next,
         loss_scaler: Some(LossScalerState {
@@ -247,6 +248,7 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                 skipped_steps: 0,
                 optimizer_name: "sgd".into(),
                 optimizer_step: 1,
+                group_steps: Vec::new(),
                 lr_next: lr,
                 loss_scaler: Some(LossScalerState {
                     cur_scale: scale,

@@ -28,6 +28,7 @@ fn held(layout: &PartitionLayout, rank: usize, step: u64) -> (checkpoint::Checkp
         skipped_steps: 0,
         optimizer_name: "adamw".into(),
         optimizer_step: step,
+        group_steps: Vec::new(),
         lr_next: None,
         loss_scaler: None,
         rng: None,

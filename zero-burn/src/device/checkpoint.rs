@@ -120,12 +120,12 @@ impl<I: Backend> DeviceState<I> {
         zeros: &'a (Vec<&'static str>, Vec<f32>),
         client_state: &serde_json::Value,
     ) -> SaveRequest<'a> {
-        // A group made late (unfrozen since) has taken fewer steps: the count is the most.
-        let steps = self
+        // A group made late (unfrozen since) has taken fewer steps, one without optimizer state
+        // none: each group's count, and the most of them.
+        let group_steps: Vec<u64> = self
             .shards()
-            .filter_map(|(_, o)| o)
-            .map(DeviceOptimizer::step_count)
-            .max();
+            .map(|(_, o)| o.map_or(0, DeviceOptimizer::step_count))
+            .collect();
         let (names, zeros) = zeros;
         let shard = |g: &'a LoadedGroup| {
             let mut shard = g.as_shard();
@@ -141,7 +141,8 @@ impl<I: Backend> DeviceState<I> {
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,
             optimizer_name: self.empty_optimizer().map(|o| o.name().to_string()).unwrap_or_default(),
-            optimizer_step: steps.unwrap_or(0),
+            optimizer_step: group_steps.iter().copied().max().unwrap_or(0),
+            group_steps,
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
             loss_scaler: self.scaler_state(),
             rng: None,
@@ -170,18 +171,9 @@ impl<I: Backend> DeviceState<I> {
     ) -> Result<serde_json::Value, ZeroError> {
         let group = self.host_group().clone();
         let device = self.device().clone();
-        // A group whose buffers are all zero (or absent) on every rank has not trained: its
-        // state is made at its first step, as before the save. Every rank decides alike.
-        let mut trained = zero_core::comm::FlatBuffer::F32(
-            loaded
-                .iter()
-                .map(|g| f32::from(g.state.iter().any(|(_, b)| b.iter().any(|&x| x != 0.0))))
-                .collect(),
-        );
-        if group.world_size() > 1 {
-            group.all_reduce(&mut trained, zero_core::comm::ReduceOp::Max)?;
-        }
-        let trained = trained.into_f32();
+        // Each group's steps: 0 for one whose parameters had not trained when saved, whose
+        // state is made at its first step, as before the save.
+        let steps = meta.group_steps(&self.layout);
         let rebuilt = (|| {
             let mut out = Vec::with_capacity(loaded.len());
             for (gi, g) in loaded.iter().enumerate() {
@@ -196,10 +188,10 @@ impl<I: Backend> DeviceState<I> {
                         meta.optimizer.name,
                     )));
                 }
-                let optimizer = if trained[gi] > 0.0 {
+                let optimizer = if steps[gi] > 0 {
                     let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
                     let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;
-                    // This rank's slice may hold no buffers (zeros) where another's does.
+                    // A record of a group without optimizer state holds no buffers: zeros.
                     let zeros: Vec<(String, Vec<f32>)>;
                     let buffers = if g.state.is_empty() {
                         zeros = optimizer
@@ -211,9 +203,7 @@ impl<I: Backend> DeviceState<I> {
                     } else {
                         &g.state
                     };
-                    optimizer
-                        .load_state(meta.optimizer.step, buffers, &device)
-                        .map_err(restoring)?;
+                    optimizer.load_state(steps[gi], buffers, &device).map_err(restoring)?;
                     Some(optimizer)
                 } else {
                     None

@@ -399,21 +399,27 @@ impl<I: Backend> DeviceState<I> {
         let ratio = max_norm / (grad_norm + 1e-6);
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         let coef = (unscale * clip) as f32;
+        // A group without optimizer state (its parameters had not trained) gets it, all zero, as
+        // an optimizer's before its first step: every one before any group steps.
+        for &gi in &trained {
+            let state = &mut self.groups[gi];
+            if state.optimizer.is_some() {
+                continue;
+            }
+            let len = state.master.dims()[0];
+            let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, self.comm.rank());
+            let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, len, &segments, &self.device)?;
+            if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
+                optimizer.set_betas(betas);
+            }
+            self.memory.add_optimizer(optimizer.state_bytes());
+            state.optimizer = Some(optimizer);
+        }
         for (gi, grad) in trained.into_iter().zip(grads) {
             // A sharded group's tensors may be cut between ranks (LAMB sums their norms).
             let across = (self.layout.groups[gi].placement == Placement::Sharded).then_some(self.comm.as_ref());
             let grad = if coef != 1.0 { grad.mul_scalar(coef) } else { grad };
             let state = &mut self.groups[gi];
-            if state.optimizer.is_none() {
-                let len = state.master.dims()[0];
-                let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, self.comm.rank());
-                let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, len, &segments, &self.device)?;
-                if let Some(betas) = self.settings.betas_at(self.global_step - self.skipped_steps) {
-                    optimizer.set_betas(betas);
-                }
-                self.memory.add_optimizer(optimizer.state_bytes());
-                state.optimizer = Some(optimizer);
-            }
             let optimizer = state.optimizer.as_mut().unwrap_or_else(|| unreachable!("made above"));
             optimizer.check(&state.master, &grad)?;
             // Taken out, so that the optimizer may update the only handle in place (the check

@@ -112,7 +112,13 @@ impl ZeroOptimizer {
         // The checkpoint supersedes a record loaded and not yet applied.
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let view = self.ensure_state::<B, M>(&mut guard, &module)?;
+        // A state built for this load takes the checkpoint's groups, where they fit.
+        let meta = match guard.is_none() {
+            true => zero_core::checkpoint::Checkpoint::open(&dir, tag).ok().map(|c| c.meta),
+            false => None,
+        };
+        let saved = meta.as_ref().map(|m| (&m.layout, m.stage));
+        let view = self.ensure_state::<B, M>(&mut guard, &module, saved)?;
         match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
             State::Host(core) => {
                 let client = core.load_checkpoint(&dir, tag)?;

@@ -55,6 +55,7 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
     // Offloaded parameter shards are the units' own (each unit keeps its store), not a copy
     // the state keeps beside the masters.
     settings.offload_param = crate::settings::ParamOffload::None;
+    let trains = view.group_trains();
     EngineCore::new(
         view.layout,
         comm,
@@ -69,6 +70,7 @@ pub(super) fn build<B: AutodiffBackend, M: AutodiffModule<B>>(
         },
         |i| std::mem::take(&mut values[i]),
         memory,
+        trains,
     )
 }
 
@@ -85,6 +87,9 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
 ) -> Result<(M, StepReport), ZeroError> {
     // Burn's loop owns the schedule: use its learning rate for this step.
     core.settings.lr_schedule = Some(Arc::new(move |_| lr));
+    // The groups whose parameters train now (a part unfrozen since gets its state).
+    let trains = view.group_trains();
+    core.state.set_trains(trains.clone(), &core.memory);
     for (id, held) in view.ids.iter().zip(&view.held) {
         let grad = take(*id).map(tensor_to_vec);
         match held {
@@ -110,8 +115,6 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     if loss_non_finite {
         core.note_non_finite_loss();
     }
-    let trains = view.group_trains();
-    core.state.trains = trains.clone();
     let report = core.update()?;
     // Parameters that do not train (`frozen`, visit order) keep the module's values.
     super::adopt::adopt_host::<B, M>(core, view, &module, frozen)?;

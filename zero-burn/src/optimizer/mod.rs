@@ -322,14 +322,23 @@ impl ZeroOptimizer {
     }
 
     /// Builds the state from `module` if this is its first use; returns the optimizer's view
-    /// of `module`.
+    /// of `module`. `saved`: the layout of a state about to be loaded (a checkpoint's, a
+    /// record's), whose groups a new state takes when it holds the same parameters over as many
+    /// ranks at this stage: each group's step count then comes back as it was, where a part
+    /// frozen or unfrozen since the first step would otherwise share a group with others.
     fn ensure_state<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         guard: &mut Option<State>,
         module: &M,
+        saved: Option<(&zero_core::partition::PartitionLayout, u8)>,
     ) -> Result<ModuleView, ZeroError> {
         let world = self.comm.world_size();
-        let view = ModuleView::of::<B, M>(module, &self.settings, world, guard.as_ref().map(State::layout));
+        let stage = self.settings.stage.number();
+        let saved = saved
+            .filter(|(layout, saved_stage)| layout.world_size == world && *saved_stage == stage)
+            .map(|(layout, _)| layout);
+        let built = guard.as_ref().map(State::layout).or(saved);
+        let view = ModuleView::of::<B, M>(module, &self.settings, world, built);
         if guard.is_some() {
             return Ok(view);
         }
@@ -396,7 +405,13 @@ impl ZeroOptimizer {
         }
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let built = guard.is_none();
-        let view = self.ensure_state::<B, M>(&mut guard, &module)?;
+        // A record waiting to be loaded: its groups, where they fit.
+        let pending = match (built, self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_ref()) {
+            (true, Some(record)) => record.meta()?,
+            _ => None,
+        };
+        let saved = pending.as_ref().map(|m| (&m.layout, m.stage));
+        let view = self.ensure_state::<B, M>(&mut guard, &module, saved)?;
         self.apply_pending(guard.as_mut().unwrap_or_else(|| unreachable!("just built")))?;
         // Units changed by `ZeroModule::modify` since the last step: their values are the
         // masters now (a state built from the module this step has them already).

@@ -334,8 +334,10 @@ impl ModuleView {
         if host_state {
             // The model's gradients stay on its device from backward to the step, which brings
             // them to the state's host buffers: a unit's shard (its backward reduce-scattered
-            // it), every other parameter whole.
+            // it), every other parameter whole; none of a group that does not train.
+            let trains = self.group_trains();
             let grads: usize = (0..layout.groups.len())
+                .filter(|&g| trains[g])
                 .map(|g| {
                     if units.contains(&g) {
                         layout.owned_len(g)

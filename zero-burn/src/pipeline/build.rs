@@ -177,6 +177,7 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
             },
             |i| std::mem::take(&mut values[i]),
             memory,
+            Vec::new(),
         )?;
         // The norm counts each parameter once: the slices of a tensor-split parameter on every
         // tensor rank, a replicated one on tensor rank 0; a tied key on the first stage holding

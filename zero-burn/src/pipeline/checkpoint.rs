@@ -164,6 +164,8 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 skipped_steps: self.core.skipped_steps,
                 optimizer_name: first.map(|o| o.name().to_string()).unwrap_or_default(),
                 optimizer_step: first.map(|o| o.step_count()).unwrap_or(0),
+                // A pipeline stage's groups all train: one count.
+                group_steps: Vec::new(),
                 lr_next: Some(
                     self.core
                         .settings

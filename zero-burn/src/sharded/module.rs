@@ -345,7 +345,25 @@ where
     /// })?;
     /// ```
     pub fn modify(&self, modifier_rank: usize, change: impl FnOnce(M) -> M) -> Result<Self, ZeroError> {
-        self.check_trains_whole()?;
+        let checked = self.check_trains_whole();
+        // A unit that only this rank holds amiss (a record it loaded): every rank fails, none
+        // waits in the gather below.
+        if let Some(comm) = self
+            .unit
+            .sharding
+            .get()
+            .map(|s| s.comm.get::<B::Collective>())
+            .transpose()?
+        {
+            let mut failed = [f32::from(checked.is_err())];
+            comm.all_reduce_scalars(&mut failed, zero_core::comm::ReduceOp::Max)?;
+            if failed[0] > 0.0 {
+                return Err(checked.err().unwrap_or_else(|| {
+                    ZeroError::Usage("ZeroModule::modify: another rank's unit refused it (see its error)".into())
+                }));
+            }
+        }
+        checked?;
         self.register();
         let sizes: Vec<usize> = self.unit.shapes.iter().map(|s| s.iter().product()).collect();
         let numel = self.unit.numel;

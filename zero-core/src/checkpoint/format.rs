@@ -84,6 +84,48 @@ pub struct OptimizerRecord {
     pub step: u64,
     /// Names of the state buffers each shard holds per group.
     pub state_names: Vec<String>,
+    /// Where the optimizer's parameters have taken different numbers of steps (a part frozen
+    /// for a while: its state starts at its first gradient), the steps of each parameter, in
+    /// layout order; empty when every one has taken `step`. Left out of the file when empty, so
+    /// that a checkpoint saved before the field existed re-serialises to the bytes its checksum
+    /// was computed over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub param_steps: Vec<u64>,
+}
+
+impl CheckpointMeta {
+    /// The optimizer steps each group of `layout` (the loading run's, holding the same
+    /// parameters) has taken: the most any of its parameters took when saved (`param_steps`, or
+    /// `optimizer.step` for all). 0: the group's optimizer state has not been made yet.
+    pub fn group_steps(&self, layout: &PartitionLayout) -> Vec<u64> {
+        let by_name: std::collections::HashMap<&str, u64> =
+            if self.optimizer.param_steps.len() == self.layout.params.len() {
+                self.layout
+                    .params
+                    .iter()
+                    .zip(&self.optimizer.param_steps)
+                    .map(|(p, &s)| (p.name.as_str(), s))
+                    .collect()
+            } else {
+                Default::default()
+            };
+        layout
+            .groups
+            .iter()
+            .map(|g| {
+                g.params
+                    .iter()
+                    .map(|&p| {
+                        by_name
+                            .get(layout.params[p].name.as_str())
+                            .copied()
+                            .unwrap_or(self.optimizer.step)
+                    })
+                    .max()
+                    .unwrap_or(self.optimizer.step)
+            })
+            .collect()
+    }
 }
 
 /// The model a checkpoint holds, as a model zoo records it when it saves: how its parameter

@@ -68,8 +68,11 @@ pub struct SaveRequest<'a> {
     pub skipped_steps: u64,
     /// Optimizer name.
     pub optimizer_name: String,
-    /// The optimizer's own step count.
+    /// The optimizer's own step count: the most steps any group has taken.
     pub optimizer_step: u64,
+    /// Each group's step count where they differ (a group whose parameters trained for fewer
+    /// steps, or none yet); empty: every group took `optimizer_step`.
+    pub group_steps: Vec<u64>,
     /// Learning rate of the next step.
     pub lr_next: Option<f64>,
     /// Loss scaler state, if any.
@@ -221,6 +224,13 @@ pub fn describe(req: &SaveRequest<'_>, world: usize, tag: &str) -> Result<Checkp
             name: req.optimizer_name.clone(),
             step: req.optimizer_step,
             state_names,
+            param_steps: if req.group_steps.iter().all(|&s| s == req.optimizer_step) {
+                Vec::new()
+            } else {
+                let places = req.layout.places();
+                let step = |g: usize| req.group_steps.get(g).copied().unwrap_or(req.optimizer_step);
+                places.iter().map(|p| step(p.group)).collect()
+            },
         },
         lr_next: req.lr_next,
         loss_scaler: req.loss_scaler,
@@ -355,6 +365,7 @@ mod tests {
             skipped_steps: 0,
             optimizer_name: "adamw".into(),
             optimizer_step: 5,
+            group_steps: Vec::new(),
             lr_next: Some(1.7943120135055317e-3),
             loss_scaler: None,
             rng: None,
@@ -388,6 +399,7 @@ mod tests {
             skipped_steps: 0,
             optimizer_name: "adamw".into(),
             optimizer_step: 6,
+            group_steps: Vec::new(),
             lr_next: None,
             loss_scaler: None,
             rng: None,

@@ -129,6 +129,7 @@ pub fn save_model(
             skipped_steps: 0,
             optimizer_name: "adamw".into(),
             optimizer_step: step,
+            group_steps: Vec::new(),
             lr_next: Some(1e-3),
             loss_scaler: None,
             rng: None,
