@@ -172,22 +172,52 @@ impl<I: Backend> DeviceState<I> {
         self.tensor.as_ref().map(|t| t.record.clone())
     }
 
-    /// Writes `values` into the rank's fp32 masters of `group` from the owned range's offset
-    /// `start`: values set in the module between steps (`ZeroModule::modify`), which the next
-    /// update starts from.
-    pub(crate) fn write_masters(&mut self, group: usize, start: usize, values: Tensor<I, 1>) -> Result<(), ZeroError> {
+    /// Writes each `(start, values)` of `writes` into the rank's fp32 masters of `group` from
+    /// the owned range's offset `start`: values set in the module between steps
+    /// (`ZeroModule::modify`, a parameter that does not train), which the next update starts
+    /// from. The masters are put together once from the kept ranges and the new values (a
+    /// copy per write would copy the whole group each time).
+    pub(crate) fn write_masters(
+        &mut self,
+        group: usize,
+        mut writes: Vec<(usize, Tensor<I, 1>)>,
+    ) -> Result<(), ZeroError> {
         let state = self
             .groups
             .get_mut(group)
             .ok_or_else(|| ZeroError::Model(format!("no flat group {group}")))?;
-        let (len, end) = (state.master.dims()[0], start + values.dims()[0]);
-        if end > len {
-            return Err(ZeroError::Model(format!(
-                "flat group {group}: new master values {start}..{end} outside the {len} this rank holds"
-            )));
+        let len = state.master.dims()[0];
+        writes.sort_by_key(|(start, _)| *start);
+        let mut at = 0;
+        for (start, values) in &writes {
+            let end = start + values.dims()[0];
+            if end > len || *start < at {
+                return Err(ZeroError::Model(format!(
+                    "flat group {group}: new master values {start}..{end} outside the {len} this rank holds, or \
+                     over another write"
+                )));
+            }
+            at = end;
         }
         let master = super::flat::take(&mut state.master);
-        state.master = master.slice_assign(start..end, values.cast(DType::F32));
+        let mut pieces = Vec::with_capacity(2 * writes.len() + 1);
+        let mut at = 0;
+        for (start, values) in writes {
+            let end = start + values.dims()[0];
+            if start > at {
+                pieces.push(master.clone().narrow(0, at, start - at));
+            }
+            pieces.push(values.cast(DType::F32));
+            at = end;
+        }
+        if at < len {
+            pieces.push(master.narrow(0, at, len - at));
+        }
+        state.master = match pieces.len() {
+            // The whole group written: a buffer of its own, not a view of the module's.
+            1 => super::cpu::own_buffer(pieces.pop().unwrap_or_else(|| unreachable!("one piece"))),
+            _ => Tensor::cat(pieces, 0),
+        };
         Ok(())
     }
 

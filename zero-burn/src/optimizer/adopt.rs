@@ -79,9 +79,14 @@ pub(super) fn adopt_device<B: AutodiffBackend, M: AutodiffModule<B>>(
         return Ok(());
     }
     let flat = read_flat::<B, M>(module)?;
+    // One write per group: its masters are put together once, not copied for every piece.
+    let mut by_group: std::collections::BTreeMap<usize, Vec<_>> = Default::default();
     for (group, start, i, from) in writes {
         let values = flat[i].clone().narrow(0, from.start, from.len());
-        state.write_masters(group, start, values)?;
+        by_group.entry(group).or_default().push((start, values));
+    }
+    for (group, writes) in by_group {
+        state.write_masters(group, writes)?;
     }
     Ok(())
 }
