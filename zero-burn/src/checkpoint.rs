@@ -250,19 +250,7 @@ impl EngineCore {
                     continue;
                 }
                 // A record of a group without optimizer state holds no buffers: zeros.
-                let zeros: Vec<(String, Vec<f32>)>;
-                let state = if g.state.is_empty() {
-                    let n = g.master.len();
-                    zeros = opt
-                        .inner
-                        .state()
-                        .iter()
-                        .map(|(name, _)| (name.to_string(), vec![0.0; n]))
-                        .collect();
-                    &zeros
-                } else {
-                    &g.state
-                };
+                let state = g.state_or_zeros(opt.inner.state().into_iter().map(|(name, _)| name));
                 if !swapped {
                     let buffers: Vec<(&str, &[f32])> = state.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
                     opt.inner
@@ -285,7 +273,7 @@ impl EngineCore {
                             g.master.len()
                         )));
                     }
-                    order.push(buffer.clone());
+                    order.push(name);
                 }
                 opt.set_swapped_steps(steps[gi]);
                 optimizers.push((opt, Some(order)));
@@ -293,7 +281,20 @@ impl EngineCore {
             Ok(optimizers)
         })();
         let optimizers = all_ranks_or_none(over, rebuilt)?;
-        for (gi, (loaded, (optimizer, state))) in groups.into_iter().zip(optimizers).enumerate() {
+        for (gi, (loaded, (optimizer, order))) in groups.into_iter().zip(optimizers).enumerate() {
+            // The buffers moved out of what was loaded, in the swap file's order (zeros for a
+            // group that held none).
+            let state = order.map(|names| {
+                let mut buffers = loaded.state;
+                let n = loaded.master.len();
+                names
+                    .iter()
+                    .map(|name| match buffers.iter().position(|(b, _)| b == name) {
+                        Some(i) => std::mem::take(&mut buffers[i].1),
+                        None => vec![0.0; n],
+                    })
+                    .collect()
+            });
             self.state
                 .restore_group(gi, loaded.master, optimizer, state, &self.memory)?;
         }

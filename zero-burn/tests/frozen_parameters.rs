@@ -12,7 +12,7 @@ mod common;
 
 use burn::module::Module;
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use common::*;
@@ -23,15 +23,6 @@ use zero_burn::{EngineSettings, HostStaged, OptimizerOffload, Stage};
 const BLOCKS: usize = 3;
 const STEPS: usize = 4;
 const LR: f64 = 0.01;
-
-/// Burn's AdamW as `adamw_eps4` sets ours.
-fn burn_adamw() -> burn::optim::AdamWConfig {
-    AdamWConfig::new()
-        .with_beta_1(0.9)
-        .with_beta_2(0.999)
-        .with_epsilon(1e-4)
-        .with_weight_decay(0.01)
-}
 
 /// `Net` with its input projection and its second block frozen.
 fn frozen_net(device: &burn::tensor::Device<B>) -> Net<B> {
@@ -44,7 +35,7 @@ fn frozen_net(device: &burn::tensor::Device<B>) -> Net<B> {
 fn reference() -> Vec<Vec<f32>> {
     let device = Default::default();
     let mut model = frozen_net(&device);
-    let mut optim = burn_adamw().init();
+    let mut optim = burn_adamw_eps4().init();
     for step in 0..STEPS {
         let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
         let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
@@ -156,7 +147,7 @@ fn batch_norm_statistics_reach_checkpoints_and_exports() {
     let device = Default::default();
     // The reference: plain Burn, one process.
     let mut plain = BnNet::new(&device);
-    let mut optim = burn_adamw().init();
+    let mut optim = burn_adamw_eps4().init();
     for step in 0..STEPS {
         let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, &device);
         let grads = GradientsParams::from_grads(plain.loss(x, y).backward(), &plain);

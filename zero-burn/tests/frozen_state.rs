@@ -11,7 +11,7 @@
 mod common;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use common::counting::Counting;
 use common::*;
 use std::sync::Arc;
@@ -21,14 +21,6 @@ type Inner = burn::backend::Flex;
 
 const BLOCKS: usize = 3;
 const LR: f64 = 0.01;
-
-fn burn_adamw() -> AdamWConfig {
-    AdamWConfig::new()
-        .with_beta_1(0.9)
-        .with_beta_2(0.999)
-        .with_epsilon(1e-4)
-        .with_weight_decay(0.01)
-}
 
 /// `Net` with its blocks but the last frozen: a fine-tune of the head.
 fn frozen_net(device: &burn::tensor::Device<B>) -> Net<B> {
@@ -60,6 +52,16 @@ fn elements(net: &Net<B>) -> (usize, usize) {
     let sizes: Vec<usize> = values::<B, _>(net).iter().map(Vec::len).collect();
     let trained = sizes.iter().zip(&trains).filter(|(_, &t)| t).map(|(n, _)| n).sum();
     (trained, sizes.iter().sum())
+}
+
+/// The optimizer's state swapped to a file under `path`, in chunks smaller than a group.
+fn nvme_at(path: &std::path::Path) -> OptimizerOffload {
+    OptimizerOffload::Nvme {
+        path: path.to_path_buf(),
+        buffer_count: 2,
+        chunk_elements: 29,
+        threads: 1,
+    }
 }
 
 fn settings(stage: Stage) -> EngineSettings {
@@ -156,7 +158,7 @@ fn a_part_unfrozen_later_trains_as_burn_does() {
     let want = {
         let device = Default::default();
         let mut model = frozen_net(&device);
-        let mut optim = burn_adamw().init();
+        let mut optim = burn_adamw_eps4().init();
         for step in 0..4 {
             if step == 2 {
                 model = unfrozen(model);
@@ -168,12 +170,7 @@ fn a_part_unfrozen_later_trains_as_burn_does() {
         values::<B, _>(&model)
     };
     let swap = std::env::temp_dir().join(format!("zero-unfrozen-{}", std::process::id()));
-    let nvme = OptimizerOffload::Nvme {
-        path: swap.clone(),
-        buffer_count: 2,
-        chunk_elements: 29,
-        threads: 1,
-    };
+    let nvme = nvme_at(&swap);
     // (stage, the device state or host buffers, offload)
     let cases = [
         (Stage::Zero0, true, OptimizerOffload::None),
@@ -249,12 +246,7 @@ fn a_part_unfrozen_before_a_save_resumes_exactly() {
     let dir = std::env::temp_dir().join(format!("zero-frozen-state-{}", std::process::id()));
     let swap = std::env::temp_dir().join(format!("zero-frozen-state-swap-{}", std::process::id()));
     let source = to_bytes(frozen_net(&Default::default()).into_record());
-    let nvme = OptimizerOffload::Nvme {
-        path: swap.clone(),
-        buffer_count: 2,
-        chunk_elements: 29,
-        threads: 1,
-    };
+    let nvme = nvme_at(&swap);
     let cases = [
         (Resume::Checkpoint, true, OptimizerOffload::None),
         (Resume::Checkpoint, false, OptimizerOffload::None),

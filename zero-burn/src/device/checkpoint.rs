@@ -192,18 +192,9 @@ impl<I: Backend> DeviceState<I> {
                     let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
                     let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;
                     // A record of a group without optimizer state holds no buffers: zeros.
-                    let zeros: Vec<(String, Vec<f32>)>;
-                    let buffers = if g.state.is_empty() {
-                        zeros = optimizer
-                            .state()
-                            .iter()
-                            .map(|(name, _)| (name.to_string(), vec![0.0; n]))
-                            .collect();
-                        &zeros
-                    } else {
-                        &g.state
-                    };
-                    optimizer.load_state(steps[gi], buffers, &device).map_err(restoring)?;
+                    let names: Vec<&str> = optimizer.state().into_iter().map(|(name, _)| name).collect();
+                    let buffers = g.state_or_zeros(names);
+                    optimizer.load_state(steps[gi], &buffers, &device).map_err(restoring)?;
                     Some(optimizer)
                 } else {
                     None

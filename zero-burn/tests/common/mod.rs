@@ -307,6 +307,16 @@ pub fn adamw_eps4(lr: f64) -> zero_core::optim::OptimizerSpec {
     })
 }
 
+/// Burn's own AdamW as [`adamw_eps4`] sets ours (what it steps: only parameters with a
+/// gradient, its state made at a parameter's first one).
+pub fn burn_adamw_eps4() -> burn::optim::AdamWConfig {
+    burn::optim::AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(1e-4)
+        .with_weight_decay(0.01)
+}
+
 /// Fails with `label` unless `got` is within `tolerance` of `want` (max relative error).
 pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>], tolerance: f64) {
     let err = max_relative_error(got, want);

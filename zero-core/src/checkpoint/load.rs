@@ -27,6 +27,20 @@ pub struct LoadedGroup {
 }
 
 impl LoadedGroup {
+    /// The optimizer buffers, or, where the group holds none (an optimizer state not made yet:
+    /// its parameters had not trained), zeros of the masters' length under `names`: the state
+    /// of an optimizer before its first step.
+    pub fn state_or_zeros<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> std::borrow::Cow<'_, [(String, Vec<f32>)]> {
+        if !self.state.is_empty() {
+            return std::borrow::Cow::Borrowed(&self.state);
+        }
+        let n = self.master.len();
+        std::borrow::Cow::Owned(names.into_iter().map(|name| (name.to_string(), vec![0.0; n])).collect())
+    }
+
     /// The slices as a save takes them (the inverse of [`GroupShard::copied`]).
     pub fn as_shard(&self) -> GroupShard<'_> {
         GroupShard {
