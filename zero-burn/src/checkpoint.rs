@@ -233,7 +233,7 @@ impl EngineCore {
                 };
                 let mut opt = if swapped {
                     factory.build_chunked(gi)?
-                } else if steps[gi] > 0 {
+                } else if steps[gi] > 0 || !self.state.tracks_trains() {
                     factory.build(layout, gi, rank)?
                 } else {
                     factory.build_dormant()?

@@ -97,6 +97,8 @@ pub(crate) struct FlatState {
     /// What makes a dormant group's optimizer, and this rank's place.
     factory: OptimizerFactory,
     rank: usize,
+    /// The betas a schedule set last (a dormant group's optimizer takes them when made).
+    betas: Option<(f64, f64)>,
 }
 
 impl FlatState {
@@ -255,7 +257,14 @@ impl FlatState {
             trains,
             factory: factory.clone(),
             rank,
+            betas: None,
         })
+    }
+
+    /// Whether the state is told which groups train ([`FlatState::set_trains`]): only then may
+    /// a group's optimizer be dormant.
+    pub fn tracks_trains(&self) -> bool {
+        !self.trains.is_empty()
     }
 
     /// Which groups train from now on (by group; see [`FlatState::trains`]): a group that
@@ -481,7 +490,10 @@ impl FlatState {
             // A dormant optimizer (its parameters had not trained) gets its state, all zero, as
             // an optimizer's before its first step.
             if self.groups[gi].optimizer.is_dormant() {
-                let optimizer = self.factory.build(&self.layout, gi, self.rank)?;
+                let mut optimizer = self.factory.build(&self.layout, gi, self.rank)?;
+                if let Some(betas) = self.betas {
+                    optimizer.set_betas(betas);
+                }
                 memory.add_optimizer(optimizer.state_bytes());
                 self.groups[gi].optimizer = optimizer;
             }
@@ -524,6 +536,7 @@ impl FlatState {
     /// Sets every group's optimizer betas for the steps to come (a schedule that cycles the
     /// momentum).
     pub fn set_betas(&mut self, betas: (f64, f64)) {
+        self.betas = Some(betas);
         for g in &mut self.groups {
             g.optimizer.set_betas(betas);
         }

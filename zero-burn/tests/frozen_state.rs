@@ -316,3 +316,33 @@ fn a_part_unfrozen_before_a_save_resumes_exactly() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&swap);
 }
+
+/// A part unfrozen under a schedule that cycles the momentum (OneCycle's) gets its moments with
+/// the betas the schedule gives at that step, in host buffers as on the device (the reference:
+/// the device state, which sets them when it makes a group's moments).
+#[test]
+fn a_part_unfrozen_under_cycled_momentum_takes_the_scheduled_betas() {
+    let run = |tensors: bool| {
+        on_ranks(2, |rank, group| {
+            let device = Default::default();
+            let mut s = settings(Stage::Zero1);
+            s.betas_schedule = Some(Arc::new(|step| (0.95 - 0.05 * step as f64, 0.99)));
+            let mut optim = ZeroOptimizer::new(s, group)
+                .expect("optimizer")
+                .with_tensor_state(tensors);
+            let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
+            for step in 0..4 {
+                if step == 2 {
+                    model = unfrozen(model);
+                }
+                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.try_step(LR, model, grads).expect("step");
+            }
+            values::<B, _>(&model)
+        })
+        .remove(0)
+    };
+    let device_state = run(true);
+    assert_close("host buffers", &run(false), &device_state, 1e-6);
+}

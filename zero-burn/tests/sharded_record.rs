@@ -32,9 +32,14 @@ fn from_bytes<R: burn::record::Record<B>>(bytes: &[u8]) -> R {
 }
 
 fn config(stage: u8) -> DeepSpeedConfig {
+    config_kept_whole_below(stage, 0)
+}
+
+/// [`config`] whose units of fewer than `threshold` elements stay whole at stage 3.
+fn config_kept_whole_below(stage: u8, threshold: usize) -> DeepSpeedConfig {
     let text = format!(
         r#"{{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": 0}},
+        "zero_optimization": {{"stage": {stage}, "stage3_param_persistence_threshold": {threshold}}},
         "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.01}}}}}}"#
     );
     DeepSpeedConfig::from_str(&text, "ds_config.json")
@@ -196,4 +201,37 @@ fn a_record_of_another_cut_is_refused() {
         }
     }
     let _ = std::fs::remove_dir_all(&swap);
+}
+
+/// A sharded checkpoint saved at stage 3 with every unit kept whole (under the persistence
+/// threshold) loads into a run at the same stage and world size whose units are cut: the new
+/// state lays the units out as its own groups (the checkpoint's groups, which mix them with
+/// other parameters, do not fit), and the steps that follow are the saving run's, continued.
+#[test]
+fn a_checkpoint_whose_units_were_whole_loads_into_cut_units() {
+    let dir = std::env::temp_dir().join(format!("zero-record-whole-to-cut-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let bytes = to_bytes(Net::<B>::new(&Default::default(), BLOCKS).into_record());
+    let start = || UnitNet::of(Net::<B>::new(&Default::default(), BLOCKS).load_record(from_bytes(&bytes)));
+    let whole = config_kept_whole_below(3, 1_000_000);
+    let continued = on_ranks(WORLD, |rank, group| {
+        let (model, mut optim) = zero_burn::initialize::<B, _>(&whole, start(), group).expect("initialize");
+        let model = train(model, &mut optim, rank, 0..2).expect("steps");
+        optim
+            .save_checkpoint(&dir, None, &serde_json::Value::Null)
+            .expect("save");
+        train(model, &mut optim, rank, 2..4).expect("steps").weights()
+    });
+    let cut = config(3);
+    let resumed = on_ranks(WORLD, |rank, group| {
+        let fresh = UnitNet::<B>::new(&Default::default(), BLOCKS);
+        let (model, mut optim) = zero_burn::initialize::<B, _>(&cut, fresh, group).expect("initialize");
+        assert!(model.blocks.iter().all(|b| b.is_sharded()), "the units are cut");
+        let (model, _) = optim.load_checkpoint::<B, _>(&dir, None, model).expect("load");
+        train(model, &mut optim, rank, 2..4).expect("steps").weights()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    for (rank, (got, want)) in resumed.iter().zip(&continued).enumerate() {
+        assert_close(&format!("rank {rank}"), got, want, 1e-6);
+    }
 }

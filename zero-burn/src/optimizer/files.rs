@@ -113,10 +113,18 @@ impl ZeroOptimizer {
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         // A state built for this load takes the checkpoint's groups, where they fit.
-        let meta = match guard.is_none() {
+        let mut meta = match guard.is_none() {
             true => zero_core::checkpoint::Checkpoint::open(&dir, tag).ok().map(|c| c.meta),
             false => None,
         };
+        // Every rank builds the same layout: the checkpoint's only where every rank read it.
+        if guard.is_none() && self.comm.world_size() > 1 {
+            let mut unread = zero_core::comm::FlatBuffer::F32(vec![f32::from(meta.is_none())]);
+            self.comm.all_reduce(&mut unread, zero_core::comm::ReduceOp::Max)?;
+            if unread.into_f32()[0] > 0.0 {
+                meta = None;
+            }
+        }
         let saved = meta.as_ref().map(|m| (&m.layout, m.stage));
         let view = self.ensure_state::<B, M>(&mut guard, &module, saved)?;
         match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {

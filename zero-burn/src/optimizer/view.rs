@@ -121,7 +121,19 @@ impl ModuleView {
         } else {
             UNIT_ALIGNMENT
         };
-        let layout = match built.filter(|b| b.params == specs) {
+        // A layout built before (or saved) is kept while it holds the same parameters and each
+        // cut unit is one sharded group of its own, cut as the unit cuts its shards.
+        let fits = |b: &&PartitionLayout| {
+            b.params == specs
+                && (sharded.is_empty() || b.alignment == UNIT_ALIGNMENT)
+                && sharded.iter().all(|unit| {
+                    let wanted: Vec<usize> = unit.clone().collect();
+                    b.groups
+                        .iter()
+                        .any(|g| g.params == wanted && g.placement == zero_core::partition::Placement::Sharded)
+                })
+        };
+        let layout = match built.filter(fits) {
             Some(built) => built.clone(),
             None => stage_layout(specs, &sharded, &spec_trains, alignment, settings, world),
         };

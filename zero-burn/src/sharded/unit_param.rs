@@ -48,18 +48,10 @@ impl<B: Backend> Module<B> for UnitParam<B> {
     }
 
     /// The record's values under this parameter's id (its device, autodiff setting and load
-    /// mapper kept, as a `Param`'s load keeps them). Values of another length (a record of
-    /// another cut) are taken as they are, past the load mapper (an offloaded shard's store
-    /// would refuse them with a panic): the unit's forward and `initialize` refuse them with an
-    /// error.
+    /// mapper kept, as a `Param`'s load keeps them).
     fn load_record(self, record: Self::Record) -> Self {
         let id = self.0.id;
         let (_, values, _) = record.consume();
-        if values.shape() != self.0.lazy_shape() {
-            let require_grad = self.0.is_require_grad();
-            let values = values.to_device(&self.0.lazy_device()).detach();
-            return UnitParam(Param::initialized(id, values.set_require_grad(require_grad)));
-        }
         UnitParam(self.0.transform_for_load(values, id))
     }
 

@@ -98,32 +98,20 @@ impl CheckpointMeta {
     /// parameters) has taken: the most any of its parameters took when saved (`param_steps`, or
     /// `optimizer.step` for all). 0: the group's optimizer state has not been made yet.
     pub fn group_steps(&self, layout: &PartitionLayout) -> Vec<u64> {
-        let by_name: std::collections::HashMap<&str, u64> =
-            if self.optimizer.param_steps.len() == self.layout.params.len() {
-                self.layout
-                    .params
-                    .iter()
-                    .zip(&self.optimizer.param_steps)
-                    .map(|(p, &s)| (p.name.as_str(), s))
-                    .collect()
-            } else {
-                Default::default()
-            };
+        let all = self.optimizer.step;
+        // Each parameter's saved count, found as its values are (canonical names, tied copies).
+        let sources = match self.optimizer.param_steps.len() == self.layout.params.len() {
+            true => self.param_sources(Path::new("checkpoint"), &layout.params).ok(),
+            false => None,
+        };
+        let step = |p: usize| match &sources {
+            Some(s) => self.optimizer.param_steps[s[p]],
+            None => all,
+        };
         layout
             .groups
             .iter()
-            .map(|g| {
-                g.params
-                    .iter()
-                    .map(|&p| {
-                        by_name
-                            .get(layout.params[p].name.as_str())
-                            .copied()
-                            .unwrap_or(self.optimizer.step)
-                    })
-                    .max()
-                    .unwrap_or(self.optimizer.step)
-            })
+            .map(|g| g.params.iter().map(|&p| step(p)).max().unwrap_or(all))
             .collect()
     }
 }
@@ -330,6 +318,19 @@ impl CheckpointMeta {
             return Err(format!(
                 "the optimizer took {} steps and {} were skipped, of only {} (global_step)",
                 self.optimizer.step, self.skipped_steps, self.global_step
+            ));
+        }
+        if !self.optimizer.param_steps.is_empty() && self.optimizer.param_steps.len() != self.layout.params.len() {
+            return Err(format!(
+                "{} per-parameter optimizer step counts for {} parameters",
+                self.optimizer.param_steps.len(),
+                self.layout.params.len()
+            ));
+        }
+        if self.optimizer.param_steps.iter().any(|&s| s > self.optimizer.step) {
+            return Err(format!(
+                "a parameter's optimizer step count is above the optimizer's {}",
+                self.optimizer.step
             ));
         }
         if self.layout.alignment == 0 {
