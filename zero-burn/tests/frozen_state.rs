@@ -64,6 +64,22 @@ fn nvme_at(path: &std::path::Path) -> OptimizerOffload {
     }
 }
 
+/// Four steps of `optim` on rank `rank` of 2 over [`frozen_net`], every part unfrozen before
+/// the third.
+fn unfrozen_at_step_2(mut optim: ZeroOptimizer, rank: usize) -> (ZeroOptimizer, Net<B>) {
+    let device = Default::default();
+    let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
+    for step in 0..4 {
+        if step == 2 {
+            model = unfrozen(model);
+        }
+        let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        model = optim.try_step(LR, model, grads).expect("step");
+    }
+    (optim, model)
+}
+
 fn settings(stage: Stage) -> EngineSettings {
     let mut s = EngineSettings::new(stage, adamw_eps4(LR));
     // Small buckets: several groups, frozen and trained apart.
@@ -183,21 +199,12 @@ fn a_part_unfrozen_later_trains_as_burn_does() {
     for (stage, tensors, offload) in cases {
         let label = format!("{stage:?}, tensor state {tensors}, {offload:?}");
         let got = on_ranks(2, |rank, group| {
-            let device = Default::default();
             let mut s = settings(stage);
             s.offload_optimizer = offload.clone();
-            let mut optim = ZeroOptimizer::new(s, group)
+            let optim = ZeroOptimizer::new(s, group)
                 .expect("optimizer")
                 .with_tensor_state(tensors);
-            let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
-            for step in 0..4 {
-                if step == 2 {
-                    model = unfrozen(model);
-                }
-                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-                model = optim.try_step(LR, model, grads).expect("step");
-            }
+            let (optim, model) = unfrozen_at_step_2(optim, rank);
             assert_eq!(
                 optim.tensor_state(),
                 Some(tensors && offload == OptimizerOffload::None),
@@ -324,22 +331,12 @@ fn a_part_unfrozen_before_a_save_resumes_exactly() {
 fn a_part_unfrozen_under_cycled_momentum_takes_the_scheduled_betas() {
     let run = |tensors: bool| {
         on_ranks(2, |rank, group| {
-            let device = Default::default();
             let mut s = settings(Stage::Zero1);
             s.betas_schedule = Some(Arc::new(|step| (0.95 - 0.05 * step as f64, 0.99)));
-            let mut optim = ZeroOptimizer::new(s, group)
+            let optim = ZeroOptimizer::new(s, group)
                 .expect("optimizer")
                 .with_tensor_state(tensors);
-            let mut model = optim.synchronize::<B, _>(frozen_net(&device)).expect("synchronize");
-            for step in 0..4 {
-                if step == 2 {
-                    model = unfrozen(model);
-                }
-                let (x, y) = batch::<B>(step, rows(rank, 2, 0, 1), &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-                model = optim.try_step(LR, model, grads).expect("step");
-            }
-            values::<B, _>(&model)
+            values::<B, _>(&unfrozen_at_step_2(optim, rank).1)
         })
         .remove(0)
     };
