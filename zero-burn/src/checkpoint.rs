@@ -32,10 +32,8 @@ use zero_core::checkpoint::{
 use zero_core::comm::ProcessGroup;
 
 /// Each group's master and optimizer buffers read back from the swap file for a save (`None`
-/// for a group whose state is in memory), and zeros as long as the longest group whose
-/// optimizer is dormant (its buffers, as an optimizer's before its first step):
-/// [`EngineCore::saved_state`].
-pub(crate) struct SavedState(Vec<Option<Vec<Vec<f32>>>>, Vec<f32>);
+/// for a group whose state is in memory): [`EngineCore::saved_state`].
+pub(crate) struct SavedState(Vec<Option<Vec<Vec<f32>>>>);
 
 /// What a rank rebuilt from a loaded checkpoint, once every rank knows that every rank
 /// succeeded (so that all ranks replace their state, or none does); otherwise this rank's
@@ -111,9 +109,7 @@ impl EngineCore {
             .map(|gi| self.state.read_swapped_group(gi))
             .collect::<Result<Vec<_>, ZeroError>>()
             .map_err(|e| CheckpointError::Usage(format!("{who}: {e}")));
-        let dormant = self.state.groups.iter().filter(|g| g.optimizer.is_dormant());
-        let longest = dormant.map(|g| g.master.len()).max().unwrap_or(0);
-        Ok(SavedState(agree(over, "save", swapped)?, vec![0.0; longest]))
+        Ok(SavedState(agree(over, "save", swapped)?))
     }
 
     /// Group `gi`'s owned master and optimizer buffers, by name: read back in `saved` (NVMe
@@ -122,9 +118,10 @@ impl EngineCore {
         let g = &self.state.groups[gi];
         let names = g.optimizer.inner.state().into_iter().map(|(name, _)| name);
         Ok(match &saved.0[gi] {
+            // No optimizer state yet: the save writes zeros.
             None if g.optimizer.is_dormant() => GroupShard {
                 master: &g.master,
-                state: names.map(|name| (name, &saved.1[..g.master.len()])).collect(),
+                state: Vec::new(),
             },
             None => GroupShard {
                 master: &g.master,

@@ -27,8 +27,7 @@ impl<I: Backend> DeviceState<I> {
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
         let groups = self.host_copy();
-        let zeros = self.zeros_for(&groups);
-        let request = self.request(&groups, &zeros, client_state);
+        let request = self.request(&groups, client_state);
         Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
     }
 
@@ -68,8 +67,7 @@ impl<I: Backend> DeviceState<I> {
     /// A group without optimizer state yet (its parameters have not trained) holds no buffers.
     pub(crate) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         let groups = self.host_copy();
-        let zeros = self.zeros_for(&groups);
-        let request = self.request(&groups, &zeros, &serde_json::Value::Null);
+        let request = self.request(&groups, &serde_json::Value::Null);
         let meta = checkpoint::describe(&request, self.host_group().world_size(), "record")?;
         Ok((meta, groups))
     }
@@ -90,53 +88,23 @@ impl<I: Backend> DeviceState<I> {
             .collect()
     }
 
-    /// The optimizer's buffer names, and zeros as long as the longest of `groups` without
-    /// buffers: what a save writes for those (an optimizer's state before any gradient).
-    fn zeros_for(&self, groups: &[LoadedGroup]) -> (Vec<&'static str>, Vec<f32>) {
-        let names = self
-            .empty_optimizer()
-            .map(|o| o.state().into_iter().map(|(name, _)| name).collect())
-            .unwrap_or_default();
-        let longest = groups
-            .iter()
-            .filter(|g| g.state.is_empty())
-            .map(|g| g.master.len())
-            .max()
-            .unwrap_or(0);
-        (names, if longest > 0 { vec![0.0; longest] } else { Vec::new() })
-    }
-
     /// The settings' optimizer over no elements: its name and its buffers' names.
     fn empty_optimizer(&self) -> Result<DeviceOptimizer<I>, ZeroError> {
         let none = zero_core::optim::ShardSegments::single(0);
         DeviceOptimizer::from_spec(&self.settings.optimizer, 0, &none, self.device())
     }
 
-    /// What a save of `groups` (this state's, copied to the host) is; `zeros`, the buffers of a
-    /// group without optimizer state ([`DeviceState::zeros_for`]).
-    fn request<'a>(
-        &'a self,
-        groups: &'a [LoadedGroup],
-        zeros: &'a (Vec<&'static str>, Vec<f32>),
-        client_state: &serde_json::Value,
-    ) -> SaveRequest<'a> {
+    /// What a save of `groups` (this state's, copied to the host) is.
+    fn request<'a>(&'a self, groups: &'a [LoadedGroup], client_state: &serde_json::Value) -> SaveRequest<'a> {
         // A group made late (unfrozen since) has taken fewer steps, one without optimizer state
         // none: each group's count, and the most of them.
         let group_steps: Vec<u64> = self
             .shards()
             .map(|(_, o)| o.map_or(0, DeviceOptimizer::step_count))
             .collect();
-        let (names, zeros) = zeros;
-        let shard = |g: &'a LoadedGroup| {
-            let mut shard = g.as_shard();
-            if g.state.is_empty() {
-                shard.state = names.iter().map(|&n| (n, &zeros[..g.master.len()])).collect();
-            }
-            shard
-        };
         SaveRequest {
             layout: &self.layout,
-            groups: groups.iter().map(shard).collect(),
+            groups: groups.iter().map(LoadedGroup::as_shard).collect(),
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,

@@ -39,7 +39,9 @@ use std::path::{Path, PathBuf};
 pub struct GroupShard<'a> {
     /// fp32 master weights.
     pub master: &'a [f32],
-    /// Optimizer state buffers, by name, each as long as `master`.
+    /// Optimizer state buffers, by name, each as long as `master`; none for a group whose
+    /// optimizer state is not made yet (its parameters have not trained), which is written as
+    /// zeros under the other groups' names (an optimizer's state before its first step).
     pub state: Vec<(&'a str, &'a [f32])>,
 }
 
@@ -157,8 +159,10 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
             layout.groups.len()
         )));
     }
+    let names = state_names(req);
     let mut entries = Vec::new();
-    let mut values: Vec<&[f32]> = Vec::new();
+    // What follows the header, in order: a slice, or that many zeros.
+    let mut values: Vec<Result<&[f32], usize>> = Vec::new();
     for (g, shard) in req.groups.iter().enumerate() {
         if !format::shard_holds(layout, g, rank) {
             continue;
@@ -179,38 +183,64 @@ fn write_shard(staging: &Path, rank: usize, req: &SaveRequest<'_>) -> Result<Fil
             Ok(())
         };
         push(format::master_tensor(g), shard.master)?;
-        values.push(shard.master);
+        values.push(Ok(shard.master));
         for &(name, buf) in &shard.state {
             push(format::state_tensor(g, name), buf)?;
-            values.push(buf);
+            values.push(Ok(buf));
+        }
+        if shard.state.is_empty() {
+            for name in &names {
+                entries.push(TensorEntry {
+                    name: format::state_tensor(g, name),
+                    dtype: Dtype::F32,
+                    shape: vec![len],
+                });
+                values.push(Err(len));
+            }
         }
     }
     let path = staging.join(format::shard_file_name(rank));
     let mut stream = SafetensorsStream::create(&path, &entries, None)?;
+    let zeros = vec![0.0f32; 1 << 16];
     for v in values {
-        stream.write_f32(v)?;
+        match v {
+            Ok(v) => stream.write_f32(v)?,
+            Err(mut n) => {
+                while n > 0 {
+                    let k = n.min(zeros.len());
+                    stream.write_f32(&zeros[..k])?;
+                    n -= k;
+                }
+            }
+        }
     }
     stream.finish()
+}
+
+/// The optimizer buffers' names: those of the groups that hold buffers (a group without
+/// optimizer state holds none).
+fn state_names<'a>(req: &SaveRequest<'a>) -> Vec<&'a str> {
+    req.groups
+        .iter()
+        .find(|g| !g.state.is_empty())
+        .map(|g| g.state.iter().map(|(n, _)| *n).collect())
+        .unwrap_or_default()
 }
 
 /// The metadata of `req`, saved by `world` ranks under `tag`, without its shard files (no file
 /// is written): what a checkpoint's `metadata` holds, and an in-memory record's description.
 pub fn describe(req: &SaveRequest<'_>, world: usize, tag: &str) -> Result<CheckpointMeta, CheckpointError> {
-    let state_names: Vec<String> = req
+    let names = state_names(req);
+    if let Some(g) = req
         .groups
-        .first()
-        .map(|g| g.state.iter().map(|(n, _)| n.to_string()).collect())
-        .unwrap_or_default();
-    if let Some(g) = req.groups.iter().position(|g| {
-        g.state
-            .iter()
-            .map(|(n, _)| *n)
-            .ne(state_names.iter().map(String::as_str))
-    }) {
+        .iter()
+        .position(|g| !g.state.is_empty() && g.state.iter().map(|(n, _)| *n).ne(names.iter().copied()))
+    {
         return Err(CheckpointError::Usage(format!(
-            "group {g}'s optimizer state buffers differ from group 0's"
+            "group {g}'s optimizer state buffers differ from the other groups'"
         )));
     }
+    let state_names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
     Ok(CheckpointMeta {
         format_version: FORMAT_VERSION,
         tag: tag.to_string(),
