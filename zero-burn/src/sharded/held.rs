@@ -149,9 +149,8 @@ pub(crate) fn check_units<B: Backend, M: Module<B>>(module: &M) -> Result<(), Ze
                 return;
             };
             let held = param.lazy_shape().num_elements();
-            let world = unit.sharding.get().map(|s| s.world);
-            let fits = held == unit.numel || world.is_some_and(|w| held == shard_len(unit.numel, w));
-            if !fits && self.misfit.is_none() {
+            if !unit.holds(held) && self.misfit.is_none() {
+                let world = unit.sharding.get().map(|s| s.world);
                 // Emptied by the skeleton of a unit it sits in.
                 self.misfit = Some(if held == 0 {
                     super::cut::nested_unit()

@@ -306,8 +306,8 @@ where
             return Err(super::cut::nested_unit());
         }
         let held = self.shard.lazy_shape().num_elements();
-        let world = self.unit.sharding.get().map(|s| s.world);
-        if held != self.unit.numel && world.is_none_or(|w| held != shard_len(self.unit.numel, w)) {
+        if !self.unit.holds(held) {
+            let world = self.unit.sharding.get().map(|s| s.world);
             return Err(wrong_length("a ZeroModule", held, self.unit.numel, world));
         }
         if self.unit.partly_frozen.is_empty() {
@@ -492,6 +492,16 @@ pub(super) fn wrong_length(what: &str, held: usize, numel: usize, world: Option<
 }
 
 impl Unit {
+    /// Whether a parameter of `len` elements is what this unit can hold: its whole vector, or
+    /// a rank's shard once cut.
+    pub(super) fn holds(&self, len: usize) -> bool {
+        len == self.numel
+            || self
+                .sharding
+                .get()
+                .is_some_and(|s| len == shard_len(self.numel, s.world))
+    }
+
     /// Keeps `whole` (this unit's whole vector, every rank's shard in rank order) between steps,
     /// and returns rank `rank`'s shard as a view of it (no copy where the backend slices by
     /// reference), as a parameter: the key the kept vector is found by.

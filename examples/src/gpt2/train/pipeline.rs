@@ -151,14 +151,7 @@ impl PipelineRun<'_> {
             let t0 = Instant::now();
             let batch = data.global_batch(step, global, args.seed())?;
             let mine = &batch[d * micro * gas..(d + 1) * micro * gas];
-            let micro_batches: Vec<_> = mine
-                .chunks(micro)
-                .map(|chunk| {
-                    let tokens = token_tensor(chunk, device);
-                    (tokens.clone(), tokens)
-                })
-                .collect();
-            let out = engine.train_batch(&micro_batches)?;
+            let out = engine.train_batch(&micro_batches(mine, micro, device))?;
             let valid_loss = if !valid_rows.is_empty() && ((step + 1) % self.every == 0 || step + 1 == args.steps) {
                 Some(held_out(&mut engine, valid_rows, micro, device)?)
             } else {
@@ -205,14 +198,17 @@ fn held_out<B: AutodiffBackend, L: PipeLayer<B, Batch = Gpt2Batch<B>>>(
         if part.is_empty() {
             continue;
         }
-        let batches: Vec<_> = part
-            .chunks(size)
-            .map(|chunk| {
-                let tokens = token_tensor(chunk, device);
-                (tokens.clone(), tokens)
-            })
-            .collect();
-        sum += engine.eval_batch(&batches)? as f64 * part.len() as f64;
+        sum += engine.eval_batch(&micro_batches(part, size, device))? as f64 * part.len() as f64;
     }
     Ok(sum / rows.len() as f64)
+}
+
+/// `rows` as micro-batches of `size` sequences, each predicting itself.
+fn micro_batches<B: AutodiffBackend>(rows: &[Vec<u32>], size: usize, device: &B::Device) -> Vec<Gpt2Batch<B>> {
+    rows.chunks(size)
+        .map(|chunk| {
+            let tokens = token_tensor(chunk, device);
+            (tokens.clone(), tokens)
+        })
+        .collect()
 }
