@@ -8,10 +8,10 @@
 #   env         the GPU, the libraries the binaries load (libcuda, libnvrtc, libnccl), CUDA_PATH,
 #               and a warning where NVRTC is newer than the driver's CUDA
 #   tests       the CUDA/NCCL tests; under ZERO_REQUIRE_CUDA=1 a missing GPU or NCCL fails them
-#   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M at stages 0-3 in
-#               bf16, stage 3 in fp16, stage 3 with 2 ranks as threads on the one GPU, and
-#               stage 3 with --collectives nccl (one rank), whose losses must be the host path's
-#               (to bf16's rounding)
+#   train       gpt2 train on Autodiff<Cuda>: a tiny smoke run, then GPT-2 124M in bf16 at
+#               stages 0 and 3, stage 3 with --collectives nccl (one rank), whose losses must be
+#               the host path's (to bf16's rounding), stages 1 and 2, stage 3 in fp16, and
+#               stage 3 with 2 ranks as threads on the one GPU
 #   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8; stages 0 and 3 once more
 #               without Burn's fusion, against the fused stage 0) and 1.5B (stages 0 and 3,
 #               batch LARGE_BATCH, default 2: PyTorch's eager attention runs out of an 80 GB
@@ -20,8 +20,8 @@
 #   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 124M,
 #               then 1.5B
 #   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
-# If the tiny smoke run fails, it runs once more under `diagnose` (below), its log in
-# $OUT/diagnose.log.
+# A failed test binary, tiny smoke run or unfused throughput row runs once more under
+# `diagnose` (below), its log in $OUT/diagnose-NAME.log.
 # Each step prints "== STEP: ok|FAILED rc N|TIMED OUT|SKIPPED (budget) (S s)"; the summary at the
 # end lists them all. Everything goes to stdout and, when $OUT is set, to $OUT/gpu.log, the
 # summary to $OUT/summary.txt.
@@ -121,16 +121,11 @@ if [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ] && [ ! -d /opt/cuda ]; th
   [ -n "${CUDA_PATH:-}" ] && export CUDA_PATH
 fi
 # Kernels compiled once, for every process of the run: cubecl reads cubecl.toml from the
-# working directory up, and keeps the PTX under target/ (its autotune results already live
-# there). Written here for the run only.
+# working directory up, and keeps the PTX under target/. Written here for the run only.
 if [ ! -e cubecl.toml ]; then
   printf '[compilation]\ncache = "target"\n' > cubecl.toml
   trap 'rm -f cubecl.toml' EXIT
 fi
-# The correctness phases (tests, train) autotune at cubecl's lowest level, whose coarser shape
-# classes leave fewer kernels to benchmark before the first step; the benchmarks tune as a
-# user's run does.
-quick_tune="CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}"
 
 if has env; then
   echo "== env"
@@ -159,9 +154,23 @@ PY
   free -g | head -2
 fi
 
+# diagnose NAME COMMAND...: COMMAND again with every kernel launch synchronous and checked
+# (cubecl's full profiling), so that a launch the driver refuses panics where it was made, and
+# the backtrace names the call (build.sh keeps the symbols). The log, $out/diagnose-NAME.log,
+# comes back whole.
+diagnose() {
+  local name=$1 log
+  shift
+  log="$out/diagnose-${name//[^A-Za-z0-9]/-}.log"
+  step "diagnose $name" 120 env CUBECL_DEBUG_LOG=stderr CUBECL_DEBUG_OPTION=profile-full RUST_BACKTRACE=1 \
+    "$@" > "$log" 2>&1
+  grep -v '^ *at /rustc/' "$log" | grep -m1 -B5 -A80 'panicked' || tail -40 "$log"
+}
+
 if has tests; then
   for t in .gpu/test-*; do
-    step "test $(basename "$t")" 120 env ZERO_REQUIRE_CUDA=1 "$quick_tune" "$t" --test-threads 1
+    step "test $(basename "$t")" 120 env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1 ||
+      diagnose "$(basename "$t")" env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1
   done
 fi
 
@@ -194,33 +203,18 @@ import json, sys
 losses = [json.loads(l)["loss"] for l in open(sys.argv[1]) if "\"loss\"" in l]
 print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} records")
 sys.exit(0 if losses[-1] < losses[0] else "the loss did not fall")
-PY' _ env "$quick_tune" .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --nproc "$nproc" \
+PY' _ .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --nproc "$nproc" \
     --steps "$n" --seq-len $((seq < 256 ? seq : 256)) --quiet --metrics "$metrics" --collectives "$coll"
 }
 
-# diagnose NAME COMMAND...: COMMAND again with every kernel launch synchronous and checked
-# (cubecl's full profiling), so that a launch the driver refuses panics where it was made, and
-# the backtrace names the call (build.sh keeps the symbols). The log comes back whole.
-diagnose() {
-  local name=$1
-  shift
-  step "diagnose $name" 120 env "$quick_tune" CUBECL_DEBUG_LOG=stderr CUBECL_DEBUG_OPTION=profile-full RUST_BACKTRACE=1 \
-    "$@" > "$out/diagnose.log" 2>&1
-  grep -v '^ *at /rustc/' "$out/diagnose.log" | grep -m1 -B5 -A80 'panicked' || tail -40 "$out/diagnose.log"
-}
-
 if has train; then
-  if ! train "train tiny smoke s3 bf16" 180 3 bf16 4 1 tiny 1 5; then
+  if ! train "train tiny smoke s3 bf16" 90 3 bf16 4 1 tiny 1 5; then
     diagnose "tiny smoke" .gpu/gpt2 train --backend "$backend" --config "$(config 3 bf16 4 1)" --preset tiny \
       --nproc 1 --steps 1 --seq-len 64 --quiet
   fi
-  # The first run at this size compiles and tunes what the others then find cached.
+  # The first run at this size compiles what the others then find cached.
   train "train $small s0 bf16" 150 0 bf16 8 2 "$small" 1 "$steps"
-  for stage in 1 2 3; do
-    train "train $small s$stage bf16" 90 "$stage" bf16 8 2 "$small" 1 "$steps"
-  done
-  train "train $small s3 fp16" 90 3 fp16 8 2 "$small" 1 "$steps"
-  train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
+  train "train $small s3 bf16" 90 3 bf16 8 2 "$small" 1 "$steps"
   # The trainer's NCCL path, at one rank (the one GPU): its losses must be the host path's, up
   # to bf16 rounding. The first step (same weights, same batch) differs only in the order of
   # fused reductions; later steps carry that on through the updates.
@@ -238,6 +232,11 @@ ok = len(host) == len(nccl) and rel[0] <= 1e-3 and max(rel) <= 2e-3
 sys.exit(0 if ok else "the NCCL run's losses are not the host run's")
 PY
   fi
+  for stage in 1 2; do
+    train "train $small s$stage bf16" 90 "$stage" bf16 8 2 "$small" 1 "$steps"
+  done
+  train "train $small s3 fp16" 90 3 fp16 8 2 "$small" 1 "$steps"
+  train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
 fi
 
 if has throughput; then
@@ -265,7 +264,9 @@ if has throughput; then
   if [ "$backend" = cuda ]; then
     fused=$(awk -F'|' -v m="$small" '$2 ~ " "m" " && $4 ~ / 0 / {gsub(/ /, "", $7); print $7}' "$cfgdir/ours-$small.md")
     step "throughput $small unfused" 120 .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 \
-      --batch 8 --seq "$seq" --steps "$steps" --stages 0,3 ${fused:+--baseline "fused-stage-0=$fused"}
+      --batch 8 --seq "$seq" --steps "$steps" --stages 0,3 ${fused:+--baseline "fused-stage-0=$fused"} ||
+      diagnose "unfused" .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 --batch 1 \
+        --seq 128 --steps 1 --stages 0
   fi
   bench "$large" "$large_batch" 0,3
 fi
