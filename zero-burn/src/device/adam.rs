@@ -31,7 +31,7 @@ impl<B: Backend> DeviceAdam<B> {
         // The host optimizer's validation, on an empty shard.
         optim::build(&OptimizerSpec::Adam(spec.clone()), 0, ShardSegments::single(0))
             .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
-        let zeros = || Tensor::<B, 1>::zeros([len], (device, DType::F32));
+        let zeros = || super::flat::zeros::<B>(len, DType::F32, device);
         Ok(DeviceAdam {
             max_exp_avg_sq: spec.amsgrad.then(zeros),
             exp_avg: zeros(),

@@ -88,10 +88,9 @@ impl<I: Backend> DeviceState<I> {
             .collect()
     }
 
-    /// The settings' optimizer over no elements: its name and its buffers' names.
-    fn empty_optimizer(&self) -> Result<DeviceOptimizer<I>, ZeroError> {
-        let none = zero_core::optim::ShardSegments::single(0);
-        DeviceOptimizer::from_spec(&self.settings.optimizer, 0, &none, self.device())
+    /// The settings' optimizer's name in checkpoints.
+    fn optimizer_name(&self) -> Result<&'static str, ZeroError> {
+        DeviceOptimizer::<I>::check_spec(&self.settings.optimizer)
     }
 
     /// What a save of `groups` (this state's, copied to the host) is.
@@ -108,7 +107,7 @@ impl<I: Backend> DeviceState<I> {
             stage: self.settings.stage.number(),
             global_step: self.global_step,
             skipped_steps: self.skipped_steps,
-            optimizer_name: self.empty_optimizer().map(|o| o.name().to_string()).unwrap_or_default(),
+            optimizer_name: self.optimizer_name().map(str::to_string).unwrap_or_default(),
             optimizer_step: group_steps.iter().copied().max().unwrap_or(0),
             group_steps,
             lr_next: Some(self.settings.lr_at(self.global_step - self.skipped_steps)),
@@ -149,7 +148,7 @@ impl<I: Backend> DeviceState<I> {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let n = g.master.len();
-                let name = self.empty_optimizer()?.name();
+                let name = self.optimizer_name()?;
                 if name != meta.optimizer.name {
                     return Err(ZeroError::Config(format!(
                         "the checkpoint's optimizer is `{}` but this one is `{name}`",

@@ -45,7 +45,7 @@ impl<B: Backend> DeviceLamb<B> {
             .map(|s| (s.param_id, s.range.clone()))
             .collect();
         pieces.sort_by_key(|(_, r)| r.start);
-        let zeros = || Tensor::<B, 1>::zeros([len], (device, DType::F32));
+        let zeros = || super::flat::zeros::<B>(len, DType::F32, device);
         DeviceLamb {
             spec,
             step: 0,

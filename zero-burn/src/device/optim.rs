@@ -33,11 +33,11 @@ impl<B: Backend> DeviceOptimizer<B> {
         segments: &ShardSegments,
         device: &B::Device,
     ) -> Result<Self, ZeroError> {
-        // The host optimizer's validation, on an empty shard, and the segments'.
-        let invalid = |e: optim::OptimError| ZeroError::Optimizer(e.to_string());
-        optim::build(spec, 0, ShardSegments::single(0)).map_err(invalid)?;
-        segments.validate(len).map_err(invalid)?;
-        let zeros = || Tensor::<B, 1>::zeros([len], (device, DType::F32));
+        Self::check_spec(spec)?;
+        segments
+            .validate(len)
+            .map_err(|e| ZeroError::Optimizer(e.to_string()))?;
+        let zeros = || super::flat::zeros::<B>(len, DType::F32, device);
         Ok(match spec {
             OptimizerSpec::Adam(s) => DeviceOptimizer::Adam(DeviceAdam::new(s.clone(), len, device)?),
             OptimizerSpec::Sgd(s) => DeviceOptimizer::Sgd(DeviceSgd {
@@ -53,6 +53,15 @@ impl<B: Backend> DeviceOptimizer<B> {
             }),
             OptimizerSpec::Lamb(s) => DeviceOptimizer::Lamb(DeviceLamb::new(s.clone(), len, segments, device)),
         })
+    }
+
+    /// Checks `spec` (the host optimizer's validation, on an empty shard) and gives its name in
+    /// checkpoints, with no tensor made: on CUDA even an optimizer over no elements would fill
+    /// its moments with kernels over no blocks, which the driver refuses.
+    pub(crate) fn check_spec(spec: &OptimizerSpec) -> Result<&'static str, ZeroError> {
+        optim::build(spec, 0, ShardSegments::single(0))
+            .map(|o| o.name())
+            .map_err(|e| ZeroError::Optimizer(e.to_string()))
     }
 
     /// Sets the betas for the steps to come (a schedule that cycles the momentum); SGD has none

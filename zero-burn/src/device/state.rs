@@ -84,12 +84,7 @@ impl<I: Backend> DeviceState<I> {
             _ => None,
         };
         // The settings' checks, before any step.
-        DeviceOptimizer::<I>::from_spec(
-            &settings.optimizer,
-            0,
-            &zero_core::optim::ShardSegments::single(0),
-            &device,
-        )?;
+        DeviceOptimizer::<I>::check_spec(&settings.optimizer)?;
         let mut groups = Vec::with_capacity(layout.groups.len());
         for g in 0..layout.groups.len() {
             let (master, unit) = group(g);
@@ -322,7 +317,7 @@ impl<I: Backend> DeviceState<I> {
                     )))
                 }
                 Some(grad) => super::cpu::cast(grad, dtype),
-                None => Tensor::zeros([expected], (&self.device, dtype)),
+                None => super::flat::zeros(expected, dtype, &self.device),
             };
             let reduced = match g.placement {
                 _ if state.unit || world == 1 => grad,

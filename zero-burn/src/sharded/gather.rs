@@ -139,9 +139,12 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
             .map(|g| g.dtype())
             .unwrap_or(burn::tensor::DType::F32);
         let zeros = |n: usize| I::float_zeros([n].into(), &device, dtype.into());
+        // A part of no elements is left out: on CUDA its fill or its copy into the whole would
+        // be a kernel over no blocks, which the driver refuses.
         let mut pieces: Vec<FloatTensor<I>> = parts
             .iter_mut()
             .zip(&state.sizes)
+            .filter(|(_, &n)| n > 0)
             .map(|(g, &n)| g.take().unwrap_or_else(|| zeros(n)))
             .collect();
         drop(parts);
