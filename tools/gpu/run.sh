@@ -13,10 +13,10 @@
 #               the host path's (to bf16's rounding), stages 1 and 2, stage 3 in fp16, and
 #               stage 3 with 2 ranks as threads on the one GPU
 #   throughput  tokens/s and MFU of GPT-2 124M (stages 0-3, batch 8; stages 0 and 3 once more
-#               without Burn's fusion, against the fused stage 0) and 1.5B (stages 0 and 3,
-#               batch LARGE_BATCH, default 2: PyTorch's eager attention runs out of an 80 GB
-#               GPU's memory at 4), bf16, world size 1, beside PyTorch + transformers measured
-#               in the same run
+#               without Burn's fusion, against the fused stage 0), bf16, world size 1, beside
+#               PyTorch + transformers measured in the same run
+#   large       the same for GPT-2 1.5B (stages 0 and 3, batch LARGE_BATCH, default 2:
+#               PyTorch's eager attention runs out of an 80 GB GPU's memory at 4)
 #   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 124M,
 #               then 1.5B
 #   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
@@ -40,7 +40,7 @@ large_batch=${LARGE_BATCH:-2}
 seq=${SEQ:-1024}
 steps=${STEPS:-10}
 budget=${BUDGET:-420}
-phases=${*:-env tests train throughput offload finetune}
+phases=${*:-env tests train throughput large offload finetune}
 start=$SECONDS
 summary=()
 # The binaries travel packed (tools/gpu/build.sh); unpacked into .gpu/ on first use.
@@ -239,7 +239,7 @@ PY
   train "train $small s3 bf16 2 ranks" 120 3 bf16 8 1 "$small" 2 "$steps"
 fi
 
-if has throughput; then
+if has throughput || has large; then
   # The tokens/s column of a model's row in the PyTorch table: the Rust bench's named baseline.
   tps() { awk -F'|' -v m="$2" '$2 ~ " "m" " {gsub(/ /, "", $5); print $5}' "$1"; }
   bench() { # model batch stages
@@ -258,6 +258,8 @@ if has throughput; then
       --seq "$seq" --steps "$steps" --stages "$3" "${base[@]}" > "$ours"
     cat "$ours"
   }
+fi
+if has throughput; then
   bench "$small" 8 0,1,2,3
   # What Burn's fusion brings: the same model on the unfused CubeBackend, against the fused
   # stage 0 just measured.
@@ -268,6 +270,8 @@ if has throughput; then
       diagnose "unfused" .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 --batch 1 \
         --seq 128 --steps 1 --stages 0
   fi
+fi
+if has large; then
   bench "$large" "$large_batch" 0,3
 fi
 
