@@ -19,9 +19,12 @@ impl Progress {
     /// A bar over `steps` optimizer steps when `show` is set; `lead` prints the summary. The
     /// header names the ranks by `layout`: (data, tensor, pipeline) degrees, and `through`, the
     /// device collectives when the ranks' collectives do not go through host memory (NCCL).
+    /// `backend` (`--backend`) says what the first step is waiting for.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         lead: bool,
         show: bool,
+        backend: &str,
         steps: u64,
         parameters: usize,
         layout: [usize; 3],
@@ -44,12 +47,18 @@ impl Progress {
         let bar = (lead && show).then(|| {
             let bar = ProgressBar::new(steps);
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {elapsed} {msg}")
                     .unwrap_or_else(|_| ProgressStyle::default_bar())
                     .progress_chars("=> "),
             );
             bar.set_prefix("train");
             bar.println(&header);
+            // Redrawn while a step runs, so that a long first step shows its time passing.
+            bar.enable_steady_tick(std::time::Duration::from_millis(500));
+            bar.set_message(match backend {
+                "cuda" => "first step: the GPU kernels compile at their first use",
+                _ => "first step",
+            });
             bar
         });
         Progress { bar, header, lead }

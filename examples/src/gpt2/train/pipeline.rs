@@ -129,6 +129,7 @@ impl PipelineRun<'_> {
         let mut progress = Progress::new(
             lead,
             !args.quiet,
+            &args.backend,
             args.steps,
             self.parameters,
             self.layout,

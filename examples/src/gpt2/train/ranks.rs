@@ -213,6 +213,7 @@ where
     let mut progress = Progress::new(
         lead,
         !args.quiet,
+        &args.backend,
         args.steps,
         parameters,
         layout,
