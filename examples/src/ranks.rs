@@ -23,7 +23,8 @@ pub fn run_ranks_with<T: Send + 'static>(
     second: bool,
     body: impl Fn(usize, Arc<dyn ProcessGroup>, Option<Arc<dyn ProcessGroup>>) -> T + Send + Sync + 'static,
 ) -> Result<Vec<T>, CommError> {
-    if let Ok(env) = DistEnv::detect() {
+    let launched = DistEnv::launched().map_err(|e| CommError::Setup(format!("the launcher's environment: {e}")))?;
+    if let Some(env) = launched {
         let group = TcpGroup::from_env(None)?;
         let other = match all_agree(&group, second)? {
             true => Some(Arc::new(group.split(&[(0..env.world_size).collect()])?) as Arc<dyn ProcessGroup>),

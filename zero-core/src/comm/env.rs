@@ -80,6 +80,28 @@ impl DistEnv {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
+    /// Whether the process environment launched this process as a rank: `None` where no
+    /// launcher's variables are set, or where Slurm's or Open MPI's lack one of theirs (the
+    /// shell of an interactive allocation sets some); an error where a variable is set but
+    /// unusable (`RANK=x`, `WORLD_SIZE=0`, a rank beyond the world) or torchrun's set is
+    /// incomplete, which a program must not take for "not launched" and run alone.
+    pub fn launched() -> Result<Option<Self>, EnvError> {
+        Self::launched_from(|k| std::env::var(k).ok())
+    }
+
+    /// [`DistEnv::launched`], reading variables through `get`.
+    pub fn launched_from(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, EnvError> {
+        match Self::from_lookup(get) {
+            Ok(env) => Ok(Some(env)),
+            Err(EnvError::NoLauncher)
+            | Err(EnvError::Missing {
+                launcher: Launcher::Slurm | Launcher::OpenMpi,
+                ..
+            }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Reads variables through `get` (the environment, or a map in tests).
     ///
     /// The torchrun set wins when RANK is present; then Slurm (SLURM_PROCID), then Open MPI
@@ -170,16 +192,40 @@ impl DistEnv {
     }
 }
 
+/// The most seconds a user's wait (a timeout, a grace period) may be: about 31 years. Longer
+/// ones would overflow the clock's arithmetic where a deadline is computed.
+pub const MAX_WAIT_SECS: f64 = 1e9;
+
+/// A number of seconds a user gave (fractional, finite, ≥ 0, at most [`MAX_WAIT_SECS`]) as a
+/// duration; the error says what would be valid.
+pub fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
+    if !(0.0..=MAX_WAIT_SECS).contains(&secs) {
+        return Err(format!(
+            "{text}: expected a number of seconds from 0 to {MAX_WAIT_SECS:e} (about 31 years)"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// The collective timeout: ZERO_COMM_TIMEOUT_SECS if set, else [`DEFAULT_TIMEOUT`].
 pub fn timeout_from_env() -> Result<Duration, EnvError> {
     match std::env::var(TIMEOUT_VAR) {
         Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(value) => match value.trim().parse::<f64>() {
-            Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-            _ => Err(EnvError::Invalid {
+        Ok(value) => match parse_seconds(&value) {
+            Ok(d) if !d.is_zero() => Ok(d),
+            Ok(_) => Err(EnvError::Invalid {
                 var: TIMEOUT_VAR,
                 value,
                 reason: "expected a positive number of seconds".into(),
+            }),
+            Err(reason) => Err(EnvError::Invalid {
+                var: TIMEOUT_VAR,
+                value,
+                reason,
             }),
         },
     }
@@ -252,5 +298,58 @@ mod tests {
             })
         ));
         assert_eq!(DistEnv::from_lookup(env(&[])), Err(EnvError::NoLauncher));
+    }
+
+    #[test]
+    fn seconds_are_bounded_where_a_deadline_could_overflow() {
+        assert_eq!(parse_seconds(" 2.5 "), Ok(Duration::from_millis(2500)));
+        assert_eq!(parse_seconds("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_seconds("1e9"), Ok(Duration::from_secs(1_000_000_000)));
+        // The longest wait still leaves a deadline the clock can hold.
+        let longest = parse_seconds("1e9").unwrap();
+        assert!(std::time::Instant::now().checked_add(longest).is_some());
+        for bad in ["1e19", "1e300", "inf", "NaN", "-1", "ten"] {
+            let err = parse_seconds(bad).unwrap_err();
+            assert!(err.contains(bad) && err.contains("seconds"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_launch_is_an_error_and_not_a_run_alone() {
+        let launched = |pairs: &[(&str, &str)]| DistEnv::launched_from(env(pairs));
+        assert_eq!(launched(&[]), Ok(None));
+        // An interactive allocation's shell: Slurm's rank without the rest.
+        assert_eq!(launched(&[("SLURM_PROCID", "0")]), Ok(None));
+        let full = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+        ];
+        assert_eq!(launched(&full).unwrap().map(|e| e.rank), Some(1));
+        for (var, bad) in [
+            ("RANK", "x"),
+            ("RANK", "5"),
+            ("WORLD_SIZE", "0"),
+            ("MASTER_PORT", "abc"),
+        ] {
+            let pairs: Vec<(&str, &str)> = full.iter().map(|&(k, v)| (k, if k == var { bad } else { v })).collect();
+            let err = launched(&pairs).expect_err(&format!("{var}={bad}"));
+            assert!(
+                err.to_string().contains(var) || err.to_string().contains("WORLD_SIZE"),
+                "{var}={bad}: {err}"
+            );
+        }
+        let err = launched(&[("RANK", "0")]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EnvError::Missing {
+                    launcher: Launcher::Torchrun,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }

@@ -181,6 +181,8 @@ pub struct TrainSummary {
 /// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     collectives::check(args)?;
+    // A launch whose variables are unusable is refused, not run as ranks of threads alone.
+    DistEnv::launched().map_err(|e| TrainError::Config(format!("the launcher's environment: {e} (without a launcher, unset its variables: --nproc runs the ranks as threads)")))?;
     match args.backend.as_str() {
         "cpu" => {
             if args.collectives == "nccl" {

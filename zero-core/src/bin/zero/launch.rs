@@ -109,12 +109,7 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-/// A number of seconds (fractional, ≥ 0, finite) as a duration.
+/// A number of seconds (fractional, ≥ 0, finite, at most about 31 years) as a duration.
 fn seconds(text: &str) -> Result<Duration, String> {
-    let secs: f64 = text
-        .parse()
-        .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
-    Duration::try_from_secs_f64(secs).map_err(|_| {
-        format!("{text}: expected a number of seconds, finite, ≥ 0 and small enough to count (below about 1.8e19)")
-    })
+    zero_core::comm::env::parse_seconds(text)
 }
