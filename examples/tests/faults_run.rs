@@ -78,6 +78,72 @@ fn an_unwritable_save_target_is_refused_before_step_1() {
     set_mode(&read_only, 0o755);
 }
 
+/// A `--metrics` path that is one of the run's inputs is refused before anything is written:
+/// the input is left as it was.
+#[test]
+fn metrics_onto_an_input_is_refused_and_the_input_kept() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.json");
+    let tokens = dir.path().join("tokens.json");
+    std::fs::copy(fixture("train_config.json"), &config).expect("copy the config");
+    std::fs::copy(fixture("train_tokens.json"), &tokens).expect("copy the tokens");
+    for (flag, input) in [("--config", &config), ("--tokens", &tokens)] {
+        let before = std::fs::read(input).expect("read the input");
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+            .arg(fixture_model())
+            .arg("--config")
+            .arg(&config)
+            .arg("--tokens")
+            .arg(&tokens)
+            // The same file by another name.
+            .arg("--metrics")
+            .arg(dir.path().join(".").join(input.file_name().expect("a name")))
+            .env("ZERO_COMM_TIMEOUT_SECS", "30")
+            .output()
+            .expect("run gpt2");
+        assert_refused(&out, &["--metrics", flag, "overwrite"]);
+        assert_eq!(
+            std::fs::read(input).expect("read the input"),
+            before,
+            "{flag}: the input changed"
+        );
+    }
+}
+
+/// A launcher environment that cannot be used is refused, naming the variable, where it was
+/// taken for no launcher and the ranks ran alone as threads.
+#[test]
+fn an_unusable_launcher_environment_is_refused() {
+    for (vars, want) in [
+        (
+            &[
+                ("RANK", "x"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ][..],
+            "RANK",
+        ),
+        (&[("RANK", "0")][..], "WORLD_SIZE"),
+    ] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpt2"));
+        command
+            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+            .arg(fixture_model())
+            .arg("--config")
+            .arg(fixture("train_config.json"))
+            .arg("--tokens")
+            .arg(fixture("train_tokens.json"))
+            .env("ZERO_COMM_TIMEOUT_SECS", "30");
+        for (k, v) in vars {
+            command.env(k, v);
+        }
+        let out = command.output().expect("run gpt2");
+        assert_refused(&out, &["launcher's environment", want]);
+    }
+}
+
 /// An NVMe offload directory that cannot be written (under a file) is refused before step 1,
 /// naming the config key; one given for `device: cpu` (as many configs carry) is not touched.
 #[test]

@@ -159,6 +159,33 @@ pub(super) fn counts(args: &TrainArgs) -> Result<(), TrainError> {
     }
 }
 
+/// Refuses a `--metrics` file that is one of the run's inputs (the config, the token file or
+/// the text), which the metrics would overwrite.
+pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
+    let Some(metrics) = args.metrics.as_deref() else {
+        return Ok(());
+    };
+    // A file that does not exist yet is no input; one that does is compared by what it is.
+    let Ok(target) = std::fs::canonicalize(metrics) else {
+        return Ok(());
+    };
+    let inputs = [
+        ("--config", Some(args.config.as_path())),
+        ("--tokens", args.tokens.as_deref()),
+        ("--data", args.data.as_deref()),
+    ];
+    for (flag, path) in inputs {
+        if let Some(path) = path.filter(|p| std::fs::canonicalize(p).is_ok_and(|p| p == target)) {
+            return Err(TrainError::Config(format!(
+                "--metrics {}: the file {flag} reads ({}); the metrics would overwrite it: give another path",
+                metrics.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Fails unless `dir` (the value of `flag`) is a directory this process can write into:
 /// created when missing, then a probe file created and removed. A run must not learn that it
 /// cannot save only when its work is done.

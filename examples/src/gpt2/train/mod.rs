@@ -221,6 +221,7 @@ where
     P: AutodiffBackend + TpBackend,
 {
     checks::counts(args)?;
+    checks::metrics_spare_inputs(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
         eprintln!("warning: {}: {w}", args.config.display());
