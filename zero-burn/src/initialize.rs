@@ -20,7 +20,6 @@ use zero_core::comm::ProcessGroup;
 use zero_core::config::{
     CommDataType, DeepSpeedConfig, OffloadDevice, Overrides, Precision, ResolveContext, ResolvedConfig, Unsupported,
 };
-use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::lr_schedule::LrSchedule;
 use zero_core::optim::OptimizerSpec;
 
@@ -189,14 +188,7 @@ fn param_offload(config: &ResolvedConfig, stage: Stage) -> Result<ParamOffload, 
 fn precision_settings(config: &ResolvedConfig) -> PrecisionSettings {
     let mut precision = match &config.precision {
         Precision::Fp32 => PrecisionSettings::fp32(),
-        Precision::Fp16(fp16) => PrecisionSettings::fp16(LossScalerConfig {
-            loss_scale: fp16.loss_scale,
-            initial_scale_power: fp16.initial_scale_power,
-            loss_scale_window: fp16.loss_scale_window,
-            hysteresis: u32::try_from(fp16.hysteresis).unwrap_or(u32::MAX),
-            consecutive_hysteresis: fp16.consecutive_hysteresis,
-            min_loss_scale: fp16.min_loss_scale,
-        }),
+        Precision::Fp16(fp16) => PrecisionSettings::fp16(fp16.scaler()),
         Precision::Bf16(bf16) => {
             let mut p = PrecisionSettings::bf16();
             if !bf16.check_grad_overflow {

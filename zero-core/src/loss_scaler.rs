@@ -117,15 +117,22 @@ impl LossScaler {
     /// A scaler at its start.
     pub fn new(config: LossScalerConfig) -> Result<Self, LossScaleError> {
         let invalid = |name, value: f64, reason| LossScaleError::InvalidSetting { name, value, reason };
-        if !(config.loss_scale.is_finite() && config.loss_scale >= 0.0) {
+        // Scales multiply and divide f32 values: one f32 cannot hold (0 there, or infinite)
+        // turns every gradient into NaN.
+        let f32_scale = |s: f64| (f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(&s);
+        if !(config.loss_scale == 0.0 || f32_scale(config.loss_scale)) {
             return Err(invalid(
                 "loss_scale",
                 config.loss_scale,
-                "must be 0 (dynamic) or a positive finite scale",
+                "must be 0 (dynamic) or a scale from 1.2e-38 to 3.4e38 (an f32's normal range)",
             ));
         }
-        if !(config.min_loss_scale.is_finite() && config.min_loss_scale > 0.0) {
-            return Err(invalid("min_loss_scale", config.min_loss_scale, "must be > 0"));
+        if !f32_scale(config.min_loss_scale) {
+            return Err(invalid(
+                "min_loss_scale",
+                config.min_loss_scale,
+                "must be from 1.2e-38 to 3.4e38 (an f32's normal range)",
+            ));
         }
         if config.loss_scale_window == 0 {
             return Err(invalid("loss_scale_window", 0.0, "must be at least 1"));

@@ -414,3 +414,34 @@ fn world_size_is_cut_by_pipeline_and_tensor_parallel_degrees() {
     let (code, _, err) = check(&pipeline, &["--world-size", "4"]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// What `gpt2 train` would refuse after building the model, check-config refuses first: the loss
+/// scaler's own range checks (a static scale an f32 cannot hold made every gradient NaN), and
+/// `autotp_size: "auto"` reads as DeepSpeed's default in the layout as in the parser.
+#[test]
+fn settings_training_refuses_are_refused_here_and_auto_tensor_parallelism_is_none() {
+    for (fp16, key) in [
+        (r#"{"enabled": true, "hysteresis": 0}"#, "fp16.hysteresis"),
+        (r#"{"enabled": true, "loss_scale_window": 0}"#, "fp16.loss_scale_window"),
+        (r#"{"enabled": true, "loss_scale": 1e-320}"#, "fp16.loss_scale"),
+        (r#"{"enabled": true, "loss_scale": 1e39}"#, "fp16.loss_scale"),
+        (r#"{"enabled": true, "min_loss_scale": 1e-45}"#, "fp16.min_loss_scale"),
+    ] {
+        let cfg = format!(r#"{{"train_batch_size": 2, "fp16": {fp16}}}"#);
+        let (code, _, err) = check(&cfg, &["--world-size", "2"]);
+        assert_eq!(code, 2, "{fp16}: {err}");
+        assert!(err.contains(key), "{fp16}: {key} missing from {err}");
+    }
+    let fine = r#"{"train_batch_size": 2, "fp16": {"enabled": true, "loss_scale": 1e-30}}"#;
+    let (code, _, err) = check(fine, &["--world-size", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let auto =
+        r#"{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": "auto"}}"#;
+    let (code, v, err) = check(auto, &["--world-size", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["gradient_accumulation_steps"], 1, "2 data-parallel ranks: {v}");
+    let config = zero_core::config::DeepSpeedConfig::from_str(auto, "ds_config.json")
+        .expect("parses")
+        .config;
+    assert_eq!(config.model_parallel_degrees(), Ok((1, 1)));
+}

@@ -256,7 +256,7 @@ impl DeepSpeedConfig {
     }
 
     /// The pipeline degree (`pipeline.stages`; "auto" or absent: 1) and the tensor-parallel
-    /// degree (`tensor_parallel.autotp_size`; 0 or absent: 1) the config asks for: the ranks are
+    /// degree (`tensor_parallel.autotp_size`; 0, "auto" or absent: 1) the config asks for: the ranks are
     /// laid out data × pipeline × tensor, so the data-parallel world size (which the batch sizes
     /// are over) is the world's divided by their product.
     pub fn model_parallel_degrees(&self) -> Result<(usize, usize), String> {
@@ -271,6 +271,8 @@ impl DeepSpeedConfig {
         };
         let tensor = match self.raw.pointer("/tensor_parallel/autotp_size") {
             None | Some(Value::Null) => 1,
+            // DeepSpeed's default (0: no tensor parallelism), as the parser reads it.
+            Some(Value::String(s)) if s == "auto" => 1,
             Some(v) => v
                 .as_u64()
                 .ok_or_else(|| format!("tensor_parallel.autotp_size: {v} is not an integer"))?

@@ -40,6 +40,19 @@ pub struct LossScaleConfig {
 }
 
 impl LossScaleConfig {
+    /// The loss scaler these keys describe (a hysteresis beyond u32 saturates; the support
+    /// checks refuse it first).
+    pub fn scaler(&self) -> crate::loss_scaler::LossScalerConfig {
+        crate::loss_scaler::LossScalerConfig {
+            loss_scale: self.loss_scale,
+            initial_scale_power: self.initial_scale_power,
+            loss_scale_window: self.loss_scale_window,
+            hysteresis: u32::try_from(self.hysteresis).unwrap_or(u32::MAX),
+            consecutive_hysteresis: self.consecutive_hysteresis,
+            min_loss_scale: self.min_loss_scale,
+        }
+    }
+
     /// Whether the scale adapts to overflows (`loss_scale` 0).
     pub fn is_dynamic(&self) -> bool {
         self.loss_scale == 0.0

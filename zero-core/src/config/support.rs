@@ -137,6 +137,12 @@ impl ResolvedConfig {
                         "fp16.hysteresis",
                         format!("{} is too large (at most {})", fp16.hysteresis, u32::MAX),
                     ));
+                } else if let Err(crate::loss_scaler::LossScaleError::InvalidSetting { name, value, reason }) =
+                    crate::loss_scaler::LossScaler::new(fp16.scaler())
+                {
+                    // The scaler's own checks, so that a config passes here only if training
+                    // can build its scaler.
+                    out.push(Unsupported::new(format!("fp16.{name}"), format!("{value}: {reason}")));
                 }
             }
             Precision::Bf16(bf16) => {
