@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod estimate;
+pub mod files;
 pub mod launch;
 pub mod loss_scaler;
 pub mod lr_schedule;

@@ -199,7 +199,7 @@ impl Run {
             path: path.to_path_buf(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = crate::files::open(path).map_err(io)?;
         let mut reader = std::io::BufReader::new(file);
         let mut run = Run {
             path: path.to_path_buf(),

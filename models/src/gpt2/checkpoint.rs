@@ -44,7 +44,7 @@ impl<B: Backend> Gpt2<B> {
         let mut lm_head: Option<(PathBuf, TensorData)> = None;
 
         for path in files {
-            let bytes = fs::read(&path).map_err(|source| CheckpointError::Io {
+            let bytes = zero_core::files::read(&path).map_err(|source| CheckpointError::Io {
                 path: path.clone(),
                 source,
             })?;
@@ -424,7 +424,7 @@ fn read_stored(stored: &StoredTensor) -> Result<TensorData, CheckpointError> {
         path: stored.path.clone(),
         source,
     };
-    let mut file = fs::File::open(&stored.path).map_err(io)?;
+    let mut file = zero_core::files::open(&stored.path).map_err(io)?;
     file.seek(SeekFrom::Start(stored.start)).map_err(io)?;
     // Read and widen in chunks, so that the tensor is held once, in f32, and not also as bytes.
     const CHUNK: usize = 1 << 20;
@@ -473,7 +473,7 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
         path: path.to_path_buf(),
         source,
     };
-    let mut file = fs::File::open(path).map_err(io)?;
+    let mut file = zero_core::files::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let mut len_bytes = [0u8; 8];
     file.read_exact(&mut len_bytes)
@@ -515,7 +515,7 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
 }
 
 fn read_to_string(path: &Path) -> Result<String, CheckpointError> {
-    fs::read_to_string(path).map_err(|source| CheckpointError::Io {
+    zero_core::files::read_to_string(path).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     })

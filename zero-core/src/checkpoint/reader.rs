@@ -27,7 +27,7 @@ pub struct ShardReader {
 impl ShardReader {
     /// Opens `path`, checks its length against `record`, verifies and parses its header.
     pub fn open(path: &Path, record: &FileRecord) -> Result<Self, CheckpointError> {
-        let file = File::open(path).map_err(|e| CheckpointError::io(path, "open", e))?;
+        let file = crate::files::open(path).map_err(|e| CheckpointError::io(path, "open", e))?;
         let len = file.metadata().map_err(|e| CheckpointError::io(path, "stat", e))?.len();
         if len != record.bytes {
             return Err(CheckpointError::Length {

@@ -92,7 +92,7 @@ pub fn read_config_text(path: &Path) -> Result<String, ConfigError> {
         path: path.to_path_buf(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(io)?;
+    let file = crate::files::open(path).map_err(io)?;
     let mut bytes = Vec::new();
     // One byte past the limit tells a file of exactly the limit from a larger one (a device
     // such as /dev/zero reports no length, so the length cannot be asked first).

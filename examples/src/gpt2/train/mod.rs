@@ -247,8 +247,8 @@ where
             data
         }
         (None, Some(path)) => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
+            let text = zero_core::files::read_to_string(path)
+                .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
             DataSource::from_text(
                 &text,
                 &path.display().to_string(),

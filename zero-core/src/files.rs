@@ -1,0 +1,96 @@
+//! Opening the files a user names for reading without waiting on them.
+//!
+//! A plain `open` of a FIFO blocks until some process opens it for writing, so a checkpoint or
+//! config file replaced by a FIFO (or a path that names one by mistake) would hang the tool at
+//! its open, with nothing said. These functions open without blocking and then read as usual:
+//! a FIFO nobody writes reads as empty (an error about its content follows, naming the file),
+//! and one that is written, such as a shell's process substitution `<(...)`, reads as it should.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+/// `path` opened for reading, never waiting for a writer; reads then block as usual.
+pub fn open(path: &Path) -> io::Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function owns, with integer arguments only.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// The bytes of `path` (see [`open`]).
+pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    open(path)?.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The text of `path` (see [`open`]); not UTF-8 is an `InvalidData` error.
+pub fn read_to_string(path: &Path) -> io::Result<String> {
+    let mut text = String::new();
+    open(path)?.read_to_string(&mut text)?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn fifo(path: &Path) {
+        let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("a path");
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+    }
+
+    #[test]
+    fn a_fifo_without_a_writer_reads_empty_at_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("meta.json");
+        fifo(&path);
+        let start = Instant::now();
+        assert_eq!(read(&path).expect("read"), Vec::<u8>::new());
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_fifo_with_a_writer_reads_what_it_writes() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("config.json");
+        fifo(&path);
+        let mut reader = open(&path).expect("open to read");
+        // A reader holds the FIFO open, so the writer's open does not wait.
+        let mut writer = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open to write");
+        writer.write_all(b"{\"a\": 1}").expect("write");
+        drop(writer);
+        let mut text = String::new();
+        reader.read_to_string(&mut text).expect("read");
+        assert_eq!(text, "{\"a\": 1}");
+    }
+
+    #[test]
+    fn a_regular_file_reads_whole() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"abc").expect("write");
+        assert_eq!(read(&path).expect("read"), b"abc");
+        assert_eq!(read_to_string(&path).expect("read"), "abc");
+        assert_eq!(
+            read(&dir.path().join("missing")).expect_err("missing").kind(),
+            io::ErrorKind::NotFound
+        );
+    }
+}
