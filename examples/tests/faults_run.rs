@@ -246,6 +246,21 @@ fn a_resumed_run_already_at_its_steps_says_there_is_nothing_to_train() {
             "{said}"
         );
     }
+    // The checkpoint, or one of its tags, given where a model directory is wanted: the
+    // conversion that makes one is named.
+    let tag = std::fs::read_to_string(Path::new(&ckpt).join("latest")).expect("latest");
+    let tag = tag.trim();
+    for (model, want) in [
+        (ckpt.clone(), format!("zero to-fp32 {ckpt} OUT")),
+        (format!("{ckpt}/{tag}"), format!("zero to-fp32 {ckpt} --tag {tag} OUT")),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args(["score", "--model", &model, "--tokens"])
+            .arg(fixture("train_tokens.json"))
+            .output()
+            .expect("run gpt2");
+        assert_refused(&out, &["a ZeRO training checkpoint", &want]);
+    }
 }
 
 #[test]

@@ -371,6 +371,12 @@ pub fn draw(runs: &[Run], out: &Path) -> Result<(), PlotError> {
         path: out.to_path_buf(),
         detail: e.to_string(),
     };
+    // The image's file first, so that a place it cannot be written is the system's plain
+    // sentence, not the drawing library's nested one.
+    std::fs::File::create(out).map_err(|source| PlotError::Io {
+        path: out.to_path_buf(),
+        source,
+    })?;
     let root = BitMapBackend::new(out, PLOT_SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| failed(&e))?;
     let mut chart = ChartBuilder::on(&root)

@@ -141,10 +141,10 @@ fn fits(config: &Gpt2Config, preset: &str, out: &std::path::Path) -> Result<(), 
     if let Some(free) = free_bytes(out) {
         if files > free as u128 {
             return Err(TrainError::Model(format!(
-                "--out {}: the model's files need {:.1} GB and its file system has {:.1} GB free",
+                "--out {}: the model's files need {} and its file system has {} free",
                 out.display(),
-                files as f64 / 1e9,
-                free as f64 / 1e9
+                zero_core::estimate::human_bytes(u64::try_from(files).unwrap_or(u64::MAX)),
+                zero_core::estimate::human_bytes(free)
             )));
         }
     }

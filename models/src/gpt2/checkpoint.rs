@@ -314,6 +314,27 @@ fn room_for(config: &Gpt2Config, dir: &Path, files: &[PathBuf]) -> Result<(), Ch
 
 fn read_config(dir: &Path) -> Result<Gpt2Config, CheckpointError> {
     let config_path = dir.join(CONFIG_FILE);
+    // A training checkpoint (its `latest` tag file, or one tag's directory) given for a model.
+    if !config_path.exists() {
+        let tag = dir.join(zero_core::checkpoint::META_FILE).is_file();
+        let command = match (tag, dir.parent(), dir.file_name()) {
+            (true, Some(parent), Some(name)) => Some(format!(
+                "zero to-fp32 {} --tag {} OUT",
+                parent.display(),
+                name.to_string_lossy()
+            )),
+            _ if dir.join(zero_core::checkpoint::LATEST_FILE).is_file() => {
+                Some(format!("zero to-fp32 {} OUT", dir.display()))
+            }
+            _ => None,
+        };
+        if let Some(command) = command {
+            return Err(CheckpointError::TrainingCheckpoint {
+                dir: dir.to_path_buf(),
+                command,
+            });
+        }
+    }
     let json = read_to_string(&config_path)?;
     Gpt2Config::from_json_str(&json).map_err(|source| CheckpointError::Config {
         path: config_path,

@@ -111,6 +111,18 @@ pub enum CheckpointError {
         #[source]
         source: safetensors::SafeTensorError,
     },
+    /// The directory is a ZeRO training checkpoint (sharded optimizer state), not a model.
+    #[error(
+        "{}: a ZeRO training checkpoint, not a model directory: `{command}` writes its weights as \
+         one (then give OUT)",
+        dir.display()
+    )]
+    TrainingCheckpoint {
+        /// The directory given.
+        dir: PathBuf,
+        /// The conversion to run.
+        command: String,
+    },
     /// The directory has neither `model.safetensors` nor `model.safetensors.index.json`.
     #[error("{}: no model.safetensors nor model.safetensors.index.json", dir.display())]
     NoWeights {

@@ -112,7 +112,7 @@ pub(super) fn model_states_fit(
     Err(TrainError::Config(format!(
         "the model's {:.2}B parameters at ZeRO stage {} over {data} data-parallel rank(s): the {ranks} rank(s) of \
          this process hold {:.1} GB of model states ({:.1} GB each{}), more than this machine's {:.1} GB of memory; \
-         `zero estimate` shows the terms: a higher stage, more ranks, or offload to NVMe lowers them",
+         `zero estimate` shows the terms: {}more ranks, or offload to NVMe lowers them",
         model.num_params() as f64 / 1e9,
         resolved.zero.stage.number(),
         need as f64 / 1e9,
@@ -122,7 +122,12 @@ pub(super) fn model_states_fit(
         } else {
             String::new()
         },
-        total as f64 / 1e9
+        total as f64 / 1e9,
+        if resolved.zero.stage.number() < 3 {
+            "a higher stage, "
+        } else {
+            ""
+        }
     )))
 }
 
