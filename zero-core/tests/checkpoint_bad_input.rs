@@ -158,6 +158,11 @@ fn no_latest_and_unknown_tag() {
     let e = Checkpoint::open(&dir, Some("nope")).unwrap_err();
     assert_names(&e, "nope", "no such checkpoint tag");
     assert!(Checkpoint::open(&dir, Some("../escape")).is_err());
+    // A `latest` longer than any directory name is refused without being echoed.
+    std::fs::write(dir.join("latest"), "x".repeat(100_000)).unwrap();
+    let e = Checkpoint::open(&dir, None).unwrap_err();
+    assert_names(&e, "latest", "100000 bytes");
+    assert!(e.to_string().len() < 1000, "{} bytes of error", e.to_string().len());
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -85,6 +85,16 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
             _ => CheckpointError::io(&latest, "read", e),
         })?;
     let t = text.trim();
+    // A tag is a directory's name, at most 255 bytes: longer text is not echoed whole.
+    if t.len() > 255 {
+        return Err(CheckpointError::Tag {
+            path: latest.clone(),
+            detail: format!(
+                "holds {} bytes, more than a tag's name can have (255): not a tag",
+                t.len()
+            ),
+        });
+    }
     format::check_tag(dir, t).map_err(|_| CheckpointError::Tag {
         path: latest.clone(),
         detail: format!("names `{t}`, which is not a tag"),
