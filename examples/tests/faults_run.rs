@@ -111,6 +111,28 @@ fn metrics_onto_an_input_is_refused_and_the_input_kept() {
     }
 }
 
+/// A token file whose sequences are not the global batch is refused before the model is built,
+/// naming the file and the config.
+#[test]
+fn a_token_file_of_another_batch_size_is_refused_naming_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens: Vec<Vec<u32>> =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_tokens.json")).expect("tokens")).expect("json");
+    let few = dir.path().join("few.json");
+    std::fs::write(&few, serde_json::to_string(&tokens[..tokens.len() - 1]).expect("json")).expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+        .arg(fixture_model())
+        .arg("--config")
+        .arg(fixture("train_config.json"))
+        .arg("--tokens")
+        .arg(&few)
+        .output()
+        .expect("run gpt2");
+    let want = format!("{} sequences", tokens.len() - 1);
+    assert_refused(&out, &[&few.to_string_lossy(), &want, "train_config.json"]);
+}
+
 /// A launcher environment that cannot be used is refused, naming the variable, where it was
 /// taken for no launcher and the ranks ran alone as threads.
 #[test]

@@ -297,6 +297,20 @@ where
         ..Default::default()
     };
     let resolved = Arc::new(zero_burn::resolve(&config, world / (stages * tensor), &options)?);
+    // A fixed batch is every step's global batch: its size is the config's, said before any
+    // rank starts, naming the file.
+    if let DataSource::Fixed(batch) = &data {
+        if batch.len() as u64 != resolved.train_batch_size {
+            return Err(TrainError::Data(format!(
+                "{what}: {} sequences, but each step's global batch is {} (train_batch_size in {}); every step \
+                 trains on the whole file: give a file of {} sequences or change the batch sizes",
+                batch.len(),
+                resolved.train_batch_size,
+                args.config.display(),
+                resolved.train_batch_size
+            )));
+        }
+    }
     // What initialize would refuse, said once, before any rank starts.
     let refused = resolved.unsupported();
     if !refused.is_empty() {
