@@ -102,8 +102,56 @@ fn recv_frame<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// How long a rendezvous waits for its peers before it says so.
+const NOTICE_AFTER: Duration = Duration::from_secs(10);
+
+/// A line said once on stderr when the rendezvous has waited [`NOTICE_AFTER`] for its peers,
+/// where its timeout is long enough (a minute or more: the default is 300 s) that the silence
+/// would look like a hang; shorter ones end with their error soon enough.
+struct Notice {
+    at: Instant,
+    line: Option<String>,
+}
+
+impl Notice {
+    fn new(timeout: Duration) -> Self {
+        Notice {
+            at: Instant::now() + NOTICE_AFTER,
+            line: (timeout >= Duration::from_secs(60)).then(String::new),
+        }
+    }
+
+    /// One that never speaks (the mesh's own connections, after the rendezvous).
+    fn silent() -> Self {
+        Notice {
+            at: Instant::now(),
+            line: None,
+        }
+    }
+
+    /// What to say if the wait goes on (unless already said).
+    fn set(&mut self, line: String) {
+        if let Some(l) = &mut self.line {
+            *l = line;
+        }
+    }
+
+    fn poll(&mut self) {
+        if Instant::now() >= self.at {
+            if let Some(line) = self.line.take().filter(|l| !l.is_empty()) {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
 /// Accepts one connection on either listener before `deadline`.
-fn accept(tcp: &TcpListener, unix: Option<&UnixListener>, deadline: Instant) -> Result<Stream, CommError> {
+fn accept(
+    tcp: &TcpListener,
+    unix: Option<&UnixListener>,
+    deadline: Instant,
+    notice: &mut Notice,
+) -> Result<Stream, CommError> {
     tcp.set_nonblocking(true).map_err(setup)?;
     if let Some(u) = unix {
         u.set_nonblocking(true).map_err(setup)?;
@@ -128,13 +176,15 @@ fn accept(tcp: &TcpListener, unix: Option<&UnixListener>, deadline: Instant) -> 
             }
         }
         remaining(deadline)?;
+        notice.poll();
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
 /// Connects to `addr`, retrying while nobody listens yet, until `deadline`.
-fn connect(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, CommError> {
+fn connect(addr: SocketAddr, deadline: Instant, notice: &mut Notice) -> Result<TcpStream, CommError> {
     loop {
+        notice.poll();
         let wait = remaining(deadline)?.min(Duration::from_secs(5));
         match TcpStream::connect_timeout(&addr, wait) {
             Ok(s) => return Ok(s),
@@ -264,8 +314,15 @@ pub(crate) fn connect_mesh(
             .map_err(|e| setup(format!("rank 0 cannot listen on MASTER_PORT {master_port}: {e}")))?;
         let mut table: Vec<Option<Entry>> = (0..world).map(|_| None).collect();
         let mut conns: Vec<TcpStream> = Vec::new();
-        for _ in 1..world {
-            let Stream::Tcp(mut s) = accept(&master_listener, None, deadline)? else {
+        let mut notice = Notice::new(timeout);
+        for joined in 1..world {
+            notice.set(format!(
+                "rank 0: waiting on port {master_port} for {} more of the {world} ranks to join (the rendezvous \
+                 gives up {} s after it began; ZERO_COMM_TIMEOUT_SECS sets that)",
+                world - joined,
+                timeout.as_secs()
+            ));
+            let Stream::Tcp(mut s) = accept(&master_listener, None, deadline, &mut notice)? else {
                 return Err(setup("rendezvous: unexpected connection type"));
             };
             let mut e: Entry = recv_frame(&mut s, deadline, "a rank's hello")?;
@@ -299,7 +356,13 @@ pub(crate) fn connect_mesh(
         }
         table
     } else {
-        let mut s = connect(master, deadline)?;
+        let mut notice = Notice::new(timeout);
+        notice.set(format!(
+            "rank {rank}: waiting to reach rank 0 at {master} (MASTER_ADDR, MASTER_PORT; the rendezvous gives up {} s \
+             after it began; ZERO_COMM_TIMEOUT_SECS sets that)",
+            timeout.as_secs()
+        ));
+        let mut s = connect(master, deadline, &mut notice)?;
         send_frame(&mut s, &me)?;
         let table: Vec<Entry> = recv_frame(&mut s, deadline, "the address table from rank 0")?;
         if table.len() != world {
@@ -437,7 +500,7 @@ fn mesh_from_table(
                     let ip: IpAddr =
                         e.ip.parse()
                             .map_err(|_| setup(format!("rank {peer} has an unreadable address {:?}", e.ip)))?;
-                    Stream::Tcp(connect(SocketAddr::new(ip, e.port), deadline)?)
+                    Stream::Tcp(connect(SocketAddr::new(ip, e.port), deadline, &mut Notice::silent())?)
                 }
             };
             // Kind 2: a data connection that would rather be pipes.
@@ -452,7 +515,7 @@ fn mesh_from_table(
         }
     }
     for _ in 0..2 * (world - 1 - rank) {
-        let mut s = accept(&listener, unix_listener.as_ref(), deadline)?;
+        let mut s = accept(&listener, unix_listener.as_ref(), deadline, &mut Notice::silent())?;
         let (magic, peer, kind) = read_hello(&mut s, deadline)?;
         if magic != MESH_MAGIC || peer <= rank || peer >= world || kind > 2 {
             return Err(setup("an unexpected connection reached this rank's mesh listener"));
