@@ -133,6 +133,39 @@ fn a_token_file_of_another_batch_size_is_refused_naming_it() {
     assert_refused(&out, &[&few.to_string_lossy(), &want, "train_config.json"]);
 }
 
+/// The ranks' layout (tensor and pipeline degrees) is read from the config file: a --set of it,
+/// where the file writes "auto", is refused instead of being left unused.
+#[test]
+fn a_set_of_the_rank_layout_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_config.json")).expect("config")).expect("json");
+    config["tensor_parallel"] = serde_json::json!({ "autotp_size": "auto" });
+    config["pipeline"] = serde_json::json!({ "stages": "auto" });
+    let path = dir.path().join("auto.json");
+    std::fs::write(&path, config.to_string()).expect("write");
+    for key in ["tensor_parallel.autotp_size", "pipeline.stages"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+            .arg(fixture_model())
+            .arg("--config")
+            .arg(&path)
+            .arg("--tokens")
+            .arg(fixture("train_tokens.json"))
+            .args(["--set", &format!("{key}=2")])
+            .output()
+            .expect("run gpt2");
+        // The parser's warning about "auto" comes first; the refusal is the last line.
+        assert_eq!(out.status.code(), Some(1), "{key}: {out:?}");
+        let err = stderr(&out);
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("gpt2: ") && last.contains(&format!("--set {key}")) && last.contains("config file"),
+            "{err}"
+        );
+    }
+}
+
 /// A launcher environment that cannot be used is refused, naming the variable, where it was
 /// taken for no launcher and the ranks ran alone as threads.
 #[test]

@@ -52,7 +52,9 @@ with tarfile.open(".gpu/bin.tar.xz") as t:
 fi
 
 # step NAME LIMIT_S COMMAND...: runs COMMAND under LIMIT_S seconds, unless less is left of the
-# budget; records the outcome.
+# budget; records the outcome. Its status is the command's, or 200 when skipped; last_rc keeps
+# it for `failed` below.
+last_rc=0
 step() {
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
@@ -60,7 +62,8 @@ step() {
   if ((left < 10)); then
     summary+=("$name: SKIPPED (budget)")
     echo "== $name: SKIPPED (budget)"
-    return 1
+    last_rc=200
+    return 200
   fi
   ((limit > left)) && limit=$left
   echo "-- $name (limit ${limit} s)"
@@ -74,7 +77,17 @@ step() {
   esac
   summary+=("$name: $outcome (${took} s)")
   echo "== $name: $outcome (${took} s)"
+  last_rc=$rc
   return $rc
+}
+
+# Whether the last step failed outright: not skipped and not cut off by its time limit, whose
+# rerun under `diagnose` (slower still) would only be cut off again.
+failed() {
+  case $last_rc in
+    0 | 124 | 137 | 200) return 1 ;;
+    *) return 0 ;;
+  esac
 }
 
 has() { [[ " $phases " == *" $1 "* ]]; }
@@ -162,15 +175,16 @@ diagnose() {
   local name=$1 log
   shift
   log="$out/diagnose-${name//[^A-Za-z0-9]/-}.log"
-  step "diagnose $name" 120 env CUBECL_DEBUG_LOG=stderr CUBECL_DEBUG_OPTION=profile-full RUST_BACKTRACE=1 \
-    "$@" > "$log" 2>&1
+  # Only the command's output goes to the log; the step's own lines stay in gpu.log.
+  step "diagnose $name" 120 bash -c 'log=$1; shift; "$@" > "$log" 2>&1' _ "$log" \
+    env CUBECL_DEBUG_LOG=stderr CUBECL_DEBUG_OPTION=profile-full RUST_BACKTRACE=1 "$@"
   grep -v '^ *at /rustc/' "$log" | grep -m1 -B5 -A80 'panicked' || tail -40 "$log"
 }
 
 if has tests; then
   for t in .gpu/test-*; do
     step "test $(basename "$t")" 120 env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1 ||
-      diagnose "$(basename "$t")" env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1
+      { failed && diagnose "$(basename "$t")" env ZERO_REQUIRE_CUDA=1 "$t" --test-threads 1; }
   done
 fi
 
@@ -208,7 +222,7 @@ PY' _ .gpu/gpt2 train --backend "$backend" --config "$cfg" --preset "$preset" --
 }
 
 if has train; then
-  if ! train "train tiny smoke s3 bf16" 90 3 bf16 4 1 tiny 1 5; then
+  if ! train "train tiny smoke s3 bf16" 90 3 bf16 4 1 tiny 1 5 && failed; then
     diagnose "tiny smoke" .gpu/gpt2 train --backend "$backend" --config "$(config 3 bf16 4 1)" --preset tiny \
       --nproc 1 --steps 1 --seq-len 64 --quiet
   fi
@@ -267,8 +281,8 @@ if has throughput; then
     fused=$(awk -F'|' -v m="$small" '$2 ~ " "m" " && $4 ~ / 0 / {gsub(/ /, "", $7); print $7}' "$cfgdir/ours-$small.md")
     step "throughput $small unfused" 120 .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 \
       --batch 8 --seq "$seq" --steps "$steps" --stages 0,3 ${fused:+--baseline "fused-stage-0=$fused"} ||
-      diagnose "unfused" .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 --batch 1 \
-        --seq 128 --steps 1 --stages 0
+      { failed && diagnose "unfused" .gpu/throughput --backend cuda-unfused --models "$small" --dtype bf16 \
+        --batch 1 --seq 128 --steps 1 --stages 0; }
   fi
 fi
 if has large; then

@@ -2,9 +2,12 @@
 //!
 //! A plain `open` of a FIFO blocks until some process opens it for writing, so a checkpoint or
 //! config file replaced by a FIFO (or a path that names one by mistake) would hang the tool at
-//! its open, with nothing said. These functions open without blocking and then read as usual:
-//! a FIFO nobody writes reads as empty (an error about its content follows, naming the file),
-//! and one that is written, such as a shell's process substitution `<(...)`, reads as it should.
+//! its open, with nothing said. These functions open without blocking and then read as usual.
+//! A FIFO is not waited for: one without a writer at the first read reads as empty (an error
+//! about its content follows, naming the file), and one whose writer is there, such as a
+//! shell's process substitution `<(...)` (a pipe), reads as it should. A regular file reads as
+//! with `std::fs` (on a file under a conflicting lease, such as an NFS server's delegation,
+//! the open fails where a plain one would wait for the lease's break).
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -57,8 +60,15 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("meta.json");
         fifo(&path);
+        // On a thread, so that a read that waits fails the test instead of hanging it.
+        let (done, result) = std::sync::mpsc::channel();
+        let reader_path = path.clone();
+        std::thread::spawn(move || done.send(read(&reader_path).map_err(|e| e.to_string())));
         let start = Instant::now();
-        assert_eq!(read(&path).expect("read"), Vec::<u8>::new());
+        let bytes = result
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the read returned instead of waiting for a writer");
+        assert_eq!(bytes, Ok(Vec::new()));
         assert!(start.elapsed() < Duration::from_secs(5));
     }
 

@@ -320,7 +320,13 @@ fn read_config(dir: &Path) -> Result<Gpt2Config, CheckpointError> {
         let command = match (tag, dir.parent(), dir.file_name()) {
             (true, Some(parent), Some(name)) => Some(format!(
                 "zero to-fp32 {} --tag {} OUT",
-                parent.display(),
+                // A bare tag name, given from inside the checkpoint directory.
+                if parent.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    parent
+                }
+                .display(),
                 name.to_string_lossy()
             )),
             _ if dir.join(zero_core::checkpoint::LATEST_FILE).is_file() => {

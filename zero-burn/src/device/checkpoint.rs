@@ -142,19 +142,19 @@ impl<I: Backend> DeviceState<I> {
         // state is made at its first step, as before the save.
         let steps = meta.group_steps(&self.layout);
         let rebuilt = (|| {
+            let name = self.optimizer_name()?;
+            if name != meta.optimizer.name {
+                return Err(ZeroError::Config(format!(
+                    "the checkpoint's optimizer is `{}` but this one is `{name}`",
+                    meta.optimizer.name,
+                )));
+            }
             let mut out = Vec::with_capacity(loaded.len());
             for (gi, g) in loaded.iter().enumerate() {
                 let restoring = |e: ZeroError| {
                     ZeroError::Optimizer(format!("restoring group {gi} from the checkpoint `{}`: {e}", meta.tag))
                 };
                 let n = g.master.len();
-                let name = self.optimizer_name()?;
-                if name != meta.optimizer.name {
-                    return Err(ZeroError::Config(format!(
-                        "the checkpoint's optimizer is `{}` but this one is `{name}`",
-                        meta.optimizer.name,
-                    )));
-                }
                 let optimizer = if steps[gi] > 0 {
                     let segments = crate::optimizer_bridge::shard_segments(&self.layout, gi, group.rank());
                     let mut optimizer = DeviceOptimizer::from_spec(&self.settings.optimizer, n, &segments, &device)?;

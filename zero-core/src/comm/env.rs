@@ -81,8 +81,9 @@ impl DistEnv {
     }
 
     /// Whether the process environment launched this process as a rank: `None` where no
-    /// launcher's variables are set, or where Slurm's or Open MPI's lack one of theirs (the
-    /// shell of an interactive allocation sets some); an error where a variable is set but
+    /// launcher's variables are set, where Slurm's or Open MPI's lack one of theirs (the
+    /// shell of an interactive allocation sets some), or where torchrun's lack one but say
+    /// `WORLD_SIZE=1`; an error where a variable is set but
     /// unusable (`RANK=x`, `WORLD_SIZE=0`, a rank beyond the world) or torchrun's set is
     /// incomplete, which a program must not take for "not launched" and run alone.
     pub fn launched() -> Result<Option<Self>, EnvError> {
@@ -91,6 +92,9 @@ impl DistEnv {
 
     /// [`DistEnv::launched`], reading variables through `get`.
     pub fn launched_from(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, EnvError> {
+        // torchrun's set left incomplete with a world of one process (a script's or an
+        // image's leftover `RANK=0 WORLD_SIZE=1`) asks for no other rank.
+        let alone = get("WORLD_SIZE").is_some_and(|w| w.trim() == "1");
         match Self::from_lookup(get) {
             Ok(env) => Ok(Some(env)),
             Err(EnvError::NoLauncher)
@@ -98,6 +102,10 @@ impl DistEnv {
                 launcher: Launcher::Slurm | Launcher::OpenMpi,
                 ..
             }) => Ok(None),
+            Err(EnvError::Missing {
+                launcher: Launcher::Torchrun,
+                ..
+            }) if alone => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -334,11 +342,8 @@ mod tests {
             ("MASTER_PORT", "abc"),
         ] {
             let pairs: Vec<(&str, &str)> = full.iter().map(|&(k, v)| (k, if k == var { bad } else { v })).collect();
-            let err = launched(&pairs).expect_err(&format!("{var}={bad}"));
-            assert!(
-                err.to_string().contains(var) || err.to_string().contains("WORLD_SIZE"),
-                "{var}={bad}: {err}"
-            );
+            let err = launched(&pairs).expect_err(&format!("{var}={bad}")).to_string();
+            assert!(err.contains(var), "{var}={bad}: {err}");
         }
         let err = launched(&[("RANK", "0")]).unwrap_err();
         assert!(
@@ -351,5 +356,7 @@ mod tests {
             ),
             "{err}"
         );
+        // A one-process leftover asks for no other rank.
+        assert_eq!(launched(&[("RANK", "0"), ("WORLD_SIZE", "1")]), Ok(None));
     }
 }

@@ -170,8 +170,17 @@ pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
     let Some(metrics) = args.metrics.as_deref() else {
         return Ok(());
     };
-    // A file that does not exist yet is no input; one that does is compared by what it is.
-    let Ok(target) = std::fs::canonicalize(metrics) else {
+    // A regular file, by what it is (its device and inode: another name or a hard link is the
+    // same file); one that does not exist yet is no input, and a terminal or pipe is not
+    // overwritten.
+    use std::os::unix::fs::MetadataExt;
+    let file = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .filter(std::fs::Metadata::is_file)
+            .map(|m| (m.dev(), m.ino()))
+    };
+    let Some(target) = file(metrics) else {
         return Ok(());
     };
     let inputs = [
@@ -180,7 +189,7 @@ pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
         ("--data", args.data.as_deref()),
     ];
     for (flag, path) in inputs {
-        if let Some(path) = path.filter(|p| std::fs::canonicalize(p).is_ok_and(|p| p == target)) {
+        if let Some(path) = path.filter(|p| file(p) == Some(target)) {
             return Err(TrainError::Config(format!(
                 "--metrics {}: the file {flag} reads ({}); the metrics would overwrite it: give another path",
                 metrics.display(),

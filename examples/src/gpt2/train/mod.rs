@@ -182,7 +182,7 @@ pub struct TrainSummary {
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     collectives::check(args)?;
     // A launch whose variables are unusable is refused, not run as ranks of threads alone.
-    DistEnv::launched().map_err(|e| TrainError::Config(format!("the launcher's environment: {e} (without a launcher, unset its variables: --nproc runs the ranks as threads)")))?;
+    DistEnv::launched().map_err(|e| TrainError::Config(format!("the launcher's environment: {e} (a launched rank needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or its launcher's own set; without a launcher, unset them: --nproc runs the ranks as threads)")))?;
     match args.backend.as_str() {
         "cpu" => {
             if args.collectives == "nccl" {
@@ -283,6 +283,15 @@ where
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
     }
     let mut overrides = zero_core::config::Overrides::from_assignments(&args.set).map_err(TrainError::Config)?;
+    // The ranks' layout was read from the file above, before any --set.
+    for key in ["tensor_parallel.autotp_size", "pipeline.stages"] {
+        if overrides.get(key).is_some() {
+            return Err(TrainError::Config(format!(
+                "--set {key}: the ranks' layout is read from the config file; write {key} there ({})",
+                args.config.display()
+            )));
+        }
+    }
     config
         .check_overrides(&overrides)
         .map_err(|e| TrainError::Config(format!("--set: {e}")))?;
