@@ -78,6 +78,23 @@ fn an_unwritable_save_target_is_refused_before_step_1() {
     set_mode(&read_only, 0o755);
 }
 
+/// One step of `gpt2 train` on the tiny fixture model, 4 rank threads, quietly, with `config`
+/// and `tokens`, `extra` arguments and `vars` in its environment.
+fn one_step(config: &Path, tokens: &Path, extra: &[&str], vars: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+        .arg(fixture_model())
+        .arg("--config")
+        .arg(config)
+        .arg("--tokens")
+        .arg(tokens)
+        .args(extra)
+        .env("ZERO_COMM_TIMEOUT_SECS", "30")
+        .envs(vars.iter().copied())
+        .output()
+        .expect("run gpt2")
+}
+
 /// A `--metrics` path that is one of the run's inputs is refused before anything is written:
 /// the input is left as it was.
 #[test]
@@ -89,19 +106,9 @@ fn metrics_onto_an_input_is_refused_and_the_input_kept() {
     std::fs::copy(fixture("train_tokens.json"), &tokens).expect("copy the tokens");
     for (flag, input) in [("--config", &config), ("--tokens", &tokens)] {
         let before = std::fs::read(input).expect("read the input");
-        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
-            .arg(fixture_model())
-            .arg("--config")
-            .arg(&config)
-            .arg("--tokens")
-            .arg(&tokens)
-            // The same file by another name.
-            .arg("--metrics")
-            .arg(dir.path().join(".").join(input.file_name().expect("a name")))
-            .env("ZERO_COMM_TIMEOUT_SECS", "30")
-            .output()
-            .expect("run gpt2");
+        // The same file by another name.
+        let metrics = dir.path().join(".").join(input.file_name().expect("a name"));
+        let out = one_step(&config, &tokens, &["--metrics", &metrics.to_string_lossy()], &[]);
         assert_refused(&out, &["--metrics", flag, "overwrite"]);
         assert_eq!(
             std::fs::read(input).expect("read the input"),
@@ -120,15 +127,7 @@ fn a_token_file_of_another_batch_size_is_refused_naming_it() {
         serde_json::from_str(&std::fs::read_to_string(fixture("train_tokens.json")).expect("tokens")).expect("json");
     let few = dir.path().join("few.json");
     std::fs::write(&few, serde_json::to_string(&tokens[..tokens.len() - 1]).expect("json")).expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
-        .arg(fixture_model())
-        .arg("--config")
-        .arg(fixture("train_config.json"))
-        .arg("--tokens")
-        .arg(&few)
-        .output()
-        .expect("run gpt2");
+    let out = one_step(&fixture("train_config.json"), &few, &[], &[]);
     let want = format!("{} sequences", tokens.len() - 1);
     assert_refused(&out, &[&few.to_string_lossy(), &want, "train_config.json"]);
 }
@@ -145,16 +144,12 @@ fn a_set_of_the_rank_layout_is_refused() {
     let path = dir.path().join("auto.json");
     std::fs::write(&path, config.to_string()).expect("write");
     for key in ["tensor_parallel.autotp_size", "pipeline.stages"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
-            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
-            .arg(fixture_model())
-            .arg("--config")
-            .arg(&path)
-            .arg("--tokens")
-            .arg(fixture("train_tokens.json"))
-            .args(["--set", &format!("{key}=2")])
-            .output()
-            .expect("run gpt2");
+        let out = one_step(
+            &path,
+            &fixture("train_tokens.json"),
+            &["--set", &format!("{key}=2")],
+            &[],
+        );
         // The parser's warning about "auto" comes first; the refusal is the last line.
         assert_eq!(out.status.code(), Some(1), "{key}: {out:?}");
         let err = stderr(&out);
@@ -170,31 +165,14 @@ fn a_set_of_the_rank_layout_is_refused() {
 /// taken for no launcher and the ranks ran alone as threads.
 #[test]
 fn an_unusable_launcher_environment_is_refused() {
-    for (vars, want) in [
-        (
-            &[
-                ("RANK", "x"),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "29500"),
-            ][..],
-            "RANK",
-        ),
-        (&[("RANK", "0")][..], "WORLD_SIZE"),
-    ] {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_gpt2"));
-        command
-            .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
-            .arg(fixture_model())
-            .arg("--config")
-            .arg(fixture("train_config.json"))
-            .arg("--tokens")
-            .arg(fixture("train_tokens.json"))
-            .env("ZERO_COMM_TIMEOUT_SECS", "30");
-        for (k, v) in vars {
-            command.env(k, v);
-        }
-        let out = command.output().expect("run gpt2");
+    let full = [
+        ("RANK", "x"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    for (vars, want) in [(&full[..], "RANK"), (&[("RANK", "0")][..], "WORLD_SIZE")] {
+        let out = one_step(&fixture("train_config.json"), &fixture("train_tokens.json"), &[], vars);
         assert_refused(&out, &["launcher's environment", want]);
     }
 }
