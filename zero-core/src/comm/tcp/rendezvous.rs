@@ -110,14 +110,15 @@ const NOTICE_AFTER: Duration = Duration::from_secs(10);
 /// would look like a hang; shorter ones end with their error soon enough.
 struct Notice {
     at: Instant,
+    /// What to say; `None` once said, or for a wait that never speaks.
     line: Option<String>,
 }
 
 impl Notice {
-    fn new(timeout: Duration) -> Self {
+    fn new(timeout: Duration, line: String) -> Self {
         Notice {
             at: Instant::now() + NOTICE_AFTER,
-            line: (timeout >= Duration::from_secs(60)).then(String::new),
+            line: (timeout >= Duration::from_secs(60)).then_some(line),
         }
     }
 
@@ -138,7 +139,7 @@ impl Notice {
 
     fn poll(&mut self) {
         if Instant::now() >= self.at {
-            if let Some(line) = self.line.take().filter(|l| !l.is_empty()) {
+            if let Some(line) = self.line.take() {
                 eprintln!("{line}");
             }
         }
@@ -314,14 +315,17 @@ pub(crate) fn connect_mesh(
             .map_err(|e| setup(format!("rank 0 cannot listen on MASTER_PORT {master_port}: {e}")))?;
         let mut table: Vec<Option<Entry>> = (0..world).map(|_| None).collect();
         let mut conns: Vec<TcpStream> = Vec::new();
-        let mut notice = Notice::new(timeout);
-        for joined in 1..world {
-            notice.set(format!(
+        let waiting = |joined: usize| {
+            format!(
                 "rank 0: waiting on port {master_port} for {} more of the {world} ranks to join (the rendezvous \
                  gives up {} s after it began; ZERO_COMM_TIMEOUT_SECS sets that)",
                 world - joined,
                 timeout.as_secs()
-            ));
+            )
+        };
+        let mut notice = Notice::new(timeout, waiting(1));
+        for joined in 1..world {
+            notice.set(waiting(joined));
             let Stream::Tcp(mut s) = accept(&master_listener, None, deadline, &mut notice)? else {
                 return Err(setup("rendezvous: unexpected connection type"));
             };
@@ -356,12 +360,14 @@ pub(crate) fn connect_mesh(
         }
         table
     } else {
-        let mut notice = Notice::new(timeout);
-        notice.set(format!(
-            "rank {rank}: waiting to reach rank 0 at {master} (MASTER_ADDR, MASTER_PORT; the rendezvous gives up {} s \
-             after it began; ZERO_COMM_TIMEOUT_SECS sets that)",
-            timeout.as_secs()
-        ));
+        let mut notice = Notice::new(
+            timeout,
+            format!(
+                "rank {rank}: waiting to reach rank 0 at {master} (MASTER_ADDR, MASTER_PORT; the rendezvous gives up \
+                 {} s after it began; ZERO_COMM_TIMEOUT_SECS sets that)",
+                timeout.as_secs()
+            ),
+        );
         let mut s = connect(master, deadline, &mut notice)?;
         send_frame(&mut s, &me)?;
         let table: Vec<Entry> = recv_frame(&mut s, deadline, "the address table from rank 0")?;
