@@ -106,6 +106,22 @@ pub enum CheckpointError {
         /// Its value.
         value: f64,
     },
+    /// The weights to be saved hold a NaN or an infinity: training diverged. Nothing is
+    /// written, so `latest` still names the last checkpoint whose weights were finite. Every
+    /// rank fails with this same error.
+    #[error(
+        "checkpoint: not saved: the master weights diverged: {detail} on rank {rank}{}; a learning rate or loss \
+         scale too large? `latest` and earlier tags are unchanged",
+        if *.ranks > 1 { format!(" (and {} more ranks hold NaN or infinities)", .ranks - 1) } else { String::new() }
+    )]
+    Diverged {
+        /// The first rank that holds one.
+        rank: usize,
+        /// Where: the parameter, the element and the value.
+        detail: String,
+        /// How many ranks hold one.
+        ranks: usize,
+    },
     /// A checkpoint just written does not read back; nothing was published, so the previous
     /// checkpoint and `latest` are as they were.
     #[error("the checkpoint just written does not read back, so it was not published (`latest` and earlier tags are unchanged): {0}")]

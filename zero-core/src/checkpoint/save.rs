@@ -3,7 +3,9 @@
 //!
 //! Order of events, each file written atomically (temporary name, fsync, rename):
 //!
-//! 1. every rank checks that the run's scalars can be recorded (finite floats); rank 0 clears
+//! 1. every rank checks that its master weights are finite (a diverged run is not saved over a
+//!    good one), and all learn whether any is not; every rank checks that the run's scalars can
+//!    be recorded (finite floats); rank 0 clears
 //!    `DIR/TAG.partial`; barrier;
 //! 2. every rank writes `DIR/TAG.partial/rank_XXXXX.safetensors` and reports its checksums;
 //! 3. rank 0 writes `zero_meta.json` there; barrier;
@@ -101,6 +103,7 @@ pub fn save(
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
     // Refused before anything is written: a value the metadata cannot hold exactly.
+    check_weights(comm, request)?;
     let prepared = format::check_finite(request.lr_next, request.loss_scaler.as_ref()).and_then(|()| {
         if rank == 0 {
             prepare_staging(&staging)
@@ -140,6 +143,47 @@ pub fn save(
     let published = if rank == 0 { publish(dir, tag, &staging) } else { Ok(()) };
     agree(comm, "save", published)?;
     Ok(dir.join(tag))
+}
+
+/// Fails on every rank, the same way, when any rank's master weights hold a NaN or an
+/// infinity, naming the first such rank's parameter and element, and how many ranks hold one.
+fn check_weights(comm: &dyn ProcessGroup, req: &SaveRequest<'_>) -> Result<(), CheckpointError> {
+    let own = first_non_finite(comm.rank(), req);
+    let failures = crate::comm::gather_failures(comm, own.as_deref())?;
+    match failures.first() {
+        None => Ok(()),
+        Some(first) => Err(CheckpointError::Diverged {
+            rank: first.rank,
+            detail: first.message.clone(),
+            ranks: failures.len(),
+        }),
+    }
+}
+
+/// Where the first NaN or infinity lies in the master weights `rank` would write: the
+/// parameter, the element and the value (padding is zeros, so a value outside every parameter
+/// cannot be one).
+fn first_non_finite(rank: usize, req: &SaveRequest<'_>) -> Option<String> {
+    for (g, shard) in req.groups.iter().enumerate() {
+        if g >= req.layout.groups.len() || !format::shard_holds(req.layout, g, rank) {
+            continue;
+        }
+        let Some(at) = shard.master.iter().position(|v| !v.is_finite()) else {
+            continue;
+        };
+        let value = shard.master[at];
+        return Some(
+            match req.layout.segments(g, rank).into_iter().find(|s| s.local.contains(&at)) {
+                Some(s) => format!(
+                    "`{}` holds {value} at element {}",
+                    req.layout.params[s.param].name,
+                    s.in_param.start + (at - s.local.start)
+                ),
+                None => format!("group {g}'s padding holds {value}"),
+            },
+        );
+    }
+    None
 }
 
 fn prepare_staging(staging: &Path) -> Result<(), CheckpointError> {
@@ -418,25 +462,7 @@ mod tests {
         let layout = one_matrix();
         // One element short of the rank's slice: refused while writing the shard.
         let master = vec![0.5f32; layout.owned_len(0) - 1];
-        let request = SaveRequest {
-            layout: &layout,
-            groups: vec![GroupShard {
-                master: &master,
-                state: vec![],
-            }],
-            stage: 3,
-            global_step: 6,
-            skipped_steps: 0,
-            optimizer_name: "adamw".into(),
-            optimizer_step: 6,
-            group_steps: Vec::new(),
-            lr_next: None,
-            loss_scaler: None,
-            rng: None,
-            client_state: serde_json::json!({}),
-            model: None,
-            tensor_parallel: None,
-        };
+        let request = step_six(&layout, &master);
         let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
         let e = save(comm.as_ref(), &dir, "u", &request)
             .expect_err("a short slice")
@@ -449,6 +475,61 @@ mod tests {
             Checkpoint::open(&dir, None).expect("the earlier one").meta.tag,
             meta.tag
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A request at step 6 with `master` and no optimizer state.
+    fn step_six<'a>(layout: &'a PartitionLayout, master: &'a [f32]) -> SaveRequest<'a> {
+        SaveRequest {
+            layout,
+            groups: vec![GroupShard { master, state: vec![] }],
+            stage: 3,
+            global_step: 6,
+            skipped_steps: 0,
+            optimizer_name: "adamw".into(),
+            optimizer_step: 6,
+            group_steps: Vec::new(),
+            lr_next: None,
+            loss_scaler: None,
+            rng: None,
+            client_state: serde_json::json!({}),
+            model: None,
+            tensor_parallel: None,
+        }
+    }
+
+    /// Weights that diverged are not saved: the error names the parameter, the element and the
+    /// value, nothing is staged, and `latest` still names the checkpoint before.
+    #[test]
+    fn diverged_weights_are_not_saved() {
+        let (dir, meta) = saved("diverged");
+        let layout = one_matrix();
+        for (at, bad, said) in [(7, f32::NAN, "NaN"), (14, f32::NEG_INFINITY, "-inf")] {
+            let mut master = vec![0.5f32; layout.owned_len(0)];
+            master[at] = bad;
+            let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
+            let e = save(comm.as_ref(), &dir, "u", &step_six(&layout, &master))
+                .expect_err("diverged weights")
+                .to_string();
+            assert!(
+                e.contains(&format!("`w` holds {said} at element {at}")) && e.contains("diverged"),
+                "{e}"
+            );
+            assert!(!dir.join("u.partial").exists() && !dir.join("u").exists());
+            assert_eq!(
+                Checkpoint::open(&dir, None).expect("the earlier one").meta.tag,
+                meta.tag
+            );
+        }
+        // After the refusals, finite weights save under the same tag.
+        let master = vec![0.5f32; layout.owned_len(0)];
+        save(
+            ThreadGroup::new_group(1).expect("one rank").remove(0).as_ref(),
+            &dir,
+            "u",
+            &step_six(&layout, &master),
+        )
+        .expect("finite weights save");
         std::fs::remove_dir_all(&dir).ok();
     }
 
