@@ -8,6 +8,9 @@
 //! shell's process substitution `<(...)` (a pipe), reads as it should. A regular file reads as
 //! with `std::fs` (on a file under a conflicting lease, such as an NFS server's delegation,
 //! the open fails where a plain one would wait for the lease's break).
+//!
+//! Every read has a limit in bytes, given by its caller, so that a wrong path (`/dev/zero`, a
+//! dataset given as a config) is refused at once instead of filling memory.
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -30,18 +33,40 @@ pub fn open(path: &Path) -> io::Result<File> {
     Ok(file)
 }
 
-/// The bytes of `path` (see [`open`]).
-pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+/// The most bytes read from a small file a user names: a config, a hostfile, a model's
+/// config.json, a checkpoint's `latest`. Far more than any such file holds.
+pub const SMALL: u64 = 8 << 20;
+
+/// The most bytes read from a data file read whole: a token file, a text corpus, a metrics log.
+pub const DATA: u64 = 4 << 30;
+
+/// The bytes of `path` (see [`open`]), at most `limit` of them: a longer file is a
+/// [`io::ErrorKind::FileTooLarge`] error that says the limit.
+pub fn read(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
-    open(path)?.read_to_end(&mut bytes)?;
+    // One byte past the limit tells a file of exactly the limit from a larger one (a device
+    // such as /dev/zero reports no length, so the length cannot be asked first).
+    open(path)?.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(limit));
+    }
     Ok(bytes)
 }
 
-/// The text of `path` (see [`open`]); not UTF-8 is an `InvalidData` error.
-pub fn read_to_string(path: &Path) -> io::Result<String> {
-    let mut text = String::new();
-    open(path)?.read_to_string(&mut text)?;
-    Ok(text)
+/// The text of `path` (see [`read`]); not UTF-8 is an `InvalidData` error.
+pub fn read_to_string(path: &Path, limit: u64) -> io::Result<String> {
+    String::from_utf8(read(path, limit)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// The error of a file longer than `limit` bytes.
+pub fn too_large(limit: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::FileTooLarge,
+        format!(
+            "longer than {}, the most read from such a file: is it the file meant?",
+            crate::estimate::human_bytes(limit)
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -63,7 +88,7 @@ mod tests {
         // On a thread, so that a read that waits fails the test instead of hanging it.
         let (done, result) = std::sync::mpsc::channel();
         let reader_path = path.clone();
-        std::thread::spawn(move || done.send(read(&reader_path).map_err(|e| e.to_string())));
+        std::thread::spawn(move || done.send(read(&reader_path, SMALL).map_err(|e| e.to_string())));
         let start = Instant::now();
         let bytes = result
             .recv_timeout(Duration::from_secs(10))
@@ -96,11 +121,22 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("f");
         std::fs::write(&path, b"abc").expect("write");
-        assert_eq!(read(&path).expect("read"), b"abc");
-        assert_eq!(read_to_string(&path).expect("read"), "abc");
+        assert_eq!(read(&path, SMALL).expect("read"), b"abc");
+        assert_eq!(read_to_string(&path, 3).expect("exactly the limit"), "abc");
         assert_eq!(
-            read(&dir.path().join("missing")).expect_err("missing").kind(),
+            read(&dir.path().join("missing"), SMALL).expect_err("missing").kind(),
             io::ErrorKind::NotFound
         );
+        let e = read(&path, 2).expect_err("one byte over");
+        assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
+        assert!(e.to_string().contains("longer than 2 B"), "{e}");
+    }
+
+    /// A device that never ends is refused at the limit instead of filling memory.
+    #[test]
+    fn an_endless_device_is_refused_at_the_limit() {
+        let e = read(Path::new("/dev/zero"), 1 << 20).expect_err("endless");
+        assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
+        assert!(e.to_string().contains("1.00 MiB"), "{e}");
     }
 }

@@ -177,7 +177,7 @@ impl MetricsWriter {
         let kept: Vec<String> = if first_step == 0 {
             Vec::new()
         } else {
-            zero_core::files::read_to_string(path)
+            zero_core::files::read_to_string(path, zero_core::files::DATA)
                 .unwrap_or_default()
                 .lines()
                 .filter(|line| {

@@ -66,7 +66,7 @@ impl ModelSource {
             ModelSource::Preset(name) => Gpt2Config::preset(name).map_err(|e| TrainError::Model(e.to_string())),
             ModelSource::Pretrained(dir) => {
                 let path = dir.join("config.json");
-                let json = zero_core::files::read_to_string(&path)
+                let json = zero_core::files::read_to_string(&path, zero_core::files::SMALL)
                     .map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))?;
                 Gpt2Config::from_json_str(&json).map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))
             }

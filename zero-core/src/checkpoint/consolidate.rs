@@ -366,7 +366,7 @@ fn remove_the_other_layout(out_dir: &Path, sharded: bool) -> Result<(), Checkpoi
         return remove(&out_dir.join(SINGLE_FILE));
     }
     let index = out_dir.join(INDEX_FILE);
-    if let Ok(text) = crate::files::read_to_string(&index) {
+    if let Ok(text) = crate::files::read_to_string(&index, crate::files::SMALL) {
         let named: BTreeSet<String> = serde_json::from_str::<serde_json::Value>(&text)
             .ok()
             .and_then(|v| v.get("weight_map")?.as_object().cloned())

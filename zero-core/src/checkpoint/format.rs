@@ -432,6 +432,10 @@ pub(crate) fn check_finite(lr_next: Option<f64>, loss_scaler: Option<&LossScaler
     }
 }
 
+/// The most bytes read from a checkpoint's metadata: it lists every parameter and file, a few
+/// KiB for GPT-2; a file far longer is not metadata, and is refused instead of filling memory.
+pub const MAX_META_BYTES: u64 = 256 << 20;
+
 /// Checks that a tag can be a directory name of its own.
 pub fn check_tag(dir: &Path, tag: &str) -> Result<(), CheckpointError> {
     let ok = !tag.is_empty()

@@ -67,7 +67,7 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
     }
     let latest = dir.join(LATEST_FILE);
     let text =
-        crate::files::read_to_string(&latest).map_err(|e| match e.kind() {
+        crate::files::read_to_string(&latest, crate::files::SMALL).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => CheckpointError::Tag {
                 path: latest.clone(),
                 detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
@@ -155,7 +155,7 @@ impl Checkpoint {
             }
         }
         let path = tag_dir.join(META_FILE);
-        let bytes = crate::files::read(&path).map_err(|e| match e.kind() {
+        let bytes = crate::files::read(&path, format::MAX_META_BYTES).map_err(|e| match e.kind() {
             // The metadata itself, not a file it lists.
             std::io::ErrorKind::NotFound => CheckpointError::Metadata {
                 path: path.clone(),

@@ -77,32 +77,26 @@ pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroCo
 use reader::Cx;
 use serde_json::Value;
 use std::collections::BTreeSet;
-use std::io::Read;
 use std::path::Path;
 
 /// The most bytes read from a config file: far more than any real config (DeepSpeed's largest
 /// are a few KiB), and little enough that a wrong path (`/dev/zero`, a dataset) fails at once
 /// instead of filling memory.
-pub const MAX_CONFIG_BYTES: u64 = 8 << 20;
+pub const MAX_CONFIG_BYTES: u64 = crate::files::SMALL;
 
 /// Reads a config file's text: at most [`MAX_CONFIG_BYTES`], UTF-8. Every tool reads configs
 /// through this one function, so that each refuses the same inputs with the same message.
 pub fn read_config_text(path: &Path) -> Result<String, ConfigError> {
-    let io = |source| ConfigError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = crate::files::open(path).map_err(io)?;
-    let mut bytes = Vec::new();
-    // One byte past the limit tells a file of exactly the limit from a larger one (a device
-    // such as /dev/zero reports no length, so the length cannot be asked first).
-    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes).map_err(io)?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(ConfigError::TooLarge {
+    let bytes = crate::files::read(path, MAX_CONFIG_BYTES).map_err(|source| match source.kind() {
+        std::io::ErrorKind::FileTooLarge => ConfigError::TooLarge {
             path: path.to_path_buf(),
             limit: MAX_CONFIG_BYTES,
-        });
-    }
+        },
+        _ => ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
     String::from_utf8(bytes).map_err(|e| {
         let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         // The prefix is valid UTF-8 by construction.

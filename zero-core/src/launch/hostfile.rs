@@ -62,7 +62,7 @@ pub fn parse_hostfile(text: &str, origin: &str) -> Result<Vec<Host>, LaunchError
 
 /// Reads and parses a hostfile.
 pub fn read_hostfile(path: &Path) -> Result<Vec<Host>, LaunchError> {
-    let text = crate::files::read_to_string(path).map_err(|e| LaunchError::Io {
+    let text = crate::files::read_to_string(path, crate::files::SMALL).map_err(|e| LaunchError::Io {
         what: format!("reading hostfile {}", path.display()),
         message: e.to_string(),
     })?;
