@@ -242,6 +242,43 @@ fn non_finite_weights_are_refused() {
     }
 }
 
+/// A weights file cut short, or whose header was edited, is refused naming the file and the
+/// tensor (not blamed on config.json, nor reported as a bare format error).
+#[test]
+fn a_truncated_or_edited_weights_file_names_the_tensor() {
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write_checkpoint(dir.path(), &fixture_tensors());
+    let whole = std::fs::read(&path).unwrap();
+    let refused = |expect: &[&str]| {
+        let e = Gpt2::<B>::load_pretrained(dir.path(), &device).expect_err("refused");
+        let text = e.to_string();
+        assert!(text.contains("model.safetensors"), "{text}");
+        for part in expect {
+            assert!(text.contains(part), "expected `{part}` in: {text}");
+        }
+    };
+
+    // Cut in the tensors' data (the file then holds far fewer bytes than the config's weights).
+    std::fs::write(&path, &whole[..whole.len() / 4]).unwrap();
+    refused(&["truncated: tensor `transformer.", &format!("it is {}", whole.len() / 4)]);
+    // Cut inside the header.
+    std::fs::write(&path, &whole[..20]).unwrap();
+    refused(&["truncated: its header needs"]);
+
+    // A dtype edited in the header: the offsets no longer fit it.
+    let header_len = u64::from_le_bytes(whole[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&whole[8..8 + header_len]).unwrap();
+    header["transformer.ln_f.bias"]["dtype"] = serde_json::json!("F16");
+    let text = header.to_string();
+    let mut edited = (text.len() as u64).to_le_bytes().to_vec();
+    edited.extend_from_slice(text.as_bytes());
+    edited.extend_from_slice(&whole[8 + header_len..]);
+    std::fs::write(&path, &edited).unwrap();
+    refused(&["tensor `transformer.ln_f.bias`: dtype F16 and shape", "take"]);
+}
+
 #[test]
 fn a_directory_without_weights_is_an_error() {
     let device = Default::default();

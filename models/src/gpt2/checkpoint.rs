@@ -37,17 +37,21 @@ impl<B: Backend> Gpt2<B> {
         let config = read_config(dir)?;
 
         let (files, reported_path) = weight_files(dir)?;
-        room_for(&config, dir, &files)?;
+        // Every tensor is checked to lie within its file before a file is read whole.
+        headers(&config, dir, &files)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
         let mut loaded: HashMap<String, TensorData> = HashMap::with_capacity(expected.len());
         let mut unexpected = Vec::new();
         let mut lm_head: Option<(PathBuf, TensorData)> = None;
 
         for path in files {
-            let bytes = zero_core::files::read(&path).map_err(|source| CheckpointError::Io {
+            let io = |source| CheckpointError::Io {
                 path: path.clone(),
                 source,
-            })?;
+            };
+            // A regular file whose length its header was checked against.
+            let len = fs::metadata(&path).map_err(io)?.len();
+            let bytes = zero_core::files::read(&path, len).map_err(io)?;
             let file = SafeTensors::deserialize(&bytes).map_err(|source| CheckpointError::Safetensors {
                 path: path.clone(),
                 source,
@@ -290,7 +294,18 @@ fn bytes_to_f32_data(
     Ok(TensorData::new(values, shape))
 }
 
-/// The GPT-2 configuration of a checkpoint directory.
+/// The tensors of every file in `files`, each checked to lie within its file ([`read_header`]),
+/// and then the config checked to fit them ([`room_for`]): a truncated file is named as such
+/// before its size is held against the config.
+fn headers(config: &Gpt2Config, dir: &Path, files: &[PathBuf]) -> Result<Vec<StoredTensor>, CheckpointError> {
+    let mut all = Vec::new();
+    for path in files {
+        all.extend(read_header(path)?);
+    }
+    room_for(config, dir, files)?;
+    Ok(all)
+}
+
 /// Refuses a config that describes more parameters than `files` can hold (2 bytes each, the
 /// smallest dtype read), before anything of the model's size is built from it.
 fn room_for(config: &Gpt2Config, dir: &Path, files: &[PathBuf]) -> Result<(), CheckpointError> {
@@ -376,41 +391,39 @@ impl TensorIndex {
     pub(crate) fn open(dir: &Path) -> Result<(Self, Gpt2Config), CheckpointError> {
         let config = read_config(dir)?;
         let (files, reported_path) = weight_files(dir)?;
-        room_for(&config, dir, &files)?;
+        let stored_tensors = headers(&config, dir, &files)?;
         let expected: HashMap<String, Vec<usize>> = config.param_shapes().into_iter().collect();
         let mut tensors = HashMap::with_capacity(expected.len());
         let mut unexpected = Vec::new();
         let mut lm_head = None;
-        for path in files {
-            for stored in read_header(&path)? {
-                let name = stored
-                    .stored_name
-                    .strip_prefix(HF_PREFIX)
-                    .unwrap_or(&stored.stored_name)
-                    .to_string();
-                if name == LM_HEAD {
-                    lm_head = Some(stored);
-                    continue;
-                }
-                if is_mask_buffer(&name) {
-                    continue;
-                }
-                let Some(shape) = expected.get(&name) else {
-                    unexpected.push(stored.stored_name.clone());
-                    continue;
-                };
-                if &stored.shape != shape {
-                    return Err(CheckpointError::ShapeMismatch {
-                        path: stored.path.clone(),
-                        key: stored.stored_name.clone(),
-                        expected: shape.clone(),
-                        found: stored.shape.clone(),
-                    });
-                }
-                let (path, key) = (stored.path.clone(), stored.stored_name.clone());
-                if tensors.insert(name, stored).is_some() {
-                    return Err(CheckpointError::DuplicateKey { path, key });
-                }
+        for stored in stored_tensors {
+            let name = stored
+                .stored_name
+                .strip_prefix(HF_PREFIX)
+                .unwrap_or(&stored.stored_name)
+                .to_string();
+            if name == LM_HEAD {
+                lm_head = Some(stored);
+                continue;
+            }
+            if is_mask_buffer(&name) {
+                continue;
+            }
+            let Some(shape) = expected.get(&name) else {
+                unexpected.push(stored.stored_name.clone());
+                continue;
+            };
+            if &stored.shape != shape {
+                return Err(CheckpointError::ShapeMismatch {
+                    path: stored.path.clone(),
+                    key: stored.stored_name.clone(),
+                    expected: shape.clone(),
+                    found: stored.shape.clone(),
+                });
+            }
+            let (path, key) = (stored.path.clone(), stored.stored_name.clone());
+            if tensors.insert(name, stored).is_some() {
+                return Err(CheckpointError::DuplicateKey { path, key });
             }
         }
         let mut missing: Vec<String> = expected.keys().filter(|n| !tensors.contains_key(*n)).cloned().collect();
@@ -506,8 +519,16 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
     file.read_exact(&mut len_bytes)
         .map_err(|_| format(SafeTensorError::HeaderTooSmall))?;
     let header_len = u64::from_le_bytes(len_bytes);
-    if header_len > MAX_HEADER || 8 + header_len > file_len {
-        return Err(format(SafeTensorError::InvalidHeaderLength));
+    if header_len > MAX_HEADER {
+        return Err(format(SafeTensorError::HeaderTooLarge));
+    }
+    if 8 + header_len > file_len {
+        return Err(CheckpointError::Truncated {
+            path: path.to_path_buf(),
+            what: "its header".into(),
+            needed: 8 + header_len,
+            len: file_len,
+        });
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
@@ -522,12 +543,36 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
         let info: Info =
             serde_json::from_value(value).map_err(|e| format(SafeTensorError::InvalidHeaderDeserialization(e)))?;
         let (begin, end) = info.data_offsets;
-        let numel: usize = info.shape.iter().product();
-        let fits = end >= begin
-            && numel.checked_mul(info.dtype.bitsize()).map(|bits| bits.div_ceil(8)) == Some(end - begin)
-            && data_start + end as u64 <= file_len;
-        if !fits {
-            return Err(format(SafeTensorError::InvalidOffset(name)));
+        let size = info
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|numel| numel.checked_mul(info.dtype.bitsize()))
+            .map(|bits| bits.div_ceil(8));
+        if end < begin || size != Some(end - begin) {
+            let takes = size.map_or("more bytes than can be addressed".to_string(), |n| format!("{n} bytes"));
+            return Err(CheckpointError::Tensor {
+                path: path.to_path_buf(),
+                key: name,
+                detail: format!(
+                    "dtype {:?} and shape {:?} take {takes}, but its data_offsets [{begin}, {end}] give {}",
+                    info.dtype,
+                    info.shape,
+                    if end < begin {
+                        "a negative length".to_string()
+                    } else {
+                        format!("{} bytes", end - begin)
+                    }
+                ),
+            });
+        }
+        if data_start + end as u64 > file_len {
+            return Err(CheckpointError::Truncated {
+                path: path.to_path_buf(),
+                what: format!("tensor `{name}`"),
+                needed: data_start + end as u64,
+                len: file_len,
+            });
         }
         out.push(StoredTensor {
             path: path.to_path_buf(),
@@ -542,7 +587,7 @@ fn read_header(path: &Path) -> Result<Vec<StoredTensor>, CheckpointError> {
 }
 
 fn read_to_string(path: &Path) -> Result<String, CheckpointError> {
-    zero_core::files::read_to_string(path).map_err(|source| CheckpointError::Io {
+    zero_core::files::read_to_string(path, zero_core::files::SMALL).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
     })

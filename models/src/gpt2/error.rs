@@ -111,6 +111,28 @@ pub enum CheckpointError {
         #[source]
         source: safetensors::SafeTensorError,
     },
+    /// A safetensors file ends before what its header describes.
+    #[error("{}: truncated: {what} needs the file to be {needed} bytes long, it is {len}", path.display())]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// What lies past the end: "its header", or a tensor by name.
+        what: String,
+        /// The length it needs.
+        needed: u64,
+        /// The file's length.
+        len: u64,
+    },
+    /// A tensor's header entry does not describe its bytes (dtype, shape and offsets disagree).
+    #[error("{}: tensor `{key}`: {detail}", path.display())]
+    Tensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name as stored.
+        key: String,
+        /// What disagrees.
+        detail: String,
+    },
     /// The directory is a ZeRO training checkpoint (sharded optimizer state), not a model.
     #[error(
         "{}: a ZeRO training checkpoint, not a model directory: `{command}` writes its weights as \
