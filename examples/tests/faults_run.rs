@@ -210,6 +210,73 @@ fn an_unwritable_nvme_path_is_refused_before_step_1_naming_its_key() {
     }
 }
 
+/// A monitor whose log directory cannot be made (its output_path is a file) is refused before
+/// step 1, naming the monitor's keys and the directory.
+#[test]
+fn an_unwritable_monitor_directory_is_refused_before_step_1() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").expect("write");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_config.json")).expect("config")).expect("json");
+    for name in ["tensorboard", "csv_monitor"] {
+        config[name] = serde_json::json!({ "enabled": true, "output_path": file.to_string_lossy(), "job_name": "run" });
+        let path = dir.path().join(format!("{name}.json"));
+        std::fs::write(&path, config.to_string()).expect("write");
+        let metrics = dir.path().join("metrics.jsonl");
+        let out = one_step(
+            &path,
+            &fixture("train_tokens.json"),
+            &["--metrics", &metrics.to_string_lossy()],
+            &[],
+        );
+        assert_refused(
+            &out,
+            &[
+                &format!("{name}.output_path/job_name"),
+                &file.join("run").to_string_lossy(),
+            ],
+        );
+        assert!(!metrics.exists(), "{name}: steps ran before the refusal");
+        config[name]["enabled"] = serde_json::json!(false);
+    }
+}
+
+/// A run whose weights diverge (a learning rate no float holds makes them infinite) is not
+/// saved over the checkpoint before it: the save fails naming a parameter, the run exits 1,
+/// and `latest` still names the earlier, finite checkpoint.
+#[test]
+fn diverged_weights_are_not_saved() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let save = dir.path().join("ckpt");
+    let save_arg = save.to_string_lossy().into_owned();
+    let first = one_step(
+        &fixture("train_config.json"),
+        &fixture("train_tokens.json"),
+        &["--save", &save_arg],
+        &[],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    let latest = std::fs::read_to_string(save.join("latest")).expect("latest");
+
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("train_config.json")).expect("config")).expect("json");
+    config["optimizer"]["params"]["lr"] = serde_json::json!(1e300);
+    let path = dir.path().join("huge-lr.json");
+    std::fs::write(&path, config.to_string()).expect("write");
+    // A fresh run into the same directory: its one step's update is infinite.
+    let out = one_step(&path, &fixture("train_tokens.json"), &["--save", &save_arg], &[]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    // Said once, for all 4 ranks (every weight is infinite or NaN after the step).
+    assert!(
+        err.contains("diverged") && err.contains("holds") && err.contains("3 more ranks"),
+        "{err}"
+    );
+    assert_eq!(err.matches("not saved").count(), 1, "{err}");
+    assert_eq!(std::fs::read_to_string(save.join("latest")).expect("latest"), latest);
+}
+
 fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");

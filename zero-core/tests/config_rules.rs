@@ -577,3 +577,23 @@ fn one_cycle_momentum_says_what_it_replaces() {
     assert!(said[0].contains("SGD has no betas"), "{said:?}");
     assert!(warnings(sgd, r#", "cycle_momentum": false"#).is_empty());
 }
+
+/// A monitor's `job_name` is a directory under its `output_path`: one that is a path (it would
+/// write elsewhere) is refused, naming the key and what is valid; DeepSpeed's default is kept.
+#[test]
+fn a_monitor_job_name_must_be_a_plain_name() {
+    for name in ["../../..", "a/b", "", ".."] {
+        for monitor in ["tensorboard", "csv_monitor"] {
+            let text = json!({ "train_batch_size": 8, monitor: { "enabled": true, "job_name": name } }).to_string();
+            let e = err(&text);
+            assert!(
+                e.contains("test.json")
+                    && e.contains(&format!("{monitor}.job_name"))
+                    && e.contains("plain directory name"),
+                "{name}: {e}"
+            );
+        }
+    }
+    let monitors = resolve(r#"{"train_batch_size": 8, "tensorboard": {"enabled": true}}"#, 1).monitors;
+    assert_eq!(monitors.tensorboard.job_name, "DeepSpeedJobName");
+}

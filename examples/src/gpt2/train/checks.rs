@@ -10,8 +10,19 @@ use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_models::Gpt2Config;
 
 /// Refuses an NVMe offload directory (`device: nvme`) this process cannot write, naming its
-/// key: the swap files are written at the first step.
-pub(super) fn nvme_paths_writable(resolved: &ResolvedConfig) -> Result<(), TrainError> {
+/// key: the swap files are written at the first step. So too an enabled monitor's log
+/// directory (`output_path/job_name`), where rank 0 (`lead`) writes it.
+pub(super) fn output_paths_writable(resolved: &ResolvedConfig, lead: bool) -> Result<(), TrainError> {
+    let monitors = &resolved.monitors;
+    for (name, monitor) in [
+        ("tensorboard", &monitors.tensorboard),
+        ("csv_monitor", &monitors.csv_monitor),
+    ] {
+        if lead && monitor.enabled {
+            let dir = Path::new(&monitor.output_path).join(&monitor.job_name);
+            writable(&format!("{name}.output_path/job_name"), &dir)?;
+        }
+    }
     let zero = &resolved.zero;
     let nvme = [
         (

@@ -247,7 +247,7 @@ where
             data
         }
         (None, Some(path)) => {
-            let text = zero_core::files::read_to_string(path)
+            let text = zero_core::files::read_to_string(path, zero_core::files::DATA)
                 .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
             DataSource::from_text(
                 &text,
@@ -343,7 +343,9 @@ where
         ..args.clone()
     };
     let args = &seeded;
-    checks::nvme_paths_writable(&resolved)?;
+    // Rank 0 writes the monitors' logs: a launched rank 0, or this process of rank threads.
+    let lead = DistEnv::detect().map_or(true, |env| env.rank == 0);
+    checks::output_paths_writable(&resolved, lead)?;
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
         let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
