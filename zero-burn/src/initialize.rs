@@ -144,11 +144,10 @@ fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroEr
                 ZeroError::Config("zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\"".into())
             })?;
             let buffer_count = usize::try_from(o.buffer_count).unwrap_or(usize::MAX).max(1);
-            let sub_group = usize::try_from(config.zero.sub_group_size).unwrap_or(usize::MAX);
             OptimizerOffload::Nvme {
                 path: path.into(),
                 buffer_count,
-                chunk_elements: sub_group.clamp(1, zero_core::offload::MAX_CHUNK_ELEMENTS),
+                chunk_elements: zero_core::offload::chunk_elements(config.zero.sub_group_size),
                 threads: 0,
             }
         }

@@ -86,7 +86,7 @@ fn reference(steps: &[(f64, f64, f64)]) -> Vec<Vec<f32>> {
 /// The DeepSpeed config: AdamW (betas 0.9/0.999, eps 1e-4) under OneCycle with `schedule`'s
 /// params, no clipping, at `stage`, with `offload` as the optimizer's offload section.
 fn config(stage: u8, world: usize, schedule: &Value, offload: Option<Value>) -> zero_core::config::DeepSpeedConfig {
-    let mut zero = json!({"stage": stage, "sub_group_size": 100});
+    let mut zero = json!({"stage": stage});
     if let Some(offload) = offload {
         zero["offload_optimizer"] = offload;
     }

@@ -271,10 +271,18 @@ fn config_sections_become_offload_settings() {
         OptimizerOffload::Nvme {
             path: "/tmp/x".into(),
             buffer_count: 5,
-            chunk_elements: 1000,
+            chunk_elements: zero_core::offload::MIN_CHUNK_ELEMENTS,
             threads: 0
         }
     );
+    // sub_group_size is held within the streaming bounds: 1000 elements is raised to the
+    // smallest chunk (above), DeepSpeed's default 1e9 lowered to the largest.
+    let default = settings(r#"{"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}"#)
+        .expect("nvme offload is accepted");
+    assert!(matches!(
+        default.offload_optimizer,
+        OptimizerOffload::Nvme { chunk_elements, .. } if chunk_elements == zero_core::offload::MAX_CHUNK_ELEMENTS
+    ));
     let err =
         settings(r#"{"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}"#).expect_err("partial offload");
     assert!(err.to_string().contains("ratio"), "{err}");

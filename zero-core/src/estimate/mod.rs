@@ -183,8 +183,8 @@ pub struct EstimateInput {
 pub struct NvmeStreaming {
     /// `offload_optimizer.buffer_count` (DeepSpeed's default 4).
     pub buffer_count: u64,
-    /// Elements of one chunk: `zero_optimization.sub_group_size` (default 1e9), at most
-    /// [`crate::offload::MAX_CHUNK_ELEMENTS`].
+    /// Elements of one chunk: `zero_optimization.sub_group_size` (default 1e9), within
+    /// [`crate::offload::chunk_elements`]'s bounds.
     pub chunk_elements: u64,
 }
 

@@ -26,3 +26,16 @@ pub use swap_file::SwapFile;
 /// few buffers stay a small share of host memory (DeepSpeed's default sub-group, 1e9 elements,
 /// would make each of the `buffer_count` buffers 12 GB).
 pub const MAX_CHUNK_ELEMENTS: usize = 1 << 22;
+
+/// The fewest elements of one chunk (`sub_group_size` is raised to it): 64 Ki elements, 256 KiB
+/// per state buffer. Smaller chunks save no memory worth having, and each costs a read and a
+/// write of its own (a `sub_group_size` of 1 made two steps of a tiny model take minutes).
+pub const MIN_CHUNK_ELEMENTS: usize = 1 << 16;
+
+/// The elements of one streamed chunk for a `sub_group_size`: within
+/// [`MIN_CHUNK_ELEMENTS`]`..=`[`MAX_CHUNK_ELEMENTS`].
+pub fn chunk_elements(sub_group_size: u64) -> usize {
+    usize::try_from(sub_group_size)
+        .unwrap_or(usize::MAX)
+        .clamp(MIN_CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS)
+}

@@ -56,7 +56,7 @@ pub struct Args {
     /// (`offload_optimizer.buffer_count`).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     pub buffer_count: u64,
-    /// With --offload-optimizer nvme: elements per streamed chunk (`sub_group_size`; at most 4Mi).
+    /// With --offload-optimizer nvme: elements per streamed chunk (`sub_group_size`; within 64Ki..=4Mi).
     #[arg(long, default_value_t = 1_000_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub sub_group_size: u64,
     /// Tensor-parallel degree T (`tensor_parallel.autotp_size`): each device holds its slice of
@@ -191,7 +191,7 @@ fn report(args: &Args) -> Result<String, String> {
         dtype,
         nvme_streaming: NvmeStreaming {
             buffer_count: args.buffer_count,
-            chunk_elements: args.sub_group_size.min(zero_core::offload::MAX_CHUNK_ELEMENTS as u64),
+            chunk_elements: zero_core::offload::chunk_elements(args.sub_group_size) as u64,
         },
         tensor_parallel: args.tensor_parallel,
     };
