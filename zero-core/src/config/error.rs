@@ -111,11 +111,19 @@ pub enum ConfigError {
         /// The values involved and which one to change.
         message: String,
     },
-    /// A value supplied for a key that the file does not write "auto" (so it would fill nothing).
+    /// A value supplied for a key that the file does not write "auto" (so it would fill nothing),
+    /// or whose "auto" is read as DeepSpeed's default before any value is supplied (the ranks'
+    /// layout: `pipeline.stages`, `tensor_parallel.autotp_size`).
     #[error(
-        "{source_name}: a value is supplied for `{key}`, but {}; a supplied value only fills a \
-         value written \"auto\" (edit the file to change it)",
-        match .written { Some(v) => format!("the file writes it as {v}"), None => "the file does not write it".to_string() }
+        "{source_name}: a value is supplied for `{key}`, but {}",
+        match .written.as_deref() {
+            Some("\"auto\"") => "its \"auto\" sets the ranks' layout and is read as DeepSpeed's default before any \
+                supplied value; write the value in the file".to_string(),
+            Some(v) => format!("the file writes it as {v}; a supplied value only fills a value written \"auto\" \
+                (edit the file to change it)"),
+            None => "the file does not write it; a supplied value only fills a value written \"auto\" (edit the \
+                file to change it)".to_string(),
+        }
     )]
     NotAuto {
         /// File or source name.
