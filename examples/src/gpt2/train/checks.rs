@@ -5,7 +5,6 @@
 use super::{TrainArgs, TrainError};
 use crate::gpt2::host_memory_bytes;
 use std::path::Path;
-use zero_core::comm::DistEnv;
 use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_models::Gpt2Config;
 
@@ -148,7 +147,7 @@ const MAX_THREAD_RANKS: usize = 1024;
 /// Refuses counts that cannot mean anything, before any work; each error names the flag and
 /// what it takes. (`--seq-len` is checked against the model and the text when the text is
 /// read.)
-pub(super) fn counts(args: &TrainArgs) -> Result<(), TrainError> {
+pub(super) fn counts(args: &TrainArgs, launched: bool) -> Result<(), TrainError> {
     if args.steps == 0 {
         return Err(TrainError::Config(
             "--steps 0: nothing to train; --steps is the total number of optimizer steps, at least 1".into(),
@@ -157,7 +156,7 @@ pub(super) fn counts(args: &TrainArgs) -> Result<(), TrainError> {
     if args.nproc == 0 {
         return Err(TrainError::Config("--nproc 0: at least 1 rank is needed".into()));
     }
-    if args.nproc > MAX_THREAD_RANKS && DistEnv::detect().is_err() {
+    if args.nproc > MAX_THREAD_RANKS && !launched {
         return Err(TrainError::Config(format!(
             "--nproc {}: at most {MAX_THREAD_RANKS} ranks run as threads of one process (each builds its \
              model); start more with zero launch, one process per rank",

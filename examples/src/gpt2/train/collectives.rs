@@ -42,10 +42,13 @@ pub(super) fn check(args: &TrainArgs) -> Result<(), TrainError> {
 /// the NCCL group is made (`crate::ranks::run_ranks_with`), and take NCCL only if every rank
 /// can.
 #[cfg(feature = "cuda")]
-pub(super) fn nccl_wanted(args: &TrainArgs, gpus: usize) -> Result<bool, TrainError> {
-    use zero_core::comm::DistEnv;
-    let ranks = match DistEnv::detect() {
-        Ok(env) => Ranks {
+pub(super) fn nccl_wanted(
+    args: &TrainArgs,
+    launch: Option<&zero_core::comm::DistEnv>,
+    gpus: usize,
+) -> Result<bool, TrainError> {
+    let ranks = match launch {
+        Some(env) => Ranks {
             local: std::env::var("LOCAL_WORLD_SIZE")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
@@ -53,7 +56,7 @@ pub(super) fn nccl_wanted(args: &TrainArgs, gpus: usize) -> Result<bool, TrainEr
             world: env.world_size,
             what: "processes on this node",
         },
-        Err(_) => Ranks {
+        None => Ranks {
             local: args.nproc,
             world: args.nproc,
             what: "rank threads (--nproc)",

@@ -181,8 +181,9 @@ pub struct TrainSummary {
 /// this process hosts.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     collectives::check(args)?;
-    // A launch whose variables are unusable is refused, not run as ranks of threads alone.
-    DistEnv::launched().map_err(|e| TrainError::Config(format!("the launcher's environment: {e} (a launched rank needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or its launcher's own set; without a launcher, unset them: --nproc runs the ranks as threads)")))?;
+    // A launch whose variables are unusable is refused, not run as ranks of threads alone. Read
+    // once: every later question about the launch is asked of `launch`.
+    let launch = DistEnv::launched().map_err(|e| TrainError::Config(format!("the launcher's environment: {e} (a launched rank needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or its launcher's own set; without a launcher, unset them: --nproc runs the ranks as threads)")))?;
     match args.backend.as_str() {
         "cpu" => {
             if args.collectives == "nccl" {
@@ -190,15 +191,18 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
                     "--collectives nccl: NCCL needs --backend cuda; the CPU backend's collectives are host ones".into(),
                 ));
             }
-            train_on::<Autodiff<Flex, BalancedCheckpointing>, Autodiff<Flex>>(args, 1, None)
+            train_on::<Autodiff<Flex, BalancedCheckpointing>, Autodiff<Flex>>(args, launch.as_ref(), 1, None)
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
             let gpus = zero_burn::device::cuda_devices()
                 .map_err(|why| TrainError::Config(format!("--backend cuda: {why}")))?;
-            let nccl = collectives::nccl_wanted(args, gpus)?.then_some(collectives::nccl_units as _);
+            let nccl = collectives::nccl_wanted(args, launch.as_ref(), gpus)?.then_some(collectives::nccl_units as _);
             train_on::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>, Autodiff<burn::backend::Cuda>>(
-                args, gpus, nccl,
+                args,
+                launch.as_ref(),
+                gpus,
+                nccl,
             )
         }
         #[cfg(not(feature = "cuda"))]
@@ -209,18 +213,24 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary, TrainError> {
     }
 }
 
-/// Runs the training on backend `B`, whose ranks share `devices` devices. Every argument is
+/// Runs the training on backend `B`, whose ranks share `devices` devices: this process's one
+/// rank under a launcher (`launch`), or `--nproc` rank threads. Every argument is
 /// checked against the config, the model's shape and the data before any rank starts.
 /// Data-parallel ranks train on `B` (stage 3 gathers a unit again in backward under its
 /// checkpointing strategy), pipelined ones on `P`. With `nccl`, the data-parallel ranks'
 /// collectives are the device ones it makes; otherwise they go through host memory.
-fn train_on<B, P>(args: &TrainArgs, devices: usize, nccl: Option<DeviceUnits<B>>) -> Result<TrainSummary, TrainError>
+fn train_on<B, P>(
+    args: &TrainArgs,
+    launch: Option<&DistEnv>,
+    devices: usize,
+    nccl: Option<DeviceUnits<B>>,
+) -> Result<TrainSummary, TrainError>
 where
     B: AutodiffBackend + ShardBackend + TpBackend,
     B::InnerBackend: ShardBackend + TpBackend,
     P: AutodiffBackend + TpBackend,
 {
-    checks::counts(args)?;
+    checks::counts(args, launch.is_some())?;
     checks::metrics_spare_inputs(args)?;
     let parsed = DeepSpeedConfig::from_file(&args.config).map_err(|e| TrainError::Config(e.to_string()))?;
     for w in &parsed.warnings {
@@ -274,7 +284,7 @@ where
     }
     // The world: the launcher's, or the rank threads'; resolved once for every rank, so that a
     // batch size the ranks cannot share is refused before any starts.
-    let world = DistEnv::detect().map_or(args.nproc, |env| env.world_size);
+    let world = launch.map_or(args.nproc, |env| env.world_size);
     let in_config = |e: String| TrainError::Config(format!("{}: {e}", args.config.display()));
     let (stages, tensor) = config.model_parallel_degrees().map_err(in_config)?;
     config.data_parallel_size(world).map_err(in_config)?;
@@ -344,11 +354,11 @@ where
     };
     let args = &seeded;
     // Rank 0 writes the monitors' logs: a launched rank 0, or this process of rank threads.
-    let lead = DistEnv::detect().map_or(true, |env| env.rank == 0);
+    let lead = launch.is_none_or(|env| env.rank == 0);
     checks::output_paths_writable(&resolved, lead)?;
     if args.backend == "cpu" {
         // Ranks as threads share this machine's memory; launched processes each count once.
-        let local = if DistEnv::detect().is_ok() { 1 } else { args.nproc };
+        let local = if launch.is_some() { 1 } else { args.nproc };
         checks::model_states_fit(
             &model_config,
             &resolved,
@@ -368,7 +378,7 @@ where
     if stages > 1 {
         let layout = ParallelLayout::with_pipeline(world / (stages * tensor), tensor, stages)
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        return run_layout::<P>(layout, devices, |groups, device| {
+        return run_layout::<P>(layout, launch, devices, |groups, device| {
             pipeline_rank_loop::<P>(groups, device, args, &resolved, &data, &source)
         });
     }
@@ -376,7 +386,7 @@ where
         // Megatron's split of every block over the tensor ranks, ZeRO over the data ranks.
         let layout =
             ParallelLayout::with_pipeline(world / tensor, tensor, 1).map_err(|e| TrainError::Config(e.to_string()))?;
-        return run_layout::<B>(layout, devices, |groups, device| {
+        return run_layout::<B>(layout, launch, devices, |groups, device| {
             let place = RankPlace::of(&groups);
             rank_loop::<B, _>(
                 &place,
@@ -397,10 +407,11 @@ where
         });
     }
     let args = Arc::new(args.clone());
-    let threads = DistEnv::detect().is_err();
+    let threads = launch.is_none();
+    let local_rank = launch.map(|env| env.local_rank);
     let results = crate::ranks::run_ranks_with(args.nproc, nccl.is_some(), move |rank, group, ctrl| {
         let place = RankPlace::data_only(rank, group);
-        let device = rank_device::<B>(rank, devices);
+        let device = rank_device::<B>(local_rank.unwrap_or(rank), devices);
         let units = match (nccl, ctrl) {
             (Some(make), Some(ctrl)) => Some(make(ctrl, &device, threads)?),
             _ => None,
@@ -430,11 +441,10 @@ where
     first_summary(results)
 }
 
-/// The device of the rank with world rank `rank`: the one of index `local` modulo `devices`,
-/// where `local` is LOCAL_RANK under a launcher and the rank itself when ranks are threads.
-fn rank_device<B: AutodiffBackend>(rank: usize, devices: usize) -> B::Device {
+/// The device of the rank of index `local` on this node (LOCAL_RANK under a launcher, the rank
+/// itself when ranks are threads): the one of that index modulo `devices`.
+fn rank_device<B: AutodiffBackend>(local: usize, devices: usize) -> B::Device {
     use burn::tensor::backend::{Device, DeviceId};
-    let local = DistEnv::detect().map_or(rank, |env| env.local_rank);
     let type_id = B::Device::default().to_id().type_id;
     B::Device::from_id(DeviceId::new(type_id, (local % devices.max(1)) as u16))
 }
@@ -534,13 +544,14 @@ fn rank_start<B: AutodiffBackend>(
 /// this process's one rank under a launcher, every rank as a thread otherwise.
 fn run_layout<B: AutodiffBackend>(
     layout: ParallelLayout,
+    launch: Option<&DistEnv>,
     devices: usize,
     body: impl Fn(RankGroups, B::Device) -> Result<TrainSummary, TrainError> + Sync,
 ) -> Result<TrainSummary, TrainError> {
-    if DistEnv::detect().is_ok() {
+    if let Some(env) = launch {
         let world_group = TcpGroup::from_env(None).map_err(|e| TrainError::Engine(e.into()))?;
         let groups = layout.tcp(world_group).map_err(|e| TrainError::Config(e.to_string()))?;
-        let device = rank_device::<B>(groups.world.rank(), devices);
+        let device = rank_device::<B>(env.local_rank, devices);
         return body(groups, device);
     }
     let ranks = layout.threads().map_err(|e| TrainError::Config(e.to_string()))?;
