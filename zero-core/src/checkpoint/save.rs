@@ -102,7 +102,8 @@ pub fn save(
     format::check_tag(dir, tag)?;
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
-    // Refused before anything is written: a value the metadata cannot hold exactly.
+    // Refused before anything is written: weights that diverged, and a value the metadata
+    // cannot hold exactly.
     check_weights(comm, request)?;
     let prepared = format::check_finite(request.lr_next, request.loss_scaler.as_ref()).and_then(|()| {
         if rank == 0 {
@@ -160,28 +161,26 @@ fn check_weights(comm: &dyn ProcessGroup, req: &SaveRequest<'_>) -> Result<(), C
     }
 }
 
-/// Where the first NaN or infinity lies in the master weights `rank` would write: the
-/// parameter, the element and the value (padding is zeros, so a value outside every parameter
-/// cannot be one).
+/// Where the first NaN or infinity lies in the parameters' master weights `rank` would write:
+/// the parameter, the element and the value. Padding is not looked at: no parameter is there.
 fn first_non_finite(rank: usize, req: &SaveRequest<'_>) -> Option<String> {
     for (g, shard) in req.groups.iter().enumerate() {
         if g >= req.layout.groups.len() || !format::shard_holds(req.layout, g, rank) {
             continue;
         }
-        let Some(at) = shard.master.iter().position(|v| !v.is_finite()) else {
-            continue;
-        };
-        let value = shard.master[at];
-        return Some(
-            match req.layout.segments(g, rank).into_iter().find(|s| s.local.contains(&at)) {
-                Some(s) => format!(
-                    "`{}` holds {value} at element {}",
+        for s in req.layout.segments(g, rank) {
+            let Some(values) = shard.master.get(s.local.clone()) else {
+                continue;
+            };
+            if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+                return Some(format!(
+                    "`{}` holds {} at element {}",
                     req.layout.params[s.param].name,
-                    s.in_param.start + (at - s.local.start)
-                ),
-                None => format!("group {g}'s padding holds {value}"),
-            },
-        );
+                    values[at],
+                    s.in_param.start + at
+                ));
+            }
+        }
     }
     None
 }
@@ -521,8 +520,11 @@ mod tests {
                 meta.tag
             );
         }
-        // After the refusals, finite weights save under the same tag.
-        let master = vec![0.5f32; layout.owned_len(0)];
+        // After the refusals, the same tag saves; a NaN in the padding (element 15 of the
+        // group, past the 15 of `w`) is no parameter's and does not stop it.
+        let mut master = vec![0.5f32; layout.owned_len(0)];
+        assert_eq!(layout.owned_len(0), 16);
+        master[15] = f32::NAN;
         save(
             ThreadGroup::new_group(1).expect("one rank").remove(0).as_ref(),
             &dir,
