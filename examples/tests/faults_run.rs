@@ -155,7 +155,10 @@ fn a_set_of_the_rank_layout_is_refused() {
         let err = stderr(&out);
         let last = err.lines().last().unwrap_or_default();
         assert!(
-            last.starts_with("gpt2: ") && last.contains(&format!("--set {key}")) && last.contains("config file"),
+            last.starts_with("gpt2: --set: ")
+                && last.contains("auto.json")
+                && last.contains(&format!("`{key}`"))
+                && last.contains("ranks' layout"),
             "{err}"
         );
     }

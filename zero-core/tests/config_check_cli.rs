@@ -306,15 +306,18 @@ fn set_fills_only_values_written_auto() {
         err.contains("`gradient_cliping`") && err.contains("does not write it"),
         "{err}"
     );
-    // A layout key written "auto" is read as the default before any --set: said so, without
-    // telling the user to write "auto" where the file already does.
-    let layout = r#"{"train_batch_size": 8, "pipeline": {"stages": "auto"}}"#;
-    let (code, _, err) = check(layout, &["--world-size", "1", "--set", "pipeline.stages=2"]);
-    assert_eq!(code, 2);
-    assert!(
-        err.contains("`pipeline.stages`") && err.contains("ranks' layout") && !err.contains("only fills"),
-        "{err}"
-    );
+    // The ranks' layout is read from the file before any --set, "auto" or not: refused, said
+    // so, without telling the user to write "auto" where the file already does.
+    let layout =
+        r#"{"train_batch_size": 8, "pipeline": {"stages": "auto"}, "tensor_parallel": {"autotp_size": "auto"}}"#;
+    for key in ["pipeline.stages", "tensor_parallel.autotp_size"] {
+        let (code, _, err) = check(layout, &["--world-size", "2", "--set", &format!("{key}=2")]);
+        assert_eq!(code, 2, "{key}");
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains("ranks' layout") && !err.contains("only fills"),
+            "{err}"
+        );
+    }
     // A value --set supplies is checked like one written in the file.
     let (code, _, err) = check(cfg, &["--world-size", "1", "--set", "optimizer.params.lr=-1"]);
     assert_eq!(code, 2);

@@ -111,18 +111,18 @@ pub enum ConfigError {
         /// The values involved and which one to change.
         message: String,
     },
-    /// A value supplied for a key that the file does not write "auto" (so it would fill nothing),
-    /// or whose "auto" is read as DeepSpeed's default before any value is supplied (the ranks'
-    /// layout: `pipeline.stages`, `tensor_parallel.autotp_size`).
+    /// A value supplied for a key that the file does not write "auto" (so it would fill
+    /// nothing), or for a key of the ranks' layout, which is read from the file before any
+    /// supplied value.
     #[error(
         "{source_name}: a value is supplied for `{key}`, but {}",
-        match .written.as_deref() {
-            Some("\"auto\"") => "its \"auto\" sets the ranks' layout and is read as DeepSpeed's default before any \
-                supplied value; write the value in the file".to_string(),
-            Some(v) => format!("the file writes it as {v}; a supplied value only fills a value written \"auto\" \
-                (edit the file to change it)"),
-            None => "the file does not write it; a supplied value only fills a value written \"auto\" (edit the \
-                file to change it)".to_string(),
+        match (.layout, .written.as_deref()) {
+            (true, _) => "it sets the ranks' layout, which is read from the file before any supplied value; write \
+                it in the file".to_string(),
+            (false, Some(v)) => format!("the file writes it as {v}; a supplied value only fills a value written \
+                \"auto\" (edit the file to change it)"),
+            (false, None) => "the file does not write it; a supplied value only fills a value written \"auto\" \
+                (edit the file to change it)".to_string(),
         }
     )]
     NotAuto {
@@ -132,6 +132,8 @@ pub enum ConfigError {
         key: String,
         /// The value the file writes there, as JSON; `None` when it writes none.
         written: Option<String>,
+        /// Whether the key is one of the ranks' layout ([`super::LAYOUT_KEYS`]).
+        layout: bool,
     },
     /// A value left as "auto" that nothing could resolve.
     #[error(

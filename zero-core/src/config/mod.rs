@@ -79,6 +79,10 @@ use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
 
+/// The keys that set the ranks' layout (pipeline and tensor-parallel degrees): read from the
+/// file itself, before any supplied value, as the world is cut from them.
+pub const LAYOUT_KEYS: [&str; 2] = ["pipeline.stages", "tensor_parallel.autotp_size"];
+
 /// The most bytes read from a config file: far more than any real config (DeepSpeed's largest
 /// are a few KiB), and little enough that a wrong path (`/dev/zero`, a dataset) fails at once
 /// instead of filling memory.
@@ -304,9 +308,14 @@ impl DeepSpeedConfig {
     /// for a key the file writes otherwise, or does not write at all, would be silently
     /// ignored. (A training script that supplies the same values for every config, as
     /// HuggingFace's Trainer does, skips this check.)
+    ///
+    /// The ranks' layout ([`LAYOUT_KEYS`]) is read from the file before any value is supplied
+    /// ([`DeepSpeedConfig::model_parallel_degrees`]), so a value supplied for it is refused
+    /// even where the file writes "auto".
     pub fn check_overrides(&self, overrides: &Overrides) -> Result<(), ConfigError> {
         for key in overrides.keys() {
-            if self.written_auto.contains(key) {
+            let layout = LAYOUT_KEYS.contains(&key);
+            if self.written_auto.contains(key) && !layout {
                 continue;
             }
             let written = key
@@ -317,6 +326,7 @@ impl DeepSpeedConfig {
                 source_name: self.source_name.clone(),
                 key: key.to_string(),
                 written,
+                layout,
             });
         }
         Ok(())

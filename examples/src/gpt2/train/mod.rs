@@ -293,15 +293,8 @@ where
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
     }
     let mut overrides = zero_core::config::Overrides::from_assignments(&args.set).map_err(TrainError::Config)?;
-    // The ranks' layout was read from the file above, before any --set.
-    for key in ["tensor_parallel.autotp_size", "pipeline.stages"] {
-        if overrides.get(key).is_some() {
-            return Err(TrainError::Config(format!(
-                "--set {key}: the ranks' layout is read from the config file; write {key} there ({})",
-                args.config.display()
-            )));
-        }
-    }
+    // The ranks' layout was read from the file above, before any --set: check_overrides
+    // refuses a value for it.
     config
         .check_overrides(&overrides)
         .map_err(|e| TrainError::Config(format!("--set: {e}")))?;
