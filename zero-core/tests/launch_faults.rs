@@ -168,3 +168,42 @@ fn seconds_that_are_not_a_duration_are_refused_not_a_panic() {
         }
     }
 }
+
+/// Counts whose world overflows (nodes × processes, or a hostfile's slots) are refused with
+/// the bound, not a panic on the overflow.
+#[test]
+fn a_world_past_the_bound_is_refused_not_a_panic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let hostfile = dir.path().join("hostfile");
+    std::fs::write(&hostfile, "localhost slots=2\nother slots=18446744073709551615\n").expect("write");
+    let max = u64::MAX.to_string();
+    let cases: [(&[&str], &str); 3] = [
+        (&["--nproc-per-node", "1024", "--nnodes", &max], "--nnodes"),
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                &max,
+                "--node-rank",
+                "18446744073709551614",
+            ],
+            "--nnodes",
+        ),
+        (
+            &["--hostfile", &hostfile.to_string_lossy(), "--node-rank", "0"],
+            "slots",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = zero()
+            .arg("launch")
+            .args(args)
+            .args(["--", "true"])
+            .output()
+            .expect("zero launch");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && err.contains("16777216 ranks"), "{args:?}: {err}");
+    }
+}

@@ -98,6 +98,10 @@ pub struct LaunchPlan {
     pub exit_grace: Duration,
 }
 
+/// The most ranks one launch counts (over all nodes): far past any real cluster, and a bound
+/// that keeps every rank count, node offset and port sum from overflowing.
+pub const MAX_WORLD: usize = 1 << 24;
+
 /// The most processes started on one node: far more than any node's GPUs, few enough that a
 /// mistyped count does not fork until the system refuses.
 pub const MAX_PROCS_PER_NODE: usize = 1024;
@@ -142,8 +146,17 @@ impl LaunchPlan {
                         hosts[node].name
                     )));
                 }
+                let world = hosts
+                    .iter()
+                    .try_fold(0usize, |n, h| n.checked_add(h.slots))
+                    .filter(|&w| w <= MAX_WORLD)
+                    .ok_or_else(|| {
+                        LaunchError::Options(format!(
+                            "the hostfile's slots add up to more than {MAX_WORLD} ranks, more than any launch this \
+                             launcher starts"
+                        ))
+                    })?;
                 let first: usize = hosts[..node].iter().map(|h| h.slots).sum();
-                let world: usize = hosts.iter().map(|h| h.slots).sum();
                 (first, slots, world, hosts.len(), hosts[0].name.clone())
             }
             None => {
@@ -157,7 +170,14 @@ impl LaunchPlan {
                         "need --nproc-per-node ≥ 1, --nnodes ≥ 1 and --node-rank < --nnodes (got {nproc}, {nnodes}, {node})"
                     )));
                 }
-                (node * nproc, nproc, nnodes * nproc, nnodes, "127.0.0.1".to_string())
+                let world = nnodes.checked_mul(nproc).filter(|&w| w <= MAX_WORLD).ok_or_else(|| {
+                    LaunchError::Options(format!(
+                        "--nnodes {nnodes} × --nproc-per-node {nproc}: more than {MAX_WORLD} ranks, more than any \
+                         launch this launcher starts"
+                    ))
+                })?;
+                // node < nnodes, so node × nproc < world.
+                (node * nproc, nproc, world, nnodes, "127.0.0.1".to_string())
             }
         };
         if local > MAX_PROCS_PER_NODE {
