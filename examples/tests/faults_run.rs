@@ -81,8 +81,21 @@ fn an_unwritable_save_target_is_refused_before_step_1() {
 /// One step of `gpt2 train` on the tiny fixture model, 4 rank threads, quietly, with `config`
 /// and `tokens`, `extra` arguments and `vars` in its environment.
 fn one_step(config: &Path, tokens: &Path, extra: &[&str], vars: &[(&str, &str)]) -> Output {
+    train_steps(1, config, tokens, extra, vars)
+}
+
+/// [`one_step`], to step `steps`.
+fn train_steps(steps: u64, config: &Path, tokens: &Path, extra: &[&str], vars: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_gpt2"))
-        .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+        .args([
+            "train",
+            "--quiet",
+            "--nproc",
+            "4",
+            "--steps",
+            &steps.to_string(),
+            "--model",
+        ])
         .arg(fixture_model())
         .arg("--config")
         .arg(config)
@@ -116,6 +129,64 @@ fn metrics_onto_an_input_is_refused_and_the_input_kept() {
             "{flag}: the input changed"
         );
     }
+}
+
+/// A `--metrics` path whose writing would lose a file is refused, the file kept: model weights
+/// or any file that is not a metrics file, and a `.png` path (the loss curve drawn beside it
+/// would replace it). A file that is not an image where the curve would go is kept, and said so.
+#[test]
+fn metrics_that_would_lose_a_file_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let weights = dir.path().join("model.safetensors");
+    std::fs::copy(fixture_model().join("model.safetensors"), &weights).expect("copy the weights");
+    let before = std::fs::read(&weights).expect("read");
+    let config = fixture("train_config.json");
+    let tokens = fixture("train_tokens.json");
+    let out = one_step(&config, &tokens, &["--metrics", &weights.to_string_lossy()], &[]);
+    assert_refused(&out, &["--metrics", "not a metrics file"]);
+    assert_eq!(std::fs::read(&weights).expect("read"), before, "the weights changed");
+
+    let png = dir.path().join("m.png");
+    let out = one_step(&config, &tokens, &["--metrics", &png.to_string_lossy()], &[]);
+    assert_refused(&out, &["--metrics", ".png", ".jsonl"]);
+    assert!(!png.exists());
+
+    // A run's own metrics file is replaced by a fresh run; a text where its curve goes is kept.
+    let metrics = dir.path().join("run.jsonl");
+    let beside = dir.path().join("run.png");
+    std::fs::write(&beside, "notes, not an image").expect("write");
+    for _ in 0..2 {
+        let out = one_step(&config, &tokens, &["--metrics", &metrics.to_string_lossy()], &[]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stderr(&out).contains("the loss curve is not drawn"), "{}", stderr(&out));
+    }
+    assert_eq!(std::fs::read_to_string(&beside).expect("read"), "notes, not an image");
+}
+
+/// A run that does not resume from its --save directory, where another run's checkpoint is, is
+/// refused before it trains (it would replace that run's tags and move its `latest`); resuming
+/// in place is not.
+#[test]
+fn saving_over_another_runs_checkpoint_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let save = dir.path().join("ckpt");
+    let save_arg = save.to_string_lossy().into_owned();
+    let (config, tokens) = (fixture("train_config.json"), fixture("train_tokens.json"));
+    let first = train_steps(2, &config, &tokens, &["--save", &save_arg], &[]);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let latest = std::fs::read_to_string(save.join("latest")).expect("latest");
+    let out = one_step(&config, &tokens, &["--save", &save_arg], &[]);
+    assert_refused(
+        &out,
+        &["--save", "another run's checkpoint", &format!("--load {save_arg}")],
+    );
+    assert_eq!(std::fs::read_to_string(save.join("latest")).expect("latest"), latest);
+    let resumed = train_steps(3, &config, &tokens, &["--load", &save_arg, "--save", &save_arg], &[]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).expect("latest"),
+        "global_step3"
+    );
 }
 
 /// A token file whose sequences are not the global batch is refused before the model is built,
@@ -267,8 +338,14 @@ fn diverged_weights_are_not_saved() {
     config["optimizer"]["params"]["lr"] = serde_json::json!(1e300);
     let path = dir.path().join("huge-lr.json");
     std::fs::write(&path, config.to_string()).expect("write");
-    // A fresh run into the same directory: its one step's update is infinite.
-    let out = one_step(&path, &fixture("train_tokens.json"), &["--save", &save_arg], &[]);
+    // Resumed in place with a learning rate no float holds: its one step's update is infinite.
+    let out = train_steps(
+        2,
+        &path,
+        &fixture("train_tokens.json"),
+        &["--load", &save_arg, "--save", &save_arg],
+        &[],
+    );
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     // Said once, for all 4 ranks (every weight is infinite or NaN after the step).

@@ -58,6 +58,20 @@ pub fn read_to_string(path: &Path, limit: u64) -> io::Result<String> {
     String::from_utf8(read(path, limit)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
+/// Whether `a` and `b` name one existing regular file (by device and inode: another name, a
+/// symbolic link or a hard link to it is the same file). A terminal, a pipe or a path that
+/// does not exist is no file here.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .filter(std::fs::Metadata::is_file)
+            .map(|m| (m.dev(), m.ino()))
+    };
+    id(a).is_some_and(|x| id(b) == Some(x))
+}
+
 /// The error of a file longer than `limit` bytes.
 pub fn too_large(limit: u64) -> io::Error {
     io::Error::new(

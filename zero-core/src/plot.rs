@@ -316,6 +316,28 @@ const COLOURS: [RGBColor; 6] = [
     RGBColor(23, 190, 207),
 ];
 
+/// Refuses to draw over `out` when it is there and is not a PNG image (a plot drawn before is
+/// replaced; any other file is kept): the reason, for an error or a note.
+pub fn may_replace(out: &Path) -> Result<(), String> {
+    if out.is_dir() {
+        return Err(format!("{} is a directory", out.display()));
+    }
+    let Ok(mut file) = crate::files::open(out) else {
+        // Not there (or not readable, which the write will say).
+        return Ok(());
+    };
+    let mut magic = [0u8; 8];
+    let png = std::io::Read::read_exact(&mut file, &mut magic).is_ok() && magic == *b"\x89PNG\r\n\x1a\n";
+    if png || out.metadata().is_ok_and(|m| m.is_file() && m.len() == 0) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is there and is not a PNG image; the plot does not replace it",
+            out.display()
+        ))
+    }
+}
+
 /// Draws `runs` on one pair of axes into the PNG `out`: per run the training loss (a line),
 /// the held-out loss (a lighter line with dots) and the steps the fp16 scaler skipped (crosses).
 pub fn draw(runs: &[Run], out: &Path) -> Result<(), PlotError> {

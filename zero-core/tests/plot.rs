@@ -245,10 +245,17 @@ fn the_plot_never_overwrites_its_input() {
     assert!(stderr.contains("overwrite its input"), "{stderr}");
     assert_eq!(std::fs::read(&metrics).unwrap(), before, "the metrics are intact");
 
+    // A hard link to the input is the input; a file there that is not an image is kept.
+    let link = dir.path().join("link.png");
+    std::fs::hard_link(&metrics, &link).unwrap();
+    let notes = dir.path().join("notes.png");
+    std::fs::write(&notes, "not an image").unwrap();
     // An output that is a directory, or not a .png, is said to be so.
     for (out, says) in [
         (dir.path().to_path_buf(), "is a directory"),
         (dir.path().join("plot"), "ending in .png"),
+        (link, "overwrite its input"),
+        (notes.clone(), "not a PNG image"),
     ] {
         let run = std::process::Command::new(env!("CARGO_BIN_EXE_zero"))
             .args(["plot", metrics.to_str().unwrap(), "-o", out.to_str().unwrap()])
@@ -258,6 +265,8 @@ fn the_plot_never_overwrites_its_input() {
         assert_eq!(run.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(says), "{stderr}");
     }
+    assert_eq!(std::fs::read(&metrics).unwrap(), before, "the metrics are intact");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "not an image");
 }
 
 /// Inputs at the edges of the numbers draw or are refused by name, never panic or spin: the

@@ -224,9 +224,17 @@ fn io(path: &Path, source: std::io::Error) -> TrainError {
     }
 }
 
-/// Draws the metrics file's loss curve into `METRICS.png` beside it, as `zero plot` does.
+/// Draws the metrics file's loss curve into `METRICS.png` beside it, as `zero plot` does. A
+/// file there that is not a PNG image is kept, and said so (the curve is a convenience).
 pub fn write_loss_curve(metrics: &Path) -> Result<(), TrainError> {
     let out = metrics.with_extension("png");
+    if let Err(why) = zero_core::plot::may_replace(&out) {
+        eprintln!(
+            "note: the loss curve is not drawn: {why} (`zero plot {}` -o OUT draws it)",
+            metrics.display()
+        );
+        return Ok(());
+    }
     let drawn = Run::read(metrics).and_then(|run| draw(&[run], &out));
     drawn.map_err(|e| io(&out, std::io::Error::other(e.to_string())))
 }

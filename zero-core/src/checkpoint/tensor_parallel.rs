@@ -14,7 +14,7 @@ pub fn tensor_rank_dir(dir: &Path, t: usize) -> PathBuf {
 }
 
 /// The tensor ranks whose directories (`tensor_rank_{t}`) are under `dir`, in rank order.
-pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
+pub fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
     let mut ranks: Vec<usize> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

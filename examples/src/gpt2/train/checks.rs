@@ -4,6 +4,7 @@
 
 use super::{TrainArgs, TrainError};
 use crate::gpt2::host_memory_bytes;
+use std::io::Read;
 use std::path::Path;
 use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_models::Gpt2Config;
@@ -174,40 +175,88 @@ pub(super) fn counts(args: &TrainArgs, launched: bool) -> Result<(), TrainError>
     }
 }
 
-/// Refuses a `--metrics` file that is one of the run's inputs (the config, the token file or
-/// the text), which the metrics would overwrite.
+/// Refuses a `--metrics` file that the run would lose something by writing: one of its inputs
+/// (the config, the token file or the text, by any name or link), a file there that is not a
+/// metrics file (model weights, a checkpoint's `latest`), or a `.png` path, which the loss
+/// curve drawn beside it (`METRICS.png`) would replace.
 pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
     let Some(metrics) = args.metrics.as_deref() else {
         return Ok(());
     };
-    // A regular file, by what it is (its device and inode: another name or a hard link is the
-    // same file); one that does not exist yet is no input, and a terminal or pipe is not
-    // overwritten.
-    use std::os::unix::fs::MetadataExt;
-    let file = |p: &Path| {
-        std::fs::metadata(p)
-            .ok()
-            .filter(std::fs::Metadata::is_file)
-            .map(|m| (m.dev(), m.ino()))
-    };
-    let Some(target) = file(metrics) else {
-        return Ok(());
-    };
+    let refuse = |why: String| TrainError::Config(format!("--metrics {}: {why}", metrics.display()));
+    if metrics.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")) {
+        return Err(refuse(
+            "the loss curve is drawn beside the metrics as the same name ending in .png, which would replace \
+             them: give a path ending in .jsonl"
+                .into(),
+        ));
+    }
     let inputs = [
         ("--config", Some(args.config.as_path())),
         ("--tokens", args.tokens.as_deref()),
         ("--data", args.data.as_deref()),
     ];
     for (flag, path) in inputs {
-        if let Some(path) = path.filter(|p| file(p) == Some(target)) {
-            return Err(TrainError::Config(format!(
-                "--metrics {}: the file {flag} reads ({}); the metrics would overwrite it: give another path",
-                metrics.display(),
+        if let Some(path) = path.filter(|p| zero_core::files::same_file(p, metrics)) {
+            return Err(refuse(format!(
+                "the file {flag} reads ({}); the metrics would overwrite it: give another path",
                 path.display()
             )));
         }
     }
+    // A file there is replaced only if it is a metrics file (its first line a run's header), or
+    // empty; a terminal or a pipe is written to, not replaced.
+    let Ok(meta) = std::fs::metadata(metrics) else {
+        return Ok(());
+    };
+    if meta.is_dir() {
+        return Err(refuse("a directory: give a file's path".into()));
+    }
+    if meta.is_file() && meta.len() > 0 {
+        let first = zero_core::files::open(metrics).ok().and_then(|f| {
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(f).take(1 << 16), &mut line).ok()?;
+            Some(line)
+        });
+        let header = first
+            .and_then(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
+            .is_some_and(|v| v.get("run").is_some());
+        if !header {
+            return Err(refuse(
+                "is there and is not a metrics file (its first line is not a run's header); the run would \
+                 overwrite it: give another path, or remove the file"
+                    .into(),
+            ));
+        }
+    }
     Ok(())
+}
+
+/// Refuses a `--save` directory that holds another run's checkpoint: a run that does not resume
+/// from it (`--load` names another directory, or none) would replace its tags and move its
+/// `latest`, losing what it points to. Resuming in place (`--load` the same directory) is what
+/// saving there means.
+pub(super) fn save_spares_other_runs(args: &TrainArgs) -> Result<(), TrainError> {
+    let Some(save) = args.save.as_deref() else {
+        return Ok(());
+    };
+    let latest = zero_core::checkpoint::format::LATEST_FILE;
+    let holds = save.join(latest).is_file() || !zero_core::checkpoint::tensor_ranks_in(save).is_empty();
+    let resumed_here = args.load_target().is_some_and(|(dir, _)| same_dir(&dir, save));
+    if holds && !resumed_here {
+        return Err(TrainError::Config(format!(
+            "--save {}: holds another run's checkpoint, whose tags and `latest` this run would replace: resume it \
+             with --load {}, or save into another directory",
+            save.display(),
+            save.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` name one directory (by any path to it).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y)
 }
 
 /// Fails unless `dir` (the value of `flag`) is a directory this process can write into:

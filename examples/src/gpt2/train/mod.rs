@@ -82,7 +82,8 @@ pub struct TrainArgs {
     /// directory (DIR/TAG); --steps stays the total.
     #[arg(long)]
     pub load: Option<PathBuf>,
-    /// Write one JSON line per optimizer step here.
+    /// Write one JSON line per optimizer step here, and at the end the loss curve beside it
+    /// (the same name ending in .png; `zero plot` draws it too).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
     /// Compute backend: cpu (Flex) or cuda (a build with the `cuda` feature). On CUDA, rank r
@@ -291,6 +292,7 @@ where
     if let Some(dir) = &args.save {
         zero_core::checkpoint::check_same_kind(dir, tensor > 1)
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
+        checks::save_spares_other_runs(args)?;
     }
     let mut overrides = zero_core::config::Overrides::from_assignments(&args.set).map_err(TrainError::Config)?;
     // The ranks' layout was read from the file above, before any --set: check_overrides

@@ -33,15 +33,17 @@ pub fn run(args: Args) -> ExitCode {
             out.display()
         ));
     }
-    // The image never replaces a metrics file it reads.
-    let same = |a: &PathBuf| {
-        a == &out || matches!((std::fs::canonicalize(a), std::fs::canonicalize(&out)), (Ok(x), Ok(y)) if x == y)
-    };
+    // The image never replaces a metrics file it reads (by any name or link), nor any other
+    // file that is not an image.
+    let same = |a: &PathBuf| a == &out || zero_core::files::same_file(a, &out);
     if let Some(input) = std::iter::once(&args.metrics).chain(&args.compare).find(|p| same(p)) {
         return crate::print_error(format!(
             "the plot would overwrite its input {}: give another output with -o",
             input.display()
         ));
+    }
+    if let Err(why) = zero_core::plot::may_replace(&out) {
+        return crate::print_error(format!("{why}: give another output with -o"));
     }
     let drawn = std::iter::once(&args.metrics)
         .chain(&args.compare)
