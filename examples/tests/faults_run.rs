@@ -542,6 +542,22 @@ fn score_and_generate_refuse_ids_and_lengths_the_model_cannot_index() {
     assert_refused(&out, &["vocabulary of 512"]);
 }
 
+/// Tokens whose bytes are not UTF-8 (a character split, or never completed; the tiny fixture
+/// model makes them from "ab") are generated and shown as U+FFFD, as transformers' decode
+/// shows them, not an error halfway through the output.
+#[test]
+fn generated_bytes_that_are_not_utf8_show_as_replacement_characters() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+        .args(["generate", "--prompt", "ab", "--max-new-tokens", "40", "--model"])
+        .arg(fixture_model())
+        .output()
+        .expect("run gpt2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).expect("the output is UTF-8");
+    assert!(text.starts_with("ab") && text.contains('\u{fffd}'), "{text:?}");
+    assert!(text.chars().count() > 2 + 20, "{text:?}");
+}
+
 /// One step of `gpt2 train --preset PRESET` on one rank thread, sequences of 16, under the
 /// config `text` (written to a file of its own).
 fn train_preset(preset: &str, text: &str) -> Output {

@@ -24,7 +24,8 @@ pub struct GenerateArgs {
 
 /// The prompt followed by the model's most likely continuation (greedy, within n_positions),
 /// written to `out` as it grows: the prompt, then each new token's text
-/// (a token that ends inside a character waits for the next). A reader that went away
+/// (a token that ends inside a character waits for the next; bytes that never make a
+/// character show as U+FFFD). A reader that went away
 /// (`gpt2 generate ... | head -c 100`) ends the generation: it has what it wanted. Returns the
 /// whole text.
 pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<String, TrainError> {
@@ -52,7 +53,14 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<String, Trai
             config.n_positions
         );
     }
-    let decode = |ids: &[u32]| tokenizer.decode(ids).map_err(|e| TrainError::Model(e.to_string()));
+    // Any bytes the model's tokens make decode, as transformers' decode does: a byte sequence
+    // that is not UTF-8 (a character split, or never completed) reads as U+FFFD.
+    let decode = |ids: &[u32]| {
+        tokenizer
+            .decode_bytes(ids)
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .map_err(|e| TrainError::Model(e.to_string()))
+    };
     let stdout = |source: std::io::Error| TrainError::Io {
         path: "standard output".into(),
         source,
