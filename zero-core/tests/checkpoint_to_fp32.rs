@@ -7,7 +7,7 @@ mod checkpoint_support;
 use checkpoint_support::*;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use zero_core::checkpoint::{to_fp32, Checkpoint, NameMap};
 
@@ -116,6 +116,16 @@ fn sharded_output_with_index_and_renamed_keys() {
     to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("sharded again");
     assert!(!out.join("model.safetensors").exists(), "the single file is gone");
     assert_eq!(read_all(&out).len(), 5);
+    // Sharded again into another count of files: the earlier shards, named `-of-` the earlier
+    // count, go; what is left is the new index and the files it names.
+    let finer = to_fp32(&c, &out, Some(150), &|n| names.apply(n)).expect("finer shards");
+    let mut left: Vec<PathBuf> = std::fs::read_dir(&out).unwrap().flatten().map(|e| e.path()).collect();
+    left.sort();
+    let mut expected = finer.files.clone();
+    expected.push(out.join("model.safetensors.index.json"));
+    expected.sort();
+    assert_eq!(left, expected);
+    assert_eq!(read_all(&out).len(), 5);
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -160,6 +170,24 @@ fn command_line_converts_and_reports_damage() {
         stderr.contains("rank_00001.safetensors") && stderr.contains("checksum"),
         "{stderr}"
     );
+
+    // An output among the checkpoint's own files (its directory, a tag's directory or below
+    // one) is refused before anything is written; a new directory beside the tags is not
+    // (`hf` above).
+    for (out, says) in [
+        (dir.clone(), "the directory"),
+        (dir.join("t"), "inside a tag directory"),
+        (dir.join("t/../t/new"), "inside a tag directory"),
+    ] {
+        let refused = Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args(["to-fp32", dir.to_str().unwrap(), out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+        assert!(!dir.join("t/new").exists() && !dir.join("model.safetensors").exists());
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -281,6 +281,8 @@ fn write_export(
     fill: &mut FillTensor<'_>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
+    // What an earlier export left, read before this one replaces its index.
+    let earlier = indexed_files(out_dir);
     let limit = max_shard_bytes.unwrap_or(u64::MAX);
     let mut shards: Vec<Vec<(usize, String, Vec<usize>)>> = vec![Vec::new()];
     let mut size = 0u64;
@@ -348,39 +350,56 @@ fn write_export(
         super::atomic::write_file(&path, &text)?;
         report.index = Some(path);
     }
-    remove_the_other_layout(out_dir, count > 1)?;
+    let written: BTreeSet<String> = (0..count).map(file_name).collect();
+    remove_earlier_export(out_dir, &earlier, &written, count > 1)?;
     Ok(report)
 }
 
-/// After an export into `out_dir`, removes what an earlier export of the other layout left there:
-/// a single `model.safetensors` beside a new index (loaders take the single file first, so the
-/// old weights would be read), or an index (and the shards it names) beside a new single file.
-fn remove_the_other_layout(out_dir: &Path, sharded: bool) -> Result<(), CheckpointError> {
+/// The weight files an index in `out_dir` names (an earlier sharded export): plain file names
+/// of the directory only, never a path out of it.
+fn indexed_files(out_dir: &Path) -> BTreeSet<String> {
+    let Ok(text) = crate::files::read_to_string(&out_dir.join(INDEX_FILE), crate::files::SMALL) else {
+        return BTreeSet::new();
+    };
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("weight_map")?.as_object().cloned())
+        .map(|m| {
+            m.values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect::<BTreeSet<_>>()
+        })
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|file| Path::new(file).file_name().is_some_and(|n| n == file.as_str()))
+        .collect()
+}
+
+/// After an export into `out_dir` that wrote the files `written`, removes what an earlier export
+/// left there that would be read with it or in its place: the shards its index named and this
+/// export did not rewrite (another shard count leaves other names), a single
+/// `model.safetensors` beside a new index (loaders take the single file first, so the old
+/// weights would be read), or an index beside a new single file.
+fn remove_earlier_export(
+    out_dir: &Path,
+    earlier: &BTreeSet<String>,
+    written: &BTreeSet<String>,
+    sharded: bool,
+) -> Result<(), CheckpointError> {
     let remove = |path: &Path| match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             Err(CheckpointError::io(path, "remove the earlier export", e))
         }
         _ => Ok(()),
     };
+    for file in earlier.difference(written) {
+        remove(&out_dir.join(file))?;
+    }
     if sharded {
-        return remove(&out_dir.join(SINGLE_FILE));
+        remove(&out_dir.join(SINGLE_FILE))
+    } else {
+        remove(&out_dir.join(INDEX_FILE))
     }
-    let index = out_dir.join(INDEX_FILE);
-    if let Ok(text) = crate::files::read_to_string(&index, crate::files::SMALL) {
-        let named: BTreeSet<String> = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|v| v.get("weight_map")?.as_object().cloned())
-            .map(|m| m.values().filter_map(|f| f.as_str().map(String::from)).collect())
-            .unwrap_or_default();
-        for file in named {
-            // Only plain file names of this directory, never a path out of it.
-            if Path::new(&file).file_name().is_some_and(|n| n == file.as_str()) && file != SINGLE_FILE {
-                remove(&out_dir.join(&file))?;
-            }
-        }
-        remove(&index)?;
-    }
-    Ok(())
 }
 
 /// The `__metadata__` HuggingFace's loaders expect of a PyTorch-style weights file.

@@ -72,6 +72,16 @@ fn convert(args: &Args) -> Result<String, String> {
         .map(parse_size)
         .transpose()
         .map_err(|e| format!("--max-shard-size {e}"))?;
+    // The export never goes among the checkpoint's own files: beside its `latest`, or into a
+    // tag's directory (which would then read as a model and as a checkpoint at once).
+    if let Some(place) = among_checkpoint_files(&args.out, &args.checkpoint_dir) {
+        return Err(format!(
+            "{} is {place} of the checkpoint {}: give an output directory of its own (a new one beside \
+             the tags does)",
+            args.out.display(),
+            args.checkpoint_dir.display()
+        ));
+    }
     // A tensor-parallel checkpoint (one per tensor rank under tensor_rank_{t}) is converted
     // whole: each split parameter merged from the ranks' slices.
     let split = TensorParallelCheckpoint::open(&args.checkpoint_dir, args.tag.as_deref()).map_err(|e| e.to_string())?;
@@ -144,4 +154,34 @@ fn convert(args: &Args) -> Result<String, String> {
         summary.push_str(&format!("\n  {}", extra.display()));
     }
     Ok(summary)
+}
+
+/// Where `path` (which may not exist yet) lies among the files of the checkpoint in `dir`, by
+/// what they are on disk (the nearest part of `path` that exists is resolved, links and `..`
+/// included): "the directory", or "inside a tag directory" (one holding checkpoint metadata,
+/// or a tensor rank's); `None` when elsewhere, a new directory beside the tags included.
+fn among_checkpoint_files(path: &std::path::Path, dir: &std::path::Path) -> Option<&'static str> {
+    let dir = std::fs::canonicalize(dir).ok()?;
+    let mut existing = path;
+    let mut rest = Vec::new();
+    let resolved = loop {
+        if let Ok(resolved) = std::fs::canonicalize(existing) {
+            break rest.iter().rev().fold(resolved, |p: PathBuf, part| p.join(part));
+        }
+        let (parent, name) = (existing.parent()?, existing.file_name()?);
+        rest.push(name.to_os_string());
+        existing = if parent.as_os_str().is_empty() {
+            std::path::Path::new(".")
+        } else {
+            parent
+        };
+    };
+    let below = resolved.strip_prefix(&dir).ok()?;
+    let Some(first) = below.components().next() else {
+        return Some("the directory");
+    };
+    let child = dir.join(first);
+    let tag = child.join(zero_core::checkpoint::format::META_FILE).is_file()
+        || first.as_os_str().to_string_lossy().starts_with("tensor_rank_");
+    tag.then_some("inside a tag directory")
 }
