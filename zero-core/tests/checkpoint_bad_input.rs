@@ -188,7 +188,15 @@ fn without_latest_the_tags_there_are_named() {
 #[test]
 fn a_missing_directory_and_missing_metadata_say_so() {
     let e = Checkpoint::open(Path::new("/nonexistent/zero/ckpt"), None).unwrap_err();
-    assert_names(&e, "/nonexistent/zero/ckpt", "is not a directory");
+    assert_names(&e, "/nonexistent/zero/ckpt", "no such directory");
+    assert!(!e.to_string().contains("latest"), "{e}");
+    // A file where the directory should be is said to be one.
+    let (dir, _) = fresh("a-file");
+    let file = dir.join("plain");
+    std::fs::write(&file, "x").unwrap();
+    let e = Checkpoint::open(&file, None).unwrap_err();
+    assert_names(&e, "plain", "is not a directory");
+    std::fs::remove_dir_all(&dir).ok();
     let (dir, tag) = fresh("no-meta");
     std::fs::remove_file(tag.join("zero_meta.json")).unwrap();
     let e = Checkpoint::open(&dir, None).unwrap_err();

@@ -325,7 +325,7 @@ fn a_checkpoint_from_before_model_records_loads_and_exports_as_before() {
 }
 
 /// The one size parser every tool's size flag goes through. Reference: the units' definitions
-/// (powers of 1000 and 1024) and 2^64.
+/// (powers of 1000 and 1024) and what a u64 holds.
 #[test]
 fn sizes_are_read_with_units_exponents_and_bounds() {
     use zero_core::checkpoint::parse_size;
@@ -336,8 +336,17 @@ fn sizes_are_read_with_units_exponents_and_bounds() {
     assert_eq!(parse_size("1TiB"), Ok(1 << 40));
     assert_eq!(parse_size("120e9"), Ok(120_000_000_000));
     assert_eq!(parse_size("1_000 MB"), Ok(1_000_000_000));
-    assert!(parse_size("1e30").unwrap_err().contains("2^64"));
+    assert_eq!(parse_size("1PB"), Ok(1_000_000_000_000_000));
+    assert_eq!(parse_size("2PiB"), Ok(2 << 50));
+    assert_eq!(parse_size("15EiB"), Ok(15 << 60));
+    assert_eq!(parse_size("3e2KB"), Ok(300_000));
+    assert!(parse_size("1e30").unwrap_err().contains("16 EiB"));
+    // u64::MAX itself reads as a float at 2^64: said as the bound, not as "more than 2^64".
+    let e = parse_size("18446744073709551615").unwrap_err();
+    assert!(e.contains("1.8e19 bytes (16 EiB) or more"), "{e}");
+    assert!(parse_size("16EiB").unwrap_err().contains("16 EiB"));
     assert!(parse_size("64 parsecs").unwrap_err().contains("unknown unit `parsecs`"));
+    assert!(parse_size("5 GBs").unwrap_err().contains("unknown unit `GBs`"));
     assert!(parse_size("0").unwrap_err().contains("positive size"));
     assert!(parse_size("-5GB").unwrap_err().contains("positive size"));
 }

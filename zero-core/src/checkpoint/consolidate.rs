@@ -148,38 +148,45 @@ fn read_param(
 }
 
 /// Parses a size in bytes: a count (`1000000`, `120e9`, `1_000_000`) with an optional unit,
-/// B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), in any case.
-/// Every size a tool takes (`zero to-fp32 --max-shard-size`, `zero estimate --fit-host-memory`)
-/// is read here.
+/// B, KB, MB, GB, TB, PB, EB (powers of 1000) or KiB, MiB, GiB, TiB, PiB, EiB (powers of 1024),
+/// in any case. Every size a tool takes (`zero to-fp32 --max-shard-size`, `zero estimate
+/// --fit-host-memory`) is read here.
 pub fn parse_size(text: &str) -> Result<u64, String> {
+    const UNITS: [(&str, f64); 13] = [
+        ("KIB", 1024.0),
+        ("MIB", 1048576.0),
+        ("GIB", 1073741824.0),
+        ("TIB", 1099511627776.0),
+        ("PIB", 1125899906842624.0),
+        ("EIB", 1152921504606846976.0),
+        ("KB", 1e3),
+        ("MB", 1e6),
+        ("GB", 1e9),
+        ("TB", 1e12),
+        ("PB", 1e15),
+        ("EB", 1e18),
+        ("B", 1.0),
+    ];
     let clean = text.trim().replace(['_', ','], "");
-    // The unit starts at the first letter that is not an exponent's.
-    let split = clean
-        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
-        .unwrap_or(clean.len());
-    let (number, unit) = clean.split_at(split);
-    let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0 * 1024.0,
-        "GIB" => 1024.0 * 1024.0 * 1024.0,
-        "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => {
-            return Err(format!(
-                "{text}: unknown unit `{}` (B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)",
-                unit.trim()
-            ))
-        }
+    let upper = clean.to_ascii_uppercase();
+    // The unit is the suffix (the longest that matches: `16EiB` is 16 EiB, not 16e and `iB`);
+    // what precedes it is the number, exponent included (`120e9`).
+    let (number, scale) = match UNITS.iter().find(|(unit, _)| upper.ends_with(unit)) {
+        Some(&(unit, scale)) => (&clean[..clean.len() - unit.len()], scale),
+        None => (clean.as_str(), 1.0),
     };
-    // Below 2^64 (1.8e19) the cast is exact enough; at or above it, it would saturate.
+    if let Some(at) = number.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E') {
+        return Err(format!(
+            "{text}: unknown unit `{}` (B, KB, MB, GB, TB, PB, EB, KiB, MiB, GiB, TiB, PiB or EiB)",
+            clean[at..].trim()
+        ));
+    }
+    // Below 1.8e19 (2^64 is 1.845e19) the cast is exact enough; at or above it, it would
+    // saturate.
     match number.trim().parse::<f64>().map(|v| v * scale) {
         Ok(bytes) if (1.0..1.8e19).contains(&bytes) => Ok(bytes as u64),
         Ok(bytes) if bytes >= 1.8e19 && bytes.is_finite() => Err(format!(
-            "{text}: more than 2^64 bytes (16 EiB), more than any machine holds"
+            "{text}: 1.8e19 bytes (16 EiB) or more, more than any machine holds"
         )),
         _ => Err(format!("{text}: expected a positive size such as 5GB, 128GiB or 120e9")),
     }

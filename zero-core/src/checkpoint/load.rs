@@ -68,10 +68,17 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
     let latest = dir.join(LATEST_FILE);
     let text =
         crate::files::read_to_string(&latest, crate::files::SMALL).map_err(|e| match e.kind() {
+            _ if !dir.exists() => CheckpointError::Tag {
+                path: dir.to_path_buf(),
+                detail: "no such directory".into(),
+            },
+            _ if !dir.is_dir() => CheckpointError::Tag {
+                path: dir.to_path_buf(),
+                detail: "is not a directory".into(),
+            },
             std::io::ErrorKind::NotFound => CheckpointError::Tag {
                 path: latest.clone(),
                 detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
-                    _ if !dir.is_dir() => format!("{} is not a directory", dir.display()),
                     [] => no_latest(dir),
                     ranks => format!(
                     "missing: this directory holds a tensor-parallel checkpoint, one per tensor rank ({}): load it \
