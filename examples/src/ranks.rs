@@ -10,21 +10,24 @@ pub fn run_ranks<T: Send + 'static>(
     nproc: usize,
     body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Send + Sync + 'static,
 ) -> Result<Vec<T>, CommError> {
-    run_ranks_with(nproc, false, move |rank, group, _| body(rank, group))
+    let launch = DistEnv::launched().map_err(|e| CommError::Setup(format!("the launcher's environment: {e}")))?;
+    run_ranks_with(launch.as_ref(), nproc, false, move |rank, group, _| body(rank, group))
 }
 
-/// [`run_ranks`], handing each rank, when `second` is set, a second group of the same ranks
-/// for a user of its own (NCCL's control group): a second thread group, or a TCP group split
-/// off the launched one. Launched ranks decide `second` each for itself, so they agree first
-/// ([`all_agree`]): the second group is made only where every rank asked for it (a split that
-/// some ranks skip would wait for them forever), and each rank gets `None` otherwise.
+/// [`run_ranks`] for a caller that has read the launch ([`DistEnv::launched`]) itself:
+/// `launch` is this process's rank of a launched job, `None` for `nproc` rank threads. Each
+/// rank gets, when `second` is set, a second group of the same ranks for a user of its own
+/// (NCCL's control group): a second thread group, or a TCP group split off the launched one.
+/// Launched ranks decide `second` each for itself, so they agree first ([`all_agree`]): the
+/// second group is made only where every rank asked for it (a split that some ranks skip
+/// would wait for them forever), and each rank gets `None` otherwise.
 pub fn run_ranks_with<T: Send + 'static>(
+    launch: Option<&DistEnv>,
     nproc: usize,
     second: bool,
     body: impl Fn(usize, Arc<dyn ProcessGroup>, Option<Arc<dyn ProcessGroup>>) -> T + Send + Sync + 'static,
 ) -> Result<Vec<T>, CommError> {
-    let launched = DistEnv::launched().map_err(|e| CommError::Setup(format!("the launcher's environment: {e}")))?;
-    if let Some(env) = launched {
+    if let Some(env) = launch {
         let group = TcpGroup::from_env(None)?;
         let other = match all_agree(&group, second)? {
             true => Some(Arc::new(group.split(&[(0..env.world_size).collect()])?) as Arc<dyn ProcessGroup>),

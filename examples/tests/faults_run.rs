@@ -181,7 +181,13 @@ fn saving_over_another_runs_checkpoint_is_refused() {
         &["--save", "another run's checkpoint", &format!("--load {save_arg}")],
     );
     assert_eq!(std::fs::read_to_string(save.join("latest")).expect("latest"), latest);
-    let resumed = train_steps(3, &config, &tokens, &["--load", &save_arg, "--save", &save_arg], &[]);
+    // Resumed in place, the directory spelt two other ways: its tag's path through a link,
+    // and a path with `.` in it.
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&save, &link).expect("symlink");
+    let tag = link.join(latest.trim()).to_string_lossy().into_owned();
+    let dotted = dir.path().join(".").join("ckpt").to_string_lossy().into_owned();
+    let resumed = train_steps(3, &config, &tokens, &["--load", &tag, "--save", &dotted], &[]);
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     assert_eq!(
         std::fs::read_to_string(save.join("latest")).expect("latest"),

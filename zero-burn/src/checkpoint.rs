@@ -179,6 +179,7 @@ impl EngineCore {
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
             tensor_parallel: self.tensor_parallel.clone(),
+            tensor_ranks: self.settings.tensor_parallel_group.as_deref(),
         };
         f(&request)
     }

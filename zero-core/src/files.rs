@@ -37,8 +37,20 @@ pub fn open(path: &Path) -> io::Result<File> {
 /// config.json, a checkpoint's `latest`. Far more than any such file holds.
 pub const SMALL: u64 = 8 << 20;
 
-/// The most bytes read from a data file read whole: a token file, a text corpus, a metrics log.
+/// The most bytes read from a data stream read whole (a device, a pipe: a token file, a text
+/// corpus, a metrics log given as one); a regular file is read whole at any size
+/// ([`data_limit`]).
 pub const DATA: u64 = 4 << 30;
+
+/// The limit for reading the data file `path` whole: a regular file's own length, which the
+/// user chose (a corpus of any size the host holds), or [`DATA`] for anything else, whose end
+/// is not known before it is read (`/dev/zero` is refused at the limit).
+pub fn data_limit(path: &Path) -> u64 {
+    std::fs::metadata(path)
+        .ok()
+        .filter(std::fs::Metadata::is_file)
+        .map_or(DATA, |m| m.len().max(DATA))
+}
 
 /// The bytes of `path` (see [`open`]), at most `limit` of them: a longer file is a
 /// [`io::ErrorKind::FileTooLarge`] error that says the limit.
@@ -144,6 +156,19 @@ mod tests {
         let e = read(&path, 2).expect_err("one byte over");
         assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
         assert!(e.to_string().contains("longer than 2 B"), "{e}");
+    }
+
+    /// A data file is read whole at any size when it is a regular file; a stream is capped.
+    #[test]
+    fn a_regular_data_file_is_limited_by_its_own_length_a_stream_by_data() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("corpus.txt");
+        let file = std::fs::File::create(&path).expect("create");
+        // Sparse: a corpus past the stream limit without writing it.
+        file.set_len(DATA + 10).expect("set_len");
+        assert_eq!(data_limit(&path), DATA + 10);
+        assert_eq!(data_limit(Path::new("/dev/zero")), DATA);
+        assert_eq!(data_limit(&dir.path().join("missing")), DATA);
     }
 
     /// A device that never ends is refused at the limit instead of filling memory.

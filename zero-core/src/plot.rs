@@ -316,6 +316,29 @@ const COLOURS: [RGBColor; 6] = [
     RGBColor(23, 190, 207),
 ];
 
+/// Whether `path` reads as a metrics file by its first line: a run's header (`{"run": ...}`)
+/// or a step record (`step` and `loss`: what files written before headers begin with). An empty
+/// file is one too. What may be replaced by a run's metrics without losing anything else.
+pub fn is_metrics_file(path: &Path) -> bool {
+    let Ok(file) = crate::files::open(path) else {
+        return false;
+    };
+    let mut line = Vec::new();
+    if std::io::BufReader::new(file)
+        .take(MAX_LINE as u64 + 1)
+        .read_until(b'\n', &mut line)
+        .is_err()
+    {
+        return false;
+    }
+    if line.iter().all(u8::is_ascii_whitespace) {
+        return true;
+    }
+    serde_json::from_slice::<serde_json::Value>(&line).is_ok_and(|v| {
+        v.get("run").is_some() || (v.get("step").is_some_and(serde_json::Value::is_u64) && v.get("loss").is_some())
+    })
+}
+
 /// Refuses to draw over `out` when it is there and is not a PNG image (a plot drawn before is
 /// replaced; any other file is kept): the reason, for an error or a note.
 pub fn may_replace(out: &Path) -> Result<(), String> {

@@ -261,6 +261,7 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                 client_state: json!({}),
                 model: None,
                 tensor_parallel: None,
+                tensor_ranks: None,
             };
             checkpoint::save(comm.as_ref(), &d, "t", &request)
                 .err()

@@ -35,6 +35,7 @@ fn held(layout: &PartitionLayout, rank: usize, step: u64) -> (checkpoint::Checkp
         client_state: serde_json::Value::Null,
         model: None,
         tensor_parallel: None,
+        tensor_ranks: None,
     };
     let meta = checkpoint::describe(&request, layout.world_size, "record").expect("describe");
     (meta, groups)

@@ -148,6 +148,15 @@ fn command_line_converts_and_reports_damage() {
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
     let got = read_all(&out);
     assert!(got.contains_key("transformer.layer0.weight"), "{:?}", got.keys());
+    // Into the checkpoint's own directory, beside `latest` and the tags (HuggingFace's
+    // Trainer's layout): written, and the checkpoint still opens and verifies.
+    let beside = Command::new(env!("CARGO_BIN_EXE_zero"))
+        .args(["to-fp32", dir.to_str().unwrap(), dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(beside.status.success(), "{}", String::from_utf8_lossy(&beside.stderr));
+    assert!(dir.join("model.safetensors").is_file());
+    Checkpoint::open(&dir, None).unwrap().verify().unwrap();
 
     let shard = dir.join("t/rank_00001.safetensors");
     let mut bytes = std::fs::read(&shard).unwrap();
@@ -171,13 +180,12 @@ fn command_line_converts_and_reports_damage() {
         "{stderr}"
     );
 
-    // An output among the checkpoint's own files (its directory, a tag's directory or below
-    // one) is refused before anything is written; a new directory beside the tags is not
-    // (`hf` above).
+    // An output in a tag's directory (or below one, by any path) is refused before anything
+    // is written; a new directory beside the tags is not (`hf` above), nor the checkpoint's
+    // own directory (where HuggingFace's Trainer keeps the weights), below.
     for (out, says) in [
-        (dir.clone(), "the directory"),
         (dir.join("t"), "inside a tag directory"),
-        (dir.join("t/../t/new"), "inside a tag directory"),
+        (dir.join("hf/../t/new"), "inside a tag directory"),
     ] {
         let refused = Command::new(env!("CARGO_BIN_EXE_zero"))
             .args(["to-fp32", dir.to_str().unwrap(), out.to_str().unwrap()])
@@ -186,7 +194,7 @@ fn command_line_converts_and_reports_damage() {
         let stderr = String::from_utf8_lossy(&refused.stderr);
         assert_eq!(refused.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(says), "{stderr}");
-        assert!(!dir.join("t/new").exists() && !dir.join("model.safetensors").exists());
+        assert!(!dir.join("t/new").exists() && !dir.join("t/model.safetensors").exists());
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -343,7 +351,7 @@ fn sizes_are_read_with_units_exponents_and_bounds() {
     assert!(parse_size("1e30").unwrap_err().contains("16 EiB"));
     // u64::MAX itself reads as a float at 2^64: said as the bound, not as "more than 2^64".
     let e = parse_size("18446744073709551615").unwrap_err();
-    assert!(e.contains("1.8e19 bytes (16 EiB) or more"), "{e}");
+    assert!(e.contains("1.8e19 bytes (about 16 EiB) or more"), "{e}");
     assert!(parse_size("16EiB").unwrap_err().contains("16 EiB"));
     assert!(parse_size("64 parsecs").unwrap_err().contains("unknown unit `parsecs`"));
     assert!(parse_size("5 GBs").unwrap_err().contains("unknown unit `GBs`"));

@@ -27,7 +27,7 @@ pub enum DataSource {
 impl DataSource {
     /// Reads `--tokens FILE`: a JSON array of equal-length arrays of token ids.
     pub fn from_tokens_file(path: &Path) -> Result<Self, TrainError> {
-        let text = zero_core::files::read_to_string(path, zero_core::files::DATA)
+        let text = zero_core::files::read_to_string(path, zero_core::files::data_limit(path))
             .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
         let batch: TokenBatch = serde_json::from_str(&text).map_err(|e| {
             TrainError::Data(format!(

@@ -177,7 +177,7 @@ impl MetricsWriter {
         let kept: Vec<String> = if first_step == 0 {
             Vec::new()
         } else {
-            zero_core::files::read_to_string(path, zero_core::files::DATA)
+            zero_core::files::read_to_string(path, zero_core::files::data_limit(path))
                 .unwrap_or_default()
                 .lines()
                 .filter(|line| {
@@ -230,7 +230,7 @@ pub fn write_loss_curve(metrics: &Path) -> Result<(), TrainError> {
     let out = metrics.with_extension("png");
     if let Err(why) = zero_core::plot::may_replace(&out) {
         eprintln!(
-            "note: the loss curve is not drawn: {why} (`zero plot {}` -o OUT draws it)",
+            "note: the loss curve is not drawn: {why} (`zero plot {} -o OUT` draws it)",
             metrics.display()
         );
         return Ok(());

@@ -79,7 +79,7 @@ impl Monitors {
 }
 
 /// `output_path/job_name` (an empty output_path is the working directory).
-fn log_dir(c: &FileMonitorConfig) -> PathBuf {
+pub(crate) fn log_dir(c: &FileMonitorConfig) -> PathBuf {
     Path::new(&c.output_path).join(&c.job_name)
 }
 

@@ -116,6 +116,7 @@ impl<I: Backend> DeviceState<I> {
             client_state: client_state.clone(),
             model: self.settings.model.clone(),
             tensor_parallel: self.tensor_parallel(),
+            tensor_ranks: self.settings.tensor_parallel_group.as_deref(),
         }
     }
 

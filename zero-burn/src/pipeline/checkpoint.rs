@@ -176,6 +176,8 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 client_state: client_state.clone(),
                 model: self.core.settings.model.clone(),
                 tensor_parallel,
+                // Stage 0's ranks of every tensor rank save at once.
+                tensor_ranks: self.core.settings.tensor_parallel_group.as_deref(),
             };
             checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request).map(|_| ())
         } else {

@@ -186,7 +186,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     match number.trim().parse::<f64>().map(|v| v * scale) {
         Ok(bytes) if (1.0..1.8e19).contains(&bytes) => Ok(bytes as u64),
         Ok(bytes) if bytes >= 1.8e19 && bytes.is_finite() => Err(format!(
-            "{text}: 1.8e19 bytes (16 EiB) or more, more than any machine holds"
+            "{text}: 1.8e19 bytes (about 16 EiB) or more, more than any machine holds"
         )),
         _ => Err(format!("{text}: expected a positive size such as 5GB, 128GiB or 120e9")),
     }
@@ -362,8 +362,9 @@ fn write_export(
     Ok(report)
 }
 
-/// The weight files an index in `out_dir` names (an earlier sharded export): plain file names
-/// of the directory only, never a path out of it.
+/// The weight files an index in `out_dir` names (an earlier sharded export): plain
+/// `.safetensors` file names of the directory only, never a path out of it nor another kind of
+/// file (an index naming itself or a config.json would have them removed).
 fn indexed_files(out_dir: &Path) -> BTreeSet<String> {
     let Ok(text) = crate::files::read_to_string(&out_dir.join(INDEX_FILE), crate::files::SMALL) else {
         return BTreeSet::new();
@@ -378,7 +379,9 @@ fn indexed_files(out_dir: &Path) -> BTreeSet<String> {
         })
         .unwrap_or_default()
         .into_iter()
-        .filter(|file| Path::new(file).file_name().is_some_and(|n| n == file.as_str()))
+        .filter(|file| {
+            Path::new(file).file_name().is_some_and(|n| n == file.as_str()) && file.ends_with(".safetensors")
+        })
         .collect()
 }
 

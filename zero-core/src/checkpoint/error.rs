@@ -110,17 +110,13 @@ pub enum CheckpointError {
     /// written, so `latest` still names the last checkpoint whose weights were finite. Every
     /// rank fails with this same error.
     #[error(
-        "checkpoint: not saved: the master weights diverged: {detail} on rank {rank}{}; a learning rate or loss \
-         scale too large? `latest` and earlier tags are unchanged",
-        if *.ranks > 1 { format!(" (and {} more ranks hold NaN or infinities)", .ranks - 1) } else { String::new() }
+        "checkpoint: not saved: the master weights diverged: {detail}; a learning rate or loss scale too large? \
+         `latest` and earlier tags are unchanged"
     )]
     Diverged {
-        /// The first rank that holds one.
-        rank: usize,
-        /// Where: the parameter, the element and the value.
+        /// Where: the parameter, the element, the value and the rank (and tensor rank) that
+        /// holds it first, and how many more ranks hold one.
         detail: String,
-        /// How many ranks hold one.
-        ranks: usize,
     },
     /// A checkpoint just written does not read back; nothing was published, so the previous
     /// checkpoint and `latest` are as they were.

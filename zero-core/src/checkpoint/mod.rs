@@ -46,6 +46,6 @@ pub use reader::ShardReader;
 pub use recut::recut;
 pub use save::{describe, save, GroupShard, SaveRequest};
 pub use tensor_parallel::{
-    check_same_kind, check_tensor_degree, merge_slices, tensor_rank_dir, tensor_ranks_in, TensorParallelCheckpoint,
+    check_same_kind, check_tensor_degree, holds_checkpoint, merge_slices, tensor_rank_dir, TensorParallelCheckpoint,
 };
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

@@ -89,6 +89,10 @@ pub struct SaveRequest<'a> {
     pub model: Option<ModelRecord>,
     /// With tensor parallelism: this tensor rank, and how the parameters are split.
     pub tensor_parallel: Option<TensorParallelRecord>,
+    /// With tensor parallelism: the tensor ranks that save the other slices beside this
+    /// group's at the same time (each over its own data ranks). The refusal of diverged weights
+    /// is agreed over them too, so that no tensor rank publishes while another refuses.
+    pub tensor_ranks: Option<&'a dyn ProcessGroup>,
 }
 
 /// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
@@ -147,17 +151,26 @@ pub fn save(
 }
 
 /// Fails on every rank, the same way, when any rank's master weights hold a NaN or an
-/// infinity, naming the first such rank's parameter and element, and how many ranks hold one.
+/// infinity, naming the first such rank's parameter and element, and how many ranks hold one;
+/// with tensor parallelism, over every tensor rank's data ranks.
 fn check_weights(comm: &dyn ProcessGroup, req: &SaveRequest<'_>) -> Result<(), CheckpointError> {
     let own = first_non_finite(comm.rank(), req);
     let failures = crate::comm::gather_failures(comm, own.as_deref())?;
-    match failures.first() {
+    let mut verdict = failures.first().map(|first| {
+        let more = match failures.len() - 1 {
+            0 => String::new(),
+            1 => " (and 1 more rank holds NaN or infinities)".to_string(),
+            n => format!(" (and {n} more ranks hold NaN or infinities)"),
+        };
+        format!("{} on rank {}{more}", first.message, first.rank)
+    });
+    if let Some(tensor) = req.tensor_ranks.filter(|t| t.world_size() > 1) {
+        let heard = crate::comm::gather_failures(tensor, verdict.as_deref())?;
+        verdict = heard.first().map(|f| format!("tensor rank {}: {}", f.rank, f.message));
+    }
+    match verdict {
         None => Ok(()),
-        Some(first) => Err(CheckpointError::Diverged {
-            rank: first.rank,
-            detail: first.message.clone(),
-            ranks: failures.len(),
-        }),
+        Some(detail) => Err(CheckpointError::Diverged { detail }),
     }
 }
 
@@ -445,6 +458,7 @@ mod tests {
             client_state: serde_json::json!({ "batch": 5 }),
             model: None,
             tensor_parallel: None,
+            tensor_ranks: None,
         };
         let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
         save(comm.as_ref(), &dir, "t", &request).expect("save");
@@ -494,6 +508,7 @@ mod tests {
             client_state: serde_json::json!({}),
             model: None,
             tensor_parallel: None,
+            tensor_ranks: None,
         }
     }
 
@@ -533,6 +548,50 @@ mod tests {
         )
         .expect("finite weights save");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Two tensor ranks, each saving its slice over its own data rank: when one's weights
+    /// diverged, both refuse (neither publishes a tag beside the other's refusal), naming the
+    /// tensor rank.
+    #[test]
+    fn a_divergence_on_one_tensor_rank_stops_every_tensor_ranks_save() {
+        let base = std::env::temp_dir().join(format!("zero-diverged-tp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let tensor = ThreadGroup::new_group(2).expect("two tensor ranks");
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = tensor
+                .into_iter()
+                .enumerate()
+                .map(|(t, tensor)| {
+                    let dir = base.join(format!("tensor_rank_{t}"));
+                    s.spawn(move || {
+                        let layout = one_matrix();
+                        let mut master = vec![0.5f32; layout.owned_len(0)];
+                        if t == 1 {
+                            master[4] = f32::INFINITY;
+                        }
+                        let data = ThreadGroup::new_group(1).expect("one data rank").remove(0);
+                        let request = SaveRequest {
+                            tensor_ranks: Some(tensor.as_ref()),
+                            ..step_six(&layout, &master)
+                        };
+                        let e = save(data.as_ref(), &dir, "u", &request)
+                            .expect_err("refused")
+                            .to_string();
+                        assert!(!dir.join("u").exists() && !dir.join("u.partial").exists());
+                        e
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+        });
+        for e in &errors {
+            assert!(
+                e.contains("tensor rank 1: `w` holds inf at element 4 on rank 0") && e.contains("diverged"),
+                "{e}"
+            );
+        }
+        std::fs::remove_dir_all(&base).ok();
     }
 
     /// Metadata edited to something no run writes, and sealed again (its checksum matches): the

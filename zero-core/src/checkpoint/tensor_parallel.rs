@@ -13,8 +13,18 @@ pub fn tensor_rank_dir(dir: &Path, t: usize) -> PathBuf {
     dir.join(format!("tensor_rank_{t}"))
 }
 
+/// Whether `dir` holds a published checkpoint: its `latest`, or a tensor rank's
+/// (`tensor_rank_{t}/latest`). A save that never finished (only `TAG.partial`) is none.
+pub fn holds_checkpoint(dir: &Path) -> bool {
+    let latest = super::format::LATEST_FILE;
+    dir.join(latest).is_file()
+        || tensor_ranks_in(dir)
+            .into_iter()
+            .any(|t| tensor_rank_dir(dir, t).join(latest).is_file())
+}
+
 /// The tensor ranks whose directories (`tensor_rank_{t}`) are under `dir`, in rank order.
-pub fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
+pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
     let mut ranks: Vec<usize> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

@@ -286,14 +286,20 @@ fn file_monitor(top: &mut Section<'_>, cx: &mut Cx<'_>, name: &'static str) -> R
         output_path: cx.get(&mut s, &["output_path"], String::new())?,
         job_name: cx.get(&mut s, &["job_name"], "DeepSpeedJobName".to_string())?,
     };
-    // The job's logs go to output_path/job_name: a name that is a path would put them elsewhere.
-    let plain =
-        !c.job_name.is_empty() && c.job_name != "." && c.job_name != ".." && !c.job_name.contains(['/', '\\', '\0']);
-    if !plain {
+    // The job's logs go to output_path/job_name: a name that climbs out (`..`) or starts over
+    // (`/`) would put them elsewhere; a nested name (`runs/a`) stays under output_path.
+    let path = std::path::Path::new(&c.job_name);
+    let under = !c.job_name.is_empty()
+        && !c.job_name.contains('\0')
+        && path
+            .components()
+            .all(|part| matches!(part, std::path::Component::Normal(_)));
+    if !under {
         return Err(cx.invalid(
             &s.key("job_name"),
             &Value::from(c.job_name.as_str()),
-            "a plain directory name (not empty, no `/`, not `.` or `..`): the logs go to output_path/job_name",
+            "a name under output_path (not empty, not absolute, no `.` or `..` part): the logs go to \
+             output_path/job_name",
         ));
     }
     s.finish(cx, UnknownKeys::Warn)?;

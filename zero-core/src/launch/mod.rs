@@ -99,7 +99,7 @@ pub struct LaunchPlan {
 }
 
 /// The most ranks one launch counts (over all nodes): far past any real cluster, and a bound
-/// that keeps every rank count, node offset and port sum from overflowing.
+/// that keeps every rank count and node offset from overflowing.
 pub const MAX_WORLD: usize = 1 << 24;
 
 /// The most processes started on one node: far more than any node's GPUs, few enough that a

@@ -136,6 +136,7 @@ pub fn save_model(
             client_state: serde_json::json!({ "data_position": step * 24 }),
             model: model.clone(),
             tensor_parallel: None,
+            tensor_ranks: None,
         };
         checkpoint::save(comm.as_ref(), &dir, &tag, &request).expect("save");
     });

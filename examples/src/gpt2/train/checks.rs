@@ -4,7 +4,6 @@
 
 use super::{TrainArgs, TrainError};
 use crate::gpt2::host_memory_bytes;
-use std::io::Read;
 use std::path::Path;
 use zero_core::config::{OffloadDevice, ResolvedConfig};
 use zero_models::Gpt2Config;
@@ -19,8 +18,10 @@ pub(super) fn output_paths_writable(resolved: &ResolvedConfig, lead: bool) -> Re
         ("csv_monitor", &monitors.csv_monitor),
     ] {
         if lead && monitor.enabled {
-            let dir = Path::new(&monitor.output_path).join(&monitor.job_name);
-            writable(&format!("{name}.output_path/job_name"), &dir)?;
+            writable(
+                &format!("{name}.output_path/job_name"),
+                &crate::gpt2::monitor::log_dir(monitor),
+            )?;
         }
     }
     let zero = &resolved.zero;
@@ -204,30 +205,20 @@ pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
             )));
         }
     }
-    // A file there is replaced only if it is a metrics file (its first line a run's header), or
-    // empty; a terminal or a pipe is written to, not replaced.
+    // A file there is replaced only if it is a metrics file (or empty); a terminal or a pipe
+    // is written to, not replaced.
     let Ok(meta) = std::fs::metadata(metrics) else {
         return Ok(());
     };
     if meta.is_dir() {
         return Err(refuse("a directory: give a file's path".into()));
     }
-    if meta.is_file() && meta.len() > 0 {
-        let first = zero_core::files::open(metrics).ok().and_then(|f| {
-            let mut line = String::new();
-            std::io::BufRead::read_line(&mut std::io::BufReader::new(f).take(1 << 16), &mut line).ok()?;
-            Some(line)
-        });
-        let header = first
-            .and_then(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
-            .is_some_and(|v| v.get("run").is_some());
-        if !header {
-            return Err(refuse(
-                "is there and is not a metrics file (its first line is not a run's header); the run would \
-                 overwrite it: give another path, or remove the file"
-                    .into(),
-            ));
-        }
+    if meta.is_file() && !zero_core::plot::is_metrics_file(metrics) {
+        return Err(refuse(
+            "is there and is not a metrics file (its first line is neither a run's header nor a step); the run \
+             would overwrite it: give another path, or remove the file"
+                .into(),
+        ));
     }
     Ok(())
 }
@@ -240,8 +231,7 @@ pub(super) fn save_spares_other_runs(args: &TrainArgs) -> Result<(), TrainError>
     let Some(save) = args.save.as_deref() else {
         return Ok(());
     };
-    let latest = zero_core::checkpoint::format::LATEST_FILE;
-    let holds = save.join(latest).is_file() || !zero_core::checkpoint::tensor_ranks_in(save).is_empty();
+    let holds = zero_core::checkpoint::holds_checkpoint(save);
     let resumed_here = args.load_target().is_some_and(|(dir, _)| same_dir(&dir, save));
     if holds && !resumed_here {
         return Err(TrainError::Config(format!(

@@ -258,7 +258,7 @@ where
             data
         }
         (None, Some(path)) => {
-            let text = zero_core::files::read_to_string(path, zero_core::files::DATA)
+            let text = zero_core::files::read_to_string(path, zero_core::files::data_limit(path))
                 .map_err(|e| TrainError::Data(format!("{}: {e}", path.display())))?;
             DataSource::from_text(
                 &text,
@@ -404,7 +404,7 @@ where
     let args = Arc::new(args.clone());
     let threads = launch.is_none();
     let local_rank = launch.map(|env| env.local_rank);
-    let results = crate::ranks::run_ranks_with(args.nproc, nccl.is_some(), move |rank, group, ctrl| {
+    let results = crate::ranks::run_ranks_with(launch, args.nproc, nccl.is_some(), move |rank, group, ctrl| {
         let place = RankPlace::data_only(rank, group);
         let device = rank_device::<B>(local_rank.unwrap_or(rank), devices);
         let units = match (nccl, ctrl) {

@@ -72,12 +72,13 @@ fn convert(args: &Args) -> Result<String, String> {
         .map(parse_size)
         .transpose()
         .map_err(|e| format!("--max-shard-size {e}"))?;
-    // The export never goes among the checkpoint's own files: beside its `latest`, or into a
-    // tag's directory (which would then read as a model and as a checkpoint at once).
-    if let Some(place) = among_checkpoint_files(&args.out, &args.checkpoint_dir) {
+    // The export never goes into one of the checkpoint's tag directories, which would then
+    // read as a model and as a checkpoint at once. (Beside the tags is where HuggingFace's
+    // Trainer keeps a checkpoint's weights, and works.)
+    if in_a_tag(&args.out, &args.checkpoint_dir) {
         return Err(format!(
-            "{} is {place} of the checkpoint {}: give an output directory of its own (a new one beside \
-             the tags does)",
+            "{} is inside a tag directory of the checkpoint {}: give an output directory of its own (a new one \
+             beside the tags does)",
             args.out.display(),
             args.checkpoint_dir.display()
         ));
@@ -156,19 +157,23 @@ fn convert(args: &Args) -> Result<String, String> {
     Ok(summary)
 }
 
-/// Where `path` (which may not exist yet) lies among the files of the checkpoint in `dir`, by
-/// what they are on disk (the nearest part of `path` that exists is resolved, links and `..`
-/// included): "the directory", or "inside a tag directory" (one holding checkpoint metadata,
-/// or a tensor rank's); `None` when elsewhere, a new directory beside the tags included.
-fn among_checkpoint_files(path: &std::path::Path, dir: &std::path::Path) -> Option<&'static str> {
-    let dir = std::fs::canonicalize(dir).ok()?;
+/// Whether `path` (which may not exist yet) is, or lies under, a tag directory of the
+/// checkpoint in `dir` (one holding checkpoint metadata, or a tensor rank's `tensor_rank_{t}`),
+/// by what they are on disk: the nearest part of `path` that exists is resolved, links and `..`
+/// included.
+fn in_a_tag(path: &std::path::Path, dir: &std::path::Path) -> bool {
+    let Ok(dir) = std::fs::canonicalize(dir) else {
+        return false;
+    };
     let mut existing = path;
     let mut rest = Vec::new();
     let resolved = loop {
         if let Ok(resolved) = std::fs::canonicalize(existing) {
             break rest.iter().rev().fold(resolved, |p: PathBuf, part| p.join(part));
         }
-        let (parent, name) = (existing.parent()?, existing.file_name()?);
+        let (Some(parent), Some(name)) = (existing.parent(), existing.file_name()) else {
+            return false;
+        };
         rest.push(name.to_os_string());
         existing = if parent.as_os_str().is_empty() {
             std::path::Path::new(".")
@@ -176,12 +181,16 @@ fn among_checkpoint_files(path: &std::path::Path, dir: &std::path::Path) -> Opti
             parent
         };
     };
-    let below = resolved.strip_prefix(&dir).ok()?;
-    let Some(first) = below.components().next() else {
-        return Some("the directory");
+    let Some(first) = resolved
+        .strip_prefix(&dir)
+        .ok()
+        .and_then(|below| below.components().next())
+    else {
+        return false;
     };
-    let child = dir.join(first);
-    let tag = child.join(zero_core::checkpoint::format::META_FILE).is_file()
-        || first.as_os_str().to_string_lossy().starts_with("tensor_rank_");
-    tag.then_some("inside a tag directory")
+    let name = first.as_os_str().to_string_lossy();
+    let tensor_rank = name
+        .strip_prefix("tensor_rank_")
+        .is_some_and(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()));
+    tensor_rank || dir.join(first).join(zero_core::checkpoint::format::META_FILE).is_file()
 }
