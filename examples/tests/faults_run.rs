@@ -151,6 +151,12 @@ fn metrics_that_would_lose_a_file_are_refused() {
     assert_refused(&out, &["--metrics", ".png", ".jsonl"]);
     assert!(!png.exists());
 
+    // A metrics file of before run headers (its first line a step) is a metrics file.
+    let old = dir.path().join("old.jsonl");
+    std::fs::write(&old, "{\"step\":1,\"loss\":7.5}\n").expect("write");
+    let out = one_step(&config, &tokens, &["--metrics", &old.to_string_lossy()], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
     // A run's own metrics file is replaced by a fresh run; a text where its curve goes is kept.
     let metrics = dir.path().join("run.jsonl");
     let beside = dir.path().join("run.png");

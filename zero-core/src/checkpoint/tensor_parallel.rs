@@ -236,6 +236,21 @@ pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit
 mod tests {
     use super::*;
 
+    /// A published checkpoint is one with a `latest`, its own or a tensor rank's; a save that
+    /// never finished (a `TAG.partial` alone) is none.
+    #[test]
+    fn only_a_published_latest_is_a_checkpoint_held() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!holds_checkpoint(dir.path()));
+        std::fs::create_dir_all(dir.path().join("tensor_rank_0/global_step1.partial")).unwrap();
+        assert!(!holds_checkpoint(dir.path()));
+        std::fs::write(dir.path().join("tensor_rank_0/latest"), "global_step1").unwrap();
+        assert!(holds_checkpoint(dir.path()));
+        let whole = tempfile::tempdir().unwrap();
+        std::fs::write(whole.path().join("latest"), "global_step1").unwrap();
+        assert!(holds_checkpoint(whole.path()));
+    }
+
     /// A directory holding one kind of checkpoint refuses the other kind, and takes its own.
     #[test]
     fn a_checkpoint_of_the_other_kind_is_refused_beside_one() {
