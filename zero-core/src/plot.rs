@@ -137,12 +137,15 @@ fn clip(text: &str) -> String {
     }
 }
 
-/// A step axis tick's label: the step, or nothing for a position between two steps.
+/// A step axis tick's label: the step, or nothing for a position between two steps; from ten
+/// million on, in exponent form (`1.84e19`), so that ten labels fit side by side.
 fn step_label(x: &f64) -> String {
-    if (x - x.round()).abs() < 1e-6 {
-        format!("{x:.0}")
-    } else {
+    if (x - x.round()).abs() >= 1e-6 {
         String::new()
+    } else if x.abs() >= 1e7 {
+        format!("{x:.2e}")
+    } else {
+        format!("{x:.0}")
     }
 }
 
@@ -520,6 +523,9 @@ mod tests {
     #[test]
     fn step_ticks_fall_on_whole_steps() {
         assert_eq!(step_ticks(1, 4), 4);
+        assert_eq!(step_label(&1200.0), "1200");
+        assert_eq!(step_label(&1.5), "");
+        assert_eq!(step_label(&(u64::MAX as f64)), "1.84e19");
         assert_eq!(step_ticks(1, 1), 2);
         assert_eq!(step_ticks(1, 120), 10);
         assert_eq!(step_label(&2.0), "2");
