@@ -49,7 +49,12 @@ impl Gpt2Shape {
             "gpt2-10b" => Self::with(4096, 50, 32),
             other => {
                 let (layers, hidden) = other.strip_prefix("gpt2-")?.split_once('x')?;
-                return Self::shaped(layers.parse().ok()?, hidden.parse().ok()?);
+                // Written one way only, as `shaped_name` writes it: digits, no sign, no leading 0.
+                let count = |s: &str| {
+                    let plain = s.bytes().all(|b| b.is_ascii_digit()) && !(s.len() > 1 && s.starts_with('0'));
+                    plain.then(|| s.parse().ok()).flatten()
+                };
+                return Self::shaped(count(layers)?, count(hidden)?);
             }
         })
     }

@@ -216,7 +216,16 @@ fn shaped_names_read_back_and_match_the_presets() {
     let s = Gpt2Shape::preset("gpt2-7x1600").unwrap();
     assert_eq!((s.n_layer, s.n_embd, s.n_head), (7, 1600, 25));
     assert_eq!(Gpt2Shape::preset(&s.shaped_name()), Some(s));
-    for bad in ["gpt2-0x4096", "gpt2-4x100", "gpt2-4x", "gpt2-x64", "gpt3-4x64"] {
+    // Each shape has one name: no sign, no leading zero.
+    for bad in [
+        "gpt2-0x4096",
+        "gpt2-4x100",
+        "gpt2-4x",
+        "gpt2-x64",
+        "gpt3-4x64",
+        "gpt2-+1x64",
+        "gpt2-01x064",
+    ] {
         assert_eq!(Gpt2Shape::preset(bad), None, "{bad}");
     }
 }
