@@ -369,19 +369,16 @@ fn indexed_files(out_dir: &Path) -> BTreeSet<String> {
     let Ok(text) = crate::files::read_to_string(&out_dir.join(INDEX_FILE), crate::files::SMALL) else {
         return BTreeSet::new();
     };
-    serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| v.get("weight_map")?.as_object().cloned())
-        .map(|m| {
-            m.values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect::<BTreeSet<_>>()
-        })
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|file| {
-            Path::new(file).file_name().is_some_and(|n| n == file.as_str()) && file.ends_with(".safetensors")
-        })
+    let Ok(index) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return BTreeSet::new();
+    };
+    let Some(map) = index.get("weight_map").and_then(serde_json::Value::as_object) else {
+        return BTreeSet::new();
+    };
+    map.values()
+        .filter_map(serde_json::Value::as_str)
+        .filter(|file| Path::new(file).file_name().is_some_and(|n| n == *file) && file.ends_with(".safetensors"))
+        .map(String::from)
         .collect()
 }
 

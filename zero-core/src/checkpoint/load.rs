@@ -66,19 +66,22 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
         return Ok(t.to_string());
     }
     let latest = dir.join(LATEST_FILE);
-    let text = crate::files::read_to_string(&latest, crate::files::SMALL).map_err(|e| match e.kind() {
-        // The directory itself, where it is missing or not one (a directory that cannot be
-        // looked into is said by the read's own error, below).
-        _ if std::fs::metadata(dir).is_err_and(|m| m.kind() == std::io::ErrorKind::NotFound) => CheckpointError::Tag {
-            path: dir.to_path_buf(),
-            detail: "no such directory".into(),
-        },
-        _ if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) => CheckpointError::Tag {
-            path: dir.to_path_buf(),
-            detail: "is not a directory".into(),
-        },
-        std::io::ErrorKind::NotFound => {
-            CheckpointError::Tag {
+    let text =
+        crate::files::read_to_string(&latest, crate::files::SMALL).map_err(|e| match e.kind() {
+            // The directory itself, where it is missing or not one (a directory that cannot be
+            // looked into is said by the read's own error, below).
+            _ if let Some(detail) = match std::fs::metadata(dir) {
+                Err(m) if m.kind() == std::io::ErrorKind::NotFound => Some("no such directory"),
+                Ok(m) if !m.is_dir() => Some("is not a directory"),
+                _ => None,
+            } =>
+            {
+                CheckpointError::Tag {
+                    path: dir.to_path_buf(),
+                    detail: detail.into(),
+                }
+            }
+            std::io::ErrorKind::NotFound => CheckpointError::Tag {
                 path: latest.clone(),
                 detail: match super::tensor_parallel::tensor_ranks_in(dir).as_slice() {
                     [] => no_latest(dir),
@@ -90,10 +93,9 @@ pub fn resolve_tag(dir: &Path, tag: Option<&str>) -> Result<String, CheckpointEr
                     ranks.len()
                 ),
                 },
-            }
-        }
-        _ => CheckpointError::io(&latest, "read", e),
-    })?;
+            },
+            _ => CheckpointError::io(&latest, "read", e),
+        })?;
     let t = text.trim();
     // A tag is a directory's name, at most 255 bytes: longer text is not echoed whole.
     if t.len() > 255 {

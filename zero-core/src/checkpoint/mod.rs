@@ -46,6 +46,7 @@ pub use reader::ShardReader;
 pub use recut::recut;
 pub use save::{describe, save, GroupShard, SaveRequest};
 pub use tensor_parallel::{
-    check_same_kind, check_tensor_degree, holds_checkpoint, merge_slices, tensor_rank_dir, TensorParallelCheckpoint,
+    check_same_kind, check_tensor_degree, holds_checkpoint, merge_slices, tensor_rank_dir, tensor_rank_of,
+    TensorParallelCheckpoint,
 };
 pub use writer::{HalfDtype, SafetensorsStream, TensorEntry, CHUNK_BYTES};

@@ -23,6 +23,11 @@ pub fn holds_checkpoint(dir: &Path) -> bool {
             .any(|t| tensor_rank_dir(dir, t).join(latest).is_file())
 }
 
+/// The tensor rank a directory named `name` holds (`tensor_rank_{t}`), if it is one.
+pub fn tensor_rank_of(name: &str) -> Option<usize> {
+    name.strip_prefix("tensor_rank_")?.parse().ok()
+}
+
 /// The tensor ranks whose directories (`tensor_rank_{t}`) are under `dir`, in rank order.
 pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
     let mut ranks: Vec<usize> = std::fs::read_dir(dir)
@@ -30,7 +35,7 @@ pub(crate) fn tensor_ranks_in(dir: &Path) -> Vec<usize> {
         .flatten()
         .flatten()
         .filter(|e| e.path().is_dir())
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("tensor_rank_")?.parse().ok())
+        .filter_map(|e| tensor_rank_of(e.file_name().to_str()?))
         .collect();
     ranks.sort_unstable();
     ranks

@@ -188,9 +188,9 @@ fn in_a_tag(path: &std::path::Path, dir: &std::path::Path) -> bool {
     else {
         return false;
     };
-    let name = first.as_os_str().to_string_lossy();
-    let tensor_rank = name
-        .strip_prefix("tensor_rank_")
-        .is_some_and(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()));
-    tensor_rank || dir.join(first).join(zero_core::checkpoint::format::META_FILE).is_file()
+    let tensor_rank = first
+        .as_os_str()
+        .to_str()
+        .and_then(zero_core::checkpoint::tensor_rank_of);
+    tensor_rank.is_some() || dir.join(first).join(zero_core::checkpoint::format::META_FILE).is_file()
 }
