@@ -30,7 +30,7 @@ pub(crate) fn counted_grad_norm(counted: Vec<bool>, data_rank: usize, groups: Ve
             };
             for seg in state.layout.segments(gi, rank) {
                 if counted[seg.param] {
-                    sum += grad[seg.local].iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
+                    sum += zero_core::passes::sum_squares(&grad[seg.local]);
                 }
             }
         }

@@ -459,7 +459,7 @@ impl FlatState {
         let mut sharded = 0.0f64;
         let mut replicated = 0.0f64;
         for (gi, grad) in grads.iter().enumerate() {
-            let sum: f64 = grad.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let sum = zero_core::passes::sum_squares(grad);
             match self.layout.groups[gi].placement {
                 Placement::Sharded => sharded += sum,
                 Placement::Replicated => replicated += sum,
@@ -499,9 +499,9 @@ impl FlatState {
             }
             self.restore_param_copy(gi, memory);
         }
-        for grad in &mut grads {
-            if coef != 1.0 {
-                grad.iter_mut().for_each(|v| *v *= coef);
+        if coef != 1.0 {
+            for grad in &mut grads {
+                zero_core::passes::scale(grad, coef);
             }
         }
         let groups = &mut self.groups;

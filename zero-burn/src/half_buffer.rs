@@ -2,12 +2,15 @@
 //! conversions between them, f32 and Burn's `TensorData`.
 //!
 //! Every 16-bit value is produced by one round-to-nearest-even from an f32; sums are formed in
-//! f32 and rounded once, like the collectives' reduction kernels.
+//! f32 and rounded once, like the collectives' reduction kernels. Passes over whole buffers run
+//! in parallel chunks ([`zero_core::passes`]).
 
 use crate::settings::ComputeDtype;
 use burn::tensor::{Shape, TensorData};
 use half::{bf16, f16};
+use rayon::prelude::*;
 use zero_core::comm::{DType, FlatBuffer};
+use zero_core::passes::{narrow, CHUNK};
 
 /// A zero-filled buffer of `len` elements of `dtype`.
 pub(crate) fn zeros(dtype: ComputeDtype, len: usize) -> FlatBuffer {
@@ -16,16 +19,15 @@ pub(crate) fn zeros(dtype: ComputeDtype, len: usize) -> FlatBuffer {
 
 /// `acc[i] += values[i]`, summed in f32 and rounded once to the buffer's dtype.
 pub(crate) fn add_into(acc: &mut FlatBuffer, values: &[f32]) {
+    fn add<T: Send>(acc: &mut [T], values: &[f32], f: impl Fn(&mut T, f32) + Sync) {
+        acc.par_chunks_mut(CHUNK)
+            .zip(values.par_chunks(CHUNK))
+            .for_each(|(a, v)| a.iter_mut().zip(v).for_each(|(a, &v)| f(a, v)));
+    }
     match acc {
-        FlatBuffer::F32(a) => a.iter_mut().zip(values).for_each(|(a, v)| *a += v),
-        FlatBuffer::BF16(a) => a
-            .iter_mut()
-            .zip(values)
-            .for_each(|(a, v)| *a = bf16::from_f32(a.to_f32() + v)),
-        FlatBuffer::F16(a) => a
-            .iter_mut()
-            .zip(values)
-            .for_each(|(a, v)| *a = f16::from_f32(a.to_f32() + v)),
+        FlatBuffer::F32(a) => add(a, values, |a, v| *a += v),
+        FlatBuffer::BF16(a) => add(a, values, |a, v| *a = bf16::from_f32(a.to_f32() + v)),
+        FlatBuffer::F16(a) => add(a, values, |a, v| *a = f16::from_f32(a.to_f32() + v)),
     }
 }
 
@@ -44,8 +46,12 @@ pub(crate) fn convert(buf: FlatBuffer, dtype: DType) -> FlatBuffer {
 pub(crate) fn round_to(dtype: ComputeDtype, values: &mut [f32]) {
     match dtype {
         ComputeDtype::F32 => {}
-        ComputeDtype::Bf16 => values.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32()),
-        ComputeDtype::F16 => values.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32()),
+        ComputeDtype::Bf16 => values
+            .par_chunks_mut(CHUNK)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32())),
+        ComputeDtype::F16 => values
+            .par_chunks_mut(CHUNK)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32())),
     }
 }
 
@@ -62,8 +68,8 @@ pub(crate) fn slice_data(buf: &FlatBuffer, range: std::ops::Range<usize>, shape:
 pub(crate) fn f32_to_data(values: Vec<f32>, shape: impl Into<Shape>, dtype: ComputeDtype) -> TensorData {
     match dtype {
         ComputeDtype::F32 => TensorData::new(values, shape),
-        ComputeDtype::Bf16 => TensorData::new(values.into_iter().map(bf16::from_f32).collect::<Vec<_>>(), shape),
-        ComputeDtype::F16 => TensorData::new(values.into_iter().map(f16::from_f32).collect::<Vec<_>>(), shape),
+        ComputeDtype::Bf16 => TensorData::new(narrow::<bf16>(&values), shape),
+        ComputeDtype::F16 => TensorData::new(narrow::<f16>(&values), shape),
     }
 }
 

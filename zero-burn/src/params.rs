@@ -289,8 +289,14 @@ pub fn tensor_to_vec<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f3
 
 /// The flattened f32 values of tensor data of any float dtype.
 pub fn data_to_vec(data: TensorData) -> Vec<f32> {
+    // 16-bit data widened in parallel chunks (Burn's `convert` goes element by element).
+    let widened = match data.dtype {
+        burn::tensor::DType::BF16 => data.as_slice::<half::bf16>().ok().map(zero_core::passes::widen),
+        burn::tensor::DType::F16 => data.as_slice::<half::f16>().ok().map(zero_core::passes::widen),
+        _ => None,
+    };
     // `convert` guarantees the dtype, so this cannot fail.
-    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
+    widened.unwrap_or_else(|| data.convert::<f32>().into_vec::<f32>().unwrap_or_default())
 }
 
 /// A 1-D tensor holding `values`.

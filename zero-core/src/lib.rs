@@ -19,4 +19,5 @@ pub mod offload;
 pub mod optim;
 pub mod parallel;
 pub mod partition;
+pub mod passes;
 pub mod plot;

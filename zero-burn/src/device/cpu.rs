@@ -7,11 +7,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_flex::FlexTensor;
-use rayon::prelude::*;
 use std::any::{Any, TypeId};
-
-/// Elements per parallel task of the statistics pass.
-const CHUNK: usize = 1 << 16;
 
 /// Whether `I`'s float tensors are Flex's, whose elements this module can reach.
 pub(crate) fn is_cpu<I: Backend>() -> bool {
@@ -133,48 +129,21 @@ pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
     }
 }
 
-/// `src` rounded to the 16-bit type `H`, in parallel chunks.
+/// `src` rounded to the 16-bit type `H`.
 fn narrowed<H>(src: &[f32]) -> burn::tensor::Bytes
 where
     H: Copy + Default + Send + Sync + burn::tensor::Element,
     [H]: half::slice::HalfFloatSliceExt,
 {
-    use half::slice::HalfFloatSliceExt;
-    let mut out = vec![H::default(); src.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(o, s)| o.convert_from_f32_slice(s));
-    burn::tensor::Bytes::from_elems(out)
+    burn::tensor::Bytes::from_elems(zero_core::passes::narrow::<H>(src))
 }
 
-/// `src` (16-bit) widened to fp32, exactly, in parallel chunks.
+/// `src` (16-bit) widened to fp32, exactly.
 fn widened<H: Sync>(src: &[H]) -> burn::tensor::Bytes
 where
     [H]: half::slice::HalfFloatSliceExt,
 {
-    use half::slice::HalfFloatSliceExt;
-    let mut out = vec![0.0f32; src.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(o, s)| s.convert_to_f32_slice(o));
-    burn::tensor::Bytes::from_elems(out)
-}
-
-/// The sum of squares of `g` and, with `count_non_finite`, how many of its elements are not
-/// finite (a NaN or an infinity in `g` makes the sum one too), in one parallel pass. Each task's
-/// sum is taken in f64, so the result does not depend on how the pass was split.
-pub(crate) fn grad_stats(g: &[f32], count_non_finite: bool) -> (f64, usize) {
-    g.par_chunks(CHUNK)
-        .map(|c| {
-            let sum = c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-            let bad = if count_non_finite {
-                c.iter().filter(|x| !x.is_finite()).count()
-            } else {
-                0
-            };
-            (sum, bad)
-        })
-        .reduce(|| (0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    burn::tensor::Bytes::from_elems(zero_core::passes::widen(src))
 }
 
 #[cfg(test)]
@@ -280,21 +249,5 @@ mod tests {
             .unwrap();
         let b: Vec<f32> = v[3..103].iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
         assert_eq!(a, b);
-    }
-
-    #[test]
-    fn stats_match_a_float64_sum() {
-        let g: Vec<f32> = (0..200_003).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
-        let reference: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();
-        let (sum, bad) = grad_stats(&g, true);
-        assert!((sum - reference).abs() <= 1e-9 * reference, "{sum} vs {reference}");
-        assert_eq!(bad, 0);
-        let mut g = g;
-        g[5] = f32::NAN;
-        g[100_000] = f32::INFINITY;
-        let (sum, bad) = grad_stats(&g, true);
-        assert_eq!(bad, 2);
-        assert!(!sum.is_finite());
-        assert_eq!(grad_stats(&g, false).1, 0, "not counted unless asked");
     }
 }

@@ -462,7 +462,7 @@ impl<I: Backend> DeviceState<I> {
         // The CPU backend: one pass over each gradient's own storage.
         let host: Option<Vec<(f64, usize)>> = grads
             .iter()
-            .map(|g| super::cpu::with_slice(g, |g| super::cpu::grad_stats(g, check)))
+            .map(|g| super::cpu::with_slice(g, |g| zero_core::passes::stats(g, check)))
             .collect();
         if let Some(host) = host {
             return host

@@ -70,8 +70,8 @@ impl FlatBuffer {
     pub fn from_f32(values: &[f32], dtype: DType) -> Self {
         match dtype {
             DType::F32 => FlatBuffer::F32(values.to_vec()),
-            DType::F16 => FlatBuffer::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
-            DType::BF16 => FlatBuffer::BF16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
+            DType::F16 => FlatBuffer::F16(crate::passes::narrow(values)),
+            DType::BF16 => FlatBuffer::BF16(crate::passes::narrow(values)),
         }
     }
 
@@ -107,8 +107,8 @@ impl FlatBuffer {
     pub fn into_f32(self) -> Vec<f32> {
         match self {
             FlatBuffer::F32(v) => v,
-            FlatBuffer::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            FlatBuffer::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            FlatBuffer::F16(v) => crate::passes::widen(&v),
+            FlatBuffer::BF16(v) => crate::passes::widen(&v),
         }
     }
 
