@@ -499,15 +499,16 @@ impl FlatState {
             }
             self.restore_param_copy(gi, memory);
         }
-        if coef != 1.0 {
-            for grad in &mut grads {
-                zero_core::passes::scale(grad, coef);
-            }
-        }
         let groups = &mut self.groups;
         let OffloadState { pool, nvme } = &mut self.offload;
         let norms = self.tensor_norms.as_ref();
+        // In the optimizer's pool when it has one, so that the step keeps to its threads.
         let mut run = || -> Result<(), ZeroError> {
+            if coef != 1.0 {
+                for grad in &mut grads {
+                    zero_core::passes::scale(grad, coef);
+                }
+            }
             for gi in (0..groups.len()).filter(|&g| trains[g]) {
                 match nvme {
                     None => step_group_in_memory(&mut groups[gi], &grads[gi], lr, group_comm, norms.map(|n| (n, gi)))?,

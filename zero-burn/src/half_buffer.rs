@@ -2,8 +2,9 @@
 //! conversions between them, f32 and Burn's `TensorData`.
 //!
 //! Every 16-bit value is produced by one round-to-nearest-even from an f32; sums are formed in
-//! f32 and rounded once, like the collectives' reduction kernels. Passes over whole buffers run
-//! in parallel chunks ([`zero_core::passes`]).
+//! f32 and rounded once, like the collectives' reduction kernels. What the optimizer's step does to
+//! whole buffers (accumulating, rounding, converting) runs in parallel chunks
+//! ([`zero_core::passes`]).
 
 use crate::settings::ComputeDtype;
 use burn::tensor::{Shape, TensorData};
@@ -109,6 +110,37 @@ mod tests {
         add_into(&mut acc, &[1.0]);
         add_into(&mut acc, &[1.0 / 256.0]);
         assert_eq!(acc.into_f32(), vec![1.0]);
+    }
+
+    /// Reference: the same sums and roundings element by element, over more than one parallel
+    /// chunk and a ragged end.
+    #[test]
+    fn whole_buffer_passes_match_the_element_by_element_ones() {
+        let n = 2 * CHUNK + 5;
+        let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).cos() * 3.0).collect();
+        let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.007).sin() * 1e-2).collect();
+        for dtype in [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16] {
+            let round = |x: f32| match dtype {
+                ComputeDtype::F32 => x,
+                ComputeDtype::Bf16 => bf16::from_f32(x).to_f32(),
+                ComputeDtype::F16 => f16::from_f32(x).to_f32(),
+            };
+            let mut acc = zeros(dtype, n);
+            add_into(&mut acc, &a);
+            add_into(&mut acc, &b);
+            let want: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| round(round(x) + y)).collect();
+            assert_eq!(acc.into_f32(), want, "{dtype:?} accumulation");
+            let mut rounded = a.clone();
+            round_to(dtype, &mut rounded);
+            assert_eq!(
+                rounded,
+                a.iter().map(|&x| round(x)).collect::<Vec<_>>(),
+                "{dtype:?} rounding"
+            );
+            let data = f32_to_data(a.clone(), vec![n], dtype);
+            let back = crate::params::data_to_vec(data);
+            assert_eq!(back, a.iter().map(|&x| round(x)).collect::<Vec<_>>(), "{dtype:?} data");
+        }
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! The DeepSpeed configuration, the partition layout of flat buffers, the communication layer
 //! (process groups that never hang), optimizer kernels on flat host buffers, the loss scaler and
-//! learning-rate schedules, the checkpoint format and the `zero` command-line tool.
+//! learning-rate schedules, the checkpoint format, parallel passes over flat vectors (`passes`) and
+//! the `zero` command-line tool.
 //!
 //! It is not a training engine: the Burn integration (modules, gradients, the step) is in
 //! `zero-burn`, which drives what this crate provides.

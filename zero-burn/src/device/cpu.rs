@@ -111,11 +111,13 @@ pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
     };
     let flex = flex.to_contiguous();
     let n = flex.layout().num_elements();
+    use burn::tensor::Bytes;
+    use zero_core::passes::{narrow, widen};
     let bytes = match (from, dtype) {
-        (DType::F32, DType::BF16) => narrowed::<half::bf16>(&flex.storage::<f32>()[..n]),
-        (DType::F32, _) => narrowed::<half::f16>(&flex.storage::<f32>()[..n]),
-        (DType::BF16, _) => widened(&flex.storage::<half::bf16>()[..n]),
-        _ => widened(&flex.storage::<half::f16>()[..n]),
+        (DType::F32, DType::BF16) => Bytes::from_elems(narrow::<half::bf16>(&flex.storage::<f32>()[..n])),
+        (DType::F32, _) => Bytes::from_elems(narrow::<half::f16>(&flex.storage::<f32>()[..n])),
+        (DType::BF16, _) => Bytes::from_elems(widen(&flex.storage::<half::bf16>()[..n])),
+        _ => Bytes::from_elems(widen(&flex.storage::<half::f16>()[..n])),
     };
     let converted = FlexTensor::new(
         bytes,
@@ -127,23 +129,6 @@ pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
         Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
         Err(_) => unreachable!("the CPU backend's tensor"),
     }
-}
-
-/// `src` rounded to the 16-bit type `H`.
-fn narrowed<H>(src: &[f32]) -> burn::tensor::Bytes
-where
-    H: Copy + Default + Send + Sync + burn::tensor::Element,
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    burn::tensor::Bytes::from_elems(zero_core::passes::narrow::<H>(src))
-}
-
-/// `src` (16-bit) widened to fp32, exactly.
-fn widened<H: Sync>(src: &[H]) -> burn::tensor::Bytes
-where
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    burn::tensor::Bytes::from_elems(zero_core::passes::widen(src))
 }
 
 #[cfg(test)]
