@@ -293,7 +293,8 @@ if has offload; then
   step "offload $small" 120 .gpu/throughput --backend "$backend" --models "$small" --dtype bf16 \
     --batch 8 --seq 512 --steps 3 --stages 3 --offload-optimizer cpu --offload-param cpu
   .gpu/zero estimate --preset "$large" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1,6p'
-  # At 1.5B on an H200: ready in 61 s, the first warm-up step 73 s, later ones about 18 s.
+  # At 1.5B on an H200: ready in 61 s, the first warm-up step 73 s, the second 18 s; with two
+  # timed steps like it, about 61 + 73 + 3 × 18 ≈ 190 s.
   step "offload $large" 260 /usr/bin/time -v .gpu/throughput --backend "$backend" --models "$large" --dtype bf16 \
     --batch 1 --seq 512 --steps 2 --stages 3 --offload-optimizer cpu --offload-param cpu
 fi
