@@ -65,6 +65,25 @@ pub(crate) fn slice_data(buf: &FlatBuffer, range: std::ops::Range<usize>, shape:
     }
 }
 
+/// The first `len` elements of `buf` as a tensor's data of `shape`, in the buffer's dtype: what
+/// [`slice_data`] gives for `0..len`, moved rather than copied.
+pub(crate) fn into_data(buf: FlatBuffer, len: usize, shape: impl Into<Shape>) -> TensorData {
+    match buf {
+        FlatBuffer::F32(mut v) => {
+            v.truncate(len);
+            TensorData::new(v, shape)
+        }
+        FlatBuffer::BF16(mut v) => {
+            v.truncate(len);
+            TensorData::new(v, shape)
+        }
+        FlatBuffer::F16(mut v) => {
+            v.truncate(len);
+            TensorData::new(v, shape)
+        }
+    }
+}
+
 /// f32 values as a tensor's data of `shape` in `dtype` (rounded to nearest even).
 pub(crate) fn f32_to_data(values: Vec<f32>, shape: impl Into<Shape>, dtype: ComputeDtype) -> TensorData {
     match dtype {
@@ -153,6 +172,7 @@ mod tests {
         let data = f32_to_data(vec![1.0, 2.0, 3.0, 4.0], vec![2, 2], ComputeDtype::Bf16);
         assert_eq!(data.dtype, burn::tensor::DType::BF16);
         let buf = FlatBuffer::from_f32(&[5.0, 6.0, 7.0], DType::F16);
+        assert_eq!(into_data(buf.clone(), 2, vec![2]), slice_data(&buf, 0..2, vec![2]));
         let data = slice_data(&buf, 1..3, vec![2]);
         assert_eq!(data.dtype, burn::tensor::DType::F16);
         assert_eq!(

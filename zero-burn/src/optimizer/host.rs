@@ -157,7 +157,7 @@ pub(super) fn write_back<B: AutodiffBackend, M: AutodiffModule<B>>(
                 error.get_or_insert(e);
                 half_buffer::zeros(dtype, len)
             });
-            let data = half_buffer::slice_data(&shard, 0..len, vec![len]);
+            let data = half_buffer::into_data(shard, len, vec![len]);
             match stores.get(i).cloned().flatten() {
                 Some(store) => {
                     if let Err(e) = store.write(data) {
