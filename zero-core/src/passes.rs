@@ -2,7 +2,6 @@
 //! copies), spread over the threads of the current rayon pool in chunks of a fixed size. A sum
 //! adds the chunks' partial sums in order, so that it is the same whatever the number of threads.
 
-use bytemuck::Zeroable;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -22,13 +21,11 @@ where
 }
 
 /// `src` rounded to the 16-bit type `H` (to nearest, ties to even).
-pub fn narrow<H: Zeroable + Send + Sync>(src: &[f32]) -> Vec<H>
+pub fn narrow<H: Copy + Default + Send + Sync>(src: &[f32]) -> Vec<H>
 where
     [H]: HalfFloatSliceExt,
 {
-    // Zeroed by the allocator, page by page as the tasks write (`vec![H::default(); n]` would
-    // fill the whole of it on this thread first: only primitive types get zeroed allocations).
-    let mut out = bytemuck::zeroed_vec::<H>(src.len());
+    let mut out = vec![H::default(); src.len()];
     out.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(o, s)| o.convert_from_f32_slice(s));

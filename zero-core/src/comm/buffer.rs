@@ -61,9 +61,10 @@ impl FlatBuffer {
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
             DType::F32 => FlatBuffer::F32(vec![0.0; len]),
-            // Zeroed by the allocator (a fill of a 16-bit `vec!` would write every page now).
-            DType::F16 => FlatBuffer::F16(bytemuck::zeroed_vec(len)),
-            DType::BF16 => FlatBuffer::BF16(bytemuck::zeroed_vec(len)),
+            // Filled now: a zeroed allocation, faulted in page by page later, made the offloaded
+            // step slower (BENCHMARKS.md, "The offloaded optimizer step's passes in parallel").
+            DType::F16 => FlatBuffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => FlatBuffer::BF16(vec![bf16::ZERO; len]),
         }
     }
 
