@@ -23,9 +23,12 @@ pub fn holds_checkpoint(dir: &Path) -> bool {
             .any(|t| tensor_rank_dir(dir, t).join(latest).is_file())
 }
 
-/// The tensor rank a directory named `name` holds (`tensor_rank_{t}`), if it is one.
+/// The tensor rank a directory named `name` holds, if it is one: named as [`tensor_rank_dir`]
+/// writes it, in plain digits (`parse` alone would take `tensor_rank_+1` and `tensor_rank_01`).
 pub fn tensor_rank_of(name: &str) -> Option<usize> {
-    name.strip_prefix("tensor_rank_")?.parse().ok()
+    let t = name.strip_prefix("tensor_rank_")?;
+    let plain = t.bytes().all(|b| b.is_ascii_digit()) && !(t.len() > 1 && t.starts_with('0'));
+    plain.then(|| t.parse().ok()).flatten()
 }
 
 /// The tensor ranks whose directories (`tensor_rank_{t}`) are under `dir`, in rank order.
@@ -240,6 +243,21 @@ pub fn merge_slices(slices: &[&[f32]], slice_shape: &[usize], split: TensorSplit
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tensor_rank_directory_has_one_name() {
+        assert_eq!(tensor_rank_of("tensor_rank_0"), Some(0));
+        assert_eq!(tensor_rank_of("tensor_rank_12"), Some(12));
+        for other in [
+            "tensor_rank_",
+            "tensor_rank_+1",
+            "tensor_rank_01",
+            "tensor_rank_1a",
+            "global_step1",
+        ] {
+            assert_eq!(tensor_rank_of(other), None, "{other}");
+        }
+    }
 
     /// A published checkpoint is one with a `latest`, its own or a tensor rank's; a save that
     /// never finished (a `TAG.partial` alone) is none.
