@@ -9,7 +9,7 @@ use comm_support::{assert_close, exercise, input, reference, EXERCISE_COUNT};
 use cudarc::driver::CudaContext;
 use std::sync::Arc;
 use std::time::Duration;
-use zero_core::comm::{DType, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions};
+use zero_core::comm::{DType, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp, Subject, TcpGroup, TcpOptions};
 
 /// Skips a test where there is no GPU or no NCCL, with the reason printed; fails instead under
 /// `ZERO_REQUIRE_CUDA=1` (tools/gpu/run.sh), where a skip would hide a broken CUDA setup.
@@ -90,7 +90,7 @@ fn device_entry_points_match_the_reference() {
     let mut shard = compute.alloc_zeros::<f32>(len).expect("alloc");
     let ready = compute.record_event(None).expect("event");
     let done = g
-        .reduce_scatter_device(&full, &mut shard, ReduceOp::Max, Some(&ready))
+        .reduce_scatter_device(&full, &mut shard, ReduceOp::Max, Subject::Unit(0), Some(&ready))
         .expect("reduce_scatter_device");
     compute.wait(&done).expect("wait");
     let got = compute.clone_dtoh(&shard).expect("download");
@@ -109,7 +109,7 @@ fn device_entry_points_match_the_reference() {
     let mut gathered = compute.alloc_zeros::<f32>(len).expect("alloc");
     let ready = compute.record_event(None).expect("event");
     let done = g
-        .all_gather_device(&part, &mut gathered, Some(&ready))
+        .all_gather_device(&part, &mut gathered, Subject::Unit(0), Some(&ready))
         .expect("all_gather_device");
     // Waited for on the host this time, under the group's timeout.
     g.wait_device(&done).expect("wait_device");
@@ -119,5 +119,5 @@ fn device_entry_points_match_the_reference() {
 
     // A wrong output length is refused before anything is enqueued.
     let mut short = compute.alloc_zeros::<f32>(len - 1).expect("alloc");
-    assert!(g.all_gather_device(&part, &mut short, None).is_err());
+    assert!(g.all_gather_device(&part, &mut short, Subject::Unnamed, None).is_err());
 }

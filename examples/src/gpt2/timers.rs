@@ -9,7 +9,7 @@
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Work};
+use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Subject, Work};
 
 /// Seconds spent in each phase since the last [`StepTimers::take`].
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -212,9 +212,19 @@ impl ProcessGroup for TimedGroup {
         self.timed(t, self.inner.reduce_scatter_async(input, op), "reduce_scatter")
     }
 
+    fn reduce_scatter_of_async(&self, input: FlatBuffer, op: ReduceOp, subject: Subject) -> Work<FlatBuffer> {
+        let t = Instant::now();
+        self.timed(t, self.inner.reduce_scatter_of_async(input, op, subject), "reduce_scatter")
+    }
+
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {
         let t = Instant::now();
         self.timed(t, self.inner.all_gather_async(shard), "all_gather")
+    }
+
+    fn all_gather_of_async(&self, shard: FlatBuffer, subject: Subject) -> Work<FlatBuffer> {
+        let t = Instant::now();
+        self.timed(t, self.inner.all_gather_of_async(shard, subject), "all_gather")
     }
 
     fn all_gather_into_async(&self, shard: FlatBuffer, out: FlatBuffer) -> Work<FlatBuffer> {

@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 use std::sync::Arc;
-use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp};
+use zero_core::comm::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Subject};
 
 /// Collectives over the ranks of a data-parallel group, on flat 1-D tensors of the backend `B`.
 ///
@@ -26,18 +26,35 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError>;
 
     /// The reduction of every rank's `tensor` (a multiple of the world size long), cut in
-    /// world-size equal contiguous shards: this rank's shard.
-    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError>;
+    /// world-size equal contiguous shards: this rank's shard. `subject` names what it reduces
+    /// (a unit, a bucket): every rank must name the same, and a collective that can check it
+    /// (every one here: the header the ranks exchange carries it) fails naming both otherwise.
+    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError>;
 
-    /// Every rank's `shard` (all equally long), concatenated in rank order.
-    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError>;
+    /// [`DeviceCollective::reduce_scatter_of`] of something unnamed.
+    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
+        self.reduce_scatter_of(tensor, op, Subject::Unnamed)
+    }
 
-    /// [`DeviceCollective::all_gather`], started now and finished by [`Started::wait`]: the
+    /// Every rank's `shard` (all equally long) of `subject`, concatenated in rank order (see
+    /// [`DeviceCollective::reduce_scatter_of`] for the subject).
+    fn all_gather_of(&self, shard: Tensor<B, 1>, subject: Subject) -> Result<Tensor<B, 1>, ZeroError> {
+        self.all_gather_start_of(shard, subject).wait()
+    }
+
+    /// [`DeviceCollective::all_gather_of`] of something unnamed.
+    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError> {
+        self.all_gather_of(shard, Subject::Unnamed)
+    }
+
+    /// [`DeviceCollective::all_gather_of`], started now and finished by [`Started::wait`]: the
     /// collective runs while the caller goes on (a prefetch). It takes its place in the rank's
     /// order of collectives when it is started, so collectives called after it run after it.
-    /// The default runs it at once.
+    fn all_gather_start_of(&self, shard: Tensor<B, 1>, subject: Subject) -> Started<B>;
+
+    /// [`DeviceCollective::all_gather_start_of`] of something unnamed.
     fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
-        Started::ready(self.all_gather(shard))
+        self.all_gather_start_of(shard, Subject::Unnamed)
     }
 
     /// Rank `root`'s `tensor`, on every rank. The default sums `tensor` on the root with zeros
@@ -177,25 +194,17 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
         Ok(from_buffer(buffer, &device))
     }
 
-    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
+    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError> {
         if self.group.world_size() == 1 {
             return Ok(tensor);
         }
         let device = tensor.device();
         let buffer = to_buffer(tensor, "reduce_scatter")?;
-        Ok(from_buffer(self.group.reduce_scatter(buffer, op)?, &device))
+        let shard = self.group.reduce_scatter_of_async(buffer, op, subject).wait()?;
+        Ok(from_buffer(shard, &device))
     }
 
-    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError> {
-        if self.group.world_size() == 1 {
-            return Ok(shard);
-        }
-        let device = shard.device();
-        let buffer = to_buffer(shard, "all_gather")?;
-        Ok(from_buffer(self.group.all_gather(buffer)?, &device))
-    }
-
-    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
+    fn all_gather_start_of(&self, shard: Tensor<B, 1>, subject: Subject) -> Started<B> {
         if self.group.world_size() == 1 {
             return Started::ready(Ok(shard));
         }
@@ -205,7 +214,7 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
             Err(e) => return Started::ready(Err(e)),
         };
         // The group's own worker runs it, in this rank's order of collectives.
-        let work = self.group.all_gather_async(buffer);
+        let work = self.group.all_gather_of_async(buffer, subject);
         Started::pending(move || Ok(from_buffer(work.wait()?, &device)))
     }
 
@@ -316,11 +325,11 @@ mod tests {
             fn all_reduce(&self, t: Tensor<F, 1>, op: ReduceOp) -> Result<Tensor<F, 1>, ZeroError> {
                 self.0.all_reduce(t, op)
             }
-            fn reduce_scatter(&self, t: Tensor<F, 1>, op: ReduceOp) -> Result<Tensor<F, 1>, ZeroError> {
-                self.0.reduce_scatter(t, op)
+            fn reduce_scatter_of(&self, t: Tensor<F, 1>, op: ReduceOp, s: Subject) -> Result<Tensor<F, 1>, ZeroError> {
+                self.0.reduce_scatter_of(t, op, s)
             }
-            fn all_gather(&self, t: Tensor<F, 1>) -> Result<Tensor<F, 1>, ZeroError> {
-                self.0.all_gather(t)
+            fn all_gather_start_of(&self, t: Tensor<F, 1>, s: Subject) -> Started<F> {
+                self.0.all_gather_start_of(t, s)
             }
             fn all_reduce_scalars(&self, v: &mut [f32], op: ReduceOp) -> Result<(), ZeroError> {
                 DeviceCollective::<F>::all_reduce_scalars(&self.0, v, op)

@@ -53,7 +53,7 @@ use burn_ir::{BackendIr, InitOperationIr, OperationIr, OperationOutput};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::{bf16, f16};
 use std::sync::Arc;
-use zero_core::comm::{CommError, DeviceElement, DeviceWork, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp};
+use zero_core::comm::{CommError, DeviceElement, DeviceWork, FlatBuffer, NcclGroup, ProcessGroup, ReduceOp, Subject};
 
 /// Burn's CUDA backends, whose float tensors [`NcclDevice`] lends to NCCL: `CubeBackend` over
 /// CUDA, and `Fusion` over it (`burn::backend::Cuda` with Burn's default features).
@@ -317,6 +317,7 @@ impl NcclDevice {
         &self,
         input: CubeTensor<CudaRuntime>,
         op: ReduceOp,
+        subject: Subject,
     ) -> Result<CubeTensor<CudaRuntime>, ZeroError> {
         let name = "reduce_scatter";
         let n = input.meta.shape().num_elements();
@@ -334,7 +335,7 @@ impl NcclDevice {
         Self::sync::<B>(&input.device, name)?;
         let work = self
             .group
-            .reduce_scatter_device(lent_in.slice(), lent_out.slice_mut(), op, None)?;
+            .reduce_scatter_device(lent_in.slice(), lent_out.slice_mut(), op, subject, None)?;
         drop(wait(&self.group, &work, (lent_in, lent_out))?);
         Ok(out)
     }
@@ -345,6 +346,7 @@ impl NcclDevice {
     fn all_gather_start_typed<T: DeviceElement, B: CudaBuffers>(
         &self,
         shard: CubeTensor<CudaRuntime>,
+        subject: Subject,
     ) -> Result<Started<B>, ZeroError> {
         let name = "all_gather";
         let n = shard.meta.shape().num_elements();
@@ -356,7 +358,7 @@ impl NcclDevice {
         Self::sync::<B>(&shard.device, name)?;
         let work = self
             .group
-            .all_gather_device(lent_in.slice(), lent_out.slice_mut(), None)?;
+            .all_gather_device(lent_in.slice(), lent_out.slice_mut(), subject, None)?;
         let gathering = Gathering {
             group: self.group.clone(),
             work,
@@ -368,9 +370,9 @@ impl NcclDevice {
         }))
     }
 
-    fn all_gather_start_any<B: CudaBuffers>(&self, shard: Tensor<B, 1>) -> Result<Started<B>, ZeroError> {
+    fn all_gather_start_any<B: CudaBuffers>(&self, shard: Tensor<B, 1>, subject: Subject) -> Result<Started<B>, ZeroError> {
         let t = primitive(shard, "all_gather")?;
-        by_dtype!(self, t, "all_gather", all_gather_start_typed())
+        by_dtype!(self, t, "all_gather", all_gather_start_typed(subject))
     }
 }
 
@@ -401,18 +403,14 @@ impl<B: CudaBuffers> DeviceCollective<B> for NcclDevice {
         Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
     }
 
-    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
+    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError> {
         let t = primitive(tensor, "reduce_scatter")?;
-        let out = by_dtype!(self, t, "reduce_scatter", reduce_scatter_typed(op))?;
+        let out = by_dtype!(self, t, "reduce_scatter", reduce_scatter_typed(op, subject))?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
     }
 
-    fn all_gather(&self, shard: Tensor<B, 1>) -> Result<Tensor<B, 1>, ZeroError> {
-        self.all_gather_start_any(shard)?.wait()
-    }
-
-    fn all_gather_start(&self, shard: Tensor<B, 1>) -> Started<B> {
-        self.all_gather_start_any(shard)
+    fn all_gather_start_of(&self, shard: Tensor<B, 1>, subject: Subject) -> Started<B> {
+        self.all_gather_start_any(shard, subject)
             .unwrap_or_else(|e| Started::ready(Err(e)))
     }
 

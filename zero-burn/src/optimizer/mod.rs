@@ -391,6 +391,11 @@ impl ZeroOptimizer {
         module: M,
         take: impl FnMut(burn::module::ParamId) -> Option<FlatGrad<B>>,
     ) -> Result<M, ZeroError> {
+        // A collective that failed inside this rank's backward (a dead peer, ranks pairing
+        // different units) left zeros there: its error, not a step on them.
+        if let Some(e) = crate::sharded::take_backward_error() {
+            return Err(e);
+        }
         // fp16 unscales the gradients by the loss scale: gradients of a loss that was never
         // scaled would be taken 2^16 times too small, silently.
         let scaled = self.scaled.swap(false, std::sync::atomic::Ordering::Relaxed);

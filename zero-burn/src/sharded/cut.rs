@@ -72,6 +72,8 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
         prefetcher: Option<Arc<Prefetcher<B::Collective>>>,
         stash: Option<Stash>,
         error: Option<ZeroError>,
+        /// Units met so far: the next one's place among the model's units.
+        ordinal: u32,
     }
     impl<B: ShardBackend> Cut<'_, B> {
         /// Puts `unit` in the cut's prefetch schedule (unless it is in one, or offloaded), and
@@ -101,7 +103,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
                 }
                 if sharding.keep {
                     let comm = sharding.comm.get::<B::Collective>()?;
-                    let whole = comm.all_gather(B::collective_value(shard.clone()))?;
+                    let whole = comm.all_gather_of(B::collective_value(shard.clone()), unit.subject())?;
                     let kept = Param::initialized(id, unit.keep_whole::<B>(whole, comm.rank()));
                     return Ok(Some(Box::new(kept) as Box<dyn Any>));
                 }
@@ -114,10 +116,15 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
     }
     impl<B: ShardBackend> ModuleMapper<B> for Cut<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(unit) = unit(param.id) else { return param };
+            // Numbered in visit order, as every rank visits the same model: what its
+            // collectives call it.
+            unit.ordinal.store(self.ordinal, std::sync::atomic::Ordering::Relaxed);
+            self.ordinal += 1;
             // A unit without parameters (an activation) has nothing to cut.
-            let Some(unit) = unit(param.id).filter(|u| u.numel >= self.plan.min_numel && u.numel > 0) else {
+            if unit.numel < self.plan.min_numel || unit.numel == 0 {
                 return param;
-            };
+            }
             let world = self.comm.world_size();
             // Already this rank's shard (a model built unit by unit, each cut as it was read):
             // kept as it is.
@@ -232,6 +239,7 @@ pub fn shard_units_with<B: ShardBackend, M: Module<B>>(
         prefetcher,
         stash,
         error: None,
+        ordinal: 0,
     };
     let model = model.map(&mut cut);
     match cut.error {

@@ -37,7 +37,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 use std::sync::{Arc, Mutex};
-use zero_core::comm::ReduceOp;
+use super::ledger::{self, Ticket};
+use zero_core::comm::{ReduceOp, Subject};
 
 /// The ranks a unit is sharded over.
 pub type UnitComm<I> = Arc<dyn DeviceCollective<I>>;
@@ -53,6 +54,8 @@ pub struct UnitGather<I: Backend> {
     /// Where the shard's values are when the parameter holds a placeholder (`offload_param`):
     /// read for every gather, forward and backward.
     pub(crate) source: Option<Arc<ParamStore>>,
+    /// The unit, as its collectives name it to the peers.
+    pub(crate) subject: Subject,
 }
 
 impl<I: Backend> UnitGather<I> {
@@ -60,7 +63,7 @@ impl<I: Backend> UnitGather<I> {
     /// needed in `phase`.
     pub(crate) fn all_gather(&self, shard: Tensor<I, 1>, key: u64, phase: Phase) -> Result<Tensor<I, 1>, ZeroError> {
         match (&self.prefetch, &self.source) {
-            (Some((prefetch, unit)), None) => prefetch.fetch(*unit, key, shard, phase),
+            (Some((prefetch, unit)), None) => prefetch.fetch(*unit, self.subject, key, shard, phase),
             _ => self.gather_now(shard),
         }
     }
@@ -68,8 +71,10 @@ impl<I: Backend> UnitGather<I> {
     /// The whole vector gathered now, outside the prefetch schedule.
     pub(crate) fn gather_now(&self, shard: Tensor<I, 1>) -> Result<Tensor<I, 1>, ZeroError> {
         match &self.source {
-            Some(store) => self.comm.all_gather(store.read_tensor::<I>(&shard.device())?),
-            None => self.comm.all_gather(shard),
+            Some(store) => self
+                .comm
+                .all_gather_of(store.read_tensor::<I>(&shard.device())?, self.subject),
+            None => self.comm.all_gather_of(shard, self.subject),
         }
     }
 
@@ -81,12 +86,12 @@ impl<I: Backend> UnitGather<I> {
         match self.grad_dtype.filter(|&d| d != whole.dtype()) {
             Some(comm) => {
                 let own = whole.dtype();
-                let shard = self
-                    .comm
-                    .reduce_scatter(crate::device::cast(whole, comm), ReduceOp::Avg)?;
+                let shard =
+                    self.comm
+                        .reduce_scatter_of(crate::device::cast(whole, comm), ReduceOp::Avg, self.subject)?;
                 Ok(crate::device::cast(shard, own))
             }
-            None => self.comm.reduce_scatter(whole, ReduceOp::Avg),
+            None => self.comm.reduce_scatter_of(whole, ReduceOp::Avg, self.subject),
         }
     }
 }
@@ -106,7 +111,8 @@ fn tensor<I: Backend>(primitive: FloatTensor<I>) -> Tensor<I, 1> {
 type PartGrads<I> = Arc<Mutex<Vec<Option<FloatTensor<I>>>>>;
 
 /// What the gather's backward keeps: the group (none for a unit held whole), the parts' lengths
-/// and where their gradients arrive. No tensor.
+/// and where their gradients arrive, the entry in the rank's ledger and where the chain token
+/// it took sits among its parents. No tensor.
 #[derive(Clone, Debug)]
 struct GatherState<I: Backend> {
     gather: Option<UnitGather<I>>,
@@ -114,9 +120,18 @@ struct GatherState<I: Backend> {
     /// Elements of the gathered vector (the parts and the padding).
     len: usize,
     grads: PartGrads<I>,
+    /// Where and in what dtype the gradient is made when no part got one.
+    device: I::Device,
+    dtype: burn::tensor::DType,
+    ticket: Option<Ticket>,
+    /// The index among the op's parents of the previous gather's chain token.
+    chain: Option<usize>,
+    /// `after`'s shape and dtype, when it is a parent (index 1).
+    after: Option<(burn::tensor::Shape, burn::tensor::DType)>,
 }
 
-/// The backward step, with 1 parent (the shard) or 2 (the shard and `after`).
+/// The backward step, with 1 to 3 parents: the shard, then `after` and the chain token where
+/// there are.
 #[derive(Debug)]
 struct GatherBackward;
 
@@ -124,47 +139,104 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
     type State = GatherState<I>;
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-        // The parts registered a one-element token here; their gradients are in the state.
+        // The parts, and the next gather's chain token, registered a one-element token here;
+        // the parts' gradients are in the state.
         let _ = grads.consume::<I>(&ops.node);
         let state = ops.state;
-        let Some(node) = &ops.parents[0] else { return };
-        let mut parts = state.grads.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(device) = parts.iter().flatten().next().map(I::float_device) else {
-            return;
-        };
-        let dtype = parts
-            .iter()
-            .flatten()
-            .next()
-            .map(|g| g.dtype())
-            .unwrap_or(burn::tensor::DType::F32);
-        let zeros = |n: usize| I::float_zeros([n].into(), &device, dtype.into());
-        // A part of no elements is left out: on CUDA its fill or its copy into the whole would
-        // be a kernel over no blocks, which the driver refuses.
-        let mut pieces: Vec<FloatTensor<I>> = parts
-            .iter_mut()
-            .zip(&state.sizes)
-            .filter(|(_, &n)| n > 0)
-            .map(|(g, &n)| g.take().unwrap_or_else(|| zeros(n)))
-            .collect();
-        drop(parts);
-        let used: usize = state.sizes.iter().sum();
-        if state.len > used {
-            pieces.push(zeros(state.len - used));
+        // The earlier gathers' steps consume the chain token's gradient: always registered.
+        if let Some(chain) = state.chain.and_then(|i| ops.parents[i].as_ref()) {
+            grads.register::<I>(
+                chain.id,
+                I::float_zeros([1].into(), &state.device, state.dtype.into()),
+            );
         }
-        let whole = tensor::<I>(I::float_cat(pieces, 0));
+        // The units after this one that this rank's loss did not reach: their zero
+        // reduce-scatters first, in the order every rank follows.
+        if let Some(ticket) = state.ticket {
+            ledger::reached(ticket, grads);
+        }
+        // A unit reached only through the chain (its output did not reach this rank's loss):
+        // what its input comes from is in this backward too, and gets a zero gradient through
+        // it, as the one process's backward gives the rows this rank did not route there.
+        let reached = state
+            .grads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(Option::is_some);
+        if let (false, Some((shape, dtype)), Some(after)) = (reached, &state.after, ops.parents.get(1).and_then(Option::as_ref)) {
+            grads.register::<I>(after.id, I::float_zeros(shape.clone(), &state.device, (*dtype).into()));
+        }
+        let Some(node) = &ops.parents[0] else { return };
+        let whole = gathered_gradient::<I>(&state);
         let shard = match &state.gather {
             // A backward step cannot return an error: a failed collective (a dead peer, a
-            // timeout, both named by the group) ends the rank's backward with that error as the
-            // panic.
+            // timeout, two ranks pairing different units, all named by the group) is kept
+            // for the next forward or step to return, and the backward goes on with zeros.
             Some(gather) => match gather.reduce_scatter(whole) {
                 Ok(shard) => shard,
-                Err(e) => panic!("ZeRO stage 3: reduce-scatter of a unit's gradient failed: {e}"),
+                Err(e) => {
+                    ledger::fail(e);
+                    let n = state.len / gather.comm.world_size().max(1);
+                    Tensor::<I, 1>::zeros([n], (&state.device, state.dtype))
+                }
             },
             None => whole,
         };
-        // parents[1], `after`, gets no gradient from this op.
+        // The other parents (`after`, the chain token) get no gradient from this op.
         grads.register::<I>(node.id, shard.into_primitive().tensor());
+    }
+}
+
+/// The unit's whole gradient from its parts' (zeros for a part no loss reached, and for the
+/// padding).
+fn gathered_gradient<I: Backend>(state: &GatherState<I>) -> Tensor<I, 1> {
+    let mut parts = state.grads.lock().unwrap_or_else(|e| e.into_inner());
+    let dtype = parts.iter().flatten().next().map(|g| g.dtype()).unwrap_or(state.dtype);
+    let zeros = |n: usize| I::float_zeros([n].into(), &state.device, dtype.into());
+    // A part of no elements is left out: on CUDA its fill or its copy into the whole would
+    // be a kernel over no blocks, which the driver refuses.
+    let mut pieces: Vec<FloatTensor<I>> = parts
+        .iter_mut()
+        .zip(&state.sizes)
+        .filter(|(_, &n)| n > 0)
+        .map(|(g, &n)| g.take().unwrap_or_else(|| zeros(n)))
+        .collect();
+    drop(parts);
+    let used: usize = state.sizes.iter().sum();
+    if state.len > used {
+        pieces.push(zeros(state.len - used));
+    }
+    match pieces.len() {
+        0 => Tensor::<I, 1>::zeros([0], (&state.device, dtype)),
+        _ => tensor::<I>(I::float_cat(pieces, 0)),
+    }
+}
+
+/// The zero gradient's reduce-scatter of a unit this rank's loss did not reach, its result
+/// (the other ranks' average) registered as the shard's gradient.
+fn release<I: Backend>(gather: UnitGather<I>, shard: NodeId, len: usize, device: I::Device, dtype: burn::tensor::DType) -> ledger::Release {
+    Box::new(move |grads: &mut Gradients| {
+        let zeros = Tensor::<I, 1>::zeros([len], (&device, dtype));
+        let reduced = gather.reduce_scatter(zeros)?;
+        grads.register::<I>(shard, reduced.into_primitive().tensor());
+        Ok(())
+    })
+}
+
+/// The chain token's backward: hands the next gather's one-element gradient to the gather that
+/// made the token, so that its step finds its node's gradient.
+#[derive(Debug)]
+struct ChainBackward;
+
+impl<I: Backend> Backward<I, 1> for ChainBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<I>(&ops.node);
+        if let Some(parent) = &ops.parents[0] {
+            grads.register::<I>(parent.id, grad);
+        }
     }
 }
 
@@ -173,7 +245,8 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
 #[derive(Debug)]
 struct RetroGather<I: Backend> {
     shard: NodeId,
-    after: Option<NodeId>,
+    /// The other parents (`after`, the chain token), whose states the checkpointer counted.
+    others: Vec<NodeId>,
     gather: Option<UnitGather<I>>,
     /// The unit's whole vector kept between steps (stage 2): handed out again, not gathered.
     kept: Option<FloatTensor<I>>,
@@ -182,17 +255,25 @@ struct RetroGather<I: Backend> {
 impl<I: Backend> RetroForward for RetroGather<I> {
     fn forward(&self, states: &mut BackwardStates, out: NodeId) {
         let shard: FloatTensor<I> = states.get_state(&self.shard);
-        // `after` is a parent: the checkpointer counted a use of it for this op. Take it, or its
-        // state stays alive to the end of backward.
-        if let Some(after) = self.after {
-            let _ = states.get_state::<FloatTensor<I>>(&after);
+        // The checkpointer counted a use of each parent for this op. Take them, or their
+        // states stay alive to the end of backward.
+        for other in &self.others {
+            let _ = states.get_state::<FloatTensor<I>>(other);
         }
         let whole = match (&self.kept, &self.gather) {
             (Some(kept), _) => kept.clone(),
-            (None, Some(gather)) => match gather.all_gather(tensor::<I>(shard), self.shard.value, Phase::Backward) {
-                Ok(whole) => whole.into_primitive().tensor(),
-                Err(e) => panic!("ZeRO stage 3: all-gather of a unit's parameters in backward failed: {e}"),
-            },
+            (None, Some(gather)) => {
+                let n = shard.shape().num_elements() * gather.comm.world_size();
+                let (device, dtype) = (I::float_device(&shard), shard.dtype());
+                match gather.all_gather(tensor::<I>(shard), self.shard.value, Phase::Backward) {
+                    Ok(whole) => whole.into_primitive().tensor(),
+                    // Kept for the next forward or step to return (see GatherBackward).
+                    Err(e) => {
+                        ledger::fail(e);
+                        I::float_zeros([n].into(), &device, dtype.into())
+                    }
+                }
+            }
             (None, None) => shard,
         };
         states.save(out, whole);
@@ -252,6 +333,26 @@ impl<I: Backend> RetroForward for RetroPart<I> {
     }
 }
 
+/// The gather op over `parents` (the shard first), tracked or not.
+fn finish_gather<I: Backend, C: CheckpointStrategy, const N: usize>(
+    parents: &[FloatTensor<Autodiff<I, C>>],
+    retro: RetroGather<I>,
+    state: GatherState<I>,
+    whole: FloatTensor<I>,
+) -> FloatTensor<Autodiff<I, C>> {
+    let nodes: [_; N] = std::array::from_fn(|i| parents[i].node.clone());
+    let prep = <GatherBackward as Backward<I, N>>::prepare::<C>(GatherBackward, nodes);
+    match prep
+        .memory_bound()
+        .retro_forward(retro)
+        .parents(parents.iter().take(N))
+        .stateful()
+    {
+        OpsKind::Tracked(p) => p.finish(state, whole),
+        OpsKind::UnTracked(p) => p.finish(whole),
+    }
+}
+
 /// The unit's parameters from this rank's `shard` as flat parts of lengths `sizes` (in order),
 /// as differentiable ops: with `gather`, every rank's shard is gathered (the unit's whole flat
 /// parameters, padding after the parts) and the gradient reaching the parts is put together,
@@ -292,43 +393,60 @@ where
         (None, None) => shard.primitive.clone(),
     };
     let len = whole.shape().num_elements();
+    let (device, dtype) = (I::float_device(&whole), whole.dtype());
+    // A tracked gather of a unit cut over the ranks is an entry of this rank's ledger, chained
+    // to the previous one (see `ledger`).
+    let tracked = !shard.node.requirement.is_none() || after.is_some();
+    let (ticket, chain) = match gather.filter(|g| tracked && g.comm.world_size() > 1) {
+        Some(g) => {
+            let release = release::<I>(g.clone(), shard.node.id, len, device.clone(), dtype);
+            let (ticket, chain) = ledger::enter(release)?;
+            let chain = chain
+                .and_then(|c| c.downcast::<FloatTensor<Autodiff<I, C>>>().ok())
+                .map(|c| *c)
+                .filter(|c| !c.node.requirement.is_none());
+            (Some(ticket), chain)
+        }
+        None => (None, None),
+    };
     let part_grads: PartGrads<I> = Arc::new(Mutex::new(vec![None; sizes.len()]));
+    let mut parents = vec![shard.clone()];
+    parents.extend(after.iter().cloned());
+    let chain_index = chain.as_ref().map(|_| parents.len());
+    parents.extend(chain);
     let state = GatherState {
         gather: gather.cloned(),
         sizes: sizes.to_vec(),
         len,
         grads: part_grads.clone(),
+        device: device.clone(),
+        dtype,
+        ticket,
+        chain: chain_index,
+        after: after.as_ref().map(|t| (t.shape(), t.dtype())),
     };
     let retro = RetroGather::<I> {
         shard: shard.node.id,
-        after: after.as_ref().map(|t| t.node.id),
+        others: parents[1..].iter().map(|t| t.node.id).collect(),
         gather: gather.cloned(),
         kept,
     };
-    let whole = match &after {
-        None => {
-            let prep = <GatherBackward as Backward<I, 1>>::prepare::<C>(GatherBackward, [shard.node.clone()]);
-            match prep.memory_bound().retro_forward(retro).parents([&shard]).stateful() {
-                OpsKind::Tracked(p) => p.finish(state, whole),
-                OpsKind::UnTracked(p) => p.finish(whole),
-            }
-        }
-        Some(after) => {
-            let prep = <GatherBackward as Backward<I, 2>>::prepare::<C>(
-                GatherBackward,
-                [shard.node.clone(), after.node.clone()],
-            );
-            match prep
-                .memory_bound()
-                .retro_forward(retro)
-                .parents([&shard, after])
-                .stateful()
-            {
-                OpsKind::Tracked(p) => p.finish(state, whole),
-                OpsKind::UnTracked(p) => p.finish(whole),
-            }
-        }
+    let whole = match parents.len() {
+        1 => finish_gather::<I, C, 1>(&parents, retro, state, whole),
+        2 => finish_gather::<I, C, 2>(&parents, retro, state, whole),
+        _ => finish_gather::<I, C, 3>(&parents, retro, state, whole),
     };
+    if ticket.is_some() {
+        let token = I::float_zeros([1].into(), &device, dtype.into());
+        let token = match <ChainBackward as Backward<I, 1>>::prepare::<C>(ChainBackward, [whole.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(p) => p.finish((), token),
+            OpsKind::UnTracked(p) => p.finish(token),
+        };
+        ledger::set_chain(Box::new(token));
+    }
     let mut start = 0;
     let parts = sizes
         .iter()

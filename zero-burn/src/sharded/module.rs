@@ -84,19 +84,20 @@ impl std::fmt::Debug for AfterStep {
 }
 
 impl Sharding {
-    /// How the unit numbered `unit` is gathered on the collective's backend `I`.
+    /// How `unit` is gathered on the collective's backend `I`.
     /// `source`: the store the shard's values are read from, when the parameter holds its
     /// placeholder.
     pub(super) fn gather<I: Backend>(
         &self,
-        unit: u64,
+        unit: &Unit,
         source: Option<Arc<ParamStore>>,
     ) -> Result<UnitGather<I>, ZeroError> {
         Ok(UnitGather {
             comm: self.comm.get::<I>()?.clone(),
-            prefetch: self.prefetcher::<I>().map(|p| (p, unit)),
+            prefetch: self.prefetcher::<I>().map(|p| (p, unit.id)),
             grad_dtype: self.grad_dtype,
             source,
+            subject: unit.subject(),
         })
     }
 
@@ -124,6 +125,9 @@ struct Kept {
 pub(super) struct Unit {
     /// A number no other unit of the process has.
     pub(super) id: u64,
+    /// The unit's place among the model's units in visit order, the same on every rank: how
+    /// its collectives name it to the peers. Set by every cut of a whole model.
+    pub(super) ordinal: std::sync::atomic::AtomicU32,
     pub(super) shapes: Vec<Vec<usize>>,
     pub(super) numel: usize,
     pub(super) sharding: std::sync::OnceLock<Sharding>,
@@ -142,6 +146,16 @@ pub(super) struct Unit {
 impl std::fmt::Debug for Kept {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Kept({})", self.key)
+    }
+}
+
+impl Unit {
+    /// The unit as its collectives name it (unnamed before a cut numbered it).
+    pub(super) fn subject(&self) -> zero_core::comm::Subject {
+        match self.ordinal.load(std::sync::atomic::Ordering::Relaxed) {
+            u32::MAX => zero_core::comm::Subject::Unnamed,
+            n => zero_core::comm::Subject::Unit(n),
+        }
     }
 }
 
@@ -239,6 +253,7 @@ where
         static NEXT_UNIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let unit = Arc::new(Unit {
             id: NEXT_UNIT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            ordinal: std::sync::atomic::AtomicU32::new(u32::MAX),
             shapes,
             numel,
             sharding: std::sync::OnceLock::new(),
@@ -460,7 +475,7 @@ where
         let sharding = self.sharding();
         let shard = self.shard.val();
         let gather = sharding
-            .map(|s| s.gather::<B::Collective>(self.unit.id, s.source(&shard)))
+            .map(|s| s.gather::<B::Collective>(&self.unit, s.source(&shard)))
             .transpose()?;
         let kept = match (sharding, &gather) {
             (Some(s), Some(gather)) if s.keep => self.kept(&shard, gather)?,

@@ -28,6 +28,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::Mutex;
+use zero_core::comm::Subject;
 
 /// Where a fetch happens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +57,8 @@ struct Schedule<I: Backend> {
     on_track: bool,
     /// Each unit's latest shard: its value's key and the tensor.
     latest: HashMap<u64, (u64, Tensor<I, 1>)>,
+    /// How each unit's collectives name it.
+    subjects: HashMap<u64, Subject>,
     in_flight: Vec<InFlight<I>>,
 }
 
@@ -84,6 +87,7 @@ impl<I: Backend> Prefetcher<I> {
                 current: Vec::new(),
                 on_track: true,
                 latest: HashMap::new(),
+                subjects: HashMap::new(),
                 in_flight: Vec::new(),
             }),
         }
@@ -99,12 +103,14 @@ impl<I: Backend> Prefetcher<I> {
     pub(crate) fn fetch(
         &self,
         unit: u64,
+        subject: Subject,
         key: u64,
         shard: Tensor<I, 1>,
         phase: Phase,
     ) -> Result<Tensor<I, 1>, ZeroError> {
         let mut s = self.schedule();
         s.enter(phase);
+        s.subjects.insert(unit, subject);
         s.latest.insert(unit, (key, shard.clone()));
         let prefetched = s
             .in_flight
@@ -121,7 +127,7 @@ impl<I: Backend> Prefetcher<I> {
         // behind them.
         let own = match prefetched {
             Some(f) => f.started,
-            None => self.comm.all_gather_start(shard),
+            None => self.comm.all_gather_start_of(shard, subject),
         };
         let keep = s.on_track && self.budget > 0 && self.start_following(&mut s, phase, position, unit);
         drop(s);
@@ -188,11 +194,12 @@ impl<I: Backend> Prefetcher<I> {
             }
             in_flight += len;
             let (key, shard) = (*key, shard.clone());
+            let subject = s.subjects.get(&next).copied().unwrap_or_default();
             s.in_flight.push(InFlight {
                 unit: next,
                 key,
                 len,
-                started: self.comm.all_gather_start(shard),
+                started: self.comm.all_gather_start_of(shard, subject),
             });
         }
         keep

@@ -6,7 +6,7 @@ use burn::tensor::{DType, Tensor};
 use std::sync::{Arc, Mutex};
 use zero_burn::device::Started;
 use zero_burn::{DeviceCollective, HostStaged, ZeroError};
-use zero_core::comm::ReduceOp;
+use zero_core::comm::{ReduceOp, Subject};
 
 type Inner = burn::backend::Flex;
 
@@ -68,23 +68,23 @@ impl DeviceCollective<Inner> for Counting {
         self.note("all_reduce", &t);
         self.inner.all_reduce(t, op)
     }
-    fn reduce_scatter(&self, t: Tensor<Inner, 1>, op: ReduceOp) -> Result<Tensor<Inner, 1>, ZeroError> {
+    fn reduce_scatter_of(&self, t: Tensor<Inner, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("reduce_scatter", &t);
-        self.inner.reduce_scatter(t, op)
+        self.inner.reduce_scatter_of(t, op, subject)
     }
-    fn all_gather(&self, t: Tensor<Inner, 1>) -> Result<Tensor<Inner, 1>, ZeroError> {
+    fn all_gather_of(&self, t: Tensor<Inner, 1>, subject: Subject) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("all_gather", &t);
         let len = t.dims()[0] * DeviceCollective::<Inner>::world_size(self);
         let mut gathers = self.gathers.lock().expect("gathers");
         gathers.extend([Gather::Start(len), Gather::Wait(len)]);
         drop(gathers);
-        self.inner.all_gather(t)
+        self.inner.all_gather_of(t, subject)
     }
-    fn all_gather_start(&self, t: Tensor<Inner, 1>) -> Started<Inner> {
+    fn all_gather_start_of(&self, t: Tensor<Inner, 1>, subject: Subject) -> Started<Inner> {
         self.note("all_gather", &t);
         let len = t.dims()[0] * DeviceCollective::<Inner>::world_size(self);
         self.gathers.lock().expect("gathers").push(Gather::Start(len));
-        let started = self.inner.all_gather_start(t);
+        let started = self.inner.all_gather_start_of(t, subject);
         let gathers = self.gathers.clone();
         Started::pending(move || {
             gathers.lock().expect("gathers").push(Gather::Wait(len));

@@ -37,6 +37,27 @@ pub enum CommError {
         /// The peer's buffer, described.
         peer_detail: String,
     },
+    /// Ranks called the same collective for different things (two units of the model): the
+    /// ranks reached the model's units in a different order.
+    #[error(
+        "collective `{op}` #{seq}: rank {rank} passed {subject} but rank {peer} passed {peer_subject}: the ranks \
+         reached the model's units in a different order (every rank must call each ZeroModule in the same order \
+         every micro-batch, even one that gets no rows on a rank)"
+    )]
+    SubjectMismatch {
+        /// Sequence number of the collective.
+        seq: u64,
+        /// The op.
+        op: String,
+        /// The reporting rank.
+        rank: usize,
+        /// What it passed (e.g. `unit 3`).
+        subject: String,
+        /// The disagreeing rank.
+        peer: usize,
+        /// What the peer passed.
+        peer_subject: String,
+    },
     /// A peer died, closed its connection or failed its own collective.
     #[error("collective `{op}` #{seq}: rank {peer} is gone ({reason})")]
     PeerLost {

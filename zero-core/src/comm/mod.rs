@@ -27,6 +27,7 @@ mod nccl;
 mod op;
 mod ready;
 mod reduce;
+mod subject;
 mod tcp;
 mod threads;
 mod work;
@@ -39,6 +40,7 @@ pub use error::CommError;
 #[cfg(feature = "cuda")]
 pub use nccl::{DeviceElement, DeviceWork, NcclGroup};
 pub use ready::{all_ready, gather_failures, Failure};
+pub use subject::Subject;
 pub use tcp::{TcpGroup, TcpOptions, Transport};
 pub use threads::ThreadGroup;
 pub use work::Work;
@@ -101,8 +103,23 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
         })
     }
 
+    /// As [`ProcessGroup::reduce_scatter_async`], for `subject` (a unit of the model, a bucket
+    /// of its layout): backends that exchange a header per collective check that every rank
+    /// names the same subject, and fail naming both otherwise. The default ignores the name.
+    fn reduce_scatter_of_async(&self, input: FlatBuffer, op: ReduceOp, subject: Subject) -> Work<FlatBuffer> {
+        let _ = subject;
+        self.reduce_scatter_async(input, op)
+    }
+
     /// Concatenates every rank's equally sized `shard`, in rank order.
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer>;
+
+    /// As [`ProcessGroup::all_gather_async`], for `subject` (see
+    /// [`ProcessGroup::reduce_scatter_of_async`]).
+    fn all_gather_of_async(&self, shard: FlatBuffer, subject: Subject) -> Work<FlatBuffer> {
+        let _ = subject;
+        self.all_gather_async(shard)
+    }
 
     /// As [`ProcessGroup::all_gather_async`], writing into `out` (`world_size` times the shard's
     /// length, same dtype), which comes back as the result. Reusing one output buffer saves the

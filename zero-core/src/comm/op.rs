@@ -1,6 +1,6 @@
 //! What a rank says about the collective it is entering, so that peers can check they agree.
 
-use super::{CommError, DType, FlatBuffer, ReduceOp};
+use super::{CommError, DType, FlatBuffer, ReduceOp, Subject};
 
 /// The collectives, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +50,12 @@ pub(crate) struct OpDesc {
     pub len: u64,
     pub reduce: Option<ReduceOp>,
     pub root: u64,
+    /// What the caller said it moves.
+    pub subject: Subject,
 }
 
 /// Size of [`OpDesc::encode`]'s output.
-pub(crate) const DESC_BYTES: usize = 32;
+pub(crate) const DESC_BYTES: usize = 40;
 const MAGIC: u32 = 0x5a45_524f; // "ZERO"
 
 impl OpDesc {
@@ -71,6 +73,16 @@ impl OpDesc {
 
     /// Compares this rank's (`rank`) description with `peer`'s; the error names both.
     pub(crate) fn check(&self, rank: usize, peer: usize, theirs: &OpDesc) -> Result<(), CommError> {
+        if self.kind == theirs.kind && self.seq == theirs.seq && self.subject != theirs.subject {
+            return Err(CommError::SubjectMismatch {
+                seq: self.seq,
+                op: self.kind.name().to_string(),
+                rank,
+                subject: self.subject.to_string(),
+                peer,
+                peer_subject: theirs.subject.to_string(),
+            });
+        }
         if self.kind != theirs.kind || self.seq != theirs.seq {
             let peer_op = if self.seq == theirs.seq {
                 theirs.kind.name().to_string()
@@ -98,7 +110,7 @@ impl OpDesc {
         Ok(())
     }
 
-    /// The wire form (little endian): magic, kind, dtype, reduce op, seq, len, root.
+    /// The wire form (little endian): magic, kind, dtype, reduce op, seq, len, root, subject.
     pub(crate) fn encode(&self) -> [u8; DESC_BYTES] {
         let mut b = [0u8; DESC_BYTES];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -117,6 +129,7 @@ impl OpDesc {
         b[8..16].copy_from_slice(&self.seq.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
         b[24..32].copy_from_slice(&self.root.to_le_bytes());
+        b[32..40].copy_from_slice(&self.subject.code().to_le_bytes());
         b
     }
 
@@ -150,6 +163,7 @@ impl OpDesc {
             len: word(16..24),
             reduce,
             root: word(24..32),
+            subject: Subject::from_code(word(32..40))?,
         })
     }
 }
@@ -210,8 +224,17 @@ mod tests {
             len: 1001,
             reduce: None,
             root: 3,
+            subject: Subject::Unit(4),
         };
         assert_eq!(OpDesc::decode(&d.encode()), Some(d));
+        // Another unit at the same place fails naming both units, whatever the lengths.
+        let other_unit = OpDesc {
+            subject: Subject::Unit(5),
+            len: 1000,
+            ..d
+        };
+        let msg = d.check(0, 1, &other_unit).unwrap_err().to_string();
+        assert!(msg.contains("unit 4") && msg.contains("unit 5") && msg.contains("rank 1"), "{msg}");
         let other = OpDesc { len: 1000, ..d };
         let msg = d.check(0, 2, &other).unwrap_err().to_string();
         assert!(

@@ -13,7 +13,7 @@ use super::env::{timeout_from_env, DEFAULT_TIMEOUT};
 use super::op::{validate, OpDesc, OpKind};
 use super::reduce::{reduce_raw, Element};
 use super::worker::{BackendState, Worker};
-use super::{CommError, DType, FlatBuffer, ReduceOp};
+use super::{CommError, DType, FlatBuffer, ReduceOp, Subject};
 use half::{bf16, f16};
 use std::cell::UnsafeCell;
 use std::ops::Range;
@@ -160,12 +160,13 @@ impl BackendState for ThreadRank {
     fn run(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
     ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
-        self.run_collective(kind, buffer, reduce, root, out)
+        self.run_collective(kind, subject, buffer, reduce, root, out)
     }
 
     fn on_error(&mut self, error: &CommError) {
@@ -257,6 +258,7 @@ impl ThreadRank {
     fn run_collective(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
@@ -270,6 +272,7 @@ impl ThreadRank {
             len: buffer.len() as u64,
             reduce,
             root: root as u64,
+            subject,
         };
         self.seq += 1;
         validate(kind, &buffer, world, root, out.as_ref())?;

@@ -5,7 +5,7 @@
 //! poison: once a collective fails, every later one fails at once with the same cause.
 
 use super::op::OpKind;
-use super::{CommError, FlatBuffer, ReduceOp, Work};
+use super::{CommError, FlatBuffer, ReduceOp, Subject, Work};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Mutex;
@@ -30,7 +30,7 @@ macro_rules! process_group_on_worker {
                 op: $crate::comm::ReduceOp,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
                 self.worker
-                    .collective($crate::comm::op::OpKind::AllReduce, buffer, Some(op), 0, None)
+                    .collective($crate::comm::op::OpKind::AllReduce, $crate::comm::Subject::Unnamed, buffer, Some(op), 0, None)
             }
 
             fn reduce_scatter_async(
@@ -38,8 +38,23 @@ macro_rules! process_group_on_worker {
                 input: $crate::comm::FlatBuffer,
                 op: $crate::comm::ReduceOp,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker
-                    .collective($crate::comm::op::OpKind::ReduceScatter, input, Some(op), 0, None)
+                self.reduce_scatter_of_async(input, op, $crate::comm::Subject::Unnamed)
+            }
+
+            fn reduce_scatter_of_async(
+                &self,
+                input: $crate::comm::FlatBuffer,
+                op: $crate::comm::ReduceOp,
+                subject: $crate::comm::Subject,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker.collective(
+                    $crate::comm::op::OpKind::ReduceScatter,
+                    subject,
+                    input,
+                    Some(op),
+                    0,
+                    None,
+                )
             }
 
             fn reduce_scatter_into_async(
@@ -55,8 +70,22 @@ macro_rules! process_group_on_worker {
                 &self,
                 shard: $crate::comm::FlatBuffer,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker
-                    .collective($crate::comm::op::OpKind::AllGather, shard, None, 0, None)
+                self.all_gather_of_async(shard, $crate::comm::Subject::Unnamed)
+            }
+
+            fn all_gather_of_async(
+                &self,
+                shard: $crate::comm::FlatBuffer,
+                subject: $crate::comm::Subject,
+            ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
+                self.worker.collective(
+                    $crate::comm::op::OpKind::AllGather,
+                    subject,
+                    shard,
+                    None,
+                    0,
+                    None,
+                )
             }
 
             fn all_gather_into_async(
@@ -65,7 +94,7 @@ macro_rules! process_group_on_worker {
                 out: $crate::comm::FlatBuffer,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
                 self.worker
-                    .collective($crate::comm::op::OpKind::AllGather, shard, None, 0, Some(out))
+                    .collective($crate::comm::op::OpKind::AllGather, $crate::comm::Subject::Unnamed, shard, None, 0, Some(out))
             }
 
             fn broadcast_async(
@@ -74,13 +103,14 @@ macro_rules! process_group_on_worker {
                 root: usize,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
                 self.worker
-                    .collective($crate::comm::op::OpKind::Broadcast, buffer, None, root, None)
+                    .collective($crate::comm::op::OpKind::Broadcast, $crate::comm::Subject::Unnamed, buffer, None, root, None)
             }
 
             fn barrier(&self) -> Result<(), $crate::comm::CommError> {
                 self.worker
                     .collective(
                         $crate::comm::op::OpKind::Barrier,
+                        $crate::comm::Subject::Unnamed,
                         $crate::comm::FlatBuffer::F32(Vec::new()),
                         None,
                         0,
@@ -100,7 +130,7 @@ pub(crate) trait BackendState: Send + 'static {
     fn on_error(&mut self, error: &CommError);
     /// Called when the handle is dropped and every queued collective has run.
     fn on_exit(&mut self, reason: &str);
-    /// Runs one collective on the worker thread. `reduce` for the reducing ops, `root` for
+    /// Runs one collective on the worker thread, for `subject` (checked against the peers'). `reduce` for the reducing ops, `root` for
     /// broadcast, `out` an optional buffer to reuse for an all-gather's or a reduce-scatter's
     /// result. Returns the result and the input's allocation when the result does not live in
     /// it (values unspecified): a reduce-scatter into `out` hands it back to the caller, other
@@ -108,6 +138,7 @@ pub(crate) trait BackendState: Send + 'static {
     fn run(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
@@ -160,12 +191,13 @@ impl<S: BackendState> Worker<S> {
     pub(crate) fn collective(
         &self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
     ) -> Work<FlatBuffer> {
-        self.submit_then_free(kind.name(), move |s| match s.run(kind, buffer, reduce, root, out) {
+        self.submit_then_free(kind.name(), move |s| match s.run(kind, subject, buffer, reduce, root, out) {
             Ok((result, spare)) => (Ok(result), spare),
             Err(e) => (Err(e), None),
         })
@@ -181,7 +213,7 @@ impl<S: BackendState> Worker<S> {
         let kind = OpKind::ReduceScatter;
         self.submit(kind.name(), move |s| {
             let dtype = input.dtype();
-            let (shard, spare) = s.run(kind, input, Some(reduce), 0, Some(out))?;
+            let (shard, spare) = s.run(kind, Subject::Unnamed, input, Some(reduce), 0, Some(out))?;
             Ok((shard, spare.unwrap_or_else(|| FlatBuffer::zeros(dtype, 0))))
         })
     }

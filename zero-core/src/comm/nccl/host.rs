@@ -6,7 +6,7 @@ use crate::comm::op::{validate, OpKind};
 use crate::comm::reduce::widen;
 use crate::comm::threads::into_flat;
 use crate::comm::worker::BackendState;
-use crate::comm::{CommError, DType, FlatBuffer, ReduceOp};
+use crate::comm::{CommError, DType, FlatBuffer, ReduceOp, Subject};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use std::sync::Arc;
 
@@ -25,6 +25,7 @@ impl BackendState for NcclRank {
     fn run(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
@@ -36,10 +37,10 @@ impl BackendState for NcclRank {
         if let Err(e) = validate(kind, &buffer, world, root, out.as_ref()) {
             // Still take part in the header exchange, with a length no peer has: the peers then
             // fail at once naming this rank, instead of waiting in NCCL for the timeout.
-            shared.begin(&mut st, kind, buffer.dtype(), usize::MAX, reduce, root)?;
+            shared.begin(&mut st, kind, subject, buffer.dtype(), usize::MAX, reduce, root)?;
             return Err(e);
         }
-        let seq = shared.begin(&mut st, kind, buffer.dtype(), buffer.len(), reduce, root)?;
+        let seq = shared.begin(&mut st, kind, subject, buffer.dtype(), buffer.len(), reduce, root)?;
         let dtype = buffer.dtype();
         let op = reduce.unwrap_or(ReduceOp::Sum);
         match kind {

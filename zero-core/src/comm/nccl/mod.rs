@@ -33,7 +33,7 @@ use super::env::{timeout_from_env, DistEnv};
 use super::op::{OpDesc, OpKind, DESC_BYTES};
 use super::reduce::Element;
 use super::worker::Worker;
-use super::{CommError, DType, FlatBuffer, ReduceOp, SharedGroup, TcpGroup, TcpOptions};
+use super::{CommError, DType, FlatBuffer, ReduceOp, SharedGroup, Subject, TcpGroup, TcpOptions};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType};
 use host::NcclRank;
@@ -306,6 +306,7 @@ impl NcclGroup {
     fn device_op<R>(
         &self,
         kind: OpKind,
+        subject: Subject,
         dtype: DType,
         len: usize,
         reduce: Option<ReduceOp>,
@@ -316,7 +317,7 @@ impl NcclGroup {
         // poisoned group fails here with its original cause.
         self.worker.submit(kind.name(), |_| Ok(())).wait()?;
         let mut st = self.shared.lock(kind.name())?;
-        let seq = self.shared.begin(&mut st, kind, dtype, len, reduce, root)?;
+        let seq = self.shared.begin(&mut st, kind, subject, dtype, len, reduce, root)?;
         // A symbol missing from an old NCCL makes cudarc panic: an error of this collective.
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut st, seq))).unwrap_or_else(|_| {
             Err(CommError::Backend {
@@ -336,7 +337,7 @@ impl NcclGroup {
         ready: Option<&CudaEvent>,
     ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::AllReduce;
-        self.device_op(kind, T::DTYPE, buf.len(), Some(op), 0, |st, seq| {
+        self.device_op(kind, Subject::Unnamed, T::DTYPE, buf.len(), Some(op), 0, |st, seq| {
             wait_ready(st, kind, seq, ready)?;
             if !buf.is_empty() {
                 st.comm()?
@@ -348,12 +349,14 @@ impl NcclGroup {
     }
 
     /// Enqueues a reduce-scatter of `input` (world size × `out.len()` elements) into `out`, after
-    /// `ready`; returns its end ([`DeviceWork`]).
+    /// `ready`; returns its end ([`DeviceWork`]). Every rank names the same `subject`, checked
+    /// in the header exchange.
     pub fn reduce_scatter_device<T: DeviceElement>(
         &self,
         input: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
         op: ReduceOp,
+        subject: Subject,
         ready: Option<&CudaEvent>,
     ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::ReduceScatter;
@@ -369,7 +372,7 @@ impl NcclGroup {
                 ),
             });
         }
-        self.device_op(kind, T::DTYPE, input.len(), Some(op), 0, |st, seq| {
+        self.device_op(kind, subject, T::DTYPE, input.len(), Some(op), 0, |st, seq| {
             wait_ready(st, kind, seq, ready)?;
             if !out.is_empty() {
                 st.comm()?
@@ -381,11 +384,13 @@ impl NcclGroup {
     }
 
     /// Enqueues an all-gather of every rank's `shard` into `out` (world size × `shard.len()`
-    /// elements, in rank order), after `ready`; returns its end ([`DeviceWork`]).
+    /// elements, in rank order), after `ready`; returns its end ([`DeviceWork`]). Every rank
+    /// names the same `subject`, checked in the header exchange.
     pub fn all_gather_device<T: DeviceElement>(
         &self,
         shard: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
+        subject: Subject,
         ready: Option<&CudaEvent>,
     ) -> Result<DeviceWork, CommError> {
         let kind = OpKind::AllGather;
@@ -401,7 +406,7 @@ impl NcclGroup {
                 ),
             });
         }
-        self.device_op(kind, T::DTYPE, shard.len(), None, 0, |st, seq| {
+        self.device_op(kind, subject, T::DTYPE, shard.len(), None, 0, |st, seq| {
             wait_ready(st, kind, seq, ready)?;
             if !shard.is_empty() {
                 st.comm()?.all_gather(shard, out).map_err(|e| nccl(kind, seq, e))?;
@@ -487,6 +492,7 @@ impl Shared {
         &self,
         st: &mut NcclState,
         kind: OpKind,
+        subject: Subject,
         dtype: DType,
         len: usize,
         reduce: Option<ReduceOp>,
@@ -502,6 +508,7 @@ impl Shared {
             len: len as u64,
             reduce,
             root: root as u64,
+            subject,
         };
         st.seq += 1;
         if self.world > 1 {

@@ -34,7 +34,7 @@ use super::op::{validate, OpDesc, OpKind, DESC_BYTES};
 use super::reduce::{finish, widen, Element};
 use super::threads::{into_flat, split};
 use super::worker::{BackendState, Worker};
-use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp};
+use super::{CommError, FlatBuffer, ProcessGroup, ReduceOp, Subject};
 use half::{bf16, f16};
 use link::Control;
 use pump::{Mesh, RecvFlow, Seg, SendFlow, Sink};
@@ -195,12 +195,13 @@ impl BackendState for TcpRank {
     fn run(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
         out: Option<FlatBuffer>,
     ) -> Result<(FlatBuffer, Option<FlatBuffer>), CommError> {
-        self.run_collective(kind, buffer, reduce, root, out)
+        self.run_collective(kind, subject, buffer, reduce, root, out)
     }
 
     fn on_error(&mut self, error: &CommError) {
@@ -245,6 +246,7 @@ impl TcpRank {
     fn run_collective(
         &mut self,
         kind: OpKind,
+        subject: Subject,
         buffer: FlatBuffer,
         reduce: Option<ReduceOp>,
         root: usize,
@@ -258,6 +260,7 @@ impl TcpRank {
             len: buffer.len() as u64,
             reduce,
             root: root as u64,
+            subject,
         };
         self.seq += 1;
         validate(kind, &buffer, world, root, out.as_ref())?;

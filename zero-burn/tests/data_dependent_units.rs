@@ -1,0 +1,348 @@
+//! Units whose use depends on the data: a mixture of experts routes each row to one expert, so
+//! that on some rank an expert gets no rows, and a side unit whose output one rank computes and
+//! does not use. Every unit's gradient must still be reduce-scattered on every rank (with a
+//! zero gradient where the unit did not reach the loss), in the same order, so that the result
+//! is the one process's on the whole batch. Reference: the same layers trained by Burn's own SGD
+//! on one process over the global batch (no ZeroModule, no collective).
+//!
+//! Two ways of writing the model: every expert reached every micro-batch with the rows routed
+//! to it, its output left out of the loss when it has none (`Empty::Dropped`), or added as a
+//! sum over no rows (`Empty::Summed`, the expert's backward runs on empty tensors).
+
+mod common;
+
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use std::sync::Arc;
+use zero_burn::params::write_values;
+use zero_burn::sharded::ZeroModule;
+use zero_burn::HostStaged;
+use zero_core::config::DeepSpeedConfig;
+
+const ROWS: usize = 8;
+const IN: usize = 4;
+const HIDDEN: usize = 6;
+const OUT: usize = 3;
+const STEPS: usize = 5;
+const LR: f64 = 0.2;
+
+/// Which expert each of the global batch's rows goes to at `step`.
+#[derive(Clone, Copy, Debug)]
+enum Routing {
+    /// Rank 0's rows (the first half) to expert 0, rank 1's to expert 1: each rank's
+    /// reduce-scatters of the two experts would pair the one with the other.
+    Swap,
+    /// By the data: some steps give an expert no rows on one rank, some on both.
+    ByData,
+    /// Alternate rows: every expert gets rows on every rank (nothing depends on the data).
+    Alternate,
+}
+
+impl Routing {
+    fn route(self, row: usize, step: usize) -> usize {
+        match self {
+            Routing::Swap => usize::from(row >= ROWS / 2),
+            // Step 0: rows 0-2 to expert 1, the rest to 0; the pattern moves with the step.
+            Routing::ByData => usize::from(((row * 5 + step * 3) % 8) < 3),
+            Routing::Alternate => row % 2,
+        }
+    }
+}
+
+/// What a forward does with an expert that got no rows on this rank.
+#[derive(Clone, Copy, Debug)]
+enum Empty {
+    /// Reached (gathered) with no rows, its output not part of the loss.
+    Dropped,
+    /// Reached with no rows, its output summed into the loss (an empty sum).
+    Summed,
+}
+
+/// The layers, values from a fixed formula: a trunk, two experts and, with `side`, a side unit.
+fn layers<B: Backend>(side: bool, device: &B::Device) -> Vec<Linear<B>> {
+    let shapes = [(IN, HIDDEN), (HIDDEN, OUT), (HIDDEN, OUT), (HIDDEN, OUT)];
+    shapes[..if side { 4 } else { 3 }]
+        .iter()
+        .enumerate()
+        .map(|(u, &(i, o))| {
+            write_values(LinearConfig::new(i, o).init(device), device, true, |p| {
+                let n = if p == 0 { i * o } else { o };
+                (0..n)
+                    .map(|k| 0.5 * ((k * 7 + u * 131 + p * 17) as f32 * 0.37).sin())
+                    .collect()
+            })
+        })
+        .collect()
+}
+
+fn data<B: Backend>(rows: std::ops::Range<usize>, cols: usize, salt: usize, device: &B::Device) -> Tensor<B, 2> {
+    let n = rows.len();
+    let values: Vec<f32> = rows
+        .flat_map(|r| (0..cols).map(move |c| ((r * 11 + c * 3 + salt) as f32 * 0.43).cos()))
+        .collect();
+    Tensor::from_data(TensorData::new(values, [n, cols]), device)
+}
+
+/// The loss of rows `rows` (global indices) through `layer(u)`, the layer `u` gathered for an
+/// input (0 the trunk, 1 and 2 the experts, 3 the side unit): the sum over the rows of each
+/// row's squared error through its expert, plus, for the rows of the global batch's first half,
+/// the side unit's squared output; divided by `per`. `side` says whether the side unit is
+/// computed at all.
+#[allow(clippy::too_many_arguments)]
+fn loss_of<B: Backend>(
+    layer: &dyn Fn(usize, &Tensor<B, 2>) -> Linear<B>,
+    rows: std::ops::Range<usize>,
+    step: usize,
+    routing: Routing,
+    empty: Empty,
+    side: bool,
+    per: usize,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let x = data::<B>(rows.clone(), IN, step, device);
+    let y = data::<B>(rows.clone(), OUT, 50 + step, device);
+    let h = relu(layer(0, &x).forward(x));
+    let mut loss: Option<Tensor<B, 1>> = None;
+    let add = |loss: &mut Option<Tensor<B, 1>>, t: Tensor<B, 1>| {
+        *loss = Some(match loss.take() {
+            Some(l) => l + t,
+            None => t,
+        })
+    };
+    for expert in 0..2 {
+        let mine: Vec<i64> = rows
+            .clone()
+            .enumerate()
+            .filter(|&(_, r)| routing.route(r, step) == expert)
+            .map(|(i, _)| i as i64)
+            .collect();
+        let n = mine.len();
+        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(mine, [n]), device);
+        let xe = h.clone().select(0, index.clone());
+        let ye = y.clone().select(0, index);
+        let out = layer(1 + expert, &xe).forward(xe);
+        if n == 0 && matches!(empty, Empty::Dropped) {
+            continue;
+        }
+        add(&mut loss, (out - ye).powf_scalar(2.0).sum());
+    }
+    if side {
+        // Computed for every row of this rank; only the global first half's rows count.
+        let out = layer(3, &h).forward(h.clone());
+        let first: Vec<i64> = rows
+            .clone()
+            .enumerate()
+            .filter(|&(_, r)| r < ROWS / 2)
+            .map(|(i, _)| i as i64)
+            .collect();
+        if !first.is_empty() {
+            let n = first.len();
+            let index = Tensor::<B, 1, Int>::from_data(TensorData::new(first, [n]), device);
+            add(&mut loss, out.select(0, index).powf_scalar(2.0).sum().mul_scalar(0.1));
+        }
+    }
+    loss.expect("some rows").div_scalar(per as f32)
+}
+
+/// The model as a user writes it: every layer a `ZeroModule`.
+#[derive(Module, Debug)]
+struct Moe<B: Backend> {
+    units: Vec<ZeroModule<B, Linear<B>>>,
+}
+
+/// How a run is set up.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    stage: u8,
+    routing: Routing,
+    empty: Empty,
+    side: bool,
+    prefetch: bool,
+}
+
+fn config(case: Case, world: usize) -> DeepSpeedConfig {
+    let prefetch = if case.prefetch {
+        r#", "overlap_comm": true, "stage3_prefetch_bucket_size": 40"#
+    } else {
+        ""
+    };
+    let text = format!(
+        r#"{{"train_batch_size": {ROWS}, "train_micro_batch_size_per_gpu": {},
+        "gradient_clipping": 0, "optimizer": {{"type": "SGD", "params": {{"lr": {LR}}}}},
+        "zero_optimization": {{"stage": {}, "stage3_param_persistence_threshold": 0{prefetch}}}}}"#,
+        ROWS / world,
+        case.stage,
+    );
+    DeepSpeedConfig::from_str(&text, "moe.json").expect("config").config
+}
+
+/// Every layer's values (weight, then bias) after the run.
+fn values<B: Backend>(layers: &[Linear<B>]) -> Vec<Vec<f32>> {
+    layers
+        .iter()
+        .map(|l| {
+            let mut v = zero_burn::params::tensor_to_vec(l.weight.val().flatten::<1>(0, 1));
+            if let Some(b) = &l.bias {
+                v.extend(zero_burn::params::tensor_to_vec(b.val()));
+            }
+            v
+        })
+        .collect()
+}
+
+/// One process, the whole batch, Burn's SGD on the plain layers.
+fn one_process(case: Case) -> Vec<Vec<f32>> {
+    type AB = Autodiff<Flex>;
+    let device = Default::default();
+    let mut model = layers::<AB>(case.side, &device);
+    let mut optim = SgdConfig::new().init();
+    for step in 0..STEPS {
+        let layer = |u: usize, _: &Tensor<AB, 2>| model[u].clone();
+        let loss = loss_of::<AB>(&layer, 0..ROWS, step, case.routing, case.empty, case.side, ROWS, &device);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    values(&model.valid())
+}
+
+/// Two rank threads, each with its half of every step's rows, through `initialize`.
+fn two_ranks<C: CheckpointStrategy>(case: Case) -> Vec<Vec<Vec<f32>>> {
+    type Inner = Flex;
+    let world: usize = std::env::var("DDU_WORLD").map(|v| v.parse().unwrap()).unwrap_or(2);
+    common::on_ranks(world, |rank, group| {
+        let device = Default::default();
+        let collective = Arc::new(HostStaged::new(group.clone()));
+        let whole = Moe::<Autodiff<Inner, C>> {
+            units: layers::<Autodiff<Inner, C>>(case.side, &device).into_iter().map(ZeroModule::new).collect(),
+        };
+        let (mut model, mut optim) = zero_burn::initialize_on(
+            &config(case, world),
+            whole,
+            group,
+            collective,
+            &zero_burn::InitOptions::default(),
+        )
+        .expect("initialize");
+        let per = ROWS / world;
+        let mine = rank * per..(rank + 1) * per;
+        for step in 0..STEPS {
+            let loss = {
+                let layer = |u: usize, input: &Tensor<Autodiff<Inner, C>, 2>| {
+                    model.units[u].unshard(input).expect("gather")
+                };
+                loss_of(&layer, mine.clone(), step, case.routing, case.empty, case.side, per, &device)
+            };
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.try_step(LR, model, grads).expect("step");
+        }
+        let gathered: Vec<Linear<Inner>> = model
+            .valid()
+            .units
+            .iter()
+            .map(|u| u.gathered().expect("gather whole"))
+            .collect();
+        values(&gathered)
+    })
+}
+
+/// The largest |got - want| over every value, NaN counting as infinitely far; the lengths must
+/// agree.
+fn max_diff(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
+    assert_eq!(got.len(), want.len(), "layers");
+    let mut worst = 0f64;
+    for (u, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "layer {u}: values");
+        for (a, b) in g.iter().zip(w) {
+            let d = (f64::from(*a) - f64::from(*b)).abs();
+            worst = if d.is_nan() { f64::INFINITY } else { worst.max(d) };
+        }
+    }
+    worst
+}
+
+fn check<C: CheckpointStrategy>(case: Case) {
+    let want = one_process(case);
+    let start = layers::<Flex>(case.side, &Default::default());
+    let moved = max_diff(&values(&start), &want);
+    assert!(moved > 1e-2, "{case:?}: the reference trained ({moved:e})");
+    let ranks = two_ranks::<C>(case);
+    for (u, (g, w)) in ranks[0].iter().zip(&want).enumerate() {
+        eprintln!("layer {u}: got {:?}\n want {:?}", &g[..4.min(g.len())], &w[..4.min(w.len())]);
+    }
+    for (rank, got) in ranks.iter().enumerate() {
+        let err = max_diff(got, &want);
+        assert!(err < 1e-6, "{case:?}, rank {rank}: {err:e} off one process");
+    }
+}
+
+fn case(stage: u8, routing: Routing, empty: Empty) -> Case {
+    Case {
+        stage,
+        routing,
+        empty,
+        side: false,
+        prefetch: false,
+    }
+}
+
+#[test]
+fn experts_every_rank_uses() {
+    for stage in [2, 3] {
+        check::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(case(stage, Routing::Alternate, Empty::Dropped));
+    }
+    check::<BalancedCheckpointing>(case(3, Routing::Alternate, Empty::Dropped));
+}
+
+#[test]
+fn swapped_experts_at_stage_2() {
+    check::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(case(2, Routing::Swap, Empty::Dropped));
+}
+
+#[test]
+fn swapped_experts_at_stage_3() {
+    check::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(case(3, Routing::Swap, Empty::Dropped));
+}
+
+#[test]
+fn swapped_experts_at_stage_3_checkpointed() {
+    check::<BalancedCheckpointing>(case(3, Routing::Swap, Empty::Dropped));
+}
+
+#[test]
+fn experts_routed_by_the_data_at_stages_2_and_3() {
+    for stage in [2, 3] {
+        for empty in [Empty::Dropped, Empty::Summed] {
+            check::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(case(stage, Routing::ByData, empty));
+        }
+    }
+}
+
+#[test]
+fn experts_routed_by_the_data_checkpointed_and_prefetched() {
+    for prefetch in [false, true] {
+        check::<BalancedCheckpointing>(Case {
+            prefetch,
+            ..case(3, Routing::ByData, Empty::Dropped)
+        });
+    }
+}
+
+#[test]
+fn a_unit_one_rank_computes_and_does_not_use() {
+    for stage in [2, 3] {
+        check::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(Case {
+            side: true,
+            ..case(stage, Routing::ByData, Empty::Summed)
+        });
+    }
+    check::<BalancedCheckpointing>(Case {
+        side: true,
+        ..case(3, Routing::ByData, Empty::Summed)
+    });
+}
