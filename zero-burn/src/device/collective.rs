@@ -29,7 +29,12 @@ pub trait DeviceCollective<B: Backend>: Send + Sync + std::fmt::Debug {
     /// world-size equal contiguous shards: this rank's shard. `subject` names what it reduces
     /// (a unit, a bucket): every rank must name the same, and a collective that can check it
     /// (every one here: the header the ranks exchange carries it) fails naming both otherwise.
-    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError>;
+    fn reduce_scatter_of(
+        &self,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+        subject: Subject,
+    ) -> Result<Tensor<B, 1>, ZeroError>;
 
     /// [`DeviceCollective::reduce_scatter_of`] of something unnamed.
     fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, ZeroError> {
@@ -194,7 +199,12 @@ impl<B: Backend> DeviceCollective<B> for HostStaged {
         Ok(from_buffer(buffer, &device))
     }
 
-    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError> {
+    fn reduce_scatter_of(
+        &self,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+        subject: Subject,
+    ) -> Result<Tensor<B, 1>, ZeroError> {
         if self.group.world_size() == 1 {
             return Ok(tensor);
         }

@@ -370,7 +370,11 @@ impl NcclDevice {
         }))
     }
 
-    fn all_gather_start_any<B: CudaBuffers>(&self, shard: Tensor<B, 1>, subject: Subject) -> Result<Started<B>, ZeroError> {
+    fn all_gather_start_any<B: CudaBuffers>(
+        &self,
+        shard: Tensor<B, 1>,
+        subject: Subject,
+    ) -> Result<Started<B>, ZeroError> {
         let t = primitive(shard, "all_gather")?;
         by_dtype!(self, t, "all_gather", all_gather_start_typed(subject))
     }
@@ -403,7 +407,12 @@ impl<B: CudaBuffers> DeviceCollective<B> for NcclDevice {
         Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))
     }
 
-    fn reduce_scatter_of(&self, tensor: Tensor<B, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<B, 1>, ZeroError> {
+    fn reduce_scatter_of(
+        &self,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+        subject: Subject,
+    ) -> Result<Tensor<B, 1>, ZeroError> {
         let t = primitive(tensor, "reduce_scatter")?;
         let out = by_dtype!(self, t, "reduce_scatter", reduce_scatter_typed(op, subject))?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_cube(out))))

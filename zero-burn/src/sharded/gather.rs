@@ -21,6 +21,7 @@
 //! so the reduce-scatter runs right after the unit's own backward instead of at the very end
 //! with every unit's whole gradient alive.
 
+use super::ledger::{self, Ticket};
 use super::offload::ParamStore;
 use super::prefetch::{Phase, Prefetcher};
 use crate::device::DeviceCollective;
@@ -37,7 +38,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 use std::sync::{Arc, Mutex};
-use super::ledger::{self, Ticket};
 use zero_core::comm::{ReduceOp, Subject};
 
 /// The ranks a unit is sharded over.
@@ -66,6 +66,7 @@ impl<I: Backend> UnitGather<I> {
             (Some((prefetch, unit)), None) => prefetch.fetch(*unit, self.subject, key, shard, phase),
             _ => self.gather_now(shard),
         }
+        .map_err(|e| explain(e, phase))
     }
 
     /// The whole vector gathered now, outside the prefetch schedule.
@@ -94,6 +95,28 @@ impl<I: Backend> UnitGather<I> {
             None => self.comm.reduce_scatter_of(whole, ReduceOp::Avg, self.subject),
         }
     }
+}
+
+/// `e`, a failed gather of `phase`, with what the user can do about ranks that paired
+/// different units there.
+fn explain(e: ZeroError, phase: Phase) -> ZeroError {
+    let ZeroError::Comm(mismatch @ zero_core::comm::CommError::SubjectMismatch { .. }) = &e else {
+        return e;
+    };
+    ZeroError::Usage(match phase {
+        Phase::Forward => format!(
+            "ZeRO: {mismatch}: the ranks called the model's units in a different order. Every rank must call \
+             each ZeroModule (unshard or gathered) in the same order every micro-batch, also one that gets no \
+             rows on this rank (call it with the empty input)"
+        ),
+        Phase::Backward => format!(
+            "ZeRO stage 3: {mismatch}, gathering units again in backward: under a checkpointing strategy \
+             (BalancedCheckpointing) a unit's parameters are gathered again only on the ranks whose loss the unit \
+             reached, and here a unit reached one rank's loss and not another's (an expert given no rows whose \
+             output is left out). Keep every unit's output in every rank's loss (an expert with no rows adds \
+             its empty sum), or train without a checkpointing strategy (Autodiff<B>)"
+        ),
+    })
 }
 
 /// What identifies the value of an autodiff tensor: its node, new for every tensor an op or a
@@ -145,10 +168,7 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
         let state = ops.state;
         // The earlier gathers' steps consume the chain token's gradient: always registered.
         if let Some(chain) = state.chain.and_then(|i| ops.parents[i].as_ref()) {
-            grads.register::<I>(
-                chain.id,
-                I::float_zeros([1].into(), &state.device, state.dtype.into()),
-            );
+            grads.register::<I>(chain.id, I::float_zeros([1].into(), &state.device, state.dtype.into()));
         }
         // The units after this one that this rank's loss did not reach: their zero
         // reduce-scatters first, in the order every rank follows.
@@ -164,7 +184,9 @@ impl<I: Backend, const N: usize> Backward<I, N> for GatherBackward {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .any(Option::is_some);
-        if let (false, Some((shape, dtype)), Some(after)) = (reached, &state.after, ops.parents.get(1).and_then(Option::as_ref)) {
+        if let (false, Some((shape, dtype)), Some(after)) =
+            (reached, &state.after, ops.parents.get(1).and_then(Option::as_ref))
+        {
             grads.register::<I>(after.id, I::float_zeros(shape.clone(), &state.device, (*dtype).into()));
         }
         let Some(node) = &ops.parents[0] else { return };
@@ -215,7 +237,13 @@ fn gathered_gradient<I: Backend>(state: &GatherState<I>) -> Tensor<I, 1> {
 
 /// The zero gradient's reduce-scatter of a unit this rank's loss did not reach, its result
 /// (the other ranks' average) registered as the shard's gradient.
-fn release<I: Backend>(gather: UnitGather<I>, shard: NodeId, len: usize, device: I::Device, dtype: burn::tensor::DType) -> ledger::Release {
+fn release<I: Backend>(
+    gather: UnitGather<I>,
+    shard: NodeId,
+    len: usize,
+    device: I::Device,
+    dtype: burn::tensor::DType,
+) -> ledger::Release {
     Box::new(move |grads: &mut Gradients| {
         let zeros = Tensor::<I, 1>::zeros([len], (&device, dtype));
         let reduced = gather.reduce_scatter(zeros)?;

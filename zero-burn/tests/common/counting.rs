@@ -68,7 +68,12 @@ impl DeviceCollective<Inner> for Counting {
         self.note("all_reduce", &t);
         self.inner.all_reduce(t, op)
     }
-    fn reduce_scatter_of(&self, t: Tensor<Inner, 1>, op: ReduceOp, subject: Subject) -> Result<Tensor<Inner, 1>, ZeroError> {
+    fn reduce_scatter_of(
+        &self,
+        t: Tensor<Inner, 1>,
+        op: ReduceOp,
+        subject: Subject,
+    ) -> Result<Tensor<Inner, 1>, ZeroError> {
         self.note("reduce_scatter", &t);
         self.inner.reduce_scatter_of(t, op, subject)
     }

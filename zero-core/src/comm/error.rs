@@ -39,11 +39,7 @@ pub enum CommError {
     },
     /// Ranks called the same collective for different things (two units of the model): the
     /// ranks reached the model's units in a different order.
-    #[error(
-        "collective `{op}` #{seq}: rank {rank} passed {subject} but rank {peer} passed {peer_subject}: the ranks \
-         reached the model's units in a different order (every rank must call each ZeroModule in the same order \
-         every micro-batch, even one that gets no rows on a rank)"
-    )]
+    #[error("collective `{op}` #{seq}: rank {rank} passed {subject} but rank {peer} passed {peer_subject}")]
     SubjectMismatch {
         /// Sequence number of the collective.
         seq: u64,

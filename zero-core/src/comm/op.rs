@@ -234,7 +234,10 @@ mod tests {
             ..d
         };
         let msg = d.check(0, 1, &other_unit).unwrap_err().to_string();
-        assert!(msg.contains("unit 4") && msg.contains("unit 5") && msg.contains("rank 1"), "{msg}");
+        assert!(
+            msg.contains("unit 4") && msg.contains("unit 5") && msg.contains("rank 1"),
+            "{msg}"
+        );
         let other = OpDesc { len: 1000, ..d };
         let msg = d.check(0, 2, &other).unwrap_err().to_string();
         assert!(

@@ -29,8 +29,14 @@ macro_rules! process_group_on_worker {
                 buffer: $crate::comm::FlatBuffer,
                 op: $crate::comm::ReduceOp,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker
-                    .collective($crate::comm::op::OpKind::AllReduce, $crate::comm::Subject::Unnamed, buffer, Some(op), 0, None)
+                self.worker.collective(
+                    $crate::comm::op::OpKind::AllReduce,
+                    $crate::comm::Subject::Unnamed,
+                    buffer,
+                    Some(op),
+                    0,
+                    None,
+                )
             }
 
             fn reduce_scatter_async(
@@ -78,14 +84,8 @@ macro_rules! process_group_on_worker {
                 shard: $crate::comm::FlatBuffer,
                 subject: $crate::comm::Subject,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker.collective(
-                    $crate::comm::op::OpKind::AllGather,
-                    subject,
-                    shard,
-                    None,
-                    0,
-                    None,
-                )
+                self.worker
+                    .collective($crate::comm::op::OpKind::AllGather, subject, shard, None, 0, None)
             }
 
             fn all_gather_into_async(
@@ -93,8 +93,14 @@ macro_rules! process_group_on_worker {
                 shard: $crate::comm::FlatBuffer,
                 out: $crate::comm::FlatBuffer,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker
-                    .collective($crate::comm::op::OpKind::AllGather, $crate::comm::Subject::Unnamed, shard, None, 0, Some(out))
+                self.worker.collective(
+                    $crate::comm::op::OpKind::AllGather,
+                    $crate::comm::Subject::Unnamed,
+                    shard,
+                    None,
+                    0,
+                    Some(out),
+                )
             }
 
             fn broadcast_async(
@@ -102,8 +108,14 @@ macro_rules! process_group_on_worker {
                 buffer: $crate::comm::FlatBuffer,
                 root: usize,
             ) -> $crate::comm::Work<$crate::comm::FlatBuffer> {
-                self.worker
-                    .collective($crate::comm::op::OpKind::Broadcast, $crate::comm::Subject::Unnamed, buffer, None, root, None)
+                self.worker.collective(
+                    $crate::comm::op::OpKind::Broadcast,
+                    $crate::comm::Subject::Unnamed,
+                    buffer,
+                    None,
+                    root,
+                    None,
+                )
             }
 
             fn barrier(&self) -> Result<(), $crate::comm::CommError> {
@@ -197,9 +209,11 @@ impl<S: BackendState> Worker<S> {
         root: usize,
         out: Option<FlatBuffer>,
     ) -> Work<FlatBuffer> {
-        self.submit_then_free(kind.name(), move |s| match s.run(kind, subject, buffer, reduce, root, out) {
-            Ok((result, spare)) => (Ok(result), spare),
-            Err(e) => (Err(e), None),
+        self.submit_then_free(kind.name(), move |s| {
+            match s.run(kind, subject, buffer, reduce, root, out) {
+                Ok((result, spare)) => (Ok(result), spare),
+                Err(e) => (Err(e), None),
+            }
         })
     }
 
