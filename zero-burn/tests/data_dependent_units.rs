@@ -23,6 +23,7 @@ use std::sync::Arc;
 use zero_burn::params::write_values;
 use zero_burn::sharded::ZeroModule;
 use zero_burn::HostStaged;
+use zero_core::comm::{ProcessGroup, TcpGroup};
 use zero_core::config::DeepSpeedConfig;
 
 const ROWS: usize = 8;
@@ -224,64 +225,70 @@ fn one_process(case: Case) -> Vec<Vec<f32>> {
 /// Two rank threads, each with its half of every step's rows, through `initialize`: each
 /// rank's layers after the run, or the first error a forward or step returned.
 fn two_ranks<C: CheckpointStrategy>(case: Case) -> Vec<Result<Vec<Vec<f32>>, String>> {
+    common::on_ranks(2, |rank, group| train_rank::<C>(case, rank, group))
+}
+
+/// One rank of a run over `group`: its half of every step's rows.
+fn train_rank<C: CheckpointStrategy>(
+    case: Case,
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+) -> Result<Vec<Vec<f32>>, String> {
     type Inner = Flex;
-    let world = 2;
-    common::on_ranks(world, |rank, group| {
-        let device = Default::default();
-        let collective = Arc::new(HostStaged::new(group.clone()));
-        let whole = Moe::<Autodiff<Inner, C>> {
-            units: layers::<Autodiff<Inner, C>>(case.side, &device)
-                .into_iter()
-                .map(ZeroModule::new)
-                .collect(),
-        };
-        let (mut model, mut optim) = zero_burn::initialize_on(
-            &config(case, world),
-            whole,
-            group,
-            collective,
-            &zero_burn::InitOptions::default(),
-        )
-        .expect("initialize");
-        let per = ROWS / world;
-        let mine = rank * per..(rank + 1) * per;
-        for step in 0..STEPS {
-            let first_error = std::cell::RefCell::new(None);
-            let loss = {
-                let layer = |u: usize, input: &Tensor<Autodiff<Inner, C>, 2>| match model.units[u].unshard(input) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        first_error.borrow_mut().get_or_insert(e.to_string());
-                        model.units[u]
-                            .unshard(input)
-                            .unwrap_or_else(|_| layers(case.side, &device).swap_remove(u))
-                    }
-                };
-                loss_of(
-                    &layer,
-                    mine.clone(),
-                    step,
-                    case.routing,
-                    case.empty,
-                    case.side,
-                    per,
-                    &device,
-                )
+    let world = group.world_size();
+    let device = Default::default();
+    let collective = Arc::new(HostStaged::new(group.clone()));
+    let whole = Moe::<Autodiff<Inner, C>> {
+        units: layers::<Autodiff<Inner, C>>(case.side, &device)
+            .into_iter()
+            .map(ZeroModule::new)
+            .collect(),
+    };
+    let (mut model, mut optim) = zero_burn::initialize_on(
+        &config(case, world),
+        whole,
+        group,
+        collective,
+        &zero_burn::InitOptions::default(),
+    )
+    .map_err(|e| e.to_string())?;
+    let per = ROWS / world;
+    let mine = rank * per..(rank + 1) * per;
+    for step in 0..STEPS {
+        let first_error = std::cell::RefCell::new(None);
+        let loss = {
+            let layer = |u: usize, input: &Tensor<Autodiff<Inner, C>, 2>| match model.units[u].unshard(input) {
+                Ok(m) => m,
+                // The run ends with this error after the forward; the layer stands in.
+                Err(e) => {
+                    first_error.borrow_mut().get_or_insert(e.to_string());
+                    layers(case.side, &device).swap_remove(u)
+                }
             };
-            if let Some(e) = first_error.into_inner() {
-                return Err(e);
-            }
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.try_step(LR, model, grads).map_err(|e| e.to_string())?;
+            loss_of(
+                &layer,
+                mine.clone(),
+                step,
+                case.routing,
+                case.empty,
+                case.side,
+                per,
+                &device,
+            )
+        };
+        if let Some(e) = first_error.into_inner() {
+            return Err(e);
         }
-        let gathered: Vec<Linear<Inner>> = model
-            .valid()
-            .units
-            .iter()
-            .map(|u| u.gathered().expect("gather whole"))
-            .collect();
-        Ok(values(&gathered))
-    })
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.try_step(LR, model, grads).map_err(|e| e.to_string())?;
+    }
+    let gathered: Vec<Linear<Inner>> = model
+        .valid()
+        .units
+        .iter()
+        .map(|u| u.gathered().map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    Ok(values(&gathered))
 }
 
 /// The largest |got - want| over every value, NaN counting as infinitely far; the lengths must
@@ -405,4 +412,156 @@ fn a_unit_left_out_of_one_ranks_loss_under_checkpointing_is_a_named_error() {
         );
     }
     assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+}
+
+/// The cases a launched rank runs, by name.
+const LAUNCHED: [(&str, u8, Routing); 3] = [
+    ("swap-2", 2, Routing::Swap),
+    ("swap-3", 3, Routing::Swap),
+    ("data-3", 3, Routing::ByData),
+];
+
+/// One launched rank (run by `launched_processes_match_one_process`, with the torchrun
+/// variables): trains its case over TCP and prints its layers as one `RESULT` line.
+#[test]
+#[ignore = "a rank process of launched_processes_match_one_process"]
+fn launched_rank() {
+    let name = std::env::var("ZERO_TEST_CASE").expect("ZERO_TEST_CASE");
+    if name == "gone" {
+        return gone_after_forward();
+    }
+    let &(_, stage, routing) = LAUNCHED.iter().find(|c| c.0 == name).expect("a known case");
+    let group: Arc<dyn ProcessGroup> = Arc::new(TcpGroup::from_env(None).expect("rendezvous"));
+    let rank = group.rank();
+    let got = train_rank::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>(
+        case(stage, routing, Empty::Dropped),
+        rank,
+        group,
+    )
+    .expect("train");
+    println!("RESULT {}", serde_json::to_string(&got).expect("json"));
+}
+
+/// Starts two ranks of `launched_rank` in `mode` (this test binary, once per rank, with the
+/// torchrun variables); a watchdog ends a rank still running after `watchdog_secs`. Each
+/// rank's (exit success, stdout + stderr).
+fn launch(mode: &str, watchdog_secs: u64) -> Vec<(bool, String)> {
+    use std::process::{Command, Stdio};
+    let exe = std::env::current_exe().expect("test binary");
+    let port = zero_core::launch::free_port().expect("a free port").to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "launched_rank",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("ZERO_TEST_CASE", mode)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ZERO_COMM_TIMEOUT_SECS", "120")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(watchdog_secs);
+    children
+        .into_iter()
+        .map(|mut child| {
+            while child.try_wait().expect("try_wait").is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let out = child.wait_with_output().expect("output");
+            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            (out.status.success(), text)
+        })
+        .collect()
+}
+
+/// The text after `RESULT ` in a rank's output (libtest may print the test's name on the same
+/// line first).
+fn result(text: &str) -> Option<&str> {
+    text.lines().find_map(|l| l.split_once("RESULT ").map(|(_, r)| r))
+}
+
+/// The same runs with ranks as processes over TCP: each rank's layers equal one process's.
+/// The collective timeout (120 s) is beyond the watchdog (60 s): a hang fails, it is not
+/// waited out.
+#[test]
+fn launched_processes_match_one_process() {
+    for &(name, stage, routing) in &LAUNCHED {
+        let want = one_process(case(stage, routing, Empty::Dropped));
+        for (rank, (ok, text)) in launch(name, 60).iter().enumerate() {
+            assert!(ok, "{name}, rank {rank}:\n{text}");
+            let line = result(text).unwrap_or_else(|| panic!("{name}, rank {rank}: no result:\n{text}"));
+            let got: Vec<Vec<f32>> = serde_json::from_str(line).expect("a rank's layers");
+            let err = max_diff(&got, &want);
+            assert!(err < 1e-6, "{name}, rank {rank}: {err:e} off one process");
+        }
+    }
+}
+
+/// A rank of `a_peer_gone_during_backward_is_the_steps_error`: rank 1 exits after its first
+/// forward; rank 0 prints what its backward and step made of it.
+fn gone_after_forward() {
+    type AB = Autodiff<Flex>;
+    let group: Arc<dyn ProcessGroup> = Arc::new(TcpGroup::from_env(None).expect("rendezvous"));
+    let rank = group.rank();
+    let case = case(3, Routing::Alternate, Empty::Dropped);
+    let device = Default::default();
+    let collective = Arc::new(HostStaged::new(group.clone()));
+    let whole = Moe::<AB> {
+        units: layers::<AB>(false, &device).into_iter().map(ZeroModule::new).collect(),
+    };
+    let (model, mut optim) = zero_burn::initialize_on(
+        &config(case, 2),
+        whole,
+        group,
+        collective,
+        &zero_burn::InitOptions::default(),
+    )
+    .expect("initialize");
+    let layer = |u: usize, input: &Tensor<AB, 2>| model.units[u].unshard(input).expect("gather");
+    let loss = loss_of(
+        &layer,
+        rank * 4..rank * 4 + 4,
+        0,
+        case.routing,
+        case.empty,
+        false,
+        4,
+        &device,
+    );
+    if rank == 1 {
+        std::process::exit(0);
+    }
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    match optim.try_step(LR, model, grads) {
+        Ok(_) => println!("RESULT \"stepped\""),
+        Err(e) => println!("RESULT {}", serde_json::to_string(&e.to_string()).expect("json")),
+    }
+}
+
+/// A peer that is gone when this rank's backward reduce-scatters (its process exited after
+/// its forward): the rank's step returns the group's error naming the peer, with no panic in
+/// backward and no wait for the timeout.
+#[test]
+fn a_peer_gone_during_backward_is_the_steps_error() {
+    let outs = launch("gone", 30);
+    let (ok, text) = &outs[0];
+    assert!(ok, "rank 0 ends cleanly:\n{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    let e: String = serde_json::from_str(result(text).expect("a result")).expect("a message");
+    assert!(e.contains("rank 1") && e.contains("gone"), "{e}");
 }
