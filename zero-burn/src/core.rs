@@ -163,7 +163,9 @@ impl EngineCore {
             }
             GradFlow::ReduceThenAccumulate => {
                 let buf = half_buffer::convert(FlatBuffer::F32(full), self.state.dtypes.communicate.flat());
-                let work = self.comm.reduce_scatter_async(buf, ReduceOp::Avg);
+                let work = self
+                    .comm
+                    .reduce_scatter_of_async(buf, ReduceOp::Avg, bucket(place.group));
                 self.in_flight.push((place.group, work));
                 if self.settings.overlap_comm {
                     // Overlap, but never hold more than about two buckets of gradients in flight
@@ -519,4 +521,9 @@ impl Assembler {
     fn is_empty(&self) -> bool {
         self.pending.is_empty()
     }
+}
+
+/// Flat group `group` of the layout, as its collectives name it to the peers.
+pub(crate) fn bucket(group: usize) -> zero_core::comm::Subject {
+    zero_core::comm::Subject::Bucket(u32::try_from(group).unwrap_or(u32::MAX))
 }

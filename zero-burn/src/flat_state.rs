@@ -428,7 +428,9 @@ impl FlatState {
                     group_comm.all_reduce(&mut b, ReduceOp::Avg)?;
                     b
                 }
-                Placement::Sharded => group_comm.reduce_scatter(full, ReduceOp::Avg)?,
+                Placement::Sharded => group_comm
+                    .reduce_scatter_of_async(full, ReduceOp::Avg, crate::core::bucket(gi))
+                    .wait()?,
             };
             self.groups[gi].grad = reduced;
         }

@@ -214,7 +214,11 @@ impl ProcessGroup for TimedGroup {
 
     fn reduce_scatter_of_async(&self, input: FlatBuffer, op: ReduceOp, subject: Subject) -> Work<FlatBuffer> {
         let t = Instant::now();
-        self.timed(t, self.inner.reduce_scatter_of_async(input, op, subject), "reduce_scatter")
+        self.timed(
+            t,
+            self.inner.reduce_scatter_of_async(input, op, subject),
+            "reduce_scatter",
+        )
     }
 
     fn all_gather_async(&self, shard: FlatBuffer) -> Work<FlatBuffer> {

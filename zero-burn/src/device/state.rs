@@ -324,9 +324,11 @@ impl<I: Backend> DeviceState<I> {
                 Placement::Replicated => self
                     .comm
                     .all_reduce(super::cpu::cast(grad, comm_dtype), ReduceOp::Avg)?,
-                Placement::Sharded => self
-                    .comm
-                    .reduce_scatter(super::cpu::cast(grad, comm_dtype), ReduceOp::Avg)?,
+                Placement::Sharded => self.comm.reduce_scatter_of(
+                    super::cpu::cast(grad, comm_dtype),
+                    ReduceOp::Avg,
+                    crate::core::bucket(gi),
+                )?,
             };
             out.push(Some(super::cpu::cast(reduced, DType::F32)));
         }
