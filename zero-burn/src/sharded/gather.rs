@@ -100,9 +100,13 @@ impl<I: Backend> UnitGather<I> {
 /// `e`, a failed gather of `phase`, with what the user can do about ranks that paired
 /// different units there.
 fn explain(e: ZeroError, phase: Phase) -> ZeroError {
-    let ZeroError::Comm(mismatch @ zero_core::comm::CommError::SubjectMismatch { .. }) = &e else {
+    // A poisoned group repeats an earlier cause (another op's): only a gather's is explained.
+    let ZeroError::Comm(mismatch @ zero_core::comm::CommError::SubjectMismatch { op, .. }) = &e else {
         return e;
     };
+    if op != "all_gather" {
+        return e;
+    }
     ZeroError::Usage(match phase {
         Phase::Forward => format!(
             "ZeRO: {mismatch}: the ranks called the model's units in a different order. Every rank must call \
