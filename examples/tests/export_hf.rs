@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use zero_core::checkpoint::{to_fp32, write_model_config, Checkpoint, ExportNaming, NameMap};
 use zero_models::gpt2::Gpt2;
+use zero_test_support::max_abs;
 
 /// Every tensor of the safetensors files in `dir`, by name, as f32.
 fn read_all(dir: &Path) -> HashMap<String, Vec<f32>> {
@@ -138,7 +139,8 @@ fn agree_to_rounding(got: &HashMap<String, Vec<f32>>, want: &HashMap<String, Vec
     assert!(got.keys().any(|n| n.contains("c_attn")));
     // The tolerance of the other tensor-parallel tests (models/tests/tp_training.rs): 1e-5 of the
     // model's largest weight.
-    let scale = want.values().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    let every: Vec<f32> = want.values().flatten().copied().collect();
+    let scale = max_abs("the tensors trained without tensor parallelism", &every) as f32;
     for (name, w) in want {
         let g = &got[name];
         assert_eq!(g.len(), w.len(), "{name}");

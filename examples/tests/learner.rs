@@ -13,6 +13,7 @@ use zero_burn::params::read_values;
 use zero_core::comm::ThreadGroup;
 use zero_core::config::DeepSpeedConfig;
 use zero_examples::learner::{example, train_rank, ExampleBatcher, Quiet, RankRun, Regressor};
+use zero_test_support::{assert_close, max_abs_diff};
 
 type B = Autodiff<Flex>;
 
@@ -87,11 +88,7 @@ fn learner_with_zero_optimizer_trains_like_burns_adamw_on_one_process() {
             &dir.path().join(format!("ref-{world}-{accumulation}")),
         );
         let untrained = values(&Regressor::new(&Default::default()));
-        let moved = want
-            .iter()
-            .zip(&untrained)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let moved = max_abs_diff("the reference against the untrained model", &want, &untrained);
         assert!(moved > 1e-2, "the reference must train (largest change {moved})");
         for stage in 0..=2u8 {
             let config = config(stage, GLOBAL / world / accumulation);
@@ -117,13 +114,9 @@ fn learner_with_zero_optimizer_trains_like_burns_adamw_on_one_process() {
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (rank, g) in got.iter().enumerate() {
-                let err = g.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
-                assert!(
-                    err < 1e-6,
-                    "stage {stage}, world {world}, accumulation {accumulation}: rank {rank} is off by {err:e}"
-                );
+                let label = format!("stage {stage}, world {world}, accumulation {accumulation}: rank {rank}");
+                assert_close(&label, g, &want, 1e-6);
             }
         }
     }

@@ -59,6 +59,16 @@ fn shards(tag_dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// Fails, naming `label` and what differs, unless both runs wrote the same shard files (as
+/// many, by the same names) with the same bytes.
+fn assert_same_shards(label: &str, a: &[(String, Vec<u8>)], b: &[(String, Vec<u8>)]) {
+    let names = |s: &[(String, Vec<u8>)]| s.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(a), names(b), "{label}: the shard files of the two runs");
+    for ((name, x), (_, y)) in a.iter().zip(b) {
+        assert!(x == y, "{label}: {name} differs between the runs");
+    }
+}
+
 fn resume(stages: usize, tensor: usize, nproc: usize, zero_stage: u64) {
     let label = format!("PP {stages} × TP {tensor} on {nproc} ranks, ZeRO {zero_stage}");
     let dir = tempfile::tempdir().expect("tempdir");
@@ -94,9 +104,7 @@ fn resume(stages: usize, tensor: usize, nproc: usize, zero_stage: u64) {
             "{label}: one shard file per data rank in {}",
             t.display()
         );
-        for ((name, x), (_, y)) in a.iter().zip(&b) {
-            assert!(x == y, "{label}: {} {name} differs between the runs", t.display());
-        }
+        assert_same_shards(&format!("{label}, {}", t.display()), &a, &b);
     }
 }
 
@@ -213,7 +221,5 @@ fn two_stages_with_nvme_offload_resume_bit_for_bit() {
         shards(&split_dir.join("global_step4")),
     );
     assert_eq!(a.len(), 1);
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        assert!(x == y, "{name} differs between the runs");
-    }
+    assert_same_shards("NVMe offload", &a, &b);
 }

@@ -13,6 +13,7 @@ mod zero_module;
 
 use zero_burn::ActivationCheckpointing;
 use zero_module::*;
+use zero_test_support::assert_close;
 
 #[test]
 fn checkpointed_training_equals_one_process_at_every_stage() {
@@ -58,8 +59,7 @@ fn checkpointed_training_equals_one_process_at_every_stage() {
         let label =
             format!("stage {stage}, world {world}, accumulation {gas}, {setting:?}, offload_param {offload_param}");
         for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&want).enumerate() {
-            let err = relative_error(got, want);
-            assert!(err < 1e-6, "{label}: unit {u} off by {err:e}");
+            assert_close(&format!("{label}: unit {u}"), got, want, 1e-6);
         }
     }
 }

@@ -9,6 +9,7 @@ mod zero_module;
 use support::*;
 use zero_models::gpt2::Gpt2;
 use zero_module::*;
+use zero_test_support::assert_close;
 
 /// A checkpoint of `ShardedGpt2` saved at stage 3 on 2 ranks is the model's: it resumes at
 /// stage 3 on 4 ranks, stage 1 on 1 and stage 0 on 3, each then following the uninterrupted
@@ -39,10 +40,11 @@ fn a_stage_3_checkpoint_resumes_at_any_stage_and_world_and_exports_huggingface_n
     for (stage, world) in [(3u8, 4usize), (1, 1), (0, 3)] {
         let runs = train_zero_between(&config(stage, world), world, 24 / world, 1, &batch, 2, load);
         for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&uninterrupted).enumerate() {
-            let err = relative_error(got, want);
-            assert!(
-                err < 1e-5,
-                "resumed at stage {stage} on {world} ranks: unit {u} off by {err:e}"
+            assert_close(
+                &format!("resumed at stage {stage} on {world} ranks: unit {u}"),
+                got,
+                want,
+                1e-5,
             );
         }
     }

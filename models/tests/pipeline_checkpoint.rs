@@ -20,6 +20,7 @@ use zero_core::checkpoint::{to_fp32, Checkpoint, SINGLE_FILE};
 use zero_core::comm::ThreadGroup;
 use zero_core::parallel::ParallelLayout;
 use zero_models::gpt2::{Gpt2, Gpt2Config, Gpt2Layer};
+use zero_test_support::{max_abs, max_abs_diff};
 
 fn config() -> Gpt2Config {
     pipeline_support::config(3)
@@ -163,14 +164,9 @@ fn check(data: usize, stages: usize, stage: Stage) {
             .collect()
     };
     for (name, w) in &want {
-        let g = got(name);
-        assert_eq!(g.len(), w.len(), "{label}: `{name}` size");
-        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            diff <= 1e-5 * scale.max(1.0),
-            "{label}: `{name}` differs from one process by {diff:e}"
-        );
+        let what = format!("{label}: `{name}` against one process");
+        let (scale, diff) = (max_abs(&what, w), max_abs_diff(&what, &got(name), w));
+        assert!(diff <= 1e-5 * scale.max(1.0), "{what}: differs by {diff:e}");
     }
     assert_eq!(
         got("lm_head.weight"),
@@ -222,6 +218,7 @@ fn a_two_stage_checkpoint_resumes_on_other_cuts() {
         let resumed = run(data, stages, Stage::Zero1, 2, 4, Some(dir.path()), None);
         let mut seen = vec![false; want.len()];
         for (first, layers, losses) in &resumed {
+            assert_eq!(losses.len(), want_losses.len(), "PP {stages} × DP {data}: steps");
             for (got, w) in losses.iter().zip(want_losses) {
                 assert!(
                     (got - w).abs() <= 1e-5 * w.abs(),
@@ -229,14 +226,9 @@ fn a_two_stage_checkpoint_resumes_on_other_cuts() {
                 );
             }
             for (i, layer) in layers.iter().enumerate() {
-                for (g, w) in layer.iter().zip(&want[first + i]) {
-                    let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                    assert!(
-                        diff <= 1e-5,
-                        "PP {stages} × DP {data}: layer {} differs by {diff:e}",
-                        first + i
-                    );
-                }
+                let what = format!("PP {stages} × DP {data}: layer {}", first + i);
+                let diff = max_abs_diff(&what, layer, &want[first + i]);
+                assert!(diff <= 1e-5, "{what} differs by {diff:e}");
                 seen[first + i] = true;
             }
         }

@@ -13,6 +13,7 @@ use zero_burn::params::take_grads;
 use zero_core::comm::{TcpGroup, TcpOptions};
 use zero_core::parallel::{ParallelLayout, RankGroups};
 use zero_models::tp::{TpGpt2, TpGroup};
+use zero_test_support::{assert_close, max_relative_error};
 
 /// What one tensor-parallel rank computes on the test batch: its tensor-parallel index, its
 /// logits, the loss, its gradients, and the reference's gradients sliced for it.
@@ -55,15 +56,15 @@ fn check_ranks(tp: usize, results: Vec<RankRun>, want_logits: &[f32], want_loss:
             .chunks(VOCAB)
             .flat_map(|row| row[rank * local..(rank + 1) * local].to_vec())
             .collect();
-        let err = max_relative_error(&[logits], &[want]);
-        assert!(err < 1e-5, "tp {tp} rank {rank}: logits differ by {err:e}");
+        assert_close(&format!("tp {tp} rank {rank}: logits"), &logits, &want, 1e-5);
         assert!(
             (loss - want_loss).abs() < 1e-5 * want_loss.abs(),
             "tp {tp} rank {rank}: loss {loss} vs {want_loss}"
         );
-        let err = max_relative_error(&got_grads, &want_grads);
-        eprintln!("tp {tp} rank {rank}: gradients max relative error {err:e}");
-        assert!(err < 1e-5, "tp {tp} rank {rank}: gradients differ by {err:e}");
+        let label = format!("tp {tp} rank {rank}: gradients");
+        let err = max_relative_error(&label, &got_grads, &want_grads);
+        eprintln!("{label}: max relative error {err:e}");
+        assert_close(&label, &got_grads, &want_grads, 1e-5);
     }
 }
 

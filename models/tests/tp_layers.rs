@@ -16,6 +16,7 @@ use zero_models::gpt2::IGNORE_INDEX;
 use zero_models::tp::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
 };
+use zero_test_support::{max_abs, max_abs_diff};
 
 type B = Autodiff<Flex>;
 
@@ -53,12 +54,13 @@ fn on_tp<T: Send>(tp: usize, f: impl Fn(TpGroup) -> T + Sync) -> Vec<T> {
     })
 }
 
+/// Within 1e-5 of the larger of 1 and the reference's largest magnitude.
 fn close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= 1e-5 * scale.max(1.0), "{what}[{i}]: {a} vs {b}");
-    }
+    let (scale, diff) = (max_abs(what, want), max_abs_diff(what, got, want));
+    assert!(
+        diff <= 1e-5 * scale.max(1.0),
+        "{what}: differs by {diff:e} (scale {scale})"
+    );
 }
 
 #[test]

@@ -23,6 +23,7 @@ use zero_core::comm::ThreadGroup;
 use zero_core::optim::{AdamSpec, OptimizerSpec};
 use zero_models::gpt2::{Gpt2, Gpt2Config};
 use zero_models::tp::{TpGpt2, TpGroup};
+use zero_test_support::{assert_close, max_relative_error};
 
 /// The learning rate of the training comparison.
 const LR: f64 = 0.01;
@@ -115,10 +116,10 @@ type RankWeights = (zero_core::parallel::Coords, Vec<Vec<f32>>, Vec<Vec<f32>>);
 /// `STEPS` steps.
 fn assert_weights_close(label: &str, results: Vec<RankWeights>) {
     for (coords, got, want) in results {
-        let err = max_relative_error(&got, &want);
-        let label = format!("{label} {coords:?}");
-        eprintln!("{label}: weights max relative error {err:e}");
-        assert!(err < 1e-5, "{label}: weights differ by {err:e} after {STEPS} steps");
+        let label = format!("{label} {coords:?}: weights after {STEPS} steps");
+        let err = max_relative_error(&label, &got, &want);
+        eprintln!("{label}: max relative error {err:e}");
+        assert_close(&label, &got, &want, 1e-5);
     }
 }
 
@@ -179,7 +180,11 @@ fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_t
     assert_eq!(split.len(), 1 + LAYERS * 6, "{split:?}");
     let reference = reference_training(0.0);
     assert!(
-        max_relative_error(&values(&full_model(&Default::default())), &reference) > 1e-3,
+        max_relative_error(
+            "the initial weights",
+            &values(&full_model(&Default::default())),
+            &reference
+        ) > 1e-3,
         "the reference trained"
     );
     for (stage, dp, tp, gas) in [
@@ -194,7 +199,10 @@ fn zero_optimizer_with_tensor_parallelism_trains_like_one_process_and_clips_by_t
     // Clipped at 0.05 every step (the norm is above 1 here): a norm over one rank's slices
     // would scale the gradients differently and the weights would part.
     let clipped = reference_training(0.05);
-    assert!(max_relative_error(&clipped, &reference) > 1e-3, "the clip engages");
+    assert!(
+        max_relative_error("clipped against unclipped reference", &clipped, &reference) > 1e-3,
+        "the clip engages"
+    );
     // Both states: the tensors on the device (the default) and the host buffers (the state of
     // an offloaded optimizer).
     for layout in [(Stage::Zero1, 2, 2, 1), (Stage::Zero2, 1, 4, 2)] {
@@ -431,6 +439,7 @@ fn an_uneven_vocabulary_is_padded_and_matches_the_full_model() {
             // This rank's columns of each row of the reference's [3, SEQ, 47] logits; padding
             // columns past 47 are not tokens.
             let start = rank * local;
+            assert_eq!(logits.len() / local, want_logits.len() / 47, "{label}: rows of logits");
             for (row, want_row) in logits.chunks(local).zip(want_logits.chunks(47)) {
                 for (c, &v) in row.iter().enumerate().take(47usize.saturating_sub(start)) {
                     let w = want_row[start + c];
@@ -445,8 +454,7 @@ fn an_uneven_vocabulary_is_padded_and_matches_the_full_model() {
                 (loss - want_loss).abs() < 1e-5 * want_loss.abs(),
                 "{label}: loss {loss} vs {want_loss}"
             );
-            let err = max_relative_error(&got, &want);
-            assert!(err < 1e-5, "{label}: gradients differ by {err:e}");
+            assert_close(&format!("{label}: gradients"), &got, &want, 1e-5);
             assert!(
                 padding.iter().all(|&v| v == 0.0),
                 "{label}: the padding moved: {padding:?}"
@@ -495,7 +503,11 @@ fn lamb_with_tensor_parallelism_trains_like_one_process() {
         values(&model)
     };
     assert!(
-        max_relative_error(&values(&full_model(&Default::default())), &reference) > 1e-3,
+        max_relative_error(
+            "the initial weights",
+            &values(&full_model(&Default::default())),
+            &reference
+        ) > 1e-3,
         "the reference trained"
     );
     for (stage, dp, tp, tensors) in [

@@ -24,6 +24,7 @@ use zero_burn::sharded::UnitComm;
 use zero_burn::{checkpointed_grads, ActivationCheckpointing, ChainModel, EngineSettings, HostStaged, Stage};
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::optim::OptimizerSpec;
+use zero_test_support::assert_close;
 
 const BLOCKS: usize = 5;
 const STEPS: usize = 4;
@@ -134,10 +135,11 @@ fn checkpointing_gives_the_same_weights_at_every_stage() {
             let plain = run(stage, world, None);
             for (label, ac) in variants() {
                 let got = run(stage, world, Some(ac));
-                let err = max_relative_error(&got, &want);
-                assert!(
-                    err < 1e-6,
-                    "{label}, stage {stage:?}, world {world}: {err:e} from plain Burn"
+                assert_close(
+                    &format!("{label}, stage {stage:?}, world {world} against plain Burn"),
+                    &got,
+                    &want,
+                    1e-6,
                 );
                 assert!(
                     got == plain,
@@ -185,8 +187,7 @@ fn partitioned_checkpoints_are_split_and_gathered_back() {
             .collect();
         for h in handles {
             let got = h.join().expect("rank");
-            let err = max_relative_error(&got, &want);
-            assert!(err < 1e-6, "stage {stage:?}: {err:e} from plain Burn");
+            assert_close(&format!("stage {stage:?} against plain Burn"), &got, &want, 1e-6);
         }
     }
 }

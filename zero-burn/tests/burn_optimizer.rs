@@ -8,6 +8,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use common::*;
 use zero_burn::{EngineSettings, Stage, ZeroOptimizer};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_test_support::assert_close;
 
 const EPS: f64 = 1e-4; // see tests/exactness.rs for why not 1e-8
 
@@ -49,9 +50,8 @@ fn zero_optimizer_in_a_burn_loop_matches_burn_adamw_on_one_process() {
                 assert_eq!(optim.last_step().map(|r| r.step), Some(4));
                 values::<B, _>(&model)
             });
-            for g in &got {
-                let err = max_relative_error(g, &want);
-                assert!(err < 1e-6, "{stage:?} world {world}: relative error {err:e}");
+            for (rank, g) in got.iter().enumerate() {
+                assert_close(&format!("{stage:?} world {world}, rank {rank}"), g, &want, 1e-6);
             }
         }
     }

@@ -24,6 +24,7 @@ use zero_burn::params::{describe, write_values};
 use zero_burn::sharded::UnitComm;
 use zero_burn::{EngineSettings, HostStaged, Stage, ZeroOptimizer};
 use zero_core::comm::ProcessGroup;
+use zero_test_support::{assert_close, max_relative_error};
 
 const BLOCKS: usize = 3;
 
@@ -283,14 +284,11 @@ fn zero_optimizer_reshards_between_world_sizes_and_stages() {
             for t in stages {
                 let got = optimizer_run(t, m, 2..4, Some(dir.clone()), None);
                 let want = &reference[&(m, t)];
-                let err = max_relative_error(&got, want);
                 let saver = if by_units { "ZeroModules" } else { "the plain model" };
+                let label = format!("saved by {saver} at world {n} {s:?}, resumed at world {m} {t:?}");
+                assert_close(&label, &got, want, 1e-6);
                 assert!(
-                    err < 1e-6,
-                    "saved by {saver} at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}"
-                );
-                assert!(
-                    max_relative_error(&initial, want) > 1e-3,
+                    max_relative_error(&format!("{label}: the initial weights"), &initial, want) > 1e-3,
                     "the reference must have trained"
                 );
             }
@@ -322,13 +320,10 @@ fn zero_modules_reshard_between_any_world_sizes_and_stages() {
                 for t in stages {
                     let got = units_run(t, m, 1, 2..4, Some(dir.clone()), None).1;
                     let want = &reference[&(m, t)];
-                    let err = max_relative_error(&got, want);
+                    let label = format!("saved at world {n} {s:?}, resumed at world {m} {t:?}");
+                    assert_close(&label, &got, want, 1e-6);
                     assert!(
-                        err < 1e-6,
-                        "saved at world {n} {s:?}, resumed at world {m} {t:?}: relative error {err:e}"
-                    );
-                    assert!(
-                        max_relative_error(&initial, want) > 1e-3,
+                        max_relative_error(&format!("{label}: the initial weights"), &initial, want) > 1e-3,
                         "the reference must have trained"
                     );
                 }
@@ -346,8 +341,12 @@ fn zero_optimizer_checkpoint_loads_into_stage_3() {
     optimizer_run(Stage::Zero2, 2, 0..2, None, Some(dir.clone()));
     let got = units_run(Stage::Zero3, 3, 1, 2..4, Some(dir.clone()), None).1;
     let want = units_run(Stage::Zero3, 3, 1, 0..4, None, None).1;
-    let err = max_relative_error(&got, &want);
-    assert!(err < 1e-6, "relative error {err:e}");
+    assert_close(
+        "saved by ZeroOptimizer at world 2 Zero2, resumed by ZeroModules at world 3 Zero3",
+        &got,
+        &want,
+        1e-6,
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -26,6 +26,7 @@ use zero_burn::params::read_values;
 use zero_burn::sharded::UnitComm;
 use zero_burn::{EngineSettings, HostStaged, Stage, ZeroOptimizer};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_test_support::{assert_close, max_relative_error};
 
 const STEPS: usize = 5;
 const LR: f64 = 0.01;
@@ -188,15 +189,16 @@ fn run_optimizer(stage: Stage, world: usize, gas: usize, clip: f64) -> Vec<Vec<f
 }
 
 fn check(label: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
-    let err = max_relative_error(got, want);
-    assert!(
-        err < 1e-6,
-        "{label}: max relative error {err:e} against the single-process reference"
+    assert_close(
+        &format!("{label} against the single-process reference"),
+        got,
+        want,
+        1e-6,
     );
     // The run must have moved the weights: a no-op optimizer would not match by accident.
     let initial = values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS));
     assert!(
-        max_relative_error(&initial, want) > 1e-3,
+        max_relative_error(&format!("{label}: the initial weights"), &initial, want) > 1e-3,
         "{label}: the reference did not train"
     );
 }
@@ -232,7 +234,7 @@ fn clipping_by_global_norm_matches_single_process() {
     // A max norm well below the gradients' norm, so every step clips.
     let want = reference(0.05);
     assert!(
-        max_relative_error(&want, &reference(0.0)) > 1e-4,
+        max_relative_error("clipped against unclipped reference", &want, &reference(0.0)) > 1e-4,
         "clipping must change the result"
     );
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {

@@ -19,6 +19,7 @@ use common::*;
 use std::sync::Arc;
 use zero_burn::sharded::{UnitComm, ZeroModule};
 use zero_burn::{EngineSettings, HostStaged, OptimizerOffload, Stage};
+use zero_test_support::assert_close;
 
 const BLOCKS: usize = 3;
 const STEPS: usize = 4;

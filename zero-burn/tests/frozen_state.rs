@@ -16,6 +16,7 @@ use common::counting::Counting;
 use common::*;
 use std::sync::Arc;
 use zero_burn::{DeviceCollective, EngineSettings, HostStaged, OptimizerOffload, Stage, ZeroOptimizer};
+use zero_test_support::assert_close;
 
 type Inner = burn::backend::Flex;
 

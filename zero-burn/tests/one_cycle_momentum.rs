@@ -17,6 +17,7 @@ use common::*;
 use serde_json::{json, Value};
 use std::path::Path;
 use zero_burn::params::{take_grads, write_values};
+use zero_test_support::{assert_close, max_relative_error};
 
 const FIXTURE: &str = include_str!("../../zero-core/tests/fixtures/lr_schedule/deepspeed_reference.json");
 const BLOCKS: usize = 3;
@@ -161,7 +162,7 @@ fn without_cycle_momentum_the_optimizer_keeps_its_betas() {
     let own: Vec<(f64, f64, f64)> = steps.iter().map(|&(lr, _, _)| (lr, 0.9, 0.999)).collect();
     let want = reference(&own);
     let cycled = reference(&steps);
-    let apart = max_relative_error(&cycled, &want);
+    let apart = max_relative_error("cycled against fixed betas", &cycled, &want);
     assert!(
         apart > 100.0 * TOLERANCE,
         "cycled and fixed betas give {apart:e} apart: the test could not tell them apart"

@@ -20,6 +20,7 @@ use std::ops::Range;
 use std::path::Path;
 use zero_burn::{EngineSettings, OptimizerOffload, PrecisionSettings, Stage, StepReport, ZeroOptimizer};
 use zero_core::loss_scaler::LossScalerConfig;
+use zero_test_support::max_relative_error;
 
 const BLOCKS: usize = 3;
 /// Micro-batches per step, accumulated by Burn's `GradientsAccumulator`.
@@ -177,16 +178,6 @@ fn five_steps(
     (values, reports)
 }
 
-fn max_relative_difference(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
-    let scale = want.iter().flatten().fold(0f64, |m, v| m.max(v.abs() as f64));
-    let diff = got
-        .iter()
-        .flatten()
-        .zip(want.iter().flatten())
-        .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
-    diff / scale
-}
-
 #[test]
 fn device_state_resumes_bit_for_bit() {
     // fp16 with an initial scale of 2^18 skips its first two steps (asserted) and backs the scale
@@ -216,7 +207,10 @@ fn device_state_resumes_bit_for_bit() {
         );
         assert_eq!(got_reports, want_reports, "{label}: the steps' reports");
         // The run moved the weights: a resume that lost the state would not match by chance.
-        assert!(max_relative_difference(&want, &start) > 1e-3, "{label}: trained");
+        assert!(
+            max_relative_error(&format!("{label}: the initial weights"), &want, &start) > 1e-3,
+            "{label}: trained"
+        );
         if s.precision.loss_scaler.is_some() {
             let skipped: Vec<bool> = want_reports.iter().map(|r| r.1).collect();
             println!("{label}: skipped {skipped:?}");
@@ -241,20 +235,20 @@ fn checkpoints_move_between_the_device_and_host_states_and_world_sizes() {
         for (saver_world, saver, loader_world, loader) in cases {
             let (want, _) = five_steps(loader_world, loader, &s, None);
             let (got, _) = five_steps(saver_world, saver, &s, Some((loader_world, loader, Load::Full)));
-            let err = max_relative_difference(&got, &want);
             let name = |device: bool| if device { "device" } else { "host" };
             let label = format!(
                 "{stage:?}: {} state at world {saver_world} -> {} state at world {loader_world}",
                 name(saver),
                 name(loader)
             );
+            let err = max_relative_error(&label, &got, &want);
             println!("{label}: {err:e}");
             assert!(err < 1e-5, "{label}: {err:e}");
         }
         // The control: the same resume without the optimizer's state lands far outside.
         let (want, _) = five_steps(2, true, &s, None);
         let (lost, _) = five_steps(2, true, &s, Some((2, true, Load::WeightsOnly)));
-        let err = max_relative_difference(&lost, &want);
+        let err = max_relative_error(&format!("{stage:?}: resumed without the optimizer state"), &lost, &want);
         println!("{stage:?}: resumed without the optimizer state: {err:e}");
         assert!(err > 1e-3, "{stage:?}: losing the moments must show: {err:e}");
     }

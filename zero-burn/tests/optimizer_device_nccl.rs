@@ -17,11 +17,12 @@ use burn::backend::{Autodiff, Cuda};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
-use common::{adamw_eps4, batch, max_relative_error, values, Net, GLOBAL_BATCH};
+use common::{adamw_eps4, batch, values, Net, GLOBAL_BATCH};
 use std::sync::Arc;
 use std::time::Duration;
 use zero_burn::{CudaBuffers, DeviceCollective, EngineSettings, NcclDevice, OptimizerOffload, Stage, ZeroOptimizer};
 use zero_core::comm::{NcclGroup, ProcessGroup, ReduceOp, TcpGroup, TcpOptions, ThreadGroup};
+use zero_test_support::max_relative_error;
 
 /// Burn's CUDA backend without fusion.
 type Cube = burn_cubecl::CubeBackend<burn_cubecl::cubecl::cuda::CudaRuntime, f32, i32, u8>;
@@ -142,7 +143,7 @@ fn device_state_matches_the_host_state<G: CudaBuffers>(group: Arc<NcclGroup>) {
         let want = train(&mut host);
         assert_eq!(dev.tensor_state(), Some(true), "{stage:?}: the device state ran");
         assert_eq!(host.tensor_state(), Some(false), "{stage:?}: the host state ran");
-        let err = max_relative_error(&got, &want);
+        let err = max_relative_error(&format!("{}, {stage:?}", std::any::type_name::<G>()), &got, &want);
         println!("{}, {stage:?}: max relative error {err:e}", std::any::type_name::<G>());
         assert!(
             err < 1e-5,
@@ -150,6 +151,9 @@ fn device_state_matches_the_host_state<G: CudaBuffers>(group: Arc<NcclGroup>) {
             std::any::type_name::<G>()
         );
         let initial = values::<Autodiff<G>, _>(&Net::<Autodiff<G>>::new(&device, 3));
-        assert!(max_relative_error(&initial, &want) > 1e-2, "the reference trained");
+        assert!(
+            max_relative_error("the initial weights", &initial, &want) > 1e-2,
+            "the reference trained"
+        );
     }
 }

@@ -43,6 +43,7 @@ use zero_burn::{
 };
 use zero_core::loss_scaler::LossScalerConfig;
 use zero_core::optim::{LambSpec, LionSpec, OptimizerSpec, SgdSpec};
+use zero_test_support::max_relative_error;
 
 const STEPS: usize = 5;
 const BLOCKS: usize = 3;
@@ -219,7 +220,7 @@ fn compare(
             let rel = ((a - b) / b).abs() as f64;
             assert!(rel < 4.0 * tolerance, "{label}: loss {a} vs host {b}");
         }
-        let err = max_relative_error(&g.values, &w.values);
+        let err = max_relative_error(&format!("{label}: rank {rank}"), &g.values, &w.values);
         worst = worst.max(err);
         let (ulps, differing, total) = half_ulps(&g.values, &w.values, bits);
         println!(
@@ -240,7 +241,7 @@ fn compare(
     // The runs trained: the weights moved far beyond the tolerance.
     let initial = values::<B, _>(&Net::<B>::new(&Default::default(), BLOCKS));
     assert!(
-        max_relative_error(&initial, &want[0].values) > 1e-2,
+        max_relative_error(&format!("{label}: the initial weights"), &initial, &want[0].values) > 1e-2,
         "{label}: the reference did not train"
     );
     println!("{label}: max relative error {worst:e}, of the gradient norm {worst_norm:e}");
@@ -445,7 +446,7 @@ fn a_parameter_without_gradient_is_stepped_with_zeros_as_by_the_host_state() {
     };
     let want = run(Kind::Host);
     let got = run(Kind::Device);
-    let err = max_relative_error(&got, &want);
+    let err = max_relative_error("spare: device against host state", &got, &want);
     println!("spare: max relative error {err:e}");
     assert!(err < 1e-5, "max relative error {err:e}");
     // The spare layer's weight (second to last parameter) moved by the decay alone: three

@@ -13,6 +13,7 @@ use common::*;
 use std::ops::Range;
 use std::sync::Arc;
 use zero_burn::{EngineSettings, Stage, ZeroError, ZeroOptimizer, ZeroOptimizerRecord};
+use zero_test_support::{assert_close, max_relative_error};
 
 const BLOCKS: usize = 3;
 
@@ -166,10 +167,9 @@ fn a_record_loads_at_another_stage_and_into_the_other_state() {
         let (want, _, _) = run(stage, 2, tensors, 0..5, None, Bytes::Bin);
         let (got, _, errors) = run(stage, 2, tensors, 3..5, Some(saved.clone()), Bytes::Bin);
         assert!(errors.iter().all(Option::is_none), "{label}: {errors:?}");
-        let err = max_relative_error(&got, &want);
-        assert!(err < 1e-6, "{label}: relative error {err:e}");
+        assert_close(&label, &got, &want, 1e-6);
         assert!(
-            max_relative_error(&initial, &want) > 1e-3,
+            max_relative_error(&format!("{label}: the initial weights"), &initial, &want) > 1e-3,
             "the reference must have trained"
         );
     }
@@ -194,7 +194,7 @@ fn a_record_lost_would_be_seen() {
     let (got, _, errors) = run(Stage::Zero1, 2, true, 3..5, Some(saved), Bytes::Bin);
     assert!(errors.iter().all(Option::is_none), "{errors:?}");
     assert!(
-        max_relative_error(&got, &want) > 1e-4,
+        max_relative_error("resumed with fresh moments", &got, &want) > 1e-4,
         "fresh moments must change the trajectory"
     );
 }

@@ -17,6 +17,7 @@ use precision_support::*;
 use std::sync::Arc;
 use zero_burn::{EngineSettings, PrecisionSettings, Stage, StepReport};
 use zero_core::loss_scaler::LossScalerConfig;
+use zero_test_support::max_relative_error;
 
 fn fp16(scaler: LossScalerConfig) -> PrecisionSettings {
     PrecisionSettings::fp16(scaler)
@@ -245,8 +246,8 @@ fn fp16_gradients_are_unscaled_before_the_norm_and_the_update() {
         );
         let initial = common::values::<B, _>(&common::Net::<B>::new(&Default::default(), 3));
         let (va, vb) = (&a[0].values[4], &b[0].values[4]);
-        let err = max_rel(va, vb);
-        let moved = max_rel(&initial, vb);
+        let err = max_relative_error(&format!("{path}: scale 1 against 256"), va, vb);
+        let moved = max_relative_error(&format!("{path}: the initial weights"), &initial, vb);
         println!(
             "{path}: fp16 scale 1 vs 256 after 5 SGD steps: max relative difference {err:e}; training moved {moved:e}"
         );

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use zero_burn::{ComputeDtype, NonFinitePolicy, PrecisionSettings, Stage};
 use zero_core::comm::DType as Flat;
 use zero_core::loss_scaler::LossScalerConfig;
+use zero_test_support::{max_abs_diff, max_relative_error};
 
 fn fp16() -> PrecisionSettings {
     PrecisionSettings::fp16(LossScalerConfig {
@@ -68,7 +69,7 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
         let got: Vec<f32> = (0..STEPS)
             .map(|s| runs.iter().map(|r| r.losses[s]).sum::<f32>() / world as f32)
             .collect();
-        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let worst = max_abs_diff(&format!("{label}: losses"), &got, &want);
         println!(
             "{label}: max |loss - fp32 loss| = {worst:.5} (initial loss {:.4}, final {:.4} vs {:.4})",
             want[0],
@@ -80,7 +81,7 @@ fn bf16_and_fp16_follow_the_fp32_loss_curve() {
             "{label}: must learn as fp32 does: {got:?}"
         );
         assert!(
-            worst <= 0.02 * want[0],
+            worst <= 0.02 * f64::from(want[0]),
             "{label}: loss curve deviates by {worst} from fp32's: {got:?} vs {want:?}"
         );
         assert!(
@@ -111,7 +112,7 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
         .values
         .remove(STEPS - 1);
     let initial = common::values::<B, _>(&Net::<B>::new(&Default::default(), 3));
-    let moved = max_rel(&initial, &base);
+    let moved = max_relative_error("bf16 initial weights", &initial, &base);
     println!("bf16 training moved the weights by {moved:e} of the largest");
     assert!(moved > 0.1, "the reference must train");
     // Observed: 1 or 2 ulps (printed); the bound is 4 ulps of the largest weight (0.3-0.4,
@@ -121,7 +122,7 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
     for world in 1..=4 {
         let stage0 = train_zero(settings(Stage::Zero0, 1, bf16()), world, STEPS, vec![], false);
         let stage0 = &stage0[0].values[STEPS - 1];
-        let err = max_rel(stage0, &base);
+        let err = max_relative_error(&format!("bf16 stage 0 world {world}"), stage0, &base);
         println!("bf16 stage 0 world {world} vs world 1: {err:e}");
         assert!(err <= rounding, "stage 0 world {world}: {err:e} from world 1");
         for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
@@ -133,15 +134,10 @@ fn bf16_every_stage_and_world_size_agrees_with_stage_0() {
                 let got = &runs[0].values[STEPS - 1];
                 let label = format!("bf16 {stage:?} world {world} gas {gas}");
                 if gas == 1 {
-                    let differing = got
-                        .iter()
-                        .flatten()
-                        .zip(stage0.iter().flatten())
-                        .filter(|(a, b)| a != b)
-                        .count();
-                    assert_eq!(differing, 0, "{label}: {differing} values differ from stage 0's bits");
+                    let diff = max_abs_diff(&label, got, stage0);
+                    assert_eq!(diff, 0.0, "{label}: differs from stage 0's bits by up to {diff:e}");
                 } else {
-                    let err = max_rel(got, stage0);
+                    let err = max_relative_error(&label, got, stage0);
                     println!("{label} vs stage 0 gas 1: {err:e}");
                     assert!(err <= rounding, "{label}: {err:e} from stage 0");
                 }

@@ -13,13 +13,14 @@ mod common;
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{adamw_eps4, assert_close, on_ranks, values, B};
+use common::{adamw_eps4, on_ranks, values, B};
 use std::sync::Arc;
 use zero_burn::params::{describe, read_values, write_values};
 use zero_burn::sequential::{CrossEntropy, Layer, MeanSquaredError, Sequential, SequentialLoss};
 use zero_burn::sharded::{UnitComm, ZeroModule};
 use zero_burn::{EngineSettings, HostStaged, Stage};
 use zero_core::optim::OptimizerSpec;
+use zero_test_support::{assert_close, max_relative_error};
 
 const STEPS: usize = 4;
 const LR: f64 = 0.01;
@@ -131,6 +132,12 @@ fn run<L: Targets>(stage: Stage, world: usize) -> Vec<Vec<f32>> {
 
 fn check<L: Targets>(label: &str) {
     let want = reference::<L>();
+    // A run that did not train would not match by accident.
+    let initial = values::<B, _>(&model::<L>(true));
+    assert!(
+        max_relative_error(&format!("{label}: the initial weights"), &initial, &want) > 1e-3,
+        "{label}: the reference did not train"
+    );
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for world in [1, 2, 4] {
             let got = run::<L>(stage, world);

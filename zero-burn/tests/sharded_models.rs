@@ -18,6 +18,7 @@ use burn::tensor::{Tensor, TensorData};
 use zero_burn::params::{read_values, write_data};
 use zero_burn::sharded::ZeroModule;
 use zero_core::config::DeepSpeedConfig;
+use zero_test_support::assert_close;
 
 type AB = Autodiff<Flex, BalancedCheckpointing>;
 const ROWS: usize = 8;
@@ -105,9 +106,7 @@ fn check<C: Case>(case: &C, name: &str) {
             } else {
                 runs.iter().flat_map(|r| r[u].clone()).take(whole.len()).collect()
             };
-            let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let err = got.iter().zip(whole).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
-            assert!(err < 1e-6, "{name}, world {world}: part {u} off by {err:e}");
+            assert_close(&format!("{name}, world {world}: part {u}"), &got, whole, 1e-6);
         }
         assert!(
             runs[0][0].len() < want[0].len(),

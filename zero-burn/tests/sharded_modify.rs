@@ -19,6 +19,7 @@ use sharded_support::*;
 use zero_burn::params::read_values;
 use zero_burn::{EngineSettings, OptimizerOffload, Stage, ZeroError, ZeroOptimizer};
 use zero_core::optim::{AdamSpec, OptimizerSpec};
+use zero_test_support::{assert_close, max_relative_error};
 
 type AB = Autodiff<Flex>;
 const EPS: f64 = 1e-4;
@@ -118,7 +119,10 @@ fn a_change_on_the_modifier_rank_reaches_every_shard_and_the_masters() {
     let want = reference(BEFORE);
     // Without the change the run ends elsewhere: the comparison can tell.
     let unchanged = reference(usize::MAX);
-    assert!(relative_error(&unchanged[1], &want[1]) > 1e-2, "the change must matter");
+    assert!(
+        max_relative_error("unit 1 without the change", &unchanged[1], &want[1]) > 1e-2,
+        "the change must matter"
+    );
     for (stage, world, whole, host) in [
         (Stage::Zero3, 2, false, false),
         (Stage::Zero3, 4, false, true),
@@ -128,12 +132,10 @@ fn a_change_on_the_modifier_rank_reaches_every_shard_and_the_masters() {
     ] {
         let runs = zero_run(stage, world, whole, host, BEFORE);
         for (rank, run) in runs.iter().enumerate() {
+            let label = format!("{stage:?}, world {world}, whole {whole}, host {host}: rank {rank}");
+            assert_eq!(run.len(), want.len(), "{label}: units");
             for (u, (got, want)) in run.iter().zip(&want).enumerate() {
-                let err = relative_error(got, want);
-                assert!(
-                    err < 1e-6,
-                    "{stage:?}, world {world}, whole {whole}, host {host}: rank {rank}, unit {u} off by {err:e}"
-                );
+                assert_close(&format!("{label}, unit {u}"), got, want, 1e-6);
             }
         }
     }
@@ -144,9 +146,10 @@ fn a_change_on_the_modifier_rank_reaches_every_shard_and_the_masters() {
 #[test]
 fn a_change_before_the_first_step_is_where_training_starts() {
     let want = reference(0);
-    for run in zero_run(Stage::Zero3, 2, false, false, 0) {
+    for (rank, run) in zero_run(Stage::Zero3, 2, false, false, 0).iter().enumerate() {
+        assert_eq!(run.len(), want.len(), "rank {rank}: units");
         for (u, (got, want)) in run.iter().zip(&want).enumerate() {
-            assert!(relative_error(got, want) < 1e-6, "unit {u}");
+            assert_close(&format!("rank {rank}, unit {u}"), got, want, 1e-6);
         }
     }
 }

@@ -16,6 +16,7 @@ use sharded_support::*;
 use zero_burn::params::read_values;
 use zero_burn::sharded::UnitComm;
 use zero_core::comm::ThreadGroup;
+use zero_test_support::assert_close;
 
 /// A model of `ZeroModule`s and a replicated parameter (an output gain).
 #[derive(Module, Debug)]
@@ -167,16 +168,15 @@ fn zero_optimizer_steps_zero_module_shards_like_burns_adamw_on_one_process() {
             });
             let got = put_together(&runs, &want);
             for (u, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.len(), w.len());
-                let err = relative_error(g, w);
-                assert!(err < 1e-6, "{stage:?}, world {world}, part {u}: off by {err:e}");
+                assert_close(&format!("{stage:?}, world {world}, part {u}"), g, w, 1e-6);
             }
             let gain = want.len() - 1;
             for (rank, parts) in runs.iter().enumerate() {
-                let err = relative_error(&parts[gain], &want[gain]);
-                assert!(
-                    err < 1e-6,
-                    "{stage:?}, world {world}, the replicated gain on rank {rank}: off by {err:e}"
+                assert_close(
+                    &format!("{stage:?}, world {world}, the replicated gain on rank {rank}"),
+                    &parts[gain],
+                    &want[gain],
+                    1e-6,
                 );
             }
         }
@@ -224,8 +224,7 @@ fn a_zero_module_checkpoint_resumes_at_another_world_size() {
     run(2, 0, 2, false, true);
     let got = put_together(&run(4, 2, 5, true, false), &shape);
     for (u, (g, w)) in got.iter().zip(&want).enumerate() {
-        let err = relative_error(g, w);
-        assert!(err < 1e-5, "part {u}: the resumed run is off by {err:e}");
+        assert_close(&format!("part {u} of the resumed run"), g, w, 1e-5);
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -278,8 +277,7 @@ fn clipping_covers_zero_module_shards_and_replicated_parameters() {
         }
         let parts: Vec<_> = runs.into_iter().map(|(parts, _)| parts).collect();
         for (u, (g, w)) in put_together(&parts, &want).iter().zip(&want).enumerate() {
-            let err = relative_error(g, w);
-            assert!(err < 1e-5, "world {world}, part {u}: off by {err:e}");
+            assert_close(&format!("world {world}, part {u}"), g, w, 1e-5);
         }
     }
 }

@@ -15,6 +15,7 @@ use common::*;
 use std::ops::Range;
 use zero_burn::{ZeroError, ZeroOptimizer};
 use zero_core::config::DeepSpeedConfig;
+use zero_test_support::assert_close;
 
 const BLOCKS: usize = 2;
 const WORLD: usize = 2;

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use zero_burn::sharded::shard_len;
 use zero_burn::HostStaged;
 use zero_core::config::DeepSpeedConfig;
+use zero_test_support::{assert_close, max_abs_diff};
 
 type AB = Autodiff<Flex, BalancedCheckpointing>;
 
@@ -139,8 +140,7 @@ fn each_unit_is_gathered_once_per_step_and_its_gradient_is_the_shard() {
     // The values: the ranks' shards put together equal one process's Burn AdamW.
     for (u, want) in want.iter().enumerate() {
         let got: Vec<f32> = runs.iter().flat_map(|r| r.0[u].clone()).take(want.len()).collect();
-        let err = relative_error(&got, want);
-        assert!(err < 1e-6, "unit {u}: off by {err:e}");
+        assert_close(&format!("unit {u}"), &got, want, 1e-6);
     }
     // Memory: each rank holds every unit's whole vector once (ZeRO-2's parameters; the shards
     // are views of it), gradients and optimizer state of its shards only, nothing gathered
@@ -194,7 +194,11 @@ fn a_copy_from_before_a_step_computes_with_its_own_weights() {
     for (rank, (before, old_again, after)) in outs.iter().enumerate() {
         assert_eq!(before, old_again, "rank {rank}: the old copy's weights");
         assert!(
-            max_diff(before, after) > 1e-4,
+            max_abs_diff(
+                &format!("rank {rank}: outputs before and after the step"),
+                before,
+                after
+            ) > 1e-4,
             "rank {rank}: the step changed the weights"
         );
     }

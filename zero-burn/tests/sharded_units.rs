@@ -15,6 +15,7 @@ mod common;
 mod sharded_support;
 
 use sharded_support::*;
+use zero_test_support::{assert_close, max_abs, max_abs_diff};
 
 /// Per unit, the flat gradient of plain autodiff on one process, whole batch.
 fn reference() -> Vec<Vec<f32>> {
@@ -67,11 +68,9 @@ fn check<C: CheckpointStrategy>(label: &str) {
             padded.resize(per * world, 0.0);
             for (rank, shards) in got.iter().enumerate() {
                 let expect = &padded[rank * per..(rank + 1) * per];
-                let err = max_diff(&shards[u], expect) / max_abs(whole);
-                assert!(
-                    err < 1e-6,
-                    "{label}, world {world}, unit {u}, rank {rank}: off by {err:e}"
-                );
+                let what = format!("{label}, world {world}, unit {u}, rank {rank}");
+                let err = max_abs_diff(&what, &shards[u], expect) / max_abs(&what, whole);
+                assert!(err < 1e-6, "{what}: off by {err:e}");
             }
         }
     }
@@ -149,8 +148,7 @@ fn burns_adamw_trains_zero_modules_like_one_process() {
                 .flat_map(|(shards, _)| shards[u].clone())
                 .take(whole.len())
                 .collect();
-            let err = relative_error(&got, whole);
-            assert!(err < 1e-6, "world {world}, unit {u}: off by {err:e}");
+            assert_close(&format!("world {world}, unit {u}"), &got, whole, 1e-6);
         }
         for (rank, (_, loss)) in runs.iter().enumerate() {
             assert!(

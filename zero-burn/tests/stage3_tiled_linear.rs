@@ -14,25 +14,18 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor, TensorData};
-use common::{max_relative_error, on_ranks, values, B as Ad};
+use common::{on_ranks, values, B as Ad};
 use zero_burn::sharded::shard_units;
 use zero_burn::{EngineSettings, ShardedTiledLinear, Stage, TiledLinear, TiledLinearConfig};
 use zero_core::optim::{OptimizerSpec, SgdSpec};
+use zero_test_support::{assert_close, max_abs, max_abs_diff, max_relative_error};
 
-/// max |a - b| / max |b|.
-fn relative_error<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
-    let scale = b.clone().abs().max().into_scalar().elem_f32();
-    let diff = (a - b).abs().max().into_scalar().elem_f32();
-    diff / scale
-}
-
-trait ElemF32 {
-    fn elem_f32(self) -> f32;
-}
-impl<E: burn::tensor::ElementConversion> ElemF32 for E {
-    fn elem_f32(self) -> f32 {
-        self.elem::<f32>()
-    }
+/// Fails, naming `what`, unless `got` has `want`'s shape and is within `tolerance` of it
+/// (max |got - want| / max |want|).
+fn assert_tensors_close<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want: Tensor<B, D>, tolerance: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let read = |t: Tensor<B, D>| t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 values");
+    assert_close(what, &read(got), &read(want), tolerance);
 }
 
 fn random<const D: usize>(shape: [usize; D]) -> Tensor<Ad, D> {
@@ -69,21 +62,31 @@ fn forward_and_gradients_equal_the_untiled_linear() {
 
         // Forward, 2-D and 3-D inputs.
         let x = random([5, d_in]);
-        let e = relative_error(tiled.forward(x.clone()), linear.forward(x.clone()));
-        assert!(e <= 1e-6, "{in_splits}x{out_splits}: forward differs by {e:e}");
+        let label = format!("{in_splits}x{out_splits}");
+        assert_tensors_close(
+            &format!("{label}: forward"),
+            tiled.forward(x.clone()),
+            linear.forward(x.clone()),
+            1e-6,
+        );
         let units = on_ranks(1, |_, comm| {
             let comm: zero_burn::sharded::UnitComm<Flex> = std::sync::Arc::new(zero_burn::HostStaged::new(comm));
             let sharded = shard_units(tiled.clone().into_sharded(), comm, 0).expect("cut");
             sharded.forward(x.clone()).expect("forward").into_data()
         });
-        let e = relative_error(Tensor::from_data(units[0].clone(), &device), linear.forward(x.clone()));
-        assert!(
-            e <= 1e-6,
-            "{in_splits}x{out_splits}: the tiles as units differ by {e:e}"
+        assert_tensors_close(
+            &format!("{label}: the tiles as units"),
+            Tensor::from_data(units[0].clone(), &device),
+            linear.forward(x.clone()),
+            1e-6,
         );
         let x3 = random([2, 3, d_in]);
-        let e = relative_error(tiled.forward(x3.clone()), linear.forward(x3));
-        assert!(e <= 1e-6, "{in_splits}x{out_splits}: 3-D forward differs by {e:e}");
+        assert_tensors_close(
+            &format!("{label}: 3-D forward"),
+            tiled.forward(x3.clone()),
+            linear.forward(x3),
+            1e-6,
+        );
 
         // Gradients of sum(y ⊙ r) for a fixed r: weight, bias and input.
         // Each graph gets its own input leaf, built from the values (not a clone of one
@@ -97,10 +100,7 @@ fn forward_and_gradients_equal_the_untiled_linear() {
         let xb = Tensor::<Ad, 2>::from_data(x.to_data(), &device).require_grad();
         let gb = (tiled.forward(xb.clone()) * r).sum().backward();
         let got_w = assembled_grad(&tiled, &gb, d_in, d_out);
-        assert!(
-            relative_error(got_w, want_w) <= 1e-6,
-            "{in_splits}x{out_splits}: weight gradient"
-        );
+        assert_tensors_close(&format!("{label}: weight gradient"), got_w, want_w, 1e-6);
         let got_b = Tensor::cat(
             tiled.tiles[..tiled.out_splits]
                 .iter()
@@ -114,15 +114,9 @@ fn forward_and_gradients_equal_the_untiled_linear() {
                 .collect(),
             0,
         );
-        assert!(
-            relative_error(got_b, want_b) <= 1e-6,
-            "{in_splits}x{out_splits}: bias gradient"
-        );
+        assert_tensors_close(&format!("{label}: bias gradient"), got_b, want_b, 1e-6);
         let got_x = xb.grad(&gb).expect("input grad");
-        assert!(
-            relative_error(got_x, want_x) <= 1e-6,
-            "{in_splits}x{out_splits}: input gradient"
-        );
+        assert_tensors_close(&format!("{label}: input gradient"), got_x, want_x, 1e-6);
 
         // Round trip to the untiled layer, exactly.
         let back = tiled.to_linear();
@@ -241,14 +235,18 @@ fn stage_3_trains_tile_by_tile_like_the_untiled_layer_and_gathers_one_tile() {
     for (got, want) in losses.iter().zip(&want_losses) {
         assert!(((got - want) / want).abs() <= 1e-6, "loss {got} vs {want}");
     }
-    let scale = want_weights[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let initial = values::<Bal, _>(&net(1, 1).tiled.gathered().expect("whole").to_linear());
-    assert!(max_relative_error(&initial, &want_weights) > 1e-3, "the layer trained");
-    for (got, want) in weights.iter().zip(&want_weights) {
-        for (a, b) in got.iter().zip(want) {
-            assert!((a - b).abs() <= 1e-6 * scale, "trained weight {a} vs {b}");
-        }
-    }
+    assert!(
+        max_relative_error("the initial weights", &initial, &want_weights) > 1e-3,
+        "the layer trained"
+    );
+    // Relative to the largest weight of the layer (the first parameter), over every parameter.
+    let scale = max_abs("the untiled layer's weight", &want_weights[0]);
+    let diff = max_abs_diff("the tiled layer's trained parameters", &weights, &want_weights);
+    assert!(
+        diff <= 1e-6 * scale,
+        "trained parameters differ by {diff:e} (scale {scale})"
+    );
     // The untiled layer is one unit of 64 × 48 + 48 = 3120 elements (3136 padded to 2 ranks ×
     // 16); a tile of the first input split 16 × 12 + 12 = 204 (224 padded), the largest.
     assert_eq!(untiled, 3136 * 4);

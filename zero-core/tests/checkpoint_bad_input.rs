@@ -157,13 +157,53 @@ fn no_latest_and_unknown_tag() {
     assert_names(&e, "latest", "missing");
     let e = Checkpoint::open(&dir, Some("nope")).unwrap_err();
     assert_names(&e, "nope", "no such checkpoint tag");
-    assert!(Checkpoint::open(&dir, Some("../escape")).is_err());
     // A `latest` longer than any directory name is refused without being echoed.
     std::fs::write(dir.join("latest"), "x".repeat(100_000)).unwrap();
     let e = Checkpoint::open(&dir, None).unwrap_err();
     assert_names(&e, "latest", "100000 bytes");
     assert!(e.to_string().len() < 1000, "{} bytes of error", e.to_string().len());
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A tag that leads out of the checkpoint directory is refused, given or named by `latest`,
+/// though where it leads holds a complete checkpoint that would load: `base/ckpt` is the
+/// directory, `base/escape` the checkpoint beside it.
+#[test]
+fn a_tag_leading_out_of_the_directory_is_refused() {
+    let base = scratch("traversal");
+    let dir = base.join("ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    save_reference(&base, "escape", 3, 2, 2, "");
+    let outside = base.join("escape");
+    Checkpoint::open(&base, Some("escape")).expect("the checkpoint outside opens by its own name");
+    assert!(
+        dir.join("../escape/zero_meta.json").is_file(),
+        "the traversal would reach it"
+    );
+    for tag in ["../escape".to_string(), outside.display().to_string()] {
+        let e = Checkpoint::open(&dir, Some(&tag)).expect_err("a tag leading out of the directory");
+        assert!(matches!(e, CheckpointError::Tag { .. }), "{tag}: {e}");
+        assert_names(&e, &format!("`{tag}` cannot be a tag"), "plain directory name");
+        let dir2 = dir.clone();
+        let tag2 = tag.clone();
+        let errors = on_ranks(2, move |_, comm| {
+            checkpoint::load(comm.as_ref(), &dir2, Some(&tag2), &layout(specs(""), 2, 1)).err()
+        });
+        assert!(
+            errors.iter().all(Option::is_some),
+            "{tag}: every rank must refuse: {errors:?}"
+        );
+        let e = errors
+            .into_iter()
+            .flatten()
+            .find(|e| !matches!(e, CheckpointError::PeerFailed { .. }))
+            .expect("some rank must report the tag itself");
+        assert_names(&e, &format!("`{tag}` cannot be a tag"), "plain directory name");
+        std::fs::write(dir.join("latest"), &tag).unwrap();
+        let e = Checkpoint::open(&dir, None).expect_err("`latest` naming a place outside");
+        assert_names(&e, "latest", &format!("names `{tag}`, which is not a tag"));
+    }
+    std::fs::remove_dir_all(&base).ok();
 }
 
 /// Without `latest`: a save that never finished names the tags that are there; a tag's own

@@ -2,6 +2,10 @@
 //! resolve as far as the file allows), the templates fail with the placeholder error.
 //! Reference: the corpus INDEX.tsv, which records for each file whether it is a template and
 //! which placeholders it holds (found independently of this parser).
+//!
+//! The corpus lives beside the project (`../shared`, which every developer and CI run has),
+//! not in it. Where it is absent both tests skip with a line on stderr, except under CI
+//! (`CI=true`, as `.ci/run` sets), where they fail: a skip there would pass unchecked.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -15,7 +19,10 @@ fn corpus() -> Option<PathBuf> {
     if dir.join("INDEX.tsv").exists() {
         Some(dir)
     } else {
-        eprintln!("skipped: {} is absent", dir.display());
+        zero_test_support::skip(format!(
+            "{} is absent (the shared DeepSpeed config corpus, at ../shared beside the project)",
+            dir.display()
+        ));
         None
     }
 }

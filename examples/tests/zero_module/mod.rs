@@ -51,13 +51,20 @@ pub fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup
 /// Each unit's flat vector (whole, or this rank's shard) in the model's order, then `ln_f`'s
 /// parameters.
 pub fn parts(model: &ShardedGpt2<B>) -> Vec<Vec<f32>> {
-    let values = |p: &Param<Tensor<B, 1>>| p.val().into_data().convert::<f32>().to_vec::<f32>().expect("f32");
-    let mut parts = vec![values(model.embed.shard())];
-    parts.extend(model.blocks.iter().map(|b| values(b.shard())));
+    let mut parts = vec![unit_values(&model.embed)];
+    parts.extend(model.blocks.iter().map(unit_values));
     let mut ln_f = Vec::new();
     zero_burn::params::read_values::<B, _>(&model.ln_f, |_, v| ln_f.extend(v));
     parts.push(ln_f);
     parts
+}
+
+/// A unit's flat vector (whole, or this rank's shard), as a Burn record of the unit carries it:
+/// under `offload_param` the parameter itself holds a placeholder (NaNs) and the values are in
+/// its store, which the record reads.
+fn unit_values<M: Module<B> + burn::module::ModuleDisplay>(unit: &zero_burn::sharded::ZeroModule<B, M>) -> Vec<f32> {
+    let shard = unit.clone().into_record().shard;
+    shard.val().into_data().convert::<f32>().to_vec::<f32>().expect("f32")
 }
 
 /// What one rank saw: each step's loss (mean over its micro-batches) and gradient norm, and
@@ -267,12 +274,6 @@ pub fn clip_by_global_norm(model: &Gpt2<B>, grads: &mut GradientsParams, clip: f
     if coef < 1.0 {
         model.visit(&mut Scale(grads, coef as f32));
     }
-}
-
-/// max |got - want| / max |want|.
-pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
 }
 
 pub fn matrix_config(stage: u8, world: usize, gas: usize, clip: f64) -> String {

@@ -73,32 +73,13 @@ impl Reference {
     }
 }
 
-/// max|actual - expected| / max|expected|: relative to the reference's scale, so that entries
-/// near zero do not blow the measure up.
-pub fn relative_error(actual: &TensorData, expected: &TensorData) -> f64 {
-    assert_eq!(actual.shape, expected.shape, "shapes differ");
-    let a = actual.to_vec::<f32>().unwrap();
-    let b = expected.to_vec::<f32>().unwrap();
-    let mut max_diff = 0.0f64;
-    let mut max_ref = 0.0f64;
-    for (x, y) in a.iter().zip(&b) {
-        assert!(x.is_finite(), "non-finite value in the result");
-        max_diff = max_diff.max((*x as f64 - *y as f64).abs());
-        max_ref = max_ref.max((*y as f64).abs());
-    }
-    assert!(
-        max_ref > 0.0,
-        "reference is all zeros: the comparison would mean nothing"
-    );
-    max_diff / max_ref
-}
-
-/// Asserts [`relative_error`] is below [`TOLERANCE`], naming `what` otherwise.
+/// Asserts that `actual` has `expected`'s shape and is within [`TOLERANCE`] of it (max
+/// |actual - expected| / max |expected|, relative to the reference's scale so that entries near
+/// zero do not blow the measure up), naming `what` otherwise.
 pub fn assert_close(what: &str, actual: &TensorData, expected: &TensorData) {
-    let error = relative_error(actual, expected);
+    assert_eq!(actual.shape, expected.shape, "{what}: shapes differ");
+    let (a, b) = (actual.to_vec::<f32>().unwrap(), expected.to_vec::<f32>().unwrap());
+    let error = zero_test_support::max_relative_error(what, &a, &b);
     println!("{what}: relative error {error:.3e}");
-    assert!(
-        error < TOLERANCE,
-        "{what}: relative error {error:e} exceeds {TOLERANCE:e}"
-    );
+    zero_test_support::assert_close(what, &a, &b, TOLERANCE);
 }

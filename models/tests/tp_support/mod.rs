@@ -60,21 +60,6 @@ pub fn tokens(step: usize, rows: std::ops::Range<usize>, device: &Device<B>) -> 
     Tensor::from_data(TensorData::new(ids, [rows.len(), SEQ]), device)
 }
 
-/// max |a - b| / max |b| over every parameter.
-pub fn max_relative_error(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
-    assert_eq!(got.len(), want.len(), "same number of parameters");
-    let mut diff = 0f64;
-    let mut scale = 0f64;
-    for (g, w) in got.iter().zip(want) {
-        assert_eq!(g.len(), w.len(), "same parameter sizes");
-        for (a, b) in g.iter().zip(w) {
-            diff = diff.max((*a as f64 - *b as f64).abs());
-            scale = scale.max((*b as f64).abs());
-        }
-    }
-    diff / scale
-}
-
 pub fn values<M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     read_values::<B, _>(m, |_, v| out.push(v));

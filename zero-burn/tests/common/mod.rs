@@ -261,20 +261,6 @@ pub fn values<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
     out
 }
 
-/// max |a - b| / max |b| over all parameters.
-pub fn max_relative_error(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    let mut diff = 0.0f64;
-    let mut scale = 0.0f64;
-    for (x, y) in a.iter().zip(b) {
-        assert_eq!(x.len(), y.len());
-        for (&p, &q) in x.iter().zip(y) {
-            diff = diff.max((p as f64 - q as f64).abs());
-            scale = scale.max((q as f64).abs());
-        }
-    }
-    diff / scale
-}
-
 /// Parameters of one residual block of [`Net`].
 pub const BLOCK_ELEMENTS: usize = HIDDEN * 7 + 7 + 7 * HIDDEN + HIDDEN;
 
@@ -315,15 +301,6 @@ pub fn burn_adamw_eps4() -> burn::optim::AdamWConfig {
         .with_beta_2(0.999)
         .with_epsilon(1e-4)
         .with_weight_decay(0.01)
-}
-
-/// Fails with `label` unless `got` is within `tolerance` of `want` (max relative error).
-pub fn assert_close(label: &str, got: &[Vec<f32>], want: &[Vec<f32>], tolerance: f64) {
-    let err = max_relative_error(got, want);
-    assert!(
-        err < tolerance,
-        "{label}: relative error {err:e} (tolerance {tolerance:e})"
-    );
 }
 
 /// This rank's rows of micro-batch `micro` of the global batch: split in order across the

@@ -140,11 +140,6 @@ impl ProcessGroup for Recording {
     }
 }
 
-/// max |a - b| over all parameters, over max |b|.
-pub fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    max_relative_error(a, b)
-}
-
 /// Trains `UnitNet` (3 blocks) for `steps` optimizer steps on `world` ranks, stopping a rank at
 /// its first failed step: the model and `ZeroOptimizer` from `initialize_settings` in Burn's own
 /// loop (Burn's `GradientsAccumulator` over `settings.gradient_accumulation_steps`

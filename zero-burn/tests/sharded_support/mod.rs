@@ -99,21 +99,6 @@ pub fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, UnitComm<burn::backe
     common::on_ranks(world, |rank, group| body(rank, Arc::new(HostStaged::new(group))))
 }
 
-/// The largest magnitude in `v`.
-pub fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0f32, |m, x| m.max(x.abs()))
-}
-
-/// max |got - want|.
-pub fn max_diff(got: &[f32], want: &[f32]) -> f32 {
-    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
-}
-
-/// max |got - want| / max |want|.
-pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    max_diff(got, want) / max_abs(want)
-}
-
 /// What one rank saw in [`train_net`]: per step the loss of its first micro-batch (bits), its
 /// units gathered whole after the run (bits), where the parameter bytes were after the last
 /// step (device, host, NVMe), and whether the optimizer's state was tensors.

@@ -1,5 +1,6 @@
 //! Ranks as processes: the test binary re-executes itself once per rank (its `rank_main` test,
-//! which does nothing unless ZERO_TEST_MODE is set), with the torchrun variables, on loopback.
+//! ignored in an ordinary run and selected with `--ignored --exact`), with the torchrun
+//! variables, on loopback.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -26,7 +27,7 @@ pub fn run_ranks(
     let children: Vec<Child> = (0..world)
         .map(|rank| {
             Command::new(&exe)
-                .args(["--exact", "rank_main", "--nocapture", "--test-threads=1"])
+                .args(["--ignored", "--exact", "rank_main", "--nocapture", "--test-threads=1"])
                 .env("ZERO_TEST_MODE", mode)
                 .env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
