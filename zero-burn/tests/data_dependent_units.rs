@@ -291,29 +291,14 @@ fn train_rank<C: CheckpointStrategy>(
     Ok(values(&gathered))
 }
 
-/// The largest |got - want| over every value, NaN counting as infinitely far; the lengths must
-/// agree.
-fn max_diff(got: &[Vec<f32>], want: &[Vec<f32>]) -> f64 {
-    assert_eq!(got.len(), want.len(), "layers");
-    let mut worst = 0f64;
-    for (u, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(g.len(), w.len(), "layer {u}: values");
-        for (a, b) in g.iter().zip(w) {
-            let d = (f64::from(*a) - f64::from(*b)).abs();
-            worst = if d.is_nan() { f64::INFINITY } else { worst.max(d) };
-        }
-    }
-    worst
-}
-
 fn check<C: CheckpointStrategy>(case: Case) {
     let want = one_process(case);
     let start = layers::<Flex>(case.side, &Default::default());
-    let moved = max_diff(&values(&start), &want);
+    let moved = zero_test_support::max_abs_diff("the reference's move", &values(&start), &want);
     assert!(moved > 1e-2, "{case:?}: the reference trained ({moved:e})");
     for (rank, got) in two_ranks::<C>(case).iter().enumerate() {
         let got = got.as_ref().unwrap_or_else(|e| panic!("{case:?}, rank {rank}: {e}"));
-        let err = max_diff(got, &want);
+        let err = zero_test_support::max_abs_diff(&format!("{case:?}, rank {rank}"), got, &want);
         assert!(err < 1e-6, "{case:?}, rank {rank}: {err:e} off one process");
     }
 }
@@ -506,7 +491,7 @@ fn launched_processes_match_one_process() {
             assert!(ok, "{name}, rank {rank}:\n{text}");
             let line = result(text).unwrap_or_else(|| panic!("{name}, rank {rank}: no result:\n{text}"));
             let got: Vec<Vec<f32>> = serde_json::from_str(line).expect("a rank's layers");
-            let err = max_diff(&got, &want);
+            let err = zero_test_support::max_abs_diff(&format!("{name}, rank {rank}"), &got, &want);
             assert!(err < 1e-6, "{name}, rank {rank}: {err:e} off one process");
         }
     }
