@@ -1,6 +1,7 @@
 //! `zero check-config` as a user runs it: exit status, stdout JSON, stderr warnings.
 //! Reference: the rules of DeepSpeed's batch triad and defaults, checked on the printed JSON.
 
+use serde_json::json;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -208,6 +209,86 @@ fn optimizer_values_the_trainer_refuses_are_refused_naming_file_key_and_range() 
             );
         }
     }
+}
+
+/// Every learning rate a schedule takes is held to the optimizer's rule and refused in its
+/// words: the file, the key, the value and the range, exit 2 (a negative one used to train,
+/// the loss climbing, and exit 0). A value `--set` supplies for an "auto" one too.
+#[test]
+fn scheduler_learning_rates_are_refused_as_the_optimizers_is() {
+    let (_, _, optimizer) = check(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": -0.01}}}"#,
+        &["--world-size", "1"],
+    );
+    let said = |key: &str, name: &str| format!("`{key}` = -0.01 is not valid; {name} must be finite and >= 0");
+    assert!(optimizer.contains(&said("optimizer.params.lr", "lr")), "{optimizer}");
+    let schedules = [
+        (
+            "WarmupLR",
+            json!({"warmup_num_steps": 10}),
+            &["warmup_min_lr", "warmup_max_lr"][..],
+        ),
+        (
+            "WarmupDecayLR",
+            json!({"total_num_steps": 100}),
+            &["warmup_min_lr", "warmup_max_lr"],
+        ),
+        (
+            "WarmupCosineLR",
+            json!({"total_num_steps": 100}),
+            &["warmup_min_ratio", "cos_min_ratio"],
+        ),
+        (
+            "OneCycle",
+            json!({"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}),
+            &["cycle_min_lr", "cycle_max_lr", "decay_lr_rate"],
+        ),
+        (
+            "LRRangeTest",
+            json!({"lr_range_test_step_size": 10}),
+            &["lr_range_test_min_lr", "lr_range_test_step_rate"],
+        ),
+    ];
+    for (kind, required, rates) in schedules {
+        let with = |name: Option<(&str, f64)>| {
+            let mut params = required.clone();
+            if let Some((name, value)) = name {
+                params[name] = json!(value);
+            }
+            json!({
+                "train_batch_size": 8,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": kind, "params": params}
+            })
+            .to_string()
+        };
+        let (code, _, err) = check(&with(None), &["--world-size", "1"]);
+        assert_eq!(code, 0, "{kind} as written is valid: {err}");
+        for name in rates {
+            let (code, v, err) = check(&with(Some((name, -0.01))), &["--world-size", "1"]);
+            assert_eq!(code, 2, "{kind} {name} -0.01: {v}");
+            assert!(
+                err.starts_with("error: ")
+                    && err.contains("ds_config.json")
+                    && err.contains(&said(&format!("scheduler.params.{name}"), name)),
+                "{kind} {name}: {err}"
+            );
+            let (code, _, err) = check(&with(Some((name, 0.0))), &["--world-size", "1"]);
+            assert_eq!(code, 0, "{kind} {name} 0 is a rate: {err}");
+        }
+    }
+    // Supplied for an "auto": checked as if written.
+    let auto = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}"#;
+    let (code, _, err) = check(
+        auto,
+        &["--world-size", "1", "--set", "scheduler.params.warmup_max_lr=-0.01"],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&said("scheduler.params.warmup_max_lr", "warmup_max_lr")),
+        "{err}"
+    );
 }
 
 #[test]
