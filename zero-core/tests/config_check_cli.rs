@@ -291,6 +291,82 @@ fn scheduler_learning_rates_are_refused_as_the_optimizers_is() {
     );
 }
 
+/// Offload settings the engine takes other than they read are said, each with what happens
+/// instead (they used to pass silently): `offload_optimizer` at stage 0, where nothing is
+/// partitioned and every rank offloads the whole state, and an NVMe swap of 0 buffers, which
+/// streams through one.
+#[test]
+fn offload_settings_taken_otherwise_warn_what_happens_instead() {
+    let warning = |err: &str, key: &str| -> Option<String> {
+        err.lines()
+            .find(|l| l.starts_with("warning:") && l.contains(&format!("`{key}`:")))
+            .map(str::to_string)
+    };
+    let swap = std::env::temp_dir().join(format!("zero-check-config-swap-{}", std::process::id()));
+    let cases = [
+        (0, r#"{"device": "cpu"}"#.to_string(), "in host memory"),
+        (
+            0,
+            format!(r#"{{"device": "nvme", "nvme_path": "{}"}}"#, swap.display()),
+            "swap file",
+        ),
+    ];
+    for (stage, section, place) in &cases {
+        let cfg = format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}, "offload_optimizer": {section}}}}}"#
+        );
+        let (code, v, err) = check(&cfg, &["--world-size", "2"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            v["zero_optimization"]["offload_optimizer"].is_object(),
+            "still honoured: {v}"
+        );
+        let said = warning(&err, "zero_optimization.offload_optimizer")
+            .unwrap_or_else(|| panic!("no warning for offload at stage 0: {err}"));
+        assert!(
+            said.contains("ds_config.json")
+                && said.contains("stage 0")
+                && said.contains("every rank keeps all of it")
+                && said.contains(place)
+                && said.contains("stage 1"),
+            "{said}"
+        );
+        // From stage 1 on the state is partitioned: nothing to say.
+        let (_, _, err) = check(&cfg.replace("\"stage\": 0", "\"stage\": 1"), &["--world-size", "2"]);
+        assert!(warning(&err, "zero_optimization.offload_optimizer").is_none(), "{err}");
+    }
+    let nvme = |count: u32| {
+        format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 2, "offload_optimizer":
+                {{"device": "nvme", "nvme_path": "{}", "buffer_count": {count}}}}}}}"#,
+            swap.display()
+        )
+    };
+    let (code, v, err) = check(&nvme(0), &["--world-size", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["zero_optimization"]["offload_optimizer"]["buffer_count"], 0);
+    let said = warning(&err, "zero_optimization.offload_optimizer.buffer_count")
+        .unwrap_or_else(|| panic!("no warning for 0 buffers: {err}"));
+    assert!(
+        said.contains("0 buffers") && said.contains("1 buffer instead"),
+        "{said}"
+    );
+    for count in [1, 4] {
+        let (_, _, err) = check(&nvme(count), &["--world-size", "1"]);
+        assert!(
+            warning(&err, "zero_optimization.offload_optimizer.buffer_count").is_none(),
+            "{count}: {err}"
+        );
+    }
+    // Host offload reads no swap file: its buffer count means nothing either way.
+    let cpu = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}}"#;
+    let (_, _, err) = check(cpu, &["--world-size", "1"]);
+    assert!(
+        warning(&err, "zero_optimization.offload_optimizer.buffer_count").is_none(),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_null_stage_warns_which_default_it_took() {
     let (code, v, err) = check(
