@@ -32,8 +32,8 @@ mod writer;
 
 pub use collective::agree;
 pub use consolidate::{
-    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, ConsolidateReport, ExportNaming, GroupExport,
-    CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+    export_fp32, parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, ConsolidateReport, ExportNaming,
+    Fp32Source, GroupExport, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
 };
 pub use error::{CheckpointError, RankFailure};
 pub use format::{
