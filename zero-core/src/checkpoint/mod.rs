@@ -25,6 +25,7 @@ mod names;
 mod reader;
 mod recut;
 pub mod reshard;
+mod retention;
 mod save;
 mod sources;
 mod tensor_parallel;
@@ -44,6 +45,7 @@ pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
 pub use recut::recut;
+pub use retention::{describe_tags, tags, tags_after, Lineage, SaveOptions, Saved, SavedTag};
 pub use save::{describe, save, GroupShard, SaveRequest};
 pub use tensor_parallel::{
     check_same_kind, check_tensor_degree, holds_checkpoint, merge_slices, tensor_rank_dir, tensor_rank_of,
