@@ -385,7 +385,7 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
     let save = dir.path().join("ckpt").to_string_lossy().into_owned();
     // Each case gives --steps 1 (but the one about --steps), so that a flag let through costs
     // one step, not the default hundred.
-    let cases: [(&[&str], &[&str]); 10] = [
+    let cases: [(&[&str], &[&str]); 13] = [
         // The fixture's token file (given by `train`) holds sequences of 16.
         (&["--steps", "1", "--seq-len", "4"], &["--seq-len 4", "16 tokens long"]),
         (
@@ -415,6 +415,18 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
             &["--save-every 0"],
         ),
         (&["--steps", "1", "--save-every", "2"], &["--save-every 2", "--save"]),
+        (
+            &["--steps", "1", "--save", &save, "--save-total-limit", "0"],
+            &["--save-total-limit 0", "at least 1"],
+        ),
+        (
+            &["--steps", "1", "--save-total-limit", "2"],
+            &["--save-total-limit 2 without --save"],
+        ),
+        (
+            &["--steps", "1", "--discard-later-tags"],
+            &["--discard-later-tags without --save"],
+        ),
     ];
     for (args, want) in cases {
         assert_refused(&train(args), want);
