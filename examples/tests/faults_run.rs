@@ -385,7 +385,7 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
     let save = dir.path().join("ckpt").to_string_lossy().into_owned();
     // Each case gives --steps 1 (but the one about --steps), so that a flag let through costs
     // one step, not the default hundred.
-    let cases: [(&[&str], &[&str]); 10] = [
+    let cases: [(&[&str], &[&str]); 13] = [
         // The fixture's token file (given by `train`) holds sequences of 16.
         (&["--steps", "1", "--seq-len", "4"], &["--seq-len 4", "16 tokens long"]),
         (
@@ -415,9 +415,71 @@ fn every_count_that_means_nothing_is_one_sentence_naming_its_flag() {
             &["--save-every 0"],
         ),
         (&["--steps", "1", "--save-every", "2"], &["--save-every 2", "--save"]),
+        (
+            &["--steps", "1", "--save", &save, "--save-total-limit", "0"],
+            &["--save-total-limit 0", "at least 1"],
+        ),
+        (
+            &["--steps", "1", "--save-total-limit", "2"],
+            &["--save-total-limit 2 without --save"],
+        ),
+        (
+            &["--steps", "1", "--discard-later-tags"],
+            &["--discard-later-tags without --save"],
+        ),
     ];
     for (args, want) in cases {
         assert_refused(&train(args), want);
+    }
+}
+
+/// A model directory whose config.json gives other sizes than its weights is refused before
+/// step 1 naming config.json, the field and what the weights say: a smaller n_positions was
+/// blamed on --tokens and on --seq-len, a smaller vocab_size on the data.
+#[test]
+fn a_config_json_its_weights_contradict_is_named_not_the_data() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (field, value, says) in [
+        ("n_positions", 8, "n_positions is 8, but the weights say 32"),
+        ("vocab_size", 100, "vocab_size is 100, but the weights say 512"),
+        ("n_embd", 32, "n_embd is 32, but the weights say 64"),
+        ("n_layer", 1, "n_layer is 1, but the weights say 2"),
+    ] {
+        let model = dir.path().join(field);
+        std::fs::create_dir_all(&model).expect("model dir");
+        std::fs::copy(
+            fixture_model().join("model.safetensors"),
+            model.join("model.safetensors"),
+        )
+        .expect("copy the weights");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture_model().join("config.json")).expect("config"))
+                .expect("json");
+        config[field] = serde_json::json!(value);
+        std::fs::write(model.join("config.json"), config.to_string()).expect("write config");
+        for data in [
+            vec![
+                "--tokens".into(),
+                fixture("train_tokens.json").to_string_lossy().into_owned(),
+            ],
+            vec!["--seq-len".into(), "16".into()],
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_gpt2"))
+                .args(["train", "--quiet", "--nproc", "4", "--steps", "1", "--model"])
+                .arg(&model)
+                .arg("--config")
+                .arg(fixture("train_config.json"))
+                .args(&data)
+                .output()
+                .expect("run gpt2");
+            let config_json = model.join("config.json").to_string_lossy().into_owned();
+            assert_refused(&out, &[&config_json, says, "does not belong to these weights"]);
+            let err = stderr(&out);
+            assert!(
+                !err.contains("--tokens") && !err.contains("--seq-len"),
+                "{field}: {err}"
+            );
+        }
     }
 }
 

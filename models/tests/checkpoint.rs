@@ -177,6 +177,24 @@ fn a_config_larger_than_its_weights_is_refused_at_once() {
     config["n_layer"] = serde_json::json!(1_000_000);
     std::fs::write(&path, config.to_string()).unwrap();
     match Gpt2::<B>::load_pretrained(dir.path(), &device) {
+        Err(e @ CheckpointError::ConfigContradictsWeights { .. }) => {
+            let message = e.to_string();
+            assert!(
+                message.contains("config.json") && message.contains("n_layer is 1000000, but the weights say 2"),
+                "{message}"
+            );
+        }
+        other => panic!("expected the config to be refused, got {:?}", other.map(|_| ())),
+    }
+    // More parameters than the files hold, by a size no tensor's shape gives: refused by the
+    // bytes the files hold.
+    let mut tensors = fixture_tensors();
+    tensors.remove("transformer.wpe.weight");
+    write_checkpoint(dir.path(), &tensors);
+    config["n_layer"] = serde_json::json!(2);
+    config["n_positions"] = serde_json::json!(1_000_000);
+    std::fs::write(&path, config.to_string()).unwrap();
+    match Gpt2::<B>::load_pretrained(dir.path(), &device) {
         Err(e @ CheckpointError::Config { .. }) => {
             let message = e.to_string();
             assert!(
@@ -185,6 +203,71 @@ fn a_config_larger_than_its_weights_is_refused_at_once() {
             );
         }
         other => panic!("expected the config to be refused, got {:?}", other.map(|_| ())),
+    }
+}
+
+/// A config.json whose sizes its weights contradict is named as such, field by field, with what
+/// the weights say, by the loaders and by `Gpt2Config::from_pretrained_dir` (which reads no
+/// weight): a run checks its data and flags against these sizes, and used to blame them.
+#[test]
+fn a_config_of_other_sizes_than_its_weights_names_the_field() {
+    use zero_models::Gpt2Config;
+    let device = Default::default();
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &fixture_tensors());
+    let path = dir.path().join("config.json");
+    let fixture_config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    Gpt2Config::from_pretrained_dir(dir.path()).expect("the fixture's own config");
+    for (field, value, says) in [
+        (
+            "n_embd",
+            32,
+            "n_embd is 32, but the weights say 64: `transformer.wte.weight` in model.safetensors is [512, 64]",
+        ),
+        (
+            "vocab_size",
+            100,
+            "vocab_size is 100, but the weights say 512: `transformer.wte.weight`",
+        ),
+        (
+            "n_positions",
+            8,
+            "n_positions is 8, but the weights say 32: `transformer.wpe.weight` in model.safetensors is [32, 64]",
+        ),
+        (
+            "n_layer",
+            1,
+            "n_layer is 1, but the weights say 2: model.safetensors holds blocks h.0 to h.1",
+        ),
+        (
+            "n_layer",
+            3,
+            "n_layer is 3, but the weights say 2: model.safetensors holds blocks h.0 to h.1",
+        ),
+        (
+            "n_inner",
+            128,
+            "n_inner is 128, but the weights say 256: `transformer.h.0.mlp.c_fc.weight`",
+        ),
+    ] {
+        let mut config = fixture_config.clone();
+        config[field] = serde_json::json!(value);
+        std::fs::write(&path, config.to_string()).unwrap();
+        let quick = Gpt2Config::from_pretrained_dir(dir.path())
+            .expect_err(field)
+            .to_string();
+        let loaded = Gpt2::<B>::load_pretrained(dir.path(), &device)
+            .map(|_| ())
+            .expect_err(field)
+            .to_string();
+        for message in [&quick, &loaded] {
+            assert!(
+                message.contains("config.json: ")
+                    && message.contains(says)
+                    && message.contains("does not belong to these weights"),
+                "{field} {value}: {message}"
+            );
+        }
     }
 }
 

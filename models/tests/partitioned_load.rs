@@ -77,7 +77,36 @@ fn saved_model(dir: &Path, max_shard_bytes: usize) {
 fn a_missing_tensor_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     saved_model(dir.path(), usize::MAX);
-    // A config with one more layer than the file holds.
+    // The file without one tensor of block 1.
+    let file = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .filter(|(name, _)| !name.ends_with("h.1.attn.c_attn.weight"))
+        .map(|(name, view)| (name.to_string(), view))
+        .collect();
+    let rewritten = safetensors::serialize(kept, None).expect("serialize");
+    std::fs::write(&file, rewritten).expect("write");
+    let path = dir.path().to_path_buf();
+    let err = on_ranks(1, move |comm| {
+        Gpt2::<Flex>::load_pretrained_sharded(&path, &Default::default(), comm, THRESHOLD).expect_err("must fail")
+    })
+    .remove(0);
+    match err {
+        PartitionedLoadError::Checkpoint(CheckpointError::KeyMismatch { missing, .. }) => {
+            assert_eq!(missing, ["h.1.attn.c_attn.weight"]);
+        }
+        other => panic!("expected a key mismatch, got {other}"),
+    }
+}
+
+/// A config with one more layer than the file holds is named as a config.json its weights
+/// contradict (not as the tensors of a fourth block missing).
+#[test]
+fn a_config_of_more_layers_than_the_file_names_n_layer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    saved_model(dir.path(), usize::MAX);
     let mut bigger = config();
     bigger.n_layer = 4;
     std::fs::write(dir.path().join("config.json"), bigger.to_json_string().expect("json")).expect("write");
@@ -87,10 +116,11 @@ fn a_missing_tensor_is_named() {
     })
     .remove(0);
     match err {
-        PartitionedLoadError::Checkpoint(CheckpointError::KeyMismatch { missing, .. }) => {
-            assert!(missing.iter().any(|m| m == "h.3.attn.c_attn.weight"), "{missing:?}");
+        PartitionedLoadError::Checkpoint(e @ CheckpointError::ConfigContradictsWeights { .. }) => {
+            let said = e.to_string();
+            assert!(said.contains("n_layer is 4, but the weights say 3"), "{said}");
         }
-        other => panic!("expected a key mismatch, got {other}"),
+        other => panic!("expected the config to be named, got {other}"),
     }
 }
 

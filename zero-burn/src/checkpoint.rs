@@ -25,9 +25,9 @@
 use crate::core::EngineCore;
 use crate::error::ZeroError;
 use crate::optimizer_bridge::OptimizerFactory;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use zero_core::checkpoint::{
-    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, LoadedGroup, SaveRequest,
+    self, agree, CheckpointError, GroupExport, GroupShard, HalfDtype, LoadedGroup, SaveOptions, SaveRequest, Saved,
 };
 use zero_core::comm::ProcessGroup;
 
@@ -75,18 +75,20 @@ impl EngineCore {
         Ok(())
     }
 
-    /// Every rank writes its shard; rank 0 the metadata and `latest`. Returns the tag directory.
+    /// Every rank writes its shard; rank 0 the metadata and `latest`, then removes what
+    /// `options` asks. Returns the tag directory and what was removed.
     pub(crate) fn save_checkpoint(
         &self,
         dir: &Path,
         tag: Option<&str>,
         client_state: &serde_json::Value,
-    ) -> Result<PathBuf, ZeroError> {
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError> {
         self.require_boundary("save_checkpoint")?;
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
-        self.with_request(client_state, |request| {
+        self.with_request(client_state, options, |request| {
             Ok(checkpoint::save(self.comm.as_ref(), dir, &tag, request)?)
         })
     }
@@ -94,7 +96,7 @@ impl EngineCore {
     /// This rank's owned slices and their description, in memory (the optimizer's record).
     pub(crate) fn rank_state(&self) -> Result<(checkpoint::CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         self.require_boundary("to_record")?;
-        self.with_request(&serde_json::Value::Null, |request| {
+        self.with_request(&serde_json::Value::Null, SaveOptions::default(), |request| {
             let meta = checkpoint::describe(request, self.comm.world_size(), "record")?;
             Ok((meta, request.groups.iter().map(GroupShard::copied).collect()))
         })
@@ -144,10 +146,11 @@ impl EngineCore {
     }
 
     /// `f` of what a save of this state is: the layout, each group's owned slices
-    /// ([`EngineCore::saved_state`]) and the scalar state.
+    /// ([`EngineCore::saved_state`]), the scalar state, the run's tags and `options`.
     fn with_request<R>(
         &self,
         client_state: &serde_json::Value,
+        options: SaveOptions,
         f: impl FnOnce(&SaveRequest<'_>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
         let first = self.state.groups.first().map(|g| &g.optimizer.inner);
@@ -180,6 +183,8 @@ impl EngineCore {
             model: self.settings.model.clone(),
             tensor_parallel: self.tensor_parallel.clone(),
             tensor_ranks: self.settings.tensor_parallel_group.as_deref(),
+            lineage: Some(&self.lineage),
+            options,
         };
         f(&request)
     }
@@ -300,6 +305,7 @@ impl EngineCore {
         self.micro_steps = 0;
         self.global_step = meta.global_step;
         self.skipped_steps = meta.skipped_steps;
+        self.lineage.loaded_at(meta.global_step);
         if let (Some(scaler), Some(state)) = (self.scaler.as_mut(), meta.loss_scaler) {
             scaler.load_state(state);
         }

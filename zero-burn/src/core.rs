@@ -62,6 +62,9 @@ pub(crate) struct EngineCore {
     /// With tensor parallelism: this tensor rank and how the parameters are split, for the
     /// checkpoints.
     pub tensor_parallel: Option<zero_core::checkpoint::TensorParallelRecord>,
+    /// Which tags of a checkpoint directory are this run's: a save refuses to replace or orphan
+    /// another trajectory's ([`zero_core::checkpoint::Lineage`]).
+    pub lineage: zero_core::checkpoint::Lineage,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
 }
@@ -119,6 +122,7 @@ impl EngineCore {
             grad_norm: None,
             overflow: None,
             tensor_parallel: None,
+            lineage: zero_core::checkpoint::Lineage::new(),
             assembler,
             in_flight: Vec::new(),
         })

@@ -92,3 +92,6 @@ pub use settings::{
 pub use tiled_linear::{LinearTile, ShardedTiledLinear, TiledLinear, TiledLinearConfig};
 /// How a parameter is cut over tensor-parallel ranks ([`ZeroOptimizer::with_tensor_parallel`]).
 pub use zero_core::checkpoint::TensorSplit;
+/// What a save does with the other tags of its directory, and what it removed
+/// ([`ZeroOptimizer::save_checkpoint_with`]).
+pub use zero_core::checkpoint::{SaveOptions, Saved};

@@ -454,3 +454,100 @@ fn damaged_checkpoint_leaves_the_optimizer_as_it_was() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The tags of a checkpoint directory, by name.
+fn tag_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = zero_core::checkpoint::tags(dir).into_iter().map(|t| t.tag).collect();
+    names.sort();
+    names
+}
+
+/// A run resumed from an older tag into the directory of the run that went on from it: its
+/// save is refused on every rank, naming the later tags, and nothing is written (it used to
+/// replace them one by one and leave the rest beside its `latest`); `save_checkpoint_with`
+/// told to discard them publishes, then removes them, and says which; `keep_last` keeps the
+/// newest tags. With the state in host memory (offload) and on the device.
+#[test]
+fn a_resumed_run_neither_replaces_nor_orphans_the_later_tags() {
+    use zero_burn::{OptimizerOffload, SaveOptions};
+    for offload in [OptimizerOffload::None, OptimizerOffload::Cpu { threads: 1 }] {
+        let dir = scratch(&format!("trajectory-{offload:?}").replace([' ', '{', '}', ':'], ""));
+        let mk = |group: Arc<dyn ProcessGroup>| {
+            let mut s = settings(Stage::Zero2, 1);
+            s.offload_optimizer = offload.clone();
+            ZeroOptimizer::new(s, group).expect("optimizer")
+        };
+        let d = dir.clone();
+        on_ranks(2, |rank, group| {
+            let mut optim = mk(group);
+            let mut model = Net::<B>::new(&Default::default(), BLOCKS);
+            for step in 0..4 {
+                model = train(&mut optim, model, rank, 2, 1, step..step + 1).0;
+                optim
+                    .save_checkpoint(&d, None, &serde_json::json!({}))
+                    .expect("the first run's save");
+            }
+        });
+        let latest = || std::fs::read_to_string(dir.join("latest")).expect("latest");
+        let d = dir.clone();
+        let outcomes = on_ranks(2, |rank, group| {
+            let mut optim = mk(group);
+            let model = Net::<B>::new(&Default::default(), BLOCKS);
+            let (model, _) = optim.load_checkpoint(&d, Some("global_step2"), model).expect("load");
+            let (model, _) = train(&mut optim, model, rank, 2, 1, 2..3);
+            let refused = optim
+                .save_checkpoint(&d, None, &serde_json::json!({}))
+                .expect_err("among the later tags")
+                .to_string();
+            let untouched = (
+                tag_names(&d),
+                std::fs::read_to_string(d.join("latest")).expect("latest"),
+            );
+            let discard = SaveOptions {
+                discard_later_tags: true,
+                ..SaveOptions::default()
+            };
+            let saved = optim
+                .save_checkpoint_with(&d, None, &serde_json::json!({}), discard)
+                .expect("discarding");
+            // Its own tags from here on: kept, two at most.
+            let keep = SaveOptions {
+                keep_last: std::num::NonZeroUsize::new(2),
+                ..SaveOptions::default()
+            };
+            let (model, _) = train(&mut optim, model, rank, 2, 1, 3..4);
+            let rotated = optim
+                .save_checkpoint_with(&d, None, &serde_json::json!({}), keep)
+                .expect("keeping two");
+            drop(model);
+            (refused, untouched, saved, rotated)
+        });
+        let names = |tags: &[zero_core::checkpoint::SavedTag]| tags.iter().map(|t| t.tag.clone()).collect::<Vec<_>>();
+        for (rank, (refused, untouched, saved, _)) in outcomes.iter().enumerate() {
+            assert!(
+                refused.contains("global_step3, global_step4 (2 tags, steps 3 to 4)")
+                    && refused.contains("saved after step 2")
+                    && refused.contains("discard_later_tags"),
+                "{offload:?} rank {rank}: {refused}"
+            );
+            assert_eq!(
+                untouched.0,
+                ["global_step1", "global_step2", "global_step3", "global_step4"]
+            );
+            assert_eq!(untouched.1, "global_step4", "latest unmoved by the refusal");
+            assert_eq!(saved.tag_dir, dir.join("global_step3"));
+            if rank == 0 {
+                assert_eq!(names(&saved.discarded), ["global_step3", "global_step4"], "{offload:?}");
+            }
+        }
+        let (_, _, _, rotated) = &outcomes[0];
+        assert_eq!(names(&rotated.rotated), ["global_step1", "global_step2"], "{offload:?}");
+        assert_eq!(tag_names(&dir), ["global_step3", "global_step4"]);
+        assert_eq!(latest(), "global_step4");
+        let meta = zero_core::checkpoint::Checkpoint::open(&dir, None)
+            .expect("latest opens")
+            .meta;
+        assert_eq!(meta.global_step, 4);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

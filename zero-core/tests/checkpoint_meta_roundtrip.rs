@@ -262,6 +262,8 @@ fn non_finite_values_are_refused_at_save_naming_the_field() {
                 model: None,
                 tensor_parallel: None,
                 tensor_ranks: None,
+                lineage: None,
+                options: Default::default(),
             };
             checkpoint::save(comm.as_ref(), &d, "t", &request)
                 .err()

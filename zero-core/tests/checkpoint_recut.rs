@@ -36,6 +36,8 @@ fn held(layout: &PartitionLayout, rank: usize, step: u64) -> (checkpoint::Checkp
         model: None,
         tensor_parallel: None,
         tensor_ranks: None,
+        lineage: None,
+        options: Default::default(),
     };
     let meta = checkpoint::describe(&request, layout.world_size, "record").expect("describe");
     (meta, groups)

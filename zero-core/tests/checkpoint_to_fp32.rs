@@ -199,6 +199,102 @@ fn command_line_converts_and_reports_damage() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Every file under `dir`, by path relative to it, with its bytes.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path.clone());
+            }
+            let bytes = if path.is_file() {
+                std::fs::read(&path).unwrap()
+            } else {
+                Vec::new()
+            };
+            out.push((path.strip_prefix(dir).unwrap().to_path_buf(), bytes));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A conversion that fails half way (a shard damaged in the bytes of the second tensor, read
+/// after the first output file is whole) leaves nothing it created: a new output's directories
+/// are gone, parents included, and an output that held an earlier export (and a file of the
+/// user's) holds exactly what it held, with no staged file left. It used to leave an empty or
+/// partial directory, and the first files of the new export over the earlier one's.
+#[test]
+fn a_failed_conversion_leaves_nothing_it_created() {
+    let dir = scratch("fp32-failed");
+    // Two 4 MiB tensors, one rank: the shard's values span several checksum chunks, so the
+    // second tensor's damage is met only once the first file is written.
+    let params = ["first", "second"]
+        .map(|name| zero_core::partition::ParamSpec {
+            name: format!("{name}.weight"),
+            shape: vec![1024, 1024],
+        })
+        .to_vec();
+    save_specs(&dir, "t", 1, 0, 1, params.clone());
+    // The earlier export is of another step: other bytes in every file.
+    let other = dir.join("other");
+    save_specs(&other, "t", 1, 0, 2, params);
+    let convert_from = |from: &Path, out: &Path, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args(["to-fp32", from.to_str().unwrap(), out.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let convert = |out: &Path, extra: &[&str]| convert_from(&dir, out, extra);
+    let earlier = dir.join("earlier");
+    let ok = convert_from(&other, &earlier, &["--max-shard-size", "4MiB"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    std::fs::write(earlier.join("NOTES.md"), "the user's own file").unwrap();
+    let before = snapshot(&earlier);
+    assert_eq!(before.len(), 4, "two shards, the index and the notes: {before:?}");
+
+    // The second tensor's master values, damaged where the checksum of their chunk sees it.
+    let shard = dir.join("t/rank_00000.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let second = &header[zero_core::checkpoint::format::master_tensor(1)]["data_offsets"];
+    let at = 8 + header_len + second[0].as_u64().unwrap() as usize + 1000;
+    bytes[at] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+
+    let fresh = dir.join("new/deeper/out");
+    for (out, extra) in [
+        (&earlier, &["--max-shard-size", "4MiB"][..]),
+        (&earlier, &[][..]),
+        (&fresh, &[][..]),
+        (&fresh, &["--max-shard-size", "4MiB"][..]),
+    ] {
+        let failed = convert(out, extra);
+        let stderr = String::from_utf8_lossy(&failed.stderr);
+        assert_eq!(failed.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("rank_00000.safetensors") && stderr.contains("checksum"),
+            "{stderr}"
+        );
+        assert!(
+            !dir.join("new").exists(),
+            "{} {extra:?}: a new output leaves nothing",
+            out.display()
+        );
+        assert!(
+            snapshot(&earlier) == before,
+            "{} {extra:?}: the earlier export changed: {:?}",
+            out.display(),
+            snapshot(&earlier).iter().map(|(p, _)| p).collect::<Vec<_>>()
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Writes a large checkpoint for the memory measurement in BENCHMARKS.md:
 /// `ZERO_CKPT_BENCH_DIR=/tmp/big ZERO_CKPT_BENCH_MB=400 cargo test -p zero-core --release
 /// --test checkpoint_to_fp32 -- --ignored generate_large_checkpoint`, then

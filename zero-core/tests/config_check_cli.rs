@@ -1,6 +1,7 @@
 //! `zero check-config` as a user runs it: exit status, stdout JSON, stderr warnings.
 //! Reference: the rules of DeepSpeed's batch triad and defaults, checked on the printed JSON.
 
+use serde_json::json;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -208,6 +209,162 @@ fn optimizer_values_the_trainer_refuses_are_refused_naming_file_key_and_range() 
             );
         }
     }
+}
+
+/// Every learning rate a schedule takes is held to the optimizer's rule and refused in its
+/// words: the file, the key, the value and the range, exit 2 (a negative one used to train,
+/// the loss climbing, and exit 0). A value `--set` supplies for an "auto" one too.
+#[test]
+fn scheduler_learning_rates_are_refused_as_the_optimizers_is() {
+    let (_, _, optimizer) = check(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": -0.01}}}"#,
+        &["--world-size", "1"],
+    );
+    let said = |key: &str, name: &str| format!("`{key}` = -0.01 is not valid; {name} must be finite and >= 0");
+    assert!(optimizer.contains(&said("optimizer.params.lr", "lr")), "{optimizer}");
+    let schedules = [
+        (
+            "WarmupLR",
+            json!({"warmup_num_steps": 10}),
+            &["warmup_min_lr", "warmup_max_lr"][..],
+        ),
+        (
+            "WarmupDecayLR",
+            json!({"total_num_steps": 100}),
+            &["warmup_min_lr", "warmup_max_lr"],
+        ),
+        (
+            "WarmupCosineLR",
+            json!({"total_num_steps": 100}),
+            &["warmup_min_ratio", "cos_min_ratio"],
+        ),
+        (
+            "OneCycle",
+            json!({"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}),
+            &["cycle_min_lr", "cycle_max_lr", "decay_lr_rate"],
+        ),
+        (
+            "LRRangeTest",
+            json!({"lr_range_test_step_size": 10}),
+            &["lr_range_test_min_lr", "lr_range_test_step_rate"],
+        ),
+    ];
+    for (kind, required, rates) in schedules {
+        let with = |name: Option<(&str, f64)>| {
+            let mut params = required.clone();
+            if let Some((name, value)) = name {
+                params[name] = json!(value);
+            }
+            json!({
+                "train_batch_size": 8,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": kind, "params": params}
+            })
+            .to_string()
+        };
+        let (code, _, err) = check(&with(None), &["--world-size", "1"]);
+        assert_eq!(code, 0, "{kind} as written is valid: {err}");
+        for name in rates {
+            let (code, v, err) = check(&with(Some((name, -0.01))), &["--world-size", "1"]);
+            assert_eq!(code, 2, "{kind} {name} -0.01: {v}");
+            assert!(
+                err.starts_with("error: ")
+                    && err.contains("ds_config.json")
+                    && err.contains(&said(&format!("scheduler.params.{name}"), name)),
+                "{kind} {name}: {err}"
+            );
+            let (code, _, err) = check(&with(Some((name, 0.0))), &["--world-size", "1"]);
+            assert_eq!(code, 0, "{kind} {name} 0 is a rate: {err}");
+        }
+    }
+    // Supplied for an "auto": checked as if written.
+    let auto = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}"#;
+    let (code, _, err) = check(
+        auto,
+        &["--world-size", "1", "--set", "scheduler.params.warmup_max_lr=-0.01"],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&said("scheduler.params.warmup_max_lr", "warmup_max_lr")),
+        "{err}"
+    );
+}
+
+/// Offload settings the engine takes other than they read are said, each with what happens
+/// instead (they used to pass silently): `offload_optimizer` at stage 0, where nothing is
+/// partitioned and every rank offloads the whole state, and an NVMe swap of 0 buffers, which
+/// streams through one.
+#[test]
+fn offload_settings_taken_otherwise_warn_what_happens_instead() {
+    let warning = |err: &str, key: &str| -> Option<String> {
+        err.lines()
+            .find(|l| l.starts_with("warning:") && l.contains(&format!("`{key}`:")))
+            .map(str::to_string)
+    };
+    let swap = std::env::temp_dir().join(format!("zero-check-config-swap-{}", std::process::id()));
+    let cases = [
+        (0, r#"{"device": "cpu"}"#.to_string(), "in host memory"),
+        (
+            0,
+            format!(r#"{{"device": "nvme", "nvme_path": "{}"}}"#, swap.display()),
+            "swap file",
+        ),
+    ];
+    for (stage, section, place) in &cases {
+        let cfg = format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": {stage}, "offload_optimizer": {section}}}}}"#
+        );
+        let (code, v, err) = check(&cfg, &["--world-size", "2"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            v["zero_optimization"]["offload_optimizer"].is_object(),
+            "still honoured: {v}"
+        );
+        let said = warning(&err, "zero_optimization.offload_optimizer")
+            .unwrap_or_else(|| panic!("no warning for offload at stage 0: {err}"));
+        assert!(
+            said.contains("ds_config.json")
+                && said.contains("stage 0")
+                && said.contains("every rank keeps all of it")
+                && said.contains(place)
+                && said.contains("stage 1"),
+            "{said}"
+        );
+        // From stage 1 on the state is partitioned: nothing to say.
+        let (_, _, err) = check(&cfg.replace("\"stage\": 0", "\"stage\": 1"), &["--world-size", "2"]);
+        assert!(warning(&err, "zero_optimization.offload_optimizer").is_none(), "{err}");
+    }
+    let nvme = |count: u32| {
+        format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 2, "offload_optimizer":
+                {{"device": "nvme", "nvme_path": "{}", "buffer_count": {count}}}}}}}"#,
+            swap.display()
+        )
+    };
+    let (code, v, err) = check(&nvme(0), &["--world-size", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["zero_optimization"]["offload_optimizer"]["buffer_count"], 0);
+    let said = warning(&err, "zero_optimization.offload_optimizer.buffer_count")
+        .unwrap_or_else(|| panic!("no warning for 0 buffers: {err}"));
+    assert!(
+        said.contains("0 buffers") && said.contains("1 buffer instead"),
+        "{said}"
+    );
+    for count in [1, 4] {
+        let (_, _, err) = check(&nvme(count), &["--world-size", "1"]);
+        assert!(
+            warning(&err, "zero_optimization.offload_optimizer.buffer_count").is_none(),
+            "{count}: {err}"
+        );
+    }
+    // Host offload reads no swap file: its buffer count means nothing either way.
+    let cpu = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}}"#;
+    let (_, _, err) = check(cpu, &["--world-size", "1"]);
+    assert!(
+        warning(&err, "zero_optimization.offload_optimizer.buffer_count").is_none(),
+        "{err}"
+    );
 }
 
 #[test]

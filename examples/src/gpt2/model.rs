@@ -59,16 +59,15 @@ impl ModelSource {
         }
     }
 
-    /// The model's shape, without its weights: the preset's, or the directory's config.json,
+    /// The model's shape, without its weights: the preset's, or the directory's config.json
+    /// (checked against the shapes its weight files' headers give, so that a config.json of
+    /// other sizes than its weights is named as such, not blamed on the data or the flags),
     /// so that the arguments can be checked against it before any work.
     pub fn config(&self) -> Result<Gpt2Config, TrainError> {
         match self {
             ModelSource::Preset(name) => Gpt2Config::preset(name).map_err(|e| TrainError::Model(e.to_string())),
             ModelSource::Pretrained(dir) => {
-                let path = dir.join("config.json");
-                let json = zero_core::files::read_to_string(&path, zero_core::files::SMALL)
-                    .map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))?;
-                Gpt2Config::from_json_str(&json).map_err(|e| TrainError::Model(format!("{}: {e}", path.display())))
+                Gpt2Config::from_pretrained_dir(dir).map_err(|e| TrainError::Model(e.to_string()))
             }
         }
     }

@@ -294,16 +294,108 @@ fn bytes_to_f32_data(
     Ok(TensorData::new(values, shape))
 }
 
+impl Gpt2Config {
+    /// The `config.json` of a HuggingFace GPT-2 directory, checked against the shapes its
+    /// weight files' headers give (no weight is read): a config that contradicts its weights
+    /// (another model's, or one edited) is [`CheckpointError::ConfigContradictsWeights`],
+    /// naming the field, before a run holds the data or its flags against a wrong size.
+    pub fn from_pretrained_dir(dir: impl AsRef<Path>) -> Result<Self, CheckpointError> {
+        let dir = dir.as_ref();
+        let config = read_config(dir)?;
+        let (files, _) = weight_files(dir)?;
+        headers(&config, dir, &files)?;
+        Ok(config)
+    }
+}
+
 /// The tensors of every file in `files`, each checked to lie within its file ([`read_header`]),
-/// and then the config checked to fit them ([`room_for`]): a truncated file is named as such
+/// and then the config checked against them: the sizes their shapes give
+/// ([`check_config_sizes`]), then their bytes ([`room_for`]). A truncated file is named as such
 /// before its size is held against the config.
 fn headers(config: &Gpt2Config, dir: &Path, files: &[PathBuf]) -> Result<Vec<StoredTensor>, CheckpointError> {
     let mut all = Vec::new();
     for path in files {
         all.extend(read_header(path)?);
     }
+    check_config_sizes(config, &dir.join(CONFIG_FILE), &all)?;
     room_for(config, dir, files)?;
     Ok(all)
+}
+
+/// Refuses a config whose sizes the tensors' shapes contradict, naming the first such field:
+/// `n_embd` and `vocab_size` by `wte.weight` (`[vocab_size, n_embd]`), `n_positions` by
+/// `wpe.weight` (`[n_positions, n_embd]`), `n_layer` by the blocks `h.{i}` stored, `n_inner` by
+/// `h.0.mlp.c_fc.weight` (`[n_embd, n_inner]`). A tensor that is missing, or of another rank,
+/// is left to the load's own checks, which list every missing and unexpected tensor.
+fn check_config_sizes(config: &Gpt2Config, path: &Path, tensors: &[StoredTensor]) -> Result<(), CheckpointError> {
+    let find = |name: &str| {
+        tensors
+            .iter()
+            .find(|t| t.stored_name.strip_prefix(HF_PREFIX).unwrap_or(&t.stored_name) == name)
+    };
+    let file_name = |t: &StoredTensor| {
+        t.path
+            .file_name()
+            .map_or_else(|| t.path.display().to_string(), |n| n.to_string_lossy().into_owned())
+    };
+    let contradiction = |field: &'static str, value: usize, implied: usize, evidence: String| {
+        Err(CheckpointError::ConfigContradictsWeights {
+            path: path.to_path_buf(),
+            field,
+            value,
+            implied,
+            evidence,
+        })
+    };
+    let shaped = |name: &str, axis: usize| {
+        find(name).filter(|t| t.shape.len() == 2).map(|t| {
+            (
+                t.shape[axis],
+                format!("`{}` in {} is {:?}", t.stored_name, file_name(t), t.shape),
+            )
+        })
+    };
+    let by_shape = [
+        ("n_embd", config.n_embd, shaped("wte.weight", 1)),
+        ("vocab_size", config.vocab_size, shaped("wte.weight", 0)),
+        ("n_positions", config.n_positions, shaped("wpe.weight", 0)),
+    ];
+    for (field, value, weights) in by_shape {
+        if let Some((implied, evidence)) = weights.filter(|(implied, _)| *implied != value) {
+            return contradiction(field, value, implied, evidence);
+        }
+    }
+    // The blocks stored: `h.{i}.` names, mask buffers included (they too say a block is there).
+    let blocks: BTreeMap<usize, &StoredTensor> = tensors
+        .iter()
+        .filter_map(|t| {
+            let name = t.stored_name.strip_prefix(HF_PREFIX).unwrap_or(&t.stored_name);
+            let (index, _) = name.strip_prefix("h.")?.split_once('.')?;
+            Some((index.parse::<usize>().ok()?, t))
+        })
+        .collect();
+    if let Some((&last, tensor)) = blocks.last_key_value() {
+        // Blocks h.0 to h.{last}, every one there, and another count than the config's (a gap
+        // among them is a missing or a stray tensor, which the load lists).
+        let stored = last + 1;
+        if blocks.len() == stored && stored != config.n_layer {
+            return contradiction(
+                "n_layer",
+                config.n_layer,
+                stored,
+                format!("{} holds blocks h.0 to h.{last}", file_name(tensor)),
+            );
+        }
+    }
+    if let Some((implied, evidence)) = shaped("h.0.mlp.c_fc.weight", 1).filter(|(n, _)| *n != config.inner_size()) {
+        let field = if config.n_inner.is_some() {
+            "n_inner"
+        } else {
+            "n_inner (null: 4 × n_embd)"
+        };
+        return contradiction(field, config.inner_size(), implied, evidence);
+    }
+    Ok(())
 }
 
 /// Refuses a config that describes more parameters than `files` can hold (2 bytes each, the

@@ -181,6 +181,25 @@ pub enum CheckpointError {
         /// The tensor's name.
         key: String,
     },
+    /// `config.json` gives a size that the weights beside it contradict (a config of another
+    /// model, or one edited): said before anything is blamed on the data or the run's flags.
+    #[error(
+        "{}: {field} is {value}, but the weights say {implied}: {evidence}; this config.json does not belong to \
+         these weights (correct {field}, or use the config.json saved with them)",
+        path.display()
+    )]
+    ConfigContradictsWeights {
+        /// The config.json.
+        path: PathBuf,
+        /// The field of config.json.
+        field: &'static str,
+        /// Its value there.
+        value: usize,
+        /// The value the weights' shapes imply.
+        implied: usize,
+        /// Where the weights say so: a tensor and its shape in its file, or the blocks a file holds.
+        evidence: String,
+    },
     /// A tensor's shape differs from the parameter's.
     #[error("{}: tensor `{key}` has shape {found:?}, the config needs {expected:?}", path.display())]
     ShapeMismatch {

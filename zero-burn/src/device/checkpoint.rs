@@ -11,23 +11,29 @@ use crate::error::ZeroError;
 use crate::params::tensor_to_vec;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
-use std::path::{Path, PathBuf};
-use zero_core::checkpoint::{self, CheckpointMeta, LoadedGroup, SaveRequest};
+use std::path::Path;
+use zero_core::checkpoint::{self, CheckpointMeta, LoadedGroup, SaveOptions, SaveRequest, Saved};
 
 impl<I: Backend> DeviceState<I> {
     /// Saves the state under `dir/tag` (default tag `global_step{N}`), `client_state` in its
-    /// metadata; every rank calls it after a step. Returns the tag directory.
+    /// metadata, then removes what `options` asks; every rank calls it after a step. Returns
+    /// the tag directory and what was removed.
     pub(crate) fn save_checkpoint(
         &self,
         dir: &Path,
         tag: Option<&str>,
         client_state: &serde_json::Value,
-    ) -> Result<PathBuf, ZeroError> {
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError> {
         let tag = tag
             .map(str::to_string)
             .unwrap_or_else(|| format!("global_step{}", self.global_step));
         let groups = self.host_copy();
-        let request = self.request(&groups, client_state);
+        let request = SaveRequest {
+            lineage: Some(&self.lineage),
+            options,
+            ..self.request(&groups, client_state)
+        };
         Ok(checkpoint::save(self.host_group().as_ref(), dir, &tag, &request)?)
     }
 
@@ -117,6 +123,8 @@ impl<I: Backend> DeviceState<I> {
             model: self.settings.model.clone(),
             tensor_parallel: self.tensor_parallel(),
             tensor_ranks: self.settings.tensor_parallel_group.as_deref(),
+            lineage: None,
+            options: SaveOptions::default(),
         }
     }
 

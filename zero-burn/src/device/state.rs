@@ -47,6 +47,8 @@ pub(crate) struct DeviceState<I: Backend> {
     grad_bytes: usize,
     /// With tensor parallelism: the tensor ranks and what each rank's norm counts.
     tensor: Option<TensorRanks<I>>,
+    /// Which tags of a checkpoint directory are this run's ([`zero_core::checkpoint::Lineage`]).
+    pub(crate) lineage: zero_core::checkpoint::Lineage,
 }
 
 /// What the step needs of a model split over tensor ranks besides the data-parallel ones.
@@ -115,6 +117,7 @@ impl<I: Backend> DeviceState<I> {
             scaler,
             grad_bytes: 0,
             tensor: None,
+            lineage: zero_core::checkpoint::Lineage::new(),
         })
     }
 
@@ -547,6 +550,7 @@ impl<I: Backend> DeviceState<I> {
         }
         self.global_step = global_step;
         self.skipped_steps = skipped_steps;
+        self.lineage.loaded_at(global_step);
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
             s.load_state(state);
         }

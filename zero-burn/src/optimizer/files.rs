@@ -7,6 +7,7 @@ use super::{device, host, ZeroOptimizer};
 use crate::error::ZeroError;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
+use zero_core::checkpoint::{SaveOptions, Saved};
 
 impl ZeroOptimizer {
     /// Where this rank's files go under `dir`: with a tensor-parallel group, each tensor rank
@@ -35,12 +36,32 @@ impl ZeroOptimizer {
     /// format; every rank calls this after a step. The module's weights are the masters
     /// rounded, so this is the whole training state. Returns the tag directory. With a
     /// tensor-parallel group, each tensor rank's state goes under `dir/tensor_rank_{t}`.
+    ///
+    /// A directory holding tags of another trajectory (saved after the step this optimizer's
+    /// state was loaded at, by a run it does not continue: a run resumed from an older tag into
+    /// the directory of the run that went on from it) is refused, naming them, before anything
+    /// is written; [`ZeroOptimizer::save_checkpoint_with`] can discard them instead.
     pub fn save_checkpoint(
         &self,
         dir: impl AsRef<std::path::Path>,
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<std::path::PathBuf, ZeroError> {
+        self.save_checkpoint_with(dir, tag, client_state, SaveOptions::default())
+            .map(|saved| saved.tag_dir)
+    }
+
+    /// [`ZeroOptimizer::save_checkpoint`], with what the save does with the directory's other
+    /// tags ([`SaveOptions`]): discard another trajectory's once this tag is published, keep
+    /// only the newest `keep_last` (HuggingFace's `save_total_limit`). Returns the tag
+    /// directory and, on rank 0, the tags removed.
+    pub fn save_checkpoint_with(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError> {
         let split = self
             .settings
             .tensor_parallel_group
@@ -50,8 +71,8 @@ impl ZeroOptimizer {
         let dir = self.own_dir(dir.as_ref());
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
         match guard.as_ref() {
-            Some(State::Host(core)) => core.save_checkpoint(&dir, tag, client_state),
-            Some(State::Device(state)) => state.save_checkpoint(&dir, tag, client_state),
+            Some(State::Host(core)) => core.save_checkpoint(&dir, tag, client_state, options),
+            Some(State::Device(state)) => state.save_checkpoint(&dir, tag, client_state, options),
             None => Err(ZeroError::Usage(
                 "ZeroOptimizer::save_checkpoint before the first step: the state is built at the first step".into(),
             )),

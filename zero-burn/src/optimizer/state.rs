@@ -7,7 +7,7 @@ use crate::error::ZeroError;
 use crate::memory::MemoryReport;
 use burn::tensor::backend::Backend;
 use std::any::Any;
-use zero_core::checkpoint::{CheckpointMeta, HalfDtype, LoadedGroup};
+use zero_core::checkpoint::{CheckpointMeta, HalfDtype, LoadedGroup, SaveOptions, Saved};
 use zero_core::partition::PartitionLayout;
 
 /// Where the optimizer's state lives.
@@ -29,7 +29,8 @@ pub(super) trait AnyDeviceState: Send {
         dir: &std::path::Path,
         tag: Option<&str>,
         client_state: &serde_json::Value,
-    ) -> Result<std::path::PathBuf, ZeroError>;
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError>;
     fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError>;
     fn save_weights(
         &self,
@@ -64,8 +65,9 @@ impl<I: Backend> AnyDeviceState for DeviceState<I> {
         dir: &std::path::Path,
         tag: Option<&str>,
         client_state: &serde_json::Value,
-    ) -> Result<std::path::PathBuf, ZeroError> {
-        DeviceState::save_checkpoint(self, dir, tag, client_state)
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError> {
+        DeviceState::save_checkpoint(self, dir, tag, client_state, options)
     }
 
     fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use zero_core::checkpoint::format::shard_holds;
 use zero_core::checkpoint::reshard::plan_rank;
 use zero_core::checkpoint::{
-    self, agree, Checkpoint, CheckpointError, CheckpointMeta, GroupShard, LoadedGroup, SaveRequest,
+    self, agree, Checkpoint, CheckpointError, CheckpointMeta, GroupShard, LoadedGroup, SaveOptions, SaveRequest, Saved,
     TensorParallelRecord, TensorSplit,
 };
 use zero_core::comm::{FlatBuffer, ProcessGroup};
@@ -46,13 +46,28 @@ struct WholeLayout {
 impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
     /// Saves the whole pipeline under `dir/tag` (tag None: `global_step{N}`) and points
     /// `dir/latest` at it; every rank of every stage calls this, after a step. `client_state`
-    /// comes back from [`Self::load_checkpoint`]. Returns the tag directory.
+    /// comes back from [`Self::load_checkpoint`]. Returns the tag directory. A directory
+    /// holding tags of another trajectory is refused, as `ZeroOptimizer::save_checkpoint`
+    /// refuses it.
     pub fn save_checkpoint(
         &self,
         dir: impl AsRef<Path>,
         tag: Option<&str>,
         client_state: &serde_json::Value,
     ) -> Result<PathBuf, ZeroError> {
+        self.save_checkpoint_with(dir, tag, client_state, SaveOptions::default())
+            .map(|saved| saved.tag_dir)
+    }
+
+    /// [`Self::save_checkpoint`], with what the save does with the directory's other tags
+    /// ([`SaveOptions`]). Returns the tag directory and, on world rank 0, the tags removed.
+    pub fn save_checkpoint_with(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: Option<&str>,
+        client_state: &serde_json::Value,
+        options: SaveOptions,
+    ) -> Result<Saved, ZeroError> {
         let dir = dir.as_ref();
         let tag = tag
             .map(str::to_string)
@@ -178,13 +193,17 @@ impl<B: AutodiffBackend, L: PipeLayer<B>> PipelineEngine<B, L> {
                 tensor_parallel,
                 // Stage 0's ranks of every tensor rank save at once.
                 tensor_ranks: self.core.settings.tensor_parallel_group.as_deref(),
+                lineage: Some(&self.core.lineage),
+                options,
             };
-            checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request).map(|_| ())
+            checkpoint::save(self.core.comm.as_ref(), dir, &tag, &request)
         } else {
-            Ok(())
+            Ok(Saved {
+                tag_dir: dir.join(&tag),
+                ..Saved::default()
+            })
         };
-        agree(self.world.as_ref(), "save", outcome)?;
-        Ok(dir.join(tag))
+        Ok(agree(self.world.as_ref(), "save", outcome)?)
     }
 
     /// Restores the pipeline from `dir/tag` (tag None: the one `dir/latest` names), saved by a

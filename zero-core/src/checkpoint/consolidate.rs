@@ -80,6 +80,8 @@ pub struct ConsolidateReport {
     pub files: Vec<PathBuf>,
     /// The index file, when the export is sharded.
     pub index: Option<PathBuf>,
+    /// The model's configuration written beside the weights ([`export_fp32`] with a config).
+    pub config: Option<PathBuf>,
     /// Tensors written.
     pub tensors: usize,
     /// Bytes of values written.
@@ -199,11 +201,55 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// file has been opened and checked against the metadata's layout as a load checks it, and
 /// every chunk read is verified against the checkpoint's checksums. One tensor rank's part of a
 /// tensor-parallel checkpoint is refused: [`to_fp32_tensor_parallel`] converts them together.
+/// A conversion that fails leaves nothing it created ([`export_fp32`]).
 pub fn to_fp32(
     checkpoint: &Checkpoint,
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
     names: &dyn Fn(&str) -> Option<String>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    export_fp32(
+        Fp32Source::Checkpoint(checkpoint),
+        out_dir,
+        max_shard_bytes,
+        names,
+        None,
+    )
+}
+
+/// The checkpoint a conversion reads: one, or every tensor rank's of a tensor-parallel one.
+#[derive(Clone, Copy, Debug)]
+pub enum Fp32Source<'a> {
+    /// A checkpoint of a model not split over tensor ranks.
+    Checkpoint(&'a Checkpoint),
+    /// A tensor-parallel checkpoint, whose split parameters are merged.
+    TensorParallel(&'a TensorParallelCheckpoint),
+}
+
+/// [`to_fp32`] or [`to_fp32_tensor_parallel`] of `source`, with the model's `config` (when
+/// given) written beside the weights as [`CONFIG_FILE`] in the same step: every file is staged
+/// inside `out_dir` and moved into place once all are whole, so that a conversion that fails
+/// leaves nothing it created (neither files nor the directories it made for `out_dir`), and the
+/// files of an earlier export in `out_dir` as they were.
+pub fn export_fp32(
+    source: Fp32Source<'_>,
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    names: &dyn Fn(&str) -> Option<String>,
+    config: Option<&serde_json::Value>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    match source {
+        Fp32Source::Checkpoint(c) => export_single(c, out_dir, max_shard_bytes, names, config),
+        Fp32Source::TensorParallel(tp) => export_tensor_parallel(tp, out_dir, max_shard_bytes, names, config),
+    }
+}
+
+fn export_single(
+    checkpoint: &Checkpoint,
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    names: &dyn Fn(&str) -> Option<String>,
+    config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     if let Some(tp) = checkpoint.meta.tensor_parallel.as_ref().filter(|tp| tp.size > 1) {
         let whole = checkpoint
@@ -230,9 +276,13 @@ pub fn to_fp32(
         .into_iter()
         .map(|(p, name)| (p, name, layout.params[p].shape.clone()))
         .collect();
-    write_export(out_dir, max_shard_bytes, tensors, &mut |p, values| {
-        read_param(checkpoint, &mut readers, &places, p, values)
-    })
+    write_export(
+        out_dir,
+        max_shard_bytes,
+        tensors,
+        &mut |p, values| read_param(checkpoint, &mut readers, &places, p, values),
+        config,
+    )
 }
 
 /// [`to_fp32`] of a tensor-parallel checkpoint: every parameter whole, a split one merged from
@@ -243,6 +293,22 @@ pub fn to_fp32_tensor_parallel(
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
     names: &dyn Fn(&str) -> Option<String>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    export_fp32(
+        Fp32Source::TensorParallel(checkpoint),
+        out_dir,
+        max_shard_bytes,
+        names,
+        None,
+    )
+}
+
+fn export_tensor_parallel(
+    checkpoint: &TensorParallelCheckpoint,
+    out_dir: &Path,
+    max_shard_bytes: Option<u64>,
+    names: &dyn Fn(&str) -> Option<String>,
+    config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     let first = &checkpoint.ranks[0];
     let layout = &first.meta.layout;
@@ -259,7 +325,7 @@ pub fn to_fp32_tensor_parallel(
         .collect::<Result<Vec<_>, CheckpointError>>()?;
     let splits = checkpoint.splits();
     let mut slices: Vec<Vec<f32>> = vec![Vec::new(); checkpoint.ranks.len()];
-    write_export(out_dir, max_shard_bytes, tensors, &mut |p, values| {
+    let mut fill = |p: usize, values: &mut [f32]| {
         let param = &layout.params[p];
         let Some(split) = splits.get(&param.name) else {
             return read_param(first, &mut readers[0], &places[0], p, values);
@@ -272,7 +338,8 @@ pub fn to_fp32_tensor_parallel(
         let refs: Vec<&[f32]> = slices.iter().map(Vec::as_slice).collect();
         super::merge_slices(&refs, &param.shape, *split, values);
         Ok(())
-    })
+    };
+    write_export(out_dir, max_shard_bytes, tensors, &mut fill, config)
 }
 
 /// Fills a buffer with the values of the tensor of a layout index.
@@ -280,16 +347,77 @@ type FillTensor<'a> = dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError
 
 /// Writes `tensors` (layout index, exported name, shape) into `out_dir` in order, cut into files
 /// of at most `max_shard_bytes` (a larger tensor gets a file of its own), each tensor's values
-/// from `fill` into a buffer of its length.
+/// from `fill` into a buffer of its length, and `config` (the model's, as [`CONFIG_FILE`])
+/// beside them.
+///
+/// Every file is written into a staging directory inside `out_dir` first and moved into place
+/// only once all of them are whole, so that a conversion that fails (a damaged shard read half
+/// way, a full disk) leaves nothing it created: its staged files go, and so do the directories
+/// it made for `out_dir`; the files of an earlier export there stay as they were.
 fn write_export(
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
     tensors: Vec<(usize, String, Vec<usize>)>,
     fill: &mut FillTensor<'_>,
+    config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
-    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io(out_dir, "create", e))?;
-    // What an earlier export left, read before this one replaces its index.
-    let earlier = indexed_files(out_dir);
+    let created = CreatedDirs::create(out_dir)?;
+    let staging = out_dir.join(format!(".to-fp32.partial{}", std::process::id()));
+    let staged = std::fs::create_dir(&staging)
+        .map_err(|e| CheckpointError::io(&staging, "create", e))
+        .and_then(|()| write_staged(&staging, max_shard_bytes, tensors, fill, config));
+    let published = staged.and_then(|staged| publish_export(out_dir, &staging, staged));
+    if published.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+        created.remove();
+    }
+    published
+}
+
+/// The directories [`CreatedDirs::create`] made on the way to one, deepest first: what a
+/// failed export removes again, and nothing that was there before it.
+struct CreatedDirs(Vec<PathBuf>);
+
+impl CreatedDirs {
+    /// Creates `dir` and the parents it lacks.
+    fn create(dir: &Path) -> Result<Self, CheckpointError> {
+        let mut missing = Vec::new();
+        let mut at = Some(dir);
+        while let Some(d) = at.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+            missing.push(d.to_path_buf());
+            at = d.parent();
+        }
+        std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, "create", e))?;
+        Ok(CreatedDirs(missing))
+    }
+
+    /// Removes the directories made, where they are empty again (one another process wrote into
+    /// meanwhile stays).
+    fn remove(self) {
+        for d in self.0 {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// What [`write_staged`] wrote into the staging directory: the report (its paths in `out_dir`,
+/// where the files go), and the file names to move there, in order.
+struct StagedExport {
+    report: ConsolidateReport,
+    names: Vec<String>,
+    /// The weight files of the export, as its index (or single file) names them.
+    written: BTreeSet<String>,
+    sharded: bool,
+}
+
+/// Writes the export's files into `staging`; see [`write_export`].
+fn write_staged(
+    staging: &Path,
+    max_shard_bytes: Option<u64>,
+    tensors: Vec<(usize, String, Vec<usize>)>,
+    fill: &mut FillTensor<'_>,
+    config: Option<&serde_json::Value>,
+) -> Result<StagedExport, CheckpointError> {
     let limit = max_shard_bytes.unwrap_or(u64::MAX);
     let mut shards: Vec<Vec<(usize, String, Vec<usize>)>> = vec![Vec::new()];
     let mut size = 0u64;
@@ -315,14 +443,15 @@ fn write_export(
     let mut report = ConsolidateReport {
         files: Vec::new(),
         index: None,
+        config: None,
         tensors: 0,
         value_bytes: 0,
         largest_tensor_bytes: 0,
     };
+    let mut names = Vec::new();
     let mut weight_map = BTreeMap::new();
     let mut values: Vec<f32> = Vec::new();
     for (i, shard) in shards.iter().enumerate() {
-        let path = out_dir.join(file_name(i));
         let entries: Vec<TensorEntry> = shard
             .iter()
             .map(|(_, name, shape)| TensorEntry {
@@ -331,7 +460,7 @@ fn write_export(
                 shape: shape.clone(),
             })
             .collect();
-        let mut stream = SafetensorsStream::create(&path, &entries, Some(format_metadata()))?;
+        let mut stream = SafetensorsStream::create(&staging.join(file_name(i)), &entries, Some(format_metadata()))?;
         for (p, name, shape) in shard {
             let n: usize = shape.iter().product();
             // One buffer, reused: it grows to the largest tensor and no further.
@@ -345,20 +474,55 @@ fn write_export(
             weight_map.insert(name.clone(), file_name(i));
         }
         stream.finish()?;
-        report.files.push(path);
+        names.push(file_name(i));
     }
     if count > 1 {
         let index = serde_json::json!({
             "metadata": { "total_size": report.value_bytes },
             "weight_map": weight_map,
         });
-        let path = out_dir.join(INDEX_FILE);
         let text = serde_json::to_vec_pretty(&index).unwrap_or_default();
-        super::atomic::write_file(&path, &text)?;
-        report.index = Some(path);
+        super::atomic::write_file(&staging.join(INDEX_FILE), &text)?;
+        names.push(INDEX_FILE.to_string());
     }
-    let written: BTreeSet<String> = (0..count).map(file_name).collect();
-    remove_earlier_export(out_dir, &earlier, &written, count > 1)?;
+    if let Some(config) = config {
+        write_model_config(staging, config)?;
+        names.push(CONFIG_FILE.to_string());
+    }
+    Ok(StagedExport {
+        report,
+        names,
+        written: (0..count).map(file_name).collect(),
+        sharded: count > 1,
+    })
+}
+
+/// Moves the staged files into `out_dir` (the weights, then the index, then the config), then
+/// removes what an earlier export left there that would be read with them, and the staging
+/// directory. Returns the report, its paths those in `out_dir`.
+fn publish_export(out_dir: &Path, staging: &Path, staged: StagedExport) -> Result<ConsolidateReport, CheckpointError> {
+    // What an earlier export left, read before this one replaces its index.
+    let earlier = indexed_files(out_dir);
+    let StagedExport {
+        mut report,
+        names,
+        written,
+        sharded,
+    } = staged;
+    for name in &names {
+        let (from, to) = (staging.join(name), out_dir.join(name));
+        std::fs::rename(&from, &to).map_err(|e| CheckpointError::io(&to, "move into place", e))?;
+        if written.contains(name) {
+            report.files.push(to);
+        } else if name == INDEX_FILE {
+            report.index = Some(to);
+        } else {
+            report.config = Some(to);
+        }
+    }
+    super::atomic::sync_dir(out_dir)?;
+    remove_earlier_export(out_dir, &earlier, &written, sharded)?;
+    std::fs::remove_dir(staging).map_err(|e| CheckpointError::io(staging, "remove", e))?;
     Ok(report)
 }
 

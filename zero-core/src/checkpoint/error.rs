@@ -118,6 +118,20 @@ pub enum CheckpointError {
         /// holds it first, and how many more ranks hold one.
         detail: String,
     },
+    /// The directory holds tags of another trajectory (saved after the step the run's state
+    /// comes from, by a run it does not continue), which the save would replace or leave beside
+    /// its `latest`. Nothing was written.
+    #[error("{}", other_trajectory(.dir, .tag, *.since_step, .tags))]
+    OtherTrajectory {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The tag being saved.
+        tag: String,
+        /// The step the run's state was loaded at (0: its initialisation).
+        since_step: u64,
+        /// The other trajectory's tags, by step.
+        tags: Vec<super::retention::SavedTag>,
+    },
     /// A checkpoint just written does not read back; nothing was published, so the previous
     /// checkpoint and `latest` are as they were.
     #[error("the checkpoint just written does not read back, so it was not published (`latest` and earlier tags are unchanged): {0}")]
@@ -143,6 +157,27 @@ fn peers_failed(action: &str, failures: &[RankFailure]) -> String {
         .map(|f| format!("rank {} failed to {action} the checkpoint: {}", f.rank, f.message))
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// What [`CheckpointError::OtherTrajectory`] says: the tags, what the save would do to them,
+/// and what to do instead.
+fn other_trajectory(dir: &std::path::Path, tag: &str, since: u64, tags: &[super::retention::SavedTag]) -> String {
+    let from = match since {
+        0 => "this run started from its initialisation".to_string(),
+        step => format!("this run's state was loaded at step {step}"),
+    };
+    let harm = if tags.iter().any(|t| t.tag == tag) {
+        format!("replace `{tag}` among them and leave the others beside its `latest`")
+    } else {
+        "leave them beside its `latest`, where they would read as its own".to_string()
+    };
+    format!(
+        "{}: holds {}, saved after step {since} by a run this one does not continue ({from}); saving `{tag}` \
+         here would {harm}: save into another directory, or save with discard_later_tags to remove them once \
+         `{tag}` is published",
+        dir.display(),
+        super::retention::describe_tags(tags)
+    )
 }
 
 impl CheckpointError {

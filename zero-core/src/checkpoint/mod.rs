@@ -25,6 +25,7 @@ mod names;
 mod reader;
 mod recut;
 pub mod reshard;
+mod retention;
 mod save;
 mod sources;
 mod tensor_parallel;
@@ -32,8 +33,8 @@ mod writer;
 
 pub use collective::agree;
 pub use consolidate::{
-    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, ConsolidateReport, ExportNaming, GroupExport,
-    CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+    export_fp32, parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, ConsolidateReport, ExportNaming,
+    Fp32Source, GroupExport, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
 };
 pub use error::{CheckpointError, RankFailure};
 pub use format::{
@@ -44,6 +45,7 @@ pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
 pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
 pub use reader::ShardReader;
 pub use recut::recut;
+pub use retention::{describe_tags, tags, tags_after, Lineage, SaveOptions, Saved, SavedTag};
 pub use save::{describe, save, GroupShard, SaveRequest};
 pub use tensor_parallel::{
     check_same_kind, check_tensor_degree, holds_checkpoint, merge_slices, tensor_rank_dir, tensor_rank_of,

@@ -4,8 +4,10 @@
 //! Order of events, each file written atomically (temporary name, fsync, rename):
 //!
 //! 1. every rank checks that its master weights are finite (a diverged run is not saved over a
-//!    good one), and all learn whether any is not; every rank checks that the run's scalars can
-//!    be recorded (finite floats); rank 0 clears
+//!    good one), and all learn whether any is not; rank 0 looks for tags of another trajectory
+//!    in `DIR` ([`super::Lineage`]: saved after the step the run's state comes from, by a run it
+//!    does not continue) and refuses to save among them unless told to discard them; every rank
+//!    checks that the run's scalars can be recorded (finite floats); rank 0 clears
 //!    `DIR/TAG.partial`; barrier;
 //! 2. every rank writes `DIR/TAG.partial/rank_XXXXX.safetensors` and reports its checksums;
 //! 3. rank 0 writes `zero_meta.json` there; barrier;
@@ -15,7 +17,8 @@
 //!    wrote; barrier. A checkpoint that would not load fails here, naming the file, and is never
 //!    published;
 //! 5. rank 0 renames `TAG.partial` to `TAG` (an older `TAG` is first moved to `TAG.replaced`,
-//!    removed after) and rewrites `latest`; barrier.
+//!    removed after) and rewrites `latest`, then removes what [`super::SaveOptions`] asks
+//!    (the other trajectory's tags, the tags beyond `keep_last`); barrier.
 //!
 //! A process killed anywhere in this sequence leaves the previous checkpoint and `latest` as
 //! they were (or, killed between the two renames of step 5, the old `TAG` as `TAG.replaced`,
@@ -29,12 +32,13 @@ use super::format::{
     META_FILE,
 };
 use super::load::{resolve_tag, Checkpoint, LoadedGroup};
+use super::retention::{self, Lineage, SaveOptions, Saved, SavedTag};
 use super::writer::{SafetensorsStream, TensorEntry};
 use crate::comm::ProcessGroup;
 use crate::loss_scaler::LossScalerState;
 use crate::partition::PartitionLayout;
 use safetensors::tensor::Dtype;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// One group's owned slice on this rank.
 #[derive(Debug)]
@@ -93,22 +97,29 @@ pub struct SaveRequest<'a> {
     /// group's at the same time (each over its own data ranks). The refusal of diverged weights
     /// is agreed over them too, so that no tensor rank publishes while another refuses.
     pub tensor_ranks: Option<&'a dyn ProcessGroup>,
+    /// The run's tags, against which the directory's others are another trajectory's (`None`:
+    /// not looked for, as for a tool that writes one checkpoint).
+    pub lineage: Option<&'a Lineage>,
+    /// What the save does with the directory's other tags.
+    pub options: SaveOptions,
 }
 
 /// Saves every rank's part under `DIR/TAG` and points `latest` at it; every rank calls this.
-/// Returns the tag directory.
+/// Returns the tag directory and, on rank 0, the tags it removed ([`SaveOptions`]).
 pub fn save(
     comm: &dyn ProcessGroup,
     dir: &Path,
     tag: &str,
     request: &SaveRequest<'_>,
-) -> Result<PathBuf, CheckpointError> {
+) -> Result<Saved, CheckpointError> {
     format::check_tag(dir, tag)?;
     let rank = comm.rank();
     let staging = dir.join(format!("{tag}.partial"));
-    // Refused before anything is written: weights that diverged, and a value the metadata
-    // cannot hold exactly.
+    // Refused before anything is written: weights that diverged, tags of another trajectory
+    // this save would replace or leave beside its own, and a value the metadata cannot hold
+    // exactly.
     check_weights(comm, request)?;
+    let others = check_other_tags(comm, dir, tag, request)?;
     let prepared = format::check_finite(request.lr_next, request.loss_scaler.as_ref()).and_then(|()| {
         if rank == 0 {
             prepare_staging(&staging)
@@ -145,9 +156,61 @@ pub fn save(
         return Err(e);
     }
 
-    let published = if rank == 0 { publish(dir, tag, &staging) } else { Ok(()) };
-    agree(comm, "save", published)?;
-    Ok(dir.join(tag))
+    let published = if rank == 0 {
+        publish(dir, tag, &staging).and_then(|()| retention::prune(dir, tag, others, request.options))
+    } else {
+        Ok((Vec::new(), Vec::new()))
+    };
+    let (discarded, rotated) = agree(comm, "save", published)?;
+    if let Some(lineage) = request.lineage {
+        lineage.saved(dir, tag);
+    }
+    Ok(Saved {
+        tag_dir: dir.join(tag),
+        discarded,
+        rotated,
+    })
+}
+
+/// Rank 0: the tags of `dir` that are another trajectory's ([`Lineage::other_tags`]); refused
+/// unless [`SaveOptions::discard_later_tags`]. Agreed over the ranks, and over the tensor ranks
+/// (each saving its slice into a directory of its own), so that all save or none does.
+fn check_other_tags(
+    comm: &dyn ProcessGroup,
+    dir: &Path,
+    tag: &str,
+    req: &SaveRequest<'_>,
+) -> Result<Vec<SavedTag>, CheckpointError> {
+    let Some(lineage) = req.lineage else {
+        return Ok(Vec::new());
+    };
+    let own = if comm.rank() == 0 {
+        let others = lineage.other_tags(dir);
+        if others.is_empty() || req.options.discard_later_tags {
+            Ok(others)
+        } else {
+            Err(CheckpointError::OtherTrajectory {
+                dir: dir.to_path_buf(),
+                tag: tag.to_string(),
+                since_step: lineage.since_step(),
+                tags: others,
+            })
+        }
+    } else {
+        Ok(Vec::new())
+    };
+    let own = agree(comm, "save", own);
+    if let Some(tensor) = req.tensor_ranks.filter(|t| t.world_size() > 1) {
+        let message = own.as_ref().err().map(|e| e.to_string());
+        let heard = crate::comm::gather_failures(tensor, message.as_deref())?;
+        if let (Ok(_), Some(first)) = (&own, heard.first()) {
+            return Err(CheckpointError::Usage(format!(
+                "not saved: tensor rank {}: {}",
+                first.rank, first.message
+            )));
+        }
+    }
+    own
 }
 
 /// Fails on every rank, the same way, when any rank's master weights hold a NaN or an
@@ -422,6 +485,7 @@ mod tests {
     use super::*;
     use crate::comm::ThreadGroup;
     use crate::partition::{LayoutBuilder, ParamSpec, Placement};
+    use std::path::PathBuf;
 
     /// The layout the tests save: one `[3, 5]` parameter, sharded over one rank.
     fn one_matrix() -> PartitionLayout {
@@ -459,6 +523,8 @@ mod tests {
             model: None,
             tensor_parallel: None,
             tensor_ranks: None,
+            lineage: None,
+            options: SaveOptions::default(),
         };
         let comm = ThreadGroup::new_group(1).expect("one rank").remove(0);
         save(comm.as_ref(), &dir, "t", &request).expect("save");
@@ -509,6 +575,8 @@ mod tests {
             model: None,
             tensor_parallel: None,
             tensor_ranks: None,
+            lineage: None,
+            options: SaveOptions::default(),
         }
     }
 

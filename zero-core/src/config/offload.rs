@@ -131,7 +131,18 @@ pub(super) fn read_offload_optimizer(
         super_offload: cx.get(&mut s, &["super_offload"], false)?,
         cpuadam_cores_perc: fraction(cx, &mut s, "cpuadam_cores_perc", 0.8)?,
     };
+    let buffer_count_key = s.key("buffer_count");
     s.finish(cx, UnknownKeys::Error)?;
+    // The swap file is streamed through these buffers (zero_core::offload::stream_chunks):
+    // none cannot hold a chunk, so the engine takes one.
+    if device == Some(OffloadDevice::Nvme) && config.buffer_count == 0 {
+        cx.warning(
+            buffer_count_key,
+            "0 buffers cannot hold a chunk of the swap file: it is streamed through 1 buffer instead, each chunk \
+             read, stepped and written back in turn (3 or more let the read of the next chunk and the write of the \
+             last overlap the step; DeepSpeed's default is 4)",
+        );
+    }
     Ok(device.map(|_| config))
 }
 

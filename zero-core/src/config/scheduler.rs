@@ -6,6 +6,7 @@
 use super::error::ConfigError;
 use super::reader::{nearest, Cx, Section, UnknownKeys};
 use super::scalar::Scalar;
+use crate::optim::{check_learning_rate, OptimError};
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
@@ -282,7 +283,52 @@ pub(crate) fn read_scheduler(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<O
     };
     // DeepSpeed passes params to the schedule's constructor, which rejects unknown ones.
     p.finish(cx, UnknownKeys::Error)?;
+    check_rates(&config, cx)?;
     Ok(Some(config))
+}
+
+/// Refuses a learning rate of the schedule that the optimizer's `lr` would not be allowed to
+/// be, by the same rule and in the same words: the rates it sets (`warmup_max_lr`,
+/// `cycle_min_lr`, ...), those it sets as a ratio of the optimizer's (`cos_min_ratio`), and
+/// those that scale them as it goes (`decay_lr_rate`, `lr_range_test_step_rate`), where a
+/// negative one would in time make the rate negative.
+fn check_rates(config: &SchedulerConfig, cx: &Cx<'_>) -> Result<(), ConfigError> {
+    let warmup = |w: &WarmupParams| {
+        let mut rates = vec![("warmup_min_lr", w.warmup_min_lr)];
+        rates.extend(w.warmup_max_lr.map(|v| ("warmup_max_lr", v)));
+        rates
+    };
+    let rates: Vec<(&'static str, f64)> = match config {
+        SchedulerConfig::WarmupLR(w) => warmup(w),
+        SchedulerConfig::WarmupDecayLR(p) => warmup(&p.warmup),
+        SchedulerConfig::WarmupCosineLR(p) => {
+            vec![
+                ("warmup_min_ratio", p.warmup_min_ratio),
+                ("cos_min_ratio", p.cos_min_ratio),
+            ]
+        }
+        SchedulerConfig::OneCycle(p) => vec![
+            ("cycle_min_lr", p.cycle_min_lr),
+            ("cycle_max_lr", p.cycle_max_lr),
+            ("decay_lr_rate", p.decay_lr_rate),
+        ],
+        SchedulerConfig::LRRangeTest(p) => vec![
+            ("lr_range_test_min_lr", p.lr_range_test_min_lr),
+            ("lr_range_test_step_rate", p.lr_range_test_step_rate),
+        ],
+        // A torch scheduler is refused by `initialize`; its params are kept as written.
+        SchedulerConfig::Other { .. } => Vec::new(),
+    };
+    for (name, value) in rates {
+        if let Err(OptimError::InvalidSetting { name, value, reason }) = check_learning_rate(name, value) {
+            return Err(cx.invalid(
+                &format!("scheduler.params.{name}"),
+                &Value::from(value),
+                format!("{name} {reason}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn warmup(p: &mut Section<'_>, cx: &mut Cx<'_>, max_default: Option<f64>) -> Result<WarmupParams, ConfigError> {

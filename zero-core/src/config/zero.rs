@@ -170,6 +170,22 @@ pub(crate) fn read_zero(top: &mut Section<'_>, cx: &mut Cx<'_>) -> Result<ZeroCo
             });
         }
     }
+    // Stage 0 partitions nothing, and the engine honours the section all the same: each rank
+    // offloads and steps the whole state. DeepSpeed documents offload for stages 1-3 only.
+    if let (Some(o), ZeroStage::Disabled) = (&offload_optimizer, stage) {
+        cx.warning(
+            "zero_optimization.offload_optimizer",
+            format!(
+                "at stage 0 the optimizer state is not partitioned: every rank keeps all of it ({} fp32 master \
+                 weights and optimizer moments of the whole model) and steps all of it, the same work on every rank; \
+                 stage 1 offloads each rank's shard only (DeepSpeed offloads at stages 1-3)",
+                match o.device {
+                    OffloadDevice::Cpu => "in host memory: the",
+                    OffloadDevice::Nvme => "in its swap file under nvme_path: the",
+                }
+            ),
+        );
+    }
     // DeepSpeed reads the section at stage 3 only, and configs written for it carry one at
     // stages 1-2 (RLHF recipes switch the stage and keep the rest): the same file trains here,
     // and the warning, the resolved config and the memory report say the parameters stay whole.

@@ -38,6 +38,7 @@ pub use lamb::Lamb;
 pub use lion::{lion_update, Lion};
 pub use segments::{NormPartials, Segment, ShardSegments};
 pub use sgd::{sgd_update, Sgd};
+pub(crate) use spec::check_learning_rate;
 pub use spec::{AdamSpec, LambSpec, LambVariant, LionSpec, OptimizerSpec, SgdSpec};
 
 /// An optimizer over one rank's flat fp32 shard.

@@ -286,7 +286,13 @@ impl LionSpec {
 }
 
 fn check_lr(lr: f64) -> Result<(), OptimError> {
-    check_non_negative("lr", lr)
+    check_learning_rate("lr", lr)
+}
+
+/// The rule every learning rate a config gives is held to (the optimizer's `lr`, a schedule's
+/// rates): finite and not negative, for a step against a negative rate climbs the loss.
+pub(crate) fn check_learning_rate(name: &'static str, lr: f64) -> Result<(), OptimError> {
+    check_non_negative(name, lr)
 }
 
 fn check_non_negative(name: &'static str, value: f64) -> Result<(), OptimError> {

@@ -137,6 +137,8 @@ pub fn save_model(
             model: model.clone(),
             tensor_parallel: None,
             tensor_ranks: None,
+            lineage: None,
+            options: Default::default(),
         };
         checkpoint::save(comm.as_ref(), &dir, &tag, &request).expect("save");
     });

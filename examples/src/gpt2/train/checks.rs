@@ -165,6 +165,28 @@ pub(super) fn counts(args: &TrainArgs, launched: bool) -> Result<(), TrainError>
             args.nproc
         )));
     }
+    match (args.save_total_limit, &args.save) {
+        (Some(0), _) => {
+            return Err(TrainError::Config(
+                "--save-total-limit 0: expected at least 1 checkpoint to keep (the newest is always kept; leave it \
+                 out to keep every one)"
+                    .into(),
+            ))
+        }
+        (Some(n), None) => {
+            return Err(TrainError::Config(format!(
+                "--save-total-limit {n} without --save: give the directory to save into"
+            )))
+        }
+        _ => {}
+    }
+    if args.discard_later_tags && args.save.is_none() {
+        return Err(TrainError::Config(
+            "--discard-later-tags without --save: it removes the tags of a --save directory that a run resumed \
+             from an older tag would replace; give the directory to save into"
+                .into(),
+        ));
+    }
     match (args.save_every, &args.save) {
         (Some(0), _) => Err(TrainError::Config(
             "--save-every 0: expected at least 1 step (leave it out to save only at the end)".into(),
@@ -226,13 +248,17 @@ pub(super) fn metrics_spare_inputs(args: &TrainArgs) -> Result<(), TrainError> {
 /// Refuses a `--save` directory that holds another run's checkpoint: a run that does not resume
 /// from it (`--load` names another directory, or none) would replace its tags and move its
 /// `latest`, losing what it points to. Resuming in place (`--load` the same directory) is what
-/// saving there means.
-pub(super) fn save_spares_other_runs(args: &TrainArgs) -> Result<(), TrainError> {
+/// saving there means; but resumed from an older tag than its newest, the run would replace
+/// the tags saved after that one (by the run that went on from it) and leave the rest beside
+/// its own `latest`: refused too, unless `--discard-later-tags` (the saves then remove them,
+/// as they also refuse to, with `tensor` ranks under `tensor_rank_0`).
+pub(super) fn save_spares_other_runs(args: &TrainArgs, tensor: usize) -> Result<(), TrainError> {
     let Some(save) = args.save.as_deref() else {
         return Ok(());
     };
     let holds = zero_core::checkpoint::holds_checkpoint(save);
-    let resumed_here = args.load_target().is_some_and(|(dir, _)| same_dir(&dir, save));
+    let load = args.load_target();
+    let resumed_here = load.as_ref().is_some_and(|(dir, _)| same_dir(dir, save));
     if holds && !resumed_here {
         return Err(TrainError::Config(format!(
             "--save {}: holds another run's checkpoint, whose tags and `latest` this run would replace: resume it \
@@ -241,7 +267,31 @@ pub(super) fn save_spares_other_runs(args: &TrainArgs) -> Result<(), TrainError>
             save.display()
         )));
     }
-    Ok(())
+    let (Some((dir, tag)), true, false) = (load, resumed_here, args.discard_later_tags) else {
+        return Ok(());
+    };
+    // What the run resumes from; one that does not open is said by the load itself.
+    let tags_dir = |d: &Path| match tensor {
+        1 => d.to_path_buf(),
+        _ => zero_core::checkpoint::tensor_rank_dir(d, 0),
+    };
+    let Ok(loaded) = zero_core::checkpoint::Checkpoint::open(&tags_dir(&dir), tag.as_deref()) else {
+        return Ok(());
+    };
+    let later = zero_core::checkpoint::tags_after(&tags_dir(save), loaded.meta.global_step);
+    if later.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "--save {}: holds {}, saved after {} (step {}) by the run that went on from it; this run, resumed from \
+         {}, would replace them one by one and leave the rest beside its own `latest`: save into another \
+         directory, or give --discard-later-tags to remove them once this run has saved its first checkpoint",
+        save.display(),
+        zero_core::checkpoint::describe_tags(&later),
+        loaded.meta.tag,
+        loaded.meta.global_step,
+        loaded.meta.tag
+    )))
 }
 
 /// Whether `a` and `b` name one directory (by any path to it).

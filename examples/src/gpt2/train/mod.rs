@@ -78,10 +78,21 @@ pub struct TrainArgs {
     /// Checkpoint every this many steps (with --save).
     #[arg(long)]
     pub save_every: Option<u64>,
+    /// Keep only the newest N checkpoints in --save (its global_step tags), removing the older
+    /// ones once each new one is written and verified; `latest` always names a kept one
+    /// (HuggingFace Trainer's save_total_limit). Default: keep every checkpoint.
+    #[arg(long, value_name = "N")]
+    pub save_total_limit: Option<u64>,
     /// Resume from this checkpoint directory's latest tag, or from one tag given by its own
     /// directory (DIR/TAG); --steps stays the total.
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// Resuming from an older tag into the directory that holds the tags saved after it (by
+    /// the run that went on from it), remove those tags once this run has saved its first
+    /// checkpoint, instead of refusing to start (they would be replaced one by one, and the
+    /// rest left beside this run's `latest`).
+    #[arg(long)]
+    pub discard_later_tags: bool,
     /// Write one JSON line per optimizer step here, and at the end the loss curve beside it
     /// (the same name ending in .png; `zero plot` draws it too).
     #[arg(long)]
@@ -139,6 +150,17 @@ impl TrainArgs {
     /// Tokens per sequence sampled from text: `--seq-len`, or 64.
     pub fn seq_len_or_default(&self) -> usize {
         self.seq_len.unwrap_or(64)
+    }
+
+    /// What a save does with the --save directory's other tags: `--discard-later-tags`,
+    /// `--save-total-limit`.
+    pub fn save_options(&self) -> zero_burn::SaveOptions {
+        zero_burn::SaveOptions {
+            discard_later_tags: self.discard_later_tags,
+            keep_last: self
+                .save_total_limit
+                .and_then(|n| std::num::NonZeroUsize::new(usize::try_from(n).unwrap_or(usize::MAX))),
+        }
     }
 }
 
@@ -292,7 +314,7 @@ where
     if let Some(dir) = &args.save {
         zero_core::checkpoint::check_same_kind(dir, tensor > 1)
             .map_err(|e| TrainError::Config(format!("--save: {e}")))?;
-        checks::save_spares_other_runs(args)?;
+        checks::save_spares_other_runs(args, tensor)?;
     }
     let mut overrides = zero_core::config::Overrides::from_assignments(&args.set).map_err(TrainError::Config)?;
     // The ranks' layout was read from the file above, before any --set: check_overrides

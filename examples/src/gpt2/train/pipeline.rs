@@ -6,7 +6,8 @@ use super::super::metrics::{MetricsWriter, Progress};
 use super::super::model::{same_weights_as_rank_0, ModelSource};
 use super::super::TrainError;
 use super::shared::{
-    checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, resume_step, run_info, token_tensor,
+    checkpoint_due, finish_run, memory_of_all_ranks, nothing_to_train, resume_step, resume_tag, run_info,
+    save_checkpoint, token_tensor, Resumed,
 };
 use super::{rank_start, LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary};
 use burn::tensor::backend::AutodiffBackend;
@@ -113,18 +114,21 @@ impl PipelineRun<'_> {
         let (micro, gas, global) = (self.micro, self.gas, self.global);
         let world = groups.layout.world_size();
         let lead = groups.world.rank() == 0;
-        let first_step = match args.load_target() {
-            Some((dir, tag)) => resume_step(
-                &dir,
-                &engine.load_checkpoint(&dir, tag.as_deref())?,
-                engine.global_step(),
-                self.schedule,
-                lead,
-            )?,
-            None => 0,
+        let resumed = match args.load_target() {
+            Some((dir, tag)) => {
+                let tag = resume_tag(&dir, tag, groups.layout.size(Axis::Tensor) > 1);
+                let client = engine.load_checkpoint(&dir, tag.as_deref())?;
+                let step = resume_step(&dir, &client, engine.global_step(), self.schedule, lead)?;
+                Some(Resumed { dir, tag, step, client })
+            }
+            None => None,
         };
+        let first_step = resumed.as_ref().map_or(0, |r| r.step);
         if let Some(done) = nothing_to_train(args, first_step, lead, world, self.parameters) {
             return Ok(done);
+        }
+        if let (Some(resumed), true) = (&resumed, lead) {
+            crate::gpt2::metrics::say(resumed.line(args, data));
         }
         let mut progress = Progress::new(
             lead,
@@ -176,7 +180,12 @@ impl PipelineRun<'_> {
             }
             records.push(record);
             if let Some((dir, client)) = checkpoint_due(args, step, self.schedule) {
-                engine.save_checkpoint(dir, None, &client)?;
+                let said = save_checkpoint(args, dir, first_step, |options| {
+                    engine.save_checkpoint_with(dir, None, &client, options)
+                })?;
+                if let Some(line) = said {
+                    progress.println(&line);
+                }
             }
         }
         finish_run(args, progress, metrics, records, started, world, self.parameters)

@@ -9,7 +9,7 @@ use super::super::timers::{StepTimers, TimedGroup};
 use super::super::TrainError;
 use super::shared::{
     backward, caught, checkpoint_due, finish_run, mean_over_ranks, memory_of_all_ranks, nothing_to_train, resume_step,
-    run_info, timed, token_tensor, Part,
+    resume_tag, run_info, save_checkpoint, timed, token_tensor, Part, Resumed,
 };
 use super::{rank_start, LayersCut, RankStart, StepRecord, TrainArgs, TrainSummary};
 use burn::module::AutodiffModule;
@@ -196,16 +196,22 @@ where
         optim = optim.with_tensor_parallel(tensor.clone(), model.tensor_splits());
     }
     let schedule_len = resolved.scheduler.as_ref().and_then(|s| s.total_num_steps());
-    let first_step = match args.load_target() {
+    let resumed = match args.load_target() {
         Some((dir, tag)) => {
+            let tag = resume_tag(&dir, tag, place.tensor.as_ref().is_some_and(|t| t.world_size() > 1));
             let (loaded, client) = optim.load_checkpoint(&dir, tag.as_deref(), model)?;
             model = loaded;
-            resume_step(&dir, &client, optim.global_step(), schedule_len, lead)?
+            let step = resume_step(&dir, &client, optim.global_step(), schedule_len, lead)?;
+            Some(Resumed { dir, tag, step, client })
         }
-        None => 0,
+        None => None,
     };
+    let first_step = resumed.as_ref().map_or(0, |r| r.step);
     if let Some(done) = nothing_to_train(args, first_step, lead, world, parameters) {
         return Ok(done);
+    }
+    if let (Some(resumed), true) = (&resumed, lead) {
+        crate::gpt2::metrics::say(resumed.line(args, data));
     }
 
     // Data × tensor × pipeline ranks.
@@ -312,7 +318,12 @@ where
         }
         records.push(record);
         if let Some((dir, client)) = checkpoint_due(args, step, schedule_len) {
-            optim.save_checkpoint(dir, None, &client)?;
+            let said = save_checkpoint(args, dir, first_step, |options| {
+                optim.save_checkpoint_with(dir, None, &client, options)
+            })?;
+            if let Some(line) = said {
+                progress.println(&line);
+            }
         }
     }
     finish_run(args, progress, metrics, records, started, world, parameters)

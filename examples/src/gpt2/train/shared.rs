@@ -1,13 +1,14 @@
 //! What the two rank loops share: the step's timers, backward and a caught panic, when to
 //! save and where a resumed run starts, the end of a run, and the values agreed over the ranks.
 
+use super::super::data::DataSource;
 use super::super::metrics::{MetricsWriter, Progress};
 use super::super::timers::StepTimers;
 use super::super::TrainError;
 use super::{StepRecord, TrainArgs, TrainSummary};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use zero_burn::MemoryReport;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
@@ -50,6 +51,83 @@ pub(super) fn caught<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, TrainError
             },
         ))
     })
+}
+
+/// The tag `--load` resumes from: the one it names, else the one `latest` names (tensor rank
+/// 0's, for a `tensor_parallel` run), resolved once so that what is loaded is what is said.
+/// `None` where there is none: the load then says why.
+pub(super) fn resume_tag(dir: &Path, tag: Option<String>, tensor_parallel: bool) -> Option<String> {
+    use zero_core::checkpoint::{resolve_tag, tensor_rank_dir};
+    let latest_in = if tensor_parallel {
+        tensor_rank_dir(dir, 0)
+    } else {
+        dir.to_path_buf()
+    };
+    tag.or_else(|| resolve_tag(&latest_in, None).ok())
+}
+
+/// Where a resumed run starts: the checkpoint directory and tag it loaded, the step, and the
+/// client state saved with it.
+pub(super) struct Resumed {
+    pub(super) dir: PathBuf,
+    pub(super) tag: Option<String>,
+    pub(super) step: u64,
+    pub(super) client: serde_json::Value,
+}
+
+impl Resumed {
+    /// The line a resumed run prints (rank 0): what it resumed from (tag, step, directory),
+    /// what it trains, and where the data goes on.
+    pub(super) fn line(&self, args: &TrainArgs, data: &DataSource) -> String {
+        let from = match &self.tag {
+            Some(tag) => format!("{tag} in {}", self.dir.display()),
+            None => self.dir.display().to_string(),
+        };
+        let data = match data {
+            DataSource::Fixed(_) => "every step trains on the whole token file".to_string(),
+            DataSource::Text { .. } => {
+                let saved = self.client.get("seed").and_then(serde_json::Value::as_u64);
+                let differs = match saved {
+                    Some(saved) if saved != args.seed() => {
+                        format!(" (the saved run's was {saved}: the batches from here are not its)")
+                    }
+                    _ => String::new(),
+                };
+                format!(
+                    "the data sampler goes on at step {}, seed {}{differs}",
+                    self.step + 1,
+                    args.seed()
+                )
+            }
+        };
+        format!(
+            "resumed from {from} at step {}: training steps {} to {}; {data}",
+            self.step,
+            self.step + 1,
+            args.steps
+        )
+    }
+}
+
+/// Saves a checkpoint into `dir` as `--discard-later-tags` and `--save-total-limit` ask, with
+/// `save` (the engine's `save_checkpoint_with`); returns the line that says which tags of
+/// another trajectory were removed, if any (rank 0 learns them). `since` is the step the run
+/// resumed at.
+pub(super) fn save_checkpoint(
+    args: &TrainArgs,
+    dir: &Path,
+    since: u64,
+    save: impl FnOnce(zero_burn::SaveOptions) -> Result<zero_burn::Saved, zero_burn::ZeroError>,
+) -> Result<Option<String>, TrainError> {
+    let saved = save(args.save_options())?;
+    Ok((!saved.discarded.is_empty()).then(|| {
+        format!(
+            "removed {} from {}: saved after step {since} by the run that went on from the tag this one resumed \
+             (--discard-later-tags)",
+            zero_core::checkpoint::describe_tags(&saved.discarded),
+            dir.display()
+        )
+    }))
 }
 
 /// The step to resume after, from a loaded checkpoint's client state; it must be the engine's

@@ -6,8 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use zero_core::checkpoint::{
-    parse_size, to_fp32, to_fp32_tensor_parallel, write_model_config, Checkpoint, ExportNaming, NameMap, NameRule,
-    TensorParallelCheckpoint,
+    export_fp32, parse_size, Checkpoint, ExportNaming, Fp32Source, NameMap, NameRule, TensorParallelCheckpoint,
 };
 
 /// Arguments of `zero to-fp32`.
@@ -129,16 +128,14 @@ fn convert(args: &Args) -> Result<String, String> {
             seen.join(", ")
         ));
     }
-    let report = match &split {
-        Some(tp) => to_fp32_tensor_parallel(tp, &args.out, max, &|n| map.apply(n)),
-        None => to_fp32(&checkpoint, &args.out, max, &|n| map.apply(n)),
-    }
-    .map_err(|e| e.to_string())?;
-    let config = naming
-        .config
-        .map(|config| write_model_config(&args.out, &config))
-        .transpose()
-        .map_err(|e| e.to_string())?;
+    // The weights and the config.json beside them are staged and moved into place together:
+    // a conversion that fails leaves nothing it created.
+    let source = match &split {
+        Some(tp) => Fp32Source::TensorParallel(tp),
+        None => Fp32Source::Checkpoint(&checkpoint),
+    };
+    let report =
+        export_fp32(source, &args.out, max, &|n| map.apply(n), naming.config.as_ref()).map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
     let ranks = match tensor_ranks {
         1 => format!("{} ranks", meta.world_size),
@@ -151,7 +148,7 @@ fn convert(args: &Args) -> Result<String, String> {
     for f in &report.files {
         summary.push_str(&format!("\n  {}", f.display()));
     }
-    for extra in report.index.iter().chain(&config) {
+    for extra in report.index.iter().chain(&report.config) {
         summary.push_str(&format!("\n  {}", extra.display()));
     }
     Ok(summary)
