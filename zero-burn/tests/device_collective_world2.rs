@@ -10,11 +10,12 @@
 //! multiple of 1/8 below 8 in magnitude, exact in f32, f16 and bf16, so the results must equal
 //! the reference exactly.
 
+mod common;
+
 use burn::backend::Flex;
 use burn::tensor::{DType, Tensor, TensorData};
-use std::sync::Arc;
 use zero_burn::{DeviceCollective, HostStaged};
-use zero_core::comm::{ProcessGroup, ReduceOp, ThreadGroup};
+use zero_core::comm::ReduceOp;
 use zero_test_support::max_abs_diff;
 
 type F = Flex;
@@ -64,18 +65,7 @@ fn assert_exact(what: &str, got: &[f64], want: &[f64]) {
 
 /// Runs `f(rank, collective)` on one thread per rank; the results in rank order.
 fn on_ranks<T: Send>(f: impl Fn(usize, HostStaged) -> T + Sync) -> Vec<T> {
-    let groups = ThreadGroup::new_group(WORLD).expect("thread group");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, g)| {
-                let f = &f;
-                s.spawn(move || f(rank, HostStaged::new(g as Arc<dyn ProcessGroup>)))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    })
+    common::on_ranks(WORLD, |rank, group| f(rank, HostStaged::new(group)))
 }
 
 #[test]
