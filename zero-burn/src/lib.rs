@@ -1,5 +1,80 @@
 //! zero-burn: ZeRO (the Zero Redundancy Optimizer) for Burn.
 //!
+//! DeepSpeed's SimpleModel at ZeRO stage 3 on two ranks (threads of this process): `fc1` is a
+//! [`ZeroModule`](sharded::ZeroModule), of which each rank keeps half and gathers the whole for
+//! its forward; the loop is Burn's own, with the optimizer [`initialize`] returns.
+//!
+//! ```
+//! use burn::backend::{Autodiff, Flex};
+//! use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
+//! use burn::optim::{GradientsParams, Optimizer};
+//! use burn::prelude::*;
+//! use burn::tensor::{activation::relu, Distribution};
+//! use zero_burn::{sharded::ZeroModule, ZeroError};
+//! use zero_core::comm::{SharedGroup, ThreadGroup};
+//! use zero_core::config::DeepSpeedConfig;
+//!
+//! type B = Autodiff<Flex>;
+//!
+//! #[derive(Module, Debug)]
+//! struct SimpleModel<B: Backend> {
+//!     fc1: ZeroModule<B, Linear<B>>,
+//!     fc2: Linear<B>,
+//! }
+//!
+//! impl SimpleModel<B> {
+//!     fn forward(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>, ZeroError> {
+//!         let h = relu(self.fc1.unshard(&x)?.forward(x));
+//!         Ok(self.fc2.forward(h))
+//!     }
+//! }
+//!
+//! // Each rank runs this with its own group handle and its own half of the batch.
+//! fn train(config: &DeepSpeedConfig, rank: usize, group: SharedGroup) -> Result<Vec<f32>, ZeroError> {
+//!     let device = Default::default();
+//!     let model = SimpleModel {
+//!         fc1: ZeroModule::new(LinearConfig::new(784, 128).init(&device)),
+//!         fc2: LinearConfig::new(128, 10).init(&device),
+//!     };
+//!     let (mut model, mut optim) = zero_burn::initialize(config, model, group)?;
+//!     // A fixed batch of this rank's: an input of class y is noise with its y-th element lifted.
+//!     B::seed(&device, rank as u64);
+//!     let y = Tensor::<B, 1, Int>::random([8], Distribution::Uniform(0.0, 10.0), &device);
+//!     let noise = Tensor::<B, 2>::random([8, 784], Distribution::Normal(0.0, 1.0), &device);
+//!     let x = noise + y.clone().one_hot(784).float() * 5;
+//!     let cross_entropy = CrossEntropyLossConfig::new().init(&device);
+//!     let mut losses = Vec::new();
+//!     for _ in 0..5 {
+//!         let loss = cross_entropy.forward(model.forward(x.clone())?, y.clone());
+//!         losses.push(loss.clone().into_scalar());
+//!         let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!         model = optim.step(0.01, model, grads);
+//!     }
+//!     Ok(losses)
+//! }
+//!
+//! let config = DeepSpeedConfig::from_str(
+//!     r#"{"train_batch_size": 16, "zero_optimization": {"stage": 3},
+//!         "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}"#,
+//!     "ds_config.json",
+//! )
+//! .expect("a valid config")
+//! .config;
+//! let ranks: Vec<_> = ThreadGroup::new_group(2)
+//!     .expect("two rank threads")
+//!     .into_iter()
+//!     .enumerate()
+//!     .map(|(rank, group)| {
+//!         let config = config.clone();
+//!         std::thread::spawn(move || train(&config, rank, group))
+//!     })
+//!     .collect();
+//! for rank in ranks {
+//!     let losses = rank.join().unwrap().unwrap();
+//!     assert!(losses[4] < losses[0], "the loss falls: {losses:?}");
+//! }
+//! ```
+//!
 //! A model written for Burn gets ZeRO by wrapping fields in [`sharded::ZeroModule`] and calling
 //! [`initialize`], which returns the model (its units cut over the ranks at stage 3) and a
 //! [`ZeroOptimizer`] for Burn's own loop: data-parallel training with optimizer state (stage 1),

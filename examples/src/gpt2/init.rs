@@ -11,7 +11,7 @@ use zero_models::Gpt2Config;
 /// Arguments of `gpt2 init`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct InitArgs {
-    /// tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape gpt2-<layers>x<hidden>.
+    /// tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape such as gpt2-52x1024 (layers x hidden).
     #[arg(long)]
     pub preset: String,
     /// The directory to write (config.json, one safetensors shard per block, the index).

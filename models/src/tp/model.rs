@@ -212,9 +212,8 @@ pub(crate) fn tensor_split_rule(
 }
 
 impl<B: Backend> TpGpt2<B> {
-    /// How each parameter (by its module path) is split over the tensor group, as
-    /// [`tensor_split`] says for this model's vocabulary and group: the rule
-    /// `ZeroOptimizer::with_tensor_parallel` takes.
+    /// How each parameter (by its module path) is split over the tensor group, for this model's
+    /// vocabulary and group: the rule `ZeroOptimizer::with_tensor_parallel` takes.
     pub fn tensor_splits(&self) -> impl Fn(&str) -> Option<TensorSplit> + Send + Sync + 'static {
         tensor_split_rule(self.wte.vocab, self.wte.group.size())
     }

@@ -4,134 +4,182 @@
 //! each of which reads the whole shard and most of which allocate one as large. Every other
 //! backend (a GPU's) keeps the tensor ops.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
-use burn_flex::FlexTensor;
-use std::any::{Any, TypeId};
+#[cfg(not(feature = "flex"))]
+pub(crate) use absent::*;
+#[cfg(feature = "flex")]
+pub(crate) use flex::*;
 
-/// Whether `I`'s float tensors are Flex's, whose elements this module can reach.
-pub(crate) fn is_cpu<I: Backend>() -> bool {
-    TypeId::of::<I::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
-}
+#[cfg(feature = "flex")]
+mod flex {
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{DType, Tensor, TensorPrimitive};
+    use burn_flex::FlexTensor;
+    use std::any::{Any, TypeId};
 
-/// A 1-D fp32 tensor of the CPU backend, contiguous from the start of its own buffer: what the
-/// fused kernels read and write.
-pub(crate) struct HostTensor(FlexTensor);
+    /// Whether `I`'s float tensors are Flex's, whose elements this module can reach.
+    pub(crate) fn is_cpu<I: Backend>() -> bool {
+        TypeId::of::<I::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+    }
 
-impl HostTensor {
-    /// `t` as host memory: `None` unless the backend is the CPU's and `t` is fp32. A view or a
-    /// shared buffer is copied once, so that writing it changes no other tensor.
-    pub(crate) fn of<I: Backend>(t: Tensor<I, 1>) -> Option<HostTensor> {
+    /// A 1-D fp32 tensor of the CPU backend, contiguous from the start of its own buffer: what the
+    /// fused kernels read and write.
+    pub(crate) struct HostTensor(FlexTensor);
+
+    impl HostTensor {
+        /// `t` as host memory: `None` unless the backend is the CPU's and `t` is fp32. A view or a
+        /// shared buffer is copied once, so that writing it changes no other tensor.
+        pub(crate) fn of<I: Backend>(t: Tensor<I, 1>) -> Option<HostTensor> {
+            if !is_cpu::<I>() || t.dtype() != DType::F32 {
+                return None;
+            }
+            let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+            let flex = *primitive.downcast::<FlexTensor>().ok()?;
+            let whole = flex.is_unique()
+                && flex.layout().start_offset() == 0
+                && flex.is_contiguous()
+                && flex.bytes().len() == flex.layout().num_elements() * 4;
+            let mut flex = if whole { flex } else { flex.to_contiguous() };
+            if !flex.is_unique() {
+                // Copy-on-write: the first mutable view of a shared buffer copies it.
+                let _ = flex.storage_mut::<f32>();
+            }
+            Some(HostTensor(flex))
+        }
+
+        /// The elements.
+        #[cfg(test)]
+        pub(crate) fn slice(&self) -> &[f32] {
+            let n = self.0.layout().num_elements();
+            &self.0.storage::<f32>()[..n]
+        }
+
+        /// The elements, to write (the buffer is this tensor's alone: [`HostTensor::of`]).
+        pub(crate) fn slice_mut(&mut self) -> &mut [f32] {
+            let n = self.0.layout().num_elements();
+            &mut self.0.storage_mut::<f32>()[..n]
+        }
+
+        /// Back to a tensor of `I` (the backend it came from).
+        pub(crate) fn into_tensor<I: Backend>(self) -> Tensor<I, 1> {
+            let primitive: Box<dyn Any> = Box::new(self.0);
+            match primitive.downcast::<I::FloatTensorPrimitive>() {
+                Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
+                Err(_) => unreachable!("a HostTensor is only made from a tensor of the CPU backend"),
+            }
+        }
+    }
+
+    /// `t` in a buffer of its own, contiguous from its start (on the CPU backend; elsewhere `t`).
+    /// A module's parameters cut from the state's values are made so: Flex copies a view that does
+    /// not start its buffer when it is reshaped anyway, and one that does would share the master
+    /// shard, which the next step then copies before it updates the master in place.
+    pub(crate) fn own_buffer<I: Backend>(t: Tensor<I, 1>) -> Tensor<I, 1> {
+        if !is_cpu::<I>() || t.dtype() != DType::F32 {
+            return t;
+        }
+        match HostTensor::of(t) {
+            Some(host) => host.into_tensor(),
+            None => unreachable!("an fp32 tensor of the CPU backend"),
+        }
+    }
+
+    /// `f` of the elements of `t` (no copy unless `t` is strided): `None` unless the backend is
+    /// the CPU's and `t` is fp32.
+    pub(crate) fn with_slice<I: Backend, R>(t: &Tensor<I, 1>, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
         if !is_cpu::<I>() || t.dtype() != DType::F32 {
             return None;
         }
-        let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+        let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
         let flex = *primitive.downcast::<FlexTensor>().ok()?;
-        let whole = flex.is_unique()
-            && flex.layout().start_offset() == 0
-            && flex.is_contiguous()
-            && flex.bytes().len() == flex.layout().num_elements() * 4;
-        let mut flex = if whole { flex } else { flex.to_contiguous() };
-        if !flex.is_unique() {
-            // Copy-on-write: the first mutable view of a shared buffer copies it.
-            let _ = flex.storage_mut::<f32>();
+        match flex.as_slice::<f32>() {
+            Some(slice) => Some(f(slice)),
+            None => Some(f(flex.to_contiguous().as_slice::<f32>()?)),
         }
-        Some(HostTensor(flex))
     }
 
-    /// The elements.
-    #[cfg(test)]
-    pub(crate) fn slice(&self) -> &[f32] {
-        let n = self.0.layout().num_elements();
-        &self.0.storage::<f32>()[..n]
-    }
-
-    /// The elements, to write (the buffer is this tensor's alone: [`HostTensor::of`]).
-    pub(crate) fn slice_mut(&mut self) -> &mut [f32] {
-        let n = self.0.layout().num_elements();
-        &mut self.0.storage_mut::<f32>()[..n]
-    }
-
-    /// Back to a tensor of `I` (the backend it came from).
-    pub(crate) fn into_tensor<I: Backend>(self) -> Tensor<I, 1> {
-        let primitive: Box<dyn Any> = Box::new(self.0);
+    /// `t` in `dtype`. On the CPU backend a cast between fp32 and a 16-bit type converts the slice
+    /// directly, in parallel chunks, rounding to nearest even (Burn's own cast there goes through an
+    /// f64 copy of the whole tensor, element by element, and rounds some values the other way);
+    /// every other cast, and every other backend, is Burn's.
+    pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
+        let from = t.dtype();
+        if from == dtype
+            || !is_cpu::<I>()
+            || !matches!(
+                (from, dtype),
+                (DType::F32, DType::BF16 | DType::F16) | (DType::BF16 | DType::F16, DType::F32)
+            )
+        {
+            return t.cast(dtype);
+        }
+        let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
+        let Ok(flex) = primitive.downcast::<FlexTensor>() else {
+            return t.cast(dtype);
+        };
+        let flex = flex.to_contiguous();
+        let n = flex.layout().num_elements();
+        use burn::tensor::Bytes;
+        use zero_core::passes::{narrow, widen};
+        let bytes = match (from, dtype) {
+            (DType::F32, DType::BF16) => Bytes::from_elems(narrow::<half::bf16>(&flex.storage::<f32>()[..n])),
+            (DType::F32, _) => Bytes::from_elems(narrow::<half::f16>(&flex.storage::<f32>()[..n])),
+            (DType::BF16, _) => Bytes::from_elems(widen(&flex.storage::<half::bf16>()[..n])),
+            _ => Bytes::from_elems(widen(&flex.storage::<half::f16>()[..n])),
+        };
+        let converted = FlexTensor::new(
+            bytes,
+            burn_flex::Layout::contiguous(flex.layout().shape().clone()),
+            dtype,
+        );
+        let primitive: Box<dyn Any> = Box::new(converted);
         match primitive.downcast::<I::FloatTensorPrimitive>() {
             Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
-            Err(_) => unreachable!("a HostTensor is only made from a tensor of the CPU backend"),
+            Err(_) => unreachable!("the CPU backend's tensor"),
         }
     }
 }
 
-/// `t` in a buffer of its own, contiguous from its start (on the CPU backend; elsewhere `t`).
-/// A module's parameters cut from the state's values are made so: Flex copies a view that does
-/// not start its buffer when it is reshaped anyway, and one that does would share the master
-/// shard, which the next step then copies before it updates the master in place.
-pub(crate) fn own_buffer<I: Backend>(t: Tensor<I, 1>) -> Tensor<I, 1> {
-    if !is_cpu::<I>() || t.dtype() != DType::F32 {
-        return t;
+/// Without the `flex` feature no backend is the CPU's: every one keeps Burn's tensor operations.
+#[cfg(not(feature = "flex"))]
+mod absent {
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{DType, Tensor};
+
+    pub(crate) fn is_cpu<I: Backend>() -> bool {
+        false
     }
-    match HostTensor::of(t) {
-        Some(host) => host.into_tensor(),
-        None => unreachable!("an fp32 tensor of the CPU backend"),
+
+    /// Never made: [`HostTensor::of`] is always `None`.
+    pub(crate) enum HostTensor {}
+
+    impl HostTensor {
+        pub(crate) fn of<I: Backend>(_: Tensor<I, 1>) -> Option<HostTensor> {
+            None
+        }
+
+        pub(crate) fn slice_mut(&mut self) -> &mut [f32] {
+            match *self {}
+        }
+
+        pub(crate) fn into_tensor<I: Backend>(self) -> Tensor<I, 1> {
+            match self {}
+        }
+    }
+
+    pub(crate) fn own_buffer<I: Backend>(t: Tensor<I, 1>) -> Tensor<I, 1> {
+        t
+    }
+
+    pub(crate) fn with_slice<I: Backend, R>(_: &Tensor<I, 1>, _: impl FnOnce(&[f32]) -> R) -> Option<R> {
+        None
+    }
+
+    pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
+        t.cast(dtype)
     }
 }
 
-/// `f` of the elements of `t` (no copy unless `t` is strided): `None` unless the backend is
-/// the CPU's and `t` is fp32.
-pub(crate) fn with_slice<I: Backend, R>(t: &Tensor<I, 1>, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
-    if !is_cpu::<I>() || t.dtype() != DType::F32 {
-        return None;
-    }
-    let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
-    let flex = *primitive.downcast::<FlexTensor>().ok()?;
-    match flex.as_slice::<f32>() {
-        Some(slice) => Some(f(slice)),
-        None => Some(f(flex.to_contiguous().as_slice::<f32>()?)),
-    }
-}
-
-/// `t` in `dtype`. On the CPU backend a cast between fp32 and a 16-bit type converts the slice
-/// directly, in parallel chunks, rounding to nearest even (Burn's own cast there goes through an
-/// f64 copy of the whole tensor, element by element, and rounds some values the other way);
-/// every other cast, and every other backend, is Burn's.
-pub(crate) fn cast<I: Backend>(t: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
-    let from = t.dtype();
-    if from == dtype
-        || !is_cpu::<I>()
-        || !matches!(
-            (from, dtype),
-            (DType::F32, DType::BF16 | DType::F16) | (DType::BF16 | DType::F16, DType::F32)
-        )
-    {
-        return t.cast(dtype);
-    }
-    let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
-    let Ok(flex) = primitive.downcast::<FlexTensor>() else {
-        return t.cast(dtype);
-    };
-    let flex = flex.to_contiguous();
-    let n = flex.layout().num_elements();
-    use burn::tensor::Bytes;
-    use zero_core::passes::{narrow, widen};
-    let bytes = match (from, dtype) {
-        (DType::F32, DType::BF16) => Bytes::from_elems(narrow::<half::bf16>(&flex.storage::<f32>()[..n])),
-        (DType::F32, _) => Bytes::from_elems(narrow::<half::f16>(&flex.storage::<f32>()[..n])),
-        (DType::BF16, _) => Bytes::from_elems(widen(&flex.storage::<half::bf16>()[..n])),
-        _ => Bytes::from_elems(widen(&flex.storage::<half::f16>()[..n])),
-    };
-    let converted = FlexTensor::new(
-        bytes,
-        burn_flex::Layout::contiguous(flex.layout().shape().clone()),
-        dtype,
-    );
-    let primitive: Box<dyn Any> = Box::new(converted);
-    match primitive.downcast::<I::FloatTensorPrimitive>() {
-        Ok(p) => Tensor::from_primitive(TensorPrimitive::Float(*p)),
-        Err(_) => unreachable!("the CPU backend's tensor"),
-    }
-}
-
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
     use burn::backend::Flex;

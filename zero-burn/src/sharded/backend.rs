@@ -5,7 +5,9 @@
 use super::gather::{gather_parts, UnitComm, UnitGather};
 use crate::error::ZeroError;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
+#[cfg(feature = "flex")]
+use burn::backend::Flex;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use std::any::Any;
@@ -91,6 +93,7 @@ impl<I: ShardBackend<Collective = I>, C: CheckpointStrategy + 'static> ShardBack
 
 /// A plain all-gather (with `comm`; `kept` instead when given), cut into parts, for backends
 /// without autodiff.
+#[cfg(any(feature = "flex", feature = "cuda"))]
 fn plain_parts<B: Backend>(
     shard: Tensor<B, 1>,
     gather: Option<&UnitGather<B>>,
@@ -113,6 +116,7 @@ fn plain_parts<B: Backend>(
         .collect())
 }
 
+#[cfg(feature = "flex")]
 impl ShardBackend for Flex {
     type Collective = Flex;
 

@@ -47,7 +47,7 @@ pub struct TrainArgs {
     #[arg(long, conflicts_with = "preset")]
     pub model: Option<PathBuf>,
     /// Start from a randomly initialised preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
-    /// gpt2-10b, or a shape gpt2-<layers>x<hidden> (default tiny when --model is not given).
+    /// gpt2-10b, or a shape such as gpt2-52x1024 (layers x hidden) (default tiny when --model is not given).
     #[arg(long)]
     pub preset: Option<String>,
     /// Train on this text file (GPT-2 BPE; the last 5 % is held out). Default: the shipped corpus.
