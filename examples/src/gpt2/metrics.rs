@@ -81,12 +81,13 @@ impl Progress {
         }
     }
 
-    /// Prints a line above the bar (or plainly without one); rank 0 only.
+    /// Prints a line above the bar (or plainly without one, or when the bar is hidden because
+    /// the output is not a terminal: a hidden bar prints nothing); rank 0 only.
     pub fn println(&self, line: &str) {
         match (&self.bar, self.lead) {
-            (Some(bar), _) => bar.println(line),
-            (None, true) => say(line),
-            (None, false) => {}
+            (Some(bar), _) if !bar.is_hidden() => bar.println(line),
+            (_, true) => say(line),
+            (_, false) => {}
         }
     }
 
@@ -103,10 +104,16 @@ impl Progress {
         }
         let tokens_per_s = s.steps.iter().map(|r| r.tokens_per_s).sum::<f64>() / s.steps.len() as f64;
         say(&self.header);
+        let skipped = s.steps.iter().filter(|r| r.skipped).count();
         say(format_args!(
-            "{} steps in {:.1} s: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
+            "{} step{} in {:.1} s{}: loss {:.4} -> {:.4}{}, {:.0} tokens/s",
             s.steps.len(),
+            if s.steps.len() == 1 { "" } else { "s" },
             s.seconds,
+            match skipped {
+                0 => String::new(),
+                n => format!(" ({n} skipped on fp16 overflow, the loss scale backed off)"),
+            },
             first.loss,
             last.loss,
             last.valid_loss

@@ -16,7 +16,8 @@ use zero_core::config::{DeepSpeedConfig, Overrides};
 pub struct Args {
     /// The DeepSpeed JSON config file.
     pub file: PathBuf,
-    /// Data-parallel world size, to resolve the batch triad.
+    /// Every rank of the run (data × pipeline × tensor parallel), to resolve the batch triad
+    /// over its data-parallel ranks.
     #[arg(long)]
     pub world_size: Option<usize>,
     /// The model's hidden size, to resolve "auto" bucket sizes.
@@ -44,8 +45,13 @@ fn check(args: &Args) -> Result<String, String> {
     }
     let overrides = Overrides::from_assignments(&args.set)?;
     let parsed = DeepSpeedConfig::from_file(&args.file).map_err(|e| e.to_string())?;
+    let file = args.file.display().to_string();
     for warning in &parsed.warnings {
-        print_note(format_args!("warning: {}: {warning}", args.file.display()));
+        // A warning about the text names its place in the file (`FILE:LINE: ...`) already.
+        match warning.to_string() {
+            w if w.starts_with(&file) => print_note(format_args!("warning: {w}")),
+            w => print_note(format_args!("warning: {file}: {w}")),
+        }
     }
     // A --set that fills nothing is a mistake the user should hear of, not a silent no-op.
     parsed
