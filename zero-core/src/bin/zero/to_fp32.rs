@@ -138,7 +138,11 @@ fn convert(args: &Args) -> Result<String, String> {
         export_fp32(source, &args.out, max, &|n| map.apply(n), naming.config.as_ref()).map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
     let ranks = match tensor_ranks {
-        1 => format!("{} rank{}", meta.world_size, if meta.world_size == 1 { "" } else { "s" }),
+        1 => format!(
+            "{} rank{}",
+            meta.world_size,
+            if meta.world_size == 1 { "" } else { "s" }
+        ),
         t => format!("{t} tensor × {} data ranks", meta.world_size),
     };
     let mut summary = format!(
