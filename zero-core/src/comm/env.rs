@@ -38,7 +38,7 @@ pub enum EnvError {
     )]
     NoLauncher,
     /// A launcher was recognised but one of its variables is missing.
-    #[error("{launcher:?} environment: {var} is not set")]
+    #[error("{var} is not set, one of {launcher}")]
     Missing {
         /// The launcher whose variables were found.
         launcher: Launcher,
@@ -55,6 +55,16 @@ pub enum EnvError {
         /// What a valid value looks like.
         reason: String,
     },
+}
+
+impl std::fmt::Display for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Launcher::Torchrun => "the variables of torchrun and zero launch",
+            Launcher::Slurm => "Slurm's variables",
+            Launcher::OpenMpi => "Open MPI's variables",
+        })
+    }
 }
 
 /// This process's place in a distributed job.
