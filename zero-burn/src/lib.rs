@@ -5,7 +5,7 @@
 //! its forward; the loop is Burn's own, with the optimizer [`initialize`] returns.
 //!
 //! ```
-//! use burn::backend::{Autodiff, Flex};
+//! use burn::backend::{autodiff::checkpoint::strategy::BalancedCheckpointing, Autodiff, Flex};
 //! use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
 //! use burn::optim::{GradientsParams, Optimizer};
 //! use burn::prelude::*;
@@ -14,7 +14,8 @@
 //! use zero_core::comm::{SharedGroup, ThreadGroup};
 //! use zero_core::config::DeepSpeedConfig;
 //!
-//! type B = Autodiff<Flex>;
+//! // Stage 3 frees each gathered unit after its forward, and gathers it again in backward.
+//! type B = Autodiff<Flex, BalancedCheckpointing>;
 //!
 //! #[derive(Module, Debug)]
 //! struct SimpleModel<B: Backend> {

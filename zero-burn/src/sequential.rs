@@ -7,16 +7,35 @@
 //! [`MeanSquaredError`], or your own). With each layer a [`ZeroModule`] (itself a
 //! [`SequentialLayer`]), stage 3 gathers one layer at a time.
 //!
-//! ```ignore
+//! ```
+//! # use burn::backend::{Autodiff, Flex};
+//! # use burn::optim::{GradientsParams, Optimizer};
+//! # use burn::prelude::*;
+//! # use zero_core::{comm::ThreadGroup, config::DeepSpeedConfig};
 //! use zero_burn::sequential::{CrossEntropy, Layer, Sequential};
 //! use zero_burn::sharded::ZeroModule;
+//! # type B = Autodiff<Flex, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+//! # let device = Default::default();
+//! # let config = DeepSpeedConfig::from_str(
+//! #     r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3},
+//! #         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}"#,
+//! #     "ds_config.json",
+//! # )
+//! # .unwrap()
+//! # .config;
+//! # let group = ThreadGroup::new_group(1).unwrap().remove(0);
+//! # let (inputs, labels) = (Tensor::<B, 2>::ones([4, 784], &device), Tensor::<B, 1, Int>::zeros([4], &device));
 //! let layers = vec![Layer::linear(784, 128, &device), Layer::relu(), Layer::linear(128, 10, &device)];
 //! let model: Sequential<B, ZeroModule<B, Layer<B>>, CrossEntropy> =
 //!     Sequential::new(layers.into_iter().map(ZeroModule::new).collect());
 //! let (mut model, mut optim) = zero_burn::initialize(&config, model, group)?;
-//! let loss = model.loss(&(inputs, labels));
+//! let batch = (inputs, labels);
+//! let loss = model.loss(&batch);
+//! let before = loss.clone().into_scalar();
 //! let grads = GradientsParams::from_grads(loss.backward(), &model);
-//! model = optim.step(lr, model, grads);
+//! model = optim.step(0.1, model, grads);
+//! assert!(model.loss(&batch).into_scalar() < before);
+//! # Ok::<(), zero_burn::ZeroError>(())
 //! ```
 //!
 //! [`Layer`] covers the usual building blocks; a model with layers of its own implements

@@ -1,7 +1,7 @@
 //! A Burn model of a dependent's own, trained with ZeRO stage 3 by zero-burn: a two-layer
 //! regressor whose layers are `ZeroModule`s, two ranks as threads of one process, Burn's loop.
 
-use burn::backend::{Autodiff, Flex};
+use burn::backend::{autodiff::checkpoint::strategy::BalancedCheckpointing, Autodiff, Flex};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, Optimizer};
@@ -12,8 +12,9 @@ use zero_burn::ZeroError;
 use zero_core::comm::{SharedGroup, ThreadGroup};
 use zero_core::config::DeepSpeedConfig;
 
-/// The backend: Burn's CPU backend under autodiff.
-pub type Train = Autodiff<Flex>;
+/// The backend: Burn's CPU backend under autodiff, whose balanced checkpointing lets stage 3
+/// free each gathered layer after its forward and gather it again in backward.
+pub type Train = Autodiff<Flex, BalancedCheckpointing>;
 
 /// `y = W2 · gelu(W1 · x)`, each layer a unit that stage 3 cuts over the ranks.
 #[derive(Module, Debug)]
