@@ -10,6 +10,7 @@
 //! of the largest weight).
 #![cfg(feature = "cuda")]
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use burn::backend::cuda::CudaDevice;
