@@ -18,6 +18,7 @@ mod init;
 mod mlp;
 mod model;
 mod names;
+mod partitioned;
 mod presets;
 mod rope;
 mod sharded;
