@@ -88,6 +88,17 @@ fn matches_transformers(name: &str) -> LlamaConfig {
             &reference.get(&format!("grad.{param}")),
         );
     }
+    // zero-core's estimate reads the same shape from transformers' config.json.
+    let json = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    let shape = zero_core::estimate::LlamaShape::from_config_json(&json).unwrap();
+    assert_eq!(shape, config.estimate_shape(), "{name}: the estimate's shape");
+    assert_eq!(
+        shape.num_params(),
+        names
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum::<u64>()
+    );
     config
 }
 

@@ -183,6 +183,24 @@ impl LlamaConfig {
         Ok(config)
     }
 
+    /// The shape `zero estimate` counts (zero-core's [`zero_core::estimate::LlamaShape`]).
+    pub fn estimate_shape(&self) -> zero_core::estimate::LlamaShape {
+        zero_core::estimate::LlamaShape {
+            vocab: self.vocab_size as u64,
+            hidden: self.hidden_size as u64,
+            intermediate: self.intermediate_size as u64,
+            layers: self.num_hidden_layers as u64,
+            heads: self.num_attention_heads as u64,
+            kv_heads: self.num_key_value_heads as u64,
+            head_dim: self.head_dim as u64,
+            qkv_bias: self.qkv_bias(),
+            o_bias: self.o_bias(),
+            mlp_bias: self.mlp_has_bias(),
+            qk_norm: self.qk_norm(),
+            tied: self.tie_word_embeddings,
+        }
+    }
+
     /// Number of trainable parameters, counted by formula without building the model (the LM
     /// head counts when untied). Sizes that [`validate`](Self::validate) refuses may give
     /// `u64::MAX`.
@@ -248,6 +266,21 @@ mod tests {
         }
         let err = LlamaConfig::preset("llama4").unwrap_err().to_string();
         assert!(err.contains("llama4") && err.contains("qwen3-0.6b"), "{err}");
+    }
+
+    #[test]
+    fn the_estimate_knows_every_preset_and_reads_its_config_json() {
+        // Reference: this crate's config and count; zero-core's estimate has its own table and
+        // config.json reader, which must agree.
+        for name in PRESET_NAMES {
+            let config = LlamaConfig::preset(name).unwrap();
+            let shape = zero_core::estimate::LlamaShape::preset(name).expect(name);
+            assert_eq!(shape, config.estimate_shape(), "{name}");
+            assert_eq!(shape.num_params(), config.num_params(), "{name}");
+            let read = zero_core::estimate::LlamaShape::from_config_json(&config.to_json_string()).unwrap();
+            assert_eq!(read, shape, "{name}: from its config.json");
+        }
+        assert_eq!(zero_core::estimate::LLAMA_PRESETS, PRESET_NAMES);
     }
 
     #[test]
