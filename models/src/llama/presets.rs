@@ -3,8 +3,9 @@
 
 use serde_json::Map;
 
-use super::config::{Llama3RopeScaling, LlamaConfig, LlamaFamily};
+use super::config::{LlamaConfig, LlamaFamily};
 use super::error::LlamaConfigError;
+use super::rope::Llama3RopeScaling;
 
 /// The names [`LlamaConfig::preset`] accepts.
 pub const PRESET_NAMES: [&str; 13] = [
