@@ -126,3 +126,33 @@ fn a_sharded_load_of_a_config_deeper_than_its_weights_lists_what_is_missing() {
         assert!(err.contains("missing [model.layers.2.input_layernorm.weight"), "{err}");
     }
 }
+
+/// `LlamaConfig::write_random_pretrained` draws unit by unit what `init` draws whole. Reference:
+/// `init` from the same seed; the written directory (a shard per unit, with an index) loads
+/// back equal, bit for bit, tied and untied.
+#[test]
+fn a_random_directory_written_unit_by_unit_loads_as_init_draws_it() {
+    for name in ["llama-micro", "qwen3-micro"] {
+        let config = LlamaConfig::from_pretrained_dir(fixture(name)).expect("config");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let device = Default::default();
+        let _guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        Flex::seed(&device, 5);
+        let mut calls = Vec::new();
+        config
+            .write_random_pretrained::<Flex>(dir.path(), &device, |done, units| calls.push((done, units)))
+            .expect("write");
+        Flex::seed(&device, 5);
+        let want = config.init::<Flex>(&device).hf_tensors();
+        let units = config.num_hidden_layers + 1 + usize::from(!config.tie_word_embeddings);
+        assert_eq!(
+            calls,
+            (0..units).map(|u| (u, units)).collect::<Vec<_>>(),
+            "{name}: progress"
+        );
+        assert!(dir.path().join("model.safetensors.index.json").is_file());
+        let (loaded, again) = Llama::<Flex>::load_pretrained(dir.path(), &device).expect("load");
+        assert_eq!(again, config, "{name}: config");
+        assert!(loaded.hf_tensors() == want, "{name}: the directory holds init's draws");
+    }
+}

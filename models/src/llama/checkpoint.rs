@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
 
+use super::block::LlamaDecoderLayer;
 use super::config::LlamaConfig;
+use super::init::{normal_embedding, normal_linear, rms_norm};
 use super::model::Llama;
-use super::names::{EMBED_TOKENS, LM_HEAD};
+use super::names::{host, layer_hf_tensors, EMBED_TOKENS, LM_HEAD, NORM};
 use crate::hf::safetensors::{
     read_header, read_stored, read_to_string, refuse_training_checkpoint, weight_files, StoredTensor, CONFIG_FILE,
 };
@@ -80,6 +82,48 @@ impl<B: Backend> Llama<B> {
 }
 
 impl LlamaConfig {
+    /// Writes a randomly initialized model of this configuration as a HuggingFace directory
+    /// (`config.json`, one shard for the embedding, one per decoder layer, one for an untied
+    /// head, and the index), drawing one unit at a time: the most it holds is one unit, never
+    /// the model. The initialization is [`init`](Self::init)'s, in its order; seed the backend
+    /// first for a reproducible directory. `progress(done, units)` is called before each unit
+    /// is drawn, with the units written so far.
+    pub fn write_random_pretrained<B: Backend>(
+        &self,
+        dir: impl AsRef<Path>,
+        device: &B::Device,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<(), CheckpointError> {
+        let dir = dir.as_ref();
+        self.validate().map_err(|source| CheckpointError::LlamaConfig {
+            path: dir.join(CONFIG_FILE),
+            source,
+        })?;
+        let (h, std) = (self.hidden_size, self.initializer_range);
+        let layers = self.num_hidden_layers;
+        let units = layers + 1 + usize::from(!self.tie_word_embeddings);
+        let shards = (0..units).map(|unit| -> Result<Shard, CheckpointError> {
+            progress(unit, units);
+            if unit == 0 {
+                let embed = normal_embedding::<B>(self.vocab_size, h, std, device);
+                return Ok(vec![(EMBED_TOKENS.to_string(), host(embed.weight.val()))]);
+            }
+            if unit > layers {
+                let head = normal_linear::<B>(h, self.vocab_size, false, std, device);
+                return Ok(vec![(LM_HEAD.to_string(), host(head.weight.val().transpose()))]);
+            }
+            let layer = unit - 1;
+            let mut shard = layer_hf_tensors(&LlamaDecoderLayer::<B>::new(self, device), layer);
+            if layer + 1 == layers {
+                let norm = rms_norm::<B>(h, self.rms_norm_eps, device);
+                shard.push((NORM.to_string(), host(norm.gamma.val())));
+            }
+            Ok(shard)
+        });
+        let expected = self.param_shapes().into_iter().collect();
+        write_hf_dir(dir, &self.to_json_string(), expected, "", units, shards)
+    }
+
     /// The `config.json` of a HuggingFace directory of the Llama family, checked against the
     /// names and shapes its weight files' headers give (no weight is read).
     pub fn from_pretrained_dir(dir: impl AsRef<Path>) -> Result<Self, CheckpointError> {

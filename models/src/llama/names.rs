@@ -90,13 +90,13 @@ impl<B: Backend> Llama<B> {
     /// Every parameter's HuggingFace name and current value in PyTorch's layout, in visitor
     /// order.
     pub fn hf_tensors(&self) -> Vec<(String, TensorData)> {
-        let mut out = vec![(EMBED_TOKENS.to_string(), self.embed_tokens.weight.val().into_data())];
+        let mut out = vec![(EMBED_TOKENS.to_string(), host(self.embed_tokens.weight.val()))];
         for (layer, block) in self.layers.iter().enumerate() {
             out.extend(layer_hf_tensors(block, layer));
         }
-        out.push((NORM.to_string(), self.norm.gamma.val().into_data()));
+        out.push((NORM.to_string(), host(self.norm.gamma.val())));
         if let Some(head) = &self.lm_head {
-            out.push((LM_HEAD.to_string(), head.weight.val().transpose().into_data()));
+            out.push((LM_HEAD.to_string(), host(head.weight.val().transpose())));
         }
         out
     }
@@ -123,7 +123,7 @@ impl<B: Backend> Llama<B> {
         let norm = norm(config, take(NORM)?, device);
         let lm_head = match config.tie_word_embeddings {
             true => None,
-            false => Some(linear(take(LM_HEAD)?, None, device)),
+            false => Some(linear(LM_HEAD, take(LM_HEAD)?, None, device)?),
         };
         Ok(Self {
             embed_tokens,
@@ -185,7 +185,7 @@ fn take_linear<B: Backend>(
     } else {
         None
     };
-    Ok(linear(weight, bias, device))
+    linear(name, weight, bias, device)
 }
 
 /// Layer `layer`'s parameters by HuggingFace name, in PyTorch's layout and visitor order.
@@ -193,7 +193,7 @@ pub(crate) fn layer_hf_tensors<B: Backend>(block: &LlamaDecoderLayer<B>, layer: 
     let p = format!("model.layers.{layer}.");
     let mut out = vec![(
         format!("{p}input_layernorm.weight"),
-        block.input_layernorm.gamma.val().into_data(),
+        host(block.input_layernorm.gamma.val()),
     )];
     let attn = &block.self_attn;
     for (name, linear) in [
@@ -206,12 +206,12 @@ pub(crate) fn layer_hf_tensors<B: Backend>(block: &LlamaDecoderLayer<B>, layer: 
     }
     for (name, norm) in [("self_attn.q_norm", &attn.q_norm), ("self_attn.k_norm", &attn.k_norm)] {
         if let Some(norm) = norm {
-            out.push((format!("{p}{name}.weight"), norm.gamma.val().into_data()));
+            out.push((format!("{p}{name}.weight"), host(norm.gamma.val())));
         }
     }
     out.push((
         format!("{p}post_attention_layernorm.weight"),
-        block.post_attention_layernorm.gamma.val().into_data(),
+        host(block.post_attention_layernorm.gamma.val()),
     ));
     let mlp = &block.mlp;
     for (name, linear) in [
@@ -225,32 +225,46 @@ pub(crate) fn layer_hf_tensors<B: Backend>(block: &LlamaDecoderLayer<B>, layer: 
 }
 
 fn push_linear<B: Backend>(out: &mut Vec<(String, TensorData)>, name: &str, linear: &Linear<B>) {
-    out.push((format!("{name}.weight"), linear.weight.val().transpose().into_data()));
+    out.push((format!("{name}.weight"), host(linear.weight.val().transpose())));
     if let Some(bias) = &linear.bias {
-        out.push((format!("{name}.bias"), bias.val().into_data()));
+        out.push((format!("{name}.bias"), host(bias.val())));
     }
 }
 
-/// A 2-D f32 tensor's data transposed (`[rows, cols]` → `[cols, rows]`), on the host.
-pub(crate) fn transposed(data: TensorData) -> TensorData {
+/// A parameter's values as f32 host data (a 16-bit model's widened), what a checkpoint stores.
+pub(crate) fn host<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> TensorData {
+    tensor.into_data().convert::<f32>()
+}
+
+/// The f32 data of the 2-D tensor `name` transposed (`[rows, cols]` → `[cols, rows]`), on the
+/// host.
+fn transposed(name: &str, data: TensorData) -> Result<TensorData, CheckpointError> {
     let [rows, cols] = [data.shape[0], data.shape[1]];
-    let values = data.into_vec::<f32>().unwrap_or_default();
+    let values = data.into_vec::<f32>().map_err(|e| CheckpointError::TensorData {
+        key: name.to_string(),
+        reason: format!("{e:?}"),
+    })?;
     let mut out = vec![0f32; values.len()];
     for r in 0..rows {
         for c in 0..cols {
             out[c * rows + r] = values[r * cols + c];
         }
     }
-    TensorData::new(out, [cols, rows])
+    Ok(TensorData::new(out, [cols, rows]))
 }
 
-/// A linear layer from PyTorch-layout data: weight `[out, in]` (transposed to Burn's
-/// `[in, out]`) and bias `[out]`.
-pub(crate) fn linear<B: Backend>(weight: TensorData, bias: Option<TensorData>, device: &B::Device) -> Linear<B> {
-    Linear {
-        weight: Param::from_tensor(Tensor::from_data(transposed(weight), device)),
+/// The linear layer `name` from PyTorch-layout f32 data: weight `[out, in]` (transposed to
+/// Burn's `[in, out]`) and bias `[out]`.
+pub(crate) fn linear<B: Backend>(
+    name: &str,
+    weight: TensorData,
+    bias: Option<TensorData>,
+    device: &B::Device,
+) -> Result<Linear<B>, CheckpointError> {
+    Ok(Linear {
+        weight: Param::from_tensor(Tensor::from_data(transposed(name, weight)?, device)),
         bias: bias.map(|b| Param::from_tensor(Tensor::from_data(b, device))),
-    }
+    })
 }
 
 pub(crate) fn embedding<B: Backend>(weight: TensorData, device: &B::Device) -> Embedding<B> {

@@ -46,7 +46,7 @@ impl<B: ShardBackend> Llama<B> {
         let lm_head = match config.tie_word_embeddings {
             true => None,
             false => {
-                let head = linear(index.read(LM_HEAD)?, None, device);
+                let head = linear(LM_HEAD, index.read(LM_HEAD)?, None, device)?;
                 Some(shard_units(ZeroModule::new(head), comm, min_numel)?)
             }
         };
