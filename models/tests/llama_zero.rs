@@ -7,7 +7,7 @@
 //! batch), every unit's parameters put together from the ranks' shards equal the reference's to
 //! 1e-6 of the largest, for an untied model (llama-micro: the head its own unit) and a tied one
 //! (qwen2-micro: the head gathers the embedding unit again), by `backward` and by
-//! `zero_burn::checkpointed_grads`.
+//! `zero_burn::checkpointed_grads`, and with the optimizer offloaded to the CPU.
 
 mod common;
 
@@ -105,17 +105,25 @@ struct RankRun {
     losses: Vec<f64>,
 }
 
+/// The optimizer's state in host memory, stepped there.
+const OFFLOAD: &str = r#""offload_optimizer": {"device": "cpu"}"#;
+
 /// Each rank's run of `steps` steps at `stage` on [`WORLD`] ranks, rank r taking its half of the
-/// batch as one micro-batch, no clipping (the config's default clips at 1), `precision` a config
-/// section such as `"bf16": {"enabled": true},` (empty: fp32); gradients by
-/// `checkpointed_grads` when `checkpointed`.
-fn train_zero_with(name: &str, stage: u8, checkpointed: bool, precision: &str, steps: usize) -> Vec<RankRun> {
+/// batch as one micro-batch, no clipping (the config's default clips at 1); `extra` a config
+/// section such as `"bf16": {"enabled": true},`, or [`OFFLOAD`] (empty: fp32, state on the
+/// device); gradients by `checkpointed_grads` when `checkpointed`.
+fn train_zero_with(name: &str, stage: u8, checkpointed: bool, extra: &str, steps: usize) -> Vec<RankRun> {
     let micro = batch().len() / WORLD;
+    // `extra` names the optimizer's offload inside zero_optimization, anything else at the top.
+    let (offload, extra) = match extra {
+        OFFLOAD => (format!(", {OFFLOAD}"), ""),
+        other => (String::new(), other),
+    };
     let config = format!(
         r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0, {precision}
+        "gradient_clipping": 0.0, {extra}
         "optimizer": {{"type": "AdamW", "params": {{"lr": {LR}, "eps": {EPS}, "weight_decay": 0.01}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0}}}}"#
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0{offload}}}}}"#
     );
     let config = DeepSpeedConfig::from_str(&config, "ds_config.json")
         .expect("valid config")
@@ -141,6 +149,12 @@ fn train_zero_with(name: &str, stage: u8, checkpointed: bool, precision: &str, s
             };
             model = optim.step(LR, model, grads);
         }
+        let offloaded = !offload.is_empty();
+        assert_eq!(
+            optim.tensor_state(),
+            Some(!offloaded),
+            "the optimizer's state on the device unless offloaded"
+        );
         RankRun {
             parts: parts(&model),
             losses,
@@ -148,9 +162,9 @@ fn train_zero_with(name: &str, stage: u8, checkpointed: bool, precision: &str, s
     })
 }
 
-/// Each rank's parts after [`STEPS`] fp32 steps.
-fn train_zero(name: &str, stage: u8, checkpointed: bool) -> Vec<Vec<Vec<f32>>> {
-    train_zero_with(name, stage, checkpointed, "", STEPS)
+/// Each rank's parts after [`STEPS`] fp32 steps, the optimizer offloaded when `offload`.
+fn train_zero(name: &str, stage: u8, checkpointed: bool, offload: bool) -> Vec<Vec<Vec<f32>>> {
+    train_zero_with(name, stage, checkpointed, if offload { OFFLOAD } else { "" }, STEPS)
         .into_iter()
         .map(|run| run.parts)
         .collect()
@@ -179,12 +193,15 @@ fn stages_equal_one_process(name: &str, units: usize) {
     assert_eq!(want.len(), units + 1, "{name}: units and the final norm");
     let lens: Vec<usize> = want.iter().map(Vec::len).collect();
     for stage in 0..=3u8 {
-        for checkpointed in [false, true] {
-            let runs = train_zero(name, stage, checkpointed);
+        for (checkpointed, offload) in [(false, false), (true, false), (false, true)] {
+            if offload && stage == 0 {
+                continue; // offload_optimizer needs ZeRO (stage 1 or more)
+            }
+            let runs = train_zero(name, stage, checkpointed, offload);
             let sharded = runs[0][0].len() < lens[0];
             assert_eq!(sharded, stage >= 2, "{name}, stage {stage}: units sharded");
             for (u, (got, want)) in put_together(&runs, &lens).iter().zip(&want).enumerate() {
-                let label = format!("{name}, stage {stage}, checkpointed {checkpointed}: part {u}");
+                let label = format!("{name}, stage {stage}, checkpointed {checkpointed}, offload {offload}: part {u}");
                 assert_close(&label, got, want, 1e-6);
             }
         }
