@@ -274,3 +274,41 @@ fn missing_and_misshapen_tensors_are_named() {
         "{err}"
     );
 }
+
+/// A checkpoint stored in BF16 (as most published Llama-family weights are) or F16 loads widened
+/// to f32. Reference: the fixture's f32 values rounded to the 16-bit type by the `half` crate.
+#[test]
+fn bf16_and_f16_checkpoints_load_widened() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let device = Default::default();
+    let (model, config) = Llama::<B>::load_pretrained(fixture("qwen3-micro"), &device).unwrap();
+    let tensors = model.hf_tensors();
+    for dtype in [Dtype::BF16, Dtype::F16] {
+        let narrow = |v: f32| match dtype {
+            Dtype::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+            _ => half::f16::from_f32(v).to_le_bytes(),
+        };
+        let widen = |v: f32| match dtype {
+            Dtype::BF16 => half::bf16::from_f32(v).to_f32(),
+            _ => half::f16::from_f32(v).to_f32(),
+        };
+        let stored: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(name, data)| {
+                let bytes = data.to_vec::<f32>().unwrap().into_iter().flat_map(narrow).collect();
+                (name.clone(), data.shape.to_vec(), bytes)
+            })
+            .collect();
+        let views = stored
+            .iter()
+            .map(|(name, shape, bytes)| (name.as_str(), TensorView::new(dtype, shape.clone(), bytes).unwrap()));
+        let dir = tempfile::tempdir().unwrap();
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        std::fs::write(dir.path().join("config.json"), config.to_json_string()).unwrap();
+        let (loaded, _) = Llama::<B>::load_pretrained(dir.path(), &device).unwrap();
+        for ((name, got), (_, want)) in loaded.hf_tensors().iter().zip(&tensors) {
+            let want: Vec<f32> = want.to_vec::<f32>().unwrap().into_iter().map(widen).collect();
+            assert!(got.to_vec::<f32>().unwrap() == want, "{dtype:?}: {name}");
+        }
+    }
+}
