@@ -1,5 +1,7 @@
 //! Rotary position embeddings (Su et al., 2021) as transformers applies them to the Llama
-//! family: `x · cos + rotate_half(x) · sin`, the angles `position × inv_freq` in f32.
+//! family: `x · cos + rotate_half(x) · sin`, the angles `position × inv_freq` in f32; and the
+//! rotary keys of `config.json` (`rope_theta`, `rope_scaling` or `rope_parameters`) they come
+//! from.
 
 use burn::prelude::*;
 use burn::tensor::DType;
