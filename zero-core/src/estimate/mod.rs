@@ -30,8 +30,10 @@
 use serde::Serialize;
 
 mod gpt2;
+mod llama;
 
 pub use gpt2::{Gpt2Shape, RankShape, GPT2_PRESETS};
+pub use llama::{LlamaShape, LlamaShapeError, LLAMA_PRESETS};
 
 /// Why an estimate cannot be given.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
