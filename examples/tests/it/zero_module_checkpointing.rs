@@ -8,7 +8,6 @@
 //! with no checkpointing (the harness's `one_process`), every unit's parameters after 5 steps to
 //! 1e-6 of the largest: the same reference as the matrix of zero_module_gpt2.rs.
 
-use crate::support;
 use crate::zero_module;
 use zero_burn::ActivationCheckpointing;
 use zero_module::*;

@@ -183,6 +183,7 @@ mod absent {
 mod tests {
     use super::*;
     use burn::backend::Flex;
+    use burn::tensor::{DType, Tensor};
 
     #[test]
     fn a_view_or_a_shared_tensor_is_copied_before_it_is_written() {

@@ -13,7 +13,6 @@
 //! sharded_support's three linear units (a skip connection), cut at stages 2-3 by
 //! `initialize_settings`.
 
-use crate::common;
 use crate::sharded_support;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;

@@ -10,7 +10,6 @@
 //! at the kind's bytes per element. The exact count at stage 3: sharded_precision_memory.rs.
 
 use crate::common;
-use crate::precision_support;
 use common::{psi, unit_net_report, within, BLOCK_ELEMENTS};
 use zero_burn::sharded::shard_len;
 use zero_burn::{EngineSettings, MemoryReport, PrecisionSettings, Stage};

@@ -7,7 +7,6 @@
 //! same run's checkpoint consolidated by `zero to-fp32`'s code (`to_fp32`), a separate path from
 //! the shard files.
 
-use crate::common;
 use crate::sharded_support;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;

@@ -7,7 +7,6 @@
 //! between the same steps (Burn's optimizer reads the parameters at every step and keeps its
 //! moments), every unit's parameters after the run to 1e-6 of the largest.
 
-use crate::common;
 use crate::sharded_support;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Param;

@@ -9,7 +9,6 @@
 //! without the stop. The model is sharded_support's three linear units (a skip connection), cut
 //! by `initialize_settings`. The config's `offload_param` sections become these settings.
 
-use crate::common;
 use crate::sharded_support;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};

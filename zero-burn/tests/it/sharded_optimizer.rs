@@ -3,7 +3,6 @@
 //! worlds 1, 2 and 4 as threads; clipping, checkpoints at another world size, `synchronize`, and
 //! the `ZeroModule` skeletons it leaves alone.
 
-use crate::common;
 use crate::sharded_support;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;

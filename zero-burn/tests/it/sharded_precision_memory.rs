@@ -5,7 +5,6 @@
 //! element the rank owns, and one unit gathered whole at a time (2 bytes per padded element).
 
 use crate::common;
-use crate::precision_support;
 use common::{unit_net_report, BLOCK_ELEMENTS};
 use zero_burn::sharded::shard_len;
 use zero_burn::{EngineSettings, MemoryReport, PrecisionSettings, Stage};

@@ -11,7 +11,6 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use zero_burn::params::read_values;
 
-use crate::common;
 use crate::sharded_support;
 use sharded_support::*;
 use zero_test_support::{assert_close, max_abs, max_abs_diff};

@@ -9,7 +9,7 @@
 //! (qwen2-micro: the head gathers the embedding unit again), by `backward` and by
 //! `zero_burn::checkpointed_grads`, and with the optimizer offloaded to the CPU.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 //! seed) turned into a `ShardedLlama` and cut by `zero_burn::sharded::shard_units` at the same
 //! world size and threshold: every rank's units must be equal, bit for bit.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

@@ -7,7 +7,7 @@
 //! logits, loss and every parameter's gradient of one batch whose labels hold -100s. Error
 //! measure: max|a - b| / max|b| < 1e-5.
 
-mod common;
+use crate::common;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
