@@ -37,7 +37,7 @@ logits (the HF-out direction):
   python3 tools/llama_reference.py --check DIR FIXTURE    # e.g. a save of llama-micro
 
 The output is deterministic for a given torch version (fixed seeds); the Rust tests
-(models/tests/llama_parity.rs) compare with a relative error max|a - b| / max|b| below 1e-5.
+(models/tests/it/llama_parity.rs) compare with a relative error max|a - b| / max|b| below 1e-5.
 """
 
 import json
