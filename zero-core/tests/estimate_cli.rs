@@ -352,3 +352,55 @@ fn tensor_parallelism_divides_the_split_parameters_and_zero_goes_over_the_rest()
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn llama3_8b_stage_1_on_8_devices_is_4psi_plus_12psi_over_n() {
+    // Reference: Ψ = 8,030,261,248 (transformers' `num_parameters()` for Llama 3 8B's published
+    // config); 2Ψ parameters + 2Ψ gradients + 12Ψ/8 optimizer state computed here.
+    let psi: u64 = 8_030_261_248;
+    let (ok, out, err) = estimate(&["--preset", "llama3-8b", "--stage", "1", "--gpus-per-node", "8"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("8030261248 parameters (32 layers, hidden 4096"), "{out}");
+    assert_eq!(bytes_on(&out, "per device"), 4 * psi + (12 * psi).div_ceil(8));
+}
+
+#[test]
+fn a_llama_family_config_json_is_estimated_and_another_model_type_refused() {
+    // Reference: transformers' count for Qwen2.5 0.5B (494,032,768), whose config.json this is
+    // in its published values; stage 0 holds 16 bytes a parameter on the one device.
+    let dir = std::env::temp_dir().join(format!("zero-estimate-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let qwen = dir.join("config.json");
+    std::fs::write(
+        &qwen,
+        r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "tie_word_embeddings": true}"#,
+    )
+    .expect("write config");
+    let (ok, out, err) = estimate(&["--model-config", qwen.to_str().unwrap(), "--stage", "0"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("494032768 parameters"), "{out}");
+    assert_eq!(bytes_on(&out, "per device"), 16 * 494_032_768);
+    let gpt2 = dir.join("gpt2.json");
+    std::fs::write(&gpt2, r#"{"model_type": "gpt2"}"#).expect("write config");
+    let (ok, _, err) = estimate(&["--model-config", gpt2.to_str().unwrap(), "--stage", "0"]);
+    assert!(!ok);
+    assert!(
+        err.contains("model_type") && err.contains("llama, qwen2, qwen3, mistral"),
+        "{err}"
+    );
+    let (ok, _, err) = estimate(&[
+        "--preset",
+        "llama3-8b",
+        "--stage",
+        "3",
+        "--gpus-per-node",
+        "4",
+        "--tensor-parallel",
+        "2",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("no tensor-parallel plan for the Llama family"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,11 +1,12 @@
 //! `zero estimate`: bytes of model states per device, per host and on NVMe for a parameter
-//! count or a GPT-2 preset, a ZeRO stage, a cluster shape and offload choices.
+//! count, a zoo preset (GPT-2 or the Llama family) or a HuggingFace `config.json`, a ZeRO stage,
+//! a cluster shape and offload choices.
 
 use crate::{print_error, print_output};
 use std::process::ExitCode;
 use zero_core::estimate::{
-    estimate, human_bytes, Dtype, EstimateError, EstimateInput, FitError, Gpt2Shape, NvmeStreaming, OffloadTarget,
-    StateBytes, GPT2_PRESETS,
+    estimate, human_bytes, Dtype, EstimateError, EstimateInput, FitError, Gpt2Shape, LlamaShape, NvmeStreaming,
+    OffloadTarget, StateBytes, GPT2_PRESETS, LLAMA_PRESETS,
 };
 
 /// Arguments of `zero estimate`.
@@ -14,10 +15,16 @@ pub struct Args {
     /// Trainable parameters (e.g. 1500000000, 1.5e9).
     #[arg(long, conflicts_with_all = ["preset", "fit_host_memory"])]
     pub params: Option<String>,
-    /// A GPT-2 preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape
-    /// `gpt2-<layers>x<hidden>` (e.g. gpt2-40x4096).
-    #[arg(long, conflicts_with = "fit_host_memory")]
+    /// A zoo preset: GPT-2 (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-10b, or a shape
+    /// `gpt2-<layers>x<hidden>`, e.g. gpt2-40x4096) or the Llama family (llama3.2-1b,
+    /// llama3.2-3b, llama3-8b, llama3.1-8b, qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, qwen3-8b,
+    /// mistral-7b, and llama-tiny, qwen2-tiny, qwen3-tiny, mistral-tiny).
+    #[arg(long, conflicts_with_all = ["fit_host_memory", "model_config"])]
     pub preset: Option<String>,
+    /// A HuggingFace `config.json` of the Llama family (model_type llama, qwen2, qwen3 or
+    /// mistral): the model it describes.
+    #[arg(long, value_name = "CONFIG_JSON", conflicts_with_all = ["params", "fit_host_memory"])]
+    pub model_config: Option<std::path::PathBuf>,
     /// Instead of a model: find the deepest GPT-2 of hidden size --hidden whose model states fit
     /// this much memory per host (e.g. 128GiB, 120e9), and print its estimate.
     #[arg(long, value_name = "BYTES")]
@@ -90,10 +97,11 @@ fn blame(args: &Args, e: &EstimateError) -> String {
     match input {
         "gpus_per_node" => format!("--gpus-per-node {}", args.gpus_per_node),
         "nodes" => format!("--nodes {}", args.nodes),
-        _ => match (&args.params, &args.preset) {
-            (Some(p), _) => format!("--params {p}"),
-            (None, Some(name)) => format!("--preset {name}"),
-            (None, None) => format!("--hidden {}", args.hidden()),
+        _ => match (&args.params, &args.preset, &args.model_config) {
+            (Some(p), _, _) => format!("--params {p}"),
+            (None, Some(name), _) => format!("--preset {name}"),
+            (None, None, Some(path)) => format!("--model-config {}", path.display()),
+            (None, None, None) => format!("--hidden {}", args.hidden()),
         },
     }
 }
@@ -219,6 +227,46 @@ fn report(args: &Args) -> Result<String, String> {
             rank.block_params()
         )
     };
+    let llama = match (&args.preset, &args.model_config) {
+        (Some(name), _) if Gpt2Shape::preset(name).is_none() => LlamaShape::preset(name).map(|s| (name.clone(), s)),
+        (_, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("--model-config {}: {e}", path.display()))?;
+            let shape =
+                LlamaShape::from_config_json(&text).map_err(|e| format!("--model-config {}: {e}", path.display()))?;
+            Some((path.display().to_string(), shape))
+        }
+        _ => None,
+    };
+    if let Some((name, shape)) = &llama {
+        if args.tensor_parallel > 1 {
+            return Err(format!(
+                "--tensor-parallel {}: the zoo has no tensor-parallel plan for the Llama family yet; {name} is \
+                 estimated over data-parallel devices only",
+                args.tensor_parallel
+            ));
+        }
+        if prefetch.is_none() {
+            input.prefetch_bucket_size = auto_prefetch(shape.hidden);
+        }
+        input = shape.input(&input);
+        let what = format!(
+            "{name}: {} parameters ({} layers, hidden {}, {} heads over {} key/value heads), in units of {} \
+             (embeddings{}) and {} (a layer) parameters",
+            shape.num_params(),
+            shape.layers,
+            shape.hidden,
+            shape.heads,
+            shape.kv_heads,
+            shape.embed_params(),
+            if shape.tied {
+                ", the tied head"
+            } else {
+                "; the untied head another"
+            },
+            shape.layer_params()
+        );
+        return render(args, dtype, world, &input, what);
+    }
     let shape = match (&args.params, &args.preset, &args.fit_host_memory) {
         (Some(p), _, _) => {
             input.params = parse_count(p)?;
@@ -229,8 +277,9 @@ fn report(args: &Args) -> Result<String, String> {
             Gpt2Shape::preset(name).ok_or_else(|| {
                 format!(
                     "--preset {name}: unknown (known: {}, or gpt2-<layers>x<hidden> with hidden a multiple of 64 \
-                     and fewer than 2^64 parameters)",
-                    GPT2_PRESETS.join(", ")
+                     and fewer than 2^64 parameters; and {})",
+                    GPT2_PRESETS.join(", "),
+                    LLAMA_PRESETS.join(", ")
                 )
             })?,
         )),
@@ -270,7 +319,9 @@ fn report(args: &Args) -> Result<String, String> {
             })?;
             Some((format!("deepest fitting: {}", shape.shaped_name()), shape))
         }
-        (None, None, None) => return Err("give --params N, --preset NAME or --fit-host-memory BYTES".into()),
+        (None, None, None) => {
+            return Err("give --params N, --preset NAME, --model-config CONFIG_JSON or --fit-host-memory BYTES".into())
+        }
     };
     let what = match &shape {
         Some((name, shape)) if !shape.splits_over(args.tensor_parallel) => {
@@ -288,7 +339,12 @@ fn report(args: &Args) -> Result<String, String> {
         }
         None => format!("{} parameters", input.params),
     };
-    let e = estimate(&input).map_err(|e| format!("{}: {e}", blame(args, &e)))?;
+    render(args, dtype, world, &input, what)
+}
+
+/// The estimate of `input` as the report prints it, under the line `what` that names the model.
+fn render(args: &Args, dtype: Dtype, world: u64, input: &EstimateInput, what: String) -> Result<String, String> {
+    let e = estimate(input).map_err(|e| format!("{}: {e}", blame(args, &e)))?;
     let tensor = match args.tensor_parallel {
         1 => String::new(),
         t => format!(", {t} tensor ranks each"),
