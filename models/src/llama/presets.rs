@@ -7,22 +7,9 @@ use super::config::{LlamaConfig, LlamaFamily};
 use super::error::LlamaConfigError;
 use super::rope::Llama3RopeScaling;
 
-/// The names [`LlamaConfig::preset`] accepts.
-pub const PRESET_NAMES: [&str; 13] = [
-    "llama-tiny",
-    "qwen2-tiny",
-    "qwen3-tiny",
-    "mistral-tiny",
-    "llama3.2-1b",
-    "llama3.2-3b",
-    "llama3-8b",
-    "llama3.1-8b",
-    "qwen2.5-0.5b",
-    "qwen2.5-7b",
-    "qwen3-0.6b",
-    "qwen3-8b",
-    "mistral-7b",
-];
+/// The names [`LlamaConfig::preset`] accepts: the estimator's, whose shapes the tests hold
+/// equal to these configurations.
+pub const PRESET_NAMES: [&str; 13] = zero_core::estimate::LLAMA_PRESETS;
 
 /// The most parameters a configuration may describe (2^50, as for GPT-2): every size computed
 /// from them fits in 64 bits.
