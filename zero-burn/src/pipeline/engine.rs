@@ -70,7 +70,7 @@ enum Output<B: AutodiffBackend, H> {
 
 /// One pipeline stage, trained with ZeRO stage 0, 1 or 2 over its data-parallel group.
 ///
-/// Every rank of the job builds one, from its [`PipelineModule`] and its groups of a
+/// Every rank of the job builds one, from its [`PipelineModule`](super::PipelineModule) and its groups of a
 /// `ParallelLayout` with a pipeline axis; then each step every rank calls
 /// [`train_batch`](Self::train_batch) with the step's `gradient_accumulation_steps`
 /// micro-batches of its data-parallel index.
