@@ -15,9 +15,10 @@ use crate::hf::safetensors::{
 
 use super::config::Gpt2Config;
 use super::error::{CheckpointError, Gpt2ConfigError};
-use super::hf_writer::{write_hf_dir, Shard};
+use super::hf_writer::write_hf_dir;
 use super::model::Gpt2;
 use super::names::HF_PREFIX;
+use crate::hf::writer::pack_shards;
 
 /// The tied head's name; accepted when equal to `wte.weight`, never written.
 const LM_HEAD: &str = "lm_head.weight";
@@ -128,22 +129,7 @@ impl<B: Backend> Gpt2<B> {
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
         self.check_matches(config, &dir.join(CONFIG_FILE))?;
-        let tensors = self.hf_tensors();
-        // Group by size first (a tensor larger than the limit gets a shard of its own), so the
-        // writer knows the shard count its file names carry.
-        let mut shards: Vec<Shard> = vec![Vec::new()];
-        let mut shard_bytes = 0usize;
-        for (name, data) in tensors {
-            let bytes = data.num_elements() * std::mem::size_of::<f32>();
-            let current = shards.len() - 1;
-            if !shards[current].is_empty() && shard_bytes + bytes > max_shard_bytes {
-                shards.push(Vec::new());
-                shard_bytes = 0;
-            }
-            let current = shards.len() - 1;
-            shards[current].push((name, data));
-            shard_bytes += bytes;
-        }
+        let shards = pack_shards(self.hf_tensors(), max_shard_bytes);
         let count = shards.len();
         write_hf_dir(dir, config, count, shards.into_iter().map(Ok))
     }

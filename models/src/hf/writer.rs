@@ -15,6 +15,25 @@ use super::safetensors::{CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE};
 /// One shard's tensors, keyed by HuggingFace name without the architecture's prefix.
 pub(crate) type Shard = Vec<(String, TensorData)>;
 
+/// `tensors` in order, grouped into shards of at most `max_shard_bytes` of f32 each (a tensor
+/// larger than that gets a shard of its own), so that the writer knows the shard count its file
+/// names carry.
+pub(crate) fn pack_shards(tensors: Vec<(String, TensorData)>, max_shard_bytes: usize) -> Vec<Shard> {
+    let mut shards: Vec<Shard> = vec![Vec::new()];
+    let mut shard_bytes = 0usize;
+    for (name, data) in tensors {
+        let bytes = data.num_elements() * std::mem::size_of::<f32>();
+        if !shards[shards.len() - 1].is_empty() && shard_bytes + bytes > max_shard_bytes {
+            shards.push(Vec::new());
+            shard_bytes = 0;
+        }
+        let current = shards.len() - 1;
+        shards[current].push((name, data));
+        shard_bytes += bytes;
+    }
+    shards
+}
+
 /// Writes `config_json` as `config.json` and `count` safetensors shards (one
 /// `model.safetensors` when `count` is 1, else `model-0000i-of-0000n.safetensors` and the index
 /// transformers reads), each tensor stored as `prefix` + its name. Every tensor's name and shape

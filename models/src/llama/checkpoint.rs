@@ -14,7 +14,7 @@ use super::names::{host, layer_hf_tensors, EMBED_TOKENS, LM_HEAD, NORM};
 use crate::hf::safetensors::{
     read_header, read_stored, read_to_string, refuse_training_checkpoint, weight_files, StoredTensor, CONFIG_FILE,
 };
-use crate::hf::writer::{write_hf_dir, Shard};
+use crate::hf::writer::{pack_shards, write_hf_dir, Shard};
 use crate::hf::CheckpointError;
 
 impl<B: Backend> Llama<B> {
@@ -56,18 +56,7 @@ impl<B: Backend> Llama<B> {
         max_shard_bytes: usize,
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
-        let mut shards: Vec<Shard> = vec![Vec::new()];
-        let mut shard_bytes = 0usize;
-        for (name, data) in self.hf_tensors() {
-            let bytes = data.num_elements() * std::mem::size_of::<f32>();
-            if !shards[shards.len() - 1].is_empty() && shard_bytes + bytes > max_shard_bytes {
-                shards.push(Vec::new());
-                shard_bytes = 0;
-            }
-            let current = shards.len() - 1;
-            shards[current].push((name, data));
-            shard_bytes += bytes;
-        }
+        let shards = pack_shards(self.hf_tensors(), max_shard_bytes);
         let count = shards.len();
         let expected = config.param_shapes().into_iter().collect();
         write_hf_dir(
