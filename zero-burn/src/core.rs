@@ -65,8 +65,19 @@ pub(crate) struct EngineCore {
     /// Which tags of a checkpoint directory are this run's: a save refuses to replace or orphan
     /// another trajectory's ([`zero_core::checkpoint::Lineage`]).
     pub lineage: zero_core::checkpoint::Lineage,
+    /// A delayed update's values that the model does not hold yet
+    /// ([`EngineCore::update_delayed`]; the optimizer writes them at its next step).
+    pub owed: Option<Owed>,
     assembler: Assembler,
     in_flight: Vec<(usize, Work<FlatBuffer>)>,
+}
+
+/// What a delayed update leaves to be written into the model: by group, whether it stepped, and
+/// the model's float parameters (visit order) that did not train then, whose module values go
+/// back into the masters first (as after an undelayed step).
+pub(crate) struct Owed {
+    pub trains: Vec<bool>,
+    pub frozen: Vec<usize>,
 }
 
 impl EngineCore {
@@ -125,6 +136,7 @@ impl EngineCore {
             lineage: zero_core::checkpoint::Lineage::new(),
             assembler,
             in_flight: Vec::new(),
+            owed: None,
         })
     }
 
@@ -244,6 +256,25 @@ impl EngineCore {
     /// The optimizer step on the owned masters (at a boundary): unless a gradient overflowed,
     /// in which case the step is skipped (fp16, or the skip policy) or fails, on every rank.
     pub fn update(&mut self) -> Result<StepReport, ZeroError> {
+        self.update_with(false)
+    }
+
+    /// [`EngineCore::update`] whose update, once every rank agreed on it (the reductions, the
+    /// overflow check, the gradient norm and clipping: everything that communicates), runs on a
+    /// thread of its own and is still running when this returns: the delayed step of
+    /// `offload_optimizer.delayed_update`. [`EngineCore::settle`] waits for it.
+    pub fn update_delayed(&mut self) -> Result<StepReport, ZeroError> {
+        self.update_with(true)
+    }
+
+    /// Waits for a delayed update ([`EngineCore::update_delayed`]) still running; `true` when
+    /// there was one (its new masters are then what the model does not hold yet).
+    pub fn settle(&mut self) -> Result<bool, ZeroError> {
+        self.state.settle()
+    }
+
+    fn update_with(&mut self, delayed: bool) -> Result<StepReport, ZeroError> {
+        self.state.settle()?;
         self.state.reduce_at_boundary(self.comm.as_ref())?;
         let step = self.global_step + 1;
         // The schedule advances only with applied steps (DeepSpeed does not step its LR
@@ -261,7 +292,7 @@ impl EngineCore {
             0
         };
         self.memory.add_grads(copy_bytes);
-        let outcome = self.apply_or_skip(grads, step, lr, loss_scale);
+        let outcome = self.apply_or_skip(grads, step, lr, loss_scale, delayed);
         self.memory.sub_grads(copy_bytes);
         self.micro_steps = 0;
         self.global_step += 1;
@@ -291,14 +322,15 @@ impl EngineCore {
         })
     }
 
-    /// Checks for overflow, then either applies the step (returning the gradient norm) or
-    /// decides to skip it (`None`).
+    /// Checks for overflow, then either applies the step (returning the gradient norm; with
+    /// `delayed`, launches it) or decides to skip it (`None`).
     fn apply_or_skip(
         &mut self,
         grads: Vec<Vec<f32>>,
         step: u64,
         lr: f64,
         loss_scale: f64,
+        delayed: bool,
     ) -> Result<Option<f64>, ZeroError> {
         let policy = self.settings.precision.non_finite;
         if self.scaler.is_some() || policy != NonFinitePolicy::Ignore {
@@ -330,7 +362,11 @@ impl EngineCore {
         let clip = if max_norm > 0.0 && ratio < 1.0 { ratio } else { 1.0 };
         // Unscaling and clipping in one pass over the gradients.
         let coef = (unscale * clip) as f32;
-        self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
+        if delayed {
+            self.state.launch(grads, coef, lr, self.comm.clone(), &self.memory)?;
+        } else {
+            self.state.apply(grads, coef, lr, self.comm.as_ref(), &self.memory)?;
+        }
         Ok(Some(grad_norm))
     }
 

@@ -13,6 +13,7 @@ use crate::half_buffer;
 use crate::memory::MemoryTracker;
 use crate::optimizer_bridge::{GroupOptimizer, OptimizerFactory};
 use crate::settings::{ComputeDtype, OptimizerOffload};
+use std::sync::Arc;
 use zero_core::comm::{FlatBuffer, ProcessGroup, ReduceOp};
 use zero_core::offload::{stream_chunks, SwapFile, SwapRegion};
 use zero_core::optim::{CpuPool, HalfCopy};
@@ -99,6 +100,17 @@ pub(crate) struct FlatState {
     rank: usize,
     /// The betas a schedule set last (a dormant group's optimizer takes them when made).
     betas: Option<(f64, f64)>,
+    /// A delayed update ([`FlatState::launch`]) running on its own thread: it holds `groups`
+    /// and `offload` (left empty here) until [`FlatState::settle`] takes them back.
+    in_flight: Option<std::thread::JoinHandle<Landed>>,
+}
+
+/// What a delayed update's thread hands back: the groups and the offload state it stepped, and
+/// how the step went.
+struct Landed {
+    groups: Vec<GroupState>,
+    offload: OffloadState,
+    outcome: Result<(), ZeroError>,
 }
 
 impl FlatState {
@@ -258,6 +270,7 @@ impl FlatState {
             factory: factory.clone(),
             rank,
             betas: None,
+            in_flight: None,
         })
     }
 
@@ -487,6 +500,107 @@ impl FlatState {
         group_comm: &dyn ProcessGroup,
         memory: &MemoryTracker,
     ) -> Result<(), ZeroError> {
+        let trains = self.prepare_update(memory)?;
+        let norms = self.tensor_norms.as_ref();
+        step_groups(
+            &mut self.groups,
+            &mut self.offload,
+            &trains,
+            &mut grads,
+            coef,
+            lr,
+            group_comm,
+            norms,
+        )?;
+        self.reset_accumulators();
+        Ok(())
+    }
+
+    /// [`FlatState::apply`] on a thread of its own, returning at once: the update of a delayed
+    /// step (`offload_optimizer.delayed_update`), which runs while the model computes the next
+    /// step's gradients. The groups go with it; [`FlatState::settle`] waits for it and takes
+    /// them back, and nothing else may touch the groups before (the engine settles first).
+    /// Refused for an optimizer whose step communicates (LAMB's trust ratios sum norms over the
+    /// ranks): its collectives would run beside the next step's.
+    pub fn launch(
+        &mut self,
+        mut grads: Vec<Vec<f32>>,
+        coef: f32,
+        lr: f64,
+        group_comm: Arc<dyn ProcessGroup>,
+        memory: &MemoryTracker,
+    ) -> Result<(), ZeroError> {
+        self.settle()?;
+        let trains = self.prepare_update(memory)?;
+        let communicates = self.tensor_norms.is_some()
+            || self
+                .groups
+                .iter()
+                .zip(&trains)
+                .any(|(g, &t)| t && g.optimizer.inner.needs_cross_rank_norms());
+        if communicates {
+            return Err(ZeroError::Config(
+                "zero_optimization.offload_optimizer.delayed_update: the optimizer's step sums norms over the ranks \
+                 (LAMB), which cannot run beside the next step's collectives; turn delayed_update off or choose \
+                 Adam, AdamW, SGD or Lion"
+                    .into(),
+            ));
+        }
+        let mut groups = std::mem::take(&mut self.groups);
+        let mut offload = std::mem::take(&mut self.offload);
+        let thread = std::thread::Builder::new()
+            .name("zero-delayed-step".into())
+            .spawn(move || {
+                let outcome = step_groups(
+                    &mut groups,
+                    &mut offload,
+                    &trains,
+                    &mut grads,
+                    coef,
+                    lr,
+                    group_comm.as_ref(),
+                    None,
+                );
+                Landed {
+                    groups,
+                    offload,
+                    outcome,
+                }
+            })
+            .map_err(|e| {
+                ZeroError::Optimizer(format!(
+                    "offload_optimizer: cannot start the delayed step's thread: {e}"
+                ))
+            })?;
+        self.in_flight = Some(thread);
+        Ok(())
+    }
+
+    /// Waits for the delayed update [`FlatState::launch`] started, if one is running, and takes
+    /// its groups back (their accumulators given back). `true` when there was one; its error
+    /// when its step failed.
+    pub fn settle(&mut self) -> Result<bool, ZeroError> {
+        let Some(thread) = self.in_flight.take() else {
+            return Ok(false);
+        };
+        let landed = thread.join().map_err(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            ZeroError::Optimizer(format!("the delayed optimizer step panicked: {what}"))
+        })?;
+        self.groups = landed.groups;
+        self.offload = landed.offload;
+        self.reset_accumulators();
+        landed.outcome.map(|()| true)
+    }
+
+    /// Before an update: a dormant optimizer of a group that trains now gets its state, and a
+    /// released parameter copy is allocated again for the step to write. Returns, by group,
+    /// whether it trains.
+    fn prepare_update(&mut self, memory: &MemoryTracker) -> Result<Vec<bool>, ZeroError> {
         let trains: Vec<bool> = (0..self.groups.len()).map(|g| self.group_trains(g)).collect();
         for gi in (0..self.groups.len()).filter(|&g| trains[g]) {
             // A dormant optimizer (its parameters had not trained) gets its state, all zero, as
@@ -501,30 +615,7 @@ impl FlatState {
             }
             self.restore_param_copy(gi, memory);
         }
-        let groups = &mut self.groups;
-        let OffloadState { pool, nvme } = &mut self.offload;
-        let norms = self.tensor_norms.as_ref();
-        // In the optimizer's pool when it has one, so that the step keeps to its threads.
-        let mut run = || -> Result<(), ZeroError> {
-            if coef != 1.0 {
-                for grad in &mut grads {
-                    zero_core::passes::scale(grad, coef);
-                }
-            }
-            for gi in (0..groups.len()).filter(|&g| trains[g]) {
-                match nvme {
-                    None => step_group_in_memory(&mut groups[gi], &grads[gi], lr, group_comm, norms.map(|n| (n, gi)))?,
-                    Some(nvme) => step_swapped(std::slice::from_mut(&mut groups[gi]), nvme, gi, &grads[gi..=gi], lr)?,
-                }
-            }
-            Ok(())
-        };
-        match pool {
-            Some(pool) => pool.install(run)?,
-            None => run()?,
-        }
-        self.reset_accumulators();
-        Ok(())
+        Ok(trains)
     }
 
     /// Elements of group `group`'s gradient accumulator (in `dtypes.accumulate`): the whole
@@ -561,6 +652,41 @@ impl FlatState {
             0
         };
         self.groups[group].grad = half_buffer::zeros(self.dtypes.accumulate, len);
+    }
+}
+
+/// Scales the gradients by `coef` and steps every group that `trains` marks, in the optimizer's
+/// pool when it has one (so that the step keeps to its threads): from memory, or streamed
+/// through the swap file.
+#[allow(clippy::too_many_arguments)]
+fn step_groups(
+    groups: &mut [GroupState],
+    offload: &mut OffloadState,
+    trains: &[bool],
+    grads: &mut [Vec<f32>],
+    coef: f32,
+    lr: f64,
+    group_comm: &dyn ProcessGroup,
+    norms: Option<&TensorNorms>,
+) -> Result<(), ZeroError> {
+    let OffloadState { pool, nvme } = offload;
+    let mut run = || -> Result<(), ZeroError> {
+        if coef != 1.0 {
+            for grad in grads.iter_mut() {
+                zero_core::passes::scale(grad, coef);
+            }
+        }
+        for gi in (0..groups.len()).filter(|&g| trains[g]) {
+            match nvme {
+                None => step_group_in_memory(&mut groups[gi], &grads[gi], lr, group_comm, norms.map(|n| (n, gi)))?,
+                Some(nvme) => step_swapped(std::slice::from_mut(&mut groups[gi]), nvme, gi, &grads[gi..=gi], lr)?,
+            }
+        }
+        Ok(())
+    };
+    match pool {
+        Some(pool) => pool.install(run),
+        None => run(),
     }
 }
 

@@ -109,6 +109,7 @@ fn settings_for(config: &ResolvedConfig, client: Option<&OptimizerSpec>) -> Resu
     settings.betas_schedule = betas_schedule;
     settings.precision = precision_settings(config);
     settings.offload_optimizer = optimizer_offload(config)?;
+    settings.delayed_update = delayed_update(config, &settings.optimizer)?;
     settings.offload_param = param_offload(config, stage)?;
     settings.activation_checkpointing = activation_checkpointing(config);
     settings.max_live_parameters = config.zero.stage3_max_live_parameters as usize;
@@ -152,6 +153,20 @@ fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroEr
             }
         }
     })
+}
+
+/// `zero_optimization.offload_optimizer.delayed_update`; refused for LAMB, whose step sums
+/// norms over the ranks and so cannot run beside the next step's collectives.
+fn delayed_update(config: &ResolvedConfig, optimizer: &OptimizerSpec) -> Result<bool, ZeroError> {
+    let delayed = config.zero.offload_optimizer.as_ref().is_some_and(|o| o.delayed_update);
+    if delayed && matches!(optimizer, OptimizerSpec::Lamb(_)) {
+        return Err(ZeroError::Config(
+            "zero_optimization.offload_optimizer.delayed_update: LAMB's step sums norms over the ranks and cannot run \
+             beside the next step's collectives; turn delayed_update off, or choose Adam, AdamW, SGD or Lion"
+                .into(),
+        ));
+    }
+    Ok(delayed)
 }
 
 /// Where stage 3 keeps the parameter shards, from `zero_optimization.offload_param`. The
@@ -370,7 +385,7 @@ fn agree_on_settings(settings: &EngineSettings, group: &dyn ProcessGroup) -> Res
     }
     let steps = [0u64, 1, 2, 10, 100, 1_000, 10_000, 100_000];
     let offload = |o: &dyn std::fmt::Debug| format!("{o:?}").split([' ', '{', '(']).next().map(str::to_string);
-    let described: [(&str, String); 8] = [
+    let described: [(&str, String); 9] = [
         ("zero_optimization.stage", format!("{:?}", settings.stage)),
         ("optimizer", format!("{:?}", settings.optimizer)),
         (
@@ -386,6 +401,10 @@ fn agree_on_settings(settings: &EngineSettings, group: &dyn ProcessGroup) -> Res
         (
             "zero_optimization.offload_optimizer",
             format!("{:?}", offload(&settings.offload_optimizer)),
+        ),
+        (
+            "zero_optimization.offload_optimizer.delayed_update",
+            format!("{:?}", settings.delayed_update),
         ),
         (
             "zero_optimization.offload_param",

@@ -67,6 +67,15 @@ pub struct EngineSettings {
     pub precision: PrecisionSettings,
     /// Where the optimizer step runs and the fp32 masters and optimizer state live.
     pub offload_optimizer: OptimizerOffload,
+    /// With the state in host memory (`offload_optimizer` cpu or nvme): ZeRO-Offload's one-step
+    /// delayed parameter update (`offload_optimizer.delayed_update`, off by default). A step
+    /// does what communicates (reductions, overflow check, gradient norm, clipping), starts the
+    /// update on the optimizer's threads and returns at once, the model holding the previous
+    /// step's update; the update runs beside the next forward and backward, and the next step
+    /// writes it into the model before its own. Not exact: step t's gradient is computed on the
+    /// weights of update t-2, not t-1 (the first two steps both on the initial weights), as in
+    /// ZeRO-Offload. `ZeroOptimizer::flush` gives the model the last update.
+    pub delayed_update: bool,
     /// Stage 3: where the rank's parameter shards live between gathers.
     pub offload_param: ParamOffload,
     /// Every rank thread of this process whose model runs collectives inside `backward()`
@@ -276,6 +285,7 @@ impl std::fmt::Debug for EngineSettings {
             .field("alignment", &self.alignment)
             .field("precision", &self.precision)
             .field("offload_optimizer", &self.offload_optimizer)
+            .field("delayed_update", &self.delayed_update)
             .field("offload_param", &self.offload_param)
             .field("model", &self.model.as_ref().map(|m| &m.naming))
             .finish()
@@ -309,6 +319,7 @@ impl EngineSettings {
             alignment: 16,
             precision: PrecisionSettings::fp32(),
             offload_optimizer: OptimizerOffload::None,
+            delayed_update: false,
             offload_param: ParamOffload::None,
             backward_fence: None,
             activation_checkpointing: None,

@@ -267,3 +267,53 @@ fn thread_count_does_not_change_the_result() {
     };
     assert_eq!(run(1), run(3));
 }
+
+/// The engine runs the SIMD kernel that measures fastest (`Isa::fastest`), which is safe only
+/// because every SIMD kernel gives the same bits: two ranks, or two runs, that measure
+/// differently still compute the same step. Reference: the kernels against each other, bit for
+/// bit, over a five-step trajectory with the 16-bit copy-back.
+#[test]
+fn the_simd_kernels_give_the_same_bits_so_the_measured_choice_changes_nothing() {
+    let simd: Vec<Isa> = Isa::available().into_iter().filter(|&i| i != Isa::Scalar).collect();
+    let chosen = Isa::fastest();
+    assert!(chosen.is_supported(), "{}", chosen.name());
+    if simd.is_empty() {
+        assert_eq!(chosen, Isa::Scalar);
+        return;
+    }
+    assert!(simd.contains(&chosen), "{} chosen among {simd:?}", chosen.name());
+    let (measured, times) = Isa::measure_fastest(1 << 16, 1);
+    assert!(simd.contains(&measured));
+    if simd.len() > 1 {
+        assert_eq!(times.len(), simd.len());
+        assert!(times.iter().all(|(_, t)| t.is_finite() && *t > 0.0), "{times:?}");
+    }
+    let trajectory = |isa: Isa| {
+        let mut st = state(200_003, 11);
+        let mut out = vec![bf16::ZERO; st.p.len()];
+        for step in 1..=5u64 {
+            let s = AdamScalars::new(1e-3, 0.9, 0.999, 1e-8, 0.01, true, true, step);
+            adam_step(
+                isa,
+                &mut st.p,
+                &st.g,
+                &mut st.m,
+                &mut st.v,
+                HalfCopy::Bf16(&mut out),
+                &s,
+            )
+            .unwrap();
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        (
+            bits(&st.p),
+            bits(&st.m),
+            bits(&st.v),
+            out.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
+        )
+    };
+    let first = trajectory(simd[0]);
+    for &isa in &simd[1..] {
+        assert!(trajectory(isa) == first, "{} and {} differ", isa.name(), simd[0].name());
+    }
+}

@@ -19,6 +19,12 @@
 //! `--optimizer-threads` sizes the offloaded optimizer's own thread pool (0: one per core).
 //! With `RAYON_NUM_THREADS=1` for the model's compute and `--optimizer-threads 1`, the two
 //! run on separate cores, as a GPU's forward and the host's Adam would.
+//!
+//! `--delayed on` trains with `offload_optimizer.delayed_update` (the host's update of a step
+//! runs beside the next forward and backward); `--delayed both` trains sequentially and delayed
+//! in turn, `--rounds` times each, in this one process, and prints the two medians and their
+//! ratio (the baseline is the sequential step, measured in the same run). The optimizer's
+//! `flush` after the last step is timed apart.
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
@@ -48,12 +54,14 @@ struct Args {
     dir: PathBuf,
     max_host_gib: f64,
     optimizer_threads: usize,
+    delayed: String,
+    rounds: usize,
 }
 
 /// What `--help` prints.
 const USAGE: &str = "usage: offload_model [--preset gpt2] [--seq 32] [--batch 1] [--world 1] [--steps 2]
   [--dtype fp32|bf16] [--optimizer nvme|cpu|none] [--param nvme|cpu|none] [--dir PATH] [--max-host-gib 20]
-  [--optimizer-threads 0]";
+  [--optimizer-threads 0] [--delayed off|on|both] [--rounds 1]";
 
 /// The options, every one checked before anything is allocated (a bad one exits with status 2).
 fn args() -> Args {
@@ -69,6 +77,8 @@ fn args() -> Args {
         dir: std::env::temp_dir().join("zero-offload-model"),
         max_host_gib: 20.0,
         optimizer_threads: 0,
+        delayed: "off".into(),
+        rounds: 1,
     };
     let mut args = cli::Args::new("offload_model", USAGE);
     let mut config = Gpt2Config::gpt2();
@@ -93,6 +103,8 @@ fn args() -> Args {
             "--dir" => a.dir = PathBuf::from(args.value(&flag, "a directory for the swap files")),
             "--max-host-gib" => a.max_host_gib = args.real(&flag, 0.0),
             "--optimizer-threads" => a.optimizer_threads = args.number(&flag, 0..=MAX_THREADS),
+            "--delayed" => a.delayed = args.choice(&flag, &["off", "on", "both"]),
+            "--rounds" => a.rounds = args.count(&flag, 1),
             other => args.unknown(other),
         }
     }
@@ -103,6 +115,12 @@ fn args() -> Args {
         ));
     }
     args.check_tokens(("--batch", "--seq"), a.batch, a.seq);
+    if a.delayed != "off" && a.optimizer == "none" {
+        args.fail(format_args!(
+            "--delayed {}: the delayed update is the offloaded optimizer's; choose --optimizer cpu or nvme",
+            a.delayed
+        ));
+    }
     a
 }
 
@@ -202,12 +220,16 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--param {other}").into()),
     };
     let started = Instant::now();
-    let setup = Setup {
+    let mut setup = Setup {
         config,
         precision,
         offload_optimizer,
         offload_param,
+        delayed: a.delayed == "on",
     };
+    if a.delayed == "both" {
+        return compare_delayed(a, &mut setup);
+    }
     let rank0 = train(a, &setup)?;
     let hwm = proc_status_bytes("VmHWM:").unwrap_or(0);
     let m = &rank0.memory;
@@ -261,12 +283,65 @@ fn run(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
 /// Steps not counted in the median (see the file's doc).
 const WARMUP_STEPS: usize = 2;
 
+/// `--delayed both`: sequential and delayed runs in turn, `--rounds` of each; the medians of
+/// their counted steps and the ratio, delayed over sequential.
+fn compare_delayed(a: &Args, setup: &mut Setup) -> Result<(), Box<dyn std::error::Error>> {
+    let mut counted: [Vec<StepTimes>; 2] = [Vec::new(), Vec::new()];
+    let mut flushes = Vec::new();
+    for round in 0..a.rounds {
+        for (mode, delayed) in [false, true].into_iter().enumerate() {
+            setup.delayed = delayed;
+            let run = train(a, setup)?;
+            println!(
+                "round {round}, {}: counted steps {}",
+                if delayed { "delayed" } else { "sequential" },
+                run.times
+                    .iter()
+                    .skip(WARMUP_STEPS)
+                    .map(|t| format!("{:.3}", t.total()))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
+            counted[mode].extend(run.times.iter().skip(WARMUP_STEPS).copied());
+            if delayed {
+                flushes.push(run.flush);
+            }
+        }
+    }
+    let row = |label: &str, times: &[StepTimes]| {
+        let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
+        println!(
+            "  {label:<10} forward {:.3} s, backward {:.3} s, step() {:.3} s, total {:.3} s ({} steps)",
+            med(|t| t.forward),
+            med(|t| t.backward),
+            med(|t| t.step),
+            med(StepTimes::total),
+            times.len()
+        );
+        med(StepTimes::total)
+    };
+    println!("medians after {WARMUP_STEPS} warm-ups per run:");
+    let sequential = row("sequential", &counted[0]);
+    let delayed = row("delayed", &counted[1]);
+    println!(
+        "RESULT delayed / sequential step: {:.3} ({:.3} s against {:.3} s); flush after the last step {:.3} s (median)",
+        delayed / sequential,
+        delayed,
+        sequential,
+        median(flushes)
+    );
+    let _ = std::fs::remove_dir_all(&a.dir);
+    Ok(())
+}
+
 /// What a run is built from.
 struct Setup {
     config: Gpt2Config,
     precision: PrecisionSettings,
     offload_optimizer: OptimizerOffload,
     offload_param: ParamOffload,
+    /// `offload_optimizer.delayed_update`.
+    delayed: bool,
 }
 
 /// Seconds of one training step, as rank 0 saw them.
@@ -288,6 +363,8 @@ struct RankRun {
     init: f64,
     after_init: Option<u64>,
     times: Vec<StepTimes>,
+    /// Seconds of the optimizer's `flush` after the last step (the delayed update's wait).
+    flush: f64,
     memory: zero_burn::MemoryReport,
 }
 
@@ -318,13 +395,14 @@ fn train(a: &Args, setup: &Setup) -> Result<RankRun, Box<dyn std::error::Error>>
                 setup.offload_optimizer.clone(),
                 setup.offload_param.clone(),
             );
-            let (steps, seq, batch) = (a.steps, a.seq, a.batch);
+            let (steps, seq, batch, delayed) = (a.steps, a.seq, a.batch, setup.delayed);
             std::thread::spawn(move || -> Result<_, String> {
                 let device = Default::default();
                 let mut settings = EngineSettings::new(Stage::Zero3, OptimizerSpec::adamw());
                 settings.precision = precision;
                 settings.offload_optimizer = offload_optimizer;
                 settings.offload_param = offload_param;
+                settings.delayed_update = delayed;
                 settings.overlap_comm = true;
                 settings.reduce_bucket_size = config.n_embd * config.n_embd;
                 settings.prefetch_bucket_size = 9 * config.n_embd * config.n_embd / 10;
@@ -370,10 +448,15 @@ fn train(a: &Args, setup: &Setup) -> Result<RankRun, Box<dyn std::error::Error>>
                         step: opt,
                     });
                 }
+                let t = Instant::now();
+                let model = model.take().ok_or("a failed step left no model")?;
+                drop(optim.flush(model).map_err(|e| e.to_string())?);
+                let flush = t.elapsed().as_secs_f64();
                 Ok(RankRun {
                     init,
                     after_init,
                     times,
+                    flush,
                     memory: optim.memory(),
                 })
             })

@@ -196,7 +196,7 @@ impl<B: Backend> DeviceAdam<B> {
                 adam_kernel::adam_amsgrad_step(p.slice_mut(), g, m.slice_mut(), v.slice_mut(), vmax.slice_mut(), s)
             }
             None => adam_kernel::adam_step(
-                Isa::detect(),
+                Isa::fastest(),
                 p.slice_mut(),
                 g,
                 m.slice_mut(),

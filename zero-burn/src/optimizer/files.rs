@@ -69,7 +69,10 @@ impl ZeroOptimizer {
             .is_some_and(|t| t.world_size() > 1);
         zero_core::checkpoint::check_same_kind(dir.as_ref(), split)?;
         let dir = self.own_dir(dir.as_ref());
-        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = guard.as_mut() {
+            state.settle()?;
+        }
         match guard.as_ref() {
             Some(State::Host(core)) => core.save_checkpoint(&dir, tag, client_state, options),
             Some(State::Device(state)) => state.save_checkpoint(&dir, tag, client_state, options),
@@ -96,7 +99,10 @@ impl ZeroOptimizer {
             (Some(parent), Some(name)) => self.own_dir(parent).join(name),
             _ => path.to_path_buf(),
         };
-        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = guard.as_mut() {
+            state.settle()?;
+        }
         match guard.as_ref() {
             Some(State::Host(core)) => core.save_weights(&path, dtype, names),
             Some(State::Device(state)) => state.save_weights(&path, dtype, names),
@@ -133,6 +139,9 @@ impl ZeroOptimizer {
         // The checkpoint supersedes a record loaded and not yet applied.
         self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = guard.as_mut() {
+            state.settle()?;
+        }
         // A state built for this load takes the checkpoint's groups, where they fit.
         let mut meta = match guard.is_none() {
             true => zero_core::checkpoint::Checkpoint::open(&dir, tag).ok().map(|c| c.meta),
@@ -151,6 +160,8 @@ impl ZeroOptimizer {
         match guard.as_mut().unwrap_or_else(|| unreachable!("just built")) {
             State::Host(core) => {
                 let client = core.load_checkpoint(&dir, tag)?;
+                // The loaded masters replace a delayed update's: every group is written below.
+                core.owed = None;
                 let device = first_device::<B, M>(&module)?;
                 let every = vec![true; view.layout.groups.len()];
                 Ok((

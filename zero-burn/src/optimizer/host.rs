@@ -87,6 +87,8 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
 ) -> Result<(M, StepReport), ZeroError> {
     // Burn's loop owns the schedule: use its learning rate for this step.
     core.settings.lr_schedule = Some(Arc::new(move |_| lr));
+    // The last step's delayed update: the model takes its values before this step's begins.
+    let module = settle_into::<B, M>(core, view, module)?;
     // The groups whose parameters train now (a part unfrozen since gets its state).
     let trains = view.group_trains();
     core.state.set_trains(trains.clone(), &core.memory);
@@ -115,6 +117,16 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     if loss_non_finite {
         core.note_non_finite_loss();
     }
+    if core.settings.delayed_update {
+        // Everything that communicates is done; the update runs beside the next forward and
+        // backward, and the next step (or `flush`) writes its values into the model.
+        let report = core.update_delayed()?;
+        core.owed = Some(crate::core::Owed {
+            trains,
+            frozen: frozen.to_vec(),
+        });
+        return Ok((module, report));
+    }
     let report = core.update()?;
     // Parameters that do not train (`frozen`, visit order) keep the module's values.
     super::adopt::adopt_host::<B, M>(core, view, &module, frozen)?;
@@ -124,6 +136,24 @@ pub(super) fn step<B: AutodiffBackend, M: AutodiffModule<B>>(
     // The model holds the new values now: the state's copies of them go until the next step.
     core.state.release_param_copies(&core.memory);
     Ok((module, report))
+}
+
+/// Waits for a delayed update still running and gives `module` the values it owes it (the
+/// parameters that did not train keeping the module's); `module` as it is when none is owed.
+pub(super) fn settle_into<B: AutodiffBackend, M: AutodiffModule<B>>(
+    core: &mut EngineCore,
+    view: &ModuleView,
+    module: M,
+) -> Result<M, ZeroError> {
+    core.settle()?;
+    let Some(owed) = core.owed.take() else {
+        return Ok(module);
+    };
+    super::adopt::adopt_host::<B, M>(core, view, &module, &owed.frozen)?;
+    let device = super::view::first_device::<B, M>(&module)?;
+    let module = write_back::<B, M>(core, module, &device, &view.held, &owed.trains)?;
+    core.state.release_param_copies(&core.memory);
+    Ok(module)
 }
 
 /// `module` with the state's values of the groups `groups` marks (by group): replicated

@@ -283,6 +283,28 @@ impl ZeroOptimizer {
         self.step_with::<B, M>(lr, module, |id| by_id.remove(&id))
     }
 
+    /// `module` with the values of a delayed update still owed to it
+    /// (`offload_optimizer.delayed_update`: each step returns the model with the previous
+    /// step's update and leaves its own running beside the next forward and backward). Call it
+    /// after the last step, before using or saving the model itself; it waits for the update.
+    /// Without delayed updates it returns `module` as it is. The optimizer's own saves
+    /// (checkpoints, weights files, its record) wait for the update themselves.
+    pub fn flush<B: AutodiffBackend, M: AutodiffModule<B>>(&self, module: M) -> Result<M, ZeroError> {
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(State::Host(core)) = guard.as_mut() else {
+            return Ok(module);
+        };
+        let view = ModuleView::of::<B, M>(
+            &module,
+            &self.settings,
+            self.comm.world_size(),
+            Some(&core.state.layout),
+        );
+        let module = host::settle_into::<B, M>(core, &view, module)?;
+        drop(guard);
+        crate::sharded::after_step::<B, M>(module)
+    }
+
     /// Optimizer steps taken (skipped fp16 steps included), as a loaded checkpoint left them.
     pub fn global_step(&self) -> u64 {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -346,6 +368,14 @@ impl ZeroOptimizer {
             return Err(no_units_at_stage_3());
         }
         view.check_offloaded(&self.settings)?;
+        if self.settings.delayed_update && self.on_device() {
+            return Err(ZeroError::Config(
+                "zero_optimization.offload_optimizer.delayed_update delays the host's optimizer step, and this \
+                 optimizer's state is on the model's device: offload it (offload_optimizer.device \"cpu\" or \
+                 \"nvme\") or turn delayed_update off"
+                    .into(),
+            ));
+        }
         let memory = Arc::new(MemoryTracker::default());
         view.account(
             &memory,
@@ -417,6 +447,8 @@ impl ZeroOptimizer {
         };
         let saved = pending.as_ref().map(|m| (&m.layout, m.stage));
         let view = self.ensure_state::<B, M>(&mut guard, &module, saved)?;
+        // A delayed update still running (the last step's) ends before the state is touched.
+        guard.as_mut().unwrap_or_else(|| unreachable!("just built")).settle()?;
         self.apply_pending(guard.as_mut().unwrap_or_else(|| unreachable!("just built")))?;
         // Units changed by `ZeroModule::modify` since the last step: their values are the
         // masters now (a state built from the module this step has them already).

@@ -72,13 +72,14 @@ impl ZeroOptimizer {
         if let Some(pending) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             return Ok(pending.clone());
         }
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(state) = state.as_ref() else {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(state) = state.as_mut() else {
             return Ok(ZeroOptimizerRecord {
                 rank: self.comm.rank(),
                 ..Default::default()
             });
         };
+        state.settle()?;
         let (meta, groups) = state.rank_state()?;
         let meta = serde_json::to_string(&meta)
             .map_err(|e| ZeroError::Usage(format!("the optimizer state's description: {e}")))?;

@@ -111,6 +111,15 @@ impl State {
         }
     }
 
+    /// Waits for a delayed update of the host state still running (nothing for the device
+    /// state, whose updates are not delayed): what reads or replaces the state calls it first.
+    pub(super) fn settle(&mut self) -> Result<(), ZeroError> {
+        match self {
+            State::Host(core) => core.settle().map(|_| ()),
+            State::Device(_) => Ok(()),
+        }
+    }
+
     /// This rank's owned slices and their description, in host memory.
     pub(super) fn rank_state(&self) -> Result<(CheckpointMeta, Vec<LoadedGroup>), ZeroError> {
         match self {

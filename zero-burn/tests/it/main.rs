@@ -12,6 +12,7 @@ mod burn_optimizer;
 mod checkpoint_resume;
 mod data_dependent_chain;
 mod data_dependent_units;
+mod delayed_update;
 mod device_collective_world2;
 mod errors;
 mod exactness;

@@ -40,6 +40,10 @@ pub struct OffloadOptimizerConfig {
     pub super_offload: bool,
     /// Fraction of CPU cores for the CPU optimizer with `super_offload` (default 0.8).
     pub cpuadam_cores_perc: f64,
+    /// ZeRO-Offload's one-step delayed parameter update (default false): the host's update of
+    /// step t runs beside the forward and backward of step t+1, whose gradient is then taken on
+    /// weights one update older. Not a DeepSpeed key (DeepSpeed's schema refuses it).
+    pub delayed_update: bool,
 }
 
 /// `zero_optimization.offload_param`: parameters on the host or NVMe (stage 3 only).
@@ -130,6 +134,7 @@ pub(super) fn read_offload_optimizer(
         ratio: fraction(cx, &mut s, "ratio", 1.0)?,
         super_offload: cx.get(&mut s, &["super_offload"], false)?,
         cpuadam_cores_perc: fraction(cx, &mut s, "cpuadam_cores_perc", 0.8)?,
+        delayed_update: cx.get(&mut s, &["delayed_update"], false)?,
     };
     let buffer_count_key = s.key("buffer_count");
     s.finish(cx, UnknownKeys::Error)?;
@@ -238,6 +243,7 @@ fn cpu_optimizer_offload() -> OffloadOptimizerConfig {
         ratio: 1.0,
         super_offload: false,
         cpuadam_cores_perc: 0.8,
+        delayed_update: false,
     }
 }
 

@@ -17,14 +17,14 @@ pub struct Adam {
 }
 
 impl Adam {
-    /// An optimizer for a shard of `len` elements, with zeroed moments, on the fastest kernel
-    /// this CPU supports.
+    /// An optimizer for a shard of `len` elements, with zeroed moments, on the kernel that
+    /// measures fastest on this CPU ([`Isa::fastest`]).
     pub fn new(spec: AdamSpec, len: usize) -> Result<Self, OptimError> {
         spec.validate()?;
         let max_exp_avg_sq = if spec.amsgrad { vec![0.0; len] } else { Vec::new() };
         Ok(Adam {
             spec,
-            isa: Isa::detect(),
+            isa: Isa::fastest(),
             step: 0,
             exp_avg: vec![0.0; len],
             exp_avg_sq: vec![0.0; len],

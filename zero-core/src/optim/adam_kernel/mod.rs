@@ -5,7 +5,8 @@
 //! bf16 or f16 in the same pass (2 more bytes) so that no second pass over the master weights is
 //! needed to refresh the 16-bit model copy. The step is bound by memory bandwidth, so the work is
 //! split into chunks that rayon spreads over its pool; inside a chunk the arithmetic runs on the
-//! widest SIMD unit the CPU has (chosen at run time), with a portable loop as fallback.
+//! SIMD kernel that measures fastest on this CPU ([`Isa::fastest`], once per process), with a
+//! portable loop as fallback.
 //!
 //! The arithmetic is PyTorch's (`torch.optim.Adam` / `AdamW`):
 //! `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
@@ -27,6 +28,13 @@ use super::OptimError;
 /// costs nothing next to the memory traffic, small enough to balance two to dozens of threads.
 const CHUNK: usize = 1 << 16;
 
+/// Elements of [`Isa::fastest`]'s measurement: 16 MiB a buffer, 64 MiB in all, past most
+/// last-level caches, so that the step is timed as it runs on a real shard (from memory).
+const MEASURE_ELEMENTS: usize = 1 << 22;
+
+/// Timed rounds per kernel in [`Isa::fastest`] (after one warm-up); the best counts.
+const MEASURE_ROUNDS: usize = 3;
+
 /// An instruction set the Adam kernel can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
@@ -42,6 +50,52 @@ impl Isa {
     /// The widest instruction set this CPU supports.
     pub fn detect() -> Isa {
         *Self::available().last().unwrap_or(&Isa::Scalar)
+    }
+
+    /// The instruction set whose kernel runs this CPU's Adam step fastest, measured once per
+    /// process (on the calling rayon pool, over buffers larger than most caches): the widest
+    /// is not always the fastest (a memory-bound step can lose on AVX-512 where the core splits
+    /// 512-bit operations or lowers its clock). Only the SIMD kernels compete, and they give
+    /// the same bits (their fused multiply-adds are the same operations in the same order), so
+    /// the choice never changes a result; the portable loop, which rounds differently, runs only
+    /// on a CPU without them.
+    pub fn fastest() -> Isa {
+        static FASTEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *FASTEST.get_or_init(|| Self::measure_fastest(MEASURE_ELEMENTS, MEASURE_ROUNDS).0)
+    }
+
+    /// Times every SIMD kernel this CPU runs on `elements` parameters, `rounds` times each after
+    /// one warm-up, interleaved so that a change of load falls on all; returns the fastest and
+    /// each kernel's best time in seconds. The portable loop alone when no SIMD kernel runs here.
+    pub fn measure_fastest(elements: usize, rounds: usize) -> (Isa, Vec<(Isa, f64)>) {
+        let simd: Vec<Isa> = Self::available().into_iter().filter(|&i| i != Isa::Scalar).collect();
+        if simd.len() < 2 {
+            let only = simd.first().copied().unwrap_or(Isa::Scalar);
+            return (only, Vec::new());
+        }
+        let mut p = vec![0.5f32; elements];
+        let g = vec![1e-3f32; elements];
+        let mut m = vec![0.0f32; elements];
+        let mut v = vec![0.0f32; elements];
+        let s = AdamScalars::new(1e-4, 0.9, 0.999, 1e-8, 0.01, true, true, 1);
+        let mut best = vec![f64::INFINITY; simd.len()];
+        for round in 0..=rounds {
+            for (k, &isa) in simd.iter().enumerate() {
+                let start = std::time::Instant::now();
+                // Lengths match and the ISA is supported: it cannot fail.
+                let _ = adam_step(isa, &mut p, &g, &mut m, &mut v, HalfCopy::None, &s);
+                let secs = start.elapsed().as_secs_f64();
+                if round > 0 {
+                    best[k] = best[k].min(secs);
+                }
+            }
+        }
+        let times: Vec<(Isa, f64)> = simd.iter().copied().zip(best).collect();
+        let fastest = times
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or(Isa::Scalar, |t| t.0);
+        (fastest, times)
     }
 
     /// Every instruction set this CPU supports, narrowest first (always starts with `Scalar`).
