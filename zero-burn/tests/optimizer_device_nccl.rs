@@ -158,3 +158,82 @@ fn device_state_matches_the_host_state<G: CudaBuffers>(group: Arc<NcclGroup>) {
         );
     }
 }
+
+/// A GPU or the reason there is none (skipped, or failed under `ZERO_REQUIRE_CUDA=1`).
+fn has_gpu() -> bool {
+    match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
+        Ok(Ok(n)) if n > 0 => true,
+        other => {
+            skip(format!("no CUDA device found ({other:?})"));
+            false
+        }
+    }
+}
+
+/// `DeviceAdam` on CUDA runs as one kernel over the shard (every step counted by
+/// `fused_steps`), fused and unfused. Reference: zero-core's host kernel (the fused scalar
+/// loop the SIMD kernels equal) on the same values over five steps, Adam and AdamW, on a shard
+/// with a tail past the last full cube: within one ulp of the largest value per element.
+#[test]
+fn device_adam_on_cuda_is_one_kernel_equal_to_the_host_kernel() {
+    if !has_gpu() {
+        return;
+    }
+    device_adam_matches_the_host_kernel::<Cuda>();
+    device_adam_matches_the_host_kernel::<Cube>();
+}
+
+fn device_adam_matches_the_host_kernel<G: CudaBuffers>() {
+    use zero_burn::DeviceAdam;
+    use zero_core::optim::adam_kernel::{adam_step, AdamScalars, HalfCopy, Isa};
+    let device = CudaDevice::new(0);
+    let n = 100_003;
+    let values = |seed: u32, scale: f32| -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 20_001) as f32 / 10_000.0 - 1.0)
+            .map(|x| x * scale)
+            .collect()
+    };
+    for decoupled in [false, true] {
+        let spec = zero_core::optim::AdamSpec {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decoupled_weight_decay: decoupled,
+            bias_correction: true,
+            amsgrad: false,
+        };
+        let mut adam = DeviceAdam::<G>::new(spec.clone(), n, &device).expect("device Adam");
+        let mut params = Tensor::<G, 1>::from_data(TensorData::new(values(1, 1.0), [n]), &device);
+        let (mut p, mut m, mut v) = (values(1, 1.0), vec![0.0f32; n], vec![0.0f32; n]);
+        for step in 1..=5u64 {
+            let g = values(step as u32 + 7, 0.1);
+            let grads = Tensor::<G, 1>::from_data(TensorData::new(g.clone(), [n]), &device);
+            params = adam.step(params, grads, spec.lr).expect("step");
+            let s = AdamScalars::new(spec.lr, 0.9, 0.999, 1e-8, 0.01, decoupled, true, step);
+            let isa = Isa::available()
+                .into_iter()
+                .find(|&i| i != Isa::Scalar)
+                .unwrap_or(Isa::Scalar);
+            adam_step(isa, &mut p, &g, &mut m, &mut v, HalfCopy::None, &s).expect("host step");
+        }
+        assert_eq!(
+            adam.fused_steps(),
+            5,
+            "decoupled {decoupled}: every step ran as the one kernel"
+        );
+        let got = read(params);
+        let largest = p.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let ulp = f32::from_bits(largest.to_bits() + 1) - largest;
+        let worst = got.iter().zip(&p).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(
+            worst <= ulp,
+            "decoupled {decoupled}: CUDA Adam differs from the host kernel by {worst} (one ulp of the largest value: {ulp})"
+        );
+        assert!(
+            got.iter().zip(values(1, 1.0)).any(|(a, b)| *a != b),
+            "the kernel changed the parameters"
+        );
+    }
+}

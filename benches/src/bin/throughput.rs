@@ -21,7 +21,10 @@
 //! synchronised with the device before the clock stops; the figure is the median over `--steps`
 //! timed steps after 2 warm-up steps; "of which optimizer" is the median time in
 //! `ZeroOptimizer::try_step`, the device synchronised after backward and after the step (so a
-//! step the optimizer could overlap with backward's tail is counted whole). FLOPs per token follow the usual count for a decoder:
+//! step the optimizer could overlap with backward's tail is counted whole); "optimizer / memory
+//! floor" divides it by the least time an AdamW step can take on the device, 28 bytes a
+//! parameter at the bandwidth of an `x + 1` over 1 GiB (256 MiB on the host) measured in the same
+//! run (not printed with `--offload-optimizer cpu`, whose step runs on the host). FLOPs per token follow the usual count for a decoder:
 //! 6 × (matrix parameters: every parameter but the position embedding; the tied token embedding
 //! counts once, as the LM head) + 12 × layers × n_embd × seq (attention scores and their use,
 //! forward and backward). MFU = achieved FLOP/s ÷ `--peak-tflops` (default: 989 for cuda, the
@@ -36,7 +39,7 @@
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use std::time::Instant;
@@ -146,9 +149,36 @@ struct Row {
     /// Of which in `ZeroOptimizer::try_step` (median over the timed steps; the device
     /// synchronised before it and after).
     optimizer_s: f64,
+    /// The optimizer step's memory floor on this device: [`OPTIMIZER_BYTES_PER_PARAM`] for
+    /// every parameter, at the bandwidth [`copy_bandwidth`] measured in this run.
+    floor_s: f64,
     tokens_per_s: f64,
     loss: f32,
     memory: zero_burn::MemoryReport,
+}
+
+/// Bytes an AdamW step moves per parameter at its least: the gradient in (16-bit, or fp32 in
+/// fp32), the fp32 master and both moments read and written, and the 16-bit weight written
+/// (none in fp32, where the master is the weight): 28 either way.
+const OPTIMIZER_BYTES_PER_PARAM: f64 = 28.0;
+
+/// The device's memory bandwidth as a tensor operation sees it, in bytes a second: the best of
+/// five `x + 1` over `n` fp32 elements (4 bytes read and 4 written each, in place: `x` is the
+/// only handle to its buffer), synchronised, after one warm-up; the baseline the optimizer's
+/// floor is computed from in the same run.
+fn copy_bandwidth<B: Backend>(device: &B::Device, n: usize) -> Result<f64, String> {
+    let mut x = Tensor::<B, 1>::zeros([n], device);
+    let mut best = f64::INFINITY;
+    for round in 0..6 {
+        B::sync(device).map_err(|e| format!("{e:?}"))?;
+        let start = Instant::now();
+        x = x.add_scalar(1.0);
+        B::sync(device).map_err(|e| format!("{e:?}"))?;
+        if round > 0 {
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(8.0 * n as f64 / best)
 }
 
 /// Median step of `o.steps` timed steps after 2 warm-up steps, on one rank.
@@ -168,6 +198,13 @@ fn run<B: AutodiffBackend + ShardBackend>(
             stage.number()
         )
     };
+    // 1 GiB on a GPU, 256 MiB on the host: well past the caches either way.
+    let elements = if o.backend.starts_with("cuda") {
+        1 << 28
+    } else {
+        1 << 26
+    };
+    let bandwidth = copy_bandwidth::<B::InnerBackend>(&device, elements)?;
     let group = ThreadGroup::new_group(1).map_err(|e| e.to_string())?.remove(0) as SharedGroup;
     let ds = module_config(config, stage, o)?;
     let model = if stage == Stage::Zero3 {
@@ -225,6 +262,7 @@ fn run<B: AutodiffBackend + ShardBackend>(
     Ok(Row {
         step_s,
         optimizer_s: optimizer_times[optimizer_times.len() / 2],
+        floor_s: OPTIMIZER_BYTES_PER_PARAM * config.num_params() as f64 / bandwidth,
         tokens_per_s: (o.batch * o.seq) as f64 / step_s,
         loss,
         memory: optim.memory(),
@@ -326,10 +364,10 @@ fn main() {
         .as_ref()
         .map_or(String::new(), |(name, tps)| format!(" vs {name} ({tps:.0} tokens/s) |"));
     println!(
-        "| model | params | stage | step | of which optimizer | tokens/s | vs first stage |{baseline_column} MFU | loss | model states (optimizer's count) |"
+        "| model | params | stage | step | of which optimizer | optimizer / memory floor | tokens/s | vs first stage |{baseline_column} MFU | loss | model states (optimizer's count) |"
     );
     println!(
-        "|---|---|---|---|---|---|---|{}---|---|---|",
+        "|---|---|---|---|---|---|---|---|{}---|---|---|",
         if o.baseline.is_some() { "---|" } else { "" }
     );
     let mut failed = 0;
@@ -363,9 +401,11 @@ fn main() {
                         .as_ref()
                         .map_or(String::new(), |(_, tps)| format!(" {:.2}x |", r.tokens_per_s / tps));
                     println!(
-                        "| {name} | {params} | {stage} | {:.1} ms | {:.1} ms | {:.0} | {vs_first} |{vs_baseline} {mfu} | {:.3} | {:.2} GB |",
+                        "| {name} | {params} | {stage} | {:.1} ms | {:.1} ms | {:.1}x ({:.2} ms) | {:.0} | {vs_first} |{vs_baseline} {mfu} | {:.3} | {:.2} GB |",
                         r.step_s * 1e3,
                         r.optimizer_s * 1e3,
+                        if o.offload_cpu { f64::NAN } else { r.optimizer_s / r.floor_s },
+                        r.floor_s * 1e3,
                         r.tokens_per_s,
                         r.loss,
                         r.memory.total_current() as f64 / 1e9
@@ -375,7 +415,7 @@ fn main() {
                     failed += 1;
                     // On one line, so that the table stays a table.
                     let why = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
-                    println!("| {name} | {params} | {stage} | failed: {why} | | | | | | |");
+                    println!("| {name} | {params} | {stage} | failed: {why} | | | | | | | |");
                 }
             }
         }

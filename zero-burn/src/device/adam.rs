@@ -22,6 +22,8 @@ pub struct DeviceAdam<B: Backend> {
     exp_avg: Tensor<B, 1>,
     exp_avg_sq: Tensor<B, 1>,
     max_exp_avg_sq: Option<Tensor<B, 1>>,
+    /// Steps taken by the one-kernel CUDA path ([`DeviceAdam::fused_steps`]).
+    fused_steps: u64,
 }
 
 impl<B: Backend> DeviceAdam<B> {
@@ -38,7 +40,15 @@ impl<B: Backend> DeviceAdam<B> {
             exp_avg_sq: zeros(),
             spec,
             step: 0,
+            fused_steps: 0,
         })
+    }
+
+    /// Steps this optimizer took as one CUDA kernel over the shard (feature `cuda`: Adam and
+    /// AdamW without AMSGrad, on buffers it may write in place); the others ran as Burn tensor
+    /// ops or, on the CPU backend, as the host's kernel.
+    pub fn fused_steps(&self) -> u64 {
+        self.fused_steps
     }
 
     /// Shard length.
@@ -115,14 +125,47 @@ impl<B: Backend> DeviceAdam<B> {
     /// One update of the fp32 `params` from the fp32 `grads` with learning rate `lr`; returns
     /// the new parameters. Pass the only handle to `params` to let the backend update it in
     /// place. On the CPU backend the update is zero-core's fused kernel on the tensors' storage;
-    /// elsewhere it is Burn tensor ops.
+    /// on CUDA (feature `cuda`) one kernel over the shard, in place; elsewhere, and where the
+    /// buffers cannot be written in place, Burn tensor ops.
     pub fn step(&mut self, params: Tensor<B, 1>, grads: Tensor<B, 1>, lr: f64) -> Result<Tensor<B, 1>, ZeroError> {
         self.check(&params, &grads)?;
         let s = self.advance(lr);
         if super::cpu::is_cpu::<B>() {
-            self.step_on_host(params, grads, &s)
-        } else {
-            Ok(self.step_with_tensor_ops(params, grads, &s))
+            return self.step_on_host(params, grads, &s);
+        }
+        #[cfg(feature = "cuda")]
+        let (params, grads) = match self.step_on_cuda(params, grads, &s) {
+            Ok(updated) => return Ok(updated),
+            Err(back) => back,
+        };
+        Ok(self.step_with_tensor_ops(params, grads, &s))
+    }
+
+    /// The update as one CUDA kernel, in place; the tensors back where it cannot run (another
+    /// backend, AMSGrad, a buffer shared with another tensor).
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::type_complexity)]
+    fn step_on_cuda(
+        &mut self,
+        params: Tensor<B, 1>,
+        grads: Tensor<B, 1>,
+        s: &AdamScalars,
+    ) -> Result<Tensor<B, 1>, (Tensor<B, 1>, Tensor<B, 1>)> {
+        if self.max_exp_avg_sq.is_some() || !super::cuda_adam::is_cuda::<B>() {
+            return Err((params, grads));
+        }
+        // Taken out, so that each moment is the only handle to its buffer.
+        let (m, v) = (take(&mut self.exp_avg), take(&mut self.exp_avg_sq));
+        match super::cuda_adam::adam_step(params, grads, m, v, s, 1.0) {
+            Ok((p, m, v)) => {
+                (self.exp_avg, self.exp_avg_sq) = (m, v);
+                self.fused_steps += 1;
+                Ok(p)
+            }
+            Err([p, g, m, v]) => {
+                (self.exp_avg, self.exp_avg_sq) = (m, v);
+                Err((p, g))
+            }
         }
     }
 

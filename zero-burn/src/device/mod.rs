@@ -21,6 +21,8 @@ mod adam;
 mod checkpoint;
 mod collective;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda_adam;
 pub(crate) mod flat;
 mod lamb;
 #[cfg(feature = "cuda")]
