@@ -16,6 +16,8 @@ rm -rf .gpu && mkdir -p .gpu/bin
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 cargo build --release --features cuda -p zero-benches --bin throughput
 cp target/release/throughput .gpu/bin/
+cargo build --release --features cuda -p zero-benches --bin cpu_adam
+cp target/release/cpu_adam .gpu/bin/
 cargo build --release --features cuda -p zero-examples --bin gpt2
 cp target/release/gpt2 .gpu/bin/
 cargo build --release -p zero-core --bin zero

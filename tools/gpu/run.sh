@@ -17,8 +17,8 @@
 #               PyTorch + transformers measured in the same run
 #   large       the same for GPT-2 1.5B (stages 0 and 3, batch LARGE_BATCH, default 2:
 #               PyTorch's eager attention runs out of an 80 GB GPU's memory at 4)
-#   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 124M,
-#               then 1.5B
+#   offload     ZeRO-Offload at stage 3 (optimizer and 16-bit shards in host memory), GPT-2 124M
+#               (sequential, then its update delayed), the host's Adam over 1-16 threads, then 1.5B
 #   finetune    the user's path at 124M: gpt2 init, train --model --save, zero to-fp32, score
 # A failed test binary, tiny smoke run or unfused throughput row runs once more under
 # `diagnose` (below), its log in $OUT/diagnose-NAME.log.
@@ -292,6 +292,11 @@ fi
 if has offload; then
   step "offload $small" 120 .gpu/throughput --backend "$backend" --models "$small" --dtype bf16 \
     --batch 8 --seq 512 --steps 3 --stages 3 --offload-optimizer cpu --offload-param cpu
+  # The same with the host's update delayed a step (beside the next forward and backward), and
+  # the host's Adam kernel alone over 1 to 16 threads (the kernel the engine picks is printed).
+  step "offload $small delayed" 120 .gpu/throughput --backend "$backend" --models "$small" --dtype bf16 \
+    --batch 8 --seq 512 --steps 3 --stages 3 --offload-optimizer cpu --offload-param cpu --delayed-update
+  step "cpu adam threads" 90 .gpu/cpu_adam --params 50000000 --steps 5 --threads 1,2,4,8,16 --no-torch
   .gpu/zero estimate --preset "$large" --stage 3 --offload-optimizer cpu --offload-param cpu --dtype bf16 | sed -n '1,6p'
   # At 1.5B on an H200: ready in 61 s, the first warm-up step 73 s, the second 18 s; with two
   # timed steps like it, about 61 + 73 + 3 × 18 ≈ 190 s.

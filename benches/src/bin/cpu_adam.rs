@@ -6,7 +6,7 @@
 //! cargo run --release -p zero-benches --bin cpu_adam -- [--params N] [--steps S] [--no-torch]
 //! ```
 //!
-//! Prints, for 1 and 2 threads, the median step time of S steps after warm-up in ns/param and
+//! Prints, for each of `--threads` (default 1 and 2), the median step time of S steps after warm-up in ns/param and
 //! GB/s (28 bytes/param move: read p, g, m, v; write p, m, v; 30 with a 16-bit copy-back), and
 //! the ratios to the scalar loop and to torch. The Rust contenders take turns step by step (the
 //! machines are shared and their load drifts); torch runs right after, in its own process.
@@ -24,7 +24,7 @@ const BYTES_PER_PARAM: f64 = 28.0;
 const WARMUP: usize = 2;
 
 /// What `--help` prints.
-const USAGE: &str = "usage: cpu_adam [--params N] [--steps S] [--no-torch]";
+const USAGE: &str = "usage: cpu_adam [--params N] [--steps S] [--threads 1,2] [--no-torch]";
 
 /// The most parameters `--params` takes: the four buffers' byte counts stay far within 64 bits.
 const MAX_PARAMS: usize = 1 << 50;
@@ -170,12 +170,15 @@ fn main() {
     let mut n: usize = 100_000_000;
     let mut steps = 7;
     let mut with_torch = true;
+    // How the step scales with the optimizer's threads (the GPU host's 16 cores: 1,2,4,8,16).
+    let mut thread_counts = vec![1usize, 2];
     let mut args = Args::new("cpu_adam", USAGE);
     while let Some(flag) = args.flag() {
         match flag.as_str() {
             "--params" => n = args.number(&flag, 1..=MAX_PARAMS),
             "--steps" => steps = args.count(&flag, 1),
             "--no-torch" => with_torch = false,
+            "--threads" => thread_counts = args.numbers(&flag, 1..=zero_benches::cli::MAX_THREADS),
             other => args.unknown(other),
         }
     }
@@ -207,7 +210,7 @@ fn main() {
     contenders.extend(isas.iter().map(|&isa| Contender::Ours(isa, Copy16::None)));
     contenders.push(Contender::Ours(best, Copy16::Bf16));
     contenders.push(Contender::Ours(best, Copy16::F16));
-    for threads in [1usize, 2] {
+    for threads in thread_counts {
         println!("threads = {threads}");
         let medians = race(n, threads, steps, &contenders);
         let scalar = medians[0];

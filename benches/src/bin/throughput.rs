@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p zero-benches [--features cuda] --bin throughput -- [--backend cpu|cuda|cuda-unfused]
 //!  [--models gpt2,gpt2-xl] [--stages 0,1,2,3] [--dtype bf16|fp16|fp32] [--batch 8] [--seq 1024]
-//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--offload-param cpu]
+//!  [--steps 10] [--peak-tflops T] [--offload-optimizer cpu] [--offload-param cpu] [--delayed-update]
 //!  [--baseline NAME=TOKENS_PER_S]`
 //!
 //! What trains is the zoo's `ShardedGpt2` (embeddings and blocks as `ZeroModule`s) from
@@ -55,7 +55,7 @@ use zero_models::Gpt2Config;
 const USAGE: &str =
     "usage: throughput [--backend cpu|cuda|cuda-unfused] [--models tiny,gpt2,gpt2-xl] [--stages 0,1,2,3]
   [--dtype bf16|fp16|fp32] [--batch 4] [--seq 64] [--steps 3] [--peak-tflops T] [--offload-optimizer cpu]
-  [--offload-param cpu] [--baseline NAME=TOKENS_PER_S]";
+  [--offload-param cpu] [--delayed-update] [--baseline NAME=TOKENS_PER_S]";
 
 #[derive(Clone, Debug)]
 struct Options {
@@ -70,6 +70,8 @@ struct Options {
     offload_cpu: bool,
     /// Stage 3's 16-bit shards in host memory (`offload_param: cpu`).
     offload_param: bool,
+    /// The offloaded update delayed a step (`offload_optimizer.delayed_update`).
+    delayed_update: bool,
     /// A named baseline's tokens/s measured beside this run (e.g. PyTorch's on the same GPU).
     baseline: Option<(String, f64)>,
 }
@@ -87,6 +89,7 @@ fn options() -> Options {
         peak_tflops: None,
         offload_cpu: false,
         offload_param: false,
+        delayed_update: false,
         baseline: None,
     };
     let mut args = Args::new("throughput", USAGE);
@@ -112,6 +115,7 @@ fn options() -> Options {
                 args.choice(&flag, &["cpu"]);
                 o.offload_param = true;
             }
+            "--delayed-update" => o.delayed_update = true,
             "--baseline" => {
                 let expected = "NAME=TOKENS_PER_S, with a positive number of tokens per second";
                 let value = args.value(&flag, expected);
@@ -124,6 +128,10 @@ fn options() -> Options {
             other => args.unknown(other),
         }
     }
+    if o.delayed_update && !o.offload_cpu {
+        args.fail("--delayed-update delays the offloaded optimizer's update: give --offload-optimizer cpu too");
+    }
+
     args.check_tokens(("--batch", "--seq"), o.batch, o.seq);
     for (name, config) in configs {
         // As `main` builds it: positions for the whole sequence.
@@ -284,7 +292,9 @@ fn module_config(config: &Gpt2Config, stage: Stage, o: &Options) -> Result<DeepS
         other => return Err(format!("--dtype {other}: expected bf16, fp16 or fp32")),
     };
     let mut offload = String::new();
-    if o.offload_cpu {
+    if o.offload_cpu && o.delayed_update {
+        offload += r#", "offload_optimizer": {"device": "cpu", "delayed_update": true}"#;
+    } else if o.offload_cpu {
         offload += r#", "offload_optimizer": {"device": "cpu"}"#;
     }
     if o.offload_param && stage == Stage::Zero3 {
@@ -356,7 +366,11 @@ fn main() {
         o.batch,
         o.seq,
         o.steps,
-        if o.offload_cpu { "cpu" } else { "none" },
+        match (o.offload_cpu, o.delayed_update) {
+            (true, true) => "cpu, its update delayed a step",
+            (true, false) => "cpu",
+            _ => "none",
+        },
         if o.offload_param { "cpu" } else { "none" }
     );
     let baseline_column = o
