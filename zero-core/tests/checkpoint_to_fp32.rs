@@ -72,7 +72,7 @@ fn sharded_output_with_index_and_renamed_keys() {
             .iter()
             .map(|r| NameMap::parse_rule(r).unwrap())
             .collect(),
-        tied: Vec::new(),
+        ..NameMap::default()
     };
     let c = Checkpoint::open(&dir, None).unwrap();
     let report = to_fp32(&c, &out, Some(500), &|n| names.apply(n)).expect("to_fp32");
@@ -400,6 +400,161 @@ fn a_recorded_model_exports_under_its_names_with_its_config() {
         !internal.join("config.json").exists(),
         "no config for the engine's own names"
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The engine's names of a small Llama-family model as the zoo's `Llama` and `ShardedLlama`
+/// name them, in Burn's layouts (a `Linear` weight `[in, out]`), untied: vocabulary 11, hidden 6,
+/// one layer, q/k/v/o projections of 8, 4, 4 and 6 outputs, an MLP of 5.
+fn llama_specs() -> Vec<zero_core::partition::ParamSpec> {
+    let p = |name: &str, shape: Vec<usize>| zero_core::partition::ParamSpec {
+        name: name.to_string(),
+        shape,
+    };
+    vec![
+        p("embed_tokens.weight", vec![11, 6]),
+        p("layers.0.input_layernorm.gamma", vec![6]),
+        p("layers.0.self_attn.q_proj.weight", vec![6, 8]),
+        p("layers.0.self_attn.q_proj.bias", vec![8]),
+        p("layers.0.self_attn.k_proj.weight", vec![6, 4]),
+        p("layers.0.self_attn.v_proj.weight", vec![6, 4]),
+        p("layers.0.self_attn.o_proj.weight", vec![8, 6]),
+        p("layers.0.post_attention_layernorm.gamma", vec![6]),
+        p("layers.0.mlp.gate_proj.weight", vec![6, 5]),
+        p("layers.0.mlp.up_proj.weight", vec![6, 5]),
+        p("layers.0.mlp.down_proj.weight", vec![5, 6]),
+        p("norm.gamma", vec![6]),
+        p("lm_head.weight", vec![6, 11]),
+    ]
+}
+
+/// A checkpoint that records the `llama-hf` naming exports with `zero to-fp32` as a
+/// HuggingFace Llama directory: transformers' names (`model.` before the body, `gamma` as
+/// `weight`), every linear weight transposed to PyTorch's `[out, in]` (the embedding, norms and
+/// biases as stored), its config.json beside; into shards too, and under further --rename rules,
+/// which leave the layouts as the naming says. Reference: the synthetic masters the checkpoint
+/// was saved from ([`full`]), and transformers' names of `LlamaForCausalLM`'s state dict.
+#[test]
+fn a_recorded_llama_exports_with_huggingface_names_transposed_linears_and_its_config() {
+    use zero_core::checkpoint::ModelRecord;
+    let dir = scratch("fp32-llama");
+    let config = serde_json::json!({ "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 6 });
+    let record = ModelRecord {
+        naming: "llama-hf".into(),
+        config: config.clone(),
+    };
+    // Stage 3 on 3 ranks: the matrices are cut over the ranks, so each transposed tensor is put
+    // together from several shard files first.
+    save_model(&dir, "t", 3, 3, 2, llama_specs(), Some(record));
+    let convert = |out: &Path, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args(["to-fp32", dir.to_str().unwrap(), out.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let l = layout(llama_specs(), 3, 3);
+    let hf_name = |engine: &str| {
+        let name = engine.replace(".gamma", ".weight");
+        if name.starts_with("lm_head.") {
+            name
+        } else {
+            format!("model.{name}")
+        }
+    };
+    let check = |got: &HashMap<String, (Vec<usize>, Vec<f32>)>, name: &dyn Fn(&str) -> String| {
+        assert_eq!(got.len(), l.params.len(), "{:?}", got.keys());
+        for (p, spec) in l.params.iter().enumerate() {
+            let stored = full(&l, p, 2);
+            let (shape, values) = &got[&name(&spec.name)];
+            let linear = spec.name.ends_with("_proj.weight") || spec.name == "lm_head.weight";
+            if linear {
+                let [rows, cols] = [spec.shape[0], spec.shape[1]];
+                assert_eq!(shape, &vec![cols, rows], "{}: [out, in]", spec.name);
+                for r in 0..rows {
+                    for c in 0..cols {
+                        assert_eq!(
+                            values[c * rows + r],
+                            stored[r * cols + c],
+                            "{} at ({r}, {c})",
+                            spec.name
+                        );
+                    }
+                }
+            } else {
+                assert_eq!(shape, &spec.shape, "{}", spec.name);
+                assert_eq!(values, &stored, "{}", spec.name);
+            }
+        }
+    };
+
+    let hf = dir.join("hf");
+    let run = convert(&hf, &[]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stdout).contains("config.json"));
+    let got = read_all(&hf);
+    assert!(
+        got.contains_key("model.layers.0.self_attn.q_proj.weight"),
+        "{:?}",
+        got.keys()
+    );
+    assert!(got.contains_key("model.norm.weight") && got.contains_key("lm_head.weight"));
+    check(&got, &hf_name);
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written, config);
+
+    // Shards, and a rename after the naming's own rules: the same tensors, transposed alike.
+    let renamed = dir.join("renamed");
+    let run = convert(&renamed, &["--max-shard-size", "300", "--rename", "model.="]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(renamed.join("model.safetensors.index.json").is_file());
+    check(&read_all(&renamed), &|engine: &str| {
+        hf_name(engine).trim_start_matches("model.").to_string()
+    });
+
+    // The engine's own names are the layouts as stored.
+    let internal = dir.join("internal");
+    let run = convert(&internal, &["--names", "internal"]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let got = read_all(&internal);
+    assert_eq!(got["lm_head.weight"].0, vec![6, 11]);
+    assert!(!internal.join("config.json").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--names` lists `llama-hf` among the namings it knows; the naming on a checkpoint of another
+/// model, whose parameter it would transpose is not a matrix, is refused naming the parameter
+/// and its shape, and writes nothing.
+#[test]
+fn the_llama_naming_is_listed_and_refuses_what_it_cannot_transpose() {
+    let dir = scratch("fp32-llama-refused");
+    let mut specs = llama_specs();
+    specs[2].shape = vec![48];
+    save_specs(&dir, "t", 2, 1, 1, specs);
+    let convert = |names: &str| {
+        Command::new(env!("CARGO_BIN_EXE_zero"))
+            .args([
+                "to-fp32",
+                dir.to_str().unwrap(),
+                dir.join("out").to_str().unwrap(),
+                "--names",
+                names,
+            ])
+            .output()
+            .unwrap()
+    };
+    let unknown = convert("bert-hf");
+    let err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success());
+    assert!(err.contains("internal, gpt2-hf, llama-hf"), "{err}");
+    let refused = convert("llama-hf");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("layers.0.self_attn.q_proj.weight") && err.contains("[48]") && err.contains("2-D"),
+        "{err}"
+    );
+    assert!(!dir.join("out").exists(), "nothing written");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -397,6 +397,19 @@ impl LlamaConfig {
         Value::Object(map)
     }
 
+    /// What a checkpoint of this model records ([`zero_burn::EngineSettings::model`], through
+    /// `zero_burn::InitOptions::model`) so that `zero to-fp32` exports it as a HuggingFace
+    /// directory: the `llama-hf` naming (HuggingFace's names for the parameters of
+    /// [`super::Llama`] and [`super::ShardedLlama`], the linear weights transposed to PyTorch's
+    /// `[out, in]`), and this `config.json` ([`to_json_value`](Self::to_json_value): its
+    /// `model_type`, and `architectures` naming the family's transformers class).
+    pub fn model_record(&self) -> zero_core::checkpoint::ModelRecord {
+        zero_core::checkpoint::ModelRecord {
+            naming: zero_core::checkpoint::LLAMA_HF_NAMING.to_string(),
+            config: self.to_json_value(),
+        }
+    }
+
     /// [`to_json_value`](Self::to_json_value) as pretty-printed text.
     pub fn to_json_string(&self) -> String {
         // A `Value` always serializes.
@@ -630,6 +643,25 @@ mod tests {
         let mut again = again;
         again.extra.remove("architectures");
         assert_eq!(again, legacy);
+    }
+
+    #[test]
+    fn the_model_record_names_the_llama_naming_and_the_family_class() {
+        // Reference: the `model_type` and `architectures` transformers writes in each family's
+        // config.json.
+        for (family, model_type, class) in [
+            (LlamaFamily::Llama, "llama", "LlamaForCausalLM"),
+            (LlamaFamily::Qwen2, "qwen2", "Qwen2ForCausalLM"),
+            (LlamaFamily::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+            (LlamaFamily::Mistral, "mistral", "MistralForCausalLM"),
+        ] {
+            let record = LlamaConfig::new(family, 64, 32, 48, 1, 4, 2).model_record();
+            assert_eq!(record.naming, "llama-hf");
+            assert_eq!(record.config["model_type"], model_type);
+            assert_eq!(record.config["architectures"], serde_json::json!([class]));
+            let back = LlamaConfig::from_json_map(record.config.as_object().unwrap().clone()).unwrap();
+            assert_eq!(back.family, family);
+        }
     }
 
     #[test]

@@ -38,13 +38,14 @@ fn load(name: &str) -> Llama<B> {
 }
 
 /// 8 sequences of 16 tokens below the fixtures' vocabulary (192).
-fn batch() -> Vec<Vec<i64>> {
+pub(crate) fn batch() -> Vec<Vec<i64>> {
     (0..8)
         .map(|r| (0..16).map(|c| ((r * 37 + c * 11 + r * c) % 191) as i64).collect())
         .collect()
 }
 
-fn tokens(rows: &[Vec<i64>]) -> Tensor<B, 2, Int> {
+/// `rows` (of equal length) as one `[rows, seq]` tensor of token ids.
+pub(crate) fn tokens(rows: &[Vec<i64>]) -> Tensor<B, 2, Int> {
     let (n, seq) = (rows.len(), rows[0].len());
     let flat: Vec<i64> = rows.iter().flatten().copied().collect();
     Tensor::from_data(TensorData::new(flat, [n, seq]), &Default::default())
@@ -84,7 +85,7 @@ fn one_process(name: &str) -> Vec<Vec<f32>> {
 }
 
 /// `body(rank, group)` on `world` rank threads; the results in rank order.
-fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
+pub(crate) fn on_ranks<T: Send>(world: usize, body: impl Fn(usize, Arc<dyn ProcessGroup>) -> T + Sync) -> Vec<T> {
     let groups = ThreadGroup::new_group(world).expect("thread group");
     std::thread::scope(|s| {
         let handles: Vec<_> = groups

@@ -10,6 +10,7 @@ mod tp_support;
 mod checkpoint;
 mod estimate_gather;
 mod hf_parity;
+mod llama_export;
 mod llama_parity;
 mod llama_partitioned;
 mod llama_zero;

@@ -69,7 +69,7 @@ fn train_and_export(dir: &Path, host: bool) -> Vec<Vec<Vec<f32>>> {
             .expect("16-bit save");
         let map = NameMap {
             rules: vec![NameMap::parse_rule("units.=layer.").expect("rule")],
-            tied: Vec::new(),
+            ..NameMap::default()
         };
         optim
             .save_weights(d.join("f32/model.safetensors"), None, &|n| map.apply(n))

@@ -4,12 +4,13 @@
 //!
 //! Both stream: the header is computed from the layout first, then one tensor at a time is
 //! assembled and written, so the memory held is one tensor plus a read buffer per shard file,
-//! never the model.
+//! never the model (a tensor the naming transposes, [`TensorLayout::Transposed`], is turned
+//! into a second buffer of its size on its way out).
 
 use super::error::CheckpointError;
 use super::format::{CheckpointMeta, FileRecord};
 use super::load::Checkpoint;
-use super::names::{NameMap, INTERNAL_NAMING};
+use super::names::{ExportedTensor, NameMap, TensorLayout, INTERNAL_NAMING};
 use super::reader::ShardReader;
 use super::reshard::param_sources;
 use super::tensor_parallel::TensorParallelCheckpoint;
@@ -86,23 +87,34 @@ pub struct ConsolidateReport {
     pub tensors: usize,
     /// Bytes of values written.
     pub value_bytes: u64,
-    /// Bytes of the largest tensor: about what the conversion holds in memory.
+    /// Bytes of the largest tensor: about what the conversion holds in memory (twice that when
+    /// the tensor is transposed on its way out).
     pub largest_tensor_bytes: u64,
 }
 
-/// The exported parameters, in layout order, with their new names; checks that no two share one
-/// and that the renaming leaves at least one (an empty weights file is never what was meant).
+/// The exported parameters, in layout order, with their new names and layouts; checks that no
+/// two share a name, that a transposed one is 2-D, and that the renaming leaves at least one
+/// (an empty weights file is never what was meant).
 fn exported_params(
     layout: &PartitionLayout,
-    names: &dyn Fn(&str) -> Option<String>,
-) -> Result<Vec<(usize, String)>, CheckpointError> {
+    names: &dyn Fn(&str) -> Option<ExportedTensor>,
+) -> Result<Vec<(usize, ExportedTensor)>, CheckpointError> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (i, p) in layout.params.iter().enumerate() {
         if let Some(new) = names(&p.name) {
-            if !seen.insert(new.clone()) {
+            if !seen.insert(new.name.clone()) {
                 return Err(CheckpointError::Usage(format!(
-                    "two parameters are both named `{new}` after renaming"
+                    "two parameters are both named `{}` after renaming",
+                    new.name
+                )));
+            }
+            if new.layout == TensorLayout::Transposed && p.shape.len() != 2 {
+                return Err(CheckpointError::Usage(format!(
+                    "parameter `{}` (exported as `{}`) has shape {:?}, but the naming transposes it, which only a \
+                     2-D tensor can be: the checkpoint holds another model than the naming's (choose another with \
+                     --names)",
+                    p.name, new.name, p.shape
                 )));
             }
             out.push((i, new));
@@ -197,7 +209,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// Writes the checkpoint's fp32 weights, whole, into `out_dir`: `model.safetensors`, or, when
 /// they exceed `max_shard_bytes`, `model-0000i-of-0000n.safetensors` files and
 /// `model.safetensors.index.json`. `names` renames or drops parameters (see
-/// [`super::NameMap`]; dropping every one is an error). Nothing is written until every shard
+/// [`super::NameMap::apply`]; dropping every one is an error); each is written as stored. A
+/// naming that also transposes tensors (`llama-hf`) goes through [`export_fp32`] with
+/// [`NameMap::export`]. Nothing is written until every shard
 /// file has been opened and checked against the metadata's layout as a load checks it, and
 /// every chunk read is verified against the checkpoint's checksums. One tensor rank's part of a
 /// tensor-parallel checkpoint is refused: [`to_fp32_tensor_parallel`] converts them together.
@@ -212,7 +226,7 @@ pub fn to_fp32(
         Fp32Source::Checkpoint(checkpoint),
         out_dir,
         max_shard_bytes,
-        names,
+        &|n| names(n).map(ExportedTensor::as_stored),
         None,
     )
 }
@@ -226,16 +240,19 @@ pub enum Fp32Source<'a> {
     TensorParallel(&'a TensorParallelCheckpoint),
 }
 
-/// [`to_fp32`] or [`to_fp32_tensor_parallel`] of `source`, with the model's `config` (when
-/// given) written beside the weights as [`CONFIG_FILE`] in the same step: every file is staged
-/// inside `out_dir` and moved into place once all are whole, so that a conversion that fails
-/// leaves nothing it created (neither files nor the directories it made for `out_dir`), and the
-/// files of an earlier export in `out_dir` as they were.
+/// [`to_fp32`] or [`to_fp32_tensor_parallel`] of `source`, each parameter named and laid out
+/// as `names` says ([`NameMap::export`] of an [`ExportNaming`]'s names: a
+/// [`TensorLayout::Transposed`] one is written `[cols, rows]`, turned as it streams out), with
+/// the model's `config` (when given) written beside the weights as [`CONFIG_FILE`] in the same
+/// step: every file is staged inside `out_dir` and moved into place once all are whole, so that
+/// a conversion that fails leaves nothing it created (neither files nor the directories it made
+/// for `out_dir`), and the files of an earlier export in `out_dir` as they were. What `zero
+/// to-fp32` runs.
 pub fn export_fp32(
     source: Fp32Source<'_>,
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
-    names: &dyn Fn(&str) -> Option<String>,
+    names: &dyn Fn(&str) -> Option<ExportedTensor>,
     config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     match source {
@@ -248,7 +265,7 @@ fn export_single(
     checkpoint: &Checkpoint,
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
-    names: &dyn Fn(&str) -> Option<String>,
+    names: &dyn Fn(&str) -> Option<ExportedTensor>,
     config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     if let Some(tp) = checkpoint.meta.tensor_parallel.as_ref().filter(|tp| tp.size > 1) {
@@ -274,7 +291,7 @@ fn export_single(
     let places = layout.places();
     let tensors = params
         .into_iter()
-        .map(|(p, name)| (p, name, layout.params[p].shape.clone()))
+        .map(|(p, exported)| PlannedTensor::new(p, exported, layout.params[p].shape.clone()))
         .collect();
     write_export(
         out_dir,
@@ -298,7 +315,7 @@ pub fn to_fp32_tensor_parallel(
         Fp32Source::TensorParallel(checkpoint),
         out_dir,
         max_shard_bytes,
-        names,
+        &|n| names(n).map(ExportedTensor::as_stored),
         None,
     )
 }
@@ -307,7 +324,7 @@ fn export_tensor_parallel(
     checkpoint: &TensorParallelCheckpoint,
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
-    names: &dyn Fn(&str) -> Option<String>,
+    names: &dyn Fn(&str) -> Option<ExportedTensor>,
     config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
     let first = &checkpoint.ranks[0];
@@ -321,7 +338,7 @@ fn export_tensor_parallel(
     let places: Vec<_> = checkpoint.ranks.iter().map(|c| c.meta.layout.places()).collect();
     let tensors = params
         .into_iter()
-        .map(|(p, name)| Ok((p, name, checkpoint.whole_shape(p)?)))
+        .map(|(p, exported)| Ok(PlannedTensor::new(p, exported, checkpoint.whole_shape(p)?)))
         .collect::<Result<Vec<_>, CheckpointError>>()?;
     let splits = checkpoint.splits();
     let mut slices: Vec<Vec<f32>> = vec![Vec::new(); checkpoint.ranks.len()];
@@ -345,7 +362,60 @@ fn export_tensor_parallel(
 /// Fills a buffer with the values of the tensor of a layout index.
 type FillTensor<'a> = dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError> + 'a;
 
-/// Writes `tensors` (layout index, exported name, shape) into `out_dir` in order, cut into files
+/// One tensor of an export: where its values come from, and how it goes out.
+struct PlannedTensor {
+    /// Its index in the layout.
+    param: usize,
+    /// Its exported name.
+    name: String,
+    /// Its exported shape.
+    shape: Vec<usize>,
+    /// `[rows, cols]` of the stored values when they go out transposed.
+    transposed_from: Option<[usize; 2]>,
+}
+
+impl PlannedTensor {
+    /// Parameter `param` of the (whole) stored `shape`, exported as `exported` says
+    /// ([`exported_params`] checked that a transposed one is 2-D).
+    fn new(param: usize, exported: ExportedTensor, shape: Vec<usize>) -> Self {
+        let transposed_from = match (exported.layout, shape.as_slice()) {
+            (TensorLayout::Transposed, &[rows, cols]) => Some([rows, cols]),
+            _ => None,
+        };
+        let shape = match transposed_from {
+            Some([rows, cols]) => vec![cols, rows],
+            None => shape,
+        };
+        PlannedTensor {
+            param,
+            name: exported.name,
+            shape,
+            transposed_from,
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// `out` (of `values`' length) becomes the transpose of `values`, a row-major `[rows, cols]`
+/// matrix: row-major `[cols, rows]`. Walks tiles, so that a large matrix is read and written a
+/// cache line at a time.
+fn transpose_into(values: &[f32], [rows, cols]: [usize; 2], out: &mut [f32]) {
+    const TILE: usize = 32;
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    out[c * rows + r] = values[r * cols + c];
+                }
+            }
+        }
+    }
+}
+
+/// Writes `tensors` into `out_dir` in order, cut into files
 /// of at most `max_shard_bytes` (a larger tensor gets a file of its own), each tensor's values
 /// from `fill` into a buffer of its length, and `config` (the model's, as [`CONFIG_FILE`])
 /// beside them.
@@ -357,7 +427,7 @@ type FillTensor<'a> = dyn FnMut(usize, &mut [f32]) -> Result<(), CheckpointError
 fn write_export(
     out_dir: &Path,
     max_shard_bytes: Option<u64>,
-    tensors: Vec<(usize, String, Vec<usize>)>,
+    tensors: Vec<PlannedTensor>,
     fill: &mut FillTensor<'_>,
     config: Option<&serde_json::Value>,
 ) -> Result<ConsolidateReport, CheckpointError> {
@@ -414,15 +484,15 @@ struct StagedExport {
 fn write_staged(
     staging: &Path,
     max_shard_bytes: Option<u64>,
-    tensors: Vec<(usize, String, Vec<usize>)>,
+    tensors: Vec<PlannedTensor>,
     fill: &mut FillTensor<'_>,
     config: Option<&serde_json::Value>,
 ) -> Result<StagedExport, CheckpointError> {
     let limit = max_shard_bytes.unwrap_or(u64::MAX);
-    let mut shards: Vec<Vec<(usize, String, Vec<usize>)>> = vec![Vec::new()];
+    let mut shards: Vec<Vec<PlannedTensor>> = vec![Vec::new()];
     let mut size = 0u64;
     for tensor in tensors {
-        let bytes = tensor.2.iter().product::<usize>() as u64 * 4;
+        let bytes = tensor.numel() as u64 * 4;
         if size > 0 && size + bytes > limit {
             shards.push(Vec::new());
             size = 0;
@@ -451,27 +521,37 @@ fn write_staged(
     let mut names = Vec::new();
     let mut weight_map = BTreeMap::new();
     let mut values: Vec<f32> = Vec::new();
+    let mut turned: Vec<f32> = Vec::new();
     for (i, shard) in shards.iter().enumerate() {
         let entries: Vec<TensorEntry> = shard
             .iter()
-            .map(|(_, name, shape)| TensorEntry {
-                name: name.clone(),
+            .map(|t| TensorEntry {
+                name: t.name.clone(),
                 dtype: Dtype::F32,
-                shape: shape.clone(),
+                shape: t.shape.clone(),
             })
             .collect();
         let mut stream = SafetensorsStream::create(&staging.join(file_name(i)), &entries, Some(format_metadata()))?;
-        for (p, name, shape) in shard {
-            let n: usize = shape.iter().product();
-            // One buffer, reused: it grows to the largest tensor and no further.
+        for tensor in shard {
+            let n = tensor.numel();
+            // One buffer (two for a transposed tensor), reused: it grows to the largest tensor
+            // and no further.
             values.clear();
             values.resize(n, 0.0);
-            fill(*p, &mut values)?;
-            stream.write_f32(&values)?;
+            fill(tensor.param, &mut values)?;
+            match tensor.transposed_from {
+                None => stream.write_f32(&values)?,
+                Some(stored) => {
+                    turned.clear();
+                    turned.resize(n, 0.0);
+                    transpose_into(&values, stored, &mut turned);
+                    stream.write_f32(&turned)?;
+                }
+            }
             report.tensors += 1;
             report.value_bytes += n as u64 * 4;
             report.largest_tensor_bytes = report.largest_tensor_bytes.max(n as u64 * 4);
-            weight_map.insert(name.clone(), file_name(i));
+            weight_map.insert(tensor.name.clone(), file_name(i));
         }
         stream.finish()?;
         names.push(file_name(i));
@@ -598,7 +678,10 @@ impl GroupExport {
         dtype: Option<HalfDtype>,
         names: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, CheckpointError> {
-        let exported: HashMap<usize, String> = exported_params(layout, names)?.into_iter().collect();
+        let exported: HashMap<usize, String> = exported_params(layout, &|n| names(n).map(ExportedTensor::as_stored))?
+            .into_iter()
+            .map(|(p, exported)| (p, exported.name))
+            .collect();
         let mut entries = Vec::new();
         let mut plan = Vec::with_capacity(layout.groups.len());
         for g in &layout.groups {
@@ -654,5 +737,39 @@ impl GroupExport {
     /// Finishes the file (every group must have been written).
     pub fn finish(self) -> Result<FileRecord, CheckpointError> {
         self.stream.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose_into_turns_a_matrix_over_several_tiles() {
+        // A 37 × 70 matrix crosses the 32-element tiles in both directions, with ragged edges.
+        let (rows, cols) = (37, 70);
+        let values: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let mut out = vec![0.0; rows * cols];
+        transpose_into(&values, [rows, cols], &mut out);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(out[c * rows + r], values[r * cols + c], "({r}, {c})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_transposed_tensor_is_planned_in_its_turned_shape() {
+        let t = PlannedTensor::new(
+            3,
+            ExportedTensor {
+                name: "w".into(),
+                layout: TensorLayout::Transposed,
+            },
+            vec![4, 6],
+        );
+        assert_eq!((t.shape.clone(), t.transposed_from), (vec![6, 4], Some([4, 6])));
+        let s = PlannedTensor::new(0, ExportedTensor::as_stored("b".into()), vec![6]);
+        assert_eq!((s.shape, s.transposed_from), (vec![6], None));
     }
 }

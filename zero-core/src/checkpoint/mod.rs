@@ -42,7 +42,9 @@ pub use format::{
     LATEST_FILE, META_FILE,
 };
 pub use load::{load, resolve_tag, Checkpoint, LoadedGroup};
-pub use names::{NameMap, NameRule, GPT2_HF_NAMING, INTERNAL_NAMING, NAMINGS};
+pub use names::{
+    ExportedTensor, NameMap, NameRule, TensorLayout, GPT2_HF_NAMING, INTERNAL_NAMING, LLAMA_HF_NAMING, NAMINGS,
+};
 pub use reader::ShardReader;
 pub use recut::recut;
 pub use retention::{describe_tags, tags, tags_after, Lineage, SaveOptions, Saved, SavedTag};

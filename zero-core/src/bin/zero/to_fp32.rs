@@ -1,7 +1,9 @@
 //! `zero to-fp32`: a checkpoint's fp32 master weights, whole, as safetensors files that any tool
 //! reads, with no engine and no GPU. Streams one tensor at a time; verifies every byte it reads
-//! against the checkpoint's checksums. A checkpoint that records its model (the zoo's GPT-2
-//! does) becomes that model's own directory format: its names, and its `config.json` beside.
+//! against the checkpoint's checksums. A checkpoint that records its model (the zoo's GPT-2 and
+//! Llama family do) becomes that model's own directory format: its names and layouts (the
+//! Llama family's linear weights transposed to PyTorch's `[out, in]`), and its `config.json`
+//! beside.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,10 +31,12 @@ pub struct Args {
     #[arg(long = "rename", value_name = "RULE")]
     pub rename: Vec<String>,
     /// The naming to apply before --rename rules: `gpt2-hf` gives HuggingFace GPT2LMHeadModel
-    /// keys (`transformer.h.3.attn.c_attn.weight`), `internal` the engine's own names. Default:
-    /// the naming the checkpoint records, with the model's config.json written beside the
-    /// weights (the zoo's GPT-2 records `gpt2-hf`: OUT is then a HuggingFace directory);
-    /// `internal` for a checkpoint that records none.
+    /// keys (`transformer.h.3.attn.c_attn.weight`), `llama-hf` the Llama family's
+    /// (`model.layers.3.self_attn.q_proj.weight`, linear weights transposed to `[out, in]`),
+    /// `internal` the engine's own names. Default: the naming the checkpoint records, with the
+    /// model's config.json written beside the weights (the zoo's GPT-2 records `gpt2-hf`, its
+    /// Llama family `llama-hf`: OUT is then a HuggingFace directory); `internal` for a
+    /// checkpoint that records none.
     #[arg(long, value_name = "NAME")]
     pub names: Option<String>,
     /// Also read every shard file whole and check every checksum first (a conversion already
@@ -113,7 +117,7 @@ fn convert(args: &Args) -> Result<String, String> {
     {
         let before = NameMap {
             rules: map.rules[..unused].to_vec(),
-            tied: Vec::new(),
+            ..NameMap::default()
         };
         let seen: Vec<String> = checkpoint
             .meta
@@ -135,7 +139,7 @@ fn convert(args: &Args) -> Result<String, String> {
         None => Fp32Source::Checkpoint(&checkpoint),
     };
     let report =
-        export_fp32(source, &args.out, max, &|n| map.apply(n), naming.config.as_ref()).map_err(|e| e.to_string())?;
+        export_fp32(source, &args.out, max, &|n| map.export(n), naming.config.as_ref()).map_err(|e| e.to_string())?;
     let meta = &checkpoint.meta;
     let ranks = match tensor_ranks {
         1 => format!(
