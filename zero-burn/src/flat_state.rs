@@ -539,12 +539,7 @@ impl FlatState {
                 .zip(&trains)
                 .any(|(g, &t)| t && g.optimizer.inner.needs_cross_rank_norms());
         if communicates {
-            return Err(ZeroError::Config(
-                "zero_optimization.offload_optimizer.delayed_update: the optimizer's step sums norms over the ranks \
-                 (LAMB), which cannot run beside the next step's collectives; turn delayed_update off or choose \
-                 Adam, AdamW, SGD or Lion"
-                    .into(),
-            ));
+            return Err(crate::settings::delayed_update_communicates());
         }
         let mut groups = std::mem::take(&mut self.groups);
         let mut offload = std::mem::take(&mut self.offload);

@@ -160,11 +160,7 @@ fn optimizer_offload(config: &ResolvedConfig) -> Result<OptimizerOffload, ZeroEr
 fn delayed_update(config: &ResolvedConfig, optimizer: &OptimizerSpec) -> Result<bool, ZeroError> {
     let delayed = config.zero.offload_optimizer.as_ref().is_some_and(|o| o.delayed_update);
     if delayed && matches!(optimizer, OptimizerSpec::Lamb(_)) {
-        return Err(ZeroError::Config(
-            "zero_optimization.offload_optimizer.delayed_update: LAMB's step sums norms over the ranks and cannot run \
-             beside the next step's collectives; turn delayed_update off, or choose Adam, AdamW, SGD or Lion"
-                .into(),
-        ));
+        return Err(crate::settings::delayed_update_communicates());
     }
     Ok(delayed)
 }

@@ -342,3 +342,14 @@ impl EngineSettings {
         }
     }
 }
+
+/// The refusal of `offload_optimizer.delayed_update` for an optimizer whose step communicates
+/// (LAMB sums norms over the ranks): its collectives would run beside the next step's. Given
+/// by the config's reading and, for settings built in code, by the delayed step itself.
+pub(crate) fn delayed_update_communicates() -> crate::ZeroError {
+    crate::ZeroError::Config(
+        "zero_optimization.offload_optimizer.delayed_update: LAMB's step sums norms over the ranks and cannot run \
+         beside the next step's collectives; turn delayed_update off, or choose Adam, AdamW, SGD or Lion"
+            .into(),
+    )
+}
